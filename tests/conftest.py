@@ -1,0 +1,18 @@
+"""Shared test set-up.
+
+Without a GPU, Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``); it must be set
+before ``triton.jit`` decorates anything, so it is set here, before test modules import ``kernels``.
+Spawned ranks inherit it through the environment.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
