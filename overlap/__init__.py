@@ -1,0 +1,33 @@
+"""triton-overlap: hide the communication of sharded training behind compute.
+
+Collectives return at once and wait right before their first use (``overlap.all_gather`` ...);
+packing runs as fused Triton kernels (``kernels``); the scheduler decides where waits go
+(``scheduler``).
+"""
+from overlap.collectives import (
+    all_gather,
+    all_gather_coalesced,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    reduce_scatter,
+    reduce_scatter_coalesced,
+    wait,
+)
+from overlap.inflight import inflight, inflight_bytes, wait_all
+from scheduler.async_tensor import AsyncTensor
+
+__all__ = [
+    "AsyncTensor",
+    "all_gather",
+    "all_gather_coalesced",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "inflight",
+    "inflight_bytes",
+    "reduce_scatter",
+    "reduce_scatter_coalesced",
+    "wait",
+    "wait_all",
+]

@@ -1,0 +1,106 @@
+"""Which ranks a collective runs over, and with which reduction.
+
+``group`` may be a ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``(mesh, dim)`` pair (``dim`` an int
+or a mesh dim name), or ``None`` for the default (WORLD) group. Everything here validates and
+raises before any communication happens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GroupArg", "GroupInfo", "resolve_group", "REDUCE_OPS", "ReduceOpName", "check_reduce_op"]
+
+GroupArg = Union[None, dist.ProcessGroup, Any]  # Any: DeviceMesh or (DeviceMesh, dim); kept lazy
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+ReduceOpName = str
+
+_NOT_INITIALIZED = (
+    "torch.distributed is not initialized: call torch.distributed.init_process_group(backend=...) "
+    "first (e.g. 'gloo' on CPU, 'nccl' on GPUs; launch with torchrun, or use "
+    "overlap.testing.run_distributed in tests)"
+)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A resolved group: the ProcessGroup plus what collectives need to know about it."""
+
+    pg: dist.ProcessGroup
+    rank: int
+    size: int
+    backend: str
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.pg, group_rank)
+
+    @property
+    def native_avg(self) -> bool:
+        """NCCL averages natively; elsewhere avg is a sum followed by a divide."""
+        return self.backend == "nccl"
+
+
+_info_cache: dict[int, GroupInfo] = {}
+
+
+def _process_group(group: GroupArg, arg_name: str) -> dist.ProcessGroup:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(_NOT_INITIALIZED)
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"{arg_name}: a DeviceMesh with {group.ndim} dims needs a dim; pass ({arg_name}, dim) "
+                f"with dim in 0..{group.ndim - 1} or one of {group.mesh_dim_names}"
+            )
+        return group.get_group()
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        mesh, dim = group
+        names = mesh.mesh_dim_names or ()
+        if isinstance(dim, str):
+            if dim not in names:
+                raise ValueError(f"{arg_name}: mesh has no dim named {dim!r}; its dims are {names}")
+        elif not isinstance(dim, int) or not 0 <= dim < mesh.ndim:
+            raise ValueError(f"{arg_name}: mesh dim must be an int in 0..{mesh.ndim - 1} or a name in {names}, got {dim!r}")
+        return mesh.get_group(dim)
+    raise TypeError(
+        f"{arg_name} must be a ProcessGroup, a 1-D DeviceMesh, a (DeviceMesh, dim) pair or None, "
+        f"got {type(group).__name__}"
+    )
+
+
+def resolve_group(group: GroupArg, arg_name: str = "group") -> GroupInfo:
+    """Resolve ``group`` to a :class:`GroupInfo`; cached per ProcessGroup."""
+    pg = _process_group(group, arg_name)
+    info = _info_cache.get(id(pg))
+    if info is None or info.pg is not pg:
+        info = GroupInfo(pg=pg, rank=dist.get_rank(pg), size=dist.get_world_size(pg), backend=str(dist.get_backend(pg)))
+        _info_cache[id(pg)] = info
+    return info
+
+
+def check_reduce_op(op: Any, dtype: torch.dtype, arg_name: str = "op") -> ReduceOpName:
+    """Validate a reduction name ('sum', 'avg', 'max', 'min', 'product') for ``dtype``."""
+    if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
+        raise ValueError(f"{arg_name} must be one of {', '.join(repr(o) for o in REDUCE_OPS)}; got {op!r}")
+    op = op.lower()
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{arg_name}='avg' needs a floating-point tensor; got {dtype} (use 'sum')")
+    return op
+
+
+def dist_reduce_op(op: ReduceOpName, info: GroupInfo) -> dist.ReduceOp:
+    """The torch.distributed ReduceOp that implements ``op`` on this group (avg may become sum)."""
+    if op == "avg":
+        return dist.ReduceOp.AVG if info.native_avg else dist.ReduceOp.SUM
+    return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+            "product": dist.ReduceOp.PRODUCT}[op]

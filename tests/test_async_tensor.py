@@ -1,0 +1,126 @@
+"""AsyncTensor: every way of consuming a pending result waits first, exactly once.
+
+A ``Completion`` that writes the result only when waited makes a missed wait visible: the consumer
+would read the placeholder zeros instead of the final values.
+"""
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+
+from scheduler import AsyncTensor, is_pending, wait_tensor
+
+FINAL = torch.arange(1.0, 13.0).view(3, 4)
+
+
+class _FillOnWait:
+    """Writes FINAL into the buffer only when waited; counts the waits."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer, self.waits = buffer, 0
+
+    def wait(self) -> None:
+        self.waits += 1
+        self.buffer.copy_(FINAL)
+
+
+def _pending():
+    buffer = torch.zeros(3, 4)
+    completion = _FillOnWait(buffer)
+    return AsyncTensor.wrap(buffer, completion), completion
+
+
+CONSUMERS = {
+    "add": lambda t: t + 1,
+    "matmul": lambda t: t @ torch.ones(4, 2),
+    "view_then_use": lambda t: t.view(12) * 1,
+    "reshape": lambda t: t.reshape(4, 3) + 0,
+    "slice": lambda t: t[1:, ::2] + 0,
+    "transpose": lambda t: t.t().contiguous(),
+    "chunk": lambda t: torch.cat([c + 0 for c in t.chunk(2, dim=1)], dim=1),
+    "inplace": lambda t: t.mul_(2).div_(2),
+    "item": lambda t: torch.tensor(t[2, 3].item()),
+    "tolist": lambda t: torch.tensor(t.tolist()),
+    "numpy": lambda t: torch.from_numpy(t.numpy().copy()),
+    "cat_with_plain": lambda t: torch.cat([torch.zeros(1, 4), t])[1:],
+    "copy_into": lambda t: torch.empty(3, 4).copy_(t),
+    "module_call": lambda t: torch.nn.functional.linear(t, torch.eye(4)),
+    "sum": lambda t: t.sum().expand(1) * 0 + t.sum(),
+    "clone": lambda t: t.clone(),
+    "data_ptr": lambda t: (t.data_ptr(), t)[1] + 0,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONSUMERS))
+def test_every_consumer_waits_exactly_once(name: str) -> None:
+    t, completion = _pending()
+    assert is_pending(t) and completion.waits == 0
+    out = CONSUMERS[name](t)
+    assert completion.waits == 1
+    expected = CONSUMERS[name](FINAL.clone())
+    assert torch.equal(torch.as_tensor(out).float(), torch.as_tensor(expected).float())
+    assert type(t) is torch.Tensor and not is_pending(t)
+    CONSUMERS[name](t)
+    assert completion.waits == 1, "a second use must not wait again"
+
+
+def test_print_and_repr_show_completed_data() -> None:
+    t, completion = _pending()
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        print(t)
+    assert completion.waits == 1
+    assert "12." in buf.getvalue() and "AsyncTensor" not in buf.getvalue()
+
+
+def test_metadata_does_not_wait() -> None:
+    t, completion = _pending()
+    assert t.shape == (3, 4) and t.dtype == torch.float32 and t.device.type == "cpu"
+    assert t.dim() == 2 and t.numel() == 12 and t.size(0) == 3 and t.stride() == (4, 1)
+    assert t.is_contiguous() and not t.requires_grad and len(t) == 3
+    {t: 1}  # hashing (dict keys in a runtime) must not wait either
+    assert completion.waits == 0 and is_pending(t)
+
+
+def test_autograd_through_a_pending_result() -> None:
+    w = torch.ones(4, 2, requires_grad=True)
+    t, completion = _pending()
+    (t @ w).sum().backward()
+    assert completion.waits == 1
+    assert torch.equal(w.grad, FINAL.sum(0, keepdim=True).t().expand(4, 2))
+
+
+def test_wait_tensor_is_idempotent_and_handles_containers() -> None:
+    a, ca = _pending()
+    b, cb = _pending()
+    assert wait_tensor({"a": a, "rest": [b, 3]})["a"] is a
+    wait_tensor([a, b])
+    assert (ca.waits, cb.waits) == (1, 1)
+    assert torch.equal(a, FINAL) and torch.equal(b, FINAL)
+
+
+def test_failed_wait_leaves_the_tensor_pending() -> None:
+    class _Fails:
+        calls = 0
+
+        def wait(self) -> None:
+            _Fails.calls += 1
+            if _Fails.calls == 1:
+                raise TimeoutError("collective timed out")
+
+    t = AsyncTensor.wrap(torch.zeros(2), _Fails())
+    with pytest.raises(TimeoutError):
+        t + 1
+    assert is_pending(t), "after a failed wait a later use must not read unfinished data"
+    t + 1
+    assert _Fails.calls == 2 and not is_pending(t)
+
+
+def test_op_after_wait_is_a_plain_tensor_op() -> None:
+    t, _ = _pending()
+    wait_tensor(t)
+    assert type(t) is torch.Tensor
+    assert type(t + 1) is torch.Tensor and type(t.view(-1)) is torch.Tensor
