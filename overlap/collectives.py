@@ -22,7 +22,7 @@ reduce_scatter_coalesced   list of ``s_i``             list of ``s_i`` with ``s_
 
 ``op`` is one of 'sum', 'avg', 'max', 'min', 'product'; backends without a native average (gloo)
 sum and divide at first use. ``broadcast``'s ``src`` is a rank within ``group``.
-With ``group`` of size 1 the result is computed locally and returned as a plain tensor.
+A group of size 1 takes the same path (the collective is still issued), so results are uniform.
 
 Autograd: ``all_gather``, ``reduce_scatter`` and ``all_reduce`` (sum/avg), ``all_to_all`` and
 ``broadcast`` are differentiable; their backward runs the adjoint collective and waits for it.
@@ -131,10 +131,6 @@ class _Plan:
         """Issue the collective on ``x``; return the result buffer and set ``self.completion``."""
         raise NotImplementedError
 
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        """The result for a group of size 1 (no communication)."""
-        return x.clone(memory_format=torch.contiguous_format)
-
     def adjoint(self, grad: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"overlap.{self.kind} is not differentiable with these arguments")
 
@@ -158,8 +154,6 @@ class _Differentiable(torch.autograd.Function):
 
 def _run(plan: _Plan, x: torch.Tensor) -> torch.Tensor:
     x = wait_tensor(x)  # an input still being produced by another collective must be complete
-    if plan.info.size == 1:
-        return plan.local(x)
     if x.requires_grad and torch.is_grad_enabled():
         return _Differentiable.apply(x, plan)
     return AsyncTensor.wrap(plan.start(x), plan.completion)
@@ -392,7 +386,7 @@ def all_gather_coalesced(xs: Sequence[torch.Tensor], group: GroupArg = None) -> 
     tensors = [wait_tensor(t) for t in _check_list(xs, "xs")]
     info = resolve_group(group)
     _check_no_grad(tensors, "xs", "all_gather_coalesced")
-    if info.size == 1 or (tensors and _traceable(tensors[0])):
+    if tensors and _traceable(tensors[0]):
         return [all_gather(t, group) for t in tensors]
     w, rank = info.size, info.rank
     results: list[Optional[torch.Tensor]] = [None] * len(tensors)
@@ -428,7 +422,7 @@ def reduce_scatter_coalesced(xs: Sequence[torch.Tensor], op: str = "sum", group:
         check_reduce_op(op, t.dtype, arg_name=f"op (for xs[{i}] of dtype {t.dtype})")
         _check_divisible(t.shape[0], info, f"reduce_scatter_coalesced: xs[{i}].shape[0]")
     _check_no_grad(tensors, "xs", "reduce_scatter_coalesced")
-    if info.size == 1 or (tensors and _traceable(tensors[0])):
+    if tensors and _traceable(tensors[0]):
         return [reduce_scatter(t, op, group) for t in tensors]
     w = info.size
     results: list[Optional[torch.Tensor]] = [None] * len(tensors)

@@ -16,3 +16,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def distributed():
+    """``overlap.testing.run_distributed``: ``distributed(fn, world_size, *args, **kwargs)`` runs
+    ``fn(rank, world_size, *args, **kwargs)`` on gloo ranks (``fn`` at module level in the test file)
+    and returns the per-rank results."""
+    from overlap.testing import run_distributed
+
+    return run_distributed

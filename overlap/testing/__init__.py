@@ -1,0 +1,20 @@
+"""Testing helpers: run a function on several ranks, and an emulated interconnect for timing.
+
+- :func:`run_distributed` — spawn ``world_size`` ranks with a process group, return per-rank results.
+- :func:`emulated_link` — while active, ``torch.distributed`` collectives complete no sooner than a
+  modelled link (latency + bytes / bandwidth) allows, without burning CPU.
+"""
+from overlap.testing.emulated_link import EmulatedLink, EmulatedWork, LinkStats, current_link, emulated_link
+from overlap.testing.harness import DistributedTestError, DistributedTimeoutError, RankFailure, run_distributed
+
+__all__ = [
+    "DistributedTestError",
+    "DistributedTimeoutError",
+    "EmulatedLink",
+    "EmulatedWork",
+    "LinkStats",
+    "RankFailure",
+    "current_link",
+    "emulated_link",
+    "run_distributed",
+]

@@ -1,0 +1,399 @@
+"""Run a function on several ranks, each in its own process with a process group set up.
+
+Contract of :func:`run_distributed`:
+
+- ``fn(rank, world_size, *args, **kwargs)`` runs once per rank, in a fresh child process, between
+  ``init_process_group`` and ``destroy_process_group``; the call returns the ranks' return values as
+  a list indexed by rank. Results and arguments travel by plain ``pickle`` (tensors are copied, not
+  shared), so they must be picklable and their types importable.
+- ``fn`` is found in the child by module and qualified name, so it must be defined at module level.
+  A test module that pytest imported by putting its folder on ``sys.path`` works (the child gets the
+  parent's ``sys.path``); a module the child cannot import by name is loaded again from its file.
+  As with any ``multiprocessing`` start method but fork, a script calling it needs the
+  ``if __name__ == "__main__":`` guard.
+- ``link=(gbps, latency_us)`` runs ``fn`` inside ``overlap.testing.emulated_link(gbps, latency_us)``
+  on every rank; ``overlap.testing.current_link()`` returns that link (and its stats) inside ``fn``.
+- If a rank raises, a :class:`DistributedTestError` names the rank and carries its formatted
+  traceback (the first failure is the headline; failures of other ranks seen within a short grace
+  period are listed too). A rank that dies without reporting (``os._exit``, a signal) is reported with
+  its exit code. Every other rank is then killed.
+- Nothing runs past ``timeout`` seconds (plus a second or two of clean-up): the ranks still running
+  are killed and a :class:`DistributedTimeoutError` (a ``TimeoutError``) names them, with the Python
+  stacks they were stuck in.
+- Children see the parent's environment (``os.environ`` at call time, e.g. ``TRITON_INTERPRET=1``),
+  working directory, ``sys.path``, stdout and stderr.
+
+Process start-up. Ranks are forked from a ``multiprocessing`` fork server that has imported torch
+once (a fresh interpreter, not a copy of the threaded caller, so it is as safe as "spawn"). The
+first call in a process starts the server (~2 s, not counted against ``timeout``); after that a
+trivial 2-rank run costs ~0.13 s, against ~2.2 s per call with "spawn". Set
+``OVERLAP_TEST_START_METHOD=spawn`` to use plain spawn. Under the fork server, environment variables
+that torch reads while being imported come from the first call's environment.
+
+Threads. Unless ``OMP_NUM_THREADS`` is set, each rank uses ``max(1, cpu_count // world_size)``
+intra-op threads, so ranks sharing a small machine do not oversubscribe it.
+"""
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import importlib
+import importlib.util
+import inspect
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.reduction
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from overlap.testing.emulated_link import EmulatedLink
+
+__all__ = ["DistributedTestError", "DistributedTimeoutError", "RankFailure", "run_distributed"]
+
+_START_METHOD_ENV = "OVERLAP_TEST_START_METHOD"
+_PRELOAD = ["torch", "torch.distributed"]
+# After the first failure, how long to keep collecting other ranks' reports before killing them.
+_FAILURE_GRACE_S = 2.0
+# How long a terminated rank gets before SIGKILL, and how long a hung rank gets to dump its stacks.
+_TERMINATE_GRACE_S = 0.5
+_STACK_DUMP_WAIT_S = 0.3
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank failed: with a Python exception (``traceback`` set) or by dying (``exitcode``)."""
+
+    rank: int
+    traceback: str | None
+    exitcode: int | None
+    exception: BaseException | None = None
+
+    def describe(self) -> str:
+        if self.traceback is not None:
+            return f"rank {self.rank} raised:\n{self.traceback.rstrip()}"
+        return f"rank {self.rank} exited with code {self.exitcode} without reporting a result"
+
+
+class DistributedTestError(RuntimeError):
+    """A rank of :func:`run_distributed` failed.
+
+    ``rank`` / ``traceback`` / ``exitcode`` describe the first failure; ``failures`` maps every rank
+    seen failing to its :class:`RankFailure`. ``__cause__`` is the first rank's exception when it
+    could be pickled back.
+    """
+
+    def __init__(self, failures: Sequence[RankFailure], world_size: int) -> None:
+        first = failures[0]
+        self.failures: dict[int, RankFailure] = {f.rank: f for f in failures}
+        self.rank: int = first.rank
+        self.traceback: str | None = first.traceback
+        self.exitcode: int | None = first.exitcode
+        parts = [f"rank {first.rank} of {world_size} failed first; " + first.describe()]
+        parts += ["also: " + f.describe() for f in failures[1:]]
+        super().__init__("\n".join(parts))
+
+
+class DistributedTimeoutError(TimeoutError):
+    """:func:`run_distributed` ran past its timeout; ``ranks`` lists the ranks that had not finished."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+@dataclass(frozen=True)
+class _FnRef:
+    """A module-level function, named so that a child process can import it."""
+
+    module: str
+    qualname: str
+    file: str | None
+
+
+def _fn_payload(fn: Callable[..., Any]) -> _FnRef | bytes:
+    qualname = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    if isinstance(qualname, str) and isinstance(module, str) and hasattr(fn, "__code__"):
+        if "<" in qualname:  # <locals>, <lambda>
+            raise ValueError(
+                f"fn must be a module-level function so the spawned ranks can import it; "
+                f"got {module}.{qualname}"
+            )
+        file = getattr(sys.modules.get(module), "__file__", None)
+        return _FnRef(module, qualname, file)
+    try:
+        return pickle.dumps(fn)
+    except Exception as e:
+        raise ValueError(f"fn must be a module-level function or a picklable callable; got {fn!r}: {e}") from e
+
+
+def _resolve_fn(payload: _FnRef | bytes) -> Callable[..., Any]:
+    if isinstance(payload, bytes):
+        return pickle.loads(payload)
+    try:
+        module = importlib.import_module(payload.module)
+    except ImportError:
+        if payload.file is None:
+            raise
+        spec = importlib.util.spec_from_file_location(payload.module, payload.file)
+        if spec is None or spec.loader is None:
+            raise
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[payload.module] = module
+        spec.loader.exec_module(module)
+    obj: Any = module
+    for part in payload.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _child_main(
+    rank: int,
+    world_size: int,
+    backend: str,
+    init_method: str,
+    timeout: float,
+    fn_payload: _FnRef | bytes,
+    call_payload: bytes,
+    link: tuple[float, float] | None,
+    env: dict[str, str],
+    stdout_fd: Any,
+    stderr_fd: Any,
+    stack_file: str,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    # Output goes where the caller's goes now (matters under a fork server and pytest's fd capture).
+    for passed, target in ((stdout_fd, 1), (stderr_fd, 2)):
+        fd = passed.detach() if hasattr(passed, "detach") else passed
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    faulthandler.enable()
+    stack_out = open(stack_file, "w")  # noqa: SIM115 (kept open for faulthandler)
+    faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if "OMP_NUM_THREADS" not in env:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        fn = _resolve_fn(fn_payload)
+        args, kwargs = pickle.loads(call_payload)
+        init_kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            if "device_id" in inspect.signature(dist.init_process_group).parameters:
+                init_kwargs["device_id"] = device
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+            **init_kwargs,
+        )
+        try:
+            if link is None:
+                result = fn(rank, world_size, *args, **kwargs)
+            else:
+                with EmulatedLink(*link):
+                    result = fn(rank, world_size, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        message = pickle.dumps(("ok", result))
+    except BaseException as e:  # noqa: BLE001 (reported to the parent, which re-raises)
+        tb = traceback.format_exc()
+        try:
+            exc_bytes: bytes | None = pickle.dumps(e)
+        except Exception:
+            exc_bytes = None
+        message = pickle.dumps(("error", tb, exc_bytes))
+    try:
+        conn.send_bytes(message)
+    except Exception:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), None)))
+    conn.close()
+
+
+_EOF = object()
+
+
+def _receive(conn: multiprocessing.connection.Connection) -> Any:
+    """A rank's report if one is ready, ``_EOF`` if its pipe is closed, else None."""
+    try:
+        if not conn.poll():
+            return None
+        return pickle.loads(conn.recv_bytes())
+    except EOFError:
+        return _EOF
+
+
+def _unpickle_or_none(data: bytes | None) -> BaseException | None:
+    if data is None:
+        return None
+    try:
+        return pickle.loads(data)
+    except Exception:
+        return None
+
+
+def _noop() -> None:
+    pass
+
+
+_server_ready = False
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """The start method's context; a fork server is started (torch imported) before the first use,
+    so its one-time start-up (seconds) does not count against a call's timeout."""
+    global _server_ready
+    method = os.environ.get(_START_METHOD_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{_START_METHOD_ENV} must be 'forkserver' or 'spawn', got {method!r}")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver" and not _server_ready:
+        ctx.set_forkserver_preload(_PRELOAD)
+        warm_up = ctx.Process(target=_noop, name="forkserver-warm-up")
+        warm_up.start()
+        warm_up.join()
+        _server_ready = True
+    return ctx
+
+
+def _stop(procs: dict[int, multiprocessing.process.BaseProcess]) -> None:
+    for p in procs.values():
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    for p in procs.values():
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    link: tuple[float, float] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results by rank.
+
+    ``backend`` is the ``torch.distributed`` backend ("gloo" on CPU; "nccl" puts rank ``r`` on GPU
+    ``r % device_count``). ``timeout`` (seconds) bounds the whole call and is the process group's
+    timeout. ``link=(gbps, latency_us)`` runs ``fn`` inside
+    :func:`overlap.testing.emulated_link` on every rank (``current_link()`` returns it there).
+    Raises :class:`DistributedTestError` if a rank fails, :class:`DistributedTimeoutError` on timeout.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if link is not None:
+        if not isinstance(link, tuple) or len(link) != 2:
+            raise ValueError(f"link must be a (gbps, latency_us) tuple or None, got {link!r}")
+        EmulatedLink(*link)  # checks the values here rather than in every rank
+    fn_payload = _fn_payload(fn)
+    call_payload = pickle.dumps((args, kwargs))
+    ctx = _context()
+    deadline = time.monotonic() + timeout
+    tmpdir = tempfile.mkdtemp(prefix="overlap-dist-")
+    init_method = "file://" + os.path.join(tmpdir, "store")
+    procs: dict[int, multiprocessing.process.BaseProcess] = {}
+    conns: dict[int, multiprocessing.connection.Connection] = {}
+    results: dict[int, Any] = {}
+    failures: list[RankFailure] = []
+    try:
+        env = dict(os.environ)
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_child_main,
+                name=f"rank{rank}",
+                args=(
+                    rank, world_size, backend, init_method, timeout, fn_payload, call_payload,
+                    link, env, multiprocessing.reduction.DupFd(1),
+                    multiprocessing.reduction.DupFd(2),
+                    os.path.join(tmpdir, f"stacks{rank}.txt"), writer,
+                ),
+            )
+            p.start()
+            writer.close()
+            procs[rank] = p
+            conns[rank] = reader
+        failure_deadline: float | None = None
+        pending = set(range(world_size))
+        listening = set(range(world_size))  # ranks whose pipe has not reached EOF
+        while pending:
+            stop_at = deadline if failure_deadline is None else min(deadline, failure_deadline)
+            now = time.monotonic()
+            if now >= stop_at:
+                break
+            waitables: list[Any] = [conns[r] for r in pending & listening]
+            waitables += [procs[r].sentinel for r in pending]
+            ready = set(multiprocessing.connection.wait(waitables, timeout=stop_at - now))
+            for rank in sorted(pending):
+                conn, proc = conns[rank], procs[rank]
+                if rank in listening and (conn in ready or proc.sentinel in ready):
+                    message = _receive(conn)
+                    if message is _EOF or (message is None and proc.sentinel in ready):
+                        listening.discard(rank)
+                    elif message is not None:
+                        pending.discard(rank)
+                        if message[0] == "ok":
+                            results[rank] = message[1]
+                        else:
+                            exc = _unpickle_or_none(message[2])
+                            failures.append(RankFailure(rank, message[1], None, exc))
+                        continue
+                if proc.sentinel in ready and rank not in listening:
+                    proc.join()
+                    pending.discard(rank)
+                    failures.append(RankFailure(rank, None, proc.exitcode))
+            if failures and failure_deadline is None:
+                failure_deadline = time.monotonic() + _FAILURE_GRACE_S
+        if failures:
+            err = DistributedTestError(failures, world_size)
+            raise err from failures[0].exception
+        if pending:
+            stuck = sorted(pending)
+            for rank in stuck:
+                if procs[rank].pid is not None and procs[rank].is_alive():
+                    os.kill(procs[rank].pid, signal.SIGUSR1)
+            time.sleep(_STACK_DUMP_WAIT_S)
+            stacks = []
+            for rank in stuck:
+                try:
+                    with open(os.path.join(tmpdir, f"stacks{rank}.txt")) as f:
+                        text = f.read().strip()
+                except OSError:
+                    text = ""
+                if text:
+                    stacks.append(f"--- rank {rank} stacks ---\n{text}")
+            finished = sorted(set(range(world_size)) - pending)
+            message = (
+                f"run_distributed({getattr(fn, '__qualname__', fn)!r}, world_size={world_size}) timed "
+                f"out after {timeout} s: ranks {stuck} had not finished (finished: {finished})"
+            )
+            raise DistributedTimeoutError("\n".join([message, *stacks]), stuck)
+        return [results[r] for r in range(world_size)]
+    finally:
+        _stop(procs)
+        for conn in conns.values():
+            conn.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)

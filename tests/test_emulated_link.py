@@ -1,0 +1,247 @@
+"""The emulated link: collectives complete when the model says, sleep without burning CPU, apply to
+torch's own FSDP2, and the patched functions are restored.
+
+Timing checks are behavioural bounds with wide margins (no more than, no sooner than), measured on
+gloo CPU ranks where the link time (~0.3 s) dwarfs gloo's own time (~ms).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from overlap.testing import EmulatedWork, LinkStats, current_link, emulated_link
+
+# 0.05 Gbit/s = 6.25 MB/s: an all-gather with a 4 MiB output on 2 ranks moves 2 MiB -> ~0.34 s.
+GBPS = 0.05
+LATENCY_US = 100.0
+NUMEL = 2**20  # float32 all-gather output: 4 MiB
+
+
+def _elapsed(f: Callable[[], Any]) -> float:
+    start = time.monotonic()
+    f()
+    return time.monotonic() - start
+
+
+def _timing(rank: int, world_size: int) -> dict[str, Any]:
+    link = current_link()
+    assert link is not None
+    out, inp = torch.empty(NUMEL), torch.full((NUMEL // world_size,), float(rank))
+    model = link.transfer_seconds((world_size - 1) / world_size * out.numel() * 4)
+    res: dict[str, Any] = {"model": model}
+
+    dist.barrier()
+    start = time.monotonic()
+    work = dist.all_gather_single(out, inp, async_op=True)
+    res["is_emulated"] = isinstance(work, EmulatedWork)
+    res["completed_early"] = work.is_completed()
+    cpu, wall = time.process_time(), time.monotonic()
+    work.wait()
+    res["wait_cpu"], res["wait_wall"] = time.process_time() - cpu, time.monotonic() - wall
+    res["all_gather"] = time.monotonic() - start
+    res["completed_after"] = work.is_completed()
+    res["correct"] = torch.equal(out, torch.arange(world_size).repeat_interleave(NUMEL // world_size).float())
+
+    dist.barrier()  # FIFO: the second collective starts when the first is delivered
+    start = time.monotonic()
+    first = dist.all_gather_single(out, inp, async_op=True)
+    second = dist.all_gather_single(out, inp, async_op=True)
+    second.wait()
+    res["two_back_to_back"] = time.monotonic() - start
+    res["deadline_gap"] = second.deadline - first.deadline
+
+    dist.barrier()
+    res["blocking"] = _elapsed(lambda: dist.all_gather_single(out, inp))
+    dist.barrier()
+    res["future"] = _elapsed(lambda: dist.all_gather_single(out, inp, async_op=True).get_future().wait())
+
+    res["compute"] = _compute_while_pending(out, inp)
+    return res
+
+
+def _compute_sample(a: torch.Tensor) -> float:
+    start = time.perf_counter()
+    for _ in range(4):
+        a = torch.tanh(a @ a)
+    return time.perf_counter() - start
+
+
+def _compute_while_pending(out: torch.Tensor, inp: torch.Tensor) -> dict[str, float]:
+    """Medians of a compute step alone and while an all-gather is in flight on the link."""
+    a = torch.randn(160, 160) * 0.05
+    for _ in range(5):
+        _compute_sample(a)
+    dist.barrier()
+    alone = []
+    end = time.monotonic() + 0.2
+    while time.monotonic() < end:
+        alone.append(_compute_sample(a))
+    dist.barrier()
+    work = dist.all_gather_single(out, inp, async_op=True)
+    pending = []
+    while not work.is_completed():
+        pending.append(_compute_sample(a))
+    work.wait()
+    end = time.monotonic() + 0.2
+    while time.monotonic() < end:
+        alone.append(_compute_sample(a))
+    return {"alone": statistics.median(alone), "pending": statistics.median(pending), "n": len(pending)}
+
+
+def test_collectives_complete_when_the_link_model_says(distributed) -> None:
+    for res in distributed(_timing, 2, link=(GBPS, LATENCY_US), timeout=60):
+        model = res["model"]
+        assert 0.25 < model < 0.5
+        assert res["is_emulated"] and not res["completed_early"] and res["completed_after"]
+        assert res["correct"]
+        assert model <= res["all_gather"] <= 1.25 * model, res
+        assert model <= res["blocking"] <= 1.25 * model, res
+        assert model <= res["future"] <= 1.25 * model, res
+        assert 2 * model <= res["two_back_to_back"] <= 2.5 * model, res
+        assert res["deadline_gap"] == pytest.approx(model, rel=1e-3)
+        assert res["wait_cpu"] < 0.1 * res["wait_wall"], f"waiting burnt CPU: {res}"
+        compute = res["compute"]
+        assert compute["n"] >= 20, compute
+        assert compute["pending"] <= 1.2 * compute["alone"], f"compute slowed while pending: {compute}"
+
+
+def _wire_bytes_per_op(rank: int, world_size: int) -> dict[str, LinkStats]:
+    link = current_link()
+    assert link is not None
+    x = torch.ones(world_size * 256)  # 1 KiB per rank-chunk of 256 floats
+    chunks = list(torch.empty(world_size * 256).chunk(world_size))
+    calls: dict[str, Callable[[], Any]] = {
+        "all_gather_single": lambda: dist.all_gather_single(torch.empty(world_size * 256), torch.ones(256)),
+        "all_gather": lambda: dist.all_gather(chunks, torch.ones(256)),
+        "reduce_scatter_single": lambda: dist.reduce_scatter_single(torch.empty(256), x),
+        "reduce_scatter": lambda: dist.reduce_scatter(torch.empty(256), list(x.chunk(world_size))),
+        "all_reduce": lambda: dist.all_reduce(x),
+        "broadcast": lambda: dist.broadcast(x, 0),
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty_like(x), x),
+        "all_to_all": lambda: dist.all_to_all(chunks, list(x.chunk(world_size))),
+        # deprecated names reach all_gather_single / reduce_scatter_single inside torch: counted once
+        "all_gather_into_tensor": lambda: c10d.all_gather_into_tensor(torch.empty(world_size * 256), torch.ones(256)),
+        "reduce_scatter_tensor": lambda: c10d.reduce_scatter_tensor(torch.empty(256), x),
+    }
+    stats = {}
+    for name, call in calls.items():
+        link.reset_stats()
+        call()
+        stats[name] = link.stats()
+    return stats
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_wire_bytes_follow_the_table(distributed, world_size: int) -> None:
+    w = world_size
+    total = w * 256 * 4  # bytes of the full tensor
+    want = {
+        "all_gather_single": (w - 1) / w * total,
+        "all_gather": (w - 1) / w * total,
+        "reduce_scatter_single": (w - 1) / w * total,
+        "reduce_scatter": (w - 1) / w * total,
+        "all_reduce": 2 * (w - 1) / w * total,
+        "broadcast": total,
+        "all_to_all_single": (w - 1) / w * total,
+        "all_to_all": (w - 1) / w * total,
+        "all_gather_into_tensor": (w - 1) / w * total,
+        "reduce_scatter_tensor": (w - 1) / w * total,
+    }
+    # A slow link (1 ms per KiB): world size 1 must not be delayed at all.
+    for stats in distributed(_wire_bytes_per_op, world_size, link=(0.008, 0.0)):
+        for name, wire in want.items():
+            got = stats[name]
+            assert got.count == 1 and got.by_op == {name: 1}, (name, got)
+            if w == 1:
+                assert got.emulated_seconds == 0.0 and got.wire_bytes == 0, (name, got)
+            else:
+                assert got.wire_bytes == int(wire), (name, got)
+                assert got.emulated_seconds == pytest.approx(got.wire_bytes / 1e6), (name, got)
+
+
+def _fsdp2_step(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(8, 256)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    step()  # warm-up: lazy init outside the link
+    with emulated_link(0.1, 100.0) as link:
+        linked = _elapsed(step)
+    return {"linked": linked, "stats": link.stats()}
+
+
+def test_fsdp2_collectives_go_through_the_link(distributed) -> None:
+    for res in distributed(_fsdp2_step, 2, timeout=60):
+        stats: LinkStats = res["stats"]
+        # 4 sharded layers: all-gather in forward and again in backward, reduce-scatter in backward.
+        gathers = stats.by_op.get("all_gather_single", 0) + stats.by_op.get("all_gather_into_tensor", 0)
+        scatters = stats.by_op.get("reduce_scatter_single", 0) + stats.by_op.get("reduce_scatter_tensor", 0)
+        assert gathers == 8 and scatters == 4, stats
+        # One FIFO link: the step cannot finish before the link has carried all of its collectives.
+        assert res["linked"] >= stats.emulated_seconds > 0.1, res
+
+
+def test_originals_restored_and_contexts_nest() -> None:
+    names = ["all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+             "all_reduce", "all_to_all_single", "broadcast", "all_gather", "reduce_scatter"]
+    names = [n for n in names if hasattr(dist, n)]
+    originals = {n: (getattr(dist, n), getattr(c10d, n)) for n in names}
+    assert current_link() is None
+    with emulated_link(10.0) as outer:
+        assert current_link() is outer
+        assert all(getattr(dist, n) is not originals[n][0] for n in names)
+        assert all(getattr(c10d, n) is not originals[n][1] for n in names)
+        patched = {n: getattr(dist, n) for n in names}
+        with emulated_link(1.0, 5.0) as inner:
+            assert current_link() is inner
+            assert all(getattr(dist, n) is patched[n] for n in names), "nesting re-patched"
+        assert current_link() is outer
+        assert all(getattr(dist, n) is patched[n] for n in names), "inner exit restored too early"
+    assert current_link() is None
+    assert all((getattr(dist, n), getattr(c10d, n)) == originals[n] for n in names)
+
+
+def test_originals_restored_after_an_exception() -> None:
+    before = dist.all_reduce
+    with pytest.raises(KeyError), emulated_link(10.0):
+        raise KeyError("boom")
+    assert dist.all_reduce is before and current_link() is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gbps": 0}, "gbps"),
+        ({"gbps": -1.0}, "gbps"),
+        ({"gbps": float("nan")}, "gbps"),
+        ({"gbps": 1.0, "latency_us": -1.0}, "latency_us"),
+        ({"gbps": 1.0, "latency_us": float("inf")}, "latency_us"),
+    ],
+)
+def test_bad_link_parameters_are_named(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        emulated_link(**kwargs)
+
+
+def test_transfer_seconds_model() -> None:
+    link = emulated_link(8.0, latency_us=20.0)  # 8 Gbit/s = 1e9 bytes/s
+    assert link.bytes_per_second == 1e9
+    assert link.transfer_seconds(0) == pytest.approx(20e-6)
+    assert link.transfer_seconds(1e9) == pytest.approx(1.0 + 20e-6)
