@@ -1,0 +1,445 @@
+"""Launcher plumbing shared by the four packing ops: dispatch, input checks, tables, device helpers.
+
+[Note: one launch over N tensors]
+Each op is one Triton launch whatever the number of parameters. The grid is the number of
+``BLOCK``-element blocks over all *runs* (``ShardLayout.segments``: contiguous stretches between a
+parameter tensor and the flat buffer). Two tables tell a program what to do:
+
+* the **block table** (per layout, rank, padding mode and device; built once, cached on the layout):
+  ``blocks[pid]`` is the run of block ``pid``; ``runs[k] = (param, tensor_start, flat_start,
+  n_valid, n_total, first_block)`` (int64, so buffers beyond 2**31 elements work);
+* the **pointer table** (per call): ``pointers[i] = (data address, dtype group)`` of the ``i``-th
+  parameter-side tensor. The kernel turns the address into a typed pointer
+  (``addr.to(tl.pointer_type(DTg))``) in a branch per dtype group, so a list mixing up to
+  ``MAX_DTYPE_GROUPS`` dtypes is still one launch. Raw addresses work compiled on CUDA and under
+  ``TRITON_INTERPRET=1`` on CPU tensors (the interpreter dereferences host addresses); the
+  interpreter cannot follow CUDA addresses, so CUDA tensors under the interpreter take the torch path.
+  Pointer tables are cached per layout keyed by (addresses, dtypes) — their content is a function of
+  that key — up to ``POINTER_CACHE_SIZE`` entries; further address sets get a per-call table copied on
+  the current stream.
+
+Cached device tables are copied once, synchronously, on a private side stream, so any stream may
+read them afterwards; they live as long as their layout.
+
+Blocks that lie wholly inside their run take an unmasked path (vector loads/stores when the host
+proved 16-byte alignment: ``ALIGNED``); the last block of a run is masked. Launches pass
+``enable_fp_fusion=False`` so that scale-then-accumulate rounds like the torch reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kernels.layout import ShardLayout
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+"""Whether ``triton.jit`` made interpreter kernels (read once, as Triton does at decoration time)."""
+
+TRITON_DTYPES: dict[torch.dtype, tl.dtype] = {
+    torch.float64: tl.float64,
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.int64: tl.int64,
+    torch.int32: tl.int32,
+    torch.int16: tl.int16,
+    torch.int8: tl.int8,
+    torch.uint8: tl.uint8,
+}
+SUPPORTED = ", ".join(str(d).removeprefix("torch.") for d in TRITON_DTYPES)
+MAX_DTYPE_GROUPS = 4
+POINTER_CACHE_SIZE = 64
+GPU_MAX_BLOCK = 4096
+INTERPRET_MAX_BLOCK = 1 << 16  # the interpreter pays per program, not per element
+
+
+# ----------------------------------------------------------------------------------------- dispatch
+def triton_enabled(device: torch.device) -> bool:
+    """Triton kernel (compiled on CUDA, interpreted on CPU) or the torch reference path."""
+    if device.type == "cuda":
+        return not INTERPRET
+    return device.type == "cpu" and INTERPRET
+
+
+def use_dispatcher(tensors: Sequence[torch.Tensor]) -> bool:
+    """Route through ``torch.ops.overlap.*`` (traceable) instead of launching directly (fast eager).
+
+    True while Dynamo traces, while a TorchDispatchMode (make_fx, FakeTensorMode) is active, or when a
+    tensor is a subclass (fake, functional, ...): cases where data pointers do not exist or where the
+    op must be recorded.
+    """
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    return any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
+def increment_version(tensors: Sequence[torch.Tensor]) -> None:
+    """Tell autograd that the kernel wrote ``tensors`` in place behind its back."""
+    torch.autograd.graph.increment_version(list(tensors))
+
+
+# ------------------------------------------------------------------------------------------- checks
+def check_dtype(op: str, name: str, dtype: object) -> None:
+    if dtype not in TRITON_DTYPES:
+        raise TypeError(f"{op}: {name} must be one of {SUPPORTED}, got {dtype}")
+
+
+def check_rank(op: str, rank: object, layout: ShardLayout) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+        raise ValueError(f"{op}: rank must be an int in [0, {layout.world_size}), got {rank!r}")
+
+
+def check_layout(op: str, layout: object) -> None:
+    if not isinstance(layout, ShardLayout):
+        raise TypeError(f"{op}: layout must be a kernels.ShardLayout, got {type(layout).__name__}")
+
+
+def check_tensors(
+    op: str,
+    name: str,
+    tensors: object,
+    shapes: Sequence[torch.Size],
+    device: torch.device | None = None,
+    *,
+    writable: bool = False,
+) -> torch.device:
+    """A list of ``len(shapes)`` tensors of those shapes, supported dtypes, one device; returns it.
+
+    ``writable`` tensors (outputs) must also be contiguous: the kernel writes them in place.
+    """
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{op}: {name} must be a list of tensors, got {type(tensors).__name__}")
+    if len(tensors) != len(shapes):
+        raise ValueError(f"{op}: {name} has {len(tensors)} tensors, the layout has {len(shapes)} parameters")
+    for i, (t, shape) in enumerate(zip(tensors, shapes)):
+        where = f"{op}: {name}[{i}]"
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+        device = t.device if device is None else device
+        if t.device != device:
+            raise ValueError(f"{where} is on {t.device}, expected {device} (all tensors on one device)")
+        check_dtype(op, f"{name}[{i}].dtype", t.dtype)
+        if t.shape != shape:
+            raise ValueError(f"{where} has shape {tuple(t.shape)}, the layout expects {tuple(shape)}")
+        if writable and not t.is_contiguous():
+            raise ValueError(f"{where} must be contiguous (it is written in place)")
+    assert device is not None
+    return device
+
+
+def check_flat(op: str, name: str, tensor: object, numel: int, device: torch.device | None) -> torch.device:
+    """A contiguous buffer of exactly ``numel`` elements (any shape) of a supported dtype."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(tensor).__name__}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{op}: {name} is on {tensor.device}, expected {device} (all tensors on one device)")
+    check_dtype(op, f"{name}.dtype", tensor.dtype)
+    if tensor.numel() != numel:
+        raise ValueError(f"{op}: {name} has {tensor.numel()} elements, the layout needs exactly {numel}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous")
+    return tensor.device
+
+
+def common_dtype(op: str, name: str, tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The one dtype of ``tensors``; mixed lists need an explicit ``dtype``."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise ValueError(f"{op}: {name} mixes dtypes {sorted(map(str, dtypes))}; pass dtype= to choose the buffer's")
+    return dtypes.pop()
+
+
+def check_dtype_groups(op: str, name: str, tensors: Sequence[torch.Tensor]) -> None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > MAX_DTYPE_GROUPS:
+        raise ValueError(
+            f"{op}: {name} mixes {len(dtypes)} dtypes, at most {MAX_DTYPE_GROUPS} per call are supported"
+        )
+
+
+def check_scale(op: str, name: str, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise TypeError(f"{op}: {name} must be None or a float, got {type(value).__name__}")
+
+
+def check_floating(op: str, what: str, dtypes: Sequence[torch.dtype]) -> None:
+    """Scaling and accumulation need floating-point tensors; integer ones can only be copied."""
+    bad = sorted({str(d) for d in dtypes if not d.is_floating_point})
+    if bad:
+        raise TypeError(f"{op}: {what} needs floating-point tensors, got integer dtypes {bad} (ints can only be copied)")
+
+
+def compute_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """Precision of scaling and accumulation: float64 if any tensor is float64, else float32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def as_float32(value: float) -> float:
+    """A scale as the kernels apply it: rounded to float32 (a Triton float argument)."""
+    return float(np.float32(value))
+
+
+# ------------------------------------------------------------------------------------------- tables
+@dataclasses.dataclass(frozen=True)
+class BlockTable:
+    blocks: torch.Tensor  # int32 (num_blocks,): run of each block
+    runs: torch.Tensor  # int64 (num_runs, 6): param, tensor_start, flat_start, n_valid, n_total, first_block
+    num_blocks: int
+    block: int
+    num_warps: int
+    tensor_starts_aligned: bool  # every tensor_start a multiple of 16 elements
+
+
+@dataclasses.dataclass(frozen=True)
+class PointerTable:
+    pointers: torch.Tensor  # int64 (N, 2): data address, dtype group
+    dtypes: tuple[tl.dtype, ...]  # MAX_DTYPE_GROUPS entries, unused ones repeat the first
+    num_groups: int
+    aligned: bool  # every address a multiple of 16 bytes
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def to_device(array: np.ndarray, device: torch.device, *, cached: bool) -> torch.Tensor:
+    """Host array -> device tensor. ``cached``: completed before returning, readable from any stream
+    (copied on a side stream, so the current stream is not waited on); else stream-ordered on the
+    current stream, for a table used once and freed after its launch."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host.to(device)
+    if not cached:
+        return host.pin_memory().to(device, non_blocking=True)
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        out = host.to(device)
+    stream.synchronize()
+    return out
+
+
+def _pick_block(max_run: int, device: torch.device) -> tuple[int, int]:
+    cap = GPU_MAX_BLOCK if device.type == "cuda" else INTERPRET_MAX_BLOCK
+    block = min(cap, max(128, triton.next_power_of_2(max(max_run, 1))))
+    return block, 8 if block >= 4096 else 4
+
+
+def block_table(layout: ShardLayout, rank: int | None, pad: bool, device: torch.device) -> BlockTable:
+    """Blocks over ``layout.segments(rank)``; ``pad``: blocks also cover the padding (``n_total``)."""
+    key = ("blocks", rank, pad, device)
+    table = layout._device_cache.get(key)
+    if table is None:
+        runs = layout.segments(rank)
+        lengths = runs[:, 4] if pad else runs[:, 3]
+        block, num_warps = _pick_block(int(lengths.max()), device)
+        counts = -(-lengths // block)
+        first = np.zeros_like(counts)
+        np.cumsum(counts[:-1], out=first[1:])
+        blocks = np.repeat(np.arange(len(runs), dtype=np.int32), counts)
+        table = BlockTable(
+            blocks=to_device(blocks, device, cached=True),
+            runs=to_device(np.concatenate([runs, first[:, None]], axis=1), device, cached=True),
+            num_blocks=int(counts.sum()),
+            block=block,
+            num_warps=num_warps,
+            tensor_starts_aligned=bool((runs[:, 1] % 16 == 0).all()),
+        )
+        layout._device_cache[key] = table
+    return table
+
+
+def pointer_table(layout: ShardLayout, tensors: Sequence[torch.Tensor], device: torch.device) -> PointerTable:
+    """Addresses and dtype groups of ``tensors`` (contiguous, checked)."""
+    addresses = tuple(t.data_ptr() for t in tensors)
+    dtypes = tuple(t.dtype for t in tensors)
+    key = ("pointers", device, addresses, dtypes)
+    table = layout._device_cache.get(key)
+    if table is not None:
+        return table
+    groups: dict[torch.dtype, int] = {}
+    codes = [groups.setdefault(d, len(groups)) for d in dtypes]
+    group_dtypes = [TRITON_DTYPES[d] for d in groups]
+    num_cached = layout._device_cache.setdefault("num_pointer_tables", [0])
+    cached = num_cached[0] < POINTER_CACHE_SIZE
+    table = PointerTable(
+        pointers=to_device(np.array([addresses, codes], dtype=np.int64).T.copy(), device, cached=cached),
+        dtypes=tuple(group_dtypes + group_dtypes[:1] * (MAX_DTYPE_GROUPS - len(group_dtypes))),
+        num_groups=len(group_dtypes),
+        aligned=all(a % 16 == 0 for a in addresses),
+    )
+    if cached:
+        layout._device_cache[key] = table
+        num_cached[0] += 1
+    return table
+
+
+def launch(kernel: triton.JITFunction, blocks: BlockTable, pointers: PointerTable, *args: object, **constexprs: object) -> None:
+    """``kernel[(num_blocks,)](blocks, runs, pointers, *args, ...)`` on the tensors' device."""
+    if blocks.num_blocks == 0:
+        return
+    g = pointers.dtypes
+    kwargs = dict(
+        DT0=g[0], DT1=g[1], DT2=g[2], DT3=g[3], NUM_GROUPS=pointers.num_groups,
+        ALIGNED=pointers.aligned and blocks.tensor_starts_aligned, BLOCK=blocks.block, **constexprs,
+    )
+    device = blocks.blocks.device
+    grid = (blocks.num_blocks,)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel[grid](blocks.blocks, blocks.runs, pointers.pointers, *args, **kwargs,
+                         num_warps=blocks.num_warps, enable_fp_fusion=False)
+    else:
+        kernel[grid](blocks.blocks, blocks.runs, pointers.pointers, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------- device-side helpers
+_INTERPRETED = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _to_bf16_rtne(x):
+    """float32 -> bfloat16, round to nearest even; every NaN becomes 0x7FC0 (c10's scalar rule)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    u = tl.where(x != x, 0x7FC0, u)
+    return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _bf16_to_f32(x):
+    """bfloat16 -> float32, exact for every value (subnormals and NaN payloads included): a bfloat16
+    is the upper half of a float32."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _from_float32(x, TO: tl.constexpr):
+    if _INTERPRETED and TO == tl.bfloat16:
+        y = _to_bf16_rtne(x)
+    else:
+        y = x.to(TO)
+    return y
+
+
+@triton.jit
+def _to_float32(x):
+    if _INTERPRETED and x.dtype == tl.bfloat16:
+        y = _bf16_to_f32(x)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def convert(x, TO: tl.constexpr):
+    """``x.to(TO)``, rounding as torch does.
+
+    [Note: conversions as torch does them]
+    * Conversions to or from a 16-bit float go through float32, because torch's ``c10::Half`` and
+      ``c10::BFloat16`` convert from and to ``float``: float64 -> float16 rounds twice in torch
+      (``1 + 2**-11 + 2**-40`` becomes 1.0, not the nearest half ``1 + 2**-10``), and so do we.
+    * Triton's interpreter truncates float32 -> bfloat16 and flushes bfloat16 subnormals to zero
+      on bfloat16 -> float32, so under the interpreter both are done with integer ops (round to
+      nearest even; the exact widening). Compiled kernels use the hardware conversions.
+    * The bit pattern of a NaN produced by a narrowing cast is not part of the contract: torch itself
+      gives 0xFFFF (vectorized CPU copy), 0x7FC0 (scalar CPU path) or 0x7FFF (CUDA) for float32
+      NaN -> bfloat16. A NaN stays a NaN; copies without a cast keep every bit.
+    """
+    if x.dtype == TO:
+        y = x
+    elif x.dtype == tl.float32:
+        y = _from_float32(x, TO)
+    elif TO == tl.float32:
+        y = _to_float32(x)
+    elif x.dtype == tl.float16 or x.dtype == tl.bfloat16 or TO == tl.float16 or TO == tl.bfloat16:
+        y = _from_float32(_to_float32(x), TO)
+    else:
+        y = x.to(TO)
+    return y
+
+
+@triton.jit
+def block_run(blocks_ptr, runs_ptr, pointers_ptr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's block: ``(addr, group, tensor_start, flat_start, n_valid, n_total)``.
+
+    ``addr``/``group``: address and dtype group of the parameter-side tensor; starts are the block's
+    first element (int64); counts are what is left of the run from there (may exceed ``BLOCK``).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    row = runs_ptr + tl.load(blocks_ptr + pid).to(tl.int64) * 6
+    param = tl.load(row)
+    start = (pid - tl.load(row + 5)) * BLOCK
+    tensor_start = tl.load(row + 1) + start
+    if ALIGNED:
+        tensor_start = tl.multiple_of(tensor_start, 16)
+    flat_start = tl.multiple_of(tl.load(row + 2) + start, 16)  # slot offsets are 16-aligned
+    addr = tl.load(pointers_ptr + param * 2)
+    group = tl.load(pointers_ptr + param * 2 + 1)
+    return addr, group, tensor_start, flat_start, tl.load(row + 3) - start, tl.load(row + 4) - start
+
+
+@triton.jit
+def _typed(addr, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    ptr = addr.to(tl.pointer_type(DT))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _load(addr, offs, mask, other, DT: tl.constexpr, TO: tl.constexpr, ALIGNED: tl.constexpr):
+    return convert(tl.load(_typed(addr, DT, ALIGNED) + offs, mask=mask, other=other), TO)
+
+
+@triton.jit
+def load_as(addr, group, offs, mask, other, DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr,
+            DT3: tl.constexpr, NUM_GROUPS: tl.constexpr, TO: tl.constexpr, ALIGNED: tl.constexpr):
+    """Elements ``offs`` of the tensor at ``addr`` (dtype ``DT{group}``), converted to ``TO``."""
+    if NUM_GROUPS == 1:
+        x = _load(addr, offs, mask, other, DT0, TO, ALIGNED)
+    elif group == 0:
+        x = _load(addr, offs, mask, other, DT0, TO, ALIGNED)
+    elif NUM_GROUPS == 2:
+        x = _load(addr, offs, mask, other, DT1, TO, ALIGNED)
+    elif group == 1:
+        x = _load(addr, offs, mask, other, DT1, TO, ALIGNED)
+    elif NUM_GROUPS == 3:
+        x = _load(addr, offs, mask, other, DT2, TO, ALIGNED)
+    elif group == 2:
+        x = _load(addr, offs, mask, other, DT2, TO, ALIGNED)
+    else:
+        x = _load(addr, offs, mask, other, DT3, TO, ALIGNED)
+    return x
+
+
+@triton.jit
+def _store(addr, offs, x, mask, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    tl.store(_typed(addr, DT, ALIGNED) + offs, convert(x, DT), mask=mask)
+
+
+@triton.jit
+def store_as(addr, group, offs, x, mask, DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr,
+             DT3: tl.constexpr, NUM_GROUPS: tl.constexpr, ALIGNED: tl.constexpr):
+    """Store ``x`` converted to ``DT{group}`` at elements ``offs`` of the tensor at ``addr``."""
+    if NUM_GROUPS == 1:
+        _store(addr, offs, x, mask, DT0, ALIGNED)
+    elif group == 0:
+        _store(addr, offs, x, mask, DT0, ALIGNED)
+    elif NUM_GROUPS == 2:
+        _store(addr, offs, x, mask, DT1, ALIGNED)
+    elif group == 1:
+        _store(addr, offs, x, mask, DT1, ALIGNED)
+    elif NUM_GROUPS == 3:
+        _store(addr, offs, x, mask, DT2, ALIGNED)
+    elif group == 2:
+        _store(addr, offs, x, mask, DT2, ALIGNED)
+    else:
+        _store(addr, offs, x, mask, DT3, ALIGNED)

@@ -1,0 +1,96 @@
+"""all_gather_copy_in: pack this rank's N shards into its slot of the all-gather buffer (one launch).
+
+Contract: ``ag_input, ag_output = all_gather_copy_in(shards, layout, rank, dtype)`` allocates
+``ag_output`` (``buffer_numel`` elements of ``dtype``) and fills ``ag_input = ag_output[rank]`` (viewed
+as ``(world_size, slot_numel)``): shard ``i`` cast to ``dtype`` at ``slot_offsets[i]``, zeros in every
+padding element of the slot. The other slots are left uninitialized for the all-gather to fill;
+``ag_input`` is a view into ``ag_output``, so the all-gather can run in place. Inputs are only read.
+
+======================  =====================================  =================================
+argument                shape                                  dtype
+======================  =====================================  =================================
+``shards[i]``           ``layout.shard_shape(i, rank)``        any supported, mixed allowed
+``ag_input`` (out)      ``(slot_numel,)``                      ``dtype`` (default: the shards')
+``ag_output`` (out)     ``(world_size * slot_numel,)``         ``dtype``
+======================  =====================================  =================================
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _launch
+from kernels._launch import block_run, load_as
+from kernels.layout import ShardLayout
+
+OP = "all_gather_copy_in"
+
+
+@triton.jit
+def _all_gather_copy_in_kernel(
+    blocks_ptr, runs_ptr, pointers_ptr, slot_ptr,
+    DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    addr, group, src_start, dst_start, n_valid, n_total = block_run(blocks_ptr, runs_ptr, pointers_ptr, ALIGNED, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    OUT: tl.constexpr = slot_ptr.dtype.element_ty
+    if n_valid >= BLOCK:
+        x = load_as(addr, group, src_start + offs, None, None, DT0, DT1, DT2, DT3, NUM_GROUPS, OUT, ALIGNED)
+        tl.store(slot_ptr + dst_start + offs, x)
+    else:  # the run's last block: shard tail, then zero padding
+        x = load_as(addr, group, src_start + offs, offs < n_valid, 0, DT0, DT1, DT2, DT3, NUM_GROUPS, OUT, ALIGNED)
+        tl.store(slot_ptr + dst_start + offs, x, mask=offs < n_total)
+
+
+def _check(
+    shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype | None
+) -> tuple[torch.device, torch.dtype]:
+    _launch.check_layout(OP, layout)
+    _launch.check_rank(OP, rank, layout)
+    device = _launch.check_tensors(OP, "shards", shards, layout.shard_shapes(rank))
+    _launch.check_dtype_groups(OP, "shards", shards)
+    if dtype is None:
+        dtype = _launch.common_dtype(OP, "shards", shards)
+    _launch.check_dtype(OP, "dtype", dtype)
+    return device, dtype
+
+
+def all_gather_copy_in(
+    shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack ``shards`` (this rank's) into a new all-gather buffer; returns ``(ag_input, ag_output)``."""
+    device, dtype = _check(shards, layout, rank, dtype)
+    if _launch.use_dispatcher(shards):
+        ag_output = torch.ops.overlap.all_gather_copy_in(list(shards), list(layout.spec), rank, dtype)
+        return ag_output.view(layout.world_size, layout.slot_numel)[rank], ag_output
+    return _all_gather_copy_in(shards, layout, rank, dtype, device)
+
+
+def _all_gather_copy_in(
+    shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _launch.triton_enabled(device):
+        return all_gather_copy_in_ref(shards, layout, rank, dtype)
+    shards = [s.contiguous() for s in shards]
+    ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
+    ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]
+    blocks = _launch.block_table(layout, rank, pad=True, device=device)
+    _launch.launch(_all_gather_copy_in_kernel, blocks, _launch.pointer_table(layout, shards, device), ag_input)
+    return ag_input, ag_output
+
+
+def all_gather_copy_in_ref(
+    shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of ``all_gather_copy_in`` (also the CPU path without the interpreter)."""
+    dtype = dtype or shards[0].dtype
+    ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=shards[0].device)
+    ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]
+    ag_input.zero_()
+    for shard, offset in zip(shards, layout.slot_offsets):
+        ag_input[offset : offset + shard.numel()].copy_(shard.reshape(-1))
+    return ag_input, ag_output

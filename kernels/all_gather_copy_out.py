@@ -1,0 +1,105 @@
+"""all_gather_copy_out: unpack the gathered buffer into the N full parameters (one launch).
+
+Contract: ``outs = all_gather_copy_out(ag_output, layout, outs, dtype)`` writes, for every rank ``r``
+and parameter ``i``, slot ``r``'s shard ``i`` into rows ``layout.shard_rows(i, r)`` of ``outs[i]``,
+casting to each out's dtype and dropping the padding. ``outs=None`` allocates them (dtype ``dtype``,
+default ``ag_output.dtype``); given ``outs`` are written in place (and must have ``dtype`` if it is
+given; otherwise each may have its own). ``ag_output`` is only read.
+
+======================  =====================================  =================================
+argument                shape                                  dtype
+======================  =====================================  =================================
+``ag_output``           ``buffer_numel`` elements, contiguous  any supported
+``outs[i]`` (out)       ``layout.shapes[i]``, contiguous       any supported, mixed allowed
+======================  =====================================  =================================
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _launch
+from kernels._launch import block_run, store_as
+from kernels.layout import ShardLayout
+
+OP = "all_gather_copy_out"
+
+
+@triton.jit
+def _all_gather_copy_out_kernel(
+    blocks_ptr, runs_ptr, pointers_ptr, buffer_ptr,
+    DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    addr, group, dst_start, src_start, n_valid, _ = block_run(blocks_ptr, runs_ptr, pointers_ptr, ALIGNED, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    if n_valid >= BLOCK:
+        x = tl.load(buffer_ptr + src_start + offs)
+        store_as(addr, group, dst_start + offs, x, None, DT0, DT1, DT2, DT3, NUM_GROUPS, ALIGNED)
+    else:
+        mask = offs < n_valid
+        x = tl.load(buffer_ptr + src_start + offs, mask=mask)
+        store_as(addr, group, dst_start + offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, ALIGNED)
+
+
+def _check(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor] | None, dtype: torch.dtype | None) -> None:
+    _launch.check_layout(OP, layout)
+    device = _launch.check_flat(OP, "ag_output", ag_output, layout.buffer_numel, None)
+    if dtype is not None:
+        _launch.check_dtype(OP, "dtype", dtype)
+    if outs is not None:
+        _launch.check_tensors(OP, "outs", outs, layout.shapes, device, writable=True)
+        _launch.check_dtype_groups(OP, "outs", outs)
+        for i, out in enumerate(outs):
+            if dtype is not None and out.dtype != dtype:
+                raise TypeError(f"{OP}: outs[{i}] has dtype {out.dtype}, expected dtype={dtype}")
+
+
+def _allocate(ag_output: torch.Tensor, layout: ShardLayout, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    dtype = dtype or ag_output.dtype
+    return [torch.empty(shape, dtype=dtype, device=ag_output.device) for shape in layout.shapes]
+
+
+def all_gather_copy_out(
+    ag_output: torch.Tensor,
+    layout: ShardLayout,
+    outs: Sequence[torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """Scatter the gathered ``ag_output`` into full parameters (``outs``, or new tensors); returns them."""
+    _check(ag_output, layout, outs, dtype)
+    outs = _allocate(ag_output, layout, dtype) if outs is None else list(outs)
+    if _launch.use_dispatcher([ag_output, *outs]):
+        torch.ops.overlap.all_gather_copy_out(ag_output, list(layout.spec), outs)
+    else:
+        _all_gather_copy_out(ag_output, layout, outs)
+    return outs
+
+
+def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: list[torch.Tensor]) -> None:
+    if not _launch.triton_enabled(ag_output.device):
+        all_gather_copy_out_ref(ag_output, layout, outs)
+        return
+    device = ag_output.device
+    blocks = _launch.block_table(layout, None, pad=False, device=device)
+    _launch.launch(_all_gather_copy_out_kernel, blocks, _launch.pointer_table(layout, outs, device), ag_output)
+    _launch.increment_version(outs)
+
+
+def all_gather_copy_out_ref(
+    ag_output: torch.Tensor,
+    layout: ShardLayout,
+    outs: Sequence[torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """Plain-torch reference of ``all_gather_copy_out`` (also the CPU path without the interpreter)."""
+    outs = _allocate(ag_output, layout, dtype) if outs is None else list(outs)
+    slots = ag_output.reshape(layout.world_size, layout.slot_numel)
+    for r in range(layout.world_size):
+        for i, (out, offset) in enumerate(zip(outs, layout.slot_offsets)):
+            shard = layout.shard(out, r)
+            shard.copy_(slots[r, offset : offset + shard.numel()].view(shard.shape))
+    return outs

@@ -1,0 +1,132 @@
+"""reduce_scatter_copy_in: pack N full gradients into the reduce-scatter input, rank-major (one launch).
+
+Contract: ``rs_input = reduce_scatter_copy_in(grads, layout, pre_scale, dtype)`` allocates
+``buffer_numel`` elements of ``dtype`` (default: the grads'); viewed as ``(world_size, slot_numel)``,
+row ``r`` is rank ``r``'s slot: the rows ``layout.shard_rows(i, r)`` of every ``grads[i]``, multiplied
+by ``pre_scale`` (if given, in float32 — float64 when a float64 tensor is involved — with the scale
+rounded to float32), cast to ``dtype``, at ``slot_offsets[i]``, zeros in all padding. One pass
+replaces FSDP2's ``_chunk_cat`` + divide + cast. ``grads`` are only read.
+
+======================  =====================================  =================================
+argument                shape                                  dtype
+======================  =====================================  =================================
+``grads[i]``            ``layout.shapes[i]``                   any supported, mixed allowed
+``rs_input`` (out)      ``(world_size * slot_numel,)``         ``dtype``
+======================  =====================================  =================================
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _launch
+from kernels._launch import block_run, convert, load_as
+from kernels.layout import ShardLayout
+
+OP = "reduce_scatter_copy_in"
+
+
+@triton.jit
+def _pack(
+    addr, group, src_offs, dst_ptrs, mask, other, store_mask, scale,
+    DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    COMPUTE: tl.constexpr, HAS_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    OUT: tl.constexpr = dst_ptrs.dtype.element_ty
+    if HAS_SCALE:
+        x = load_as(addr, group, src_offs, mask, other, DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, ALIGNED) * scale
+        if mask is not None:
+            x = tl.where(mask, x, 0)  # padding stays 0 whatever the scale
+        tl.store(dst_ptrs, convert(x, OUT), mask=store_mask)
+    else:
+        x = load_as(addr, group, src_offs, mask, other, DT0, DT1, DT2, DT3, NUM_GROUPS, OUT, ALIGNED)
+        tl.store(dst_ptrs, x, mask=store_mask)
+
+
+@triton.jit
+def _reduce_scatter_copy_in_kernel(
+    blocks_ptr, runs_ptr, pointers_ptr, buffer_ptr, scale,
+    DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, COMPUTE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    addr, group, src_start, dst_start, n_valid, n_total = block_run(blocks_ptr, runs_ptr, pointers_ptr, ALIGNED, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    dst_ptrs = buffer_ptr + dst_start + offs
+    if n_valid >= BLOCK:
+        _pack(addr, group, src_start + offs, dst_ptrs, None, None, None, scale,
+              DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ALIGNED)
+    else:  # the run's last block: gradient tail, then zero padding
+        _pack(addr, group, src_start + offs, dst_ptrs, offs < n_valid, 0, offs < n_total, scale,
+              DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ALIGNED)
+
+
+def _check(
+    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype | None
+) -> tuple[torch.device, torch.dtype]:
+    _launch.check_layout(OP, layout)
+    device = _launch.check_tensors(OP, "grads", grads, layout.shapes)
+    _launch.check_dtype_groups(OP, "grads", grads)
+    if dtype is None:
+        dtype = _launch.common_dtype(OP, "grads", grads)
+    _launch.check_dtype(OP, "dtype", dtype)
+    _launch.check_scale(OP, "pre_scale", pre_scale)
+    if pre_scale is not None:
+        _launch.check_floating(OP, "pre_scale", [dtype, *(g.dtype for g in grads)])
+    return device, dtype
+
+
+def reduce_scatter_copy_in(
+    grads: Sequence[torch.Tensor],
+    layout: ShardLayout,
+    pre_scale: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Pack full ``grads`` rank-major into a new reduce-scatter input (scaled, cast); returns it."""
+    device, dtype = _check(grads, layout, pre_scale, dtype)
+    if _launch.use_dispatcher(grads):
+        return torch.ops.overlap.reduce_scatter_copy_in(list(grads), list(layout.spec), pre_scale, dtype)
+    return _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, device)
+
+
+def _reduce_scatter_copy_in(
+    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    if not _launch.triton_enabled(device):
+        return reduce_scatter_copy_in_ref(grads, layout, pre_scale, dtype)
+    grads = [g.contiguous() for g in grads]
+    rs_input = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
+    compute = _launch.compute_dtype([dtype, *(g.dtype for g in grads)])
+    _launch.launch(
+        _reduce_scatter_copy_in_kernel,
+        _launch.block_table(layout, None, pad=True, device=device),
+        _launch.pointer_table(layout, grads, device),
+        rs_input,
+        1.0 if pre_scale is None else _launch.as_float32(pre_scale),
+        COMPUTE=_launch.TRITON_DTYPES[compute],
+        HAS_SCALE=pre_scale is not None,
+    )
+    return rs_input
+
+
+def reduce_scatter_copy_in_ref(
+    grads: Sequence[torch.Tensor],
+    layout: ShardLayout,
+    pre_scale: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Plain-torch reference of ``reduce_scatter_copy_in`` (also the CPU path without the interpreter)."""
+    dtype = dtype or grads[0].dtype
+    compute = _launch.compute_dtype([dtype, *(g.dtype for g in grads)])
+    rs_input = torch.zeros(layout.buffer_numel, dtype=dtype, device=grads[0].device)
+    slots = rs_input.view(layout.world_size, layout.slot_numel)
+    for r in range(layout.world_size):
+        for grad, offset in zip(grads, layout.slot_offsets):
+            shard = layout.shard(grad, r).reshape(-1)
+            if pre_scale is not None:
+                shard = shard.to(compute) * _launch.as_float32(pre_scale)
+            slots[r, offset : offset + shard.numel()].copy_(shard)
+    return rs_input

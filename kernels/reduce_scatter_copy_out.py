@@ -1,0 +1,151 @@
+"""reduce_scatter_copy_out: unpack this rank's reduced slot into its N sharded gradients (one launch).
+
+Contract: ``reduce_scatter_copy_out(rs_output, shard_grads, layout, rank, post_scale, accumulate)``
+reads shard ``i`` at ``slot_offsets[i]`` of ``rs_output`` (this rank's slot), multiplies it by
+``post_scale`` (if given), casts it to ``shard_grads[i].dtype`` and assigns it
+(``accumulate=False``) or adds it (``accumulate=True``: ``g = g + x``) into ``shard_grads[i]`` in
+place. Scaling and accumulation happen in float32 (float64 when a float64 tensor is involved; the
+scale rounded to float32) and need floating-point tensors; plain copies work for every supported
+dtype. One pass replaces FSDP2's divide + cast + ``+=``. ``rs_output`` is only read.
+
+======================  =====================================  =================================
+argument                shape                                  dtype
+======================  =====================================  =================================
+``rs_output``           ``slot_numel`` elements, contiguous    any supported
+``shard_grads[i]`` (io) ``layout.shard_shape(i, rank)``        any supported, mixed allowed
+======================  =====================================  =================================
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _launch
+from kernels._launch import block_run, convert, load_as, store_as
+from kernels.layout import ShardLayout
+
+OP = "reduce_scatter_copy_out"
+
+
+@triton.jit
+def _unpack(
+    src_ptrs, addr, group, dst_offs, mask, other, scale,
+    DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    COMPUTE: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    x = tl.load(src_ptrs, mask=mask)
+    if HAS_SCALE or ACCUMULATE:
+        x = convert(x, COMPUTE)
+    if HAS_SCALE:
+        x = x * scale
+    if ACCUMULATE:
+        x = load_as(addr, group, dst_offs, mask, other, DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, ALIGNED) + x
+    store_as(addr, group, dst_offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, ALIGNED)
+
+
+@triton.jit
+def _reduce_scatter_copy_out_kernel(
+    blocks_ptr, runs_ptr, pointers_ptr, slot_ptr, scale,
+    DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, COMPUTE: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    addr, group, dst_start, src_start, n_valid, _ = block_run(blocks_ptr, runs_ptr, pointers_ptr, ALIGNED, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    src_ptrs = slot_ptr + src_start + offs
+    if n_valid >= BLOCK:
+        _unpack(src_ptrs, addr, group, dst_start + offs, None, None, scale,
+                DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ACCUMULATE, ALIGNED)
+    else:
+        _unpack(src_ptrs, addr, group, dst_start + offs, offs < n_valid, 0, scale,
+                DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ACCUMULATE, ALIGNED)
+
+
+def _check(
+    rs_output: torch.Tensor,
+    shard_grads: Sequence[torch.Tensor],
+    layout: ShardLayout,
+    rank: int,
+    post_scale: float | None,
+    accumulate: bool,
+) -> None:
+    _launch.check_layout(OP, layout)
+    _launch.check_rank(OP, rank, layout)
+    device = _launch.check_flat(OP, "rs_output", rs_output, layout.slot_numel, None)
+    _launch.check_tensors(OP, "shard_grads", shard_grads, layout.shard_shapes(rank), device, writable=True)
+    _launch.check_dtype_groups(OP, "shard_grads", shard_grads)
+    _launch.check_scale(OP, "post_scale", post_scale)
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"{OP}: accumulate must be a bool, got {type(accumulate).__name__}")
+    if post_scale is not None or accumulate:
+        what = "post_scale" if post_scale is not None else "accumulate=True"
+        _launch.check_floating(OP, what, [rs_output.dtype, *(g.dtype for g in shard_grads)])
+
+
+def reduce_scatter_copy_out(
+    rs_output: torch.Tensor,
+    shard_grads: Sequence[torch.Tensor],
+    layout: ShardLayout,
+    rank: int,
+    post_scale: float | None = None,
+    accumulate: bool = False,
+) -> None:
+    """Write (or add) this rank's reduced slot, scaled and cast, into ``shard_grads`` in place."""
+    _check(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+    if _launch.use_dispatcher([rs_output, *shard_grads]):
+        torch.ops.overlap.reduce_scatter_copy_out(
+            rs_output, list(shard_grads), list(layout.spec), rank, post_scale, accumulate
+        )
+    else:
+        _reduce_scatter_copy_out(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+
+
+def _reduce_scatter_copy_out(
+    rs_output: torch.Tensor,
+    shard_grads: Sequence[torch.Tensor],
+    layout: ShardLayout,
+    rank: int,
+    post_scale: float | None,
+    accumulate: bool,
+) -> None:
+    device = rs_output.device
+    if not _launch.triton_enabled(device):
+        reduce_scatter_copy_out_ref(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+        return
+    compute = _launch.compute_dtype([rs_output.dtype, *(g.dtype for g in shard_grads)])
+    _launch.launch(
+        _reduce_scatter_copy_out_kernel,
+        _launch.block_table(layout, rank, pad=False, device=device),
+        _launch.pointer_table(layout, shard_grads, device),
+        rs_output,
+        1.0 if post_scale is None else _launch.as_float32(post_scale),
+        COMPUTE=_launch.TRITON_DTYPES[compute],
+        HAS_SCALE=post_scale is not None,
+        ACCUMULATE=accumulate,
+    )
+    _launch.increment_version(shard_grads)
+
+
+def reduce_scatter_copy_out_ref(
+    rs_output: torch.Tensor,
+    shard_grads: Sequence[torch.Tensor],
+    layout: ShardLayout,
+    rank: int,
+    post_scale: float | None = None,
+    accumulate: bool = False,
+) -> None:
+    """Plain-torch reference of ``reduce_scatter_copy_out`` (also the CPU path without the interpreter)."""
+    compute = _launch.compute_dtype([rs_output.dtype, *(g.dtype for g in shard_grads)])
+    slot = rs_output.reshape(-1)
+    for grad, offset in zip(shard_grads, layout.slot_offsets):
+        x = slot[offset : offset + grad.numel()].view(grad.shape)
+        if post_scale is not None or accumulate:
+            x = x.to(compute)
+        if post_scale is not None:
+            x = x * _launch.as_float32(post_scale)
+        if accumulate:
+            x = grad.to(compute) + x
+        grad.copy_(x)
