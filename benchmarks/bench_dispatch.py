@@ -1,0 +1,82 @@
+"""Per-op cost of a finished collective result: AsyncTensor vs plain tensor vs torch's AsyncCollectiveTensor.
+
+Also the cost of issue + first use (the wait) of one small all-reduce. Runs a one-rank gloo group in
+this process (no communication worth measuring: the point is the Python/dispatch cost).
+
+    python benchmarks/bench_dispatch.py [--numel 16] [--iters 20000] [--markdown benchmarks/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import overlap  # noqa: E402
+from report import emit  # noqa: E402
+
+
+def _us_per_call(fn: Callable[[], object], iters: int, repeats: int = 5) -> float:
+    for _ in range(max(iters // 10, 10)):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=16, help="elements of the tensor (default 16)")
+    parser.add_argument("--iters", type=int, default=20000, help="ops per timing sample (default 20000)")
+    parser.add_argument("--markdown", default=None, help="append the table to this markdown file")
+    args = parser.parse_args(argv)
+
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    group = dist.group.WORLD
+    x = torch.randn(args.numel)
+
+    plain = x.clone()
+    ours = overlap.all_reduce(x)
+    overlap.wait(ours)
+    theirs = funcol.all_reduce(x, "sum", group)
+    theirs + 0  # first use waits; the object stays an AsyncCollectiveTensor
+    op = {
+        "plain tensor": _us_per_call(lambda: plain + 1, args.iters),
+        "AsyncTensor (finished)": _us_per_call(lambda: ours + 1, args.iters),
+        "torch AsyncCollectiveTensor (finished)": _us_per_call(lambda: theirs + 1, args.iters // 4),
+    }
+    issue = {
+        "overlap.all_reduce + first use": _us_per_call(lambda: overlap.all_reduce(x) + 1, args.iters // 20),
+        "funcol.all_reduce + first use": _us_per_call(lambda: funcol.all_reduce(x, "sum", group) + 1, args.iters // 20),
+        "dist.all_reduce (blocking) + use": _us_per_call(lambda: _blocking(x) + 1, args.iters // 20),
+    }
+    base = op["plain tensor"]
+    rows = [[name, f"{us:.2f}", f"{us / base:.2f}x"] for name, us in op.items()]
+    base_issue = issue["dist.all_reduce (blocking) + use"]
+    rows += [[name, f"{us:.2f}", f"{us / base_issue:.2f}x vs blocking"] for name, us in issue.items()]
+    emit(f"Dispatch cost: `x + 1` on a {args.numel}-element CPU tensor; issue + first use of an all-reduce "
+         "(1-rank gloo)", ["what", "µs per call (median of 5)", "ratio"], rows, args.markdown)
+    dist.destroy_process_group()
+
+
+def _blocking(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    dist.all_reduce(y)
+    return y
+
+
+if __name__ == "__main__":
+    main()
