@@ -15,10 +15,22 @@ from overlap.collectives import (
     wait,
 )
 from overlap.inflight import inflight, inflight_bytes, wait_all
+from overlap.mixed_precision import MixedPrecision
+from overlap.sharding import ShardedModule, no_sync, shard
+from overlap.state_dict import full_state_dict, load_full_state_dict
+from overlap.wrap import Wrapped, wrap
 from scheduler.async_tensor import AsyncTensor
 
 __all__ = [
     "AsyncTensor",
+    "MixedPrecision",
+    "ShardedModule",
+    "Wrapped",
+    "full_state_dict",
+    "load_full_state_dict",
+    "no_sync",
+    "shard",
+    "wrap",
     "all_gather",
     "all_gather_coalesced",
     "all_reduce",

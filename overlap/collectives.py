@@ -450,6 +450,29 @@ def reduce_scatter_coalesced(xs: Sequence[torch.Tensor], op: str = "sum", group:
     return results  # type: ignore[return-value]
 
 
+# ----------------------------------------------------------------------------- in-place building blocks
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo) -> InflightWork:
+    """Issue an all-gather of ``input`` into ``output`` (rank-major, ``w * input.numel()`` elements).
+
+    For the sharded runtime, which packs ``input`` as a view of its own slot in ``output`` (in place).
+    Returns the in-flight work; the caller waits it (``InflightWork.wait``) before reading ``output``.
+    """
+    return _issue("all_gather", output.device, lambda a: _dist_all_gather(output, input, info.pg, a),
+                  (output,), output.numel() * output.element_size())
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo) -> InflightWork:
+    """Issue a sum reduce-scatter of the rank-major ``input`` into ``output`` (``1/w`` of its elements).
+
+    For the sharded runtime. Returns the in-flight work; wait it before reading ``output``.
+    """
+    op = dist_reduce_op("sum", info)
+    return _issue("reduce_scatter", output.device, lambda a: _dist_reduce_scatter(output, input, op, info.pg, a),
+                  (input, output), input.numel() * input.element_size())
+
+
 def wait(t):
     """Wait now for ``t`` (an AsyncTensor, or a list/tuple/dict of them); returns ``t``. Idempotent."""
     return wait_tensor(t)

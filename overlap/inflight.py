@@ -60,6 +60,17 @@ class InflightWork:
             self._host_waited = True
         self.release()
 
+    def synchronize(self) -> None:
+        """Block the host until the collective has finished (bounds bytes in flight, also on CUDA)."""
+        if self._event is not None:
+            self._event.synchronize()
+        self.wait()
+
+    @property
+    def pending(self) -> bool:
+        """Not yet waited (or found finished by a sweep)."""
+        return self._buffers is not None
+
     def release(self) -> None:
         """Drop the buffer references and forget this work (safe once waited or done)."""
         if self._buffers is not None:

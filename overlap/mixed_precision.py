@@ -1,0 +1,39 @@
+"""Mixed precision for the sharded runtime: which dtype each stage of a step runs in."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+__all__ = ["MixedPrecision"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes of a sharded step; ``None`` keeps the parameter's own dtype.
+
+    * ``param_dtype``: the all-gather and the forward/backward compute (unsharded parameters and the
+      floating-point forward inputs are cast to it). Sharded parameters (the optimizer's master
+      copy) keep their dtype.
+    * ``reduce_dtype``: the reduce-scatter of gradients (defaults to ``param_dtype``); the reduced
+      shard is cast back to the sharded parameter's dtype on the way out.
+    * ``output_dtype``: floating-point outputs of the root module are cast to it.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(
+                    f"MixedPrecision.{field.name} must be None or a floating-point torch.dtype "
+                    f"(e.g. torch.bfloat16, torch.float16, torch.float32), got {value!r}"
+                )
+
+    @property
+    def effective_reduce_dtype(self) -> Optional[torch.dtype]:
+        return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype

@@ -1,0 +1,454 @@
+"""``overlap.shard``: FSDP-style sharding of a module, in place, with communication hidden behind compute.
+
+Call ``shard`` on each block, then on the root (children before parents). Each call takes the
+parameters of the module's subtree that no sharded descendant owns, shards them (``ParamGroup``) and
+hooks the module:
+
+=====================  =====================================================================
+point                  what happens
+=====================  =====================================================================
+pre-forward            wait for this group's all-gather (issued earlier by a prefetch, or now),
+                       issue the next ``prefetch`` groups' all-gathers, register the unsharded
+                       parameters, cast floating inputs to ``param_dtype``
+post-forward           register the sharded parameters again, free the unsharded storage
+                       (``reshard_after_forward``; never for the root), hook the outputs
+pre-backward           (a hook on the outputs' gradients) re-gather if freed; prefetch the groups
+                       that come next in backward
+gradient accumulated   (per parameter) when a group's gradients are complete it becomes *ready*;
+                       ready groups are reduce-scattered in a fixed order (below), then resharded
+end of backward        (an autograd final callback) issue what is left in order, wait every
+                       reduce-scatter, add the results into the sharded ``.grad``s, reshard all
+=====================  =====================================================================
+
+[Note: same collectives, same order, on every rank]
+Collectives on a process group must be issued in the same order on every rank. Decisions that issue
+collectives depend only on program order, never on timing: the forward order of groups is recorded
+in the first step and agreed across ranks (a mismatch raises on every rank) before it is used for
+prefetching; reduce-scatters go out in the reverse order of each group's first forward use in this
+step, a ready group waiting for the groups before it. Waiting to respect ``max_inflight_bytes`` only
+delays a collective, it never reorders or skips one.
+
+Memory: with ``reshard_after_forward`` at most ``1 + prefetch`` non-root groups are unsharded at
+once in forward (the root group stays unsharded from its pre-forward to the end of backward, as in
+FSDP2), and the same in backward; unsharded gradients live only until their group's reduce-scatter
+is packed (or across micro-batches under ``no_sync``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from overlap.groups import GroupInfo, resolve_group
+from overlap.inflight import InflightWork
+from overlap.mixed_precision import MixedPrecision
+from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
+
+__all__ = ["shard", "no_sync", "ShardedModule", "sharded_states"]
+
+
+class ShardedModule(nn.Module):
+    """Mixed into the class of every module passed to ``shard`` (like FSDP2's ``FSDPModule``)."""
+
+    _overlap_state: "ShardState"
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:  # type: ignore[override]
+        # to_empty / to(device) replace parameter objects; the group must follow them.
+        out = super()._apply(fn, recurse)
+        for state in sharded_states(self):
+            if state.group is not None:
+                state.group.rebind_sharded()
+        return out
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters (no-op if sharded)."""
+        if self._overlap_state.group is not None:
+            self._overlap_state.group.reshard()
+
+
+_sharded_classes: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    sharded = _sharded_classes.get(cls)
+    if sharded is None:
+        sharded = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+        _sharded_classes[cls] = sharded
+    return sharded
+
+
+def sharded_states(module: nn.Module) -> list["ShardState"]:
+    """The shard states in ``module``'s subtree, in ``module.modules()`` order."""
+    return [m._overlap_state for m in module.modules() if isinstance(m, ShardedModule)]
+
+
+class ShardState:
+    """What ``shard`` attaches to one module: its parameter group (or None), options and hooks."""
+
+    def __init__(self, module: nn.Module, group: Optional[ParamGroup], info: GroupInfo, mp: MixedPrecision,
+                 reshard_after_forward: bool, prefetch: int, max_inflight_bytes: Optional[int]) -> None:
+        self.module = module
+        self.group = group
+        self.info = info
+        self.mp = mp
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.max_inflight_bytes = max_inflight_bytes
+        self.root: Optional[_Root] = None
+        self.index = -1  # position in the root's state list
+        self.sync_grads = True
+        self._backward_seen = -1  # the backward pass (root counter) whose pre-backward ran here
+
+    # ------------------------------------------------------------------ hooks
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        root = self.root
+        if root is None or (root.owner is not self and not root.in_forward):
+            root = _Root(self)  # first forward, or a sub-module run on its own
+        if root.owner is self:
+            root.begin_forward()
+        with torch.profiler.record_function("overlap::pre_forward"):
+            root.on_pre_forward(self)
+        if self.mp.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        root = self.root
+        assert root is not None
+        with torch.profiler.record_function("overlap::post_forward"):
+            if self.group is not None:
+                self.group.to_sharded()
+                if self.reshard_after_forward and root.owner is not self:
+                    self.group.reshard()
+            if torch.is_grad_enabled():
+                self._hook_outputs(output)
+            if root.owner is self:
+                root.end_forward()
+                if self.mp.output_dtype is not None:
+                    output = _cast_floating(output, self.mp.output_dtype)
+        return output
+
+    def _hook_outputs(self, output: Any) -> None:
+        def pre_backward(grad: torch.Tensor) -> None:
+            self.pre_backward()
+
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(pre_backward)
+
+    def pre_backward(self) -> None:
+        root = self.root
+        assert root is not None
+        if self._backward_seen == root.backward_count and root.in_backward:
+            return
+        with torch.profiler.record_function("overlap::pre_backward"):
+            root.on_pre_backward(self)
+        self._backward_seen = root.backward_count
+
+
+class _Root:
+    """Per-step state of the outermost sharded module that is running: order, prefetch, reduces."""
+
+    def __init__(self, owner: ShardState) -> None:
+        self.owner = owner
+        self.states = sharded_states(owner.module)
+        for i, state in enumerate(self.states):
+            state.root, state.index = self, i
+        self.agreed_order: Optional[list[int]] = None
+        self.in_forward = False
+        self.in_backward = False
+        self.backward_count = 0
+        self.forward_seq: list[int] = []
+        self._outstanding: list[InflightWork] = []  # runtime collectives not yet waited, issue order
+        self.max_inflight_seen = 0
+        self._reset_backward()
+
+    # ------------------------------------------------------------------ in-flight budget
+    def _admit(self, nbytes: int, cap: Optional[int]) -> None:
+        """Before issuing ``nbytes``: wait for the oldest runtime collectives until they fit ``cap``."""
+        self._outstanding = [w for w in self._outstanding if w.pending]
+        if cap is not None:
+            while self._outstanding and sum(w.nbytes for w in self._outstanding) + nbytes > cap:
+                self._outstanding.pop(0).synchronize()
+        self.max_inflight_seen = max(self.max_inflight_seen, sum(w.nbytes for w in self._outstanding) + nbytes)
+
+    def _track(self, work: Optional[InflightWork]) -> None:
+        if work is not None:
+            self._outstanding.append(work)
+
+    def _gather(self, state: ShardState) -> None:
+        group = state.group
+        if group is None or group.is_unsharded or group.pending_gather is not None:
+            return
+        self._admit(group.all_gather_bytes(), state.max_inflight_bytes)
+        group.issue_gather()
+        assert group.pending_gather is not None
+        self._track(group.pending_gather.work)
+
+    def _prefetch(self, state: ShardState, upcoming: list[int]) -> None:
+        for index in upcoming[: state.prefetch]:
+            if self.states[index] is not state:
+                self._gather(self.states[index])
+
+    # ------------------------------------------------------------------ forward
+    def begin_forward(self) -> None:
+        if self.in_backward or any(s.group is not None and s.group.is_unsharded for s in self.states if s is not self.owner):
+            self._finish_step()  # the last forward had no backward (or it was cut short)
+        self.in_forward = True
+        self.forward_seq = []
+        self._on_script = True
+
+    def on_pre_forward(self, state: ShardState) -> None:
+        position = len(self.forward_seq)
+        self.forward_seq.append(state.index)
+        order = self.agreed_order
+        # Prefetch only while this step follows the agreed order (see [Note: same collectives, ...]).
+        self._on_script = self._on_script and order is not None and position < len(order) and order[position] == state.index
+        self._gather(state)  # no-op when prefetched
+        if self._on_script:
+            assert order is not None
+            self._prefetch(state, order[position + 1 :])
+        if state.group is not None:
+            state.group.finish_gather()
+            state.group.to_unsharded()
+
+    def end_forward(self) -> None:
+        self.in_forward = False
+        if self.agreed_order != self.forward_seq:
+            self.agreed_order = self._agree(self.forward_seq)
+        for state in self.states:  # prefetched for a block that did not run this step
+            if state.group is not None and state.group.pending_gather is not None:
+                state.group.reshard()
+        if not torch.is_grad_enabled():
+            self._finish_step()  # no backward will follow
+
+    def _agree(self, order: list[int]) -> list[int]:
+        """Check that every rank ran the groups in the same order; raise on every rank if not."""
+        info = self.owner.info
+        if info.size == 1:
+            return list(order)
+        orders: list[Any] = [None] * info.size
+        dist.all_gather_object(orders, list(order), group=info.pg)
+        if any(o != orders[0] for o in orders):
+            names = [type(s.module).__name__ for s in self.states]
+            described = "; ".join(f"rank {r}: {[names[i] for i in o]}" for r, o in enumerate(orders))
+            raise RuntimeError(
+                f"overlap.shard: ranks ran the sharded modules in different orders, so their collectives "
+                f"would not match ({described}). Every rank must run the same modules in the same order."
+            )
+        return list(order)
+
+    # ------------------------------------------------------------------ backward
+    def _reset_backward(self) -> None:
+        self._done: set[int] = set()  # groups reduce-scattered (and resharded) in this backward
+        self._backward_order: list[int] = []
+        self._backward_cursor = 0
+        self.backward_seq: list[int] = []
+        self._reduce_order: list[int] = []
+        self._reduce_next = 0
+        self._ready: set[int] = set()
+        self._pending_reduces: list[tuple[ParamGroup, PendingReduce]] = []
+
+    def on_pre_backward(self, state: ShardState) -> None:
+        if not self.in_backward:
+            self._begin_backward()
+        self.backward_seq.append(state.index)
+        if state.group is not None and state.index not in self._done:
+            self._gather(state)
+            state.group.finish_gather()
+        # Backward runs the forward order in reverse: prefetch the groups after this one.
+        reverse = self._backward_order
+        pos = reverse.index(state.index, self._backward_cursor) if state.index in reverse[self._backward_cursor:] else -1
+        if pos >= 0:
+            self._backward_cursor = pos
+            upcoming = [i for i in reverse[pos + 1 :] if i not in self._done]
+            self._prefetch(state, list(dict.fromkeys(upcoming)))
+
+    def _begin_backward(self) -> None:
+        self.in_backward = True
+        self.backward_count += 1
+        self._reset_backward()
+        self._backward_order = self.forward_seq[::-1]
+        first_use: dict[int, int] = {}
+        for pos, index in enumerate(self.forward_seq):
+            first_use.setdefault(index, pos)
+        self._reduce_order = sorted(first_use, key=lambda i: -first_use[i])
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def on_grad_ready(self, group: ParamGroup, index: int) -> None:
+        if not self.in_backward:
+            return  # e.g. a backward through a module outside this root's step
+        state = next(s for s in self.states if s.group is group)
+        if set(group.requires_grad_indices) <= group.grads_ready:
+            self._ready.add(state.index)
+            self._flush_reduces(final=False)
+
+    def _flush_reduces(self, final: bool) -> None:
+        while self._reduce_next < len(self._reduce_order):
+            index = self._reduce_order[self._reduce_next]
+            if not final and index not in self._ready:
+                break
+            self._reduce_next += 1
+            self._reduce(self.states[index])
+
+    def _reduce(self, state: ShardState) -> None:
+        group = state.group
+        self._done.add(state.index)
+        if group is None:
+            return
+        if state.sync_grads:
+            with torch.profiler.record_function("overlap::reduce_scatter"):
+                self._admit(group.reduce_bytes(), state.max_inflight_bytes)
+                pending = group.issue_reduce()
+                if pending is not None:
+                    self._track(pending.work)
+                    self._pending_reduces.append((group, pending))
+        group.grads_ready.clear()
+        group.reshard()
+
+    def _end_backward(self) -> None:
+        with torch.profiler.record_function("overlap::end_backward"), torch.no_grad():
+            self._flush_reduces(final=True)
+            for group, pending in self._pending_reduces:
+                group.finish_reduce(pending)
+            self._finish_step()
+
+    def _finish_step(self) -> None:
+        """Reshard everything, forget the step (also the clean-up of a step without backward)."""
+        for state in self.states:
+            if state.group is not None:
+                state.group.grads_ready.clear()
+                state.group.reshard()
+                state.group.to_sharded()
+        self._pending_reduces = []
+        self.in_backward = False
+        self._outstanding = [w for w in self._outstanding if w.pending]
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+# ---------------------------------------------------------------------------------------- shard()
+def _check_options(module: object, mp: object, reshard_after_forward: object, prefetch: object,
+                   max_inflight_bytes: object) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shard: module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, ShardedModule):
+        raise ValueError(f"shard: {type(module).__name__} is already sharded (shard() was called on it before)")
+    if mp is not None and not isinstance(mp, MixedPrecision):
+        raise TypeError(f"shard: mp must be None or an overlap.MixedPrecision, got {type(mp).__name__}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"shard: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"shard: prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
+    if max_inflight_bytes is not None and (
+        isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 1
+    ):
+        raise ValueError(f"shard: max_inflight_bytes must be None or an int >= 1, got {max_inflight_bytes!r}")
+
+
+def _owned_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[list[ParamLocation]]]:
+    """Parameters in ``module``'s subtree outside sharded descendants, each with every place it is
+    registered (tied parameters have several)."""
+    params: list[nn.Parameter] = []
+    locations: dict[int, list[ParamLocation]] = {}
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            fqn = prefix + name
+            if getattr(p, "_overlap_sharded_by", None) is not None:
+                raise ValueError(
+                    f"shard: parameter {fqn!r} of {type(module).__name__} is shared with a submodule that was "
+                    f"sharded on its own; shard a common ancestor that owns every use of it instead"
+                )
+            if id(p) not in locations:
+                params.append(p)
+                locations[id(p)] = []
+            locations[id(p)].append(ParamLocation(m, name, fqn))
+        for child_name, child in m._modules.items():
+            if child is not None and not isinstance(child, ShardedModule):
+                visit(child, f"{prefix}{child_name}.")
+
+    visit(module, "")
+    return params, [locations[id(p)] for p in params]
+
+
+def shard(
+    module: nn.Module,
+    *,
+    group: Any = None,
+    mesh: Any = None,
+    mp: Optional[MixedPrecision] = None,
+    reshard_after_forward: bool = True,
+    prefetch: int = 1,
+    max_inflight_bytes: Optional[int] = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters over ``group`` (or a 1-D ``mesh``; default WORLD), in place.
+
+    Returns ``module``, whose class becomes a subclass of :class:`ShardedModule`. Its parameters are
+    replaced by this rank's dim-0 shards (plain ``nn.Parameter``s); buffers stay replicated and are
+    not touched. Call it on each block first, then on the root.
+    """
+    _check_options(module, mp, reshard_after_forward, prefetch, max_inflight_bytes)
+    if group is not None and mesh is not None:
+        raise ValueError("shard: pass group or mesh, not both")
+    info = resolve_group(mesh if mesh is not None else group, "mesh" if mesh is not None else "group")
+    mp = mp or MixedPrecision()
+    params, locations = _owned_parameters(module)
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        where = {str(p.device): locs[0].fqn for p, locs in zip(params, locations)}
+        raise ValueError(f"shard: {type(module).__name__} has parameters on several devices ({where}); move them to one")
+    floating = all(p.is_floating_point() for p in params)
+    if mp.param_dtype is not None and not floating:
+        bad = [locs[0].fqn for p, locs in zip(params, locations) if not p.is_floating_point()]
+        raise TypeError(f"shard: MixedPrecision.param_dtype needs floating-point parameters; {bad} are not")
+
+    state_holder: list[ShardState] = []
+
+    def on_grad_ready(g: ParamGroup, index: int) -> None:
+        root = state_holder[0].root
+        if root is not None:
+            root.on_grad_ready(g, index)
+
+    param_group = ParamGroup(params, locations, info, mp, on_grad_ready) if params else None
+    if param_group is not None:
+        for original, sharded in zip(params, param_group.sharded):
+            original._overlap_sharded_by = param_group  # type: ignore[attr-defined]
+            sharded._overlap_sharded_by = param_group  # type: ignore[attr-defined]
+    state = ShardState(module, param_group, info, mp, reshard_after_forward, prefetch, max_inflight_bytes)
+    state_holder.append(state)
+    module.__class__ = _sharded_class(type(module))
+    module._overlap_state = state  # type: ignore[assignment]
+    module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
+    module.register_forward_hook(state.post_forward)
+    return module
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module) -> Iterator[None]:
+    """Skip gradient reduce-scatters inside (gradient accumulation): unsharded gradients accumulate,
+    and the next backward outside reduces all of it."""
+    states = sharded_states(module)
+    if not states:
+        raise ValueError(f"no_sync: {type(module).__name__} has no sharded modules (call overlap.shard first)")
+    previous = [s.sync_grads for s in states]
+    for s in states:
+        s.sync_grads = False
+    try:
+        yield
+    finally:
+        for s, flag in zip(states, previous):
+            s.sync_grads = flag
