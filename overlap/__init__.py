@@ -16,7 +16,7 @@ from overlap.collectives import (
 )
 from overlap.inflight import inflight, inflight_bytes, wait_all
 from overlap.mixed_precision import MixedPrecision
-from overlap.sharding import ShardedModule, no_sync, shard
+from overlap.sharding import ShardedModule, no_overlap, no_sync, shard
 from overlap.state_dict import full_state_dict, load_full_state_dict
 from overlap.wrap import Wrapped, wrap
 from scheduler.async_tensor import AsyncTensor
@@ -28,6 +28,7 @@ __all__ = [
     "Wrapped",
     "full_state_dict",
     "load_full_state_dict",
+    "no_overlap",
     "no_sync",
     "shard",
     "wrap",

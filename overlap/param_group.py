@@ -152,11 +152,14 @@ class ParamGroup:
                 dtype = self.mp.param_dtype if self.orig_dtypes[i].is_floating_point and self.mp.param_dtype else self.orig_dtypes[i]
                 p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=self.sharded[i].requires_grad)
                 p.untyped_storage().resize_(0)
-                p.register_post_accumulate_grad_hook(self._grad_hook(i))
                 self.unsharded.append(p)
-        for u, s in zip(self.unsharded, self.sharded):
+            self._hooked: set[int] = set()
+        for i, (u, s) in enumerate(zip(self.unsharded, self.sharded)):
             if u.requires_grad != s.requires_grad:  # frozen or unfrozen since the last step
                 u.requires_grad_(s.requires_grad)
+            if u.requires_grad and i not in self._hooked:
+                u.register_post_accumulate_grad_hook(self._grad_hook(i))
+                self._hooked.add(i)
         return self.unsharded
 
     def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:

@@ -48,7 +48,7 @@ from overlap.inflight import InflightWork
 from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
 
-__all__ = ["shard", "no_sync", "ShardedModule", "sharded_states"]
+__all__ = ["shard", "no_sync", "no_overlap", "ShardedModule", "sharded_states"]
 
 
 class ShardedModule(nn.Module):
@@ -101,6 +101,7 @@ class ShardState:
         self.root: Optional[_Root] = None
         self.index = -1  # position in the root's state list
         self.sync_grads = True
+        self.serialize_comm = False  # set by no_overlap() on the root
         self._backward_seen = -1  # the backward pass (root counter) whose pre-backward ran here
 
     # ------------------------------------------------------------------ hooks
@@ -177,7 +178,11 @@ class _Root:
         self.max_inflight_seen = max(self.max_inflight_seen, sum(w.nbytes for w in self._outstanding) + nbytes)
 
     def _track(self, work: Optional[InflightWork]) -> None:
-        if work is not None:
+        if work is None:
+            return
+        if self.owner.serialize_comm:
+            work.synchronize()  # overlap off: the collective completes before anything else runs
+        else:
             self._outstanding.append(work)
 
     def _gather(self, state: ShardState) -> None:
@@ -190,6 +195,8 @@ class _Root:
         self._track(group.pending_gather.work)
 
     def _prefetch(self, state: ShardState, upcoming: list[int]) -> None:
+        if self.owner.serialize_comm:
+            return
         for index in upcoming[: state.prefetch]:
             if self.states[index] is not state:
                 self._gather(self.states[index])
@@ -438,17 +445,28 @@ def shard(
 
 
 @contextlib.contextmanager
-def no_sync(module: nn.Module) -> Iterator[None]:
-    """Skip gradient reduce-scatters inside (gradient accumulation): unsharded gradients accumulate,
-    and the next backward outside reduces all of it."""
+def _states_flag(module: nn.Module, attribute: str, value: bool, caller: str) -> Iterator[None]:
+    """Set ``attribute`` on every shard state under ``module`` inside the block; restore on exit."""
     states = sharded_states(module)
     if not states:
-        raise ValueError(f"no_sync: {type(module).__name__} has no sharded modules (call overlap.shard first)")
-    previous = [s.sync_grads for s in states]
+        raise ValueError(f"{caller}: {type(module).__name__} has no sharded modules (call overlap.shard first)")
+    previous = [getattr(s, attribute) for s in states]
     for s in states:
-        s.sync_grads = False
+        setattr(s, attribute, value)
     try:
         yield
     finally:
         for s, flag in zip(states, previous):
-            s.sync_grads = flag
+            setattr(s, attribute, flag)
+
+
+def no_sync(module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Skip gradient reduce-scatters inside (gradient accumulation): unsharded gradients accumulate,
+    and the next backward outside reduces all of it."""
+    return _states_flag(module, "sync_grads", False, "no_sync")
+
+
+def no_overlap(module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Turn overlap off inside (the baseline that shows what overlap hides): nothing is prefetched
+    and every collective of ``module``'s sharded runtime completes right after it is issued."""
+    return _states_flag(module, "serialize_comm", True, "no_overlap")
