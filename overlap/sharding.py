@@ -121,6 +121,7 @@ class ShardState:
         root = self.root
         assert root is not None
         with torch.profiler.record_function("overlap::post_forward"):
+            root.post_forward_seq.append(self.index)
             if self.group is not None:
                 self.group.to_sharded()
                 if self.reshard_after_forward and root.owner is not self:
@@ -163,7 +164,8 @@ class _Root:
         self.in_forward = False
         self.in_backward = False
         self.backward_count = 0
-        self.forward_seq: list[int] = []
+        self.forward_seq: list[int] = []  # pre-forward order of this step (state indices)
+        self.post_forward_seq: list[int] = []  # post-forward order: reversed, when backward needs each
         self._outstanding: list[InflightWork] = []  # runtime collectives not yet waited, issue order
         self.max_inflight_seen = 0
         self._reset_backward()
@@ -207,6 +209,7 @@ class _Root:
             self._finish_step()  # the last forward had no backward (or it was cut short)
         self.in_forward = True
         self.forward_seq = []
+        self.post_forward_seq = []
         self._on_script = True
 
     def on_pre_forward(self, state: ShardState) -> None:
@@ -279,7 +282,9 @@ class _Root:
         self.in_backward = True
         self.backward_count += 1
         self._reset_backward()
-        self._backward_order = self.forward_seq[::-1]
+        # A module's parameters are first needed in backward where its last forward use ended, and
+        # its gradients are complete where its first forward use began.
+        self._backward_order = self.post_forward_seq[::-1]
         first_use: dict[int, int] = {}
         for pos, index in enumerate(self.forward_seq):
             first_use.setdefault(index, pos)

@@ -258,6 +258,7 @@ def test_next_gather_is_in_flight_while_a_block_computes(distributed, monkeypatc
     # takes longer to pack a group (~15 ms) than the link takes to move it. A 64x64 fp32 gather
     # moves 8 KiB to each rank: ~13 ms on this link, far longer than issuing it.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("OVERLAP_TEST_START_METHOD", "spawn")  # fork-server ranks keep the first call's mode
     for r in distributed(_overlap_structure_rank, 2, link=(0.005, 50.0)):
         for entry in r["overlap"]:
             assert entry["next_in_flight"], "the next block's all-gather was not in flight during compute"

@@ -28,7 +28,9 @@ once (a fresh interpreter, not a copy of the threaded caller, so it is as safe a
 first call in a process starts the server (~2 s, not counted against ``timeout``); after that a
 trivial 2-rank run costs ~0.13 s, against ~2.2 s per call with "spawn". Set
 ``OVERLAP_TEST_START_METHOD=spawn`` to use plain spawn. Under the fork server, environment variables
-that torch reads while being imported come from the first call's environment.
+that torch reads while being imported come from the first call's environment, and so does
+``TRITON_INTERPRET`` (importing ``overlap`` imports ``kernels``, whose Triton kernels are decorated
+for the interpreter or not at import): a call that needs another value must use spawn.
 
 Threads. Unless ``OMP_NUM_THREADS`` is set, each rank uses ``max(1, cpu_count // world_size)``
 intra-op threads, so ranks sharing a small machine do not oversubscribe it.
