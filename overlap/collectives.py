@@ -40,6 +40,7 @@ from overlap import traced
 from overlap.groups import GroupArg, GroupInfo, check_reduce_op, dist_reduce_op, resolve_group
 from overlap.inflight import InflightWork, ResultCompletion, track
 from overlap.streams import comm_stream
+from overlap.regions import region
 from scheduler.async_tensor import AsyncTensor, wait_tensor
 
 __all__ = [
@@ -105,7 +106,7 @@ _STREAM_PURPOSE = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter
 
 def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[torch.Tensor], nbytes: int) -> InflightWork:
     """Start ``launch`` without blocking the caller: on a comm stream (CUDA) or as an async work."""
-    with torch.profiler.record_function(f"overlap::{kind}"):
+    with region(f"overlap::{kind}"):
         if device.type == "cuda":
             current = torch.cuda.current_stream(device)
             stream = comm_stream(device, _STREAM_PURPOSE.get(kind.removesuffix("_coalesced"), "other"))

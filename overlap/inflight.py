@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from overlap.regions import region
 
 __all__ = ["InflightWork", "ResultCompletion", "track", "sweep", "wait_all", "inflight", "inflight_bytes"]
 
@@ -95,7 +96,7 @@ class ResultCompletion:
         self._finish = finish
 
     def wait(self) -> None:
-        with torch.profiler.record_function("overlap::wait"):
+        with region("overlap::wait"):
             self._work.wait()
             if self._finish is not None:
                 self._finish()

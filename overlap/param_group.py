@@ -34,6 +34,12 @@ the re-gathered data in backward, and a block called twice in one forward accumu
 The refill happens under ``torch.autograd._unsafe_preserve_version_counter`` so autograd does not
 mistake the re-gather for an in-place change of a saved tensor. torch's FSDP2 does the same.
 
+[Note: world size 1]
+With one rank and no dtype cast the shard *is* the full parameter (the sharding rule gives rank 0
+every row), so each unsharded parameter is a view of its shard's storage: gathering and resharding
+only swap registrations, and a gradient moves to the shard's ``.grad`` without packing. torch's
+FSDP2 still runs its collectives at world size 1; this path is why a single-GPU run pays little.
+
 Concurrency: every method runs on the thread that runs the module (forward hooks, autograd hooks
 on CPU, the final backward callback). Collectives are issued on ``overlap``'s communication streams
 (CUDA) or as async gloo work (CPU); waits are stream waits (CUDA) or ``work.wait()`` (CPU).
@@ -52,6 +58,7 @@ from overlap.collectives import all_gather_into, reduce_scatter_into
 from overlap.groups import GroupInfo
 from overlap.inflight import InflightWork
 from overlap.mixed_precision import MixedPrecision
+from overlap.regions import region
 
 __all__ = ["ParamGroup", "ParamLocation", "PendingGather", "PendingReduce", "widest_dtype"]
 
@@ -108,7 +115,11 @@ class ParamGroup:
                 nn.Parameter(self.layout.shard(p.detach(), self.rank).clone(), requires_grad=p.requires_grad)
                 for p in params
             ]
+        self.aliases_shards = info.size == 1 and all(self._unsharded_dtype(i) == d for i, d in enumerate(self.orig_dtypes))
+        """World size 1 without a dtype cast: the unsharded parameters share the shards' storage, so
+        nothing is packed, moved or freed (see [Note: world size 1])."""
         self.unsharded: Optional[list[nn.Parameter]] = None  # created at the first gather (device known then)
+        self._unsharded_sources: list[int] = []  # ids of the shards the unsharded params were made for
         self.is_unsharded = False
         self.pending_gather: Optional[PendingGather] = None
         self.grads_ready: set[int] = set()
@@ -144,15 +155,22 @@ class ParamGroup:
     def requires_grad_indices(self) -> tuple[int, ...]:
         return tuple(i for i, p in enumerate(self.sharded) if p.requires_grad)
 
+    def _unsharded_dtype(self, index: int) -> torch.dtype:
+        dtype = self.orig_dtypes[index]
+        return self.mp.param_dtype if dtype.is_floating_point and self.mp.param_dtype else dtype
+
     def _unsharded_params(self) -> list[nn.Parameter]:
-        device = self.sharded[0].device
-        if self.unsharded is None or self.unsharded[0].device != device:
+        sources = [id(p) for p in self.sharded]
+        if self.unsharded is None or self._unsharded_sources != sources:  # new, or the shards were replaced
             self.unsharded = []
             for i, shape in enumerate(self.layout.shapes):
-                dtype = self.mp.param_dtype if self.orig_dtypes[i].is_floating_point and self.mp.param_dtype else self.orig_dtypes[i]
-                p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=self.sharded[i].requires_grad)
-                p.untyped_storage().resize_(0)
-                self.unsharded.append(p)
+                if self.aliases_shards:
+                    data = self.sharded[i].detach().view(shape)
+                else:
+                    data = torch.empty(shape, dtype=self._unsharded_dtype(i), device=self.sharded[i].device)
+                    data.untyped_storage().resize_(0)
+                self.unsharded.append(nn.Parameter(data, requires_grad=self.sharded[i].requires_grad))
+            self._unsharded_sources = sources
             self._hooked: set[int] = set()
         for i, (u, s) in enumerate(zip(self.unsharded, self.sharded)):
             if u.requires_grad != s.requires_grad:  # frozen or unfrozen since the last step
@@ -174,9 +192,9 @@ class ParamGroup:
 
     def issue_gather(self) -> None:
         """Pack the shards and start the all-gather (no-op if gathered or already in flight)."""
-        if self.is_unsharded or self.pending_gather is not None:
+        if self.is_unsharded or self.pending_gather is not None or self.aliases_shards:
             return
-        with torch.profiler.record_function("overlap::all_gather_copy_in"), torch.no_grad():
+        with region("overlap::all_gather_copy_in"), torch.no_grad():
             ag_input, ag_output = kernels.all_gather_copy_in(self.sharded, self.layout, self.rank, self.gather_dtype)
         work = all_gather_into(ag_output, ag_input, self.info) if self.world_size > 1 else None
         self.pending_gather = PendingGather(work, ag_output)
@@ -185,13 +203,17 @@ class ParamGroup:
         """Wait for the all-gather (issuing it first if needed) and unpack into the unsharded params."""
         if self.is_unsharded:
             return
+        if self.aliases_shards:
+            self._unsharded_params()
+            self.is_unsharded = True
+            return
         self.issue_gather()
         pending, self.pending_gather = self.pending_gather, None
         assert pending is not None
         if pending.work is not None:
             pending.work.wait()
         outs = self._unsharded_params()
-        with torch.profiler.record_function("overlap::all_gather_copy_out"), torch.no_grad():
+        with region("overlap::all_gather_copy_out"), torch.no_grad():
             for u in outs:
                 u.untyped_storage().resize_(u.numel() * u.element_size())
             with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
@@ -206,8 +228,9 @@ class ParamGroup:
             self.pending_gather = None
         if self.is_unsharded:
             assert self.unsharded is not None
-            for u in self.unsharded:
-                u.untyped_storage().resize_(0)
+            if not self.aliases_shards:  # aliased storage belongs to the shards
+                for u in self.unsharded:
+                    u.untyped_storage().resize_(0)
             self.is_unsharded = False
 
     # ------------------------------------------------------------------ reduce-scatter
@@ -237,6 +260,9 @@ class ParamGroup:
         indices = self.requires_grad_indices
         if not indices or self.unsharded is None:
             return None
+        if self.aliases_shards:
+            self._move_grads_to_shards(indices)
+            return None
         grads = []
         for i in indices:
             u = self.unsharded[i]
@@ -244,7 +270,7 @@ class ParamGroup:
             u.grad = None
         layout = self._reduce_layout(indices)
         dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads])
-        with torch.profiler.record_function("overlap::reduce_scatter_copy_in"), torch.no_grad():
+        with region("overlap::reduce_scatter_copy_in"), torch.no_grad():
             rs_input = kernels.reduce_scatter_copy_in(grads, layout, dtype=dtype)
         if self.world_size == 1:
             return PendingReduce(None, rs_input, indices, layout)
@@ -261,14 +287,24 @@ class ParamGroup:
             if p.grad is None:
                 p.grad = torch.zeros_like(p) if accumulate else torch.empty_like(p)
         scale = 1.0 / self.world_size if self.world_size > 1 else None
-        with torch.profiler.record_function("overlap::reduce_scatter_copy_out"), torch.no_grad():
+        with region("overlap::reduce_scatter_copy_out"), torch.no_grad():
             kernels.reduce_scatter_copy_out(
                 pending.rs_output, [p.grad for p in targets], pending.layout, self.rank, scale, accumulate
             )
 
-    def drop_unsharded_grads(self) -> None:
-        for u in self.unsharded or ():
-            u.grad = None
+    def _move_grads_to_shards(self, indices: tuple[int, ...]) -> None:
+        """World size 1 fast path of the reduce-scatter: the full gradient is the shard's gradient."""
+        assert self.unsharded is not None
+        with torch.no_grad():
+            for i in indices:
+                u, s = self.unsharded[i], self.sharded[i]
+                if u.grad is None:
+                    continue
+                grad, u.grad = u.grad.view(s.shape), None
+                if s.grad is None:
+                    s.grad = grad
+                else:
+                    s.grad += grad
 
 
 def widest_dtype(dtypes: list[torch.dtype]) -> torch.dtype:

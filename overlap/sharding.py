@@ -47,6 +47,7 @@ from overlap.groups import GroupInfo, resolve_group
 from overlap.inflight import InflightWork
 from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
+from overlap.regions import region
 
 __all__ = ["shard", "no_sync", "no_overlap", "ShardedModule", "sharded_states"]
 
@@ -111,7 +112,7 @@ class ShardState:
             root = _Root(self)  # first forward, or a sub-module run on its own
         if root.owner is self:
             root.begin_forward()
-        with torch.profiler.record_function("overlap::pre_forward"):
+        with region("overlap::pre_forward"):
             root.on_pre_forward(self)
         if self.mp.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
@@ -120,7 +121,7 @@ class ShardState:
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         root = self.root
         assert root is not None
-        with torch.profiler.record_function("overlap::post_forward"):
+        with region("overlap::post_forward"):
             root.post_forward_seq.append(self.index)
             if self.group is not None:
                 self.group.to_sharded()
@@ -147,7 +148,7 @@ class ShardState:
         assert root is not None
         if self._backward_seen == root.backward_count and root.in_backward:
             return
-        with torch.profiler.record_function("overlap::pre_backward"):
+        with region("overlap::pre_backward"):
             root.on_pre_backward(self)
         self._backward_seen = root.backward_count
 
@@ -160,6 +161,7 @@ class _Root:
         self.states = sharded_states(owner.module)
         for i, state in enumerate(self.states):
             state.root, state.index = self, i
+        self._state_of_group = {id(s.group): s for s in self.states if s.group is not None}
         self.agreed_order: Optional[list[int]] = None
         self.in_forward = False
         self.in_backward = False
@@ -171,12 +173,11 @@ class _Root:
         self._reset_backward()
 
     # ------------------------------------------------------------------ in-flight budget
-    def _admit(self, nbytes: int, cap: Optional[int]) -> None:
+    def _admit(self, nbytes: int, cap: int) -> None:
         """Before issuing ``nbytes``: wait for the oldest runtime collectives until they fit ``cap``."""
         self._outstanding = [w for w in self._outstanding if w.pending]
-        if cap is not None:
-            while self._outstanding and sum(w.nbytes for w in self._outstanding) + nbytes > cap:
-                self._outstanding.pop(0).synchronize()
+        while self._outstanding and sum(w.nbytes for w in self._outstanding) + nbytes > cap:
+            self._outstanding.pop(0).synchronize()
         self.max_inflight_seen = max(self.max_inflight_seen, sum(w.nbytes for w in self._outstanding) + nbytes)
 
     def _track(self, work: Optional[InflightWork]) -> None:
@@ -189,9 +190,10 @@ class _Root:
 
     def _gather(self, state: ShardState) -> None:
         group = state.group
-        if group is None or group.is_unsharded or group.pending_gather is not None:
+        if group is None or group.is_unsharded or group.pending_gather is not None or group.aliases_shards:
             return
-        self._admit(group.all_gather_bytes(), state.max_inflight_bytes)
+        if state.max_inflight_bytes is not None:
+            self._admit(group.all_gather_bytes(), state.max_inflight_bytes)
         group.issue_gather()
         assert group.pending_gather is not None
         self._track(group.pending_gather.work)
@@ -294,7 +296,7 @@ class _Root:
     def on_grad_ready(self, group: ParamGroup, index: int) -> None:
         if not self.in_backward:
             return  # e.g. a backward through a module outside this root's step
-        state = next(s for s in self.states if s.group is group)
+        state = self._state_of_group[id(group)]
         if set(group.requires_grad_indices) <= group.grads_ready:
             self._ready.add(state.index)
             self._flush_reduces(final=False)
@@ -313,8 +315,9 @@ class _Root:
         if group is None:
             return
         if state.sync_grads:
-            with torch.profiler.record_function("overlap::reduce_scatter"):
-                self._admit(group.reduce_bytes(), state.max_inflight_bytes)
+            with region("overlap::reduce_scatter"):
+                if state.max_inflight_bytes is not None:
+                    self._admit(group.reduce_bytes(), state.max_inflight_bytes)
                 pending = group.issue_reduce()
                 if pending is not None:
                     self._track(pending.work)
@@ -323,7 +326,7 @@ class _Root:
         group.reshard()
 
     def _end_backward(self) -> None:
-        with torch.profiler.record_function("overlap::end_backward"), torch.no_grad():
+        with region("overlap::end_backward"), torch.no_grad():
             self._flush_reduces(final=True)
             for group, pending in self._pending_reduces:
                 group.finish_reduce(pending)
