@@ -74,7 +74,8 @@ def _all_gather_copy_in(
     shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not _launch.triton_enabled(device):
-        return all_gather_copy_in_ref(shards, layout, rank, dtype)
+        with torch.no_grad():  # like the kernel: the buffer carries no autograd history
+            return all_gather_copy_in_ref(shards, layout, rank, dtype)
     shards = [s.contiguous() for s in shards]
     ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]

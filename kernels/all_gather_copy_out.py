@@ -81,7 +81,8 @@ def all_gather_copy_out(
 
 def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: list[torch.Tensor]) -> None:
     if not _launch.triton_enabled(ag_output.device):
-        all_gather_copy_out_ref(ag_output, layout, outs)
+        with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
+            all_gather_copy_out_ref(ag_output, layout, outs)
         return
     device = ag_output.device
     blocks = _launch.block_table(layout, None, pad=False, device=device)

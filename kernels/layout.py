@@ -98,17 +98,10 @@ class ShardLayout:
         self._device_cache: dict[Any, Any] = {}
 
     @staticmethod
-    @functools.lru_cache(maxsize=256)
     def from_spec(spec: Sequence[int]) -> ShardLayout:
-        """The layout whose ``spec`` is ``spec`` (cached: equal specs give the same object)."""
-        spec = tuple(spec)
-        world_size, n = spec[0], spec[1]
-        shapes, pos = [], 2
-        for _ in range(n):
-            ndim = spec[pos]
-            shapes.append(spec[pos + 1 : pos + 1 + ndim])
-            pos += 1 + ndim
-        return ShardLayout(shapes, world_size)
+        """The layout whose ``spec`` is ``spec`` (any sequence of ints; cached: equal specs give the
+        same object)."""
+        return _layout_from_spec(tuple(spec))
 
     @property
     def num_params(self) -> int:
@@ -197,3 +190,14 @@ class ShardLayout:
                     (i, tensor_start, base + self.slot_offsets[i], self.shard_numel(i, r), self.padded_numels[i])
                 )
         return np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_from_spec(spec: tuple[int, ...]) -> ShardLayout:
+    world_size, n = spec[0], spec[1]
+    shapes, pos = [], 2
+    for _ in range(n):
+        ndim = spec[pos]
+        shapes.append(spec[pos + 1 : pos + 1 + ndim])
+        pos += 1 + ndim
+    return ShardLayout(shapes, world_size)

@@ -96,7 +96,8 @@ def _reduce_scatter_copy_in(
     grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     if not _launch.triton_enabled(device):
-        return reduce_scatter_copy_in_ref(grads, layout, pre_scale, dtype)
+        with torch.no_grad():  # like the kernel: the buffer carries no autograd history
+            return reduce_scatter_copy_in_ref(grads, layout, pre_scale, dtype)
     grads = [g.contiguous() for g in grads]
     rs_input = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     compute = _launch.compute_dtype([dtype, *(g.dtype for g in grads)])

@@ -113,7 +113,8 @@ def _reduce_scatter_copy_out(
 ) -> None:
     device = rs_output.device
     if not _launch.triton_enabled(device):
-        reduce_scatter_copy_out_ref(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+        with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
+            reduce_scatter_copy_out_ref(rs_output, shard_grads, layout, rank, post_scale, accumulate)
         return
     compute = _launch.compute_dtype([rs_output.dtype, *(g.dtype for g in shard_grads)])
     _launch.launch(

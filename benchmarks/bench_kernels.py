@@ -1,0 +1,252 @@
+"""Packing kernels: GB/s of the four fused ops vs the torch path FSDP2 uses vs a plain device copy.
+
+For each workload and dtype pair, on rank 0 of a ``--world-size`` layout, times
+
+* the fused op (``kernels.*``: one Triton launch over all parameters on CUDA),
+* the torch path FSDP2 takes for the same step:
+  all-gather copy-in  ``torch._foreach_copy_`` of the shards into views of a new flat buffer;
+  all-gather copy-out ``torch.split_with_sizes_copy`` of the gathered buffer into padded
+                      parameters (plus a ``_foreach_copy_`` cast when the dtypes differ);
+  reduce-scatter copy-in  cast (when needed) + ``torch._chunk_cat`` into a new buffer + ``div_``;
+  reduce-scatter copy-out ``div`` + per-parameter cast + ``_foreach_add_`` into the sharded grads;
+* a plain device copy (``dst.copy_(src)``) of the same number of bytes: the practical limit.
+
+GB/s = the op's useful bytes (elements read + written, padding excluded; the sharded grads are
+read and written by the accumulating copy-out) / time: the same numerator in every column.
+CUDA timings are ``triton.testing.do_bench`` medians (quantiles 0.5, 0.2, 0.8). On CPU
+(``--device cpu``) the ops take their torch fallback path (no Triton), workloads are scaled down and
+timed with a median of repeats: the table says so, and its figures are not GPU results.
+
+    python benchmarks/bench_kernels.py [--device cuda|cpu] [--world-size 8] [--quick]
+                                       [--workload NAME ...] [--markdown benchmarks/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernels  # noqa: E402
+from kernels import ShardLayout, _launch  # noqa: E402
+from report import emit  # noqa: E402
+
+QUANTILES = [0.5, 0.2, 0.8]
+OPS = ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out")
+DTYPE_PAIRS = ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32))  # (params, communication)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def workloads(scale: int) -> dict[str, Workload]:
+    """The workloads, every dimension of the big ones divided by ``scale`` (1 on GPU)."""
+    hidden, ffn = 4096 // scale, 11008 // scale
+    big = 2**27 // scale**2  # 2**27 elements: 512 MB in float32
+    return {
+        "llama7b-layer": Workload(  # q, k, v, o, gate, up, down, two RMSNorm weights
+            "Llama-7B decoder layer (9 params)",
+            ((hidden, hidden),) * 4 + ((ffn, hidden),) * 2 + ((hidden, ffn),) + ((hidden,),) * 2,
+        ),
+        "small-300": Workload("300 params of 4K elements", ((64, 64),) * 300),
+        "one-512mb": Workload(f"one {big * 4 / 2**20:g} MB (fp32) param", ((big // 8192, 8192),)),
+    }
+
+
+# ------------------------------------------------------------------------------------------ timers
+def time_cuda(fn: Callable[[], object]) -> tuple[float, float, float]:
+    import triton.testing
+
+    median, p20, p80 = triton.testing.do_bench(fn, quantiles=QUANTILES)
+    return median, p20, p80
+
+
+def time_cpu(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+    """Median, 20th and 80th percentile of ``repeats`` timed calls, in ms (after one warm-up call)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    cuts = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples * 9
+    return statistics.median(samples), cuts[1], cuts[7]
+
+
+# ---------------------------------------------------------------------------------------- the cases
+@dataclasses.dataclass
+class Case:
+    """Tensors for the four ops on rank ``rank``, and their fused, torch and plain-copy callables."""
+
+    layout: ShardLayout
+    rank: int
+    param_dtype: torch.dtype
+    comm_dtype: torch.dtype
+    fused: dict[str, Callable[[], object]]
+    torch_path: dict[str, Callable[[], object]]
+    nbytes: dict[str, int]
+
+
+def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torch.dtype,
+               comm_dtype: torch.dtype, device: torch.device) -> Case:
+    layout = ShardLayout(workload.shapes, world_size)
+    w, p_size, c_size = world_size, param_dtype.itemsize, comm_dtype.itemsize
+    scale = 1.0 / world_size
+
+    fulls = [torch.randn(s, device=device, dtype=param_dtype) for s in workload.shapes]
+    shards = [s.contiguous() for s in layout.shards(fulls, rank)]
+    flat_shards = [s.view(-1) for s in shards]
+    shard_numels = [s.numel() for s in shards]
+    ag_output = torch.randn(layout.buffer_numel, device=device).to(comm_dtype)
+    outs = [torch.empty(s, device=device, dtype=param_dtype) for s in workload.shapes]
+    slot = torch.randn(layout.slot_numel, device=device).to(comm_dtype)
+    shard_grads = [torch.zeros(s, device=device, dtype=param_dtype) for s in layout.shard_shapes(rank)]
+    torch_shard_grads = [g.clone() for g in shard_grads]
+
+    fused = {
+        "all_gather_copy_in": lambda: kernels.all_gather_copy_in(shards, layout, rank, comm_dtype),
+        "all_gather_copy_out": lambda: kernels.all_gather_copy_out(ag_output, layout, outs),
+        "reduce_scatter_copy_in": lambda: kernels.reduce_scatter_copy_in(fulls, layout, scale, comm_dtype),
+        "reduce_scatter_copy_out": lambda: kernels.reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
+    }
+
+    # FSDP2's unsharded parameters live in padded (world_size, padded shard) storages; with a cast, the
+    # torch path then copies numel elements of each into the parameter (the bytes matter here, not
+    # which elements)
+    padded_outs = [torch.empty(w, n, device=device, dtype=comm_dtype) for n in layout.padded_numels]
+    padded_views = [o.view(-1)[: math.prod(s)].view(s) for o, s in zip(padded_outs, workload.shapes)]
+    on_meta = [torch.empty(s, device="meta", dtype=comm_dtype) for s in workload.shapes]
+    chunk_cat_shape = torch._chunk_cat(on_meta, 0, w).shape
+    div_out = torch.empty_like(slot)
+
+    def torch_all_gather_copy_in() -> torch.Tensor:
+        buffer = torch.empty(layout.buffer_numel, device=device, dtype=comm_dtype)
+        regions = torch.split(buffer.view(w, -1)[rank], list(layout.padded_numels))
+        torch._foreach_copy_([r[:n] for r, n in zip(regions, shard_numels)], flat_shards)
+        return buffer
+
+    def torch_all_gather_copy_out() -> None:
+        torch.split_with_sizes_copy(ag_output.view(w, -1), list(layout.padded_numels), dim=1, out=padded_outs)
+        if param_dtype != comm_dtype:
+            torch._foreach_copy_(outs, padded_views)
+
+    def torch_reduce_scatter_copy_in() -> torch.Tensor:
+        grads = fulls if param_dtype == comm_dtype else [g.to(comm_dtype) for g in fulls]
+        buffer = torch.empty(chunk_cat_shape, device=device, dtype=comm_dtype)
+        torch._chunk_cat(grads, 0, w, out=buffer)
+        return buffer.div_(w)
+
+    def torch_reduce_scatter_copy_out() -> None:
+        torch.div(slot, w, out=div_out)
+        views = [div_out[o : o + g.numel()].view(g.shape) for o, g in zip(layout.slot_offsets, torch_shard_grads)]
+        torch._foreach_add_(torch_shard_grads, [v.to(param_dtype) for v in views])
+
+    torch_path = {
+        "all_gather_copy_in": torch_all_gather_copy_in,
+        "all_gather_copy_out": torch_all_gather_copy_out,
+        "reduce_scatter_copy_in": torch_reduce_scatter_copy_in,
+        "reduce_scatter_copy_out": torch_reduce_scatter_copy_out,
+    }
+    shard_numel, full_numel = sum(shard_numels), workload.numel
+    nbytes = {
+        "all_gather_copy_in": shard_numel * (p_size + c_size),
+        "all_gather_copy_out": full_numel * (c_size + p_size),
+        "reduce_scatter_copy_in": full_numel * (p_size + c_size),
+        "reduce_scatter_copy_out": shard_numel * (c_size + 2 * p_size),
+    }
+    return Case(layout, rank, param_dtype, comm_dtype, fused, torch_path, nbytes)
+
+
+def plain_copy(nbytes: int, device: torch.device) -> Callable[[], object]:
+    """A device copy that reads ``nbytes / 2`` bytes and writes as many."""
+    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def path_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "CUDA, Triton kernels" if _launch.triton_enabled(device) else "CUDA, torch path (TRITON_INTERPRET set)"
+    if _launch.triton_enabled(device):
+        return "CPU, Triton interpreter (debug only: not performance figures)"
+    return "CPU, torch fallback path (no Triton; not GPU results)"
+
+
+# --------------------------------------------------------------------------------------------- main
+def main(argv: Sequence[str] | None = None) -> list[list[object]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where to run (default: cuda if available, else cpu)")
+    parser.add_argument("--world-size", type=int, default=8, help="world size of the layout; rank 0 is timed (default 8)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller workloads (dimensions / 4 on CUDA, / 16 on CPU) and fewer CPU repeats")
+    parser.add_argument("--workload", action="append", choices=sorted(workloads(1)),
+                        help="run only this workload (repeatable; default: all)")
+    parser.add_argument("--repeats", type=int, default=None, help="CPU timing repeats (default 30, 10 with --quick)")
+    parser.add_argument("--markdown", default=None, help="append the table to this markdown file")
+    args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error("--world-size must be >= 1")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (use --device cpu)")
+
+    scale = (4 if args.quick else 1) if device.type == "cuda" else (16 if args.quick else 4)
+    repeats = args.repeats or (10 if args.quick else 30)
+
+    def timer(fn: Callable[[], object]) -> tuple[float, float, float]:
+        return time_cuda(fn) if device.type == "cuda" else time_cpu(fn, repeats)
+
+    chosen = workloads(scale)
+    names = args.workload or list(chosen)
+    header = ["workload", "params/comm", "op", "MB", "fused ms (p20-p80)", "fused GB/s", "torch GB/s",
+              "copy GB/s", "fused/copy", "fused speed-up vs torch"]
+    rows: list[list[object]] = []
+    for name in names:
+        workload = chosen[name]
+        for param_dtype, comm_dtype in DTYPE_PAIRS:
+            case = build_case(workload, args.world_size, 0, param_dtype, comm_dtype, device)
+            for op in OPS:
+                nbytes = case.nbytes[op]
+                fused_ms, fused_lo, fused_hi = timer(case.fused[op])
+                torch_ms = timer(case.torch_path[op])[0]
+                copy_ms = timer(plain_copy(nbytes, device))[0]
+                gbps = [nbytes / (ms * 1e6) for ms in (fused_ms, torch_ms, copy_ms)]
+                rows.append([
+                    workload.name, f"{short(param_dtype)}/{short(comm_dtype)}", op, round(nbytes / 1e6, 1),
+                    f"{fused_ms:.3f} ({fused_lo:.3f}-{fused_hi:.3f})", *gbps, copy_ms / fused_ms, torch_ms / fused_ms,
+                ])
+            del case
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    scaled = f"dimensions / {scale}" if scale > 1 else "full size"
+    title = (f"Packing kernels: fused vs FSDP2's torch path vs plain copy — {path_label(device)}; "
+             f"world size {args.world_size}, rank 0; workloads {scaled}")
+    emit(title, header, rows, args.markdown)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
