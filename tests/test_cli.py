@@ -14,9 +14,9 @@ def test_demo_runs_end_to_end_and_modes_agree(capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert code == 0, out
     rows = {line.split("  ")[0]: line for line in out.splitlines()}
-    for mode in ("compute only", "no overlap", "overlap", "ideal max(compute, comm)"):
+    for mode in ("math only (weights local)", "no overlap", "overlap", "ideal max(compute, comm)"):
         assert mode in rows, out
-    # Every mode produced bitwise the compute-only activations.
+    # Every mode produced bitwise the activations of the math with local weights.
     assert rows["no overlap"].rstrip().endswith("yes") and rows["overlap"].rstrip().endswith("yes"), out
     assert "emulated link: 5 Gbit/s" in out
 

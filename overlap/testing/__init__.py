@@ -3,8 +3,10 @@
 - :func:`run_distributed` — spawn ``world_size`` ranks with a process group, return per-rank results.
 - :func:`emulated_link` — while active, ``torch.distributed`` collectives complete no sooner than a
   modelled link (latency + bytes / bandwidth) allows, without burning CPU.
+- :func:`paired_steps` — a step timed without and with the link delay: its exposed communication.
 """
 from overlap.testing.emulated_link import EmulatedLink, EmulatedWork, LinkStats, current_link, emulated_link
+from overlap.testing.exposed import PairedTimes, paired_steps
 from overlap.testing.harness import DistributedTestError, DistributedTimeoutError, RankFailure, run_distributed
 
 __all__ = [
@@ -13,8 +15,10 @@ __all__ = [
     "EmulatedLink",
     "EmulatedWork",
     "LinkStats",
+    "PairedTimes",
     "RankFailure",
     "current_link",
     "emulated_link",
+    "paired_steps",
     "run_distributed",
 ]

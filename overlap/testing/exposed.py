@@ -1,0 +1,79 @@
+"""How much communication a step exposes: the same step timed without and with the link's delay.
+
+A step run with no link delay takes its *compute side*: the math plus everything the runtime does
+on the host (packing, bookkeeping, and on gloo the real loopback transfers, which burn CPU). Run
+behind :class:`~overlap.testing.EmulatedLink`, the same step takes longer by exactly the
+communication it failed to hide. Alternating the two kinds of step, medians over many, keeps slow
+drifts of a shared machine out of the difference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from overlap.testing.emulated_link import EmulatedLink
+
+__all__ = ["PairedTimes", "paired_steps"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedTimes:
+    """Seconds per step without (``unlinked``) and with (``linked``) the link delay, and the link's
+    busy time per linked step (``comm``). Figures are medians, of the slowest rank when distributed."""
+
+    unlinked: float
+    linked: float
+    comm: float
+
+    @property
+    def exposed(self) -> float:
+        """Communication the step waited for: linked minus unlinked (never negative)."""
+        return max(0.0, self.linked - self.unlinked)
+
+    @property
+    def hidden_share(self) -> float:
+        """Share of the hideable communication (at most the compute side) that was hidden, 0..1."""
+        hideable = min(self.comm, self.unlinked)
+        return max(0.0, min(1.0, (self.comm - self.exposed) / hideable)) if hideable > 0 else 0.0
+
+
+def _slowest(value: float) -> float:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def paired_steps(step: Callable[[], object], steps: int, gbps: float, latency_us: float,
+                 warmup: int = 1) -> PairedTimes:
+    """Run ``warmup`` untimed steps, then ``steps`` pairs (no link delay, then the link).
+
+    Every rank must call it with the same arguments (steps start together behind a barrier).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    link = EmulatedLink(gbps, latency_us)
+
+    def timed() -> float:
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
+
+    for _ in range(warmup):
+        timed()
+    unlinked, linked = [], []
+    link.reset_stats()
+    for _ in range(steps):
+        unlinked.append(timed())
+        with link:
+            linked.append(timed())
+    return PairedTimes(_slowest(statistics.median(unlinked)), _slowest(statistics.median(linked)),
+                       _slowest(link.stats().emulated_seconds / steps))
