@@ -10,6 +10,7 @@ from kernels.layout import ShardLayout
 from kernels.reduce_scatter_copy_in import reduce_scatter_copy_in, reduce_scatter_copy_in_ref
 from kernels.reduce_scatter_copy_out import reduce_scatter_copy_out, reduce_scatter_copy_out_ref
 from kernels import library as _library  # noqa: F401  (registers torch.ops.overlap.*)
+from kernels import unchecked  # noqa: F401  (the ops without argument checks, for the runtime)
 
 __all__ = [
     "ShardLayout",
@@ -21,4 +22,5 @@ __all__ = [
     "reduce_scatter_copy_in_ref",
     "reduce_scatter_copy_out",
     "reduce_scatter_copy_out_ref",
+    "unchecked",
 ]

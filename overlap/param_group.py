@@ -52,8 +52,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-import kernels
-from kernels import ShardLayout
+from kernels import ShardLayout, unchecked
 from overlap.collectives import all_gather_into, reduce_scatter_into
 from overlap.groups import GroupInfo
 from overlap.inflight import InflightWork
@@ -195,7 +194,7 @@ class ParamGroup:
         if self.is_unsharded or self.pending_gather is not None or self.aliases_shards:
             return
         with region("overlap::all_gather_copy_in"), torch.no_grad():
-            ag_input, ag_output = kernels.all_gather_copy_in(self.sharded, self.layout, self.rank, self.gather_dtype)
+            ag_input, ag_output = unchecked.all_gather_copy_in(self.sharded, self.layout, self.rank, self.gather_dtype)
         work = all_gather_into(ag_output, ag_input, self.info) if self.world_size > 1 else None
         self.pending_gather = PendingGather(work, ag_output)
 
@@ -217,7 +216,7 @@ class ParamGroup:
             for u in outs:
                 u.untyped_storage().resize_(u.numel() * u.element_size())
             with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
-                kernels.all_gather_copy_out(pending.ag_output, self.layout, outs)
+                unchecked.all_gather_copy_out(pending.ag_output, self.layout, outs)
         self.is_unsharded = True
 
     def reshard(self) -> None:
@@ -271,7 +270,7 @@ class ParamGroup:
         layout = self._reduce_layout(indices)
         dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads])
         with region("overlap::reduce_scatter_copy_in"), torch.no_grad():
-            rs_input = kernels.reduce_scatter_copy_in(grads, layout, dtype=dtype)
+            rs_input = unchecked.reduce_scatter_copy_in(grads, layout, None, dtype)
         if self.world_size == 1:
             return PendingReduce(None, rs_input, indices, layout)
         rs_output = torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device)
@@ -288,7 +287,7 @@ class ParamGroup:
                 p.grad = torch.zeros_like(p) if accumulate else torch.empty_like(p)
         scale = 1.0 / self.world_size if self.world_size > 1 else None
         with region("overlap::reduce_scatter_copy_out"), torch.no_grad():
-            kernels.reduce_scatter_copy_out(
+            unchecked.reduce_scatter_copy_out(
                 pending.rs_output, [p.grad for p in targets], pending.layout, self.rank, scale, accumulate
             )
 

@@ -30,7 +30,8 @@ delays a collective, it never reorders or skips one.
 
 Memory: with ``reshard_after_forward`` at most ``1 + prefetch`` non-root groups are unsharded at
 once in forward (the root group stays unsharded from its pre-forward to the end of backward, as in
-FSDP2), and the same in backward; unsharded gradients live only until their group's reduce-scatter
+FSDP2, and so does the last group of the forward order when grad is enabled, since backward starts
+with it), and the same in backward; unsharded gradients live only until their group's reduce-scatter
 is packed (or across micro-batches under ``no_sync``).
 """
 from __future__ import annotations
@@ -125,7 +126,7 @@ class ShardState:
             root.post_forward_seq.append(self.index)
             if self.group is not None:
                 self.group.to_sharded()
-                if self.reshard_after_forward and root.owner is not self:
+                if self.reshard_after_forward and root.owner is not self and not root.runs_last(self):
                     self.group.reshard()
             if torch.is_grad_enabled():
                 self._hook_outputs(output)
@@ -227,6 +228,13 @@ class _Root:
         if state.group is not None:
             state.group.finish_gather()
             state.group.to_unsharded()
+
+    def runs_last(self, state: ShardState) -> bool:
+        """Is ``state`` the last module of the agreed forward order, running on script? Backward needs
+        it first, so resharding it after forward would only gather it again at once (kept unsharded)."""
+        order = self.agreed_order
+        return (torch.is_grad_enabled() and self._on_script and order is not None
+                and len(self.forward_seq) == len(order) and order[-1] == state.index)
 
     def end_forward(self) -> None:
         self.in_forward = False
