@@ -104,6 +104,32 @@ def test_fp32_training_matches_unsharded_and_fsdp2(distributed, reference, world
         _assert_rows_match(res["params"], ref_sd, world_size, rank, rtol=PARAM_RTOL, atol=PARAM_ATOL)
 
 
+# -- overlap.wrap on each block ----------------------------------------------------------------------
+
+
+def _train_wrapped(rank: int, world_size: int) -> dict[str, Any]:
+    torch.set_num_threads(1)  # see models.single_threaded
+    torch.manual_seed(SEED)
+    model = TinyLM()
+    keys = list(model.state_dict())
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = overlap.wrap(block)  # the drop-in: same forward, same state-dict keys
+    overlap.shard(model)
+    losses = train_ranks(model, rank, world_size)
+    full = overlap.full_state_dict(model, rank0_only=False)
+    return {"losses": losses, "keys": keys, "full_keys": list(full), "full": full}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_wrap_on_each_block_matches_unsharded(distributed, reference, world_size: int) -> None:
+    ref_losses, ref_sd = reference
+    for res in distributed(_train_wrapped, world_size):
+        assert max_rel_dev(res["losses"], ref_losses) <= LOSS_RTOL, (res["losses"], ref_losses)
+        assert res["full_keys"] == res["keys"], "wrapped blocks keep the model's state-dict keys"
+        for name, want in ref_sd.items():
+            torch.testing.assert_close(res["full"][name], want, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+
+
 # -- bf16 parameters ---------------------------------------------------------------------------------
 
 

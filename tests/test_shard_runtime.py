@@ -178,6 +178,41 @@ def test_eval_forward_and_memory_do_not_leak(distributed) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+def _peak_unsharded_rank(rank: int, world: int, prefetch: int) -> dict[str, int]:
+    """Most non-root groups holding unsharded storage at once, sampled after every gather."""
+    from overlap.param_group import ParamGroup
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), *[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)])
+    for block in list(model)[1:]:
+        overlap.shard(block, prefetch=prefetch)
+    overlap.shard(model, prefetch=prefetch)  # the root keeps model[0]'s parameters
+    blocks = [s.group for s in sharded_states(model)[1:]]
+    peak = {"forward": 0, "backward": 0}
+    finish = ParamGroup.finish_gather
+
+    def counting_finish(group: ParamGroup) -> None:
+        finish(group)
+        phase = "backward" if sharded_states(model)[0].root.in_backward else "forward"
+        peak[phase] = max(peak[phase], sum(g.is_unsharded for g in blocks))
+
+    ParamGroup.finish_gather = counting_finish  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+    finally:
+        ParamGroup.finish_gather = finish  # type: ignore[method-assign]
+    return peak
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_at_most_one_plus_prefetch_groups_unsharded(distributed, prefetch: int) -> None:
+    for peak in distributed(_peak_unsharded_rank, 2, prefetch):
+        assert 1 <= peak["forward"] <= 1 + prefetch, peak
+        assert 1 <= peak["backward"] <= 1 + prefetch, peak
+
+
+# ------------------------------------------------------------------------------------------------
 def _meta_rank(rank: int, world: int) -> dict[str, Any]:
     with torch.device("meta"):
         model = _awkward(shard=True)
