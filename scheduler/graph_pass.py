@@ -1,0 +1,555 @@
+"""FX graph pass: issue each collective as early as it can go, wait for it as late as it can.
+
+Input: an FX graph holding ``torch.ops._c10d_functional`` collectives, each waited on by
+``_c10d_functional.wait_tensor`` (what ``make_fx`` and Inductor produce: the wait right after the
+collective, before independent compute). Output: the same nodes in another order.
+
+Contract
+--------
+* Nodes are only reordered: none is added, removed or rewritten, so every value is unchanged.
+* The order stays topological, and every ``wait_tensor`` comes before every user of its result
+  (and before any node that reads the collective's output directly).
+* Collectives on one group keep their relative order; see [Note: same-group order].
+* Barriers stay where they are and nothing moves across one: a barrier is any node that is not a
+  known-functional ``call_function`` -- an op whose schema mutates an argument, a seeded random op,
+  a side-effectful or higher-order op, ``call_method`` / ``call_module``, a placeholder.
+* A ``wait_tensor`` on the result of another ``wait_tensor`` (user code waiting again on a traced
+  collective's result) waits on nothing; it is ordered like any compute node that reads the result.
+* Bad input (a ``wait_tensor`` on something else that is not a collective, a collective result that is
+  never waited, a ``_c10d_functional`` op this pass does not know, e.g. the in-place ``all_reduce_``,
+  a read of a collective's output before its wait, a graph that is not topologically sorted)
+  leaves the graph unchanged and logs the reason on the ``"scheduler"`` logger.
+
+The order, per stretch of graph between two barriers
+----------------------------------------------------
+================  ===========================================================================
+node              where it goes
+================  ===========================================================================
+collective        as soon as its inputs are ready and the previous collective on its group has
+                  been issued, and, with ``max_inflight_bytes``, only while it fits in the
+                  budget; never later than its original place among the compute nodes
+wait_tensor       as late as possible: only when no compute node that does not need a pending
+                  wait is ready (the wait whose first user comes first goes first); before the
+                  barrier / output if nothing in the stretch uses it
+compute           in original order among the ready ones; a node that needs a pending wait is
+                  deferred behind independent compute (this is what makes room for overlap)
+================  ===========================================================================
+
+``max_inflight_bytes`` bounds the bytes of collectives issued but not yet waited (sizes from
+``node.meta["val"]`` or ``node.meta["tensor_meta"]``). A collective is raised only while it fits;
+at its original place it is issued anyway, after waiting for the oldest outstanding collectives
+until it fits (or none are left). With a budget, a collective of unknown size is not moved and is
+waited right after it is issued. Without a budget nothing limits how far waits sink.
+
+Not done: bucketing of adjacent small all-gathers into one collective.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional
+
+import torch
+import torch.fx
+
+__all__ = ["overlap_pass", "overlap_graph", "COLLECTIVE_OPS"]
+
+logger = logging.getLogger("scheduler")
+
+# [Note: same-group order]
+# A collective is matched across ranks by its position in its group's sequence: the n-th call on a
+# process group on rank 0 meets the n-th call on that group on every other rank. If a pass put two
+# collectives of one group in a different order on different ranks, they would pair up the wrong
+# calls and hang or exchange the wrong bytes. This pass decides where to issue a collective from
+# facts that may differ between ranks (what compute surrounds it, the sizes in the budget, the
+# graph around a rank-dependent branch), so it never lets that decide the order within a group:
+# each collective depends on the previous one of its group, and per-group sequences come out
+# exactly as they went in. If the input graphs agree per group on every rank, so do the outputs.
+# Collectives of *different* groups may change their relative order: each group is matched on its
+# own (its own communicator / stream / gloo context), and for identical graphs the pass is
+# deterministic, so every rank still issues the same overall sequence.
+
+COLLECTIVE_OPS: frozenset[str] = frozenset(
+    {
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_reduce",
+        "all_to_all_single",
+        "broadcast",
+        "all_gather_into_tensor_coalesced",
+        "reduce_scatter_tensor_coalesced",
+        "all_reduce_coalesced",
+    }
+)
+"""The ``torch.ops._c10d_functional`` collectives this pass moves (functional: a new result)."""
+
+_COALESCED_OPS = frozenset(op for op in COLLECTIVE_OPS if op.endswith("_coalesced"))
+_FUNCTIONAL_NS = "_c10d_functional"
+# Namespaces whose ops are collectives: any op there that is not in COLLECTIVE_OPS (or the wait)
+# is unknown to the pass, and the graph is left alone.
+_COLLECTIVE_NAMESPACES = frozenset({_FUNCTIONAL_NS, "_c10d_functional_autograd", "c10d_functional"})
+
+# Python-level call_function targets known to be pure (symbolic-shape arithmetic, tuple indexing).
+_PURE_PYTHON_TARGETS: frozenset[Any] = frozenset(
+    {
+        operator.getitem, operator.add, operator.sub, operator.mul, operator.truediv,
+        operator.floordiv, operator.mod, operator.pow, operator.neg, operator.pos, operator.abs,
+        operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
+        operator.and_, operator.or_, operator.xor, operator.not_, operator.invert,
+        operator.lshift, operator.rshift, operator.matmul,
+        math.ceil, math.floor, math.sqrt, math.trunc,
+        torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not,
+        torch.sym_ite,
+    }
+)
+
+_BARRIER = "barrier"
+_OUTPUT = "output"
+_COLLECTIVE = "collective"
+_WAIT = "wait"
+_MEMBER = "member"  # getitem on a coalesced collective: goes right after it
+_COMPUTE = "compute"
+
+
+class _BadGraph(Exception):
+    """The graph is not one this pass can reorder safely; the message says why."""
+
+
+def _qualified_name(target: Any) -> Optional[str]:
+    """``"namespace::op"`` for an ``OpOverload`` / ``OpOverloadPacket`` target, else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def _schemas(target: Any) -> list[torch.FunctionSchema]:
+    if isinstance(target, torch._ops.OpOverload):
+        return [target._schema]
+    return [getattr(target, name)._schema for name in target.overloads()]
+
+
+def _overloads(target: Any) -> list[torch._ops.OpOverload]:
+    if isinstance(target, torch._ops.OpOverload):
+        return [target]
+    return [getattr(target, name) for name in target.overloads()]
+
+
+def _op_has_effects(target: Any) -> bool:
+    """True for ops that may not be reordered: mutating schema, seeded random, side effects."""
+    side_effectful = getattr(torch.fx.node, "_side_effectful_functions", set())
+    for overload in _overloads(target):
+        schema = overload._schema
+        if schema.is_mutable or any(
+            r.alias_info is not None and r.alias_info.is_write for r in schema.returns
+        ):
+            return True
+        if torch.Tag.nondeterministic_seeded in overload.tags or overload in side_effectful:
+            return True
+    return target in side_effectful
+
+
+def _classify(node: torch.fx.Node, kinds: dict[torch.fx.Node, str]) -> str:
+    if node.op == "output":
+        return _OUTPUT
+    if node.op == "get_attr":
+        return _COMPUTE
+    if node.op != "call_function":
+        return _BARRIER  # placeholder, call_method, call_module: kept in place
+    target = node.target
+    name = _qualified_name(target)
+    if name is not None:
+        namespace, _, op = name.partition("::")
+        if namespace in _COLLECTIVE_NAMESPACES:
+            if namespace == _FUNCTIONAL_NS and op == "wait_tensor":
+                return _WAIT
+            if namespace == _FUNCTIONAL_NS and op in COLLECTIVE_OPS:
+                return _COLLECTIVE
+            raise _BadGraph(f"node {node.name!r} calls {name}, a collective op this pass does not know")
+        return _BARRIER if _op_has_effects(target) else _COMPUTE
+    if target is operator.getitem and node.args and isinstance(node.args[0], torch.fx.Node):
+        if kinds.get(node.args[0]) == _COLLECTIVE and _is_coalesced(node.args[0]):
+            return _MEMBER
+    try:
+        pure = target in _PURE_PYTHON_TARGETS
+    except TypeError:  # unhashable target
+        pure = False
+    return _COMPUTE if pure else _BARRIER
+
+
+def _is_coalesced(node: torch.fx.Node) -> bool:
+    name = _qualified_name(node.target) or ""
+    return name.partition("::")[2] in _COALESCED_OPS
+
+
+def _group_of(node: torch.fx.Node) -> Hashable:
+    """The collective's group name argument (found by name in the op's schema)."""
+    schema = _schemas(node.target)[0]
+    names = [a.name for a in schema.arguments]
+    if "group_name" not in names:
+        raise _BadGraph(f"collective {node.name!r}: its schema has no group_name argument")
+    i = names.index("group_name")
+    if "group_name" in node.kwargs:
+        group = node.kwargs["group_name"]
+    elif i < len(node.args):
+        group = node.args[i]
+    else:
+        raise _BadGraph(f"collective {node.name!r} has no group_name argument")
+    if isinstance(group, torch.fx.Node) or not isinstance(group, Hashable):
+        raise _BadGraph(f"collective {node.name!r}: group_name {group!r} is not a constant")
+    return group
+
+
+def _nbytes(value: Any) -> Optional[int]:
+    """Bytes of a tensor-like value (or a list of them) with static sizes, else None."""
+    if isinstance(value, (list, tuple)) and not hasattr(value, "dtype"):
+        parts = [_nbytes(v) for v in value]
+        return None if not parts or any(p is None for p in parts) else sum(parts)  # type: ignore[misc]
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is None or not isinstance(dtype, torch.dtype):
+        return None
+    numel = 1
+    for d in shape:
+        if type(d) is not int:  # SymInt or unknown: no static size
+            return None
+        numel *= d
+    return numel * dtype.itemsize
+
+
+def _meta_value(node: torch.fx.Node) -> Any:
+    if "val" in node.meta:
+        return node.meta["val"]
+    return node.meta.get("tensor_meta")
+
+
+# A collective's result tensor, as waited on: (collective, None) or (coalesced collective, index).
+_ResultKey = tuple[torch.fx.Node, Optional[int]]
+
+
+@dataclass
+class _Analysis:
+    nodes: list[torch.fx.Node]
+    index: dict[torch.fx.Node, int]
+    kind: dict[torch.fx.Node, str]
+    deps: dict[torch.fx.Node, list[torch.fx.Node]]
+    waits: dict[torch.fx.Node, list[torch.fx.Node]] = field(default_factory=dict)
+    wait_key: dict[torch.fx.Node, _ResultKey] = field(default_factory=dict)
+    result_bytes: dict[torch.fx.Node, dict[_ResultKey, Optional[int]]] = field(default_factory=dict)
+    redundant_waits: set[torch.fx.Node] = field(default_factory=set)
+
+    def collective_bytes(self, c: torch.fx.Node) -> Optional[int]:
+        sizes = list(self.result_bytes[c].values())
+        return None if not sizes or any(s is None for s in sizes) else sum(sizes)  # type: ignore[misc]
+
+
+def _analyse(graph: torch.fx.Graph) -> _Analysis:
+    """Classify nodes, check the collective/wait structure, and collect ordering dependencies."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    kind: dict[torch.fx.Node, str] = {}
+    deps: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for n in nodes:
+        inputs = n.all_input_nodes
+        for d in inputs:
+            if index.get(d, len(nodes)) >= index[n]:
+                raise _BadGraph(f"the graph is not topologically sorted: {n.name!r} uses {d.name!r}")
+        kind[n] = _classify(n, kind)
+        deps[n] = list(inputs)
+    a = _Analysis(nodes, index, kind, deps)
+
+    last_of_group: dict[Hashable, torch.fx.Node] = {}
+    for n in nodes:
+        if kind[n] == _WAIT:
+            src = n.args[0] if n.args else n.kwargs.get("tensor")
+            if isinstance(src, torch.fx.Node) and (src in a.wait_key or src in a.redundant_waits):
+                # A wait on a waited result (user code calling wait_tensor on a traced collective's
+                # result) waits on nothing: an ordinary reader of the first wait's result.
+                kind[n] = _COMPUTE
+                a.redundant_waits.add(n)
+                continue
+            if isinstance(src, torch.fx.Node) and kind.get(src) == _COLLECTIVE and not _is_coalesced(src):
+                key: _ResultKey = (src, None)
+            elif isinstance(src, torch.fx.Node) and kind.get(src) == _MEMBER and isinstance(src.args[1], int):
+                key = (src.args[0], src.args[1])  # type: ignore[assignment]
+            elif isinstance(src, torch.fx.Node) and kind.get(src) == _COLLECTIVE:
+                raise _BadGraph(f"wait_tensor {n.name!r} waits on the whole list of coalesced {src.name!r}")
+            else:
+                what = src.name if isinstance(src, torch.fx.Node) else repr(src)
+                raise _BadGraph(f"wait_tensor {n.name!r} waits on {what!r}, which is not a collective")
+            a.wait_key[n] = key
+            a.waits.setdefault(key[0], []).append(n)
+        elif kind[n] == _COLLECTIVE:
+            group = _group_of(n)
+            if group in last_of_group:
+                deps[n].append(last_of_group[group])  # [Note: same-group order]
+            last_of_group[group] = n
+
+    for c in (n for n in nodes if kind[n] == _COLLECTIVE):
+        if not a.waits.get(c):
+            raise _BadGraph(f"the result of collective {c.name!r} is never waited (no wait_tensor)")
+        val = _meta_value(c)
+        if _is_coalesced(c):
+            results: dict[_ResultKey, Optional[int]] = {}
+            members = []
+            for u in c.users:
+                if kind[u] != _MEMBER or not isinstance(u.args[1], int):
+                    raise _BadGraph(f"coalesced collective {c.name!r} is used by {u.name!r}, not by indexing")
+                members.append(u)
+                i = u.args[1]
+                item = val[i] if isinstance(val, (list, tuple)) and i < len(val) else _meta_value(u)
+                results[(c, i)] = None if item is None else _nbytes(item)
+            if isinstance(val, (list, tuple)) and set(range(len(val))) - {k[1] for k in results}:
+                raise _BadGraph(f"some results of coalesced collective {c.name!r} are never waited")
+            readers = [(m, (c, m.args[1])) for m in members]
+        else:
+            results = {(c, None): None if val is None else _nbytes(val)}
+            readers = [(c, (c, None))]
+        a.result_bytes[c] = results
+        for tensor, key in readers:
+            waits = [w for w in tensor.users if kind[w] == _WAIT]
+            if not waits:
+                raise _BadGraph(f"result {tensor.name!r} of collective {c.name!r} is never waited")
+            for u in tensor.users:
+                if kind[u] == _WAIT:
+                    continue
+                before = [w for w in waits if index[w] < index[u]]
+                if not before:
+                    raise _BadGraph(f"{u.name!r} reads collective result {tensor.name!r} before its wait")
+                deps[u].extend(before)
+    return a
+
+
+class _Scheduler:
+    """Builds the new order, one stretch between barriers at a time (see the module docstring)."""
+
+    def __init__(self, a: _Analysis, max_inflight_bytes: Optional[int]) -> None:
+        self.a = a
+        self.budget = max_inflight_bytes
+        self.order: list[torch.fx.Node] = []
+        self.emitted: set[torch.fx.Node] = set()
+        # Results issued but not yet waited, in issue order, with their size (None: unknown).
+        self.outstanding: dict[_ResultKey, Optional[int]] = {}
+
+    @property
+    def inflight(self) -> int:
+        return sum(b for b in self.outstanding.values() if b is not None)
+
+    def run(self) -> list[torch.fx.Node]:
+        segment: list[torch.fx.Node] = []
+        for n in self.a.nodes:
+            if self.a.kind[n] in (_BARRIER, _OUTPUT):
+                self._schedule(segment)
+                self._emit(n)
+                segment = []
+            else:
+                segment.append(n)
+        self._schedule(segment)
+        return self.order
+
+    # -- one stretch ------------------------------------------------------------------------
+    def _schedule(self, segment: list[torch.fx.Node]) -> None:
+        if not segment:
+            return
+        a = self.a
+        self.segment = set(segment)
+        self.remaining = {n: sum(d in self.segment for d in a.deps[n]) for n in segment}
+        self.dependents: dict[torch.fx.Node, list[torch.fx.Node]] = {n: [] for n in segment}
+        for n in segment:
+            for d in a.deps[n]:
+                if d in self.segment:
+                    self.dependents[d].append(n)
+        self.ready_compute: list[tuple[int, torch.fx.Node]] = []
+        self.ready_collectives: list[tuple[int, torch.fx.Node]] = []
+        self.ready_waits: list[tuple[int, int, torch.fx.Node]] = []
+        collectives = [n for n in segment if a.kind[n] == _COLLECTIVE]
+        forced = 0  # collectives[:forced] have been issued or checked
+        for n in segment:
+            if self.remaining[n] == 0:
+                self._push_ready(n)
+        while True:
+            self._raise_collectives()
+            n = self._pop(self.ready_compute)
+            if n is not None:
+                # Never issue a collective later than its original place among the compute.
+                while forced < len(collectives) and a.index[collectives[forced]] < a.index[n]:
+                    self._ensure(collectives[forced])
+                    forced += 1
+                if n not in self.emitted:
+                    self._emit(n)
+                continue
+            w = self._pop(self.ready_waits)
+            if w is not None:
+                self._emit(w)
+                continue
+            blocked = next((c for c in collectives if c not in self.emitted), None)
+            if blocked is None:
+                break
+            self._ensure(blocked)
+        missing = [n.name for n in segment if n not in self.emitted]
+        assert not missing, f"scheduler left nodes unscheduled: {missing}"
+
+    def _wait_priority(self, w: torch.fx.Node) -> int:
+        users = [self.a.index[u] for u in self.dependents[w]]
+        return min(users) if users else len(self.a.nodes)
+
+    def _push_ready(self, n: torch.fx.Node) -> None:
+        kind, i = self.a.kind[n], self.a.index[n]
+        if kind == _COLLECTIVE:
+            heapq.heappush(self.ready_collectives, (i, n))
+        elif kind == _WAIT:
+            heapq.heappush(self.ready_waits, (self._wait_priority(n), i, n))  # type: ignore[arg-type]
+        elif kind == _MEMBER:
+            self._emit(n)  # an item of a coalesced result goes right after the collective
+        else:
+            heapq.heappush(self.ready_compute, (i, n))
+
+    def _pop(self, heap: list[Any]) -> Optional[torch.fx.Node]:
+        while heap:
+            n = heapq.heappop(heap)[-1]
+            if n not in self.emitted:
+                return n
+        return None
+
+    def _raise_collectives(self) -> None:
+        """Issue every ready collective that fits the budget, earliest first."""
+        blocked: list[tuple[int, torch.fx.Node]] = []
+        while self.ready_collectives:
+            i, c = heapq.heappop(self.ready_collectives)
+            if c in self.emitted:
+                continue
+            if self.budget is not None:
+                size = self.a.collective_bytes(c)
+                if size is None or self.inflight + size > self.budget:
+                    blocked.append((i, c))  # unknown size: stays at its place; too big: later
+                    continue
+            self._emit(c)
+        for item in blocked:
+            heapq.heappush(self.ready_collectives, item)
+
+    def _ensure(self, target: torch.fx.Node) -> None:
+        """Emit ``target`` now, after whatever it still needs (in original order)."""
+        if target in self.emitted:
+            return
+        needed: set[torch.fx.Node] = set()
+        stack = [target]
+        while stack:
+            n = stack.pop()
+            if n in needed or n in self.emitted:
+                continue
+            needed.add(n)
+            stack.extend(d for d in self.a.deps[n] if d not in self.emitted)
+        for n in sorted(needed, key=self.a.index.__getitem__):
+            if n not in self.emitted:
+                self._emit(n)
+
+    def _make_room(self, size: int) -> None:
+        """Wait for the oldest outstanding results until ``size`` more bytes fit the budget."""
+        assert self.budget is not None
+        for key in list(self.outstanding):
+            if self.inflight + size <= self.budget:
+                return
+            waits = [w for w in self.a.waits[key[0]] if self.a.wait_key[w] == key]
+            waits = [w for w in waits if w in self.segment and w not in self.emitted]
+            if waits:
+                self._ensure(min(waits, key=self.a.index.__getitem__))
+
+    def _emit(self, n: torch.fx.Node) -> None:
+        a = self.a
+        kind = a.kind[n]
+        if kind == _COLLECTIVE:
+            size = a.collective_bytes(n)
+            if self.budget is not None and size is not None:
+                self._make_room(size)
+        self.order.append(n)
+        self.emitted.add(n)
+        if kind == _COLLECTIVE:
+            self.outstanding.update(a.result_bytes[n])
+        elif kind == _WAIT:
+            self.outstanding.pop(a.wait_key[n], None)
+        if kind in (_BARRIER, _OUTPUT):
+            return
+        for m in self.dependents.get(n, ()):
+            self.remaining[m] -= 1
+            if self.remaining[m] == 0:
+                self._push_ready(m)
+        if kind == _COLLECTIVE and self.budget is not None and a.collective_bytes(n) is None:
+            # Unknown size under a budget: not moved, and waited at once so the budget holds.
+            for w in sorted(a.waits[n], key=a.index.__getitem__):
+                if w in self.segment:
+                    self._ensure(w)
+
+
+def _check_order(order: list[torch.fx.Node], a: _Analysis) -> None:
+    """The new order holds every node once, after all of its dependencies."""
+    assert len(order) == len(a.nodes) and set(order) == set(a.nodes), "not a permutation"
+    position = {n: i for i, n in enumerate(order)}
+    for n in order:
+        for d in a.deps[n]:
+            assert position[d] < position[n], f"{n.name!r} placed before {d.name!r}"
+
+
+def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = None) -> bool:
+    """Reorder ``graph`` in place for comm/compute overlap; return whether the order changed.
+
+    The core of :func:`overlap_pass`, working on a bare ``torch.fx.Graph`` (what Inductor's
+    ``post_grad_custom_post_pass`` receives). Same contract; the caller recompiles the module.
+    """
+    if not isinstance(graph, torch.fx.Graph):
+        raise TypeError(f"graph must be a torch.fx.Graph, got {type(graph).__name__}")
+    if max_inflight_bytes is not None and (
+        isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int)
+    ):
+        raise TypeError(
+            f"max_inflight_bytes must be an int or None, got {type(max_inflight_bytes).__name__}"
+        )
+    if max_inflight_bytes is not None and max_inflight_bytes < 0:
+        raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
+    try:
+        analysis = _analyse(graph)
+    except _BadGraph as e:
+        logger.warning("overlap pass: graph left unchanged: %s", e)
+        return False
+    if not analysis.waits:
+        return False
+    try:
+        order = _Scheduler(analysis, max_inflight_bytes).run()
+        _check_order(order, analysis)
+    except AssertionError as e:  # a bug here must not break the caller's graph
+        logger.error("overlap pass: internal error, graph left unchanged: %s", e)
+        return False
+    if order == analysis.nodes:
+        return False
+    if order[0] is not analysis.nodes[0]:
+        analysis.nodes[0].prepend(order[0])
+    for prev, n in zip(order, order[1:]):
+        if prev.next is not n:
+            prev.append(n)
+    graph.lint()
+    logger.debug(
+        "overlap pass: reordered %d nodes (%d collectives)",
+        len(order), sum(k == _COLLECTIVE for k in analysis.kind.values()),
+    )
+    return True
+
+
+def overlap_pass(
+    gm: torch.fx.GraphModule, max_inflight_bytes: Optional[int] = None
+) -> torch.fx.GraphModule:
+    """Move collectives up and their waits down in ``gm``, in place; return ``gm``.
+
+    Each ``_c10d_functional`` collective is issued as soon as its inputs are ready (per-group order
+    kept, see [Note: same-group order]; within ``max_inflight_bytes`` of un-waited results when
+    given) and each ``wait_tensor`` goes as late as it can, before its first user. Values are
+    unchanged. A graph this pass cannot reorder safely is left unchanged (the reason is logged on
+    the ``"scheduler"`` logger). Raises ``TypeError`` for arguments of the wrong type.
+    """
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise TypeError(f"gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
+    if overlap_graph(gm.graph, max_inflight_bytes):
+        gm.recompile()
+    return gm
