@@ -493,14 +493,8 @@ def _check_order(order: list[torch.fx.Node], a: _Analysis) -> None:
             assert position[d] < position[n], f"{n.name!r} placed before {d.name!r}"
 
 
-def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = None) -> bool:
-    """Reorder ``graph`` in place for comm/compute overlap; return whether the order changed.
-
-    The core of :func:`overlap_pass`, working on a bare ``torch.fx.Graph`` (what Inductor's
-    ``post_grad_custom_post_pass`` receives). Same contract; the caller recompiles the module.
-    """
-    if not isinstance(graph, torch.fx.Graph):
-        raise TypeError(f"graph must be a torch.fx.Graph, got {type(graph).__name__}")
+def check_max_inflight_bytes(max_inflight_bytes: object) -> None:
+    """Raise unless ``max_inflight_bytes`` is None or an int >= 0 (the pass's byte budget)."""
     if max_inflight_bytes is not None and (
         isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int)
     ):
@@ -509,6 +503,17 @@ def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = Non
         )
     if max_inflight_bytes is not None and max_inflight_bytes < 0:
         raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
+
+
+def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = None) -> bool:
+    """Reorder ``graph`` in place for comm/compute overlap; return whether the order changed.
+
+    The core of :func:`overlap_pass`, working on a bare ``torch.fx.Graph`` (what Inductor's
+    ``post_grad_custom_post_pass`` receives). Same contract; the caller recompiles the module.
+    """
+    if not isinstance(graph, torch.fx.Graph):
+        raise TypeError(f"graph must be a torch.fx.Graph, got {type(graph).__name__}")
+    check_max_inflight_bytes(max_inflight_bytes)
     try:
         analysis = _analyse(graph)
     except _BadGraph as e:

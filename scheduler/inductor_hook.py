@@ -73,14 +73,7 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
     """
 
     def __init__(self, max_inflight_bytes: Optional[int] = None, previous: Any = None) -> None:
-        if max_inflight_bytes is not None and (
-            isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int)
-        ):
-            raise TypeError(
-                f"max_inflight_bytes must be an int or None, got {type(max_inflight_bytes).__name__}"
-            )
-        if max_inflight_bytes is not None and max_inflight_bytes < 0:
-            raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
+        _graph_pass.check_max_inflight_bytes(max_inflight_bytes)
         for p in _flatten(previous):
             if not callable(p):
                 raise TypeError(f"previous must hold callables taking a torch.fx.Graph, got {p!r}")
