@@ -109,12 +109,18 @@ class ShardState:
     # ------------------------------------------------------------------ hooks
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         root = self.root
-        if root is None or (root.owner is not self and not root.in_forward):
-            root = _Root(self)  # first forward, or a sub-module run on its own
-        if root.owner is self:
-            root.begin_forward()
-        with region("overlap::pre_forward"):
-            root.on_pre_forward(self)
+        if root is not None and root.in_backward:
+            # Activation-checkpoint recompute inside backward: gather, run, keep it for the backward.
+            with region("overlap::pre_forward_recompute"):
+                if self.group is not None:
+                    root.gather_now(self)
+        else:
+            if root is None or (root.owner is not self and not root.in_forward):
+                root = _Root(self)  # first forward, or a sub-module run on its own
+            if root.owner is self:
+                root.begin_forward()
+            with region("overlap::pre_forward"):
+                root.on_pre_forward(self)
         if self.mp.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
         return args, kwargs
@@ -122,6 +128,10 @@ class ShardState:
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         root = self.root
         assert root is not None
+        if root.in_backward:  # recompute: backward reads the parameters next, so no reshard and no hooks
+            if self.group is not None:
+                self.group.to_sharded()
+            return output
         with region("overlap::post_forward"):
             root.post_forward_seq.append(self.index)
             if self.group is not None:
@@ -208,6 +218,8 @@ class _Root:
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self) -> None:
+        for i, state in enumerate(self.states):  # re-claim states a sub-module run alone took over
+            state.root, state.index = self, i
         if self.in_backward or any(s.group is not None and s.group.is_unsharded for s in self.states if s is not self.owner):
             self._finish_step()  # the last forward had no backward (or it was cut short)
         self.in_forward = True
@@ -226,8 +238,14 @@ class _Root:
             assert order is not None
             self._prefetch(state, order[position + 1 :])
         if state.group is not None:
-            state.group.finish_gather()
-            state.group.to_unsharded()
+            self.gather_now(state)
+
+    def gather_now(self, state: ShardState) -> None:
+        """Gather ``state``'s group now (waiting for a prefetch in flight) and register it unsharded."""
+        assert state.group is not None
+        self._gather(state)
+        state.group.finish_gather()
+        state.group.to_unsharded()
 
     def runs_last(self, state: ShardState) -> bool:
         """Is ``state`` the last module of the agreed forward order, running on script? Backward needs

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch.utils.checkpoint
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -210,6 +212,53 @@ def test_at_most_one_plus_prefetch_groups_unsharded(distributed, prefetch: int) 
     for peak in distributed(_peak_unsharded_rank, 2, prefetch):
         assert 1 <= peak["forward"] <= 1 + prefetch, peak
         assert 1 <= peak["backward"] <= 1 + prefetch, peak
+
+
+# ------------------------------------------------------------------------------------------------
+class _Checkpointed(nn.Module):
+    """Blocks run under non-reentrant activation checkpointing: backward re-runs their forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def _checkpointed_losses(shard: bool, rank: int, world: int) -> list[float]:
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    if shard:
+        for block in model.blocks:
+            overlap.shard(block)
+        overlap.shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        x = torch.randn(BATCH, 6, generator=torch.Generator().manual_seed(step))
+        loss = model(x.chunk(world)[rank]).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def _checkpointed_rank(rank: int, world: int) -> list[float]:
+    return _checkpointed_losses(True, rank, world)
+
+
+def test_activation_checkpoint_recompute_inside_backward(distributed) -> None:
+    want = _checkpointed_losses(False, 0, 1)
+    for losses in distributed(_checkpointed_rank, 2):
+        assert losses == pytest.approx(want, rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
