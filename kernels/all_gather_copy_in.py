@@ -75,7 +75,7 @@ def _all_gather_copy_in(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
-            return all_gather_copy_in_ref(shards, layout, rank, dtype)
+            return _all_gather_copy_in_torch(shards, layout, rank, dtype, device)
     shards = [s.contiguous() for s in shards]
     ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]
@@ -84,10 +84,38 @@ def _all_gather_copy_in(
     return ag_input, ag_output
 
 
+def _all_gather_copy_in_torch(
+    shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op without Triton: the shards packed into the slot by one ``torch._chunk_cat`` or one
+    ``_foreach_copy_`` of views cut like the reference's copies; bitwise equal to
+    ``all_gather_copy_in_ref`` (see [Note: torch fallback] in ``kernels._launch``)."""
+    plan = _launch.torch_plan(layout, rank)
+    ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
+    ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]
+    if _launch.chunk_cat(shards, plan, 1, ag_input):
+        return ag_input, ag_output
+    if plan.padded:
+        ag_input.zero_()
+    base, dsts, srcs = ag_input.storage_offset(), [], []
+    for i, shape, stride, _, _, offset in plan.pieces:
+        shard = shards[i]
+        if shard.is_contiguous():
+            dsts.append(ag_output.as_strided(shape, stride, base + offset))
+            srcs.append(shard)
+        else:  # as the reference copies it: flattened (a copy, or a strided view)
+            src = shard.reshape(-1)
+            dsts.append(ag_output.as_strided(src.shape, (1,), base + offset))
+            srcs.append(src)
+    _launch.foreach_copy(dsts, srcs)
+    return ag_input, ag_output
+
+
 def all_gather_copy_in_ref(
     shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference of ``all_gather_copy_in`` (also the CPU path without the interpreter)."""
+    """Plain-torch reference of ``all_gather_copy_in``, one copy per rank and parameter: what the kernel and
+    the torch fallback (``_all_gather_copy_in_torch``, bitwise) are tested against."""
     dtype = dtype or shards[0].dtype
     ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=shards[0].device)
     ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]

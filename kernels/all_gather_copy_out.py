@@ -82,12 +82,23 @@ def all_gather_copy_out(
 def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: list[torch.Tensor]) -> None:
     if not _launch.triton_enabled(ag_output.device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
-            all_gather_copy_out_ref(ag_output, layout, outs)
+            _all_gather_copy_out_torch(ag_output, layout, outs)
         return
     device = ag_output.device
     blocks = _launch.block_table(layout, None, pad=False, device=device)
     _launch.launch(_all_gather_copy_out_kernel, blocks, _launch.pointer_table(layout, outs, device), ag_output)
     _launch.increment_version(outs)
+
+
+def _all_gather_copy_out_torch(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor]) -> None:
+    """The op without Triton: one ``_foreach_copy_`` of buffer views into views of ``outs``, at most
+    two per parameter (full ranks, short rank); bitwise equal to ``all_gather_copy_out_ref``, which
+    it runs instead when it would cast a NaN (see [Note: torch fallback] in ``kernels._launch``)."""
+    if any(o.dtype != ag_output.dtype for o in outs) and _launch.has_nan(ag_output):
+        all_gather_copy_out_ref(ag_output, layout, outs)
+        return
+    plan = _launch.torch_plan(layout, None)
+    _launch.foreach_copy(_launch.param_views(outs, plan.pieces), _launch.buffer_views(ag_output, plan))
 
 
 def all_gather_copy_out_ref(
@@ -96,7 +107,8 @@ def all_gather_copy_out_ref(
     outs: Sequence[torch.Tensor] | None = None,
     dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
-    """Plain-torch reference of ``all_gather_copy_out`` (also the CPU path without the interpreter)."""
+    """Plain-torch reference of ``all_gather_copy_out``, one copy per rank and parameter: what the kernel and
+    the torch fallback (``_all_gather_copy_out_torch``, bitwise) are tested against."""
     outs = _allocate(ag_output, layout, dtype) if outs is None else list(outs)
     slots = ag_output.reshape(layout.world_size, layout.slot_numel)
     for r in range(layout.world_size):

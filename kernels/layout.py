@@ -28,7 +28,8 @@ flat buffer                ``(buffer_numel,)`` = ``(w * slot_numel,)``, viewable
 =========================  ==============================================================
 
 Device-side metadata derived from a layout (block tables, see ``kernels._launch``) is cached on the
-layout object per device, so steady-state launches copy nothing from host to device.
+layout object per device, so steady-state launches copy nothing from host to device; so are the torch
+fallback's plans (host ints, ``kernels._launch.torch_plan``).
 """
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ def _reduce_scatter_copy_in(
 ) -> torch.Tensor:
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
-            return reduce_scatter_copy_in_ref(grads, layout, pre_scale, dtype)
+            return _reduce_scatter_copy_in_torch(grads, layout, pre_scale, dtype, device)
     grads = [g.contiguous() for g in grads]
     rs_input = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     compute = _launch.compute_dtype([dtype, *(g.dtype for g in grads)])
@@ -113,13 +113,68 @@ def _reduce_scatter_copy_in(
     return rs_input
 
 
+def _reduce_scatter_copy_in_torch(
+    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The op without Triton: the grads packed by one ``torch._chunk_cat`` or one ``_foreach_copy_``
+    (at most two views per parameter) — with a scale, packed in the compute dtype, then scaled and
+    cast in one call each; bitwise equal to ``reduce_scatter_copy_in_ref``, which it runs instead
+    when it has cast a NaN (see [Note: torch fallback] in ``kernels._launch``)."""
+    plan = _launch.torch_plan(layout, None)
+    compute = _launch.compute_dtype([dtype, *(g.dtype for g in grads)])
+    work = torch.empty(layout.buffer_numel, dtype=dtype if pre_scale is None else compute, device=device)
+    if _launch.chunk_cat(grads, plan, layout.world_size, work):
+        casts = False  # (it looked for a NaN before casting)
+    else:
+        casts = _pack_torch(grads, layout, plan, work)  # in pieces unlike the reference's
+    if pre_scale is None:
+        if casts and _launch.has_nan(work):
+            return reduce_scatter_copy_in_ref(grads, layout, pre_scale, dtype)
+        return work
+    scale = _launch.as_float32(pre_scale)
+    work.mul_(scale)
+    if (casts or dtype != compute) and _launch.has_nan(work):
+        return reduce_scatter_copy_in_ref(grads, layout, pre_scale, dtype)
+    if not plan.padded or _launch.keeps_zero(scale):  # the padding is still +0
+        return work if dtype == compute else work.to(dtype)
+    rs_input = torch.zeros(layout.buffer_numel, dtype=dtype, device=device)
+    _launch.foreach_copy(_launch.buffer_views(rs_input, plan), _launch.buffer_views(work, plan))
+    return rs_input
+
+
+def _pack_torch(
+    grads: Sequence[torch.Tensor], layout: ShardLayout, plan: _launch.TorchPlan, buffer: torch.Tensor
+) -> bool:
+    """Fill ``buffer`` with ``grads`` rank-major, cast, zeros in the padding, by one
+    ``_foreach_copy_``; returns whether it cast."""
+    if plan.padded:
+        buffer.zero_()
+    dsts = _launch.buffer_views(buffer, plan)
+    strided = {i for i, g in enumerate(grads) if not g.is_contiguous()}
+    if not strided:
+        srcs = _launch.param_views(grads, plan.pieces)
+    else:
+        kept = [k for k, piece in enumerate(plan.pieces) if piece[0] not in strided]
+        dsts = [dsts[k] for k in kept]
+        srcs = _launch.param_views(grads, [plan.pieces[k] for k in kept])
+    for i in sorted(strided):  # as the reference reads them: each rank's rows flattened
+        for r in range(layout.world_size):
+            src = layout.shard(grads[i], r).reshape(-1)
+            if src.numel():
+                dsts.append(buffer.narrow(0, r * layout.slot_numel + layout.slot_offsets[i], src.numel()))
+                srcs.append(src)
+    _launch.foreach_copy(dsts, srcs)
+    return any(g.dtype != buffer.dtype for g in grads)
+
+
 def reduce_scatter_copy_in_ref(
     grads: Sequence[torch.Tensor],
     layout: ShardLayout,
     pre_scale: float | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Plain-torch reference of ``reduce_scatter_copy_in`` (also the CPU path without the interpreter)."""
+    """Plain-torch reference of ``reduce_scatter_copy_in``, one copy per rank and parameter: what the kernel and
+    the torch fallback (``_reduce_scatter_copy_in_torch``, bitwise) are tested against."""
     dtype = dtype or grads[0].dtype
     compute = _launch.compute_dtype([dtype, *(g.dtype for g in grads)])
     rs_input = torch.zeros(layout.buffer_numel, dtype=dtype, device=grads[0].device)

@@ -114,7 +114,7 @@ def _reduce_scatter_copy_out(
     device = rs_output.device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
-            reduce_scatter_copy_out_ref(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+            _reduce_scatter_copy_out_torch(rs_output, shard_grads, layout, rank, post_scale, accumulate)
         return
     compute = _launch.compute_dtype([rs_output.dtype, *(g.dtype for g in shard_grads)])
     _launch.launch(
@@ -130,6 +130,38 @@ def _reduce_scatter_copy_out(
     _launch.increment_version(shard_grads)
 
 
+def _reduce_scatter_copy_out_torch(
+    rs_output: torch.Tensor,
+    shard_grads: Sequence[torch.Tensor],
+    layout: ShardLayout,
+    rank: int,
+    post_scale: float | None,
+    accumulate: bool,
+) -> None:
+    """The op without Triton: the slot widened and scaled in one call each, then one
+    ``_foreach_copy_`` (or ``_foreach_add_``, which widens, adds and casts back) of its views into
+    the grads; bitwise equal to ``reduce_scatter_copy_out_ref``, which it runs instead when it
+    would widen a NaN (see [Note: torch fallback] in ``kernels._launch``)."""
+    plan = _launch.torch_plan(layout, rank)
+    if not plan.pieces:
+        return
+    slot = rs_output
+    if post_scale is not None or accumulate:
+        compute = _launch.compute_dtype([rs_output.dtype, *(g.dtype for g in shard_grads)])
+        if compute != rs_output.dtype and _launch.has_nan(rs_output):
+            reduce_scatter_copy_out_ref(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+            return
+        slot = slot.to(compute)
+    if post_scale is not None:
+        slot = slot * _launch.as_float32(post_scale)
+    grads = [shard_grads[piece[0]] for piece in plan.pieces]
+    views = _launch.buffer_views(slot, plan)
+    if accumulate:
+        torch._foreach_add_(grads, views)
+    else:
+        torch._foreach_copy_(grads, views)
+
+
 def reduce_scatter_copy_out_ref(
     rs_output: torch.Tensor,
     shard_grads: Sequence[torch.Tensor],
@@ -138,7 +170,8 @@ def reduce_scatter_copy_out_ref(
     post_scale: float | None = None,
     accumulate: bool = False,
 ) -> None:
-    """Plain-torch reference of ``reduce_scatter_copy_out`` (also the CPU path without the interpreter)."""
+    """Plain-torch reference of ``reduce_scatter_copy_out``, one copy per rank and parameter: what the kernel and
+    the torch fallback (``_reduce_scatter_copy_out_torch``, bitwise) are tested against."""
     compute = _launch.compute_dtype([rs_output.dtype, *(g.dtype for g in shard_grads)])
     slot = rs_output.reshape(-1)
     for grad, offset in zip(shard_grads, layout.slot_offsets):

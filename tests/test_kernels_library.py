@@ -247,12 +247,47 @@ def test_triton_path_on_cpu_only_under_the_interpreter() -> None:
     assert not _launch.triton_enabled(torch.device("meta"))
 
 
+FALLBACK_CASES = [(1, 0), (2, 1), (3, 2), (4, 1), (8, 0), (8, 7)]
+"""(world size, rank) pairs: SHAPES' 0-dim and (0, 4) parameters, short ranks, and empty shards on
+high ranks (8 ranks: (7,) leaves rank 7 nothing, () every rank but 0)."""
+
+
+def fallback_inputs(world_size: int, rank: int) -> dict[str, object]:
+    x = Inputs(world_size, rank)
+    return {"shapes": SHAPES, "world_size": world_size, "rank": rank, "shards": x.shards, "fulls": x.fulls,
+            "ag_output": x.ag_output, "rs_output": x.rs_output, "shard_grads": x.shard_grads}
+
+
+def run_fallback_ops(inputs: dict) -> dict[str, object]:
+    """The four public ops on ``inputs`` with every option the runtime uses: casts both ways,
+    mixed-dtype outs, a pre-scale and none, post-scale with accumulation and a plain copy (inputs
+    are only read)."""
+    layout = ShardLayout(inputs["shapes"], inputs["world_size"])
+    rank = inputs["rank"]
+    f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+    accumulated = [g.clone() for g in inputs["shard_grads"]]
+    reduce_scatter_copy_out(inputs["rs_output"], accumulated, layout, rank, 1 / 3, True)
+    copied = [torch.empty_like(g, dtype=bf16) for g in inputs["shard_grads"]]
+    reduce_scatter_copy_out(inputs["rs_output"], copied, layout, rank)
+    mixed_outs = [torch.empty(s, dtype=d) for s, d in zip(layout.shapes, [f32, bf16, f16, f64, f32])]
+    all_gather_copy_out(inputs["ag_output"], layout, mixed_outs)
+    return {
+        "ag_input": all_gather_copy_in(inputs["shards"], layout, rank, bf16)[0],
+        "ag_input_fp32": all_gather_copy_in(inputs["shards"], layout, rank, f32)[0],
+        "outs": all_gather_copy_out(inputs["ag_output"], layout, dtype=f16),
+        "mixed_outs": mixed_outs,
+        "rs_input": reduce_scatter_copy_in(inputs["fulls"], layout, 0.1, bf16),
+        "rs_input_unscaled": reduce_scatter_copy_in(inputs["fulls"], layout, None, f32),
+        "accumulated": accumulated,
+        "copied": copied,
+    }
+
+
 _FALLBACK_SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
     from kernels import _launch
-    import kernels
 
     assert not _launch.INTERPRET and not _launch.triton_enabled(torch.device("cpu"))
 
@@ -260,17 +295,10 @@ _FALLBACK_SCRIPT = textwrap.dedent(
         raise AssertionError("a Triton kernel was launched without the interpreter")
 
     _launch.launch = no_launch
-    inputs = torch.load(sys.argv[1])
-    layout = kernels.ShardLayout(inputs["shapes"], inputs["world_size"])
-    rank = inputs["rank"]
-    shard_grads = inputs["shard_grads"]
-    kernels.reduce_scatter_copy_out(inputs["rs_output"], shard_grads, layout, rank, 1 / 3, True)
-    torch.save({
-        "ag_input": kernels.all_gather_copy_in(inputs["shards"], layout, rank, torch.bfloat16)[0],
-        "outs": kernels.all_gather_copy_out(inputs["ag_output"], layout, dtype=torch.float16),
-        "rs_input": kernels.reduce_scatter_copy_in(inputs["fulls"], layout, 0.1, torch.bfloat16),
-        "shard_grads": shard_grads,
-    }, sys.argv[2])
+    sys.path.insert(0, "tests")
+    from test_kernels_library import run_fallback_ops
+
+    torch.save([run_fallback_ops(inputs) for inputs in torch.load(sys.argv[1])], sys.argv[2])
     """
 )
 
@@ -278,13 +306,10 @@ _FALLBACK_SCRIPT = textwrap.dedent(
 @requires_kernels
 def test_torch_fallback_without_the_interpreter_equals_the_kernels(tmp_path: Path) -> None:
     """A fresh process with ``TRITON_INTERPRET=0`` (no GPU visible) computes the four ops with torch
-    alone; the results equal the kernels' here, bitwise."""
-    x = Inputs()
-    inputs = {
-        "shapes": SHAPES, "world_size": WORLD_SIZE, "rank": RANK, "shards": x.shards, "ag_output": x.ag_output,
-        "fulls": x.fulls, "rs_output": x.rs_output, "shard_grads": [g.clone() for g in x.shard_grads],
-    }
-    torch.save(inputs, tmp_path / "inputs.pt")
+    alone (the batched fallbacks, see ``test_kernels_torch_fallback``) over world sizes 1 to 8,
+    first and last ranks; the results equal the kernels' here, bitwise."""
+    cases = [fallback_inputs(w, r) for w, r in FALLBACK_CASES]
+    torch.save(cases, tmp_path / "inputs.pt")
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-c", _FALLBACK_SCRIPT, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt")],
@@ -292,14 +317,8 @@ def test_torch_fallback_without_the_interpreter_equals_the_kernels(tmp_path: Pat
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     fallback = torch.load(tmp_path / "outputs.pt")
-
-    shard_grads = [g.clone() for g in x.shard_grads]
-    reduce_scatter_copy_out(x.rs_output, shard_grads, x.layout, RANK, 1 / 3, True)
-    kernel = {
-        "ag_input": all_gather_copy_in(x.shards, x.layout, RANK, torch.bfloat16)[0],
-        "outs": all_gather_copy_out(x.ag_output, x.layout, dtype=torch.float16),
-        "rs_input": reduce_scatter_copy_in(x.fulls, x.layout, 0.1, torch.bfloat16),
-        "shard_grads": shard_grads,
-    }
-    for key in kernel:
-        assert same(fallback[key], kernel[key]), key
+    assert len(fallback) == len(cases)
+    for (w, r), inputs, got in zip(FALLBACK_CASES, cases, fallback):
+        kernel = run_fallback_ops(inputs)
+        for key in kernel:
+            assert same(got[key], kernel[key]), (w, r, key)

@@ -3,7 +3,8 @@
 Under ``TRITON_INTERPRET=1`` (set by conftest on CPU) the public functions launch the Triton kernels;
 each result is compared with
 
-* the op's ``*_ref`` (the plain-torch path the CPU falls back to without the interpreter), and
+* the op's ``*_ref`` (plain torch, one copy per rank and parameter; the batched torch fallback
+  that the CPU runs without the interpreter equals it bitwise: ``test_kernels_torch_fallback``), and
 * an expectation built here from the documented rules alone: ``torch.chunk`` for the dim-0 shards,
   regions of ``ceil(d / w)`` rows rounded up to 16 elements laid end to end, zeros in all padding,
   scales rounded to float32 and applied in float32 —
