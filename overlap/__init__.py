@@ -14,6 +14,7 @@ from overlap.collectives import (
     reduce_scatter_coalesced,
     wait,
 )
+from overlap.device_info import DeviceInfo, device_info
 from overlap.inflight import inflight, inflight_bytes, wait_all
 from overlap.mixed_precision import MixedPrecision
 from overlap.sharding import ShardedModule, no_overlap, no_sync, shard
@@ -23,6 +24,7 @@ from scheduler.async_tensor import AsyncTensor
 
 __all__ = [
     "AsyncTensor",
+    "DeviceInfo",
     "MixedPrecision",
     "ShardedModule",
     "Wrapped",
@@ -37,6 +39,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "device_info",
     "inflight",
     "inflight_bytes",
     "reduce_scatter",

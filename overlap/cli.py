@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from overlap.demo import DemoConfig, format_table, run_demo
+    from overlap.device_info import device_info
 
     limit = max_world_size()
     if args.world_size > limit:
@@ -80,6 +81,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      link_gbps=args.link_gbps, latency_us=args.latency_us)
     print(f"overlap demo: {cfg.world_size} CPU ranks (gloo), {cfg.layers} sharded layers of "
           f"{cfg.hidden}x{cfg.hidden} fp32, {cfg.steps} timed steps per mode ...", flush=True)
+    print(device_info().describe(), flush=True)
     results = run_demo(cfg)
     print(f"emulated link: {results['link_gbps']:.3g} Gbit/s, {cfg.latency_us:g} µs latency per collective; "
           f"medians over steps, slowest rank\n")

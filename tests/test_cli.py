@@ -19,6 +19,7 @@ def test_demo_runs_end_to_end_and_modes_agree(capsys: pytest.CaptureFixture[str]
     # Every mode produced bitwise the activations of the math with local weights.
     assert rows["no overlap"].rstrip().endswith("yes") and rows["overlap"].rstrip().endswith("yes"), out
     assert "emulated link: 5 Gbit/s" in out
+    assert "CPU:" in out, "the demo prints the device description"
 
 
 def test_module_entry_point_prints_help() -> None:
