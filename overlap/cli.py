@@ -19,24 +19,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+def _finite_float(strictly_positive: bool):
+    """An argparse type: a finite float > 0 (``strictly_positive``) or >= 0."""
+    bound = "> 0" if strictly_positive else ">= 0"
 
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text!r}") from None
+        if not (value > 0 if strictly_positive else value >= 0) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+    return parse
 
 
 def max_world_size() -> int:
@@ -60,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=_positive_int, default=8, help="sharded layers per step (default 8)")
     demo.add_argument("--hidden", type=_positive_int, default=512,
                       help="layer width; each weight is hidden x hidden fp32 (default 512)")
-    demo.add_argument("--link-gbps", type=_positive_float, default=None,
+    demo.add_argument("--link-gbps", type=_finite_float(strictly_positive=True), default=None,
                       help="emulated link bandwidth in gigabits/s (default: chosen so comm time ~ compute time)")
-    demo.add_argument("--latency-us", type=_non_negative_float, default=20.0,
+    demo.add_argument("--latency-us", type=_finite_float(strictly_positive=False), default=20.0,
                       help="emulated per-collective latency in microseconds (default 20)")
     return parser
 
