@@ -15,7 +15,7 @@ from overlap.collectives import (
     wait,
 )
 from overlap.device_info import DeviceInfo, device_info
-from overlap.inflight import inflight, inflight_bytes, wait_all
+from overlap.inflight_work import inflight, inflight_bytes, wait_all
 from overlap.mixed_precision import MixedPrecision
 from overlap.sharding import ShardedModule, no_overlap, no_sync, shard
 from overlap.state_dict import full_state_dict, load_full_state_dict

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from overlap import traced
 from overlap.groups import GroupArg, GroupInfo, check_reduce_op, dist_reduce_op, resolve_group
-from overlap.inflight import InflightWork, ResultCompletion, track
+from overlap.inflight_work import InflightWork, ResultCompletion, track
 from overlap.streams import comm_stream
 from overlap.regions import region
 from scheduler.async_tensor import AsyncTensor, wait_tensor

@@ -55,7 +55,7 @@ from torch import nn
 from kernels import ShardLayout, unchecked
 from overlap.collectives import all_gather_into, reduce_scatter_into
 from overlap.groups import GroupInfo
-from overlap.inflight import InflightWork
+from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
 from overlap.regions import region
 

@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from overlap.groups import GroupInfo, resolve_group
-from overlap.inflight import InflightWork
+from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
 from overlap.regions import region
