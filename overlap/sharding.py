@@ -172,7 +172,6 @@ class _Root:
         self.states = sharded_states(owner.module)
         for i, state in enumerate(self.states):
             state.root, state.index = self, i
-        self._state_of_group = {id(s.group): s for s in self.states if s.group is not None}
         self.agreed_order: Optional[list[int]] = None
         self.in_forward = False
         self.in_backward = False
@@ -285,7 +284,6 @@ class _Root:
         self._done: set[int] = set()  # groups reduce-scattered (and resharded) in this backward
         self._backward_order: list[int] = []
         self._backward_cursor = 0
-        self.backward_seq: list[int] = []
         self._reduce_order: list[int] = []
         self._reduce_next = 0
         self._ready: set[int] = set()
@@ -294,17 +292,18 @@ class _Root:
     def on_pre_backward(self, state: ShardState) -> None:
         if not self.in_backward:
             self._begin_backward()
-        self.backward_seq.append(state.index)
         if state.group is not None and state.index not in self._done:
             self._gather(state)
             state.group.finish_gather()
         # Backward runs the forward order in reverse: prefetch the groups after this one.
         reverse = self._backward_order
-        pos = reverse.index(state.index, self._backward_cursor) if state.index in reverse[self._backward_cursor:] else -1
-        if pos >= 0:
-            self._backward_cursor = pos
-            upcoming = [i for i in reverse[pos + 1 :] if i not in self._done]
-            self._prefetch(state, list(dict.fromkeys(upcoming)))
+        try:
+            pos = reverse.index(state.index, self._backward_cursor)
+        except ValueError:  # not in this step's forward order (e.g. run only inside a checkpoint)
+            return
+        self._backward_cursor = pos
+        upcoming = [i for i in reverse[pos + 1 :] if i not in self._done]
+        self._prefetch(state, list(dict.fromkeys(upcoming)))
 
     def _begin_backward(self) -> None:
         self.in_backward = True
@@ -319,10 +318,11 @@ class _Root:
         self._reduce_order = sorted(first_use, key=lambda i: -first_use[i])
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def on_grad_ready(self, group: ParamGroup, index: int) -> None:
-        if not self.in_backward:
+    def on_grad_ready(self, state: ShardState) -> None:
+        """A gradient of ``state``'s group was accumulated; reduce the group once all of them are."""
+        group = state.group
+        if not self.in_backward or group is None:
             return  # e.g. a backward through a module outside this root's step
-        state = self._state_of_group[id(group)]
         if set(group.requires_grad_indices) <= group.grads_ready:
             self._ready.add(state.index)
             self._flush_reduces(final=False)
@@ -457,12 +457,9 @@ def shard(
         bad = [locs[0].fqn for p, locs in zip(params, locations) if not p.is_floating_point()]
         raise TypeError(f"shard: MixedPrecision.param_dtype needs floating-point parameters; {bad} are not")
 
-    state_holder: list[ShardState] = []
-
     def on_grad_ready(g: ParamGroup, index: int) -> None:
-        root = state_holder[0].root
-        if root is not None:
-            root.on_grad_ready(g, index)
+        if state.root is not None:  # `state` is bound below, before any backward can run
+            state.root.on_grad_ready(state)
 
     param_group = ParamGroup(params, locations, info, mp, on_grad_ready) if params else None
     if param_group is not None:
@@ -470,7 +467,6 @@ def shard(
             original._overlap_sharded_by = param_group  # type: ignore[attr-defined]
             sharded._overlap_sharded_by = param_group  # type: ignore[attr-defined]
     state = ShardState(module, param_group, info, mp, reshard_after_forward, prefetch, max_inflight_bytes)
-    state_holder.append(state)
     module.__class__ = _sharded_class(type(module))
     module._overlap_state = state  # type: ignore[assignment]
     module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
