@@ -75,6 +75,14 @@ def _awkward(shard: bool, **options: Any) -> nn.Module:
     return model
 
 
+def _global_loss(loss: torch.Tensor, world: int) -> float:
+    """The mean of every rank's loss (also outside a process group, for the one-process reference)."""
+    total = loss.detach().clone()
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / world
+
+
 def _train(model: nn.Module, rank: int, world: int) -> list[float]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
@@ -83,10 +91,7 @@ def _train(model: nn.Module, rank: int, world: int) -> list[float]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(_global_loss(loss, world))
     return losses
 
 
@@ -244,10 +249,7 @@ def _checkpointed_losses(shard: bool, rank: int, world: int) -> list[float]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(_global_loss(loss, world))
     return losses
 
 
