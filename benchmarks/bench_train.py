@@ -17,11 +17,11 @@ Part 2 (one process, a 1-rank gloo group): the runtime's own CPU cost, per block
     python benchmarks/bench_train.py [--world-size 2] [--steps 8] [--markdown benchmarks/RESULTS.md]
 
 Packing runs the torch path on CPU here (no TRITON_INTERPRET): the Triton kernels are for GPUs.
+The modes, the training step and the link calibration are ``overlap.training``'s (shared with the demo).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import overlap  # noqa: E402
 from overlap.testing import PairedTimes, paired_steps, run_distributed  # noqa: E402
+from overlap.training import TrainStep, calibrated_gbps, measure_traffic, shard_for_mode  # noqa: E402
 from report import emit  # noqa: E402
 
 
@@ -45,68 +45,31 @@ def _mlp(blocks: int, dim: int) -> nn.Sequential:
                            for _ in range(blocks)])
 
 
-def _shard_overlap(model: nn.Sequential, bf16: bool = False) -> nn.Module:
-    mp = overlap.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
-    for block in model:
-        overlap.shard(block, mp=mp)
-    return overlap.shard(model, mp=mp)
+def _sharded(mode: str, model: nn.Sequential, bf16: bool = False) -> tuple[nn.Module, Callable[[], Any]]:
+    """``model`` sharded block by block for ``mode`` (``overlap.training.MODES``), and its step context."""
+    return model, shard_for_mode(mode, model, list(model), bf16=bf16)
 
 
-def _shard_fsdp2(model: nn.Sequential, explicit_prefetch: bool, bf16: bool = False) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
-    blocks = list(model)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    if explicit_prefetch:
-        for i, block in enumerate(blocks):
-            if i + 1 < len(blocks):
-                block.set_modules_to_forward_prefetch([blocks[i + 1]])
-            if i > 0:
-                block.set_modules_to_backward_prefetch([blocks[i - 1]])
-    return model
+def _step_fn(model: nn.Module, context: Callable[[], Any], x: torch.Tensor) -> TrainStep:
+    return TrainStep(lambda _: model(x).square().mean(), torch.optim.AdamW(model.parameters(), lr=1e-3), context)
 
 
-def _step_fn(model: nn.Module, x: torch.Tensor, off: Callable[[], Any] | None = None) -> Callable[[], None]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        with off() if off is not None else contextlib.nullcontext():
-            model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    return step
-
-
-MODES = ("overlap.shard", "overlap.shard, overlap off", "torch FSDP2 (default)", "torch FSDP2 (explicit prefetch)")
-
-
-def _build(mode: str, args: argparse.Namespace) -> tuple[nn.Module, Callable[[], Any] | None]:
-    model = _mlp(args.blocks, args.dim)
-    if mode.startswith("overlap.shard"):
-        _shard_overlap(model)
-        return model, (lambda: overlap.no_overlap(model)) if mode.endswith("overlap off") else None
-    return _shard_fsdp2(model, explicit_prefetch=mode.endswith("(explicit prefetch)")), None
+# Display name -> overlap.training mode.
+MODES = {"overlap.shard": "overlap", "overlap.shard, overlap off": "no-overlap",
+         "torch FSDP2 (default)": "fsdp2", "torch FSDP2 (explicit prefetch)": "fsdp2-prefetch"}
 
 
 def _train_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
-    model, _ = _build("overlap.shard", args)
-    # Calibrate: one step's comm ~ this runtime's own compute side (unless --link-gbps is given).
-    compute = paired_steps(_step_fn(model, x), 3, 1e9, 0.0, warmup=2).unlinked
-    param_bytes = sum(p.numel() * p.element_size() for p in _mlp(args.blocks, args.dim).parameters())
-    wire = 3 * param_bytes * (world - 1) / world  # gathers in forward and backward, one reduce-scatter
-    collectives = 3 * args.blocks
-    gbps = args.link_gbps or wire * 8 / max(compute - collectives * args.latency_us * 1e-6, 1e-4) / 1e9
+    gbps = args.link_gbps
+    if gbps is None:  # one step's comm ~ this runtime's own compute side
+        probe = _step_fn(*_sharded("overlap", _mlp(args.blocks, args.dim)), x)
+        compute = paired_steps(probe, 3, 1e9, 0.0, warmup=2).unlinked
+        gbps = calibrated_gbps(compute, *measure_traffic(probe), args.latency_us)
     out: dict[str, Any] = {"gbps": gbps}
-    for mode in MODES:
-        model, off = _build(mode, args)
-        out[mode] = paired_steps(_step_fn(model, x, off), args.steps, gbps, args.latency_us, warmup=2)
+    for name, mode in MODES.items():
+        step = _step_fn(*_sharded(mode, _mlp(args.blocks, args.dim)), x)
+        out[name] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=2)
     return out
 
 
@@ -137,10 +100,10 @@ def _overhead(args: argparse.Namespace) -> dict[str, float]:
 
         return {
             "unsharded": per_step(model()),
-            "overlap.shard (fp32: world-size-1 alias path)": per_step(_shard_overlap(model())),
-            "torch FSDP2 (fp32)": per_step(_shard_fsdp2(model(), False)),
-            "overlap.shard (bf16 params: pack, cast, unpack)": per_step(_shard_overlap(model(), bf16=True)),
-            "torch FSDP2 (bf16 params)": per_step(_shard_fsdp2(model(), False, bf16=True)),
+            "overlap.shard (fp32: world-size-1 alias path)": per_step(_sharded("overlap", model())[0]),
+            "torch FSDP2 (fp32)": per_step(_sharded("fsdp2", model())[0]),
+            "overlap.shard (bf16 params: pack, cast, unpack)": per_step(_sharded("overlap", model(), bf16=True)[0]),
+            "torch FSDP2 (bf16 params)": per_step(_sharded("fsdp2", model(), bf16=True)[0]),
             "blocks": n,
         }
     finally:

@@ -93,7 +93,9 @@ def check_dtype(op: str, name: str, dtype: object) -> None:
 
 
 def check_rank(op: str, rank: object, layout: ShardLayout) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{op}: rank must be an int in [0, {layout.world_size}), got {type(rank).__name__}")
+    if not 0 <= rank < layout.world_size:
         raise ValueError(f"{op}: rank must be an int in [0, {layout.world_size}), got {rank!r}")
 
 

@@ -57,7 +57,9 @@ class ShardLayout:
     """Every parameter's region in a slot starts at a multiple of this many elements."""
 
     def __init__(self, param_shapes: Sequence[Sequence[int]], world_size: int) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"ShardLayout: world_size must be an int >= 1, got {type(world_size).__name__}")
+        if world_size < 1:
             raise ValueError(f"ShardLayout: world_size must be an int >= 1, got {world_size!r}")
         if isinstance(param_shapes, torch.Tensor) or not isinstance(param_shapes, Sequence):
             raise TypeError(
@@ -67,9 +69,13 @@ class ShardLayout:
             raise ValueError("ShardLayout: param_shapes must hold at least one shape, got none")
         shapes = []
         for i, shape in enumerate(param_shapes):
-            if isinstance(shape, torch.Tensor) or not isinstance(shape, Sequence) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+            if isinstance(shape, (torch.Tensor, str)) or not isinstance(shape, Sequence) or not all(
+                isinstance(d, int) and not isinstance(d, bool) for d in shape
             ):
+                raise TypeError(
+                    f"ShardLayout: param_shapes[{i}] must be a sequence of non-negative ints, got {shape!r}"
+                )
+            if any(d < 0 for d in shape):
                 raise ValueError(
                     f"ShardLayout: param_shapes[{i}] must be a sequence of non-negative ints, got {shape!r}"
                 )
@@ -102,6 +108,10 @@ class ShardLayout:
     def from_spec(spec: Sequence[int]) -> ShardLayout:
         """The layout whose ``spec`` is ``spec`` (any sequence of ints; cached: equal specs give the
         same object)."""
+        if isinstance(spec, (torch.Tensor, str)) or not isinstance(spec, Sequence) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in spec
+        ):
+            raise TypeError(f"spec must be a sequence of ints (a ShardLayout.spec), got {spec!r}")
         return _layout_from_spec(tuple(spec))
 
     @property
@@ -124,11 +134,20 @@ class ShardLayout:
         )
 
     def _check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be an int in [0, {self.world_size}), got {type(rank).__name__}")
+        if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+
+    def _check_index(self, index: int) -> None:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"index must be an int in [0, {self.num_params}), got {type(index).__name__}")
+        if not 0 <= index < self.num_params:
+            raise IndexError(f"index must be a parameter index in [0, {self.num_params}), got {index!r}")
 
     def shard_rows(self, index: int, rank: int) -> tuple[int, int]:
         """Rows ``[start, end)`` of parameter ``index`` held by ``rank`` (dim 0 of the full tensor)."""
+        self._check_index(index)
         self._check_rank(rank)
         d, c = self.dim0s[index], self.rows_per_rank[index]
         return min(rank * c, d), min((rank + 1) * c, d)
@@ -146,6 +165,8 @@ class ShardLayout:
 
     def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """``rank``'s rows of a full tensor, as a view (a 0-dim tensor is viewed as shape ``(1,)``)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         self._check_rank(rank)
         d = tensor.shape[0] if tensor.dim() else 1
         c = _ceil_div(d, self.world_size)
@@ -155,15 +176,21 @@ class ShardLayout:
 
     def shards(self, tensors: Sequence[torch.Tensor], rank: int) -> list[torch.Tensor]:
         """``shard`` of each full tensor; their shapes must be this layout's shapes."""
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+            raise TypeError(f"tensors must be a sequence of {self.num_params} tensors, got {type(tensors).__name__}")
         if len(tensors) != self.num_params:
             raise ValueError(f"tensors has {len(tensors)} entries, layout has {self.num_params} parameters")
         for i, (t, shape) in enumerate(zip(tensors, self.shapes)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
             if t.shape != shape:
                 raise ValueError(f"tensors[{i}] has shape {tuple(t.shape)}, layout expects {tuple(shape)}")
         return [self.shard(t, rank) for t in tensors]
 
     def shard_views(self, slot: torch.Tensor, rank: int) -> list[torch.Tensor]:
         """Views of ``rank``'s shards inside a 1-D slot of ``slot_numel`` elements (no copy)."""
+        if not isinstance(slot, torch.Tensor):
+            raise TypeError(f"slot must be a 1-D torch.Tensor of {self.slot_numel} elements, got {type(slot).__name__}")
         if slot.dim() != 1 or slot.numel() != self.slot_numel:
             raise ValueError(f"slot must be 1-D with {self.slot_numel} elements, got shape {tuple(slot.shape)}")
         return [
@@ -195,10 +222,20 @@ class ShardLayout:
 
 @functools.lru_cache(maxsize=256)
 def _layout_from_spec(spec: tuple[int, ...]) -> ShardLayout:
+    malformed = ValueError(
+        f"spec must be (world_size, N, then per parameter ndim followed by its dims), as in ShardLayout.spec; "
+        f"got {spec!r}"
+    )
+    if len(spec) < 2 or spec[1] < 0:
+        raise malformed
     world_size, n = spec[0], spec[1]
     shapes, pos = [], 2
     for _ in range(n):
+        if pos >= len(spec) or spec[pos] < 0 or pos + 1 + spec[pos] > len(spec):
+            raise malformed
         ndim = spec[pos]
         shapes.append(spec[pos + 1 : pos + 1 + ndim])
         pos += 1 + ndim
+    if pos != len(spec):
+        raise malformed
     return ShardLayout(shapes, world_size)

@@ -14,9 +14,19 @@ from overlap.collectives import (
     reduce_scatter_coalesced,
     wait,
 )
+from overlap.desync import DesyncError, debug, debug_enabled, set_debug
 from overlap.device_info import DeviceInfo, device_info
-from overlap.inflight_work import inflight, inflight_bytes, wait_all
+from overlap.inflight_work import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    inflight,
+    inflight_bytes,
+    set_wait_timeout,
+    wait_all,
+    wait_timeout,
+)
 from overlap.mixed_precision import MixedPrecision
+from overlap.profiler import Profiler, profile
 from overlap.sharding import ShardedModule, no_overlap, no_sync, shard
 from overlap.state_dict import full_state_dict, load_full_state_dict
 from overlap.wrap import Wrapped, wrap
@@ -24,8 +34,12 @@ from scheduler.async_tensor import AsyncTensor
 
 __all__ = [
     "AsyncTensor",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "DesyncError",
     "DeviceInfo",
     "MixedPrecision",
+    "Profiler",
     "ShardedModule",
     "Wrapped",
     "full_state_dict",
@@ -39,11 +53,17 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "debug",
+    "debug_enabled",
     "device_info",
     "inflight",
     "inflight_bytes",
+    "profile",
     "reduce_scatter",
     "reduce_scatter_coalesced",
+    "set_debug",
+    "set_wait_timeout",
     "wait",
     "wait_all",
+    "wait_timeout",
 ]

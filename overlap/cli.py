@@ -1,25 +1,40 @@
-"""``python -m overlap``: the command line (``demo``)."""
+"""``python -m overlap``: the command line (``demo``).
+
+Exit codes: 0 success; 1 the demo ran but its losses disagree; 2 bad input (argparse's usage and a
+message, before any training starts).
+"""
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
-import sys
-from typing import Sequence
+import tempfile
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-__all__ = ["main", "build_parser"]
+if TYPE_CHECKING:
+    from overlap.demo import DemoConfig, DemoResult
 
+__all__ = ["main", "build_parser", "max_world_size"]
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+DEFAULT_OUT = "overlap-demo-out"
 
 
-def _finite_float(strictly_positive: bool):
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _finite_float(strictly_positive: bool) -> Callable[[str], float]:
     """An argparse type: a finite float > 0 (``strictly_positive``) or >= 0."""
     bound = "> 0" if strictly_positive else ">= 0"
 
@@ -35,60 +50,182 @@ def _finite_float(strictly_positive: bool):
     return parse
 
 
+def _compare(text: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated modes of ``overlap.demo.COMPARABLE``, or ``none``."""
+    from overlap.demo import COMPARABLE
+
+    if text.strip() == "none":
+        return ()
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in COMPARABLE]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {unknown[0]!r}: give a comma-separated list of {', '.join(COMPARABLE)}, or none")
+    return tuple(dict.fromkeys(names))
+
+
 def max_world_size() -> int:
     """The most CPU ranks the demo spawns on this machine (gloo ranks share the cores)."""
     return 4 * (os.cpu_count() or 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m overlap`` parser (sub-command ``demo``)."""
+    from overlap.demo import COMPARABLE, FSDP2_LOSS_RTOL, MODEL_SIZES
+
     parser = argparse.ArgumentParser(prog="python -m overlap", description="triton-overlap command line.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sizes = "; ".join(f"{name}: {s.layers} blocks of width {s.dim}, {s.batch}x{s.seq} tokens per rank"
+                      for name, s in MODEL_SIZES.items())
     demo = commands.add_parser(
         "demo",
-        help="gather sharded layer weights with and without overlap on spawned CPU ranks; print the table",
-        description="Spawns CPU ranks (gloo) behind an emulated link and runs the same sharded forward "
-                    "three ways — compute only, gathers with no overlap, gathers overlapped with compute "
-                    "(overlap.all_gather, waited at first use) — then prints step time, compute time, "
-                    "comm time, exposed comm and the share of comm hidden.",
+        help="train a small transformer with overlap.shard beside no-overlap and torch FSDP2; print the table",
+        description=(
+            "Trains a small transformer (AdamW) with overlap.shard on several ranks, side by side with the "
+            "same runtime with overlap off (overlap.no_overlap) and torch FSDP2 (fully_shard), behind an "
+            "emulated link whose bandwidth makes one step's communication take about as long as its compute. "
+            "Prints step time, tokens/s, compute, comm, exposed comm and the share of comm hidden per mode, "
+            "checks that the losses agree (overlap vs no-overlap bitwise, FSDP2 within a relative "
+            f"{FSDP2_LOSS_RTOL:g}), and writes a Chrome trace and a PNG timeline of a few profiled steps. "
+            "Spawns its ranks (gloo on CPU; NCCL with one GPU per rank); under torchrun it runs in-process "
+            "on the ranks torchrun started. Exit codes: 0 ok, 1 losses disagree, 2 bad input."),
     )
-    demo.add_argument("--world-size", type=_positive_int, default=2, help="ranks to spawn (default 2)")
-    demo.add_argument("--steps", type=_positive_int, default=6, help="timed steps per mode (default 6)")
-    demo.add_argument("--layers", type=_positive_int, default=8, help="sharded layers per step (default 8)")
-    demo.add_argument("--hidden", type=_positive_int, default=512,
-                      help="layer width; each weight is hidden x hidden fp32 (default 512)")
-    demo.add_argument("--link-gbps", type=_finite_float(strictly_positive=True), default=None,
-                      help="emulated link bandwidth in gigabits/s (default: chosen so comm time ~ compute time)")
-    demo.add_argument("--latency-us", type=_finite_float(strictly_positive=False), default=20.0,
-                      help="emulated per-collective latency in microseconds (default 20)")
+    demo.add_argument("--world-size", type=_int_at_least(2), default=None, metavar="N",
+                      help="ranks to spawn, >= 2 (default 2; under torchrun, WORLD_SIZE and this must agree)")
+    demo.add_argument("--steps", type=_int_at_least(1), default=5, metavar="S",
+                      help="timed steps per mode: S without and S with the link's delay, after one warm-up "
+                           "step; figures are medians (default 5)")
+    demo.add_argument("--model", choices=tuple(MODEL_SIZES), default="small",
+                      help=f"model size (default small). {sizes}")
+    demo.add_argument("--compare", type=_compare, default=COMPARABLE, metavar="MODES",
+                      help=f"comma-separated modes to run beside overlap.shard: {', '.join(COMPARABLE)} "
+                           "(no-overlap = overlap.no_overlap), or none (default: both)")
+    demo.add_argument("--link-gbps", type=_finite_float(strictly_positive=True), default=None, metavar="B",
+                      help="emulated link bandwidth in gigabits/s (default: calibrated so one step's comm "
+                           "takes about as long as overlap.shard's compute)")
+    demo.add_argument("--latency-us", type=_finite_float(strictly_positive=False), default=20.0, metavar="US",
+                      help="emulated latency per collective in microseconds (default 20)")
+    demo.add_argument("--profile-steps", type=_int_at_least(0), default=2, metavar="P",
+                      help="steps of overlap.shard (and no-overlap) run under overlap.profile() after the timed "
+                           "ones, for the trace and timeline (default 2; 0: no profile, nothing written)")
+    demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                      help="auto (default): cuda (NCCL, one GPU per rank) when there are enough GPUs for the ranks, "
+                           "else cpu (gloo)")
+    demo.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                      help=f"folder for trace-<mode>.json and timeline-<mode>.png (created; default ./{DEFAULT_OUT})")
     return parser
 
 
+def _torchrun_env(parser: argparse.ArgumentParser) -> Optional[tuple[int, int, int]]:
+    """(rank, world size, local rank) when started by torchrun (RANK and WORLD_SIZE set), else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    values = [os.environ.get(name, "0") for name in names]
+    if not all(v.isdigit() for v in values):
+        parser.error("torchrun's " + ", ".join(f"{n}={v!r}" for n, v in zip(names, values)) + " must be whole numbers")
+    rank, world_size, local_rank = (int(v) for v in values)
+    return rank, world_size, local_rank
+
+
+def _unwritable(out: str) -> Optional[str]:
+    """Why the folder ``out`` cannot be written (created if missing), or None if it can."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from overlap.demo import DemoConfig, format_table, run_demo
+    import torch
+
+    from overlap.demo import MODE_NAMES, DemoConfig, format_report, run_demo, write_outputs
     from overlap.device_info import device_info
 
-    limit = max_world_size()
-    if args.world_size > limit:
-        parser.error(f"--world-size {args.world_size} is more CPU ranks than this machine can run "
-                     f"({os.cpu_count()} cores: at most {limit})")
-    if args.hidden % args.world_size:
-        parser.error(f"--hidden {args.hidden} must be divisible by --world-size {args.world_size}")
-    cfg = DemoConfig(world_size=args.world_size, steps=args.steps, layers=args.layers, hidden=args.hidden,
-                     link_gbps=args.link_gbps, latency_us=args.latency_us)
-    print(f"overlap demo: {cfg.world_size} CPU ranks (gloo), {cfg.layers} sharded layers of "
-          f"{cfg.hidden}x{cfg.hidden} fp32, {cfg.steps} timed steps per mode ...", flush=True)
-    print(device_info().describe(), flush=True)
-    results = run_demo(cfg)
-    print(f"emulated link: {results['link_gbps']:.3g} Gbit/s, {cfg.latency_us:g} µs latency per collective; "
-          f"medians over steps, slowest rank\n")
-    print(format_table(results))
-    if not all(results[m]["same"] for m in ("no overlap", "overlap")):
-        print("\nERROR: the modes disagree with the compute-only result", file=sys.stderr)
-        return 1
-    return 0
+    launched = _torchrun_env(parser)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "cuda" and not gpus:
+        parser.error("--device cuda: no CUDA device is visible")
+    if args.device == "auto":  # NCCL needs one GPU per rank: too few GPUs for a spawned run -> CPU
+        wanted = 1 if launched is not None else (args.world_size or 2)
+        device = "cuda" if gpus >= wanted else "cpu"
+    else:
+        device = args.device
+    if launched is not None:
+        rank, world_size, local_rank = launched
+        if args.world_size is not None and args.world_size != world_size:
+            parser.error(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world_size}")
+        if world_size < 2:
+            parser.error(f"--world-size: the demo needs >= 2 ranks, torchrun started {world_size}")
+        if device == "cuda" and local_rank >= gpus:
+            parser.error(f"--device cuda: LOCAL_RANK={local_rank} has no GPU of its own ({gpus} visible)")
+    else:
+        rank, local_rank = 0, 0
+        world_size = 2 if args.world_size is None else args.world_size
+        if device == "cuda" and world_size > gpus:
+            parser.error(f"--world-size {world_size} is more ranks than this machine can run: NCCL needs one GPU "
+                         f"per rank and {gpus} are visible")
+        if device == "cpu" and world_size > max_world_size():
+            parser.error(f"--world-size {world_size} is more CPU ranks than this machine can run "
+                         f"({os.cpu_count()} cores: at most {max_world_size()})")
+    if rank == 0:
+        problem = _unwritable(args.out)
+        if problem is not None:
+            parser.error(f"--out {args.out!r} cannot be written: {problem}")
+    cfg = DemoConfig(world_size=world_size, steps=args.steps, model=args.model, compare=args.compare,
+                     link_gbps=args.link_gbps, latency_us=args.latency_us, profile_steps=args.profile_steps,
+                     device=device)
+    if rank == 0:
+        backend = "NCCL, one GPU per rank" if device == "cuda" else "gloo"
+        how = "torchrun" if launched is not None else "spawned"
+        print(f"overlap demo: {world_size} {how} ranks ({backend}), model {cfg.model}, AdamW; modes: "
+              f"{', '.join(MODE_NAMES[m] for m in cfg.modes)}", flush=True)
+        print(device_info().describe() + "\n", flush=True)
+    if launched is None:
+        result = run_demo(cfg)
+    else:
+        result = _in_process(cfg, rank, world_size, local_rank)
+        if result is None:
+            return 0
+    print(format_report(result))
+    for line in write_outputs(result, args.out):
+        print(line)
+    return 0 if result.losses_agree else 1
+
+
+def _in_process(cfg: DemoConfig, rank: int, world_size: int, local_rank: int) -> Optional[DemoResult]:
+    """Run :func:`overlap.demo.rank_main` on this torchrun rank (a process group is initialized here
+    from torchrun's environment unless one exists); rank 0 gets the result, the others None."""
+    import torch
+    import torch.distributed as dist
+
+    from overlap.demo import rank_main
+
+    created = not dist.is_initialized()
+    if created:
+        if cfg.device == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+            takes_device = "device_id" in inspect.signature(dist.init_process_group).parameters
+            extra = {"device_id": device} if takes_device else {}
+            dist.init_process_group("nccl", **extra)
+        else:
+            dist.init_process_group("gloo")
+    elif cfg.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    try:
+        return rank_main(rank, world_size, cfg)
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; returns the exit code (argparse
+    exits with 2 on bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from overlap import traced
+from overlap import desync, traced
 from overlap.groups import GroupArg, GroupInfo, check_reduce_op, dist_reduce_op, resolve_group
 from overlap.inflight_work import InflightWork, ResultCompletion, track
 from overlap.streams import comm_stream
@@ -104,8 +104,17 @@ def _dist_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp
 _STREAM_PURPOSE = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
 
 
-def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[torch.Tensor], nbytes: int) -> InflightWork:
-    """Start ``launch`` without blocking the caller: on a comm stream (CUDA) or as an async work."""
+def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[torch.Tensor], nbytes: int,
+           group: str = "", op: str = "") -> InflightWork:
+    """Start ``launch`` without blocking the caller: on a comm stream (CUDA) or as an async work.
+
+    ``group`` is the process group's name, kept on the work (for the profiler and errors) with the
+    collective's per-group sequence number. ``op`` (the reduce op, or ``src=<rank>`` of a broadcast)
+    is part of the fingerprint that debug mode checks across ranks first (``overlap.desync``).
+    """
+    seq = desync.next_seq(group)
+    if desync.enabled:  # debug mode (one check when off): every rank is about to issue the same collective
+        desync.check(kind, seq, group, buffers, op)
     with region(f"overlap::{kind}"):
         if device.type == "cuda":
             current = torch.cuda.current_stream(device)
@@ -115,8 +124,8 @@ def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[to
                 launch(False)
                 event = torch.cuda.Event()
                 event.record(stream)
-            return track(InflightWork(kind, nbytes, buffers, event=event, device=device))
-        return track(InflightWork(kind, nbytes, buffers, work=launch(True)))
+            return track(InflightWork(kind, nbytes, buffers, event=event, device=device, group=group, seq=seq))
+        return track(InflightWork(kind, nbytes, buffers, work=launch(True), group=group, seq=seq))
 
 
 class _Plan:
@@ -135,6 +144,11 @@ class _Plan:
     def adjoint(self, grad: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"overlap.{self.kind} is not differentiable with these arguments")
 
+    def wrap(self, result: torch.Tensor) -> torch.Tensor:
+        """The started collective's result as an AsyncTensor bound to ``self.completion``."""
+        assert self.completion is not None
+        return AsyncTensor.wrap(result, self.completion, self.kind, self.info.pg.group_name)
+
     def _divide_for_avg(self, op: str, out: torch.Tensor) -> Optional[Callable[[], None]]:
         if op == "avg" and not self.info.native_avg:
             size = self.info.size
@@ -146,7 +160,7 @@ class _Differentiable(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, plan: _Plan) -> torch.Tensor:  # type: ignore[override]
         ctx.plan = plan
-        return AsyncTensor.wrap(plan.start(x), plan.completion)
+        return plan.wrap(plan.start(x))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -157,7 +171,7 @@ def _run(plan: _Plan, x: torch.Tensor) -> torch.Tensor:
     x = wait_tensor(x)  # an input still being produced by another collective must be complete
     if x.requires_grad and torch.is_grad_enabled():
         return _Differentiable.apply(x, plan)
-    return AsyncTensor.wrap(plan.start(x), plan.completion)
+    return plan.wrap(plan.start(x))
 
 
 # ----------------------------------------------------------------------------- single-tensor collectives
@@ -178,7 +192,7 @@ class _AllGather(_Plan):
         slot.view(shape).copy_(x)  # snapshot straight into our slot: the gather runs in place
         pg = self.info.pg
         work = _issue(self.kind, x.device, lambda a: _dist_all_gather(flat, slot, pg, a),
-                      (out,), out.numel() * out.element_size())
+                      (out,), out.numel() * out.element_size(), pg.group_name)
         if d == 0:
             self.completion = ResultCompletion(work)
             return out
@@ -209,7 +223,7 @@ class _ReduceScatter(_Plan):
         pg, op = self.info.pg, dist_reduce_op(self.op, self.info)
         work = _issue(self.kind, x.device,
                       lambda a: _dist_reduce_scatter(out.view(-1), inp.view(-1), op, pg, a),
-                      (inp, out), inp.numel() * inp.element_size())
+                      (inp, out), inp.numel() * inp.element_size(), pg.group_name, self.op)
         self.completion = ResultCompletion(work, self._divide_for_avg(self.op, out))
         return out
 
@@ -231,7 +245,7 @@ class _AllReduce(_Plan):
         out = x.clone(memory_format=torch.contiguous_format)  # snapshot; reduced in place
         pg, op = self.info.pg, dist_reduce_op(self.op, self.info)
         work = _issue(self.kind, x.device, lambda a: dist.all_reduce(out, op=op, group=pg, async_op=a),
-                      (out,), out.numel() * out.element_size())
+                      (out,), out.numel() * out.element_size(), pg.group_name, self.op)
         self.completion = ResultCompletion(work, self._divide_for_avg(self.op, out))
         return out
 
@@ -254,7 +268,7 @@ class _AllToAll(_Plan):
         out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
         pg, o, i = self.info.pg, self.out_splits, self.in_splits
         work = _issue(self.kind, x.device, lambda a: dist.all_to_all_single(out, inp, o, i, group=pg, async_op=a),
-                      (inp, out), inp.numel() * inp.element_size())
+                      (inp, out), inp.numel() * inp.element_size(), pg.group_name)
         self.completion = ResultCompletion(work)
         return out
 
@@ -273,7 +287,7 @@ class _Broadcast(_Plan):
         out = x.clone(memory_format=torch.contiguous_format)
         pg, src = self.info.pg, self.info.global_rank(self.src)
         work = _issue(self.kind, x.device, lambda a: dist.broadcast(out, src=src, group=pg, async_op=a),
-                      (out,), out.numel() * out.element_size())
+                      (out,), out.numel() * out.element_size(), pg.group_name, f"src={src}")
         self.completion = ResultCompletion(work)
         return out
 
@@ -321,8 +335,10 @@ def all_reduce(x: torch.Tensor, op: str = "sum", group: GroupArg = None) -> torc
 def _check_splits(splits: object, name: str, info: GroupInfo) -> Optional[list[int]]:
     if splits is None:
         return None
-    if not isinstance(splits, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in splits):
+    if not isinstance(splits, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in splits):
         raise TypeError(f"{name} must be None or a list of {info.size} non-negative ints, got {splits!r}")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"{name} must be None or a list of {info.size} non-negative ints, got {splits!r}")
     if len(splits) != info.size:
         raise ValueError(f"{name} must have one entry per rank ({info.size}), got {len(splits)}")
     return list(splits)
@@ -357,7 +373,9 @@ def broadcast(x: torch.Tensor, src: int = 0, group: GroupArg = None) -> torch.Te
     """Every rank gets ``src``'s ``x`` (``src`` is a rank within ``group``). Returns an AsyncTensor."""
     _check_tensor(x, "x")
     info = resolve_group(group)
-    if not isinstance(src, int) or not 0 <= src < info.size:
+    if isinstance(src, bool) or not isinstance(src, int):
+        raise TypeError(f"src must be an int, a rank in the group, 0..{info.size - 1}; got {type(src).__name__}")
+    if not 0 <= src < info.size:
         raise ValueError(f"src must be a rank in the group, 0..{info.size - 1}, got {src!r}")
     if _traceable(x):
         return traced.broadcast(x, src, info)
@@ -401,7 +419,7 @@ def all_gather_coalesced(xs: Sequence[torch.Tensor], group: GroupArg = None) -> 
         pg = info.pg
         work = _issue("all_gather_coalesced", device,
                       lambda a, out=out, slot=slot: _dist_all_gather(out, slot, pg, a),
-                      (out,), out.numel() * out.element_size())
+                      (out,), out.numel() * out.element_size(), pg.group_name)
         by_rank = out.view(w, total)
         offset = 0
         for i, n in zip(idx, numels):
@@ -409,7 +427,8 @@ def all_gather_coalesced(xs: Sequence[torch.Tensor], group: GroupArg = None) -> 
             result = torch.empty((t.shape[0] * w, *t.shape[1:]), dtype=dtype, device=device)
             src = by_rank[:, offset : offset + n]
             finish = (lambda r=result, s=src, n=n: r.view(w, n).copy_(s))
-            results[i] = AsyncTensor.wrap(result, ResultCompletion(work, finish))
+            results[i] = AsyncTensor.wrap(result, ResultCompletion(work, finish), "all_gather_coalesced",
+                                          pg.group_name)
             offset += n
     return results  # type: ignore[return-value]
 
@@ -440,13 +459,14 @@ def reduce_scatter_coalesced(xs: Sequence[torch.Tensor], op: str = "sum", group:
         pg, rop = info.pg, dist_reduce_op(op, info)
         work = _issue("reduce_scatter_coalesced", device,
                       lambda a, out=out, inp=inp: _dist_reduce_scatter(out, inp.view(-1), rop, pg, a),
-                      (inp, out), inp.numel() * inp.element_size())
+                      (inp, out), inp.numel() * inp.element_size(), pg.group_name, op)
         offset = 0
         for i, c in zip(idx, chunks):
             t = tensors[i]
             shard = out[offset : offset + c].view(t.shape[0] // w, *t.shape[1:])
             finish = (lambda s=shard: s.div_(w)) if op == "avg" and not info.native_avg else None
-            results[i] = AsyncTensor.wrap(shard, ResultCompletion(work, finish))
+            results[i] = AsyncTensor.wrap(shard, ResultCompletion(work, finish), "reduce_scatter_coalesced",
+                                          pg.group_name)
             offset += c
     return results  # type: ignore[return-value]
 
@@ -461,7 +481,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo) 
     Returns the in-flight work; the caller waits it (``InflightWork.wait``) before reading ``output``.
     """
     return _issue("all_gather", output.device, lambda a: _dist_all_gather(output, input, info.pg, a),
-                  (output,), output.numel() * output.element_size())
+                  (output,), output.numel() * output.element_size(), info.pg.group_name)
 
 
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo) -> InflightWork:
@@ -471,7 +491,7 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupIn
     """
     op = dist_reduce_op("sum", info)
     return _issue("reduce_scatter", output.device, lambda a: _dist_reduce_scatter(output, input, op, info.pg, a),
-                  (input, output), input.numel() * input.element_size())
+                  (input, output), input.numel() * input.element_size(), info.pg.group_name, "sum")
 
 
 def wait(t):

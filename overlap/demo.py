@@ -1,138 +1,362 @@
-"""The demo (``python -m overlap demo``): layer-by-layer parameter gathers hidden behind compute.
+"""The demo (``python -m overlap demo``): train a small transformer with ``overlap.shard`` and compare.
 
-Every rank holds a dim-0 shard of each layer's weight, as in FSDP. A forward step gathers each
-layer's weight and multiplies by it, three ways, side by side in one run:
+One run, side by side on the same ranks, from the same initial weights and on the same batches:
 
-* **compute only** — the full weights are already local: the time the math alone takes;
-* **no overlap** — gather layer ``i``, wait, compute layer ``i``: communication is fully exposed;
-* **overlap** — ``overlap.all_gather`` of layer ``i + 1`` is issued before layer ``i`` computes and
-  waits only at its first use, so the link works while the CPU computes.
+* ``overlap.shard`` (this runtime: each block's gather in flight while the block before it computes,
+  gradients reduce-scattered while the rest of backward runs);
+* ``overlap.no_overlap`` (the same runtime with every collective completed before anything else
+  runs: what overlap is measured from);
+* torch FSDP2 (``fully_shard``, default settings).
 
-The ranks run on gloo. Each mode alternates steps without and with the emulated link's delay
-(``overlap.testing.paired_steps``): the first kind is the mode's *compute side* (the math, packing
-and gloo's own host work), and what the second takes beyond it is exposed communication. The link's
-bandwidth is chosen, unless given, so that a step's communication takes about as long as its
-compute side: the case where overlap matters most. All modes must produce bitwise the same
-activations; the demo checks it and says so.
+Each mode trains :class:`~overlap.demo_model.TransformerLM` with AdamW; its steps alternate without
+and with the emulated link's delay (``overlap.testing.paired_steps``): the first kind is the mode's
+*compute side* (math, packing, the runtime's and gloo's own host work) and what the second takes
+beyond it is *exposed communication*. The link's bandwidth is chosen, unless given, so that one
+step's communication takes about as long as this runtime's compute side: where overlap matters most.
+
+After the timed steps, a few more steps of each ``overlap.shard`` mode run under ``overlap.profile()``
+(so profiling does not skew the timings); every rank's records are merged on rank 0, which returns
+them for the Chrome trace and the PNG timeline (:func:`write_outputs`).
+
+Losses are checked: ``overlap.shard`` and ``overlap.no_overlap`` must agree bitwise (turning overlap
+off changes when collectives are waited for, never what is computed), torch FSDP2 within
+:data:`FSDP2_LOSS_RTOL`.
+
+Launch: :func:`run_demo` spawns the ranks (gloo on CPU, NCCL with one GPU per rank);
+:func:`rank_main` is the per-rank body, also called in-process under ``torchrun``.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import os
+import sys
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["DemoConfig", "run_demo", "format_table"]
+from overlap.demo_model import MODEL_SIZES, TransformerLM, token_batch
+from overlap.testing.exposed import PairedTimes
+from overlap.training import TrainStep, calibrated_gbps, measure_traffic, shard_for_mode
+
+__all__ = [
+    "COMPARABLE", "DemoConfig", "DemoResult", "FSDP2_LOSS_RTOL", "MODE_NAMES", "ModeResult", "format_report",
+    "rank_main", "run_demo", "write_outputs",
+]
+
+# [Note: demo loss tolerance] FSDP2 and overlap.shard compute the same fp32 math, but nothing obliges
+# them to reduce gradients in the same order (flat buffers per group vs FSDP2's own; NCCL picks ring or
+# tree per message size), and AdamW carries any rounding difference forward. Measured on CPU/gloo
+# (tiny and small models, worlds 2 and 3, up to 11 steps): deviation 0, the losses are bitwise equal.
+# The tolerance allows float32 rounding of the reduction order: a few ulps (~1e-7) per step, grown by
+# AdamW over the demo's few steps, with a wide margin.
+FSDP2_LOSS_RTOL = 1e-4
+
+MODE_NAMES: dict[str, str] = {
+    "overlap": "overlap.shard",
+    "no-overlap": "no overlap (overlap.no_overlap)",
+    "fsdp2": "torch FSDP2 (fully_shard)",
+}
+COMPARABLE: tuple[str, ...] = ("no-overlap", "fsdp2")
+"""Modes ``--compare`` may name; ``overlap`` always runs."""
+PROFILED: tuple[str, ...] = ("overlap", "no-overlap")
+"""Modes whose collectives ``overlap.profile()`` sees (FSDP2's are torch's own)."""
+_SEED = 1234
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    """What the demo runs: ranks, steps, model size and link (``link_gbps=None``: calibrated)."""
+    """What the demo runs. ``link_gbps=None``: calibrated so comm ~ compute; ``compare``: modes of
+    :data:`COMPARABLE` run beside ``overlap``; ``profile_steps``: profiled steps per profiled mode
+    (0: no profile); ``device``: "cpu" or "cuda"."""
 
     world_size: int = 2
-    steps: int = 6
-    layers: int = 8
-    hidden: int = 512
-    batch: int = 256
-    link_gbps: float | None = None
+    steps: int = 5
+    model: str = "small"
+    compare: tuple[str, ...] = COMPARABLE
+    link_gbps: Optional[float] = None
     latency_us: float = 20.0
+    profile_steps: int = 2
+    warmup: int = 1
+    device: str = "cpu"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_SIZES:
+            raise ValueError(f"model must be one of {', '.join(MODEL_SIZES)}; got {self.model!r}")
+        unknown = [m for m in self.compare if m not in COMPARABLE]
+        if unknown:
+            raise ValueError(f"compare: unknown mode(s) {unknown}; choose from {', '.join(COMPARABLE)}")
+        if self.steps < 1 or self.warmup < 0 or self.profile_steps < 0:
+            raise ValueError("steps must be >= 1, warmup and profile_steps >= 0")
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """``overlap`` first, then the compared modes in :data:`COMPARABLE` order."""
+        return ("overlap", *(m for m in COMPARABLE if m in self.compare))
 
 
-def _weights(cfg: DemoConfig, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Full weights (same on every rank) and this rank's dim-0 shards of them."""
-    g = torch.Generator().manual_seed(0)
-    full = [torch.randn(cfg.hidden, cfg.hidden, generator=g) / cfg.hidden**0.5 for _ in range(cfg.layers)]
-    return full, [w.chunk(cfg.world_size)[rank].contiguous() for w in full]
+@dataclasses.dataclass(frozen=True)
+class ModeResult:
+    """One mode: paired-step times (slowest rank), global loss per step, and the merged profile of
+    its profiled steps (``overlap.profiler.ProfileResult``; None if not profiled)."""
+
+    times: PairedTimes
+    losses: tuple[float, ...]
+    profile: Any = None
 
 
-def _layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(x @ w)
+@dataclasses.dataclass(frozen=True)
+class DemoResult:
+    """What rank 0 returns: the link used, per-mode results, and the loss checks.
+
+    ``bitwise``: overlap and no-overlap losses identical on every rank (None if no-overlap did not
+    run); ``fsdp2_dev``: max relative deviation of FSDP2's global losses from overlap's (None if FSDP2
+    did not run)."""
+
+    config: DemoConfig
+    world_size: int
+    backend: str
+    link_gbps: float
+    calibrated: bool
+    parameters: int
+    tokens_per_step: int
+    modes: dict[str, ModeResult]
+    bitwise: Optional[bool]
+    fsdp2_dev: Optional[float]
+
+    @property
+    def losses_agree(self) -> bool:
+        """Overlap vs no-overlap bitwise, and FSDP2 within :data:`FSDP2_LOSS_RTOL` (those that ran)."""
+        return self.bitwise is not False and (self.fsdp2_dev is None or self.fsdp2_dev <= FSDP2_LOSS_RTOL)
 
 
-def _compute_only(x: torch.Tensor, full: list[torch.Tensor], shards: list[torch.Tensor]) -> torch.Tensor:
-    for w in full:
-        x = _layer(x, w)
-    return x
+class _Progress:
+    """One stderr line, redrawn per step on a terminal; elsewhere, one line per finished phase."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.phase = ""
+        self.tty = enabled and sys.stderr.isatty()
+
+    def start(self, phase: str) -> None:
+        """Begin ``phase`` (off a terminal, the previous phase's line is written now)."""
+        if self.enabled and self.phase and not self.tty:
+            sys.stderr.write(f"  {self.phase}: done ({self.done}/{self.total} steps)\n")
+        self.phase = phase
+        self._draw()
+
+    def advance(self) -> None:
+        self.done += 1
+        self._draw()
+
+    def _draw(self) -> None:
+        if self.tty:
+            filled = round(24 * self.done / max(1, self.total))
+            sys.stderr.write(f"\r\x1b[K[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} steps  "
+                             f"{self.phase}")
+            sys.stderr.flush()
+
+    def finish(self) -> None:
+        """End the last phase; on a terminal the bar stays, marked done."""
+        self.start("done")
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
-def _no_overlap(x: torch.Tensor, full: list[torch.Tensor], shards: list[torch.Tensor]) -> torch.Tensor:
-    import overlap
-
-    for shard in shards:
-        x = _layer(x, overlap.wait(overlap.all_gather(shard)))
-    return x
-
-
-def _overlapped(x: torch.Tensor, full: list[torch.Tensor], shards: list[torch.Tensor]) -> torch.Tensor:
-    import overlap
-
-    pending = overlap.all_gather(shards[0])
-    for i in range(len(shards)):
-        following = overlap.all_gather(shards[i + 1]) if i + 1 < len(shards) else None
-        x = _layer(x, pending)  # the first use of `pending` waits for its gather, only now
-        pending = following
-    return x
+def _global_losses(losses: list[torch.Tensor]) -> tuple[float, ...]:
+    """Mean over ranks of each step's local loss (every rank trains on equal-size batches)."""
+    t = torch.stack(losses).to(torch.float64)
+    dist.all_reduce(t)
+    return tuple((t / dist.get_world_size()).tolist())
 
 
-_MODES: dict[str, Callable[..., torch.Tensor]] = {
-    "compute only": _compute_only,
-    "no overlap": _no_overlap,
-    "overlap": _overlapped,
-}
+def _all_true(flag: bool, device: torch.device) -> bool:
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
-def _rank_main(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any]:
-    from overlap.testing import paired_steps
+def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResult]:
+    """The demo on one rank of an initialized default process group; rank 0 returns the figures
+    (other ranks None). Every rank must call it with the same ``cfg``."""
+    from overlap.profiler import profile
+    from overlap.testing import EmulatedLink, paired_steps
 
-    torch.manual_seed(1234)
-    x = torch.randn(cfg.batch, cfg.hidden)
-    full, shards = _weights(cfg, rank)
-    reference = _compute_only(x, full, shards)
-    # The math alone, and the overlap mode's compute side (math + packing + gloo's host work).
-    math = paired_steps(lambda: _compute_only(x, full, shards), cfg.steps, 1e9, 0.0).unlinked
-    compute = paired_steps(lambda: _overlapped(x, full, shards), cfg.steps, 1e9, 0.0).unlinked
-    wire_bytes = cfg.layers * full[0].numel() * full[0].element_size() * (world_size - 1) / world_size
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    size = MODEL_SIZES[cfg.model]
+    calibrate = cfg.link_gbps is None
+    per_mode = cfg.warmup + 2 * cfg.steps
+    total = (6 if calibrate else 0) + per_mode * len(cfg.modes)
+    total += cfg.profile_steps * sum(m in PROFILED for m in cfg.modes)
+    progress = _Progress(total, enabled=cfg.progress and rank == 0)
+    parameters = 0
+
+    def build(mode: str) -> TrainStep:
+        nonlocal parameters
+        torch.manual_seed(_SEED)  # the same initial weights in every mode
+        model = TransformerLM(size).to(device)
+        parameters = sum(p.numel() for p in model.parameters())  # before sharding: the full count
+        context = shard_for_mode(mode, model, list(model.blocks))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return TrainStep(lambda i: model.loss(token_batch(size, i, rank).to(device)), optimizer, context,
+                         device, progress.advance)
+
     gbps = cfg.link_gbps
-    if gbps is None:  # the link carries one step's gathers in about one step's compute side
-        gbps = wire_bytes * 8 / max(compute - cfg.layers * cfg.latency_us * 1e-6, 1e-4) / 1e9
-    results: dict[str, Any] = {"link_gbps": gbps, "math": math}
-    for mode in ("no overlap", "overlap"):
-        outputs: list[torch.Tensor] = []
-        times = paired_steps(lambda: outputs.append(_MODES[mode](x, full, shards)), cfg.steps, gbps, cfg.latency_us)
-        results[mode] = {"times": times, "same": all(torch.equal(out, reference) for out in outputs)}
-    return results
+    if gbps is None:
+        progress.start("calibrating the link on overlap.shard's compute side")
+        probe = build("overlap")
+        compute = paired_steps(probe, 2, 1e6, 0.0, warmup=1).unlinked
+        collectives, wire_bytes = measure_traffic(probe)
+        gbps = calibrated_gbps(compute, collectives, wire_bytes, cfg.latency_us)
+        del probe
+    modes: dict[str, ModeResult] = {}
+    local: dict[str, list[torch.Tensor]] = {}
+    for mode in cfg.modes:
+        progress.start(MODE_NAMES[mode])
+        step = build(mode)
+        times = paired_steps(step, cfg.steps, gbps, cfg.latency_us, warmup=cfg.warmup)
+        local[mode] = list(step.losses)
+        merged = None
+        if cfg.profile_steps and mode in PROFILED:
+            progress.start(f"profiling {MODE_NAMES[mode]}")
+            dist.barrier()
+            with EmulatedLink(gbps, cfg.latency_us), profile() as prof:
+                for _ in range(cfg.profile_steps):
+                    step()
+                    prof.step()
+            merged = prof.gather(dst=0)
+        modes[mode] = ModeResult(times, _global_losses(local[mode]), merged)
+        del step
+    progress.finish()
+    bitwise = None
+    if "no-overlap" in local:
+        bitwise = _all_true(torch.equal(torch.stack(local["overlap"]), torch.stack(local["no-overlap"])), device)
+    fsdp2_dev = None
+    if "fsdp2" in modes:
+        ours, theirs = modes["overlap"].losses, modes["fsdp2"].losses
+        fsdp2_dev = max(abs(a - b) / abs(a) if a else abs(b) for a, b in zip(ours, theirs))
+    if rank != 0:
+        return None
+    return DemoResult(cfg, world_size, dist.get_backend(), gbps, calibrate, parameters,
+                      world_size * size.tokens_per_rank, modes, bitwise, fsdp2_dev)
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Run the demo on ``cfg.world_size`` spawned gloo ranks; return rank 0's figures."""
+def run_demo(cfg: DemoConfig, timeout: float = 3600.0) -> DemoResult:
+    """Spawn ``cfg.world_size`` ranks (gloo on CPU; NCCL, one GPU per rank, for ``device="cuda"``),
+    run :func:`rank_main` on each, return rank 0's result."""
     from overlap.testing import run_distributed
 
-    return run_distributed(_rank_main, cfg.world_size, cfg, timeout=600)[0]
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    result = run_distributed(rank_main, cfg.world_size, cfg, backend=backend, timeout=timeout)[0]
+    assert result is not None
+    return result
 
 
-FOOTNOTE = (
-    "compute side: the same step with no link delay (math, packing, gloo's host work); exposed comm: step minus\n"
-    "compute side. 'no overlap' waits for gloo's real transfer inside its compute side too, so its exposed figure\n"
-    "undercounts what it waits; step / ideal compares every mode with max(compute side of overlap, comm)."
-)
+# ------------------------------------------------------------------------------------------ report
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f}"
 
 
-def format_table(results: dict[str, Any]) -> str:
-    """The side-by-side table: step, compute side, comm, exposed comm, share hidden, step / ideal."""
-    ideal = max(results["overlap"]["times"].unlinked, results["overlap"]["times"].comm)
-    header = ("mode", "step ms", "compute side ms", "comm ms", "exposed comm ms", "comm hidden", "step / ideal",
-              "same result")
-    math = results["math"]
-    rows = [("math only (weights local)", f"{1e3 * math:.1f}", f"{1e3 * math:.1f}", "0.0", "0.0", "-", "-", "yes")]
-    for mode in ("no overlap", "overlap"):
-        t = results[mode]["times"]
-        rows.append((mode, f"{1e3 * t.linked:.1f}", f"{1e3 * t.unlinked:.1f}", f"{1e3 * t.comm:.1f}",
-                     f"{1e3 * t.exposed:.1f}", f"{100 * t.hidden_share:.0f}%", f"{t.linked / ideal:.2f}",
-                     "yes" if results[mode]["same"] else "NO"))
-    t = results["overlap"]["times"]
-    rows.append(("ideal max(compute, comm)", f"{1e3 * ideal:.1f}", f"{1e3 * t.unlinked:.1f}", f"{1e3 * t.comm:.1f}",
-                 f"{1e3 * max(0.0, t.comm - t.unlinked):.1f}", "100%", "1.00", ""))
-    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (header, *rows)]
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+             for row in (header, *rows)]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n\n" + FOOTNOTE
+    return "\n".join(lines)
+
+
+def _profiled(profile: Any) -> tuple[str, str]:
+    """(exposed ms per step, hidden share) over every rank's profiled steps, or ("-", "-")."""
+    if profile is None:
+        return "-", "-"
+    steps = profile.summary().steps
+    if not steps:
+        return "-", "-"
+    comm = sum(s.comm_ms for s in steps)
+    exposed = sum(s.exposed_ms for s in steps)
+    hidden = f"{100 * max(0.0, comm - exposed) / comm:.0f}%" if comm > 0 else "-"
+    return f"{exposed / len(steps):.1f}", hidden
+
+
+HEADER: tuple[str, ...] = ("mode", "step ms", "tokens/s", "compute ms", "comm ms", "exposed comm ms",
+                           "comm hidden", "profiled exposed ms", "profiled hidden")
+"""The columns of the table :func:`format_report` prints."""
+
+
+def format_report(result: DemoResult) -> str:
+    """The side-by-side table, its legend and the loss check, as text."""
+    cfg = result.config
+    rows = []
+    for mode, m in result.modes.items():
+        t = m.times
+        rows.append((MODE_NAMES[mode], _ms(t.linked), f"{result.tokens_per_step / t.linked:,.0f}", _ms(t.unlinked),
+                     _ms(t.comm), _ms(t.exposed), f"{100 * t.hidden_share:.0f}%", *_profiled(m.profile)))
+    ours = result.modes["overlap"].times
+    ideal = max(ours.unlinked, ours.comm)
+    rows.append(("ideal max(compute, comm)", _ms(ideal), f"{result.tokens_per_step / ideal:,.0f}", _ms(ours.unlinked),
+                 _ms(ours.comm), _ms(max(0.0, ours.comm - ours.unlinked)), "100%", "", ""))
+    how = "calibrated so one step's comm ~ overlap.shard's compute" if result.calibrated else "from --link-gbps"
+    size = MODEL_SIZES[cfg.model]
+    lines = [
+        f"model {cfg.model}: {result.parameters / 1e6:.3g} M parameters, {size.layers} blocks (each sharded, then "
+        f"the root); {result.tokens_per_step:,} tokens per step over {result.world_size} ranks",
+        f"emulated link: {result.link_gbps:.3g} Gbit/s ({how}), {cfg.latency_us:g} µs per collective; "
+        f"medians of {cfg.steps} steps, slowest rank",
+        "",
+        _table(HEADER, rows),
+        "",
+        "step: with the link's delay; compute: the same step without it (math, packing, host work); comm: the",
+        "link's busy time per step; exposed: step - compute; comm hidden: share of the hideable comm (at most",
+        "compute) that was hidden. These count waiting for gloo's own transfer as compute, which flatters no",
+        "overlap. profiled: overlap.profile() over the profiled steps, per step (exposed: time a rank stalled",
+        "in a wait while its collective ran, whatever it waited for); FSDP2's collectives are not profiled.",
+        "",
+        _loss_line(result),
+    ]
+    return "\n".join(lines)
+
+
+def _loss_line(result: DemoResult) -> str:
+    losses = result.modes["overlap"].losses
+    lines = [f"losses over {len(losses)} steps (global mean {losses[0]:.4f} -> {losses[-1]:.4f}):"]
+    if result.bitwise is not None:
+        lines.append("  overlap.shard vs no overlap: "
+                     + ("bitwise identical" if result.bitwise else "DIFFER (they must be bitwise identical)"))
+    if result.fsdp2_dev is not None:
+        verdict = "agree" if result.fsdp2_dev <= FSDP2_LOSS_RTOL else "DISAGREE"
+        lines.append(f"  overlap.shard vs torch FSDP2: {verdict}, max relative deviation {result.fsdp2_dev:.2g} "
+                     f"(tolerance {FSDP2_LOSS_RTOL:g})")
+    if len(lines) == 1:
+        lines.append("  no other mode to compare with")
+    return "\n".join(lines)
+
+
+PLOT_HINT = "pip install 'triton-overlap[plot]'"
+
+
+def write_outputs(result: DemoResult, out: str) -> list[str]:
+    """Write each profiled mode's Chrome trace (``trace-<mode>.json``) and PNG timeline
+    (``timeline-<mode>.png``, if matplotlib imports) into the folder ``out``; return lines saying what
+    was written, or how to get the PNG."""
+    from overlap.profiler import ProfileResult
+
+    lines: list[str] = []
+    profiled = {mode: m.profile for mode, m in result.modes.items() if isinstance(m.profile, ProfileResult)}
+    if not profiled:
+        return ["no profile recorded (--profile-steps 0): no trace or timeline written"]
+    try:
+        import matplotlib  # noqa: F401
+        plot = True
+    except ImportError:
+        plot = False
+    for mode, prof in profiled.items():
+        trace = prof.export_chrome_trace(os.path.join(out, f"trace-{mode}.json"))
+        lines.append(f"{MODE_NAMES[mode]}: Chrome trace {trace} (open in https://ui.perfetto.dev)")
+        if plot:
+            lines.append(f"{MODE_NAMES[mode]}: timeline {prof.plot(os.path.join(out, f'timeline-{mode}.png'))}")
+    if not plot:
+        lines.append(f"no PNG timeline: matplotlib is not installed ({PLOT_HINT} writes it)")
+    return lines
+

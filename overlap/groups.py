@@ -90,7 +90,9 @@ def resolve_group(group: GroupArg, arg_name: str = "group") -> GroupInfo:
 
 def check_reduce_op(op: Any, dtype: torch.dtype, arg_name: str = "op") -> ReduceOpName:
     """Validate a reduction name ('sum', 'avg', 'max', 'min', 'product') for ``dtype``."""
-    if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
+    if not isinstance(op, str):
+        raise TypeError(f"{arg_name} must be a str, one of {', '.join(repr(o) for o in REDUCE_OPS)}; got {type(op).__name__}")
+    if op.lower() not in REDUCE_OPS:
         raise ValueError(f"{arg_name} must be one of {', '.join(repr(o) for o in REDUCE_OPS)}; got {op!r}")
     op = op.lower()
     if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):

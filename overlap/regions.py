@@ -3,22 +3,82 @@
 ``torch.profiler.record_function`` costs ~5 µs per region even with no profiler active; the runtime
 enters ~10 regions per block per step, so :func:`region` checks first (a ~0.1 µs C call) and only
 records while a profiler is collecting.
+
+While ``overlap.profiler`` records (:func:`track_labels`), regions also keep a per-thread stack of
+their names and entry times, so each collective can be attributed to the region that issued it, and
+its issue time taken where its issuing region began (:func:`current_regions`).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+import threading
+import time
+from typing import ContextManager, Optional
 
 import torch
 
-__all__ = ["region"]
+__all__ = ["region", "current_labels", "current_regions", "track_labels"]
 
 _NULL = contextlib.nullcontext()
 _profiler_enabled = torch._C._autograd._profiler_enabled
+_tracking = False
+_local = threading.local()  # .stack: (name, entry time) of the regions this thread is inside (while tracking)
+
+
+def _stack() -> list[tuple[str, float]]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+class _Labelled:
+    """A region whose name is pushed on this thread's label stack (and recorded by torch.profiler)."""
+
+    __slots__ = ("name", "_recorded")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._recorded: Optional[ContextManager[object]] = None
+
+    def __enter__(self) -> None:
+        _stack().append((self.name, time.perf_counter()))
+        if _profiler_enabled():
+            self._recorded = torch.profiler.record_function(self.name)
+            self._recorded.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._recorded is not None:
+            self._recorded.__exit__(*exc)
+        stack = _stack()
+        if stack and stack[-1][0] == self.name:
+            stack.pop()
 
 
 def region(name: str) -> ContextManager[object]:
     """``record_function(name)`` while a profiler is active, else a no-op context."""
+    if _tracking:
+        return _Labelled(name)
     if _profiler_enabled():
         return torch.profiler.record_function(name)
     return _NULL
+
+
+def track_labels(on: bool) -> bool:
+    """Keep (``on``) or stop keeping the per-thread stack of region names; returns the previous setting."""
+    global _tracking
+    previous, _tracking = _tracking, bool(on)
+    if not on:
+        _local.stack = []
+    return previous
+
+
+def current_regions() -> tuple[tuple[str, float], ...]:
+    """``(name, time.perf_counter() at entry)`` of the regions this thread is inside, outermost first
+    (empty unless tracking)."""
+    return tuple(getattr(_local, "stack", ()))
+
+
+def current_labels() -> tuple[str, ...]:
+    """Names of the regions this thread is inside, outermost first (empty unless tracking)."""
+    return tuple(name for name, _ in getattr(_local, "stack", ()))

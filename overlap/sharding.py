@@ -390,11 +390,13 @@ def _check_options(module: object, mp: object, reshard_after_forward: object, pr
         raise TypeError(f"shard: mp must be None or an overlap.MixedPrecision, got {type(mp).__name__}")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"shard: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+        raise TypeError(f"shard: prefetch must be an int >= 0 (groups gathered ahead), got {type(prefetch).__name__}")
+    if prefetch < 0:
         raise ValueError(f"shard: prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
-    if max_inflight_bytes is not None and (
-        isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 1
-    ):
+    if max_inflight_bytes is not None and (isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int)):
+        raise TypeError(f"shard: max_inflight_bytes must be None or an int >= 1, got {type(max_inflight_bytes).__name__}")
+    if max_inflight_bytes is not None and max_inflight_bytes < 1:
         raise ValueError(f"shard: max_inflight_bytes must be None or an int >= 1, got {max_inflight_bytes!r}")
 
 
@@ -477,6 +479,8 @@ def shard(
 @contextlib.contextmanager
 def _states_flag(module: nn.Module, attribute: str, value: bool, caller: str) -> Iterator[None]:
     """Set ``attribute`` on every shard state under ``module`` inside the block; restore on exit."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{caller}: module must be a torch.nn.Module sharded by overlap.shard, got {type(module).__name__}")
     states = sharded_states(module)
     if not states:
         raise ValueError(f"{caller}: {type(module).__name__} has no sharded modules (call overlap.shard first)")

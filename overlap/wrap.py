@@ -20,6 +20,8 @@ class Wrapped(nn.Module):
     """
 
     def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Wrapped: module must be a torch.nn.Module, got {type(module).__name__}")
         super().__init__()
         self.module = module
         self._register_state_dict_hook(_strip_prefix)

@@ -6,6 +6,8 @@ from typing import Any
 
 from scheduler.async_tensor import AsyncTensor, Completion, is_pending, wait_tensor
 from scheduler.graph_pass import overlap_graph, overlap_pass
+from scheduler.replay import ScheduleMismatchError, Scheduler
+from scheduler.schedule import Schedule
 
 # The Inductor hook imports torch._inductor (~1 s), so it is loaded on first use.
 _INDUCTOR_HOOK_NAMES = ("OverlapGraphPass", "inductor_overlap", "install", "uninstall")
@@ -23,6 +25,9 @@ __all__ = [
     "AsyncTensor",
     "Completion",
     "OverlapGraphPass",
+    "Schedule",
+    "ScheduleMismatchError",
+    "Scheduler",
     "inductor_overlap",
     "install",
     "is_pending",

@@ -27,12 +27,12 @@ take the tensor directly) must call :func:`wait_tensor` first.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["AsyncTensor", "Completion", "wait_tensor", "is_pending"]
+__all__ = ["AsyncTensor", "Completion", "WaitObserver", "wait_tensor", "is_pending", "set_observer"]
 
 
 class Completion(Protocol):
@@ -75,6 +75,29 @@ def _metadata_functions() -> frozenset:
 _NO_WAIT = _metadata_functions()
 
 
+class WaitObserver(Protocol):
+    """Sees every AsyncTensor being made and every first wait (``scheduler.replay`` records with it).
+
+    ``on_issue`` runs right after a result is wrapped; ``on_wait`` right before its one wait, with
+    the torch function about to use it (``None`` for an explicit :func:`wait_tensor`). ``on_wait``
+    may raise (verify mode): the tensor then stays pending. Neither may run ops on the tensor.
+    """
+
+    def on_issue(self, pending: "AsyncTensor", kind: str, group: str) -> None: ...
+
+    def on_wait(self, pending: "AsyncTensor", func: Optional[Callable]) -> None: ...
+
+
+_observer: Optional[WaitObserver] = None
+
+
+def set_observer(observer: Optional[WaitObserver]) -> Optional[WaitObserver]:
+    """Install ``observer`` (``None``: none) for this process; returns the previous one."""
+    global _observer
+    previous, _observer = _observer, observer
+    return previous
+
+
 class AsyncTensor(torch.Tensor):
     """A tensor whose data is being produced by a collective; waits at its first use.
 
@@ -85,21 +108,26 @@ class AsyncTensor(torch.Tensor):
     _overlap_completion: Completion
 
     @staticmethod
-    def wrap(result: torch.Tensor, completion: Completion) -> "AsyncTensor":
+    def wrap(result: torch.Tensor, completion: Completion, kind: str = "collective", group: str = "") -> "AsyncTensor":
         """A new AsyncTensor sharing ``result``'s storage, bound to ``completion``.
 
         ``result`` must carry no autograd history (a buffer made under no_grad). A differentiable
         result is wrapped inside ``torch.autograd.Function.forward``, where autograd then attaches
-        its history to the AsyncTensor itself.
+        its history to the AsyncTensor itself. ``kind`` and ``group`` name the collective for a
+        :class:`WaitObserver` (recorded schedules).
         """
         pending = torch.Tensor._make_subclass(AsyncTensor, result, False)
         pending._overlap_completion = completion
+        if _observer is not None:
+            _observer.on_issue(pending, kind, group)
         return pending
 
-    def _overlap_wait(self) -> None:
-        completion = self.__dict__.pop("_overlap_completion", None)
-        if completion is None:  # already waited, or waiting right now higher up the stack
+    def _overlap_wait(self, func: Optional[Callable] = None) -> None:
+        if "_overlap_completion" not in self.__dict__:  # already waited, or waiting higher up the stack
             return
+        if _observer is not None:
+            _observer.on_wait(self, func)
+        completion = self.__dict__.pop("_overlap_completion")
         try:
             completion.wait()
         except BaseException:
@@ -114,7 +142,7 @@ class AsyncTensor(torch.Tensor):
             flat, _ = tree_flatten((args, kwargs))
             for arg in flat:
                 if type(arg) is AsyncTensor:
-                    arg._overlap_wait()
+                    arg._overlap_wait(func)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 

@@ -41,7 +41,9 @@ at its original place it is issued anyway, after waiting for the oldest outstand
 until it fits (or none are left). With a budget, a collective of unknown size is not moved and is
 waited right after it is issued. Without a budget nothing limits how far waits sink.
 
-Not done: bucketing of adjacent small all-gathers into one collective.
+Bucketing: with ``bucket_bytes``, small all-gathers / reduce-scatters that can be issued together are
+first merged into one collective each (``scheduler.bucketing``); that rewrite adds and removes nodes
+(values stay bitwise equal), and the contract above then holds for the merged graph.
 """
 from __future__ import annotations
 
@@ -505,15 +507,24 @@ def check_max_inflight_bytes(max_inflight_bytes: object) -> None:
         raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
 
 
-def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = None) -> bool:
-    """Reorder ``graph`` in place for comm/compute overlap; return whether the order changed.
+def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = None,
+                  bucket_bytes: Optional[int] = None) -> bool:
+    """Reorder ``graph`` in place for comm/compute overlap; return whether the graph changed.
 
     The core of :func:`overlap_pass`, working on a bare ``torch.fx.Graph`` (what Inductor's
     ``post_grad_custom_post_pass`` receives). Same contract; the caller recompiles the module.
     """
+    from scheduler.bucketing import bucket_collectives, check_bucket_bytes
+
     if not isinstance(graph, torch.fx.Graph):
         raise TypeError(f"graph must be a torch.fx.Graph, got {type(graph).__name__}")
     check_max_inflight_bytes(max_inflight_bytes)
+    check_bucket_bytes(bucket_bytes)
+    merged = bucket_collectives(graph, bucket_bytes) if bucket_bytes is not None else 0
+    return _reorder(graph, max_inflight_bytes) or merged > 0
+
+
+def _reorder(graph: torch.fx.Graph, max_inflight_bytes: Optional[int]) -> bool:
     try:
         analysis = _analyse(graph)
     except _BadGraph as e:
@@ -543,7 +554,7 @@ def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = Non
 
 
 def overlap_pass(
-    gm: torch.fx.GraphModule, max_inflight_bytes: Optional[int] = None
+    gm: torch.fx.GraphModule, max_inflight_bytes: Optional[int] = None, bucket_bytes: Optional[int] = None
 ) -> torch.fx.GraphModule:
     """Move collectives up and their waits down in ``gm``, in place; return ``gm``.
 
@@ -551,10 +562,11 @@ def overlap_pass(
     kept, see [Note: same-group order]; within ``max_inflight_bytes`` of un-waited results when
     given) and each ``wait_tensor`` goes as late as it can, before its first user. Values are
     unchanged. A graph this pass cannot reorder safely is left unchanged (the reason is logged on
-    the ``"scheduler"`` logger). Raises ``TypeError`` for arguments of the wrong type.
+    the ``"scheduler"`` logger). With ``bucket_bytes``, small all-gathers / reduce-scatters are merged
+    first (``scheduler.bucketing``). Raises ``TypeError`` / ``ValueError`` for bad arguments.
     """
     if not isinstance(gm, torch.fx.GraphModule):
         raise TypeError(f"gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
-    if overlap_graph(gm.graph, max_inflight_bytes):
+    if overlap_graph(gm.graph, max_inflight_bytes, bucket_bytes):
         gm.recompile()
     return gm

@@ -41,6 +41,7 @@ import torch._inductor.config as inductor_config
 from torch._inductor import custom_graph_pass as _cgp
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from scheduler import bucketing as _bucketing
 from scheduler import graph_pass as _graph_pass
 
 __all__ = ["OverlapGraphPass", "inductor_overlap", "install", "uninstall"]
@@ -68,16 +69,20 @@ def _flatten(passes: Any) -> tuple[Any, ...]:
 class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
     """Inductor post-grad pass: the user's previous passes, then :func:`~scheduler.overlap_graph`.
 
-    ``max_inflight_bytes`` is passed to the graph pass. ``previous`` is the config value this pass
-    replaced (None, a pass, or a list / tuple of passes); each runs before the overlap pass.
+    ``max_inflight_bytes`` and ``bucket_bytes`` are passed to the graph pass. ``previous`` is the
+    config value this pass replaced (None, a pass, or a list / tuple of passes); each runs before
+    the overlap pass.
     """
 
-    def __init__(self, max_inflight_bytes: Optional[int] = None, previous: Any = None) -> None:
+    def __init__(self, max_inflight_bytes: Optional[int] = None, previous: Any = None,
+                 bucket_bytes: Optional[int] = None) -> None:
         _graph_pass.check_max_inflight_bytes(max_inflight_bytes)
+        _bucketing.check_bucket_bytes(bucket_bytes)
         for p in _flatten(previous):
             if not callable(p):
                 raise TypeError(f"previous must hold callables taking a torch.fx.Graph, got {p!r}")
         self.max_inflight_bytes = max_inflight_bytes
+        self.bucket_bytes = bucket_bytes
         self.previous = previous
 
     def __call__(self, graph: torch.fx.Graph, is_inference: Optional[bool] = None) -> None:
@@ -86,7 +91,7 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
                 p(graph, is_inference=bool(is_inference))
             else:
                 p(graph)
-        _graph_pass.overlap_graph(graph, self.max_inflight_bytes)
+        _graph_pass.overlap_graph(graph, self.max_inflight_bytes, self.bucket_bytes)
 
     def uuid(self) -> Optional[str]:
         """Stable id of this pass: sources + version + options + the composed passes' uuids.
@@ -99,14 +104,15 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
             if pid is None:
                 return None
             previous_ids.append(pid)
-        sources = _cgp.get_hash_for_files((_graph_pass.__file__, __file__))
+        sources = _cgp.get_hash_for_files((_graph_pass.__file__, _bucketing.__file__, __file__))
         h = hashlib.sha256(sources)
-        h.update(repr((PASS_VERSION, self.max_inflight_bytes)).encode())
+        h.update(repr((PASS_VERSION, self.max_inflight_bytes, self.bucket_bytes)).encode())
         h.update(pickle.dumps(previous_ids))
         return h.hexdigest()
 
     def __repr__(self) -> str:
-        return f"OverlapGraphPass(max_inflight_bytes={self.max_inflight_bytes}, previous={self.previous!r})"
+        return (f"OverlapGraphPass(max_inflight_bytes={self.max_inflight_bytes}, bucket_bytes={self.bucket_bytes}, "
+                f"previous={self.previous!r})")
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,8 @@ _installed: list[_Installed] = []  # latest last
 
 
 def install(
-    max_inflight_bytes: Optional[int] = None, *, keep_peak_memory_reorder: bool = False
+    max_inflight_bytes: Optional[int] = None, *, keep_peak_memory_reorder: bool = False,
+    bucket_bytes: Optional[int] = None,
 ) -> OverlapGraphPass:
     """Set Inductor's ``post_grad_custom_post_pass`` to an :class:`OverlapGraphPass`; return it.
 
@@ -135,7 +142,7 @@ def install(
             f"keep_peak_memory_reorder must be a bool, got {type(keep_peak_memory_reorder).__name__}"
         )
     previous = inductor_config.post_grad_custom_post_pass
-    p = OverlapGraphPass(max_inflight_bytes, previous)
+    p = OverlapGraphPass(max_inflight_bytes, previous, bucket_bytes)
     previous_peak: Optional[bool] = None
     if not keep_peak_memory_reorder:
         previous_peak = inductor_config.reorder_for_peak_memory
@@ -166,14 +173,15 @@ def uninstall() -> None:
 
 @contextlib.contextmanager
 def inductor_overlap(
-    max_inflight_bytes: Optional[int] = None, *, keep_peak_memory_reorder: bool = False
+    max_inflight_bytes: Optional[int] = None, *, keep_peak_memory_reorder: bool = False,
+    bucket_bytes: Optional[int] = None,
 ) -> Iterator[OverlapGraphPass]:
     """Within the block, graphs compiled by Inductor get the overlap pass; yields the pass.
 
     Arguments as for :func:`install`. Graphs compiled (not merely run) inside the block are
     affected; the previous config is restored on exit, also on error.
     """
-    p = install(max_inflight_bytes, keep_peak_memory_reorder=keep_peak_memory_reorder)
+    p = install(max_inflight_bytes, keep_peak_memory_reorder=keep_peak_memory_reorder, bucket_bytes=bucket_bytes)
     try:
         yield p
     finally:

@@ -17,6 +17,28 @@ import pytest  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+# Hypothesis profiles for the property tests (test_properties_*.py): "quick" (the default) keeps them
+# to ~20 s on 2 cores; "long" (OVERLAP_HYPOTHESIS_PROFILE=long) explores 20x more examples.
+# No deadline: the Triton interpreter's first launch of a kernel variant is slow, and timings are
+# never asserted.
+HYPOTHESIS_PROFILES = {"quick": 100, "long": 2000}  # name: max_examples per test
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # the property tests skip themselves without hypothesis (the `test` extra has it)
+    pass
+else:
+    for _name, _examples in HYPOTHESIS_PROFILES.items():
+        settings.register_profile(
+            _name, max_examples=_examples, deadline=None, print_blob=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+    _profile = os.environ.get("OVERLAP_HYPOTHESIS_PROFILE", "quick")
+    if _profile not in HYPOTHESIS_PROFILES:
+        raise ValueError(
+            f"OVERLAP_HYPOTHESIS_PROFILE must be one of {sorted(HYPOTHESIS_PROFILES)}, got {_profile!r}"
+        )
+    settings.load_profile(_profile)
+
 
 @pytest.fixture
 def distributed():
@@ -26,3 +48,20 @@ def distributed():
     from overlap.testing import run_distributed
 
     return run_distributed
+
+
+@pytest.fixture(scope="module")
+def single_rank_group():
+    """A 1-rank gloo default process group in this process (an in-memory store, no spawn), for the
+    tests of one module; destroyed after them (other tests expect no process group here). Yields
+    ``torch.distributed.group.WORLD``; an already initialized group is used and left alone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

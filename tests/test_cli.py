@@ -1,52 +1,114 @@
-"""``python -m overlap``: the demo runs end to end, and bad input gets argparse's usage and exit code 2."""
+"""``python -m overlap``: help lists every option; bad input gets argparse's usage and exit code 2 before
+any training starts. (The demo's end-to-end runs are in ``test_demo.py``.)"""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
+import overlap.demo
 from overlap.cli import main, max_world_size
 
-
-def test_demo_runs_end_to_end_and_modes_agree(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["demo", "--steps", "1", "--layers", "3", "--hidden", "64", "--link-gbps", "5"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    rows = {line.split("  ")[0]: line for line in out.splitlines()}
-    for mode in ("math only (weights local)", "no overlap", "overlap", "ideal max(compute, comm)"):
-        assert mode in rows, out
-    # Every mode produced bitwise the activations of the math with local weights.
-    assert rows["no overlap"].rstrip().endswith("yes") and rows["overlap"].rstrip().endswith("yes"), out
-    assert "emulated link: 5 Gbit/s" in out
-    assert "CPU:" in out, "the demo prints the device description"
+DEMO_OPTIONS = ("--world-size", "--steps", "--model", "--compare", "--link-gbps", "--latency-us", "--profile-steps",
+                "--device", "--out")
 
 
-def test_module_entry_point_prints_help() -> None:
+def test_module_entry_point_help_explains_every_option() -> None:
     done = subprocess.run([sys.executable, "-m", "overlap", "demo", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    for option in ("--world-size", "--steps", "--layers", "--hidden", "--link-gbps", "--latency-us"):
+    for option in DEMO_OPTIONS:
         assert option in done.stdout
+    for word in ("small", "medium", "fsdp2", "no-overlap", "torchrun", "gigabits", "trace", "timeline"):
+        assert word in done.stdout, word
+
+
+@pytest.fixture
+def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bad input must be rejected before the demo trains: running it fails the test."""
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the demo started training on bad input")
+
+    monkeypatch.setattr(overlap.demo, "run_demo", fail)
+    monkeypatch.setattr(overlap.demo, "rank_main", fail)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["demo", "--world-size", "0"], "--world-size: must be >= 1"),
+        (["demo", "--world-size", "1"], "--world-size: must be >= 2"),
+        (["demo", "--steps", "0"], "--steps: must be >= 1"),
         (["demo", "--steps", "two"], "--steps: must be a whole number"),
+        (["demo", "--profile-steps", "-1"], "--profile-steps: must be >= 0"),
+        (["demo", "--model", "huge"], "--model: invalid choice: 'huge'"),
+        (["demo", "--compare", "fsdp3"], "--compare: unknown mode 'fsdp3'"),
+        (["demo", "--compare", "fsdp2,"], "--compare: unknown mode ''"),
         (["demo", "--link-gbps", "-1"], "--link-gbps: must be a finite number > 0"),
         (["demo", "--latency-us", "nan"], "--latency-us: must be a finite number >= 0"),
+        (["demo", "--device", "tpu"], "--device: invalid choice: 'tpu'"),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
         (["launch"], "invalid choice: 'launch'"),
         ([], "the following arguments are required: COMMAND"),
-        (["demo", "--world-size", str(max_world_size() + 1)], "more CPU ranks than this machine can run"),
-        (["demo", "--world-size", "3", "--hidden", "64"], "--hidden 64 must be divisible by --world-size 3"),
     ],
 )
-def test_bad_arguments_exit_2_with_usage(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_exit_2_with_usage(argv: list[str], message: str, no_training: None,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert "usage:" in err and message in err, err
+
+
+def _exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    captured = capsys.readouterr()
+    assert info.value.code == 2, captured
+    assert "usage:" in captured.err
+    assert "overlap demo:" not in captured.out, "the demo announced a run before rejecting its input"
+    return captured.err
+
+
+def test_world_size_beyond_the_machine_is_refused(no_training: None, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _exit_2(["demo", "--device", "cpu", "--world-size", str(max_world_size() + 1)], capsys)
+    assert f"--world-size {max_world_size() + 1} is more CPU ranks than this machine can run" in err, err
+    assert f"at most {max_world_size()}" in err, err
+
+
+def test_cuda_without_a_gpu_is_refused(no_training: None, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: --device cuda is valid here")
+    assert "--device cuda: no CUDA device is visible" in _exit_2(["demo", "--device", "cuda"], capsys)
+
+
+def test_unwritable_out_fails_before_training(tmp_path: object, no_training: None,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = os.path.join(str(tmp_path), "a-file")
+    with open(blocker, "w") as f:
+        f.write("not a folder")
+    out = os.path.join(blocker, "demo-out")  # a folder inside a regular file: unwritable even for root
+    err = _exit_2(["demo", "--out", out], capsys)
+    assert f"--out {out!r} cannot be written" in err, err
+
+
+def test_torchrun_world_size_must_agree(no_training: None, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    err = _exit_2(["demo", "--world-size", "2"], capsys)
+    assert "--world-size 2 disagrees with torchrun's WORLD_SIZE=3" in err, err
+
+
+def test_torchrun_variables_must_be_numbers(no_training: None, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("RANK", "zero")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = _exit_2(["demo"], capsys)
+    assert "torchrun's RANK='zero', WORLD_SIZE='2', LOCAL_RANK='0' must be whole numbers" in err, err

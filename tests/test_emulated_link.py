@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from overlap.testing import EmulatedWork, LinkStats, current_link, emulated_link
+from overlap.testing import EmulatedLink, EmulatedWork, LinkStats, current_link, emulated_link
 
 # 0.05 Gbit/s = 6.25 MB/s: an all-gather with a 4 MiB output on 2 ranks moves 2 MiB -> ~0.34 s.
 GBPS = 0.05
@@ -245,3 +245,158 @@ def test_transfer_seconds_model() -> None:
     assert link.bytes_per_second == 1e9
     assert link.transfer_seconds(0) == pytest.approx(20e-6)
     assert link.transfer_seconds(1e9) == pytest.approx(1.0 + 20e-6)
+
+
+# -- functional collectives (torch.ops._c10d_functional): eager calls, traced and compiled code ---
+
+F = torch.ops._c10d_functional
+F_NUMEL = 2**14  # floats per input: 64 KiB
+F_GBPS = 0.0105  # ~1.3 MB/s: 64 KiB on the wire take ~50 ms
+F_LATENCY_US = 1000.0
+
+
+def _functional_calls(x: torch.Tensor, world_size: int, group_name: str) -> dict[str, tuple[Callable[[], Any], float]]:
+    """Each issuing functional op, called as Inductor's generated code calls it, with its wire bytes."""
+    w, nbytes = world_size, x.numel() * x.element_size()
+    gather, ring = (w - 1) / w, 2 * (w - 1) / w
+    split = [x.numel() // w] * w
+    return {
+        "all_gather_into_tensor": (lambda: F.all_gather_into_tensor.default(x, w, group_name), gather * w * nbytes),
+        "all_gather_into_tensor_out": (
+            lambda: F.all_gather_into_tensor_out.default(x, w, group_name, out=torch.empty(w * x.numel())),
+            gather * w * nbytes,
+        ),
+        "all_gather_into_tensor_coalesced": (
+            lambda: F.all_gather_into_tensor_coalesced.default([x, x[: x.numel() // 2]], w, group_name),
+            gather * w * 1.5 * nbytes,
+        ),
+        "reduce_scatter_tensor": (lambda: F.reduce_scatter_tensor.default(x, "sum", w, group_name), gather * nbytes),
+        "reduce_scatter_tensor_coalesced": (
+            lambda: F.reduce_scatter_tensor_coalesced.default([x, x], "sum", w, group_name), gather * 2 * nbytes,
+        ),
+        "all_reduce": (lambda: F.all_reduce.default(x, "sum", group_name), ring * nbytes),
+        "all_reduce_": (lambda: F.all_reduce_.default(x.clone(), "sum", group_name), ring * nbytes),
+        "all_reduce_coalesced": (lambda: F.all_reduce_coalesced.default([x, x], "sum", group_name), ring * 2 * nbytes),
+        "all_reduce_coalesced_": (
+            lambda: F.all_reduce_coalesced_.default([x.clone(), x.clone()], "sum", group_name), ring * 2 * nbytes,
+        ),
+        "all_to_all_single": (lambda: F.all_to_all_single.default(x, split, split, group_name), gather * nbytes),
+        "broadcast": (lambda: F.broadcast.default(x, 0, group_name), nbytes),
+        "broadcast_": (lambda: F.broadcast_.default(x.clone(), 0, group_name), nbytes),
+    }
+
+
+def _waited(result: Any) -> list[torch.Tensor]:
+    outputs = [result] if isinstance(result, torch.Tensor) else list(result)
+    return [F.wait_tensor.default(t) for t in outputs]
+
+
+def _functional_per_op(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    group_name = dist.group.WORLD.group_name
+    x = torch.arange(world_size * F_NUMEL, dtype=torch.float32)[:F_NUMEL] * (rank + 1)
+    calls = _functional_calls(x, world_size, group_name)
+    reference = {name: _waited(call()) for name, (call, _) in calls.items()}  # no link
+    out: dict[str, dict[str, Any]] = {}
+    with emulated_link(F_GBPS, F_LATENCY_US, functional=True) as link:
+        for name, (call, wire) in calls.items():
+            link.reset_stats()
+            dist.barrier()
+            start = time.monotonic()
+            result = call()
+            got = _waited(result)
+            out[name] = {
+                "elapsed": time.monotonic() - start,
+                "model": link.transfer_seconds(int(wire)) if world_size > 1 else 0.0,
+                "want_wire": int(wire) if world_size > 1 else 0,
+                "stats": link.stats(),
+                "equal": len(got) == len(reference[name])
+                and all(torch.equal(g, r) for g, r in zip(got, reference[name])),
+            }
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_functional_collectives_complete_when_the_link_model_says(distributed, world_size: int) -> None:
+    for rank, per_op in enumerate(distributed(_functional_per_op, world_size, timeout=90)):
+        assert set(per_op) == set(_functional_calls(torch.ones(world_size), world_size, "0")), per_op.keys()
+        for name, r in per_op.items():
+            stats: LinkStats = r["stats"]
+            assert r["equal"], f"rank {rank}: {name} gives another result behind the link"
+            assert stats.count == 1 and stats.by_op == {f"_c10d_functional.{name}": 1}, (name, stats)
+            assert stats.wire_bytes == r["want_wire"], (name, stats)
+            assert stats.emulated_seconds == pytest.approx(r["model"]), (name, stats)
+            if world_size > 1:
+                assert 0.02 < r["model"] < 0.2, (name, r)  # the figures below mean something
+                assert r["model"] <= r["elapsed"] <= 2 * r["model"] + 0.1, (name, r)
+            else:
+                assert r["elapsed"] < 0.5, (name, r)  # one rank: no delay (generous bound for a busy box)
+
+
+def _functional_waits(rank: int, world_size: int) -> dict[str, Any]:
+    with emulated_link(GBPS, LATENCY_US, functional=True) as link:
+        return _functional_waits_on(link, rank, world_size)
+
+
+def _functional_waits_on(link: EmulatedLink, rank: int, world_size: int) -> dict[str, Any]:
+    group_name = dist.group.WORLD.group_name
+    x = torch.full((NUMEL // world_size,), float(rank))
+    model = link.transfer_seconds((world_size - 1) / world_size * NUMEL * 4)
+    res: dict[str, Any] = {"model": model}
+
+    dist.barrier()
+    start = time.monotonic()
+    out = F.all_gather_into_tensor.default(x, world_size, group_name)
+    res["issue"] = time.monotonic() - start
+    cpu, wall = time.process_time(), time.monotonic()
+    F.wait_tensor.default(out[1:])  # a view of the output waits for the whole collective
+    res["wait_cpu"], res["wait_wall"] = time.process_time() - cpu, time.monotonic() - wall
+    res["first_wait"] = time.monotonic() - start
+    again = time.monotonic()
+    F.wait_tensor.default(out)
+    res["second_wait"] = time.monotonic() - again
+    res["correct"] = torch.equal(out, torch.arange(world_size).repeat_interleave(NUMEL // world_size).float())
+
+    # One FIFO per group, shared with the torch.distributed wrappers: eager first, functional after it.
+    dist.barrier()
+    start = time.monotonic()
+    work = dist.all_gather_single(torch.empty(NUMEL), x, async_op=True)
+    F.wait_tensor.default(F.all_gather_into_tensor.default(x, world_size, group_name))
+    res["after_eager"] = time.monotonic() - start
+    work.wait()
+    res["by_op"] = dict(link.stats().by_op)
+    return res
+
+
+def test_functional_waits_sleep_once_per_collective_on_the_group_fifo(distributed) -> None:
+    for res in distributed(_functional_waits, 2, timeout=60):
+        model = res["model"]
+        assert 0.25 < model < 0.5 and res["correct"]
+        assert res["issue"] < 0.25 * model, f"the collective blocked at issue: {res}"
+        assert model <= res["first_wait"] <= 1.25 * model, res
+        assert res["second_wait"] < 0.25 * model, f"a second wait slept again: {res}"
+        assert res["wait_cpu"] < 0.1 * res["wait_wall"], f"waiting burnt CPU: {res}"
+        assert 2 * model <= res["after_eager"] <= 2.5 * model, res
+        assert res["by_op"] == {"_c10d_functional.all_gather_into_tensor": 2, "all_gather_single": 1}, res
+
+
+def _has_cpu_kernel(op: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"_c10d_functional::{op}", "CPU")
+
+
+def test_functional_kernels_only_while_a_link_is_active() -> None:
+    ops = ["wait_tensor", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_reduce_"]
+    op_objects = [F.wait_tensor.default, F.all_gather_into_tensor.default]
+    assert not any(_has_cpu_kernel(op) for op in ops)
+    with emulated_link(10.0):
+        assert not any(_has_cpu_kernel(op) for op in ops), "functional kernels are opt-in"
+    with emulated_link(10.0, functional=True):
+        assert all(_has_cpu_kernel(op) for op in ops)
+        with emulated_link(1.0):
+            assert all(_has_cpu_kernel(op) for op in ops)
+        assert all(_has_cpu_kernel(op) for op in ops), "inner exit removed the outer link's kernels"
+        # The op objects themselves are untouched (tracers, Inductor and the graph pass compare them).
+        assert [F.wait_tensor.default, F.all_gather_into_tensor.default] == op_objects
+    assert not any(_has_cpu_kernel(op) for op in ops)
+    with pytest.raises(KeyError), emulated_link(10.0, functional=True):
+        raise KeyError("boom")
+    assert not any(_has_cpu_kernel(op) for op in ops)

@@ -18,106 +18,25 @@ import torch.fx as fx
 
 from scheduler import overlap_graph, overlap_pass
 
-C10D = torch.ops._c10d_functional
-ATEN = torch.ops.aten
-WAIT = C10D.wait_tensor.default
-COLLECTIVE_TARGETS = {
-    C10D.all_gather_into_tensor.default, C10D.reduce_scatter_tensor.default, C10D.all_reduce.default,
-    C10D.all_to_all_single.default, C10D.broadcast.default,
-    C10D.all_gather_into_tensor_coalesced.default, C10D.reduce_scatter_tensor_coalesced.default,
-    C10D.all_reduce_coalesced.default,
-}
-GROUP_ARG = {  # position of group_name in each collective's schema
-    C10D.all_gather_into_tensor.default: 2, C10D.reduce_scatter_tensor.default: 3,
-    C10D.all_reduce.default: 2, C10D.all_to_all_single.default: 3, C10D.broadcast.default: 2,
-    C10D.all_gather_into_tensor_coalesced.default: 2,
-    C10D.reduce_scatter_tensor_coalesced.default: 3, C10D.all_reduce_coalesced.default: 2,
-}
-F32 = torch.float32
-
-
-# -- helpers ----------------------------------------------------------------------------------
-
-def _meta(shape: tuple[int, ...], dtype: torch.dtype = F32) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def _call(g: fx.Graph, target: Any, *args: Any, name: Optional[str] = None,
-          val: Any = None) -> fx.Node:
-    n = g.call_function(target, args)
-    if name is not None:
-        n.name = name
-    if val is not None:
-        n.meta["val"] = val
-    return n
-
-
-def _module(g: fx.Graph) -> fx.GraphModule:
-    return fx.GraphModule(torch.nn.Module(), g)
-
-
-def _names(gm: fx.GraphModule) -> list[str]:
-    return [n.name for n in gm.graph.nodes]
+from fx_graphs import ATEN, C10D, SHAPE, WAIT  # shared with test_properties_graph_pass
+from fx_graphs import acceptance_graph as _acceptance_graph
+from fx_graphs import barrier_prefixes as _barrier_prefixes
+from fx_graphs import call as _call
+from fx_graphs import check_topological as _check_topological
+from fx_graphs import compute_before as _compute_before
+from fx_graphs import group_sequences as _group_sequences
+from fx_graphs import inflight_profile as _inflight_profile
+from fx_graphs import meta as _meta
+from fx_graphs import module as _module
+from fx_graphs import names as _names
+from fx_graphs import random_graph
 
 
 def _before(order: list[str], a: str, b: str) -> bool:
     return order.index(a) < order.index(b)
 
 
-def _is_collective(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target in COLLECTIVE_TARGETS
-
-
-def _group_sequences(gm: fx.GraphModule) -> dict[Any, list[str]]:
-    seqs: dict[Any, list[str]] = {}
-    for n in gm.graph.nodes:
-        if _is_collective(n):
-            seqs.setdefault(n.args[GROUP_ARG[n.target]], []).append(n.name)
-    return seqs
-
-
-def _check_topological(gm: fx.GraphModule) -> None:
-    seen: set[fx.Node] = set()
-    for n in gm.graph.nodes:
-        for d in n.all_input_nodes:
-            assert d in seen, f"{n.name} placed before its input {d.name}"
-        seen.add(n)
-    gm.graph.lint()
-
-
-def _inflight_profile(gm: fx.GraphModule) -> list[tuple[str, int, int]]:
-    """(collective, its bytes, bytes issued-but-not-waited right after issuing it)."""
-    outstanding: dict[Any, int] = {}
-    profile = []
-    for n in gm.graph.nodes:
-        if _is_collective(n):
-            val = n.meta["val"]
-            vals = val if isinstance(val, (list, tuple)) else [val]
-            for i, v in enumerate(vals):
-                outstanding[(n, i if isinstance(val, (list, tuple)) else None)] = v.numel() * v.element_size()
-            size = sum(v.numel() * v.element_size() for v in vals)
-            profile.append((n.name, size, sum(outstanding.values())))
-        elif n.target is WAIT:
-            src = n.args[0]
-            key = (src.args[0], src.args[1]) if src.target is operator.getitem else (src, None)
-            outstanding.pop(key, None)
-    return profile
-
-
 # -- hand-written graphs ----------------------------------------------------------------------
-
-def _acceptance_graph() -> fx.GraphModule:
-    """Inductor's post-grad graph for ``all_gather(x).sum() + (w @ w).sum()`` (wait, then mm)."""
-    g = fx.Graph()
-    x, w = g.placeholder("x"), g.placeholder("w")
-    ag = _call(g, C10D.all_gather_into_tensor.default, x, 2, "g0", name="ag", val=_meta((8, 8)))
-    wait = _call(g, WAIT, ag, name="wait")
-    s1 = _call(g, ATEN.sum.default, wait, name="s1")
-    mm = _call(g, ATEN.mm.default, w, w, name="mm")
-    s2 = _call(g, ATEN.sum.default, mm, name="s2")
-    g.output(_call(g, ATEN.add.Tensor, s1, s2, name="add"))
-    return _module(g)
-
 
 def test_wait_sinks_below_independent_compute() -> None:
     gm = _acceptance_graph()
@@ -429,81 +348,12 @@ def test_traced_graphs_compute_the_same_values(distributed) -> None:
 
 # -- property: random graphs ------------------------------------------------------------------
 
-SHAPE = (4, 4)
 N_GRAPHS = 30
 
 
 def _random_graph(seed: int, groups: tuple[str, str], barriers: bool) -> fx.GraphModule:
-    """A random DAG of elementwise ops / mm, collectives (1-rank shapes) each waited right away
-    (as tracing emits them), some waits unused, and, with ``barriers``, some in-place ops."""
-    rng = random.Random(seed)
-    g = fx.Graph()
-    values: list[fx.Node] = [g.placeholder(f"in{i}") for i in range(3)]
-    for step in range(rng.randint(10, 26)):
-        roll = rng.random()
-        if roll < 0.3:
-            op = rng.choice([ATEN.add.Tensor, ATEN.mul.Tensor, ATEN.sub.Tensor, ATEN.mm.default])
-            values.append(_call(g, op, rng.choice(values), rng.choice(values)))
-            if op is ATEN.mm.default:
-                values[-1] = _call(g, ATEN.tanh.default, values[-1])
-        elif roll < 0.55:
-            op = rng.choice([ATEN.sin.default, ATEN.cos.default, ATEN.neg.default, ATEN.tanh.default])
-            values.append(_call(g, op, rng.choice(values)))
-        elif roll < 0.93:
-            group = rng.choice(groups)
-            src = rng.choice(values)
-            kind = rng.randrange(6)
-            if kind == 5:
-                other = rng.choice(values)
-                if rng.random() < 0.5:
-                    op, args = C10D.all_reduce_coalesced.default, ([src, other], "sum", group)
-                else:
-                    op, args = C10D.all_gather_into_tensor_coalesced.default, ([src, other], 1, group)
-                co = _call(g, op, *args, val=[_meta(SHAPE), _meta(SHAPE)])
-                for i in range(2):
-                    wt = _call(g, WAIT, _call(g, operator.getitem, co, i))
-                    values.append(wt)
-                continue
-            op, args = [
-                (C10D.all_reduce.default, (src, "sum", group)),
-                (C10D.all_gather_into_tensor.default, (src, 1, group)),
-                (C10D.reduce_scatter_tensor.default, (src, "sum", 1, group)),
-                (C10D.broadcast.default, (src, 0, group)),
-                (C10D.all_to_all_single.default, (src, [SHAPE[0]], [SHAPE[0]], group)),
-            ][kind]
-            c = _call(g, op, *args, val=_meta(SHAPE))
-            wt = _call(g, WAIT, c)
-            if rng.random() < 0.8:  # else: waited, never used
-                values.append(wt)
-        elif barriers:
-            target = rng.choice(values[3:] or values)
-            if target.op != "placeholder":
-                _call(g, ATEN.add_.Scalar, target, 1.0)
-    outs = tuple(rng.sample(values, k=min(len(values), rng.randint(1, 4))))
-    g.output(outs + (values[-1],))
-    return _module(g)
-
-
-def _barrier_prefixes(gm: fx.GraphModule) -> dict[str, frozenset[str]]:
-    seen: list[str] = []
-    prefixes = {}
-    for n in gm.graph.nodes:
-        if n.target is ATEN.add_.Scalar:
-            prefixes[n.name] = frozenset(seen)
-        seen.append(n.name)
-    return prefixes
-
-
-def _compute_before(gm: fx.GraphModule) -> dict[str, frozenset[str]]:
-    """For each collective, the compute nodes (not collective / wait / item / barrier) before it."""
-    seen: set[str] = set()
-    result = {}
-    for n in gm.graph.nodes:
-        if _is_collective(n):
-            result[n.name] = frozenset(seen)
-        elif n.op == "call_function" and n.target not in (WAIT, operator.getitem, ATEN.add_.Scalar):
-            seen.add(n.name)
-    return result
+    """``fx_graphs.random_graph`` from a seed."""
+    return random_graph(random.Random(seed), groups, barriers)
 
 
 @pytest.mark.parametrize("budget", [None, 128, 0])
@@ -553,3 +403,54 @@ def _random_graphs_run(rank: int, world_size: int, seeds: list[int]) -> int:
 
 def test_random_graphs_compute_the_same_values(distributed) -> None:
     assert distributed(_random_graphs_run, 1, list(range(N_GRAPHS)), timeout=120) == [2 * N_GRAPHS]
+
+
+# -- captured from the runtime's own collectives and a sharded training step (make_fx) --------
+
+def _runtime_captured_run(rank: int, world_size: int) -> None:
+    """``overlap.*`` collectives and a sharded forward + backward (``ShardedMLP``: an all-gather per
+    block in forward, a reduce-scatter of its gradient in backward), traced with ``make_fx``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import overlap
+    from overlap.testing.compiled_step import ShardedMLP
+
+    model = ShardedMLP(2, 8, 16, rank, world_size)
+    names = [name for name, _ in model.named_parameters()]
+
+    def program(x: torch.Tensor, w: torch.Tensor, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = [s.detach().requires_grad_() for s in shards]
+        loss = torch.func.functional_call(model, dict(zip(names, leaves)), (x,)).square().mean()
+        grads = torch.autograd.grad(loss, leaves)
+        gathered = overlap.all_gather(x, dim=1)
+        reduced = overlap.reduce_scatter(torch.tanh(w @ w), op="avg")
+        top = overlap.all_reduce(x, op="max")
+        sent = overlap.broadcast(x * 2, src=1)
+        return (loss, *grads, gathered.sum(0) + reduced.sum(), top - sent)
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    shards = [p.detach() for p in model.parameters()]
+    reference = make_fx(program)(x, w, *shards)
+    moved = make_fx(program)(x, w, *shards)
+    overlap_pass(moved)
+    assert moved.code != reference.code, "the pass did not move anything"
+    _check_topological(moved)
+    assert _group_sequences(moved) == _group_sequences(reference)
+    names_in_order = _names(moved)
+    for scatter in [n.name for n in moved.graph.nodes if n.target is C10D.reduce_scatter_tensor.default][:2]:
+        # The gradient reduce-scatters of the blocks: their waits now come after the rest of backward.
+        wait = next(u.name for u in moved.graph.nodes if u.target is WAIT and u.args[0].name == scatter)
+        between = names_in_order[names_in_order.index(scatter) : names_in_order.index(wait)]
+        assert any(name.startswith("mm") for name in between), (scatter, between)
+    expected = reference(x, w, *shards)
+    got = moved(x, w, *shards)
+    eager = [overlap.wait(t) for t in program(x, w, *shards)]
+    assert len(got) == len(expected) == len(eager)
+    for e, r, m in zip(eager, expected, got):
+        assert torch.equal(r, m)
+        assert torch.equal(e, m)
+
+
+def test_graphs_captured_from_the_runtime_keep_the_contract(distributed) -> None:
+    distributed(_runtime_captured_run, 2, timeout=120)

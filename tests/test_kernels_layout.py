@@ -155,13 +155,13 @@ def test_spec_round_trip_equality_and_cache() -> None:
     ("shapes", "world_size", "exc", "match"),
     [
         ([(4,)], 0, ValueError, "world_size"),
-        ([(4,)], True, ValueError, "world_size"),
-        ([(4,)], 2.0, ValueError, "world_size"),
+        ([(4,)], True, TypeError, "world_size"),
+        ([(4,)], 2.0, TypeError, "world_size"),
         ([], 2, ValueError, "param_shapes"),
         (torch.zeros(3), 2, TypeError, "param_shapes"),
         ([(4,), (-1, 2)], 2, ValueError, r"param_shapes\[1\]"),
-        ([(4,), (2.0,)], 2, ValueError, r"param_shapes\[1\]"),
-        ([(4,), 5], 2, ValueError, r"param_shapes\[1\]"),
+        ([(4,), (2.0,)], 2, TypeError, r"param_shapes\[1\]"),
+        ([(4,), 5], 2, TypeError, r"param_shapes\[1\]"),
     ],
 )
 def test_bad_layouts_are_rejected(shapes: object, world_size: object, exc: type, match: str) -> None:
@@ -171,8 +171,8 @@ def test_bad_layouts_are_rejected(shapes: object, world_size: object, exc: type,
 
 def test_bad_rank_is_rejected() -> None:
     layout = ShardLayout([(4,)], 2)
-    for rank in (-1, 2, True, 1.0):
-        with pytest.raises(ValueError, match="rank"):
+    for rank, exc in ((-1, ValueError), (2, ValueError), (True, TypeError), (1.0, TypeError)):
+        with pytest.raises(exc, match="rank"):
             layout.shard_rows(0, rank)  # type: ignore[arg-type]
 
 

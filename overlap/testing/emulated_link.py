@@ -3,9 +3,11 @@
 ``with emulated_link(gbps, latency_us) as link:`` replaces the collective functions on
 ``torch.distributed`` and ``torch.distributed.distributed_c10d`` (both names are used, by users and
 by torch itself, e.g. FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``) with
-wrappers that delay completion; leaving the context restores the originals. Contexts nest (the
-innermost active link models every call; the functions are restored when the outermost exits) and
-may be entered from several threads. The patch is process-wide while any link is active.
+wrappers that delay completion, and registers CPU kernels for torch's functional collectives that
+do the same (see "Functional collectives" below); leaving the context restores the originals.
+Contexts nest (the innermost active link models every call; everything is restored when the
+outermost exits) and may be entered from several threads. The patch is process-wide while any link
+is active.
 
 Timing model. Each process group has one FIFO link. A collective issued (host time) at ``t`` starts
 at ``max(t, busy_until)`` and completes at ``start + latency + wire_bytes / bandwidth``; that
@@ -37,10 +39,41 @@ so that stream (the caller's communication stream) is busy without blocking the 
 ``Work`` is returned as is. Cycles per second are calibrated once per device with CUDA events.
 The FIFO order is the stream's own order; ``busy_until`` is not used on CUDA.
 
-Not covered: functional collectives (``torch.ops._c10d_functional.*``, hence traced/compiled code
-and DTensor redistribution), calls inside ``dist._coalescing_manager``, calls under
-``torch.compile`` tracing, and modules that bound a collective with ``from torch.distributed import
-all_reduce`` before the link was entered. These run at full speed and are not counted.
+Functional collectives (``torch.ops._c10d_functional.*``: what ``torch.distributed.
+_functional_collectives``, DTensor, ``make_fx`` graphs and Inductor's generated code call at run
+time), on CPU tensors. Inductor's code looks the ops up by attribute at run time
+(``torch.ops._c10d_functional.all_gather_into_tensor.default(...)``), but replacing those Python
+attributes would break every identity check (``target is ...wait_tensor.default``) in the tracers,
+Inductor and the overlap graph pass. So the link registers its own kernel for the ops' ``CPU``
+dispatch key with ``torch.library`` instead: torch implements them as ``CompositeExplicitAutograd``
+kernels, which a ``CPU`` kernel takes precedence over; ours adds the timing and runs torch's kernel
+by redispatching with the GIL released (see [Note: calling torch's kernel without the GIL]). Op objects, graphs and fake-tensor tracing are
+untouched, and compiling while a link is active is fine. An issuing op (table below) books the
+group's FIFO link like any other collective and records the completion time against the storage
+of each of its outputs; ``wait_tensor`` on that storage (the output or a view of it) sleeps until
+then, then runs the real wait. A second wait finds nothing recorded and does not sleep. An output
+with no bytes (an empty tensor) is booked but not delayed at its wait. Statistics name these ops
+``_c10d_functional.<op>``. The registration is removed when the outermost link exits, and a result
+waited after that is not delayed.
+
+==================================================================  ============================
+functional op (``_c10d_functional.``)                               wire_bytes
+==================================================================  ============================
+all_gather_into_tensor, all_gather_into_tensor_out, ..._coalesced   (w-1)/w * output bytes
+reduce_scatter_tensor, reduce_scatter_tensor_coalesced              (w-1)/w * input bytes
+all_reduce, all_reduce_, all_reduce_coalesced, ..._coalesced_      2(w-1)/w * bytes (ring)
+all_to_all_single                                                   (w-1)/w * input bytes
+broadcast, broadcast_                                               bytes
+==================================================================  ============================
+
+A ``_coalesced`` op is one collective (one booking) for all of its tensors.
+
+Not covered: functional collectives on CUDA tensors (their kernel runs on the ``CUDA`` key, and
+sleeping on the caller's stream would stall its compute, not a link), functional collectives on a
+torch where these ops have kernels of their own on the ``CPU`` or ``PrivateUse1`` key (a warning,
+then full speed), calls inside
+``dist._coalescing_manager``, and modules that bound a collective with ``from torch.distributed
+import all_reduce`` before the link was entered. These run at full speed and are not counted.
 
 Statistics. ``link.stats()`` totals (count, wire bytes, emulated link seconds, calls per op) over
 all groups since the link was created or :meth:`EmulatedLink.reset_stats`;
@@ -97,6 +130,24 @@ _COLLECTIVES: dict[str, tuple[str, Callable[[int], float]]] = {
     "all_to_all": ("input_tensor_list", _gather_factor),
 }
 _MODULES: tuple[ModuleType, ...] = (dist, c10d)
+
+_FUNCTIONAL_NAMESPACE = "_c10d_functional"
+# functional op -> (whose bytes count: its first argument "input" or its result "output",
+#                   wire-bytes factor of group size); each takes a ``group_name`` argument
+_FUNCTIONAL: dict[str, tuple[str, Callable[[int], float]]] = {
+    "all_gather_into_tensor": ("output", _gather_factor),
+    "all_gather_into_tensor_out": ("output", _gather_factor),
+    "all_gather_into_tensor_coalesced": ("output", _gather_factor),
+    "reduce_scatter_tensor": ("input", _gather_factor),
+    "reduce_scatter_tensor_coalesced": ("input", _gather_factor),
+    "all_reduce": ("input", _ring_all_reduce_factor),
+    "all_reduce_": ("input", _ring_all_reduce_factor),
+    "all_reduce_coalesced": ("input", _ring_all_reduce_factor),
+    "all_reduce_coalesced_": ("input", _ring_all_reduce_factor),
+    "all_to_all_single": ("input", _gather_factor),
+    "broadcast": ("input", _whole),
+    "broadcast_": ("input", _whole),
+}
 
 
 @dataclass(frozen=True)
@@ -189,13 +240,16 @@ class EmulatedWork(dist.Work):
 class EmulatedLink:
     """A modelled interconnect (see the module docstring); a context manager that activates it."""
 
-    def __init__(self, gbps: float, latency_us: float = 10.0) -> None:
+    def __init__(self, gbps: float, latency_us: float = 10.0, functional: bool = False) -> None:
+        if not isinstance(functional, bool):
+            raise TypeError(f"functional must be a bool (also model torch.ops._c10d_functional collectives), got {functional!r}")
         if not (isinstance(gbps, (int, float)) and math.isfinite(gbps) and gbps > 0):
             raise ValueError(f"gbps (link bandwidth in gigabits/s) must be a finite number > 0, got {gbps!r}")
         if not (isinstance(latency_us, (int, float)) and math.isfinite(latency_us) and latency_us >= 0):
             raise ValueError(f"latency_us (per-collective latency in µs) must be a finite number >= 0, got {latency_us!r}")
         self.gbps = float(gbps)
         self.latency_us = float(latency_us)
+        self.functional = functional
         self._lock = threading.Lock()
         self._groups: dict[Any, _GroupLink] = {}
         self._names: dict[Any, str] = {}
@@ -246,9 +300,13 @@ class EmulatedLink:
         _deactivate(self)
 
 
-def emulated_link(gbps: float, latency_us: float = 10.0) -> EmulatedLink:
-    """A link of ``gbps`` gigabits/s and ``latency_us`` µs per collective; use it with ``with``."""
-    return EmulatedLink(gbps, latency_us)
+def emulated_link(gbps: float, latency_us: float = 10.0, functional: bool = False) -> EmulatedLink:
+    """A link of ``gbps`` gigabits/s and ``latency_us`` µs per collective; use it with ``with``.
+
+    ``functional=True`` also models ``torch.ops._c10d_functional`` collectives (compiled code); it is
+    opt-in because replacing their CPU kernels hung DTensor's ``full_tensor`` inside torch FSDP2
+    state-dict code on gloo (torch 2.13, not yet understood)."""
+    return EmulatedLink(gbps, latency_us, functional)
 
 
 # --- patching -----------------------------------------------------------------------------------
@@ -257,6 +315,10 @@ _state_lock = threading.RLock()
 _active: list[EmulatedLink] = []
 _patched: dict[tuple[ModuleType, str], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 _local = threading.local()  # .inside: a wrapper is running in this thread (inner calls pass through)
+_library: torch.library.Library | None = None  # the functional collectives' CPU kernels, while active
+_deadlines: dict[int, float] = {}  # storage address -> completion time of the functional collective writing it
+_deadlines_lock = threading.Lock()
+_warned_unusual_registration = False
 
 
 def current_link() -> EmulatedLink | None:
@@ -275,6 +337,8 @@ def _activate(link: EmulatedLink) -> None:
                         wrapper = _wrap(name, original, arg, factor)
                         _patched[(module, name)] = (original, wrapper)
                         setattr(module, name, wrapper)
+        if link.functional and _library is None:
+            _register_functional()
         _active.append(link)
 
 
@@ -296,6 +360,7 @@ def _deactivate(link: EmulatedLink) -> None:
                     stacklevel=3,
                 )
         _patched.clear()
+        _unregister_functional()
 
 
 @contextlib.contextmanager
@@ -357,6 +422,140 @@ def _wrap(
         return None
 
     return wrapper
+
+
+# --- functional collectives (torch.ops._c10d_functional) ------------------------------------------
+
+# [Note: calling torch's kernel without the GIL]
+# The dispatcher runs a kernel registered from Python with the GIL held, and
+# ``SafeKernelFunction.call_boxed`` (``torch.library.get_kernel``) keeps holding it while torch's
+# kernel runs. That deadlocks on gloo (seen on torch 2.13): a gloo worker thread destroys a finished
+# work while holding the process group's queue lock, which drops the last reference to a tensor
+# that has a Python object and so needs the GIL; the main thread, holding the GIL inside our kernel,
+# blocks on that lock when it issues the next collective (or in ``wait_tensor`` on a work behind
+# it). ``OpOverload.redispatch`` releases the GIL around the call, so our kernels reach torch's
+# kernel that way: torch registers these ops once, as ``CompositeExplicitAutograd``, which fills
+# the dispatch table entry of every backend key, ``PrivateUse1`` included; redispatching to that
+# key runs the same kernel our ``CPU`` entry replaced (the kernel dispatches its own collectives
+# by the tensors' device, so nothing of PrivateUse1 reaches the process group). Registration checks
+# that neither key has a kernel of its own and otherwise leaves functional collectives alone.
+_TORCH_KERNEL_KEY = "PrivateUse1"
+
+
+def _uses_torch_composite_kernel(op: torch._ops.OpOverload) -> bool:
+    """True when ``op``'s CPU and PrivateUse1 entries both hold its CompositeExplicitAutograd kernel."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    name = op._schema.name + (f".{op._schema.overload_name}" if op._schema.overload_name else "")
+    return (has(name, "CompositeExplicitAutograd") and not has(name, "CPU")
+            and not has(name, _TORCH_KERNEL_KEY))
+
+
+def _register_functional() -> None:
+    """Give the functional collectives and ``wait_tensor`` CPU kernels that model the link."""
+    global _library, _warned_unusual_registration
+    ops = {name: _functional_overload(name) for name in (*_FUNCTIONAL, "wait_tensor")}
+    ops = {name: op for name, op in ops.items() if op is not None}
+    if "wait_tensor" not in ops or not all(_uses_torch_composite_kernel(op) for op in ops.values()):
+        if not _warned_unusual_registration:
+            _warned_unusual_registration = True
+            warnings.warn(
+                "torch.ops._c10d_functional has kernels of its own on the CPU or PrivateUse1 key here: "
+                "functional collectives (and compiled code) are not slowed by the emulated link",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return
+    torch_kernel = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _TORCH_KERNEL_KEY))
+    library = torch.library.Library(_FUNCTIONAL_NAMESPACE, "IMPL")
+    try:
+        for name, op in ops.items():
+            if name == "wait_tensor":
+                kernel = _wait_kernel(op, torch_kernel)
+            else:
+                which, factor = _FUNCTIONAL[name]
+                kernel = _issue_kernel(op, name, torch_kernel, which, factor)
+            library.impl(name, kernel, "CPU")
+    except BaseException:
+        library._destroy()
+        raise
+    _library = library
+
+
+def _unregister_functional() -> None:
+    global _library
+    if _library is not None:
+        _library._destroy()
+        _library = None
+    with _deadlines_lock:
+        _deadlines.clear()
+
+
+def _functional_overload(name: str) -> torch._ops.OpOverload | None:
+    """``torch.ops._c10d_functional.<name>.default``, or None where this torch lacks the op."""
+    try:
+        return getattr(getattr(torch.ops, _FUNCTIONAL_NAMESPACE), name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _process_group(group_name: Any) -> dist.ProcessGroup:
+    if isinstance(group_name, dist.ProcessGroup):
+        return group_name
+    return c10d._resolve_process_group(group_name)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _issue_kernel(
+    op: torch._ops.OpOverload, name: str, torch_kernel: Any, which: str, factor: Callable[[int], float]
+) -> Callable[..., Any]:
+    """A CPU kernel for ``op`` that runs torch's kernel and books the link for it."""
+    group_index = [a.name for a in op._schema.arguments].index("group_name")
+    label = f"{_FUNCTIONAL_NAMESPACE}.{name}"
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        link = current_link()
+        if link is None or getattr(_local, "inside", False):
+            return op.redispatch(torch_kernel, *args, **kwargs)
+        group_name = args[group_index] if group_index < len(args) else kwargs["group_name"]
+        group = _process_group(group_name)
+        issued = time.monotonic()
+        with _inside():
+            result = op.redispatch(torch_kernel, *args, **kwargs)  # see [Note: calling torch's kernel without the GIL]
+        outputs = _tensors(result)
+        counted = outputs if which == "output" else _tensors(args[0])
+        world = group.size()
+        if world > 1:
+            wire_bytes = int(sum(t.numel() * t.element_size() for t in counted) * factor(world))
+            seconds = link.transfer_seconds(wire_bytes)
+        else:
+            wire_bytes, seconds = 0, 0.0
+        deadline = link._schedule(group, label, wire_bytes, seconds, issued)
+        if seconds > 0:
+            with _deadlines_lock:
+                for t in outputs:
+                    if t.untyped_storage().nbytes() > 0:
+                        _deadlines[_storage_key(t)] = deadline
+        return result
+
+    return kernel
+
+
+def _wait_kernel(op: torch._ops.OpOverload, torch_kernel: Any) -> Callable[..., Any]:
+    """A CPU kernel for ``wait_tensor``: sleep until the link delivers ``tensor``, then really wait."""
+
+    def kernel(tensor: torch.Tensor) -> Any:
+        with _deadlines_lock:
+            deadline = _deadlines.pop(_storage_key(tensor), None)
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
+                time.sleep(remaining)
+        return op.redispatch(torch_kernel, tensor)  # see [Note: calling torch's kernel without the GIL]
+
+    return kernel
 
 
 _cycles_per_second: dict[int, float] = {}

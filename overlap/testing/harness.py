@@ -20,6 +20,9 @@ Contract of :func:`run_distributed`:
 - Nothing runs past ``timeout`` seconds (plus a second or two of clean-up): the ranks still running
   are killed and a :class:`DistributedTimeoutError` (a ``TimeoutError``) names them, with the Python
   stacks they were stuck in.
+- The process group's timeout is ``pg_timeout`` seconds (default: ``timeout``). A shorter one lets the
+  ranks themselves notice a failed peer (their collectives time out) before the call does; with
+  ``failure_grace`` (seconds, default 2) at least that long, their errors are collected too.
 - Children see the parent's environment (``os.environ`` at call time, e.g. ``TRITON_INTERPRET=1``),
   working directory, ``sys.path``, stdout and stderr.
 
@@ -162,7 +165,7 @@ def _child_main(
     world_size: int,
     backend: str,
     init_method: str,
-    timeout: float,
+    pg_timeout: float,
     fn_payload: _FnRef | bytes,
     call_payload: bytes,
     link: tuple[float, float] | None,
@@ -201,7 +204,7 @@ def _child_main(
             init_method=init_method,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=datetime.timedelta(seconds=pg_timeout),
             **init_kwargs,
         )
         try:
@@ -292,20 +295,28 @@ def run_distributed(
     backend: str = "gloo",
     timeout: float = 120.0,
     link: tuple[float, float] | None = None,
+    pg_timeout: float | None = None,
+    failure_grace: float = _FAILURE_GRACE_S,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results by rank.
 
     ``backend`` is the ``torch.distributed`` backend ("gloo" on CPU; "nccl" puts rank ``r`` on GPU
-    ``r % device_count``). ``timeout`` (seconds) bounds the whole call and is the process group's
-    timeout. ``link=(gbps, latency_us)`` runs ``fn`` inside
-    :func:`overlap.testing.emulated_link` on every rank (``current_link()`` returns it there).
+    ``r % device_count``). ``timeout`` (seconds) bounds the whole call; ``pg_timeout`` (seconds,
+    default ``timeout``) is the process group's timeout. After the first rank fails, the others get
+    ``failure_grace`` seconds to report before they are killed. ``link=(gbps, latency_us)`` runs
+    ``fn`` inside :func:`overlap.testing.emulated_link` on every rank (``current_link()`` returns it
+    there).
     Raises :class:`DistributedTestError` if a rank fails, :class:`DistributedTimeoutError` on timeout.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if pg_timeout is not None and not pg_timeout > 0:
+        raise ValueError(f"pg_timeout must be None (= timeout) or > 0 seconds, got {pg_timeout!r}")
+    if not failure_grace >= 0:
+        raise ValueError(f"failure_grace must be >= 0 seconds, got {failure_grace!r}")
     if link is not None:
         if not isinstance(link, tuple) or len(link) != 2:
             raise ValueError(f"link must be a (gbps, latency_us) tuple or None, got {link!r}")
@@ -328,7 +339,7 @@ def run_distributed(
                 target=_child_main,
                 name=f"rank{rank}",
                 args=(
-                    rank, world_size, backend, init_method, timeout, fn_payload, call_payload,
+                    rank, world_size, backend, init_method, pg_timeout or timeout, fn_payload, call_payload,
                     link, env, multiprocessing.reduction.DupFd(1),
                     multiprocessing.reduction.DupFd(2),
                     os.path.join(tmpdir, f"stacks{rank}.txt"), writer,
@@ -368,7 +379,7 @@ def run_distributed(
                     pending.discard(rank)
                     failures.append(RankFailure(rank, None, proc.exitcode))
             if failures and failure_deadline is None:
-                failure_deadline = time.monotonic() + _FAILURE_GRACE_S
+                failure_deadline = time.monotonic() + failure_grace
         if failures:
             err = DistributedTestError(failures, world_size)
             raise err from failures[0].exception

@@ -1,0 +1,284 @@
+"""What the scheduler buys in step time, side by side in one run, behind the emulated link.
+
+Sections (``--sections``, default all; one function per section, each prints its own table):
+
+``eager``
+    Steady-state cost per block of a forward whose blocks each multiply by a weight all-gathered one
+    block ahead (1-rank gloo, so the figure is the runtime's own cost): first-use waits alone
+    (AsyncTensor), the same under ``scheduler.Scheduler`` replay, torch's functional collectives
+    (AsyncCollectiveTensor), and a recording step; against the same forward with local weights.
+
+``compiled``
+    A compiled FSDP-style training step (``overlap.testing.compiled_step.ShardedMLP``: ``--blocks``
+    residual MLP blocks, each block's parameters one flat shard that the forward all-gathers and
+    whose gradient the backward reduce-scatters) on ``--world-size`` gloo ranks, compiled by
+    Inductor twice: without and with ``scheduler.inductor_overlap()``. Both copies start from the
+    same weights and take the same steps; each iteration times, in turn, a step of each without the
+    link's delay (the *compute side*) and a step of each behind the link, the order of the two
+    copies alternating between iterations. The link bandwidth is chosen (unless ``--link-gbps``) so
+    that one step's communication takes about as long as the compute side. Reported: medians of
+    the slowest rank, the speed-up of the hook (ratio of medians, and the median of the per-
+    iteration ratios), the ideal ``max(compute, comm)``, how many collectives have compute between
+    their issue and their wait in the generated code, and whether the two copies' losses are
+    identical, bit for bit.
+
+    python benchmarks/bench_scheduler.py [--sections compiled] [--steps 10] [--markdown benchmarks/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import scheduler  # noqa: E402
+from overlap.testing import EmulatedLink, run_distributed  # noqa: E402
+from overlap.testing.compiled_step import ShardedMLP, captured_code, collective_gaps, compiled_step  # noqa: E402
+from report import emit  # noqa: E402
+
+
+def _over_ranks(value: float, op: dist.ReduceOp = dist.ReduceOp.MAX) -> float:
+    """``value`` reduced over ranks: by default the slowest rank's."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def _timed(step: Callable[[], torch.Tensor], losses: list[torch.Tensor]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    losses.append(step())
+    return time.perf_counter() - start
+
+
+def _overlapped(codes: list[str]) -> str:
+    """'k/n': collectives with compute between issue and wait, of all collectives in ``codes``."""
+    gaps = [g for code in codes for g in collective_gaps(code)]
+    return f"{sum(g.compute_before_wait > 0 for g in gaps)}/{len(gaps)}"
+
+
+def _compiled_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
+    names = ("without hook", "with hook")
+    models = [ShardedMLP(args.blocks, args.dim, args.hidden, rank, world) for _ in names]
+    steps = [compiled_step(m, x) for m in models]
+    losses: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    out: dict[str, Any] = {}
+    # Caches off: every graph is compiled here, under the config of its variant, and its code seen.
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        start = time.perf_counter()
+        with captured_code() as codes:
+            losses[names[0]].append(steps[0]())
+        out["compile s " + names[0]] = time.perf_counter() - start
+        out["overlapped " + names[0]] = _overlapped(codes)
+        start = time.perf_counter()
+        with scheduler.inductor_overlap(), captured_code() as codes:
+            losses[names[1]].append(steps[1]())
+        out["compile s " + names[1]] = time.perf_counter() - start
+        out["overlapped " + names[1]] = _overlapped(codes)
+
+    for _ in range(args.warmup):
+        for name, step in zip(names, steps):
+            _timed(step, losses[name])
+    # Calibration: the compute side, median over both copies (the same number of steps on each).
+    compute = _over_ranks(statistics.median(
+        _timed(step, losses[name]) for _ in range(args.calibration_steps) for name, step in zip(names, steps)))
+    rows = models[0][0].rows
+    wire = 2 * args.blocks * (world - 1) * rows * 4  # per step: an all-gather and a reduce-scatter per block
+    collectives = 2 * args.blocks
+    gbps = args.link_gbps or wire * 8 / max(compute - collectives * args.latency_us * 1e-6, 1e-4) / 1e9
+    link = EmulatedLink(gbps, args.latency_us, functional=True)
+
+    unlinked: dict[str, list[float]] = {n: [] for n in names}
+    linked: dict[str, list[float]] = {n: [] for n in names}
+    link.reset_stats()
+    for i in range(args.steps):
+        order = list(zip(names, steps))[:: 1 if i % 2 == 0 else -1]
+        for name, step in order:
+            unlinked[name].append(_timed(step, losses[name]))
+        for name, step in order:
+            with link:
+                linked[name].append(_timed(step, losses[name]))
+    stats = link.stats()
+    out.update(gbps=gbps, comm=_over_ranks(stats.emulated_seconds / (len(names) * args.steps)),
+               by_op=dict(stats.by_op))
+    for name in names:
+        out["unlinked " + name] = _over_ranks(statistics.median(unlinked[name]))
+        out["linked " + name] = _over_ranks(statistics.median(linked[name]))
+    pair_ratios = [a / b for a, b in zip(linked[names[0]], linked[names[1]])]
+    out["pair ratio"] = _over_ranks(statistics.median(pair_ratios), dist.ReduceOp.MIN)  # least favourable rank
+    a, b = torch.stack(losses[names[0]]), torch.stack(losses[names[1]])
+    out["losses"] = (len(a), torch.equal(a, b), float((a - b).abs().max()))
+    out["shards equal"] = all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
+    return out
+
+
+def compiled(args: argparse.Namespace) -> None:
+    """The ``compiled`` section: a compiled training step without vs with the Inductor hook."""
+    results = run_distributed(_compiled_rank, args.world_size, args, timeout=1800)
+    r = results[0]
+    equal = all(res["losses"][1] and res["shards equal"] for res in results)
+    n_losses = r["losses"][0]
+    max_diff = max(res["losses"][2] for res in results)
+    loss_note = (f"identical, bit for bit ({n_losses} steps x {args.world_size} ranks, and final shards)"
+                 if equal else f"DIFFER (max abs diff {max_diff:.3g})")
+    base = r["linked without hook"]
+    rows = []
+    for name in ("without hook", "with hook"):
+        step, compute = r["linked " + name], r["unlinked " + name]
+        rows.append([name, f"{1e3 * step:.1f}", f"{1e3 * compute:.1f}", f"{1e3 * r['comm']:.1f}",
+                     f"{1e3 * max(0.0, step - compute):.1f}", f"{1e3 * max(compute, r['comm']):.1f}",
+                     r["overlapped " + name], f"{base / step:.2f}x",
+                     f"{r['pair ratio']:.2f}x" if name == "with hook" else "-"])
+    emit(f"Compiled training step (torch.compile, Inductor), {args.world_size} CPU ranks (gloo), "
+         f"{args.blocks} sharded MLP blocks {args.dim}->{args.hidden}->{args.dim}, batch {args.batch} "
+         f"per rank, SGD; emulated link {r['gbps']:.3g} Gbit/s + {args.latency_us:g} µs; without vs "
+         f"with scheduler.inductor_overlap(); medians of {args.steps} iterations, slowest rank; "
+         f"losses {loss_note}",
+         ["variant", "step ms", "compute side ms (no link delay)", "comm ms on the link", "exposed comm ms",
+          "ideal max(compute, comm) ms", "collectives with compute before their wait",
+          "speed-up (ratio of medians)", "speed-up (median of paired ratios)"],
+         rows, args.markdown)
+    print(f"compile seconds (rank 0): without hook {r['compile s without hook']:.1f}, "
+          f"with hook {r['compile s with hook']:.1f}; link ops per iteration pair: {r['by_op']}")
+
+
+def eager(args: argparse.Namespace) -> None:
+    """The ``eager`` section: per-block cost of where waits come from, steady state, forward only, on a
+    1-rank gloo group: recorded-schedule replay vs first-use waits alone vs torch's AsyncCollectiveTensor."""
+    run_distributed(_eager_rank, 1, args, timeout=600)
+
+
+def _eager_rank(rank: int, world: int, args: argparse.Namespace) -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    import overlap
+    from scheduler import Scheduler
+
+    width, blocks = args.eager_width, args.eager_blocks
+    torch.manual_seed(0)
+    model = _GatheringStack(blocks, width)
+    x = torch.randn(4, width)
+
+    def gather_ours(w: torch.Tensor) -> torch.Tensor:
+        return overlap.all_gather(w)
+
+    gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+    def gather_torch(w: torch.Tensor) -> torch.Tensor:
+        return gather_single(w, 0, dist.group.WORLD)
+
+    sched = Scheduler(model)
+
+    def replayed() -> None:
+        with sched.step():
+            model(x, gather_ours)
+
+    variants: dict[str, Callable[[], object]] = {
+        "weights local (no collective)": lambda: model(x, None),
+        "overlap: first-use waits": lambda: model(x, gather_ours),
+        "overlap: Scheduler replay": replayed,
+        "torch funcol (AsyncCollectiveTensor)": lambda: model(x, gather_torch),
+    }
+    with torch.no_grad():
+        replayed()  # the recording step
+        assert sched.schedule is not None
+        times = {name: _median_seconds(fn, args.eager_iters) for name, fn in variants.items()}
+        recording = _median_seconds(lambda: _record_once(model, x, gather_ours), max(args.eager_iters // 5, 3))
+    assert sched.steps_fallen_back == 0, sched.last_fallback_reason
+    base = times["weights local (no collective)"]
+    ours = times["overlap: first-use waits"]
+    rows = [[name, f"{1e3 * t:.2f}", f"{1e6 * (t - base) / blocks:.1f}",
+             f"{(t - base) / (ours - base):.2f}x" if ours > base and t > base else "-"] for name, t in times.items()]
+    rows.append(["overlap: Scheduler recording step", f"{1e3 * recording:.2f}",
+                 f"{1e6 * (recording - base) / blocks:.1f}",
+                 f"{(recording - base) / (ours - base):.2f}x" if ours > base else "-"])
+    emit(f"Scheduler, eager: one forward of {blocks} blocks (Linear {width}x{width} + matmul by a gathered "
+         f"weight), 1-rank gloo, no_grad; overhead = step minus 'weights local', per block",
+         ["variant", "step ms (median)", "overhead µs / block", "overhead vs first-use waits"], rows,
+         args.markdown)
+
+
+class _GatheringStack(nn.Module):
+    """``blocks`` Linear layers; each multiplies by its own weight, gathered one block ahead."""
+
+    def __init__(self, blocks: int, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.weights = [torch.randn(width, width) / width for _ in range(blocks)]
+
+    def forward(self, x: torch.Tensor, gather: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+        if gather is None:
+            for block, w in zip(self.blocks, self.weights):
+                x = block(x) @ w
+            return x
+        pending = gather(self.weights[0])
+        for i, block in enumerate(self.blocks):
+            following = gather(self.weights[i + 1]) if i + 1 < len(self.blocks) else None
+            x = block(x) @ pending  # first use of the gathered weight
+            pending = following
+        return x
+
+
+def _record_once(model: nn.Module, x: torch.Tensor, gather: Callable) -> None:
+    from scheduler import Scheduler
+
+    sched = Scheduler(model)
+    with sched.step():
+        model(x, gather)
+    sched.close()
+
+
+def _median_seconds(fn: Callable[[], object], iters: int, repeats: int = 5) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t0) / iters)
+    return statistics.median(samples)
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {"compiled": compiled, "eager": eager}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    parser.add_argument("--sections", nargs="+", choices=sorted(SECTIONS), default=sorted(SECTIONS),
+                        help="sections to run (default: all)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--steps", type=int, default=10, help="timed iterations (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant after compiling (default 2)")
+    parser.add_argument("--calibration-steps", type=int, default=4,
+                        help="unlinked steps per variant that calibrate the link (default 4)")
+    parser.add_argument("--blocks", type=int, default=4, help="sharded MLP blocks (default 4)")
+    parser.add_argument("--dim", type=int, default=256, help="block width (default 256)")
+    parser.add_argument("--hidden", type=int, default=1024, help="block hidden width (default 1024)")
+    parser.add_argument("--batch", type=int, default=512, help="rows per rank (default 512)")
+    parser.add_argument("--link-gbps", type=float, default=None, help="link bandwidth (default: comm ~ compute)")
+    parser.add_argument("--latency-us", type=float, default=20.0, help="link latency per collective (default 20)")
+    parser.add_argument("--eager-blocks", type=int, default=32, help="eager section: blocks (default 32)")
+    parser.add_argument("--eager-width", type=int, default=16, help="eager section: block width (default 16)")
+    parser.add_argument("--eager-iters", type=int, default=50, help="eager section: forwards per sample (default 50)")
+    parser.add_argument("--markdown", default=None, help="append the tables to this markdown file")
+    args = parser.parse_args(argv)
+    for name in args.sections:
+        SECTIONS[name](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The demo's model and data: a small GPT-style language model and synthetic token batches.
+
+Used by ``python -m overlap demo`` and the benchmarks. Everything here is deterministic given its
+arguments (``torch.manual_seed`` for the weights, an explicit seed for the tokens), so several
+runtimes trained from the same seed on the same batches can be compared loss for loss.
+
+Sizes (:data:`MODEL_SIZES`; parameters counted with the head tied to the token embedding):
+
+========  =====  ===  =====  ======  ===  =====  ===========  ================
+size      vocab  dim  heads  layers  seq  batch  parameters   tokens per rank
+========  =====  ===  =====  ======  ===  =====  ===========  ================
+tiny        128   32      2       2   16      2  ~29 K        32
+small      1024  256      4       4  128      4  ~3.4 M       512
+medium     4096  512      8       6  256      4  ~21 M        1,024
+========  =====  ===  =====  ======  ===  =====  ===========  ================
+
+``batch`` is sequences per rank per step: the global batch grows with the world size.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MODEL_SIZES", "ModelSize", "TransformerLM", "token_batch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSize:
+    """Shape of a :class:`TransformerLM` and its per-rank batch (``batch`` sequences of ``seq``)."""
+
+    vocab: int
+    dim: int
+    heads: int
+    layers: int
+    seq: int
+    batch: int
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens one rank trains on per step."""
+        return self.batch * self.seq
+
+
+MODEL_SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(vocab=128, dim=32, heads=2, layers=2, seq=16, batch=2),
+    "small": ModelSize(vocab=1024, dim=256, heads=4, layers=4, seq=128, batch=4),
+    "medium": ModelSize(vocab=4096, dim=512, heads=8, layers=6, seq=256, batch=4),
+}
+
+
+class _Block(nn.Module):
+    """Pre-LayerNorm block: causal self-attention (``scaled_dot_product_attention``), then a 4x MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"heads ({heads}) must divide dim ({dim})")
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TransformerLM(nn.Module):
+    """Token and position embeddings, ``size.layers`` blocks (``self.blocks``: the units to shard),
+    a final LayerNorm and an output head tied to the token embedding.
+
+    ``forward(tokens (b, t <= size.seq)) -> logits (b, t, vocab)``; :meth:`loss` takes ``(b, t + 1)``.
+    """
+
+    def __init__(self, size: ModelSize) -> None:
+        super().__init__()
+        self.size = size
+        self.tok = nn.Embedding(size.vocab, size.dim)
+        self.pos = nn.Embedding(size.seq, size.dim)
+        self.blocks = nn.ModuleList(_Block(size.dim, size.heads) for _ in range(size.layers))
+        self.norm = nn.LayerNorm(size.dim)
+        self.head = nn.Linear(size.dim, size.vocab, bias=False)
+        self.head.weight = self.tok.weight
+        nn.init.normal_(self.tok.weight, std=0.02)  # keeps the first loss near log(vocab)
+        nn.init.normal_(self.pos.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.size.seq:
+            raise ValueError(f"sequence length {t} exceeds the model's {self.size.seq} positions")
+        x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy over ``tokens`` (b, t + 1), in float32."""
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def token_batch(size: ModelSize, step: int, rank: int, seed: int = 0) -> torch.Tensor:
+    """``(size.batch, size.seq + 1)`` int64 tokens for ``rank`` at ``step``, a function of the arguments
+    only: each row is an arithmetic progression mod ``vocab`` (random start, stride 1..4), so the loss
+    falls as the model learns the strides."""
+    g = torch.Generator().manual_seed(((seed * 1_000_003) + step) * 65_537 + rank)
+    start = torch.randint(0, size.vocab, (size.batch, 1), generator=g)
+    stride = torch.randint(1, 5, (size.batch, 1), generator=g)
+    return (start + stride * torch.arange(size.seq + 1)) % size.vocab

@@ -1,0 +1,116 @@
+"""The demo end to end, at the smallest settings: ``python -m overlap demo`` spawning its ranks, and the
+same demo run in-process on ranks that were already started (the ``torchrun`` path).
+
+Checked: the table's rows and columns, finite figures, the loss checks (overlap vs no-overlap bitwise,
+FSDP2 within tolerance), the Chrome trace and, where matplotlib imports, the PNG timeline. Timings
+are printed, never asserted.
+
+The ranks run as users run the demo: without Triton's interpreter (``TRITON_INTERPRET=0``: on CPU the
+packing takes the torch fallback; interpreted, a tiny step takes seconds instead of milliseconds).
+``kernels`` reads that variable when imported, so the ranks are started with "spawn" rather than from
+the test session's fork server, which imported nothing under another value.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import os
+
+import pytest
+
+from overlap.cli import main
+from overlap.demo import HEADER, MODE_NAMES
+
+TINY = ["demo", "--model", "tiny", "--steps", "1", "--profile-steps", "1", "--device", "cpu"]
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _table_rows(out: str) -> dict[str, list[str]]:
+    """The side-by-side table's rows by mode name (cells split on runs of 2+ spaces)."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("mode "))
+    header = [c.strip() for c in lines[start].split("  ") if c.strip()]
+    assert tuple(header) == HEADER, lines[start]
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        cells = [c.strip() for c in line.split("  ") if c.strip()]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def _number(cell: str) -> float:
+    return float(cell.rstrip("%").replace(",", ""))
+
+
+def _check_report(out: str, folder: str, modes: tuple[str, ...]) -> None:
+    rows = _table_rows(out)
+    for mode in modes:
+        cells = rows[MODE_NAMES[mode]]
+        assert len(cells) == len(HEADER) - 1, cells
+        figures = cells[:6] if mode == "fsdp2" else cells  # FSDP2's collectives are not profiled: "-"
+        assert all(math.isfinite(_number(c)) for c in figures), cells
+        assert _number(cells[0]) > 0 and _number(cells[1]) > 0, cells  # step ms, tokens/s
+        assert 0 <= _number(cells[5]) <= 100, cells  # comm hidden
+    assert rows["ideal max(compute, comm)"], out
+    assert "overlap.shard vs no overlap: bitwise identical" in out, out
+    assert "vs torch FSDP2: agree" in out, out
+    with open(os.path.join(folder, "trace-overlap.json")) as f:
+        events = json.load(f)["traceEvents"]
+    ranks = {e["pid"] for e in events if e.get("cat") == "comm"}
+    assert ranks == {0, 1}, "the trace holds both ranks' collectives"
+    assert os.path.exists(os.path.join(folder, "trace-no-overlap.json"))
+    if HAS_MATPLOTLIB:
+        for mode in ("overlap", "no-overlap"):
+            with open(os.path.join(folder, f"timeline-{mode}.png"), "rb") as f:
+                assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "pip install 'triton-overlap[plot]'" in out
+
+
+@pytest.fixture
+def as_users_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks without Triton's interpreter, started by "spawn", no torchrun variables."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("OVERLAP_TEST_START_METHOD", "spawn")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_demo_spawns_ranks_and_reports(tmp_path: object, capsys: pytest.CaptureFixture[str],
+                                       as_users_run_it: None) -> None:
+    folder = os.path.join(str(tmp_path), "out")
+    code = main([*TINY, "--world-size", "2", "--out", folder])
+    out = capsys.readouterr().out
+    print(out)
+    assert code == 0, out
+    assert "2 spawned ranks (gloo)" in out and "CPU:" in out, out
+    assert "calibrated so one step's comm ~ overlap.shard's compute" in out, out
+    _check_report(out, folder, ("overlap", "no-overlap", "fsdp2"))
+
+
+def _torchrun_rank(rank: int, world_size: int, folder: str) -> tuple[int, str]:
+    """One rank as torchrun would start it: the environment says who it is, a process group exists."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([*TINY, "--link-gbps", "0.5", "--compare", "none", "--out", folder])
+    return code, out.getvalue()
+
+
+def test_demo_under_torchrun_runs_in_process(tmp_path: object, distributed, as_users_run_it: None) -> None:
+    folder = os.path.join(str(tmp_path), "out")
+    (code0, out0), (code1, out1) = distributed(_torchrun_rank, 2, folder, timeout=300)
+    print(out0)
+    assert code0 == 0 and code1 == 0, out0
+    assert out1 == "", "only rank 0 prints"
+    assert "2 torchrun ranks (gloo)" in out0 and "0.5 Gbit/s (from --link-gbps)" in out0, out0
+    rows = _table_rows(out0)
+    assert set(rows) == {MODE_NAMES["overlap"], "ideal max(compute, comm)"}, rows
+    assert all(math.isfinite(_number(c)) for c in rows[MODE_NAMES["overlap"]]), rows
+    assert "no other mode to compare with" in out0
+    assert os.path.exists(os.path.join(folder, "trace-overlap.json"))

@@ -1,0 +1,134 @@
+"""Timeouts and failed ranks: every wait is bounded, and a rank that dies or raises mid-step makes the
+others raise a clear error (naming the collective, its bytes and shapes, group and sequence number)
+instead of hanging.
+
+The process groups use a short timeout (``run_distributed(..., pg_timeout=...)``), and the harness
+is given a failure grace longer than it, so the survivors' own errors are collected and checked.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import overlap
+from models import TinyLM, local_batch, make_batch, single_threaded
+from overlap.testing import DistributedTestError, run_distributed
+
+PG_TIMEOUT = 3.0
+# A described collective in an error: "<kind> #<seq> on group '<name>' (<bytes> bytes: <dtype>[shape] ...)"
+DESCRIBED = re.compile(r"overlap: .*(all_gather|reduce_scatter)\S* #\d+ on group '0' \(\d+ bytes: \w+\[\d+")
+
+
+def test_set_wait_timeout_checks_its_argument() -> None:
+    for bad in (0, -1.0, "5", datetime.timedelta(0)):
+        with pytest.raises(ValueError, match="timeout must be None, a number of seconds > 0 or a timedelta > 0"):
+            overlap.set_wait_timeout(bad)  # type: ignore[arg-type]
+    previous = overlap.set_wait_timeout(2.5)
+    try:
+        assert overlap.wait_timeout("any group") == datetime.timedelta(seconds=2.5)
+    finally:
+        overlap.set_wait_timeout(previous)
+
+
+def _unanswered_waits(rank: int, world_size: int) -> dict:
+    """Rank 1 never issues: rank 0's waits time out, first after the group's timeout, then after an
+    override."""
+    if rank == 1:
+        time.sleep(1.0 + 0.3 + 1.0)  # stays alive (its connections open) until rank 0 is done
+        return {}
+    out: dict = {"default": overlap.wait_timeout("0").total_seconds()}
+    for name, override in (("group's", None), ("override", 0.3)):
+        overlap.set_wait_timeout(override)
+        x = overlap.all_gather(torch.ones(3, 5))
+        start = time.monotonic()
+        try:
+            overlap.wait(x)
+        except overlap.CollectiveTimeoutError as e:
+            out[name] = (str(e), time.monotonic() - start)
+    return out
+
+
+def test_wait_times_out_naming_the_collective() -> None:
+    r = run_distributed(_unanswered_waits, 2, timeout=60, pg_timeout=1.0)[0]
+    assert r["default"] == 1.0, "the default is the process group's timeout"
+    message, seconds = r["group's"]
+    assert "wait for all_gather #0 on group '0' (120 bytes: float32[6, 5]) timed out after 1 s" in message, message
+    assert seconds < 1.0 + 30
+    message, seconds = r["override"]
+    assert "all_gather #1 on group '0'" in message and "timed out after 0.3 s" in message, message
+    assert seconds < 0.3 + 30
+
+
+# ----------------------------------------------------------------------------- a rank fails mid-step
+
+
+class _FailAt(nn.Module):
+    """Wraps a block; on ``rank`` at step ``step`` it dies (``os._exit``) or raises."""
+
+    def __init__(self, inner: nn.Module, rank: int, how: str) -> None:
+        super().__init__()
+        self.inner, self.rank, self.how, self.step = inner, rank, how, -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step == 1 and torch.distributed.get_rank() == self.rank:
+            if self.how == "exit":
+                os._exit(9)
+            raise ValueError("rank fails in its forward")
+        return self.inner(x)
+
+
+def _train_until_failure(rank: int, world_size: int, failing_rank: int, how: str) -> None:
+    """Sharded TinyLM steps; ``failing_rank`` fails inside block 1's forward at step 1, while the
+    others are mid-step (their next collectives need it)."""
+    with single_threaded():
+        torch.manual_seed(0)
+        model = TinyLM(layers=3)
+        failing = _FailAt(model.blocks[1], failing_rank, how)
+        model.blocks[1] = failing
+        for block in model.blocks:
+            overlap.shard(block)
+        overlap.shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            failing.step = step
+            model.loss(local_batch(make_batch(step), rank, world_size)).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def _run_failing(failing_rank: int, how: str) -> tuple[DistributedTestError, float]:
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_train_until_failure, 3, failing_rank, how, timeout=120, pg_timeout=PG_TIMEOUT,
+                        failure_grace=PG_TIMEOUT + 15)
+    return info.value, time.monotonic() - start
+
+
+def _assert_survivors_named_the_collective(err: DistributedTestError, survivors: list[int]) -> None:
+    for rank in survivors:
+        failure = err.failures.get(rank)
+        assert failure is not None and failure.traceback is not None, f"rank {rank} must report its error:\n{err}"
+        assert "CollectiveError" in failure.traceback or "CollectiveTimeoutError" in failure.traceback, failure.traceback
+        assert DESCRIBED.search(failure.traceback), failure.traceback
+
+
+def test_killed_rank_makes_the_others_raise() -> None:
+    err, seconds = _run_failing(1, "exit")
+    assert err.failures[1].exitcode == 9 and err.failures[1].traceback is None
+    assert "rank 1 exited with code 9" in str(err)
+    _assert_survivors_named_the_collective(err, [0, 2])
+    assert seconds < PG_TIMEOUT + 30
+
+
+def test_rank_raising_in_forward_makes_the_others_raise() -> None:
+    err, seconds = _run_failing(2, "raise")
+    failure = err.failures[2]
+    assert failure.traceback is not None and "ValueError: rank fails in its forward" in failure.traceback
+    _assert_survivors_named_the_collective(err, [0, 1])
+    assert seconds < PG_TIMEOUT + 30
