@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=int, default=4, help="sharded MLP blocks (default 4)")
     parser.add_argument("--dim", type=int, default=256, help="block width (default 256)")
     parser.add_argument("--hidden", type=int, default=1024, help="block hidden width (default 1024)")
-    parser.add_argument("--batch", type=int, default=512, help="rows per rank (default 512)")
+    parser.add_argument("--batch", type=int, default=1024, help="rows per rank (default 1024)")
     parser.add_argument("--link-gbps", type=float, default=None, help="link bandwidth (default: comm ~ compute)")
     parser.add_argument("--latency-us", type=float, default=20.0, help="link latency per collective (default 20)")
     parser.add_argument("--eager-blocks", type=int, default=32, help="eager section: blocks (default 32)")

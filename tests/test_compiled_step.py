@@ -31,7 +31,7 @@ import pytest
 import torch
 
 BLOCKS, DIM, HIDDEN, BATCH = 3, 32, 64, 16
-STEPS = 4  # per copy, before the one behind the link (the last one logs what runs)
+STEPS = 4  # per copy after the compiling one; the third one logs what runs
 
 
 _LETTERS = {"all_gather_into_tensor": "G", "reduce_scatter_tensor": "R", "wait_tensor": "W"}

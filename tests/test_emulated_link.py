@@ -166,16 +166,21 @@ def test_wire_bytes_follow_the_table(distributed, world_size: int) -> None:
                 assert got.emulated_seconds == pytest.approx(got.wire_bytes / 1e6), (name, got)
 
 
-def _fsdp2_step(rank: int, world_size: int) -> dict[str, Any]:
+def _fsdp2_model(width: int, world_size: int) -> torch.nn.Module:
+    """Four ``Linear(width, width)`` layers, each sharded with torch's FSDP2, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _fsdp2_step(rank: int, world_size: int) -> dict[str, Any]:
+    model = _fsdp2_model(256, world_size)
     x = torch.randn(8, 256)
 
     def step() -> None:
@@ -400,3 +405,23 @@ def test_functional_kernels_only_while_a_link_is_active() -> None:
     with pytest.raises(KeyError), emulated_link(10.0, functional=True):
         raise KeyError("boom")
     assert not any(_has_cpu_kernel(op) for op in ops)
+
+
+def _fsdp2_full_tensors(rank: int, world_size: int) -> dict[str, Any]:
+    model = _fsdp2_model(64, world_size)
+    x = torch.randn(8, 64)
+    reference = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    with emulated_link(1.0, 50.0, functional=True) as link:
+        for _ in range(5):  # DTensor.full_tensor issues functional all-gathers between FSDP2's own
+            full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+            model(x).sum()
+    return {"equal": all(torch.equal(full[k], reference[k]) for k in reference), "by_op": dict(link.stats().by_op)}
+
+
+def test_functional_link_with_fsdp2_and_dtensor_does_not_deadlock(distributed) -> None:
+    # The first version of the functional kernels called torch's kernel with the GIL held and hung
+    # here: see [Note: calling torch's kernel without the GIL] in overlap.testing.emulated_link.
+    for res in distributed(_fsdp2_full_tensors, 2, timeout=60):
+        assert res["equal"], res
+        assert res["by_op"].get("_c10d_functional.all_gather_into_tensor", 0) >= 5 * 8, res
+        assert res["by_op"].get("all_gather_single", 0) >= 5 * 4, res

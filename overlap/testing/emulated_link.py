@@ -3,11 +3,11 @@
 ``with emulated_link(gbps, latency_us) as link:`` replaces the collective functions on
 ``torch.distributed`` and ``torch.distributed.distributed_c10d`` (both names are used, by users and
 by torch itself, e.g. FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``) with
-wrappers that delay completion, and registers CPU kernels for torch's functional collectives that
-do the same (see "Functional collectives" below); leaving the context restores the originals.
-Contexts nest (the innermost active link models every call; everything is restored when the
-outermost exits) and may be entered from several threads. The patch is process-wide while any link
-is active.
+wrappers that delay completion, and, with ``functional=True``, registers CPU kernels for torch's
+functional collectives that do the same (see "Functional collectives" below); leaving the context
+restores the originals. Contexts nest (the innermost active link models every call; everything is
+restored when the outermost exits) and may be entered from several threads. The patch is
+process-wide while any link is active.
 
 Timing model. Each process group has one FIFO link. A collective issued (host time) at ``t`` starts
 at ``max(t, busy_until)`` and completes at ``start + latency + wire_bytes / bandwidth``; that
@@ -41,20 +41,21 @@ The FIFO order is the stream's own order; ``busy_until`` is not used on CUDA.
 
 Functional collectives (``torch.ops._c10d_functional.*``: what ``torch.distributed.
 _functional_collectives``, DTensor, ``make_fx`` graphs and Inductor's generated code call at run
-time), on CPU tensors. Inductor's code looks the ops up by attribute at run time
+time), on CPU tensors, while a link made with ``functional=True`` is active (an inner link without
+it does not remove them). Inductor's code looks the ops up by attribute at run time
 (``torch.ops._c10d_functional.all_gather_into_tensor.default(...)``), but replacing those Python
 attributes would break every identity check (``target is ...wait_tensor.default``) in the tracers,
 Inductor and the overlap graph pass. So the link registers its own kernel for the ops' ``CPU``
 dispatch key with ``torch.library`` instead: torch implements them as ``CompositeExplicitAutograd``
 kernels, which a ``CPU`` kernel takes precedence over; ours adds the timing and runs torch's kernel
-by redispatching with the GIL released (see [Note: calling torch's kernel without the GIL]). Op objects, graphs and fake-tensor tracing are
-untouched, and compiling while a link is active is fine. An issuing op (table below) books the
-group's FIFO link like any other collective and records the completion time against the storage
-of each of its outputs; ``wait_tensor`` on that storage (the output or a view of it) sleeps until
-then, then runs the real wait. A second wait finds nothing recorded and does not sleep. An output
-with no bytes (an empty tensor) is booked but not delayed at its wait. Statistics name these ops
-``_c10d_functional.<op>``. The registration is removed when the outermost link exits, and a result
-waited after that is not delayed.
+by redispatching with the GIL released (see [Note: calling torch's kernel without the GIL]). Op
+objects, graphs and fake-tensor tracing are untouched, and compiling while a link is active is
+fine. An issuing op (table below) books the group's FIFO link like any other collective and records
+the completion time against the storage of each of its outputs; ``wait_tensor`` on that storage
+(the output or a view of it) sleeps until then, then runs the real wait. A second wait finds
+nothing recorded and does not sleep. An output with no bytes (an empty tensor) is booked but not
+delayed at its wait. Statistics name these ops ``_c10d_functional.<op>``. The registration is
+removed when the outermost link exits, and a result waited after that is not delayed.
 
 ==================================================================  ============================
 functional op (``_c10d_functional.``)                               wire_bytes
@@ -68,12 +69,13 @@ broadcast, broadcast_                                               bytes
 
 A ``_coalesced`` op is one collective (one booking) for all of its tensors.
 
-Not covered: functional collectives on CUDA tensors (their kernel runs on the ``CUDA`` key, and
-sleeping on the caller's stream would stall its compute, not a link), functional collectives on a
-torch where these ops have kernels of their own on the ``CPU`` or ``PrivateUse1`` key (a warning,
-then full speed), calls inside
-``dist._coalescing_manager``, and modules that bound a collective with ``from torch.distributed
-import all_reduce`` before the link was entered. These run at full speed and are not counted.
+Not covered: functional collectives unless a link with ``functional=True`` is active, functional
+collectives on CUDA tensors (their kernel runs on the ``CUDA`` key, and sleeping on the caller's
+stream would stall its compute, not a link), functional collectives on a torch where these ops have
+kernels of their own on the ``CPU`` or ``PrivateUse1`` key (a warning, then full speed), calls
+inside ``dist._coalescing_manager``, and modules that bound a collective with ``from
+torch.distributed import all_reduce`` before the link was entered. These run at full speed and are
+not counted.
 
 Statistics. ``link.stats()`` totals (count, wire bytes, emulated link seconds, calls per op) over
 all groups since the link was created or :meth:`EmulatedLink.reset_stats`;
@@ -255,7 +257,7 @@ class EmulatedLink:
         self._names: dict[Any, str] = {}
 
     def __repr__(self) -> str:
-        return f"EmulatedLink(gbps={self.gbps}, latency_us={self.latency_us})"
+        return f"EmulatedLink(gbps={self.gbps}, latency_us={self.latency_us}, functional={self.functional})"
 
     @property
     def bytes_per_second(self) -> float:
@@ -303,9 +305,10 @@ class EmulatedLink:
 def emulated_link(gbps: float, latency_us: float = 10.0, functional: bool = False) -> EmulatedLink:
     """A link of ``gbps`` gigabits/s and ``latency_us`` µs per collective; use it with ``with``.
 
-    ``functional=True`` also models ``torch.ops._c10d_functional`` collectives (compiled code); it is
-    opt-in because replacing their CPU kernels hung DTensor's ``full_tensor`` inside torch FSDP2
-    state-dict code on gloo (torch 2.13, not yet understood)."""
+    ``functional=True`` also models ``torch.ops._c10d_functional`` collectives (compiled code,
+    DTensor). It is opt-in: a first version hung DTensor's ``full_tensor`` inside torch FSDP2
+    state-dict code on gloo (torch 2.13), a GIL deadlock now understood and avoided (see
+    [Note: calling torch's kernel without the GIL]), and timings taken without it stay comparable."""
     return EmulatedLink(gbps, latency_us, functional)
 
 
