@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 from typing import Callable
 
 import torch
@@ -22,18 +20,11 @@ import torch.distributed._functional_collectives as funcol
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overlap  # noqa: E402
 from report import emit  # noqa: E402
+from timing import seconds_per_call  # noqa: E402
 
 
 def _us_per_call(fn: Callable[[], object], iters: int, repeats: int = 5) -> float:
-    for _ in range(max(iters // 10, 10)):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(samples)
+    return 1e6 * seconds_per_call(fn, iters, repeats, warmup=max(iters // 10, 10))
 
 
 def main(argv: list[str] | None = None) -> None:

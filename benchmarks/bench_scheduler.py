@@ -42,6 +42,7 @@ import scheduler  # noqa: E402
 from overlap.testing import EmulatedLink, run_distributed  # noqa: E402
 from overlap.testing.compiled_step import ShardedMLP, captured_code, collective_gaps, compiled_step  # noqa: E402
 from report import emit  # noqa: E402
+from timing import seconds_per_call  # noqa: E402
 
 
 def _over_ranks(value: float, op: dist.ReduceOp = dist.ReduceOp.MAX) -> float:
@@ -193,8 +194,8 @@ def _eager_rank(rank: int, world: int, args: argparse.Namespace) -> None:
     with torch.no_grad():
         replayed()  # the recording step
         assert sched.schedule is not None
-        times = {name: _median_seconds(fn, args.eager_iters) for name, fn in variants.items()}
-        recording = _median_seconds(lambda: _record_once(model, x, gather_ours), max(args.eager_iters // 5, 3))
+        times = {name: seconds_per_call(fn, args.eager_iters) for name, fn in variants.items()}
+        recording = seconds_per_call(lambda: _record_once(model, x, gather_ours), max(args.eager_iters // 5, 3))
     assert sched.steps_fallen_back == 0, sched.last_fallback_reason
     base = times["weights local (no collective)"]
     ours = times["overlap: first-use waits"]
@@ -238,17 +239,6 @@ def _record_once(model: nn.Module, x: torch.Tensor, gather: Callable) -> None:
         model(x, gather)
     sched.close()
 
-
-def _median_seconds(fn: Callable[[], object], iters: int, repeats: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - t0) / iters)
-    return statistics.median(samples)
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {"compiled": compiled, "eager": eager}
