@@ -29,7 +29,7 @@ from overlap.mixed_precision import MixedPrecision
 from overlap.profiler import Profiler, profile
 from overlap.sharding import ShardedModule, no_overlap, no_sync, shard
 from overlap.state_dict import full_state_dict, load_full_state_dict
-from overlap.wrap import Wrapped, wrap
+from overlap.wrap import Wrapped, exclude_from_ddp, wrap
 from scheduler.async_tensor import AsyncTensor
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "broadcast",
     "debug",
     "debug_enabled",
+    "exclude_from_ddp",
     "device_info",
     "inflight",
     "inflight_bytes",

@@ -12,7 +12,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupArg", "GroupInfo", "resolve_group", "REDUCE_OPS", "ReduceOpName", "check_reduce_op"]
+__all__ = ["GroupArg", "GroupInfo", "resolve_group", "device_mesh_for", "REDUCE_OPS", "ReduceOpName", "check_reduce_op"]
 
 GroupArg = Union[None, dist.ProcessGroup, Any]  # Any: DeviceMesh or (DeviceMesh, dim); kept lazy
 
@@ -86,6 +86,33 @@ def resolve_group(group: GroupArg, arg_name: str = "group") -> GroupInfo:
         info = GroupInfo(pg=pg, rank=dist.get_rank(pg), size=dist.get_world_size(pg), backend=str(dist.get_backend(pg)))
         _info_cache[id(pg)] = info
     return info
+
+
+_mesh_cache: dict[tuple[int, str], Any] = {}
+
+
+def device_mesh_for(group: GroupArg, info: GroupInfo, device_type: str) -> Any:
+    """The 1-D DeviceMesh that sharded DTensors of ``info``'s group live on: the user's own mesh (or
+    the mesh dim's sub-mesh) when ``group`` names one, else one made from the ProcessGroup (cached),
+    with ``device_type`` ('cpu', 'cuda', ...) the device the local tensors live on."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        return group
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        mesh, dim = group
+        names = mesh.mesh_dim_names
+        if isinstance(dim, str):
+            return mesh[dim]
+        if names:
+            return mesh[names[dim]]
+        device_type = mesh.device_type  # an unnamed dim cannot be sliced out: a mesh over its group
+    key = (id(info.pg), device_type)
+    mesh = _mesh_cache.get(key)
+    if mesh is None or mesh.get_group() is not info.pg:
+        mesh = DeviceMesh.from_group(info.pg, device_type)
+        _mesh_cache[key] = mesh
+    return mesh
 
 
 def check_reduce_op(op: Any, dtype: torch.dtype, arg_name: str = "op") -> ReduceOpName:

@@ -2,9 +2,11 @@
 
 A group owns, for its ``N`` parameters:
 
-* the **sharded parameters** — plain ``nn.Parameter``s holding this rank's dim-0 rows (the sharding
-  rule of ``kernels.ShardLayout``), registered on the module between steps, so the optimizer, the
-  state dict and ``module.parameters()`` see shards;
+* the **sharded parameters** — ``nn.Parameter``s that are DTensors, ``Shard(0)`` on the group's 1-D
+  DeviceMesh, whose local tensors hold this rank's dim-0 rows (the sharding rule of
+  ``kernels.ShardLayout``, which is torch.chunk's and DTensor's), registered on the module between
+  steps, so the optimizer, the state dict, DCP, ``clip_grad_norm_`` and ``module.parameters()`` see
+  what they see with torch FSDP2 (see [Note: sharded parameters are DTensors]);
 * the **unsharded parameters** — one persistent ``nn.Parameter`` per parameter, full shape, in
   ``param_dtype``; registered on the module only while its forward runs. Their storage is freed
   when resharded and re-allocated and refilled when gathered again (see [Note: unsharded
@@ -18,12 +20,24 @@ Shapes, ``w`` ranks, parameter ``i`` of full shape ``(d, *rest)``:
 ========================  ===========================================  ==========================
 tensor                    shape                                        dtype
 ========================  ===========================================  ==========================
-sharded parameter         ``(rows of this rank, *rest)``               the original's
+sharded parameter         DTensor ``(d, *rest)``; local ``(rows, *rest)``  the original's
 unsharded parameter       ``(d, *rest)``                               ``param_dtype`` or original
 all-gather buffer         ``layout.buffer_numel``                      ``param_dtype`` or common
 reduce-scatter input      ``reduce_layout.buffer_numel``               ``reduce_dtype`` or grads'
-sharded ``.grad``         as the sharded parameter                     as the sharded parameter
+sharded ``.grad``         DTensor, spec of the sharded parameter       as the sharded parameter
 ========================  ===========================================  ==========================
+
+[Note: sharded parameters are DTensors]
+A sharded parameter is ``nn.Parameter(DTensor)`` with placement ``Shard(0)`` and the full shape and
+stride in its spec, exactly what ``distribute_tensor(full, mesh, [Shard(0)])`` gives: DCP saves it as
+one sharded tensor (resharding on load at another world size), ``get_state_dict`` gathers it,
+``clip_grad_norm_`` reduces its gradient's norm over the mesh, and init code written for full shapes
+(``reset_parameters``, ``nn.init.*``) sees full shapes. Its gradient is a DTensor with the same spec.
+The runtime never dispatches through DTensor in a step: it packs and unpacks the local tensors
+(``_local_tensor``) with the fused kernels and builds gradient DTensors with the constructor, not
+``from_local`` (no autograd, no checks). A 0-dim parameter cannot be ``Shard(0)``: it is a
+``Replicate()`` DTensor; in the flat buffers rank 0 holds it as a 1-row shard (the layout's rule), and
+after the reduce-scatter rank 0 broadcasts its reduced gradient so every replica holds it.
 
 [Note: unsharded parameters keep their identity]
 Autograd saves the unsharded parameters used in forward (e.g. a linear's weight) and reads them in
@@ -50,7 +64,11 @@ import dataclasses
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from kernels import ShardLayout, unchecked
 from overlap.collectives import all_gather_into, reduce_scatter_into
@@ -97,33 +115,65 @@ class ParamGroup:
         params: list[nn.Parameter],
         locations: list[list[ParamLocation]],
         info: GroupInfo,
+        mesh: DeviceMesh,
         mp: MixedPrecision,
         on_grad_ready: Callable[["ParamGroup", int], None],
     ) -> None:
         self.info = info
+        self.mesh = mesh
         self.rank, self.world_size = info.rank, info.size
         self.locations = locations
         self.fqns = [locs[0].fqn for locs in locations]
         self.layout = ShardLayout([tuple(p.shape) for p in params], info.size)
-        self.orig_dtypes = [p.dtype for p in params]
         self.mp = mp
-        self.gather_dtype = mp.param_dtype or widest_dtype(self.orig_dtypes)
         self._on_grad_ready = on_grad_ready
+        self.scalar_indices = tuple(i for i, p in enumerate(params) if p.dim() == 0)
         with torch.no_grad():
-            self.sharded: list[nn.Parameter] = [
-                nn.Parameter(self.layout.shard(p.detach(), self.rank).clone(), requires_grad=p.requires_grad)
-                for p in params
-            ]
-        self.aliases_shards = info.size == 1 and all(self._unsharded_dtype(i) == d for i, d in enumerate(self.orig_dtypes))
-        """World size 1 without a dtype cast: the unsharded parameters share the shards' storage, so
-        nothing is packed, moved or freed (see [Note: world size 1])."""
+            self.sharded: list[nn.Parameter] = [self._to_dtensor_param(p) for p in params]
         self.unsharded: Optional[list[nn.Parameter]] = None  # created at the first gather (device known then)
         self._unsharded_sources: list[int] = []  # ids of the shards the unsharded params were made for
+        self._read_dtypes()
         self.is_unsharded = False
         self.pending_gather: Optional[PendingGather] = None
         self.grads_ready: set[int] = set()
         self._reduce_layouts: dict[tuple[int, ...], ShardLayout] = {}
         self.to_sharded()
+
+    def _to_dtensor_param(self, full: torch.Tensor) -> nn.Parameter:
+        """This rank's rows of ``full`` as a sharded DTensor parameter (see [Note: sharded parameters
+        are DTensors]); works on the meta device."""
+        if full.dim() == 0:
+            local, placement = full.detach().clone(), Replicate()
+        else:
+            local, placement = self.layout.shard(full.detach(), self.rank).clone(), Shard(0)
+        spec = DTensorSpec(self.mesh, (placement,), tensor_meta=TensorMeta(full.shape, _contiguous_strides(full.shape), full.dtype))
+        return nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=full.requires_grad)
+
+    def _read_dtypes(self) -> None:
+        """(Re)derive everything that depends on the sharded parameters' dtypes."""
+        self.orig_dtypes = [p.dtype for p in self.sharded]
+        self.gather_dtype = self.mp.param_dtype or widest_dtype(self.orig_dtypes)
+        self.aliases_shards = self.world_size == 1 and all(
+            self._unsharded_dtype(i) == d for i, d in enumerate(self.orig_dtypes))
+        """World size 1 without a dtype cast: the unsharded parameters share the shards' storage, so
+        nothing is packed, moved or freed (see [Note: world size 1])."""
+
+    def local_rows(self, index: int) -> torch.Tensor:
+        """This rank's rows of parameter ``index`` as the layout sees them (the DTensor's local tensor;
+        a 0-dim parameter is one row on rank 0 and none elsewhere)."""
+        local = self.sharded[index]._local_tensor
+        if local.dim() == 0:
+            rows = local.view(1)
+            return rows if self.rank == 0 else rows[:0]
+        return local
+
+    @staticmethod
+    def local_grad_rows(param: nn.Parameter, rank: int) -> torch.Tensor:
+        grad = param.grad._local_tensor  # type: ignore[union-attr]
+        if grad.dim() == 0:
+            rows = grad.view(1)
+            return rows if rank == 0 else rows[:0]
+        return grad
 
     # ------------------------------------------------------------------ registration on the module
     def to_sharded(self) -> None:
@@ -141,12 +191,22 @@ class ParamGroup:
                 loc.module._parameters[loc.name] = p
 
     def rebind_sharded(self) -> None:
-        """Re-read the sharded parameters from the modules after ``module._apply`` replaced them
-        (``to_empty``, ``to(device)``), restoring ties between locations of one parameter."""
+        """Re-read the sharded parameters from the modules after ``module._apply`` changed them
+        (``to_empty``, ``to(device)``, ``to(dtype)``: DTensor parameters are swapped in place, so the
+        objects usually stay), restoring ties between locations of one parameter; the unsharded
+        parameters are re-made at the next gather in the new dtype / device."""
         for i, locs in enumerate(self.locations):
             p = locs[0].module._parameters[locs[0].name]
-            assert isinstance(p, nn.Parameter)
-            self.sharded[i] = p
+            if not isinstance(p, DTensor) or p._spec.placements != self.sharded[i]._spec.placements:
+                raise TypeError(
+                    f"overlap.shard: parameter {locs[0].fqn!r} was replaced by a "
+                    f"{type(p).__name__} that is not a DTensor sharded like the original; assign "
+                    f"sharded DTensors (e.g. load a state dict without assign=True)")
+            self.sharded[i] = p  # type: ignore[assignment]
+            p._overlap_sharded_by = self  # type: ignore[attr-defined]
+        self.reshard()
+        self.unsharded = None
+        self._read_dtypes()
         self.to_sharded()
 
     # ------------------------------------------------------------------ all-gather
@@ -164,9 +224,9 @@ class ParamGroup:
             self.unsharded = []
             for i, shape in enumerate(self.layout.shapes):
                 if self.aliases_shards:
-                    data = self.sharded[i].detach().view(shape)
+                    data = self.local_rows(i).detach().view(shape)
                 else:
-                    data = torch.empty(shape, dtype=self._unsharded_dtype(i), device=self.sharded[i].device)
+                    data = torch.empty(shape, dtype=self._unsharded_dtype(i), device=self.sharded[i]._local_tensor.device)
                     data.untyped_storage().resize_(0)
                 self.unsharded.append(nn.Parameter(data, requires_grad=self.sharded[i].requires_grad))
             self._unsharded_sources = sources
@@ -194,7 +254,8 @@ class ParamGroup:
         if self.is_unsharded or self.pending_gather is not None or self.aliases_shards:
             return
         with region("overlap::all_gather_copy_in"), torch.no_grad():
-            ag_input, ag_output = unchecked.all_gather_copy_in(self.sharded, self.layout, self.rank, self.gather_dtype)
+            ag_input, ag_output = unchecked.all_gather_copy_in(
+                [self.local_rows(i) for i in range(len(self.sharded))], self.layout, self.rank, self.gather_dtype)
         work = all_gather_into(ag_output, ag_input, self.info) if self.world_size > 1 else None
         self.pending_gather = PendingGather(work, ag_output)
 
@@ -284,12 +345,27 @@ class ParamGroup:
         accumulate = any(p.grad is not None for p in targets)
         for p in targets:
             if p.grad is None:
-                p.grad = torch.zeros_like(p) if accumulate else torch.empty_like(p)
+                local = p._local_tensor  # type: ignore[attr-defined]
+                grad = torch.zeros_like(local) if accumulate else torch.empty_like(local)
+                p.grad = DTensor(grad, p._spec, requires_grad=False)  # type: ignore[attr-defined]
         scale = 1.0 / self.world_size if self.world_size > 1 else None
         with region("overlap::reduce_scatter_copy_out"), torch.no_grad():
             unchecked.reduce_scatter_copy_out(
-                pending.rs_output, [p.grad for p in targets], pending.layout, self.rank, scale, accumulate
+                pending.rs_output, [self.local_grad_rows(p, self.rank) for p in targets], pending.layout,
+                self.rank, scale, accumulate
             )
+            self._broadcast_scalar_grads(pending.indices)
+
+    def _broadcast_scalar_grads(self, indices: tuple[int, ...]) -> None:
+        """Replicated (0-dim) parameters: rank 0 holds the reduced gradient; give it to every rank."""
+        scalars = [i for i in self.scalar_indices if i in indices]
+        if not scalars or self.world_size == 1:
+            return
+        grads = [self.sharded[i].grad._local_tensor for i in scalars]  # type: ignore[union-attr]
+        packed = torch.stack([g.to(torch.float64) for g in grads])
+        dist.broadcast(packed, self.info.global_rank(0), group=self.info.pg)
+        for g, value in zip(grads, packed):
+            g.copy_(value)
 
     def _move_grads_to_shards(self, indices: tuple[int, ...]) -> None:
         """World size 1 fast path of the reduce-scatter: the full gradient is the shard's gradient."""
@@ -299,11 +375,20 @@ class ParamGroup:
                 u, s = self.unsharded[i], self.sharded[i]
                 if u.grad is None:
                     continue
-                grad, u.grad = u.grad.view(s.shape), None
+                local = s._local_tensor  # type: ignore[attr-defined]
+                grad, u.grad = u.grad.view(local.shape), None
                 if s.grad is None:
-                    s.grad = grad
+                    s.grad = DTensor(grad, s._spec, requires_grad=False)  # type: ignore[attr-defined]
                 else:
-                    s.grad += grad
+                    s.grad._local_tensor += grad  # type: ignore[union-attr]
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def widest_dtype(dtypes: list[torch.dtype]) -> torch.dtype:

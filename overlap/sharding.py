@@ -28,6 +28,16 @@ prefetching; reduce-scatters go out in the reverse order of each group's first f
 step, a ready group waiting for the groups before it. Waiting to respect ``max_inflight_bytes`` only
 delays a collective, it never reorders or skips one.
 
+[Note: hooks stay eager under torch.compile]
+The hooks issue collectives, agree the forward order with ``all_gather_object`` in the first step,
+and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
+``torch._dynamo.disable``, so Dynamo runs them eagerly wherever it meets them: per-block compile
+(``torch.compile(block)`` before or after ``shard``) compiles each block's ``forward`` as one graph
+between eager hooks, and ``torch.compile(model)`` of a whole sharded model splits at each hook, so
+the compiled pieces run between the same gathers and prefetches as in eager mode and the overlap
+stays. The unsharded parameters the graphs read keep their identity, shape and dtype across steps
+(see [Note: unsharded parameters keep their identity]), so nothing recompiles after warm-up.
+
 Memory: with ``reshard_after_forward`` at most ``1 + prefetch`` non-root groups are unsharded at
 once in forward (the root group stays unsharded from its pre-forward to the end of backward, as in
 FSDP2, and so does the last group of the forward order when grad is enabled, since backward starts
@@ -42,9 +52,10 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from overlap.groups import GroupInfo, resolve_group
+from overlap.groups import GroupInfo, device_mesh_for, resolve_group
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
@@ -295,6 +306,9 @@ class _Root:
         if state.group is not None and state.index not in self._done:
             self._gather(state)
             state.group.finish_gather()
+            # Registered for backward too: an activation-checkpoint recompute that runs ``forward``
+            # without this module's hooks (HF's form, checkpoint_wrapper inside the shard) reads them.
+            state.group.to_unsharded()
         # Backward runs the forward order in reverse: prefetch the groups after this one.
         reverse = self._backward_order
         try:
@@ -350,6 +364,7 @@ class _Root:
                     self._pending_reduces.append((group, pending))
         group.grads_ready.clear()
         group.reshard()
+        group.to_sharded()
 
     def _end_backward(self) -> None:
         with region("overlap::end_backward"), torch.no_grad():
@@ -447,13 +462,18 @@ def shard(
     _check_options(module, mp, reshard_after_forward, prefetch, max_inflight_bytes)
     if group is not None and mesh is not None:
         raise ValueError("shard: pass group or mesh, not both")
-    info = resolve_group(mesh if mesh is not None else group, "mesh" if mesh is not None else "group")
+    group_arg = mesh if mesh is not None else group
+    info = resolve_group(group_arg, "mesh" if mesh is not None else "group")
     mp = mp or MixedPrecision()
     params, locations = _owned_parameters(module)
     devices = {p.device for p in params}
     if len(devices) > 1:
         where = {str(p.device): locs[0].fqn for p, locs in zip(params, locations)}
         raise ValueError(f"shard: {type(module).__name__} has parameters on several devices ({where}); move them to one")
+    dtensors = [locs[0].fqn for p, locs in zip(params, locations) if isinstance(p, DTensor)]
+    if dtensors:
+        raise ValueError(f"shard: parameters {dtensors} of {type(module).__name__} are already DTensors "
+                         f"(sharded or parallelized before); shard plain parameters")
     floating = all(p.is_floating_point() for p in params)
     if mp.param_dtype is not None and not floating:
         bad = [locs[0].fqn for p, locs in zip(params, locations) if not p.is_floating_point()]
@@ -463,7 +483,9 @@ def shard(
         if state.root is not None:  # `state` is bound below, before any backward can run
             state.root.on_grad_ready(state)
 
-    param_group = ParamGroup(params, locations, info, mp, on_grad_ready) if params else None
+    device_type = _mesh_device_type(devices.pop() if devices else torch.device("cpu"), info)
+    param_group = ParamGroup(params, locations, info, device_mesh_for(group_arg, info, device_type), mp,
+                             on_grad_ready) if params else None
     if param_group is not None:
         for original, sharded in zip(params, param_group.sharded):
             original._overlap_sharded_by = param_group  # type: ignore[attr-defined]
@@ -471,9 +493,18 @@ def shard(
     state = ShardState(module, param_group, info, mp, reshard_after_forward, prefetch, max_inflight_bytes)
     module.__class__ = _sharded_class(type(module))
     module._overlap_state = state  # type: ignore[assignment]
-    module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
-    module.register_forward_hook(state.post_forward)
+    # Hooks run eagerly under torch.compile too (see [Note: hooks stay eager under torch.compile]).
+    module.register_forward_pre_hook(torch._dynamo.disable(state.pre_forward, recursive=True), with_kwargs=True)
+    module.register_forward_hook(torch._dynamo.disable(state.post_forward, recursive=True))
     return module
+
+
+def _mesh_device_type(device: torch.device, info: GroupInfo) -> str:
+    """The device type of the sharded DTensors' mesh: the parameters' device, or for parameters on
+    the meta device (to be materialized by ``to_empty``) the one the backend drives."""
+    if device.type != "meta":
+        return device.type
+    return "cuda" if info.backend == "nccl" else "cpu"
 
 
 @contextlib.contextmanager

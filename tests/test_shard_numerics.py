@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 import overlap
 from models import (
@@ -65,7 +66,8 @@ def _sharded_model(seed: int = SEED, mp: Any = None) -> TinyLM:
 
 
 def _local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    """This rank's shard of each parameter (the local tensor of its DTensor)."""
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
 
 
 def _assert_rows_match(
@@ -167,7 +169,7 @@ def _accumulate(rank: int, world_size: int) -> dict[str, Any]:
         else:
             (model.loss(local_batch(tokens, rank, world_size)) / MICRO_BATCHES).backward()
         reductions.append(gradient_reductions(link.stats()))
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()}
     opt.step()
     return {"grads": grads, "params": _local_params(model), "reductions": reductions}
 
@@ -241,7 +243,8 @@ def test_full_state_dict_round_trip_is_bitwise(distributed, world_size: int) -> 
 def _shard_layout(rank: int, world_size: int) -> dict[str, Any]:
     model = _sharded_model()
     return {
-        "params": {n: (type(p), p.detach().clone()) for n, p in model.named_parameters()},
+        "params": {n: (isinstance(p, torch.nn.Parameter), type(p), p.placements, tuple(p.shape),
+                       p.to_local().detach().clone()) for n, p in model.named_parameters()},
         "tied": model.head.weight is model.tok.weight,
     }
 
@@ -253,10 +256,12 @@ def test_parameters_are_this_ranks_dim0_shards(distributed, world_size: int) -> 
     for rank, res in enumerate(distributed(_shard_layout, world_size)):
         assert list(res["params"]) == list(full)  # same names, tied weight once
         assert res["tied"], "tok.weight and head.weight are no longer one parameter"
-        for name, (kind, shard_) in res["params"].items():
-            assert kind is torch.nn.Parameter, (name, kind)
+        for name, (is_param, kind, placements, shape, shard_) in res["params"].items():
+            # A Parameter that is a Shard(0) DTensor of the full shape, like FSDP2's.
+            assert is_param and issubclass(kind, DTensor) and placements == (Shard(0),), (name, kind, placements)
+            assert shape == tuple(full[name].shape), (name, shape)
             start, stop = shard_rows(full[name].shape[0], world_size, rank)
             assert shard_.shape == (stop - start, *full[name].shape[1:]), (rank, name, shard_.shape)
         # Values: the rule's rows of the unsharded initialisation, bitwise.
-        values = {n: s for n, (_, s) in res["params"].items()}
+        values = {n: s[-1] for n, s in res["params"].items()}
         _assert_rows_match(values, full, world_size, rank, rtol=0, atol=0)

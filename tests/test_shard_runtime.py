@@ -277,17 +277,20 @@ def _meta_rank(rank: int, world: int) -> dict[str, Any]:
         model.scale.fill_(0.75)
     losses = _train(model, rank, world)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    return {"meta_before": meta_before, "losses": losses, "shapes": shapes,
+    local_shapes = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
+    return {"meta_before": meta_before, "losses": losses, "shapes": shapes, "local_shapes": local_shapes,
             "tied": model.head.weight is model.emb.weight, "finite": all(torch.isfinite(torch.tensor(losses)))}
 
 
 def test_meta_device_model_is_materialized_shard_by_shard(distributed) -> None:
     for rank, r in enumerate(distributed(_meta_rank, 3)):
         assert r["meta_before"] and r["tied"] and r["finite"]
-        # Shards only: ceil(11 / 3) = 4 rows of the embedding; rank 2 gets the last 3.
-        assert r["shapes"]["emb.weight"] == ((4, 6) if rank < 2 else (3, 6))
-        assert r["shapes"]["narrow.weight"] == ((1, 6) if rank == 0 else (0, 6))
-        assert r["shapes"]["scale"] == ((1,) if rank == 0 else (0,))
+        # DTensor parameters: full logical shapes (what init code reads), local shards underneath:
+        # ceil(11 / 3) = 4 rows of the embedding; rank 2 gets the last 3. A 0-dim one is replicated.
+        assert r["shapes"]["emb.weight"] == (11, 6) and r["shapes"]["scale"] == ()
+        assert r["local_shapes"]["emb.weight"] == ((4, 6) if rank < 2 else (3, 6))
+        assert r["local_shapes"]["narrow.weight"] == ((1, 6) if rank == 0 else (0, 6))
+        assert r["local_shapes"]["scale"] == ()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -370,7 +373,7 @@ def _wrap_rank(rank: int, world: int) -> dict[str, Any]:
     other.load_state_dict(sharded_sd)  # the sharded state dict round trip
     return {"equal": torch.equal(got.detach(), want), "keys": sorted(full), "want_keys": sorted(want_sd),
             "full_equal": all(torch.equal(full[k], want_sd[k]) for k in want_sd),
-            "reloaded": torch.equal(other(x).detach(), want), "grad_shape": tuple(layer.weight.grad.shape)}
+            "reloaded": torch.equal(other(x).detach(), want), "grad_shape": tuple(layer.weight.grad.to_local().shape)}
 
 
 def test_wrap_is_a_drop_in_layer(distributed) -> None:
