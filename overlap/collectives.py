@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from overlap import desync, traced
 from overlap.groups import GroupArg, GroupInfo, check_reduce_op, dist_reduce_op, resolve_group
-from overlap.inflight_work import InflightWork, ResultCompletion, track
-from overlap.streams import comm_stream
+from overlap.inflight_work import InflightWork, ResultCompletion, make_room, track
+from overlap.streams import check_device, check_not_capturing, comm_stream
 from overlap.regions import region
 from scheduler.async_tensor import AsyncTensor, wait_tensor
 
@@ -104,6 +104,14 @@ def _dist_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp
 _STREAM_PURPOSE = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
 
 
+def _bound_device(group: str) -> Optional[torch.device]:
+    """The device the process group named ``group`` ('' for WORLD) is bound to, if any."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = c10d._resolve_process_group(group) if group else dist.group.WORLD
+    return getattr(pg, "bound_device_id", None)
+
+
 def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[torch.Tensor], nbytes: int,
            group: str = "", op: str = "") -> InflightWork:
     """Start ``launch`` without blocking the caller: on a comm stream (CUDA) or as an async work.
@@ -111,10 +119,17 @@ def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[to
     ``group`` is the process group's name, kept on the work (for the profiler and errors) with the
     collective's per-group sequence number. ``op`` (the reduce op, or ``src=<rank>`` of a broadcast)
     is part of the fingerprint that debug mode checks across ranks first (``overlap.desync``).
+    Raises before issuing during CUDA graph capture, and on CUDA unless ``device`` is the current
+    device and this rank's (``overlap.streams``: [Note: no collectives in CUDA graph capture],
+    [Note: one device per rank]).
     """
+    check_not_capturing(f"overlap.{kind} issued")
+    if device.type == "cuda":
+        check_device(device, f"overlap.{kind}", _bound_device(group))
     seq = desync.next_seq(group)
     if desync.enabled:  # debug mode (one check when off): every rank is about to issue the same collective
         desync.check(kind, seq, group, buffers, op)
+    make_room(nbytes)  # the process-wide budget, if set (one check when not): [Note: the process-wide in-flight budget]
     with region(f"overlap::{kind}"):
         if device.type == "cuda":
             current = torch.cuda.current_stream(device)
@@ -124,7 +139,8 @@ def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[to
                 launch(False)
                 event = torch.cuda.Event()
                 event.record(stream)
-            return track(InflightWork(kind, nbytes, buffers, event=event, device=device, group=group, seq=seq))
+            return track(InflightWork(kind, nbytes, buffers, event=event, device=device, group=group, seq=seq,
+                                      issue_stream=current))
         return track(InflightWork(kind, nbytes, buffers, work=launch(True), group=group, seq=seq))
 
 

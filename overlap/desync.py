@@ -15,10 +15,20 @@ Contract
   (``overlap.wait_timeout``: the group's timeout unless overridden) makes the ranks waiting for it
   raise ``overlap.CollectiveTimeoutError`` naming their own fingerprint (a rank that died makes
   them raise ``overlap.CollectiveError`` as soon as its connection closes).
+* **Threads**: a group's collectives must come from one thread at a time, in the same order on every
+  rank (threads taking turns take them in the same order everywhere). In debug mode a second
+  thread issuing on a group while another thread's collective on it is being checked raises
+  :class:`DesyncError` saying so (see [Note: one thread at a time per group]).
+* **Debug off**, a rank out of step issues a mismatched collective: gloo may then abort a peer inside
+  the collective (C++ ``gloo::EnforceNotMet``, "Received data size doesn't match expected size",
+  SIGABRT) or pair the wrong data silently. ``OVERLAP_DEBUG=1`` turns that into a DesyncError on
+  every rank, raised before the collective is issued.
 * Turning it on: ``OVERLAP_DEBUG=1`` in the environment, or ``overlap.set_debug(True)``, or
   ``with overlap.debug(): ...``. The environment variable is read at the first collective a
   process issues (not at import, so ranks started by a fork server see the environment they are
-  given), and again after ``set_debug(None)``. Off, ``_issue`` pays one boolean check.
+  given), and again after ``set_debug(None)``. Off, ``_issue`` pays one boolean check. The values
+  are those of every boolean flag (``scheduler.env_flags``): 1/true/yes/on, 0/false/no/off/empty;
+  anything else raises ``scheduler.env_flags.EnvFlagError`` (a ``ValueError``) naming the variable.
 
 [Note: the side channel of the debug check]
 The fingerprints are all-gathered (``256 * w`` bytes, one blocking gather) over a gloo group on the
@@ -50,7 +60,7 @@ import contextlib
 import dataclasses
 import datetime
 import hashlib
-import os
+import threading
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -59,13 +69,12 @@ import torch.distributed.distributed_c10d as c10d
 
 from overlap.inflight_work import collective_failure, wait_timeout
 from overlap.regions import region
+from scheduler.env_flags import env_flag
 
 __all__ = ["DesyncError", "check", "debug", "debug_enabled", "fingerprint", "next_seq", "set_debug",
            "FINGERPRINT_BYTES", "DEBUG_ENV"]
 
 DEBUG_ENV = "OVERLAP_DEBUG"
-_ON = ("1", "true", "yes", "on")
-_OFF = ("", "0", "false", "no", "off")
 FINGERPRINT_BYTES = 256  # the fixed size of one rank's encoded fingerprint in the check
 _HASH_HEX = 16
 
@@ -92,19 +101,10 @@ class DesyncError(RuntimeError):
         self.fingerprints: dict[int, str] = dict(fingerprints or {})
 
 
-def _env_flag() -> bool:
-    value = os.environ.get(DEBUG_ENV, "").strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise ValueError(f"{DEBUG_ENV} must be one of {_ON + _OFF[1:]} (or unset), got {os.environ[DEBUG_ENV]!r}")
-
-
 def _resolve() -> bool:
     global enabled, _resolved
     if not _resolved:
-        enabled, _resolved = _env_flag(), True
+        enabled, _resolved = env_flag(DEBUG_ENV), True
     return enabled
 
 
@@ -190,6 +190,20 @@ class _Channel:
 
 _channels: dict[str, _Channel] = {}
 
+# [Note: one thread at a time per group]
+# Ranks pair a group's collectives by the order each rank issues them. Two threads issuing on one
+# group at once interleave differently on each rank, so collectives pair with the wrong partners:
+# silently (same sizes) or with gloo aborting a rank (EnforceNotMet, sizes differ). Debug mode marks
+# a group while a thread runs its check (a blocking exchange with the peers, the longest part of
+# issuing); a second thread reaching the check of that group meanwhile raises DesyncError saying so,
+# before anything is issued or a side channel is built. The thread that was first goes on; peers
+# left waiting for the second thread's check time out naming it. Threads taking turns (one issues,
+# then another) are fine when every rank takes them in the same order; turns in different orders show
+# up as an ordinary DesyncError (the sequence numbers' kinds or shapes differ), or not at all when the
+# collectives look alike.
+_checking_lock = threading.Lock()
+_checking: dict[str, tuple[threading.Thread, str]] = {}  # group -> (thread in its check, its fingerprint)
+
 
 def _channel(group: str, timeout: datetime.timedelta) -> Optional[_Channel]:
     """The side channel of ``group`` (None for a group of one rank); built at its first check."""
@@ -219,6 +233,38 @@ def check(kind: str, seq: int, group: str, buffers: Sequence[torch.Tensor], op: 
     if not _resolve():
         return
     mine = fingerprint(seq, kind, buffers, op)
+    with _one_thread(group, seq, mine):
+        _check_across_ranks(mine, seq, group)
+
+
+@contextlib.contextmanager
+def _one_thread(group: str, seq: int, mine: str) -> Iterator[None]:
+    """Mark ``group`` as being checked by this thread; raise :class:`DesyncError` if another thread of
+    this process is in a check on it (see [Note: one thread at a time per group])."""
+    me = threading.current_thread()
+    with _checking_lock:
+        other = _checking.get(group)
+        if other is not None and other[0] is not me:
+            raise DesyncError(
+                f"overlap: two threads issued collectives on group {group!r} at once on rank {dist.get_rank()} "
+                f"(debug check, nothing was issued): thread {me.name!r} ({mine}) while thread "
+                f"{other[0].name!r} ({other[1]}) was issuing. A group's collectives must come from one thread "
+                f"at a time: each rank pairs them in the order it issues them, so two threads interleave "
+                f"differently on each rank and pair the wrong collectives. Issue them from one thread, or "
+                f"let threads take turns in the same order on every rank, or give each thread its own "
+                f"process group (dist.new_group).",
+                seq, group, {dist.get_rank(): mine},
+            )
+        _checking[group] = (me, mine)
+    try:
+        yield
+    finally:
+        with _checking_lock:
+            if _checking.get(group, (None,))[0] is me:
+                del _checking[group]
+
+
+def _check_across_ranks(mine: str, seq: int, group: str) -> None:
     timeout = wait_timeout(group)
     what = f"debug check before {mine} on group {group!r}"
     with region("overlap::desync_check"):

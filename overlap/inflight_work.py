@@ -4,33 +4,56 @@
 A collective reads its input buffer and writes its output buffer on the communication stream (or a
 gloo thread) while the caller goes on. Both buffers are allocated on the caller's stream, and an
 ``InflightWork`` holds a reference to them. The reference is dropped only when reuse is safe:
-* when a consumer has waited: on CUDA its stream now waits on the collective's event, so every later
-  allocation on that stream (the only stream that can reuse these blocks) is ordered after the
-  collective; on CPU the work has finished;
+* when a consumer has waited: on CPU the work has finished; on CUDA see
+  [Note: cross-stream buffer lifetime];
 * or when a sweep (run at each issue) finds the collective finished (``event.query()`` /
   ``work.is_completed()``), which covers results that are dropped without ever being used.
 ``record_stream`` is not used: it delays the reuse of every block until the allocator happens to
 notice the stream's progress, which over-holds memory in the caching allocator.
+
+[Note: cross-stream buffer lifetime]
+Invariant: a buffer an ``InflightWork`` holds goes back to the caching allocator only once the stream
+it was allocated on (the *issue stream*: the current stream when the collective was issued, which
+is the only stream whose later allocations can get its blocks) can no longer run ahead of a device
+read or write of it: the collective on the comm stream, and the reads that turn the buffer into the
+result on the consumer's stream (``wait(then=...)``: a copy out of a packed buffer, a divide).
+* The consumer waits on the issue stream: its later allocations are ordered after the stream wait
+  on the collective's event and after ``then`` (stream order), so the references drop at once.
+* The consumer waits on another stream (a result first used under ``torch.cuda.stream(s)``,
+  ``wait_all()`` there, backward hooks on autograd's stream, final callbacks on the caller's): its
+  stream waits on the collective's event, runs ``then``, and records an event; (event, buffers) go
+  to a deferred-release list that ``sweep()`` (at each issue) empties of entries whose event has
+  completed (``event.query()``), when no device work touches the buffers any more.
+* A collective a sweep finds finished (``event.query()`` on its own event) and nobody waited has
+  no reader left: released at once.
+Rejected: making the issue stream wait on the consumer's event before releasing (it would queue
+the caller's compute behind the consumer stream's unrelated work) and ``record_stream``.
+Tensors the caller keeps (a result used on another stream, then dropped) follow torch's usual
+rule for cross-stream use; the runtime only guards the buffers it owns.
 """
 from __future__ import annotations
 
 import datetime
+import math
+import numbers
 import time
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from overlap.regions import region
+from overlap.streams import capture_error, capturing
 
 __all__ = ["InflightWork", "Recorder", "ResultCompletion", "WaitRecord", "track", "sweep", "wait_all", "inflight",
            "inflight_bytes", "set_recorder", "CollectiveError", "CollectiveTimeoutError", "collective_failure", "describe",
-           "set_wait_timeout", "wait_timeout"]
+           "set_wait_timeout", "wait_timeout", "set_max_inflight_bytes", "max_inflight_bytes", "make_room"]
 
 
 class InflightWork:
     """One issued collective: its completion signal and the buffers it must keep alive."""
 
-    __slots__ = ("kind", "nbytes", "group", "seq", "_work", "_event", "_device", "_buffers", "_shapes", "_host_waited", "_record")
+    __slots__ = ("kind", "nbytes", "group", "seq", "_work", "_event", "_device", "_buffers", "_shapes", "_host_waited", "_record",
+                 "_issue_stream")
 
     def __init__(
         self,
@@ -42,8 +65,11 @@ class InflightWork:
         device: Optional[torch.device] = None,
         group: str = "",
         seq: int = -1,
+        issue_stream: Optional["torch.cuda.Stream"] = None,
     ) -> None:
         self.kind = kind
+        # CUDA: the stream the buffers were allocated on (see [Note: cross-stream buffer lifetime])
+        self._issue_stream = issue_stream
         self.seq = seq  # per-group sequence number (overlap.desync), named in errors
         self.group = group  # process group name (for the profiler and error messages)
         self._device = device
@@ -62,23 +88,49 @@ class InflightWork:
             return self._event.query()
         return self._host_waited or self._work is None or self._work.is_completed()
 
-    def wait(self) -> None:
-        """Make the caller's stream (CUDA) or thread (CPU) wait for the collective."""
+    def wait(self, then: Optional[Callable[[], None]] = None) -> None:
+        """Make the caller's stream (CUDA) or thread (CPU) wait for the collective, run ``then`` (the
+        caller's reads of this work's buffers, e.g. a copy out), then drop the buffer references.
+
+        On CUDA, from a stream other than the issue stream, the references (and ``then``, which may
+        hold views of them) are kept until an event recorded after ``then`` completes; see
+        [Note: cross-stream buffer lifetime]. Raises ``StreamCaptureError`` during CUDA graph capture.
+        """
         timed = self._record is not None and self._record.begin_wait()
+        consumer = None
         if self._event is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._event)
+            if capturing():
+                raise capture_error(f"the wait for {describe(self)} (its result's first use)")
+            consumer = torch.cuda.current_stream(self._device)
+            consumer.wait_event(self._event)
         elif not self._host_waited:
             if self._work is not None:
                 _host_wait(self, self._work)  # raises CollectiveError naming this collective
             self._host_waited = True
-        self.release()
         if timed:
             self._record.end_wait()
+        if then is not None:
+            then()
+        if consumer is None or self._issue_stream is None or consumer == self._issue_stream:
+            self.release()
+        else:
+            self._release_after(consumer, then)
+
+    def _release_after(self, consumer: "torch.cuda.Stream", then: Optional[Callable[[], None]]) -> None:
+        """Hand the buffers (and ``then``) to the deferred-release list, behind an event on ``consumer``."""
+        refs = tuple(r for r in (self._buffers, then) if r is not None)
+        if refs:
+            _deferred.append(_DeferredRelease(consumer.record_event(), refs))
+        self.release()
 
     def synchronize(self) -> None:
-        """Block the host until the collective has finished (bounds bytes in flight, also on CUDA)."""
+        """Block the host until the collective has finished (bounds bytes in flight, also on CUDA).
+
+        Raises ``StreamCaptureError`` during CUDA graph capture (a host wait cannot be captured)."""
         timed = self._record is not None and self._record.begin_wait()
         if self._event is not None:
+            if capturing():
+                raise capture_error(f"a host wait (synchronize) for {describe(self)}")
             _event_synchronize(self, self._event)
         self.wait()
         if timed:
@@ -90,7 +142,8 @@ class InflightWork:
         return self._buffers is not None
 
     def release(self) -> None:
-        """Drop the buffer references and forget this work (safe once waited or done)."""
+        """Drop the buffer references now and forget this work: safe once the collective is done, or
+        waited on its issue stream (``wait`` defers the release itself when it is not)."""
         if self._buffers is not None:
             self._buffers = None
             try:
@@ -114,13 +167,25 @@ class ResultCompletion:
 
     def wait(self) -> None:
         with region("overlap::wait"):
-            self._work.wait()
-            if self._finish is not None:
-                self._finish()
+            self._work.wait(self._finish)
         self._finish = None
 
 
 _inflight: list[InflightWork] = []
+
+
+class _DeferredRelease:
+    """Buffers waited on a stream other than their issue stream, kept until ``event`` completes."""
+
+    __slots__ = ("event", "refs")
+
+    def __init__(self, event: "torch.cuda.Event", refs: tuple) -> None:
+        self.event, self.refs = event, refs
+
+
+# [Note: cross-stream buffer lifetime]; entries are removed by identity, so appends from another
+# thread (autograd's) during a sweep are never lost.
+_deferred: list[_DeferredRelease] = []
 
 
 class WaitRecord(Protocol):
@@ -163,7 +228,12 @@ def track(work: InflightWork) -> InflightWork:
 
 
 def sweep() -> None:
-    """Forget finished works (cheap: a non-blocking query each)."""
+    """Forget finished works and release the deferred buffers whose consumer event has completed
+    (cheap: a non-blocking query each). Does nothing while a CUDA graph is being captured."""
+    if capturing():
+        return  # event queries are not allowed during capture
+    for entry in [d for d in _deferred if d.event.query()]:
+        _deferred.remove(entry)
     for work in [w for w in _inflight if w.is_done()]:
         work.release()
 
@@ -172,6 +242,9 @@ def wait_all() -> None:
     """Wait (consumer side) for every collective still in flight in this process.
 
     Results keep their first-use step (e.g. the divide of an avg), which runs when they are used.
+    From a stream other than the issue stream, buffers stay held until that stream's progress says
+    they are free ([Note: cross-stream buffer lifetime]). Raises ``StreamCaptureError`` during CUDA
+    graph capture.
     """
     for work in list(_inflight):
         work.wait()
@@ -185,6 +258,53 @@ def inflight() -> list[InflightWork]:
 def inflight_bytes() -> int:
     """Bytes moved by the collectives in flight (the quantity ``max_inflight_bytes`` bounds)."""
     return sum(w.nbytes for w in _inflight)
+
+
+# [Note: the process-wide in-flight budget]
+# ``set_max_inflight_bytes(limit)`` caps the bytes of every collective this process issues through
+# ``overlap`` (raw calls such as ``overlap.all_gather`` and the sharded runtime's own), counted as
+# ``inflight_bytes()`` counts them. Before a collective of ``n`` bytes is issued, ``make_room(n)``
+# blocks the host on the oldest collectives in flight, one at a time and in issue order
+# (``InflightWork.synchronize``), until ``inflight_bytes() + n <= limit`` or nothing is in flight
+# (a collective larger than the budget then goes alone). Nothing is reordered or skipped: the waits
+# are on collectives already issued, whose completion needs no later collective from any rank, so
+# ranks may even use different budgets without a hang. Results keep their first-use step (a divide,
+# a copy out), which still runs at their first use. The sharded runtime's ``max_inflight_bytes``
+# applies on top, to its own collectives. Off (None) by default: one check per collective.
+_max_inflight_bytes: Optional[int] = None
+
+
+def set_max_inflight_bytes(limit: Optional[int]) -> Optional[int]:
+    """Cap the bytes of collectives in flight in this process (an int >= 1; ``None``: no cap, the
+    default); returns the previous cap. Applies to collectives issued from now on. Raises
+    ``TypeError`` / ``ValueError`` naming ``limit`` before changing anything. See
+    [Note: the process-wide in-flight budget]."""
+    global _max_inflight_bytes
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+        raise TypeError(f"set_max_inflight_bytes: limit must be None (no cap) or an int number of bytes >= 1, "
+                        f"got {type(limit).__name__} {limit!r}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"set_max_inflight_bytes: limit must be None (no cap) or an int number of bytes >= 1, "
+                         f"got {limit!r}")
+    previous, _max_inflight_bytes = _max_inflight_bytes, limit
+    return previous
+
+
+def max_inflight_bytes() -> Optional[int]:
+    """The process-wide cap set by :func:`set_max_inflight_bytes` (None: no cap)."""
+    return _max_inflight_bytes
+
+
+def make_room(nbytes: int) -> None:
+    """Before issuing a collective of ``nbytes``: wait on the host for the oldest collectives in
+    flight until it fits the process-wide budget (no-op without one). Raises what their waits raise
+    (``CollectiveError``, ``CollectiveTimeoutError``), before anything is issued."""
+    limit = _max_inflight_bytes
+    if limit is None:
+        return
+    sweep()
+    while _inflight and inflight_bytes() + nbytes > limit:
+        _inflight[0].synchronize()  # releases it: it leaves _inflight
 
 
 # ----------------------------------------------------------------------------- timeouts and failures
@@ -213,24 +333,72 @@ _timeout_override: Optional[datetime.timedelta] = None
 _group_timeouts: dict[str, tuple[object, datetime.timedelta]] = {}  # name -> (process group, its timeout)
 
 
+# torch's waits take whole milliseconds (less reaches them as 0: "no timeout"); the upper end keeps the
+# conversion to C++ durations in range.
+MIN_WAIT_TIMEOUT_S = 1e-3
+MAX_WAIT_TIMEOUT_S = 1e9
+_TIMEOUT_ALLOWED = (f"None, a number of seconds or a datetime.timedelta, from {MIN_WAIT_TIMEOUT_S:g} s (1 ms) "
+                    f"to {MAX_WAIT_TIMEOUT_S:g} s")
+
+
+def _timeout_seconds(timeout: object) -> float:
+    """``timeout`` (a real number of seconds or a timedelta) in seconds; raises naming what was passed."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (numbers.Real, datetime.timedelta)):
+        raise TypeError(f"set_wait_timeout: timeout must be {_TIMEOUT_ALLOWED}; got {type(timeout).__name__} "
+                        f"{timeout!r}")
+    try:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    except OverflowError:
+        seconds = math.inf
+    if not (math.isfinite(seconds) and MIN_WAIT_TIMEOUT_S <= seconds <= MAX_WAIT_TIMEOUT_S):
+        raise ValueError(f"set_wait_timeout: timeout must be {_TIMEOUT_ALLOWED}; got {timeout!r}")
+    return seconds
+
+
 def set_wait_timeout(timeout: "float | datetime.timedelta | None") -> Optional[datetime.timedelta]:
-    """Bound every blocking wait by ``timeout`` (seconds or a timedelta, > 0); ``None``: each process
-    group's own timeout (the default). Returns the previous override. See [Note: wait timeouts]."""
+    """Bound every blocking wait by ``timeout`` (seconds or a timedelta, 1 ms to 1e9 s); ``None``: each
+    process group's own timeout (the default). Returns the previous override. Raises ``TypeError`` /
+    ``ValueError`` naming the value passed, before changing anything. See [Note: wait timeouts]."""
     global _timeout_override
+    value: Optional[datetime.timedelta] = None
     if timeout is not None:
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = datetime.timedelta(seconds=timeout)
-        if not isinstance(timeout, datetime.timedelta) or not timeout > datetime.timedelta(0):
-            raise ValueError(f"set_wait_timeout: timeout must be None, a number of seconds > 0 or a timedelta > 0, "
-                             f"got {timeout!r}")
-    previous, _timeout_override = _timeout_override, timeout
+        seconds = _timeout_seconds(timeout)
+        value = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=seconds)
+    previous, _timeout_override = _timeout_override, value
     return previous
 
 
 def wait_timeout(group: str = "", device_type: str = "cpu") -> datetime.timedelta:
-    """How long a wait on a collective of ``group`` (a process group name; default WORLD) may block."""
+    """How long a wait on a collective of ``group`` (a process group's name, ``ProcessGroup.group_name``;
+    '' for WORLD) may block: the override of :func:`set_wait_timeout`, else the group's own timeout
+    (torch's default one when no default group exists).
+
+    Raises ``TypeError`` for a ``group`` or ``device_type`` that is not a str, ``ValueError`` for a
+    name no live process group has, or a ``device_type`` that names no device type.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
     if not isinstance(group, str):
         raise TypeError(f"wait_timeout: group must be a process group name (str; '' for WORLD), got {type(group).__name__}")
+    if not isinstance(device_type, str):
+        raise TypeError(f"wait_timeout: device_type must be a device type name such as 'cpu' or 'cuda', got "
+                        f"{type(device_type).__name__}")
+    try:
+        torch.device(device_type)
+    except RuntimeError:
+        raise ValueError(f"wait_timeout: device_type must be a device type name such as 'cpu' or 'cuda', got "
+                         f"{device_type!r}") from None
+    if group:
+        try:
+            c10d._resolve_process_group(group)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"wait_timeout: group {group!r} is not the name of a live process group; pass '' "
+                             f"(WORLD) or a ProcessGroup's group_name") from None
+    return _timeout_for(group, device_type)
+
+
+def _timeout_for(group: str, device_type: str = "cpu") -> datetime.timedelta:
+    """:func:`wait_timeout` without the argument checks; a destroyed group gets torch's default."""
     if _timeout_override is not None:
         return _timeout_override
     from torch.distributed import distributed_c10d as c10d
@@ -270,7 +438,7 @@ def collective_failure(what: str, timeout: datetime.timedelta, cause: Optional[B
 
 
 def _host_wait(work: InflightWork, handle: dist.Work) -> None:
-    timeout = wait_timeout(work.group)
+    timeout = _timeout_for(work.group)
     try:
         finished = handle.wait(timeout)
     except RuntimeError as e:

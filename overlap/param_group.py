@@ -105,6 +105,7 @@ class PendingReduce:
     rs_output: torch.Tensor
     indices: tuple[int, ...]
     layout: ShardLayout
+    post_scale: Optional[float]  # applied by the copy-out (None: the average is already taken)
 
 
 class ParamGroup:
@@ -270,14 +271,16 @@ class ParamGroup:
         self.issue_gather()
         pending, self.pending_gather = self.pending_gather, None
         assert pending is not None
-        if pending.work is not None:
-            pending.work.wait()
         outs = self._unsharded_params()
-        with region("overlap::all_gather_copy_out"), torch.no_grad():
-            for u in outs:
-                u.untyped_storage().resize_(u.numel() * u.element_size())
-            with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
-                unchecked.all_gather_copy_out(pending.ag_output, self.layout, outs)
+
+        def copy_out() -> None:
+            with region("overlap::all_gather_copy_out"), torch.no_grad():
+                for u in outs:
+                    u.untyped_storage().resize_(u.numel() * u.element_size())
+                with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+                    unchecked.all_gather_copy_out(pending.ag_output, self.layout, outs)
+
+        _wait_then(pending.work, copy_out)
         self.is_unsharded = True
 
     def reshard(self) -> None:
@@ -331,16 +334,16 @@ class ParamGroup:
         layout = self._reduce_layout(indices)
         dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads])
         with region("overlap::reduce_scatter_copy_in"), torch.no_grad():
-            rs_input = unchecked.reduce_scatter_copy_in(grads, layout, None, dtype)
+            pre_scale, post_scale = _average_scales(dtype, self.world_size)
+            rs_input = unchecked.reduce_scatter_copy_in(grads, layout, pre_scale, dtype)
         if self.world_size == 1:
-            return PendingReduce(None, rs_input, indices, layout)
+            return PendingReduce(None, rs_input, indices, layout, None)
         rs_output = torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device)
-        return PendingReduce(reduce_scatter_into(rs_output, rs_input, self.info), rs_output, indices, layout)
+        return PendingReduce(reduce_scatter_into(rs_output, rs_input, self.info), rs_output, indices, layout,
+                             post_scale)
 
     def finish_reduce(self, pending: PendingReduce) -> None:
         """Wait for the reduce-scatter; average, cast and add the result into the sharded ``.grad``s."""
-        if pending.work is not None:
-            pending.work.wait()
         targets = [self.sharded[i] for i in pending.indices]
         accumulate = any(p.grad is not None for p in targets)
         for p in targets:
@@ -348,12 +351,17 @@ class ParamGroup:
                 local = p._local_tensor  # type: ignore[attr-defined]
                 grad = torch.zeros_like(local) if accumulate else torch.empty_like(local)
                 p.grad = DTensor(grad, p._spec, requires_grad=False)  # type: ignore[attr-defined]
-        scale = 1.0 / self.world_size if self.world_size > 1 else None
-        with region("overlap::reduce_scatter_copy_out"), torch.no_grad():
-            unchecked.reduce_scatter_copy_out(
-                pending.rs_output, [self.local_grad_rows(p, self.rank) for p in targets], pending.layout,
-                self.rank, scale, accumulate
-            )
+        scale = pending.post_scale
+
+        def copy_out() -> None:
+            with region("overlap::reduce_scatter_copy_out"), torch.no_grad():
+                unchecked.reduce_scatter_copy_out(
+                    pending.rs_output, [self.local_grad_rows(p, self.rank) for p in targets], pending.layout,
+                    self.rank, scale, accumulate
+                )
+
+        _wait_then(pending.work, copy_out)
+        with torch.no_grad():
             self._broadcast_scalar_grads(pending.indices)
 
     def _broadcast_scalar_grads(self, indices: tuple[int, ...]) -> None:
@@ -381,6 +389,33 @@ class ParamGroup:
                     s.grad = DTensor(grad, s._spec, requires_grad=False)  # type: ignore[attr-defined]
                 else:
                     s.grad._local_tensor += grad  # type: ignore[union-attr]
+
+
+def _average_scales(reduce_dtype: torch.dtype, world_size: int) -> tuple[Optional[float], Optional[float]]:
+    """(pre_scale, post_scale) that turn the reduce-scatter's sum into the average over ranks.
+
+    [Note: fp16 gradients are averaged before they are summed]
+    fp16's largest value is 65504: the sum over ranks of gradients whose average fits can overflow
+    to inf. In fp16 each rank's gradient is scaled by ``1/w`` in the copy-in, so the collective sums
+    values that are already averaged and no partial sum exceeds the largest input (FSDP2's split
+    into ``sqrt(w)`` before and after still overflows at 4 ranks). Other dtypes sum, then scale by
+    ``1/w`` in the copy-out, bitwise as FSDP2 does in fp32 (bf16 shares fp32's range).
+    """
+    if world_size == 1:
+        return None, None
+    if reduce_dtype == torch.float16:
+        return 1.0 / world_size, None
+    return None, 1.0 / world_size
+
+
+def _wait_then(work: Optional[InflightWork], copy_out: Callable[[], None]) -> None:
+    """Wait for ``work`` (None: nothing in flight) and run ``copy_out``, its reads of the collective's
+    buffers, inside the wait, so the buffers outlive them on any stream (see [Note: cross-stream
+    buffer lifetime] in ``overlap/inflight_work.py``)."""
+    if work is None:
+        copy_out()
+    else:
+        work.wait(then=copy_out)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

@@ -28,6 +28,21 @@ prefetching; reduce-scatters go out in the reverse order of each group's first f
 step, a ready group waiting for the groups before it. Waiting to respect ``max_inflight_bytes`` only
 delays a collective, it never reorders or skips one.
 
+[Note: a group is reduced when its backward is done]
+A group's reduce-scatter may go out once its gradients are complete, and the reduce-scatters of
+all groups go out in one fixed order (above). Two signals say "complete": every parameter that
+needs a gradient got one (counted in the parameters' post-accumulate hooks), or backward has passed
+every forward call of the module this step (hooks on the gradients of the call's inputs; the engine
+runs a tensor's gradient hooks only after all its consumers ran, and it accumulates a parameter's
+gradient as soon as the op that makes it has run). The second one fires on every rank at the same
+place, also where a parameter got no gradient on some ranks only (a routed expert, a data-dependent
+branch): such a parameter contributes zeros, as with DDP's ``find_unused_parameters``. Where both
+fire, the counted one fires first, and nothing issues a collective between the two: the output
+pre-backward hooks, which prefetch, are node pre-hooks and run after the tensor hooks of the same
+gradient. So the sequence of collectives is the same on every rank. A call that cannot be watched
+(no input needs a gradient, e.g. token ids, or an input is a leaf) leaves only the count and the
+end-of-backward flush for that group in that step.
+
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order with ``all_gather_object`` in the first step,
 and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
@@ -116,6 +131,13 @@ class ShardState:
         self.sync_grads = True
         self.serialize_comm = False  # set by no_overlap() on the root
         self._backward_seen = -1  # the backward pass (root counter) whose pre-backward ran here
+        self.reset_backward_tracking()
+
+    def reset_backward_tracking(self) -> None:
+        """Forget this step's forward calls (see [Note: a group is reduced when its backward is done])."""
+        self.forward_calls = 0  # forward calls this step whose backward can be seen through inputs
+        self.backward_passes = 0  # of those, how many backward has passed through
+        self.untracked = False  # a call whose backward cannot be seen: only gradient counting applies
 
     # ------------------------------------------------------------------ hooks
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -132,6 +154,8 @@ class ShardState:
                 root.begin_forward()
             with region("overlap::pre_forward"):
                 root.on_pre_forward(self)
+                if self.group is not None and torch.is_grad_enabled():
+                    self._watch_inputs((args, kwargs))
         if self.mp.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
         return args, kwargs
@@ -157,13 +181,41 @@ class ShardState:
                     output = _cast_floating(output, self.mp.output_dtype)
         return output
 
+    def _watch_inputs(self, inputs: Any) -> None:
+        """Learn when backward has passed this call: when the gradients of all its inputs that need
+        one are complete. Leaf inputs cannot tell (their hooks run among the parameters' gradient
+        accumulations), nor can a call without such inputs: the step is then ``untracked``."""
+        tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors or any(t.grad_fn is None for t in tensors):
+            self.untracked = True
+            return
+        self.forward_calls += 1
+        remaining = [len(tensors)]
+
+        def on_input_grad(grad: torch.Tensor) -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                self.backward_passes += 1
+                root = self.root
+                if root is not None:
+                    root.on_module_backward_done(self)
+
+        for t in tensors:
+            t.register_hook(on_input_grad)
+
     def _hook_outputs(self, output: Any) -> None:
-        def pre_backward(grad: torch.Tensor) -> None:
+        def pre_backward(*_: Any) -> None:
             self.pre_backward()
 
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(pre_backward)
+                if t.grad_fn is not None:
+                    # A node pre-hook runs after the tensor hooks of the same gradient, so a group
+                    # whose backward ends here is reduced before the next prefetch is issued
+                    # (see [Note: a group is reduced when its backward is done]).
+                    t.grad_fn.register_prehook(pre_backward)
+                else:
+                    t.register_hook(pre_backward)
 
     def pre_backward(self) -> None:
         root = self.root
@@ -233,6 +285,8 @@ class _Root:
         if self.in_backward or any(s.group is not None and s.group.is_unsharded for s in self.states if s is not self.owner):
             self._finish_step()  # the last forward had no backward (or it was cut short)
         self.in_forward = True
+        for state in self.states:
+            state.reset_backward_tracking()
         self.forward_seq = []
         self.post_forward_seq = []
         self._on_script = True
@@ -331,6 +385,14 @@ class _Root:
             first_use.setdefault(index, pos)
         self._reduce_order = sorted(first_use, key=lambda i: -first_use[i])
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def on_module_backward_done(self, state: ShardState) -> None:
+        """Backward has passed one forward call of ``state``'s module; after the last one its group is
+        complete, whichever of its parameters got gradients on this rank."""
+        if (self.in_backward and not state.untracked and state.backward_passes >= state.forward_calls
+                and state.index not in self._done):
+            self._ready.add(state.index)
+            self._flush_reduces(final=False)
 
     def on_grad_ready(self, state: ShardState) -> None:
         """A gradient of ``state``'s group was accumulated; reduce the group once all of them are."""

@@ -1,4 +1,4 @@
-"""Communication streams, one per (device, purpose).
+"""Communication streams, one per (device, purpose), and the checks that keep stream use correct.
 
 [Note: one stream per purpose]
 All-gathers run on their own stream so that a backward reduce-scatter queued behind compute never
@@ -6,12 +6,33 @@ delays the next all-gather (the prefetch that forward and backward depend on); r
 second stream, and every other collective a third. Streams are created with high priority so that
 communication kernels are scheduled ahead of compute kernels when both are ready, as FSDP2 does.
 Every collective's stream first waits for the issuing (current) stream, so the data it reads is ready.
+
+[Note: no collectives in CUDA graph capture]
+An issued collective records an event on its comm stream, sweeps query earlier events, a first use
+makes the consumer's stream wait on an event recorded before the capture began (a dependency that
+crosses the capture boundary: CUDA rejects it), and ``synchronize`` blocks the host. None of this
+can be captured into a CUDA graph or replayed by one, so every such step checks
+``check_not_capturing`` first and raises ``StreamCaptureError`` naming what to do instead.
+
+[Note: one device per rank]
+NCCL runs a rank's collectives on one device, the one ``torch.cuda.set_device`` made current.
+``check_device`` raises before issuing unless the tensor's device is the current device and, when the
+rank's device is known (``init_process_group(device_id=...)``, or torchrun's ``LOCAL_RANK`` with
+several devices visible), that device too. Without it, ranks that forgot ``set_device`` all use
+``cuda:0`` and NCCL hangs or fails far from the cause.
+
+Concurrency: call from the thread that issues and waits (the caller's, or autograd's for hooks);
+the stream table is filled once per (device, purpose).
 """
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
 
-__all__ = ["comm_stream", "STREAM_PURPOSES"]
+__all__ = ["comm_stream", "STREAM_PURPOSES", "StreamCaptureError", "capturing", "capture_error",
+           "check_not_capturing", "check_device"]
 
 STREAM_PURPOSES = ("all_gather", "reduce_scatter", "other")
 _streams: dict[tuple[int, str], "torch.cuda.Stream"] = {}
@@ -28,3 +49,82 @@ def comm_stream(device: torch.device, purpose: str) -> "torch.cuda.Stream":
         stream = torch.cuda.Stream(device=index, priority=-1)
         _streams[key] = stream
     return stream
+
+
+# ----------------------------------------------------------------------------- CUDA graph capture
+
+
+class StreamCaptureError(RuntimeError):
+    """An overlap collective was issued or waited while a CUDA graph is being captured."""
+
+
+CAPTURE_INSTEAD = (
+    "issue and wait overlap's collectives outside the captured region (e.g. overlap.wait_all() before "
+    "torch.cuda.graph(...) starts), and inside it call torch.distributed's collectives directly (NCCL "
+    "collectives are capturable)"
+)
+
+
+def capturing() -> bool:
+    """Is a CUDA graph being captured on the current stream? False, without touching CUDA, when CUDA
+    was never initialized in this process (e.g. on a CPU-only build)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def capture_error(what: str) -> StreamCaptureError:
+    """The error for ``what`` (``overlap.all_gather issued``) done during CUDA graph capture."""
+    return StreamCaptureError(
+        f"overlap: {what} during CUDA graph capture: its side-stream events, event queries and host waits "
+        f"cannot be captured or replayed. Instead, {CAPTURE_INSTEAD}."
+    )
+
+
+def check_not_capturing(what: str) -> None:
+    """Raise ``capture_error(what)`` if the current stream is capturing a CUDA graph.
+    See [Note: no collectives in CUDA graph capture]."""
+    if capturing():
+        raise capture_error(what)
+
+
+# ----------------------------------------------------------------------------- one device per rank
+
+
+def _rank_device(bound: Optional[torch.device]) -> Optional[int]:
+    """This rank's CUDA device index if known: the group's bound device, else torchrun's LOCAL_RANK
+    when several devices are visible (with one visible, each rank has its own already)."""
+    if bound is not None and bound.type == "cuda" and bound.index is not None:
+        return bound.index
+    local = os.environ.get("LOCAL_RANK", "")
+    if local.isdigit():
+        count = torch.cuda.device_count()
+        if count > 1 and int(local) < count:
+            return int(local)
+    return None
+
+
+def check_device(device: torch.device, what: str, bound: Optional[torch.device] = None) -> None:
+    """Raise ``RuntimeError`` unless CUDA ``device`` is the current device and this rank's device.
+
+    ``what`` names the collective; ``bound`` is the process group's ``bound_device_id`` (None when
+    ``init_process_group`` got no ``device_id``). See [Note: one device per rank].
+    """
+    current = torch.cuda.current_device()
+    index = device.index if device.index is not None else current
+    if index != current:
+        raise RuntimeError(
+            f"overlap: {what} got a tensor on cuda:{index} but the current CUDA device is cuda:{current}: "
+            f"NCCL runs each rank's collectives on the current device. Call torch.cuda.set_device(local_rank) "
+            f"at the start of each rank (before init_process_group) and keep its tensors on that device."
+        )
+    expected = _rank_device(bound)
+    if expected is not None and expected != current:
+        if bound is not None:
+            source, other = f"the process group is bound to cuda:{expected} (init_process_group(device_id=...))", ""
+        else:
+            source = f"this rank's LOCAL_RANK is {expected}"
+            other = (f" If this rank is meant to use cuda:{current}, say so: "
+                     f"init_process_group(..., device_id=torch.device('cuda', {current})).")
+        raise RuntimeError(
+            f"overlap: {what} runs on cuda:{current} but {source}: call torch.cuda.set_device({expected}) "
+            f"at the start of the rank, before init_process_group and its first collective.{other}"
+        )

@@ -10,7 +10,7 @@ from scheduler.replay import ScheduleMismatchError, Scheduler
 from scheduler.schedule import Schedule
 
 # The Inductor hook imports torch._inductor (~1 s), so it is loaded on first use.
-_INDUCTOR_HOOK_NAMES = ("OverlapGraphPass", "inductor_overlap", "install", "uninstall")
+_INDUCTOR_HOOK_NAMES = ("OverlapGraphPass", "compile_options", "inductor_overlap", "install", "uninstall")
 
 
 def __getattr__(name: str) -> Any:
@@ -28,6 +28,7 @@ __all__ = [
     "Schedule",
     "ScheduleMismatchError",
     "Scheduler",
+    "compile_options",
     "inductor_overlap",
     "install",
     "is_pending",

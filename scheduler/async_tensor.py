@@ -24,6 +24,18 @@ sees an override, and there is nothing left to pay.
 
 Escapes that bypass ``__torch_function__`` (C++ extensions and raw ``torch.distributed`` calls that
 take the tensor directly) must call :func:`wait_tensor` first.
+
+[Note: DLPack export]
+``torch.from_dlpack(y)`` and ``y.__dlpack__()`` go through ``__torch_function__`` and wait. The
+legacy ``torch.utils.dlpack.to_dlpack(y)`` (also ``torch.to_dlpack``) is ``torch._C._to_dlpack``,
+a C function that takes the tensor directly and would export unfinished data. Importing this module
+therefore replaces those two module attributes with :func:`to_dlpack`, which waits first and then
+calls torch's function (it stays for the process). A name bound earlier with ``from
+torch.utils.dlpack import to_dlpack`` keeps torch's function: call :func:`wait_tensor` first there.
+Newer torch also offers DLPack's C exchange API (``type(t).__dlpack_c_exchange_api__``, a capsule
+of C functions that export without calling Python): ``AsyncTensor`` hides it (looking it up raises
+``AttributeError``), so a consumer falls back to ``__dlpack__``, which waits; once waited, the
+object is a plain tensor and has torch's.
 """
 from __future__ import annotations
 
@@ -32,7 +44,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["AsyncTensor", "Completion", "WaitObserver", "wait_tensor", "is_pending", "set_observer"]
+__all__ = ["AsyncTensor", "Completion", "WaitObserver", "wait_tensor", "is_pending", "set_observer", "to_dlpack"]
 
 
 class Completion(Protocol):
@@ -98,6 +110,18 @@ def set_observer(observer: Optional[WaitObserver]) -> Optional[WaitObserver]:
     return previous
 
 
+class _HiddenFromPendingTensors:
+    """A class attribute that pending tensors do not have: looking it up raises ``AttributeError``
+    (see [Note: DLPack export])."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, obj: object, owner: Optional[type] = None) -> Any:
+        raise AttributeError(f"a pending AsyncTensor has no {self._name}: it exports through __dlpack__, "
+                             f"which waits for the collective first")
+
+
 class AsyncTensor(torch.Tensor):
     """A tensor whose data is being produced by a collective; waits at its first use.
 
@@ -106,6 +130,8 @@ class AsyncTensor(torch.Tensor):
     """
 
     _overlap_completion: Completion
+    if hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):  # DLPack's C exchange API (newer torch)
+        __dlpack_c_exchange_api__ = _HiddenFromPendingTensors()
 
     @staticmethod
     def wrap(result: torch.Tensor, completion: Completion, kind: str = "collective", group: str = "") -> "AsyncTensor":
@@ -162,3 +188,28 @@ def wait_tensor(t: Any) -> Any:
         if type(leaf) is AsyncTensor:
             leaf._overlap_wait()
     return t
+
+
+_torch_to_dlpack = torch._C._to_dlpack
+
+
+def to_dlpack(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.dlpack.to_dlpack`` that waits for a pending AsyncTensor first (see [Note: DLPack
+    export]); returns torch's DLPack capsule, sharing the tensor's memory. Other arguments go to
+    torch's function unchanged."""
+    if type(tensor) is AsyncTensor:
+        tensor._overlap_wait()
+    return _torch_to_dlpack(tensor, *args, **kwargs)
+
+
+def _patch_to_dlpack() -> None:
+    """Point ``torch.utils.dlpack.to_dlpack`` and ``torch.to_dlpack`` at :func:`to_dlpack` where they
+    still hold torch's own function (a replacement made by someone else is left alone)."""
+    import torch.utils.dlpack as dlpack
+
+    for module in (dlpack, torch):
+        if getattr(module, "to_dlpack", None) is _torch_to_dlpack:
+            module.to_dlpack = to_dlpack
+
+
+_patch_to_dlpack()

@@ -15,6 +15,18 @@ that pass on its own.
 
 The config is process-global and not thread-safe; install from one thread, before compiling.
 
+[Note: torch.compile inside the block]
+``torch.compile`` is lazy: ``with inductor_overlap(): step = torch.compile(train_step)`` compiles at
+``step``'s first call, usually after the block, when the config is back to what it was. So while an
+install is active, ``torch.compile`` (the attribute of the ``torch`` module) is wrapped: an Inductor
+compile requested then gets the pass through ``options`` (:func:`compile_options`), which Inductor
+applies to every graph that function compiles, whenever it compiles it: the forward, the backward
+compiled lazily at the first ``backward()``, and recompiles, inside the block or after it. A ``mode``
+is turned into its options (``torch.compile`` takes one or the other); options the call gives
+itself win, and a ``post_grad_custom_post_pass`` among them runs before the overlap pass. Other
+backends are left alone. The wrapper is removed when the last install is undone. Not covered: a name
+bound with ``from torch import compile`` before the install (pass ``options=compile_options()``).
+
 [Note: Inductor's peak-memory reorder]
 After lowering, Inductor's scheduler runs ``reorder_for_peak_memory`` (on by default): it tries a
 few topological orders and keeps the one with the lowest estimated peak memory. An overlapped order
@@ -29,10 +41,12 @@ memory matters more than overlap.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
 import logging
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -44,7 +58,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from scheduler import bucketing as _bucketing
 from scheduler import graph_pass as _graph_pass
 
-__all__ = ["OverlapGraphPass", "inductor_overlap", "install", "uninstall"]
+__all__ = ["OverlapGraphPass", "compile_options", "inductor_overlap", "install", "uninstall"]
 
 logger = logging.getLogger("scheduler")
 
@@ -115,6 +129,35 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
                 f"previous={self.previous!r})")
 
 
+def _pass_options(graph_pass: OverlapGraphPass, keep_peak_memory_reorder: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {"post_grad_custom_post_pass": graph_pass}
+    if not keep_peak_memory_reorder:
+        options["reorder_for_peak_memory"] = False  # see [Note: Inductor's peak-memory reorder]
+    return options
+
+
+def compile_options(
+    max_inflight_bytes: Optional[int] = None, *, keep_peak_memory_reorder: bool = False,
+    bucket_bytes: Optional[int] = None,
+) -> dict[str, Any]:
+    """``torch.compile`` options that run the overlap pass on what that one call compiles, whenever it
+    compiles: ``torch.compile(train_step, options=scheduler.compile_options())``.
+
+    Arguments as for :func:`install`; the pass set in Inductor's config now (if any) runs first. The
+    config is not touched. Raises ``TypeError`` / ``ValueError`` naming a bad argument.
+    """
+    _check_keep(keep_peak_memory_reorder)
+    graph_pass = OverlapGraphPass(max_inflight_bytes, inductor_config.post_grad_custom_post_pass, bucket_bytes)
+    return _pass_options(graph_pass, keep_peak_memory_reorder)
+
+
+def _check_keep(keep_peak_memory_reorder: object) -> None:
+    if not isinstance(keep_peak_memory_reorder, bool):
+        raise TypeError(
+            f"keep_peak_memory_reorder must be a bool, got {type(keep_peak_memory_reorder).__name__}"
+        )
+
+
 @dataclass(frozen=True)
 class _Installed:
     """One :func:`install`: the pass it set and the config values it replaced."""
@@ -122,9 +165,70 @@ class _Installed:
     graph_pass: OverlapGraphPass
     previous_pass: Any
     previous_peak_memory: Optional[bool]  # None: left alone
+    keep_peak_memory_reorder: bool
 
 
 _installed: list[_Installed] = []  # latest last
+_torch_compile: Optional[Callable[..., Any]] = None  # torch's own, while ours is in place
+
+
+def _with_pass(entry: _Installed, bound: inspect.BoundArguments) -> None:
+    """Add ``entry``'s pass to a ``torch.compile`` call's arguments (see [Note: torch.compile inside
+    the block]); leaves calls for other backends, and calls that already carry one, as they are."""
+    backend = bound.arguments.get("backend")
+    if backend is None:
+        try:
+            from torch._dynamo.backends.registry import get_default_backend
+        except ImportError:  # torch before the configurable default backend: it is Inductor
+            backend = "inductor"
+        else:
+            backend = get_default_backend()
+    if backend != "inductor":
+        return
+    options = dict(bound.arguments.get("options") or {})
+    user_pass = options.get("post_grad_custom_post_pass")
+    if isinstance(user_pass, OverlapGraphPass):
+        return  # already ours (torch.compile's decorator form calls torch.compile again)
+    mode = bound.arguments.get("mode")
+    if mode not in (None, "default"):
+        from torch._inductor import list_mode_options
+
+        options = {**list_mode_options(mode, bound.arguments.get("dynamic")), **options}
+        bound.arguments["mode"] = None
+    graph_pass = entry.graph_pass if user_pass is None else OverlapGraphPass(
+        entry.graph_pass.max_inflight_bytes, user_pass, entry.graph_pass.bucket_bytes)
+    bound.arguments["options"] = {**_pass_options(graph_pass, entry.keep_peak_memory_reorder), **options,
+                                  "post_grad_custom_post_pass": graph_pass}
+
+
+def _wrap_torch_compile() -> None:
+    """Put a ``torch.compile`` that adds the latest install's pass in place (once, at the first install)."""
+    global _torch_compile
+    if _torch_compile is not None:
+        return
+    original = torch.compile
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compile_with_overlap_pass(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        if _installed:
+            _with_pass(_installed[-1], bound)
+        return original(*bound.args, **bound.kwargs)
+
+    _torch_compile = original
+    torch.compile = compile_with_overlap_pass
+
+
+def _unwrap_torch_compile() -> None:
+    """Put torch's own ``torch.compile`` back (after the last uninstall)."""
+    global _torch_compile
+    if _torch_compile is None:
+        return
+    if getattr(torch.compile, "__wrapped__", None) is not _torch_compile:
+        logger.warning("torch.compile was replaced while the overlap pass was installed; restoring torch's anyway")
+    torch.compile = _torch_compile
+    _torch_compile = None
 
 
 def install(
@@ -135,12 +239,11 @@ def install(
 
     The pass already set there (if any) is kept and runs first. Unless
     ``keep_peak_memory_reorder``, also turns ``reorder_for_peak_memory`` off (see
-    [Note: Inductor's peak-memory reorder]). Undo with :func:`uninstall`.
+    [Note: Inductor's peak-memory reorder]). Until the matching :func:`uninstall`, functions given
+    to ``torch.compile`` carry the pass wherever they compile (see [Note: torch.compile inside the
+    block]). Raises ``TypeError`` / ``ValueError`` naming a bad argument, before changing anything.
     """
-    if not isinstance(keep_peak_memory_reorder, bool):
-        raise TypeError(
-            f"keep_peak_memory_reorder must be a bool, got {type(keep_peak_memory_reorder).__name__}"
-        )
+    _check_keep(keep_peak_memory_reorder)
     previous = inductor_config.post_grad_custom_post_pass
     p = OverlapGraphPass(max_inflight_bytes, previous, bucket_bytes)
     previous_peak: Optional[bool] = None
@@ -148,7 +251,8 @@ def install(
         previous_peak = inductor_config.reorder_for_peak_memory
         inductor_config.reorder_for_peak_memory = False
     inductor_config.post_grad_custom_post_pass = p
-    _installed.append(_Installed(p, previous, previous_peak))
+    _installed.append(_Installed(p, previous, previous_peak, keep_peak_memory_reorder))
+    _wrap_torch_compile()
     return p
 
 
@@ -169,6 +273,8 @@ def uninstall() -> None:
     inductor_config.post_grad_custom_post_pass = entry.previous_pass
     if entry.previous_peak_memory is not None:
         inductor_config.reorder_for_peak_memory = entry.previous_peak_memory
+    if not _installed:
+        _unwrap_torch_compile()
 
 
 @contextlib.contextmanager
@@ -178,8 +284,15 @@ def inductor_overlap(
 ) -> Iterator[OverlapGraphPass]:
     """Within the block, graphs compiled by Inductor get the overlap pass; yields the pass.
 
-    Arguments as for :func:`install`. Graphs compiled (not merely run) inside the block are
-    affected; the previous config is restored on exit, also on error.
+    Arguments as for :func:`install`. Affected: graphs compiled inside the block, and everything a
+    function given to ``torch.compile`` inside the block compiles, also after it (see [Note:
+    torch.compile inside the block])::
+
+        with scheduler.inductor_overlap():
+            step = torch.compile(train_step)
+        step(batch)  # compiles here, with the pass
+
+    The previous config (and ``torch.compile``) is restored on exit, also on error.
     """
     p = install(max_inflight_bytes, keep_peak_memory_reorder=keep_peak_memory_reorder, bucket_bytes=bucket_bytes)
     try:

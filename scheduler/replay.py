@@ -30,7 +30,8 @@ Contracts:
   naming, per rank, the first collective on which they differ. Whether the next step records again
   is decided by all ranks together (one small all-reduce per step when ``group`` has more than one
   rank), so ranks never disagree on when the agreement collective runs.
-* ``verify`` (or ``OVERLAP_VERIFY=1``): replay steps also count ops, and raise, naming the op and the
+* ``verify`` (or ``OVERLAP_VERIFY=1``, read when the scheduler is built; see ``scheduler.env_flags``
+  for the values allowed): replay steps also count ops, and raise, naming the op and the
   collective, when a result is first used somewhere other than where it was recorded or a point is
   reached after a different number of ops: what a schedule trusted blindly would get wrong.
 
@@ -39,7 +40,6 @@ Not thread-safe: one step at a time per process (a second ``step()`` inside the 
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
@@ -51,18 +51,26 @@ from torch.utils._pytree import tree_flatten
 
 from scheduler import async_tensor
 from scheduler.async_tensor import AsyncTensor
+from scheduler.env_flags import env_flag
 from scheduler.schedule import OpRef, Point, Schedule, ScheduledCollective, first_difference
 
-__all__ = ["Scheduler", "ScheduleMismatchError", "verify_from_env"]
+__all__ = ["Scheduler", "ScheduleMismatchError", "VERIFY_ENV", "verify_from_env"]
 
 
 class ScheduleMismatchError(RuntimeError):
     """Ranks recorded different collectives, or (verify mode) a step left its schedule."""
 
 
+VERIFY_ENV = "OVERLAP_VERIFY"
+
+
 def verify_from_env() -> bool:
-    """``OVERLAP_VERIFY=1`` turns verify mode on for schedulers built without ``verify=``."""
-    return os.environ.get("OVERLAP_VERIFY", "0") not in ("", "0", "false", "False")
+    """``OVERLAP_VERIFY`` (read now): on turns verify mode on for schedulers built without ``verify=``.
+
+    Parsed by :func:`scheduler.env_flags.env_flag` (1/true/yes/on, 0/false/no/off/empty, unset: off);
+    any other value raises ``scheduler.env_flags.EnvFlagError`` naming the variable.
+    """
+    return env_flag(VERIFY_ENV)
 
 
 class _OpCounter(TorchDispatchMode):

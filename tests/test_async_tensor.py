@@ -51,6 +51,11 @@ CONSUMERS = {
     "sum": lambda t: t.sum().expand(1) * 0 + t.sum(),
     "clone": lambda t: t.clone(),
     "data_ptr": lambda t: (t.data_ptr(), t)[1] + 0,
+    # DLPack: the protocol method goes through __torch_function__; the legacy C function does not and
+    # is patched by scheduler.async_tensor (see [Note: DLPack export]).
+    "from_dlpack": lambda t: torch.from_dlpack(t).clone(),
+    "utils_to_dlpack": lambda t: torch.from_dlpack(torch.utils.dlpack.to_dlpack(t)).clone(),
+    "torch_to_dlpack": lambda t: torch.from_dlpack(torch.to_dlpack(t)).clone(),
 }
 
 
@@ -124,3 +129,24 @@ def test_op_after_wait_is_a_plain_tensor_op() -> None:
     wait_tensor(t)
     assert type(t) is torch.Tensor
     assert type(t + 1) is torch.Tensor and type(t.view(-1)) is torch.Tensor
+
+
+def test_dlpack_patch_keeps_torch_behaviour_for_plain_tensors() -> None:
+    plain = torch.arange(6.0)
+    for export in (torch.utils.dlpack.to_dlpack, torch.to_dlpack):
+        shared = torch.from_dlpack(export(plain))
+        assert shared.data_ptr() == plain.data_ptr() and torch.equal(shared, plain), "the capsule shares memory"
+    with pytest.raises(TypeError):
+        torch.utils.dlpack.to_dlpack("not a tensor")  # torch's own error, unchanged
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
+                    reason="this torch has no DLPack C exchange API")
+def test_dlpack_c_exchange_api_is_hidden_until_the_wait() -> None:
+    """A consumer of DLPack's C exchange API looks it up on the type and would export without calling
+    Python; on a pending tensor the lookup fails, so it falls back to ``__dlpack__``, which waits."""
+    t, completion = _pending()
+    assert not hasattr(type(t), "__dlpack_c_exchange_api__") and not hasattr(t, "__dlpack_c_exchange_api__")
+    assert completion.waits == 0, "looking it up does not wait"
+    wait_tensor(t)
+    assert type(t).__dlpack_c_exchange_api__ is torch.Tensor.__dlpack_c_exchange_api__

@@ -236,6 +236,10 @@ MATRIX: dict[str, Bad] = {
                        "already sharded (shard() was called on it before)"),
     "wrap layer not a module": Bad(lambda e: overlap.wrap("linear"), TypeError, "layer", "torch.nn.Module"),
     "wrap bad option": Bad(lambda e: overlap.wrap(e.model, prefetch=-1), ValueError, "prefetch", "int >= 0"),
+    "exclude_from_ddp model not a module": Bad(lambda e: overlap.exclude_from_ddp([e.model]), TypeError, "model",
+                                               "torch.nn.Module"),
+    "exclude_from_ddp nothing sharded": Bad(lambda e: overlap.exclude_from_ddp(e.model), ValueError, "exclude_from_ddp",
+                                            "overlap.wrap / overlap.shard"),
     "Wrapped module not a module": Bad(lambda e: overlap.Wrapped("linear"), TypeError, "module", "torch.nn.Module"),
     "no_sync module not a module": Bad(lambda e: _enter(overlap.no_sync("model")), TypeError, "module",
                                        "torch.nn.Module sharded by overlap.shard"),
@@ -274,9 +278,19 @@ MATRIX: dict[str, Bad] = {
     "set_debug on not a bool": Bad(lambda e: overlap.set_debug("yes"), TypeError, "on", "True, False or None"),
     "debug on not a bool": Bad(lambda e: _enter(overlap.debug(1)), TypeError, "on", "True, False or None"),
     "set_wait_timeout negative": Bad(lambda e: overlap.set_wait_timeout(-1.0), ValueError, "timeout",
-                                     "None, a number of seconds > 0 or a timedelta > 0"),
+                                     "a number of seconds or a datetime.timedelta, from 0.001 s (1 ms) to 1e+09 s"),
+    "set_wait_timeout nan": Bad(lambda e: overlap.set_wait_timeout(float("nan")), ValueError, "got nan",
+                                "a number of seconds or a datetime.timedelta, from 0.001 s (1 ms) to 1e+09 s"),
+    "set_wait_timeout a str": Bad(lambda e: overlap.set_wait_timeout("5"), TypeError, "timeout",
+                                  "a number of seconds or a datetime.timedelta"),
     "wait_timeout group not a name": Bad(lambda e: overlap.wait_timeout(dist.group.WORLD), TypeError, "group",
                                          "process group name (str; '' for WORLD)"),
+    "wait_timeout unknown group": Bad(lambda e: overlap.wait_timeout("nope"), ValueError, "group 'nope'",
+                                      "'' (WORLD) or a ProcessGroup's group_name"),
+    "set_max_inflight_bytes zero": Bad(lambda e: overlap.inflight_work.set_max_inflight_bytes(0), ValueError,
+                                       "limit", "None (no cap) or an int number of bytes >= 1"),
+    "set_max_inflight_bytes a float": Bad(lambda e: overlap.inflight_work.set_max_inflight_bytes(1.5), TypeError,
+                                          "limit", "None (no cap) or an int number of bytes >= 1"),
     # kernels ---------------------------------------------------------------------------------------
     "ShardLayout world_size zero": Bad(lambda e: ShardLayout(LAYOUT_SHAPES, 0), ValueError, "world_size", "int >= 1"),
     "ShardLayout world_size a float": Bad(lambda e: ShardLayout(LAYOUT_SHAPES, 2.0), TypeError, "world_size",
@@ -366,7 +380,19 @@ MATRIX: dict[str, Bad] = {
                                            "max_inflight_bytes", "int or None"),
     "OverlapGraphPass previous not callable": Bad(lambda e: scheduler.OverlapGraphPass(previous=[3]), TypeError,
                                                   "previous", "callables taking a torch.fx.Graph"),
+    "compile_options budget negative": Bad(lambda e: _inductor_hook().compile_options(-1), ValueError,
+                                           "max_inflight_bytes", ">= 0"),
+    "compile_options keep_peak_memory_reorder not a bool": Bad(
+        lambda e: _inductor_hook().compile_options(keep_peak_memory_reorder=1), TypeError, "keep_peak_memory_reorder",
+        "bool"),
 }
+
+
+def _inductor_hook() -> Any:
+    """``scheduler.inductor_hook`` (loaded on first use, like ``scheduler.install``)."""
+    from scheduler import inductor_hook
+
+    return inductor_hook
 
 
 def _run_row(row: Bad, env: Env) -> list[str]:
@@ -394,7 +420,7 @@ def test_bad_input_one_rank(single_rank_group: dist.ProcessGroup, row: str) -> N
 
 def test_every_public_name_has_a_row() -> None:
     """The table covers every public callable that takes arguments (kept in sync with ``__all__``)."""
-    no_arguments = {"inflight", "inflight_bytes", "wait_all", "debug_enabled", "uninstall",  # none
+    no_arguments = {"inflight", "inflight_bytes", "max_inflight_bytes", "wait_all", "debug_enabled", "uninstall",  # none
                     "wait", "wait_tensor", "is_pending",  # take any object (non-tensors pass through)
                     "AsyncTensor", "Completion", "Schedule", "ShardedModule", "DeviceInfo", "Profiler",
                     "CollectiveError", "CollectiveTimeoutError", "DesyncError", "ScheduleMismatchError",

@@ -271,3 +271,56 @@ def test_off_by_default_builds_no_side_channel(monkeypatch: pytest.MonkeyPatch) 
 def _channels_built(rank: int, world_size: int) -> int:
     overlap.wait(overlap.all_reduce(torch.ones(2)))
     return len(desync._channels)
+
+
+# ----------------------------------------------------------------------------- two threads, one group
+
+
+def _two_threads_one_group(rank: int, world_size: int) -> dict:
+    """A worker thread's all-gather is held inside its debug check (its side channel is slow to come)
+    while the main thread issues on the same group: the main thread must hear about the thread rule.
+    Then the worker's check goes on and its all-gather completes on both ranks."""
+    import threading
+
+    main_tried = threading.Event()
+    entered = threading.Event()
+    real_channel = desync._channel
+
+    def held_channel(group: str, timeout):  # noqa: ANN001, ANN202 (signature of desync._channel)
+        if threading.current_thread().name == "worker":
+            entered.set()
+            main_tried.wait(30)
+        return real_channel(group, timeout)
+
+    desync._channel = held_channel
+    out: dict = {}
+
+    def worker() -> None:
+        out["worker"] = overlap.wait(overlap.all_gather(torch.full((2,), float(rank)))).tolist()
+
+    try:
+        with overlap.debug():
+            thread = threading.Thread(target=worker, name="worker")
+            thread.start()
+            assert entered.wait(30), "the worker never reached its check"
+            try:
+                overlap.all_reduce(torch.ones(3))
+            except overlap.DesyncError as e:
+                out["error"] = str(e)
+            finally:
+                main_tried.set()
+            thread.join(60)
+            out["after"] = overlap.wait(overlap.all_reduce(torch.ones(1))).tolist()  # still in step
+    finally:
+        desync._channel = real_channel
+    return out
+
+
+def test_two_threads_on_one_group_are_reported_as_such() -> None:
+    for rank, r in enumerate(run_distributed(_two_threads_one_group, 2, timeout=60)):
+        message = r.get("error", "")
+        assert "two threads issued collectives on group '0' at once" in message, (rank, r)
+        assert "thread 'MainThread'" in message and "thread 'worker' (#0 all_gather float32[4])" in message, message
+        assert "one thread at a time" in message
+        assert r["worker"] == [0.0, 0.0, 1.0, 1.0], "the first thread's collective went through"
+        assert r["after"] == [2.0]

@@ -245,6 +245,20 @@ def test_bad_link_parameters_are_named(kwargs: dict[str, float], message: str) -
         emulated_link(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gbps": True}, "gbps .* not a bool\\), got bool True"),  # not 1 Gbit/s
+        ({"gbps": "1"}, "gbps .*, got str '1'"),
+        ({"gbps": 1.0, "latency_us": False}, "latency_us .* not a bool\\), got bool False"),
+        ({"gbps": 1.0, "latency_us": None}, "latency_us .*, got NoneType None"),
+    ],
+)
+def test_link_parameters_of_the_wrong_type_are_named(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        emulated_link(**kwargs)
+
+
 def test_transfer_seconds_model() -> None:
     link = emulated_link(8.0, latency_us=20.0)  # 8 Gbit/s = 1e9 bytes/s
     assert link.bytes_per_second == 1e9
@@ -425,3 +439,62 @@ def test_functional_link_with_fsdp2_and_dtensor_does_not_deadlock(distributed) -
         assert res["equal"], res
         assert res["by_op"].get("_c10d_functional.all_gather_into_tensor", 0) >= 5 * 8, res
         assert res["by_op"].get("all_gather_single", 0) >= 5 * 4, res
+
+
+# -- timeouts bound the emulated delay ([Note: timeouts behind the link]) -----------------------------
+
+SLOW_LATENCY_US = 30e6  # every collective takes 30 s on this link: far past every timeout below
+SHORT_TIMEOUT_S = 0.5
+
+
+def _timed_out(f: Callable[[], Any]) -> tuple[str, str, float]:
+    """Run ``f``, which must raise; return the exception's type name, text and the seconds it took."""
+    start = time.monotonic()
+    try:
+        f()
+    except Exception as e:  # noqa: BLE001 (returned to the test, which checks the type)
+        return type(e).__name__, str(e), time.monotonic() - start
+    raise AssertionError("the wait returned although the link had not delivered")
+
+
+def _waits_behind_a_slow_link(rank: int, world_size: int) -> dict[str, tuple[str, str, float]]:
+    import datetime
+
+    import torch.distributed._functional_collectives as funcol
+
+    import overlap
+
+    out = {}
+    with emulated_link(100.0, SLOW_LATENCY_US, functional=True):
+        previous = overlap.set_wait_timeout(SHORT_TIMEOUT_S)
+        try:
+            pending = overlap.all_gather(torch.ones(4))
+            out["overlap.wait"] = _timed_out(lambda: overlap.wait(pending))
+        finally:
+            overlap.set_wait_timeout(previous)
+        work = dist.all_reduce(torch.ones(4), async_op=True)
+        out["work.wait(timeout)"] = _timed_out(lambda: work.wait(datetime.timedelta(seconds=SHORT_TIMEOUT_S)))
+        # No timeout given: the group's own (pg_timeout below).
+        work = dist.all_reduce(torch.ones(4), async_op=True)
+        out["work.wait()"] = _timed_out(work.wait)
+        out["blocking all_reduce"] = _timed_out(lambda: dist.all_reduce(torch.ones(4)))
+        reduced = funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD)
+        out["functional wait_tensor"] = _timed_out(lambda: funcol.wait_tensor(reduced))
+    return out
+
+
+def test_a_timeout_bounds_every_wait_behind_the_link(distributed) -> None:
+    for rank, res in enumerate(distributed(_waits_behind_a_slow_link, 2, timeout=120, pg_timeout=2.0)):
+        for what, (kind, message, seconds) in res.items():
+            limit = SHORT_TIMEOUT_S if "timeout" in what or what == "overlap.wait" else 2.0
+            # The link would take 30 s; the wait gives up at its timeout (wide margin for a loaded box).
+            assert seconds < limit + 10, (rank, what, seconds)
+            assert "timed out" in message.lower(), (rank, what, message)
+        kind, message, _ = res["overlap.wait"]
+        assert kind == "CollectiveTimeoutError" and "all_gather #0 on group '0'" in message, message
+        assert f"timed out after {SHORT_TIMEOUT_S:g} s" in message, message
+
+
+def test_emulated_work_rejects_a_bad_default_timeout() -> None:
+    with pytest.raises(ValueError, match="default_timeout must be None or a datetime.timedelta > 0"):
+        EmulatedWork(None, 0.0, 5.0)  # type: ignore[arg-type]

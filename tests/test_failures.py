@@ -25,15 +25,57 @@ PG_TIMEOUT = 3.0
 DESCRIBED = re.compile(r"overlap: .*(all_gather|reduce_scatter)\S* #\d+ on group '0' \(\d+ bytes: \w+\[\d+")
 
 
-def test_set_wait_timeout_checks_its_argument() -> None:
-    for bad in (0, -1.0, "5", datetime.timedelta(0)):
-        with pytest.raises(ValueError, match="timeout must be None, a number of seconds > 0 or a timedelta > 0"):
-            overlap.set_wait_timeout(bad)  # type: ignore[arg-type]
+ALLOWED_TIMEOUTS = "None, a number of seconds or a datetime.timedelta, from 0.001 s (1 ms) to 1e+09 s"
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc", "shown"),
+    [
+        (0, ValueError, "got 0"),
+        (-1.0, ValueError, "got -1.0"),
+        (1e-9, ValueError, "got 1e-09"),  # the value passed, not the timedelta(0) it would round to
+        (float("nan"), ValueError, "got nan"),
+        (float("inf"), ValueError, "got inf"),
+        (1e300, ValueError, "got 1e+300"),
+        (10**400, ValueError, "got 1000"),  # too big for a float: still named, not an OverflowError
+        (datetime.timedelta(0), ValueError, "got datetime.timedelta(0)"),
+        (datetime.timedelta(microseconds=10), ValueError, "got datetime.timedelta(microseconds=10)"),
+        ("5", TypeError, "got str '5'"),
+        (True, TypeError, "got bool True"),
+        ([2.0], TypeError, "got list [2.0]"),
+    ],
+)
+def test_set_wait_timeout_names_the_value_and_what_is_allowed(bad: object, exc: type, shown: str) -> None:
     previous = overlap.set_wait_timeout(2.5)
     try:
-        assert overlap.wait_timeout("any group") == datetime.timedelta(seconds=2.5)
+        with pytest.raises(exc) as info:
+            overlap.set_wait_timeout(bad)  # type: ignore[arg-type]
+        assert str(info.value).startswith(f"set_wait_timeout: timeout must be {ALLOWED_TIMEOUTS}; ")
+        assert shown in str(info.value), str(info.value)
+        assert overlap.wait_timeout() == datetime.timedelta(seconds=2.5), "a failed call changes nothing"
     finally:
         overlap.set_wait_timeout(previous)
+
+
+def test_set_wait_timeout_accepts_seconds_and_timedeltas_in_range() -> None:
+    previous = overlap.set_wait_timeout(2.5)
+    try:
+        assert overlap.wait_timeout() == datetime.timedelta(seconds=2.5)
+        assert overlap.set_wait_timeout(datetime.timedelta(milliseconds=1)) == datetime.timedelta(seconds=2.5)
+        assert overlap.wait_timeout() == datetime.timedelta(milliseconds=1)
+        overlap.set_wait_timeout(1e9)
+        assert overlap.wait_timeout() == datetime.timedelta(seconds=1e9)
+    finally:
+        overlap.set_wait_timeout(previous)
+
+
+def test_wait_timeout_names_a_group_that_does_not_exist() -> None:
+    with pytest.raises(ValueError, match="wait_timeout: group 'nope' is not the name of a live process group"):
+        overlap.wait_timeout("nope")
+    with pytest.raises(TypeError, match="wait_timeout: device_type must be a device type name"):
+        overlap.wait_timeout("", 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="wait_timeout: device_type must be a device type name .* got 'gpu0'"):
+        overlap.wait_timeout("", "gpu0")
 
 
 def _unanswered_waits(rank: int, world_size: int) -> dict:

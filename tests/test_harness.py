@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -90,3 +91,95 @@ def test_bad_arguments_are_named() -> None:
         run_distributed(_sum_of_ranks, 1, link=(0.0, 10.0))
     with pytest.raises(ValueError, match="module-level"):
         run_distributed(lambda rank, world_size: None, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "message"),
+    [
+        ({"fn": _sum_of_ranks, "world_size": True}, TypeError, "world_size must be an int >= 1, got bool True"),
+        ({"fn": _sum_of_ranks, "world_size": 2.0}, TypeError, "world_size must be an int >= 1, got float"),
+        ({"fn": None, "world_size": 1}, TypeError, "fn must be a module-level function"),
+        ({"fn": _sum_of_ranks, "world_size": 1, "timeout": None}, TypeError,
+         "timeout must be a finite number of seconds > 0 (an int or float, not a bool), got NoneType None"),
+        ({"fn": _sum_of_ranks, "world_size": 1, "timeout": "5"}, TypeError,
+         "timeout must be a finite number of seconds > 0 (an int or float, not a bool), got str '5'"),
+        ({"fn": _sum_of_ranks, "world_size": 1, "timeout": float("inf")}, ValueError, "timeout must be a finite"),
+        ({"fn": _sum_of_ranks, "world_size": 1, "pg_timeout": "5"}, TypeError, "pg_timeout must be None (= timeout)"),
+        ({"fn": _sum_of_ranks, "world_size": 1, "failure_grace": -1}, ValueError, "failure_grace must be a finite"),
+        ({"fn": _sum_of_ranks, "world_size": 1, "backend": "mpi"}, ValueError,
+         "backend must be one of ('gloo', 'nccl')"),
+        ({"fn": _sum_of_ranks, "world_size": 1, "link": (True, 10.0)}, TypeError,
+         "link=(gbps, latency_us): gbps (link bandwidth in gigabits/s) must be a finite number > 0 (an int or float, "
+         "not a bool), got bool True"),
+        ({"fn": _sum_of_ranks, "world_size": 1, "link": [1.0, 10.0]}, ValueError, "link must be None or a (gbps, "),
+    ],
+)
+def test_bad_arguments_raise_in_the_caller_naming_them(kwargs: dict, exc: type, message: str) -> None:
+    fn, world_size = kwargs.pop("fn"), kwargs.pop("world_size")
+    with pytest.raises(exc) as info:
+        run_distributed(fn, world_size, 0, **kwargs)
+    assert str(info.value).startswith("run_distributed: ") and message in str(info.value), str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the error on a machine with fewer than 2 GPUs")
+def test_nccl_without_enough_gpus_is_named_up_front() -> None:
+    with pytest.raises(ValueError, match=r"backend='nccl' .* needs world_size <= the GPUs visible \(\d+\), got "
+                                         r"world_size=2; use backend='gloo' on CPU"):
+        run_distributed(_sum_of_ranks, 2, 0, backend="nccl")
+
+
+def test_unpicklable_arguments_are_named() -> None:
+    with pytest.raises(TypeError, match="the extra args and kwargs for fn must be picklable"):
+        run_distributed(_sum_of_ranks, 1, 0, scale=lambda: 1)
+
+
+# ----------------------------------------------------------------------------- failures that used to hide
+
+
+def _raises_with_own_collective_in_flight(rank: int, world_size: int) -> str:
+    """Rank 0 raises with a collective of its own in flight; rank 1 waits for a message that never
+    comes. Destroying the group first would wait for rank 0's collective forever."""
+    if rank == 0:
+        dist.all_reduce(torch.ones(4), async_op=True)  # rank 1 never joins it
+        raise KeyError("rank 0's own error")
+    dist.recv(torch.empty(1), src=0)
+    return "unreachable"
+
+
+def test_a_failed_rank_reports_before_destroying_its_group() -> None:
+    """[Note: report before destroying the process group]: the error comes back, not a timeout."""
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_raises_with_own_collective_in_flight, 2, timeout=60, pg_timeout=600)
+    err = info.value
+    assert err.rank == 0 and "KeyError: \"rank 0's own error\"" in str(err), str(err)
+    assert isinstance(err.__cause__, KeyError)
+
+
+def _rank_one_aborts(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGABRT)
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_gets_the_debug_hint() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_rank_one_aborts, 2, timeout=30)
+    failure = info.value.failures[1]
+    assert failure.exitcode == -signal.SIGABRT
+    text = failure.describe()
+    assert "rank 1 was killed by SIGABRT (exit code -6)" in text and "OVERLAP_DEBUG=1" in text, text
+
+
+def _mismatched_sizes(rank: int, world_size: int) -> None:
+    """Debug off, rank 1 is out of step: its all-reduce is twice as long as rank 0's."""
+    dist.all_reduce(torch.ones(4 * (rank + 1)))
+
+
+def test_a_collective_mismatch_with_debug_off_suggests_debug_mode() -> None:
+    """gloo aborts the rank that receives more than it expects (EnforceNotMet, SIGABRT): the report
+    says what that usually means and how to find out."""
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_mismatched_sizes, 2, timeout=60, pg_timeout=10)
+    assert "OVERLAP_DEBUG=1" in str(info.value), str(info.value)
+    # The headline is the aborted rank, not its peer's "Connection reset by peer" that followed.
+    assert info.value.exitcode == -signal.SIGABRT, str(info.value)

@@ -12,6 +12,7 @@ runs the pass object directly on hand-written graphs.
 """
 from __future__ import annotations
 
+import types
 from typing import Any, Optional
 
 import pytest
@@ -243,3 +244,116 @@ def test_compiled_wait_moves_below_the_mm(distributed) -> None:
         assert gather < matmul < wait, "\n".join(with_hook)
         assert r["user_calls"] >= 1, "the user's post-grad pass did not run under the hook"
         assert r["restored"], "config not restored after inductor_overlap()"
+
+
+# -- the README's form: torch.compile inside the block, first call (the compile) after it ----------
+
+
+def _counting_pass(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the overlap pass's runs (one per graph Inductor compiles with it)."""
+    from scheduler import graph_pass
+
+    runs: list[int] = []
+    original = graph_pass.overlap_graph
+
+    def counted(graph: fx.Graph, *args: Any, **kwargs: Any) -> bool:
+        runs.append(len(graph.nodes))
+        return original(graph, *args, **kwargs)
+
+    monkeypatch.setattr(graph_pass, "overlap_graph", counted)
+    return runs
+
+
+def _gather_then_mm(group: Any) -> Any:
+    """A fresh ``train_step(x, w)``: all-gather ``x``, an independent ``w @ w``, a loss using both.
+    Each call returns a copy with a code object of its own, so Dynamo's per-code-object cache never
+    serves one compile to another (see [Note: one code object per step] in
+    ``overlap.testing.compiled_step``)."""
+    import torch.distributed._functional_collectives as funcol
+
+    all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+    def train_step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = all_gather(x, 0, group)
+        z = w @ w
+        return y.sum() + z.sum()
+
+    return types.FunctionType(train_step.__code__.replace(), train_step.__globals__, train_step.__name__,
+                              closure=train_step.__closure__)
+
+
+def test_readme_form_compiles_with_the_pass_after_the_block(single_rank_group, monkeypatch, clean_config) -> None:
+    import torch._functorch.config as functorch_config
+
+    import scheduler
+    from overlap.testing.compiled_step import captured_code, collective_gaps
+
+    runs = _counting_pass(monkeypatch)
+    torch_compile = torch.compile
+    train_step = _gather_then_mm(single_rank_group)
+    x = torch.arange(32.0).view(4, 8) % 7
+    w = (torch.arange(256.0).view(16, 16) % 5 - 2).requires_grad_()
+
+    with scheduler.inductor_overlap():
+        step = torch.compile(train_step)
+    assert torch.compile is torch_compile, "torch.compile is torch's own again after the block"
+    assert runs == [], "nothing compiled yet: torch.compile is lazy"
+
+    # Caches off: a graph served from the FX graph cache would not run the pass again.
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        with captured_code() as codes:
+            loss = step(x, w)
+        forward_runs = len(runs)
+        loss.backward()  # the backward graph compiles now, lazily, still with the pass
+        backward_runs = len(runs) - forward_runs
+
+        later_step = torch.compile(_gather_then_mm(single_rank_group))  # after the block: no pass
+        with captured_code() as later_codes:
+            later_step(x, w.detach())
+
+    assert forward_runs == 1 and backward_runs == 1, runs
+    assert len(runs) == 2, "the function compiled after the block must not get the pass"
+    assert torch.equal(loss.detach(), train_step(x, w).detach())
+    (gap,) = [g for code in codes for g in collective_gaps(code)]
+    assert gap.op == "all_gather_into_tensor" and gap.compute_before_wait > 0, "the mm runs before the wait"
+    (later_gap,) = [g for code in later_codes for g in collective_gaps(code)]
+    assert later_gap.compute_before_wait == 0, "Inductor's default: the wait right after the collective"
+
+
+def _compile_arguments(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> dict[str, Any]:
+    """What ``torch.compile(fn, **kwargs)`` hands its backend (Dynamo is not entered): the Inductor
+    config patches, or for another backend the options it would get."""
+    seen: dict[str, Any] = {}
+
+    def optimize(backend: Any, **_: Any) -> Any:
+        config = getattr(backend, "config", None)
+        seen.update(config if config is not None else backend.kwargs.get("options") or {})
+        return lambda fn: fn
+
+    monkeypatch.setattr(torch._dynamo, "optimize", optimize)
+    torch.compile(lambda t: t + 1, **kwargs)
+    return seen
+
+
+def test_compile_in_the_block_merges_mode_and_user_options(monkeypatch, clean_config) -> None:
+    from scheduler.inductor_hook import compile_options
+
+    user = _UserPass()
+    with inductor_overlap(4096) as installed:
+        plain = _compile_arguments(monkeypatch)
+        tuned = _compile_arguments(monkeypatch, mode="max-autotune-no-cudagraphs")
+        composed = _compile_arguments(monkeypatch, options={"post_grad_custom_post_pass": user,
+                                                            "reorder_for_peak_memory": True})
+        other_backend = _compile_arguments(monkeypatch, backend="aot_eager")
+    assert plain == {"post_grad_custom_post_pass": installed, "reorder_for_peak_memory": False}
+    assert tuned["post_grad_custom_post_pass"] is installed and tuned["max_autotune"] is True, tuned
+    p = composed["post_grad_custom_post_pass"]
+    assert isinstance(p, OverlapGraphPass) and p.previous is user and p.max_inflight_bytes == 4096
+    assert composed["reorder_for_peak_memory"] is True, "an option the call gives itself wins"
+    assert other_backend == {}, "only Inductor runs post-grad passes: other backends are left alone"
+    assert _compile_arguments(monkeypatch) == {}, "after the block torch.compile adds nothing"
+    explicit = compile_options(1 << 20, keep_peak_memory_reorder=True)
+    assert set(explicit) == {"post_grad_custom_post_pass"}
+    assert explicit["post_grad_custom_post_pass"].max_inflight_bytes == 1 << 20
+    with pytest.raises(TypeError, match="keep_peak_memory_reorder"):
+        compile_options(keep_peak_memory_reorder="yes")  # type: ignore[arg-type]

@@ -24,8 +24,9 @@ input / output      ``(batch, dim)``
 ==================  ==========================  =====================================
 
 :func:`compiled_step` returns a step (compiled forward and backward, then plain SGD on the shards)
-that compiles on its first call; call that first step inside ``scheduler.inductor_overlap()`` to
-compile with the overlap pass. :func:`captured_code` collects the Python modules Inductor generates
+that compiles on its first call. To compile with the overlap pass, build the step inside
+``scheduler.inductor_overlap()`` (the pass then stays with it, recompiles included: see [Note:
+torch.compile inside the block] in ``scheduler.inductor_hook``), or make its first call there. :func:`captured_code` collects the Python modules Inductor generates
 meanwhile, and :func:`collective_gaps` reads from one how much compute each collective overlaps.
 """
 from __future__ import annotations

@@ -31,7 +31,8 @@ CPU tensors. The wrapper issues the real collective with ``async_op=True`` and r
 :class:`EmulatedWork` whose ``wait()`` sleeps (``time.sleep``: no CPU burnt) until the modelled
 completion time, then waits the real work; ``is_completed()`` and ``get_future()`` honour the
 completion time too. With ``async_op=False`` the wrapper itself waits before returning. Completion is
-never earlier than the real collective's.
+never earlier than the real collective's. Every such wait, functional ``wait_tensor`` included, is
+bounded by its timeout, emulated delay included (see [Note: timeouts behind the link]).
 
 CUDA tensors. Instead of a host sleep, ``torch.cuda._sleep`` is enqueued on the current stream for
 the collective's link time (``latency + wire_bytes / bandwidth``) just before the real collective,
@@ -90,6 +91,7 @@ import datetime
 import functools
 import inspect
 import math
+import numbers
 import threading
 import time
 import warnings
@@ -100,6 +102,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from overlap.inflight_work import wait_timeout
 
 __all__ = ["EmulatedLink", "EmulatedWork", "LinkStats", "current_link", "emulated_link"]
 
@@ -178,23 +182,70 @@ class _GroupLink:
     stats: LinkStats = field(default_factory=LinkStats)
 
 
-class EmulatedWork(dist.Work):
-    """A CPU collective's work that completes no sooner than ``deadline`` (``time.monotonic()``)."""
+# torch's waits take whole milliseconds (a timedelta under 1 ms reaches them as "no timeout").
+_MIN_WAIT = datetime.timedelta(milliseconds=1)
 
-    def __init__(self, work: dist.Work, deadline: float) -> None:
+
+def _link_timeout_error(what: str, remaining: float, timeout: datetime.timedelta) -> RuntimeError:
+    """What a wait that the link cannot finish within ``timeout`` raises: a RuntimeError whose text
+    says "timed out", as torch's ``Work.wait`` does (``overlap`` turns it into CollectiveTimeoutError)."""
+    return RuntimeError(
+        f"Operation timed out! The emulated link delivers {what} {remaining:.3g} s after the wait began, "
+        f"past its timeout of {timeout.total_seconds():g} s"
+    )
+
+
+def _sleep_within(deadline: float, timeout: datetime.timedelta, what: str) -> None:
+    """Sleep until ``deadline`` (``time.monotonic()``); if that is more than ``timeout`` away, sleep
+    ``timeout`` and raise :func:`_link_timeout_error` instead. See [Note: timeouts behind the link]."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return
+    budget = timeout.total_seconds()
+    if remaining > budget:
+        time.sleep(budget)
+        raise _link_timeout_error(what, remaining, timeout)
+    time.sleep(remaining)
+
+
+# [Note: timeouts behind the link]
+# The emulated delay is part of the wait, so the wait's timeout bounds it: a wait never blocks longer
+# than its timeout, whatever the link's bandwidth (a 12.8 s transfer waited with a 2 s timeout raises
+# after 2 s). An explicit timeout (``work.wait(timeout)``, which ``overlap``'s waits always pass:
+# ``overlap.wait_timeout``) covers the sleep and then the real work's wait together. A wait without
+# one (``work.wait()``, a blocking collective, a compiled ``wait_tensor``) is bounded by the group's
+# ``overlap.wait_timeout`` as it was when the collective was issued (the group's own timeout unless
+# ``overlap.set_wait_timeout`` overrides it). Running out raises a RuntimeError saying "Operation
+# timed out!", like torch's ``Work.wait``; the real collective is left as it is.
+
+
+class EmulatedWork(dist.Work):
+    """A CPU collective's work that completes no sooner than ``deadline`` (``time.monotonic()``).
+
+    ``default_timeout`` bounds a wait given no timeout (see [Note: timeouts behind the link]); None:
+    ``overlap.wait_timeout()`` of the default group at the time of the wait.
+    """
+
+    def __init__(self, work: dist.Work, deadline: float,
+                 default_timeout: datetime.timedelta | None = None) -> None:
         super().__init__()
+        if default_timeout is not None and not (
+                isinstance(default_timeout, datetime.timedelta) and default_timeout > datetime.timedelta(0)):
+            raise ValueError(f"default_timeout must be None or a datetime.timedelta > 0, got {default_timeout!r}")
         self._work = work
         self.deadline = deadline
-
-    def _sleep_to_deadline(self) -> None:
-        remaining = self.deadline - time.monotonic()
-        if remaining > 0:
-            time.sleep(remaining)
+        self.default_timeout = default_timeout
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        """Sleep until the link delivers, then wait the real work (``timeout`` applies to that)."""
-        self._sleep_to_deadline()
-        return self._work.wait(timeout) if timeout else self._work.wait()
+        """Sleep until the link delivers, then wait the real work, all within ``timeout``
+        (``timedelta(0)``: ``default_timeout``); raises RuntimeError ("Operation timed out!") when
+        the link or the real work needs longer. See [Note: timeouts behind the link]."""
+        if not timeout > datetime.timedelta(0):
+            timeout = self.default_timeout if self.default_timeout is not None else wait_timeout()
+        start = time.monotonic()
+        _sleep_within(self.deadline, timeout, "this collective")
+        left = timeout - datetime.timedelta(seconds=time.monotonic() - start)
+        return self._work.wait(max(left, _MIN_WAIT))
 
     def synchronize(self) -> None:
         self.wait()
@@ -239,16 +290,24 @@ class EmulatedWork(dist.Work):
         return fut
 
 
+def check_number(value: object, rule: str, positive: bool) -> None:
+    """Raise ``TypeError`` (not a real number, or a bool) / ``ValueError`` (not finite, or not > 0 when
+    ``positive``, else not >= 0), the message being ``rule`` and the value. For this package's checks."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{rule} (an int or float, not a bool), got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise ValueError(f"{rule}, got {value!r}")
+
+
 class EmulatedLink:
     """A modelled interconnect (see the module docstring); a context manager that activates it."""
 
     def __init__(self, gbps: float, latency_us: float = 10.0, functional: bool = False) -> None:
         if not isinstance(functional, bool):
             raise TypeError(f"functional must be a bool (also model torch.ops._c10d_functional collectives), got {functional!r}")
-        if not (isinstance(gbps, (int, float)) and math.isfinite(gbps) and gbps > 0):
-            raise ValueError(f"gbps (link bandwidth in gigabits/s) must be a finite number > 0, got {gbps!r}")
-        if not (isinstance(latency_us, (int, float)) and math.isfinite(latency_us) and latency_us >= 0):
-            raise ValueError(f"latency_us (per-collective latency in µs) must be a finite number >= 0, got {latency_us!r}")
+        check_number(gbps, "gbps (link bandwidth in gigabits/s) must be a finite number > 0", positive=True)
+        check_number(latency_us, "latency_us (per-collective latency in µs) must be a finite number >= 0",
+                     positive=False)
         self.gbps = float(gbps)
         self.latency_us = float(latency_us)
         self.functional = functional
@@ -319,7 +378,8 @@ _active: list[EmulatedLink] = []
 _patched: dict[tuple[ModuleType, str], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 _local = threading.local()  # .inside: a wrapper is running in this thread (inner calls pass through)
 _library: torch.library.Library | None = None  # the functional collectives' CPU kernels, while active
-_deadlines: dict[int, float] = {}  # storage address -> completion time of the functional collective writing it
+# storage address -> (completion time of the functional collective writing it, its wait's timeout)
+_deadlines: dict[int, tuple[float, datetime.timedelta]] = {}
 _deadlines_lock = threading.Lock()
 _warned_unusual_registration = False
 
@@ -418,7 +478,7 @@ def _wrap(
         with _inside():
             work = original(*bound.args, **bound.kwargs)
         deadline = link._schedule(group, name, wire_bytes, seconds, issued)
-        emulated = EmulatedWork(work, deadline)
+        emulated = EmulatedWork(work, deadline, wait_timeout(group.group_name))
         if async_op:
             return emulated
         emulated.wait()
@@ -537,10 +597,11 @@ def _issue_kernel(
             wire_bytes, seconds = 0, 0.0
         deadline = link._schedule(group, label, wire_bytes, seconds, issued)
         if seconds > 0:
+            timeout = wait_timeout(group.group_name)
             with _deadlines_lock:
                 for t in outputs:
                     if t.untyped_storage().nbytes() > 0:
-                        _deadlines[_storage_key(t)] = deadline
+                        _deadlines[_storage_key(t)] = (deadline, timeout)
         return result
 
     return kernel
@@ -551,11 +612,9 @@ def _wait_kernel(op: torch._ops.OpOverload, torch_kernel: Any) -> Callable[..., 
 
     def kernel(tensor: torch.Tensor) -> Any:
         with _deadlines_lock:
-            deadline = _deadlines.pop(_storage_key(tensor), None)
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining > 0:
-                time.sleep(remaining)
+            booked = _deadlines.pop(_storage_key(tensor), None)
+        if booked is not None:
+            _sleep_within(*booked, "this functional collective")  # see [Note: timeouts behind the link]
         return op.redispatch(torch_kernel, tensor)  # see [Note: calling torch's kernel without the GIL]
 
     return kernel

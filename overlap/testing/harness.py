@@ -14,9 +14,12 @@ Contract of :func:`run_distributed`:
 - ``link=(gbps, latency_us)`` runs ``fn`` inside ``overlap.testing.emulated_link(gbps, latency_us)``
   on every rank; ``overlap.testing.current_link()`` returns that link (and its stats) inside ``fn``.
 - If a rank raises, a :class:`DistributedTestError` names the rank and carries its formatted
-  traceback (the first failure is the headline; failures of other ranks seen within a short grace
+  traceback (the earliest failure is the headline; failures of other ranks seen within a short grace
   period are listed too). A rank that dies without reporting (``os._exit``, a signal) is reported with
-  its exit code. Every other rank is then killed.
+  its exit code; one killed by a signal also gets a hint (a rank aborted inside a collective usually
+  means mismatched collectives: rerun with ``OVERLAP_DEBUG=1``). Every other rank is then killed.
+- A rank that raises reports its error at once and exits without ``destroy_process_group``: see
+  [Note: report before destroying the process group].
 - Nothing runs past ``timeout`` seconds (plus a second or two of clean-up): the ranks still running
   are killed and a :class:`DistributedTimeoutError` (a ``TimeoutError``) names them, with the Python
   stacks they were stuck in.
@@ -59,7 +62,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from overlap.testing.emulated_link import EmulatedLink
+from overlap.testing.emulated_link import EmulatedLink, check_number
 
 __all__ = ["DistributedTestError", "DistributedTimeoutError", "RankFailure", "run_distributed"]
 
@@ -70,27 +73,71 @@ _FAILURE_GRACE_S = 2.0
 # How long a terminated rank gets before SIGKILL, and how long a hung rank gets to dump its stacks.
 _TERMINATE_GRACE_S = 0.5
 _STACK_DUMP_WAIT_S = 0.3
+_BACKENDS = ("gloo", "nccl")
+
+# [Note: report before destroying the process group]
+# A rank whose ``fn`` raised used to call ``destroy_process_group`` first and report afterwards. With
+# a collective of its own still in flight (issued, never matched by a peer that is now blocked
+# elsewhere), gloo's destructor waits for that work, so the rank never reported: both ranks sat idle
+# until the process group's timeout and the caller saw a timeout with no error, or the peer's data
+# reached the pending work (a size mismatch: gloo's EnforceNotMet aborted the rank, SIGABRT) and the
+# only error left was the peer's "Connection reset by peer". Both hid the first rank's exception. So
+# a failed rank now reports first, with the time it failed, and exits without destroying the group;
+# the closed connections make the other ranks fail fast, and the caller kills what is left. Failures
+# are ordered by that time, peers' reports of a closed connection last: the headline is the cause,
+# not whichever report arrived first.
+
+
+_SIGNAL_HINT = (
+    "A rank killed by a signal while others wait in a collective (e.g. SIGABRT from gloo's "
+    "EnforceNotMet, 'Received data size doesn't match expected size') usually means the ranks issued "
+    "different collectives, or collectives of one group from two threads at once: rerun with "
+    "OVERLAP_DEBUG=1 to get an overlap.DesyncError naming the collective each rank issued."
+)
+
+
+# What a rank raises when a peer's connection closes (gloo's words, and overlap's CollectiveError).
+_PEER_SYMPTOMS = ("Connection reset by peer", "Connection closed by peer", "a rank of the group failed or died")
 
 
 @dataclass(frozen=True)
 class RankFailure:
-    """How one rank failed: with a Python exception (``traceback`` set) or by dying (``exitcode``)."""
+    """How one rank failed: with a Python exception (``traceback`` set) or by dying (``exitcode``).
+
+    ``at`` is when it failed (``time.monotonic()``, system-wide on Linux): the rank's own clock when it
+    raised, or the caller's when it saw the rank die.
+    """
 
     rank: int
     traceback: str | None
     exitcode: int | None
     exception: BaseException | None = None
+    at: float = 0.0
+
+    @property
+    def peer_symptom(self) -> bool:
+        """The rank raised because a peer went away (its connection closed): a consequence of another
+        rank's failure, listed after the failures that caused it."""
+        return self.traceback is not None and any(text in self.traceback for text in _PEER_SYMPTOMS)
 
     def describe(self) -> str:
         if self.traceback is not None:
             return f"rank {self.rank} raised:\n{self.traceback.rstrip()}"
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            return (f"rank {self.rank} was killed by {name} (exit code {self.exitcode}) without reporting a "
+                    f"result. {_SIGNAL_HINT}")
         return f"rank {self.rank} exited with code {self.exitcode} without reporting a result"
 
 
 class DistributedTestError(RuntimeError):
     """A rank of :func:`run_distributed` failed.
 
-    ``rank`` / ``traceback`` / ``exitcode`` describe the first failure; ``failures`` maps every rank
+    ``rank`` / ``traceback`` / ``exitcode`` describe the first failure (the earliest one that is not a
+    rank's report of a peer's closed connection, when there is one); ``failures`` maps every rank
     seen failing to its :class:`RankFailure`. ``__cause__`` is the first rank's exception when it
     could be pickled back.
     """
@@ -207,26 +254,25 @@ def _child_main(
             timeout=datetime.timedelta(seconds=pg_timeout),
             **init_kwargs,
         )
-        try:
-            if link is None:
+        if link is None:
+            result = fn(rank, world_size, *args, **kwargs)
+        else:
+            with EmulatedLink(*link):
                 result = fn(rank, world_size, *args, **kwargs)
-            else:
-                with EmulatedLink(*link):
-                    result = fn(rank, world_size, *args, **kwargs)
-        finally:
-            dist.destroy_process_group()
+        dist.destroy_process_group()  # only after success: [Note: report before destroying the process group]
         message = pickle.dumps(("ok", result))
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which re-raises)
+        failed_at = time.monotonic()
         tb = traceback.format_exc()
         try:
             exc_bytes: bytes | None = pickle.dumps(e)
         except Exception:
             exc_bytes = None
-        message = pickle.dumps(("error", tb, exc_bytes))
+        message = pickle.dumps(("error", tb, exc_bytes, failed_at))
     try:
         conn.send_bytes(message)
     except Exception:
-        conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), None)))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), None, time.monotonic())))
     conn.close()
 
 
@@ -288,6 +334,42 @@ def _stop(procs: dict[int, multiprocessing.process.BaseProcess]) -> None:
             p.join()
 
 
+def _check_arguments(fn: object, world_size: object, backend: object, timeout: object, link: object,
+                     pg_timeout: object, failure_grace: object) -> None:
+    """:func:`run_distributed`'s argument checks, in the caller, before any rank starts."""
+    if not callable(fn):
+        raise TypeError(f"run_distributed: fn must be a module-level function taking (rank, world_size, ...), "
+                        f"got {type(fn).__name__} {fn!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"run_distributed: world_size must be an int >= 1, got {type(world_size).__name__} "
+                        f"{world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(backend, str) or backend not in _BACKENDS:
+        raise ValueError(f"run_distributed: backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "nccl":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < world_size:
+            raise ValueError(f"run_distributed: backend='nccl' puts each rank on a GPU of its own and needs "
+                             f"world_size <= the GPUs visible ({gpus}), got world_size={world_size}; use "
+                             f"backend='gloo' on CPU")
+    check_number(timeout, "run_distributed: timeout must be a finite number of seconds > 0", positive=True)
+    if pg_timeout is not None:
+        check_number(pg_timeout, "run_distributed: pg_timeout must be None (= timeout) or a finite number of "
+                     "seconds > 0", positive=True)
+    check_number(failure_grace, "run_distributed: failure_grace must be a finite number of seconds >= 0",
+                 positive=False)
+    if link is not None:
+        if not isinstance(link, tuple) or len(link) != 2:
+            raise ValueError(f"run_distributed: link must be None or a (gbps, latency_us) tuple, got {link!r}")
+        try:
+            EmulatedLink(*link)  # checks the values here rather than in every rank
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"run_distributed: link=(gbps, latency_us): {e}") from None
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -302,27 +384,21 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results by rank.
 
     ``backend`` is the ``torch.distributed`` backend ("gloo" on CPU; "nccl" puts rank ``r`` on GPU
-    ``r % device_count``). ``timeout`` (seconds) bounds the whole call; ``pg_timeout`` (seconds,
-    default ``timeout``) is the process group's timeout. After the first rank fails, the others get
-    ``failure_grace`` seconds to report before they are killed. ``link=(gbps, latency_us)`` runs
+    ``r`` and needs ``world_size`` GPUs). ``timeout`` (seconds) bounds the whole call; ``pg_timeout``
+    (seconds, default ``timeout``) is the process group's timeout. After the first rank fails, the
+    others get ``failure_grace`` seconds to report before they are killed. ``link=(gbps, latency_us)`` runs
     ``fn`` inside :func:`overlap.testing.emulated_link` on every rank (``current_link()`` returns it
     there).
-    Raises :class:`DistributedTestError` if a rank fails, :class:`DistributedTimeoutError` on timeout.
+    Raises :class:`DistributedTestError` if a rank fails, :class:`DistributedTimeoutError` on timeout,
+    and ``TypeError`` / ``ValueError`` naming the argument (before any rank starts) for bad arguments.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    if pg_timeout is not None and not pg_timeout > 0:
-        raise ValueError(f"pg_timeout must be None (= timeout) or > 0 seconds, got {pg_timeout!r}")
-    if not failure_grace >= 0:
-        raise ValueError(f"failure_grace must be >= 0 seconds, got {failure_grace!r}")
-    if link is not None:
-        if not isinstance(link, tuple) or len(link) != 2:
-            raise ValueError(f"link must be a (gbps, latency_us) tuple or None, got {link!r}")
-        EmulatedLink(*link)  # checks the values here rather than in every rank
+    _check_arguments(fn, world_size, backend, timeout, link, pg_timeout, failure_grace)
     fn_payload = _fn_payload(fn)
-    call_payload = pickle.dumps((args, kwargs))
+    try:
+        call_payload = pickle.dumps((args, kwargs))
+    except Exception as e:
+        raise TypeError(f"run_distributed: the extra args and kwargs for fn must be picklable (they travel to "
+                        f"the ranks by pickle): {e}") from e
     ctx = _context()
     deadline = time.monotonic() + timeout
     tmpdir = tempfile.mkdtemp(prefix="overlap-dist-")
@@ -372,15 +448,17 @@ def run_distributed(
                             results[rank] = message[1]
                         else:
                             exc = _unpickle_or_none(message[2])
-                            failures.append(RankFailure(rank, message[1], None, exc))
+                            failures.append(RankFailure(rank, message[1], None, exc, message[3]))
                         continue
                 if proc.sentinel in ready and rank not in listening:
                     proc.join()
                     pending.discard(rank)
-                    failures.append(RankFailure(rank, None, proc.exitcode))
+                    failures.append(RankFailure(rank, None, proc.exitcode, at=time.monotonic()))
             if failures and failure_deadline is None:
                 failure_deadline = time.monotonic() + failure_grace
         if failures:
+            # The earliest cause first (whichever report came first), peers' "connection closed" after it.
+            failures.sort(key=lambda f: (f.peer_symptom, f.at))
             err = DistributedTestError(failures, world_size)
             raise err from failures[0].exception
         if pending:
