@@ -1,8 +1,10 @@
 """Fused Triton packing kernels for sharded (FSDP-style) collectives, with pure-torch references.
 
 Each op is one Triton launch over all parameters of a group (see ``kernels._launch``); the layout of
-shards and flat buffers is ``ShardLayout``. Importing this package registers the ops as
-``torch.ops.overlap.*`` (``kernels.library``). Knows nothing of process groups.
+shards and flat buffers is ``ShardLayout``; the device memory of the kernels' tables (uploads, use
+from several streams, release, CUDA graph capture) is ``kernels.table_memory``. Importing this
+package registers the ops as ``torch.ops.overlap.*`` (``kernels.library``). Knows nothing of process
+groups.
 """
 from kernels.all_gather_copy_in import all_gather_copy_in, all_gather_copy_in_ref
 from kernels.all_gather_copy_out import all_gather_copy_out, all_gather_copy_out_ref

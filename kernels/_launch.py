@@ -19,12 +19,33 @@ parameter tensor and the flat buffer). Two tables tell a program what to do:
   that key — up to ``POINTER_CACHE_SIZE`` entries; further address sets get a per-call table copied on
   the current stream.
 
-Cached device tables are copied once, synchronously, on a private side stream, so any stream may
-read them afterwards; they live as long as their layout.
+Device copies of the tables, their use from several streams, their release and CUDA graph capture
+are ``kernels.table_memory``'s ([Note: table memory]): copies are stream-ordered (no host sync), a
+table is not reused while a queued kernel may read it, and a captured launch reads tables that stay
+valid for as long as the graph may replay.
 
-Blocks that lie wholly inside their run take an unmasked path (vector loads/stores when the host
-proved 16-byte alignment: ``ALIGNED``); the last block of a run is masked. Launches pass
-``enable_fp_fusion=False`` so that scale-then-accumulate rounds like the torch reference.
+[Note: alignment per run]
+Blocks that lie wholly inside their run take an unmasked path; the last block of a run is masked.
+An unmasked block whose parameter side starts 16-byte aligned (address a multiple of 16 bytes, start
+a multiple of 16 elements: ``block_run``'s ``aligned``, decided per run inside the kernel) takes
+vector loads and stores; the others, scalar ones. The flat side is always aligned (slot offsets are
+multiples of ``ShardLayout.ALIGN``). One odd parameter thus slows only its own runs.
+
+[Note: per-thread width]
+Every thread moves ``VEC`` consecutive elements on both sides of a copy, ``VEC`` = 16 bytes of the
+widest *destination* dtype (``vector_width``), passed as ``tl.max_contiguous`` of the offsets. Left
+to itself Triton loads 16 bytes per thread and caps stores at 16 bytes, so a widening cast
+(bfloat16 -> float32: 8 elements loaded, 4 stored per thread) goes through a shared-memory layout
+conversion. With ``VEC``: stores are 128-bit and gapless across a warp; loads are 128-bit when the
+source is as wide as the destination, 64-bit (still coalesced) when it is half as wide, and two
+128-bit loads per thread when it is twice as wide. No layout conversion, no shared memory
+(tests/test_aot_compile.py checks the PTX). This is also the rule of torch's vectorized CUDA casts
+(one vector width for all operands, the narrowest one's). Unaligned and masked blocks are
+scalar on both sides (``scalar_lanes``), in steps of ``CHUNK`` elements (4 per thread): done in one
+step, their per-element 64-bit addresses would set the register count of the whole kernel
+(80 instead of 38 registers for reduce_scatter_copy_out with accumulation on sm_90).
+
+Launches pass ``enable_fp_fusion=False`` so that scale-then-accumulate rounds like the torch reference.
 """
 from __future__ import annotations
 
@@ -38,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import table_memory
 from kernels.layout import ShardLayout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
@@ -194,45 +216,37 @@ def as_float32(value: float) -> float:
 class BlockTable:
     blocks: torch.Tensor  # int32 (num_blocks,): run of each block
     runs: torch.Tensor  # int64 (num_runs, 6): param, tensor_start, flat_start, n_valid, n_total, first_block
+    memory: table_memory.DeviceTable  # (blocks, runs) in one allocation
+    device: torch.device  # the device it was built for (the kernel runs there)
     num_blocks: int
     block: int
     num_warps: int
-    tensor_starts_aligned: bool  # every tensor_start a multiple of 16 elements
+    chunk: int  # elements per step of the scalar paths
 
 
 @dataclasses.dataclass(frozen=True)
 class PointerTable:
     pointers: torch.Tensor  # int64 (N, 2): data address, dtype group
+    memory: table_memory.DeviceTable
     dtypes: tuple[tl.dtype, ...]  # MAX_DTYPE_GROUPS entries, unused ones repeat the first
     num_groups: int
-    aligned: bool  # every address a multiple of 16 bytes
 
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+def to_device(arrays: Sequence[np.ndarray], device: torch.device, *, cached: bool) -> table_memory.DeviceTable:
+    """Host arrays -> one device table (``table_memory.upload``; ``cached``: read by later launches,
+    from any stream). During CUDA graph capture the result is the graph's own (``in_graph``) and
+    must not be cached."""
+    return table_memory.upload(arrays, device, cached=cached)
 
 
-def to_device(array: np.ndarray, device: torch.device, *, cached: bool) -> torch.Tensor:
-    """Host array -> device tensor. ``cached``: completed before returning, readable from any stream
-    (copied on a side stream, so the current stream is not waited on); else stream-ordered on the
-    current stream, for a table used once and freed after its launch."""
-    host = torch.from_numpy(array)
-    if device.type != "cuda":
-        return host.to(device)
-    if not cached:
-        return host.pin_memory().to(device, non_blocking=True)
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        out = host.to(device)
-    stream.synchronize()
-    return out
-
-
-def _pick_block(max_run: int, device: torch.device) -> tuple[int, int]:
+def _pick_block(max_run: int, device: torch.device) -> tuple[int, int, int]:
+    """``(BLOCK, num_warps, CHUNK)`` for runs of at most ``max_run`` elements; ``CHUNK``: elements per
+    step of the scalar paths (4 per thread on a GPU, the whole block under the interpreter, which
+    pays per step: [Note: per-thread width])."""
     cap = GPU_MAX_BLOCK if device.type == "cuda" else INTERPRET_MAX_BLOCK
     block = min(cap, max(128, triton.next_power_of_2(max(max_run, 1))))
-    return block, 8 if block >= 4096 else 4
+    num_warps = 8 if block >= 4096 else 4
+    return block, num_warps, min(block, 4 * 32 * num_warps) if device.type == "cuda" else block
 
 
 def block_table(layout: ShardLayout, rank: int | None, pad: bool, device: torch.device) -> BlockTable:
@@ -242,20 +256,24 @@ def block_table(layout: ShardLayout, rank: int | None, pad: bool, device: torch.
     if table is None:
         runs = layout.segments(rank)
         lengths = runs[:, 4] if pad else runs[:, 3]
-        block, num_warps = _pick_block(int(lengths.max()), device)
+        block, num_warps, chunk = _pick_block(int(lengths.max()), device)
         counts = -(-lengths // block)
         first = np.zeros_like(counts)
         np.cumsum(counts[:-1], out=first[1:])
         blocks = np.repeat(np.arange(len(runs), dtype=np.int32), counts)
+        memory = to_device([blocks, np.concatenate([runs, first[:, None]], axis=1)], device, cached=True)
         table = BlockTable(
-            blocks=to_device(blocks, device, cached=True),
-            runs=to_device(np.concatenate([runs, first[:, None]], axis=1), device, cached=True),
+            blocks=memory.tensors[0],
+            runs=memory.tensors[1],
+            memory=memory,
+            device=device,
             num_blocks=int(counts.sum()),
             block=block,
             num_warps=num_warps,
-            tensor_starts_aligned=bool((runs[:, 1] % 16 == 0).all()),
+            chunk=chunk,
         )
-        layout._device_cache[key] = table
+        if not memory.in_graph:
+            layout._device_cache[key] = table
     return table
 
 
@@ -272,33 +290,108 @@ def pointer_table(layout: ShardLayout, tensors: Sequence[torch.Tensor], device: 
     group_dtypes = [TRITON_DTYPES[d] for d in groups]
     num_cached = layout._device_cache.setdefault("num_pointer_tables", [0])
     cached = num_cached[0] < POINTER_CACHE_SIZE
+    memory = to_device([np.array([addresses, codes], dtype=np.int64).T.copy()], device, cached=cached)
     table = PointerTable(
-        pointers=to_device(np.array([addresses, codes], dtype=np.int64).T.copy(), device, cached=cached),
+        pointers=memory.tensors[0],
+        memory=memory,
         dtypes=tuple(group_dtypes + group_dtypes[:1] * (MAX_DTYPE_GROUPS - len(group_dtypes))),
         num_groups=len(group_dtypes),
-        aligned=all(a % 16 == 0 for a in addresses),
     )
-    if cached:
+    if cached and not memory.in_graph:
         layout._device_cache[key] = table
         num_cached[0] += 1
     return table
+
+
+def vector_width(dtypes: Sequence[torch.dtype]) -> int:
+    """Elements per thread on both sides of a copy: 16 bytes of the widest of ``dtypes`` (the
+    destination side's dtypes; [Note: per-thread width])."""
+    return 16 // max(d.itemsize for d in dtypes)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One launch as an op's launcher builds it: what ``launch`` runs, and what the ahead-of-time
+    checks (tests/test_aot_compile.py) compile for GPU targets on a CPU-only machine."""
+
+    kernel: triton.JITFunction
+    blocks: BlockTable
+    pointers: PointerTable
+    tensors: tuple[torch.Tensor, ...]  # what ``pointers`` points to: held until the launch is queued
+    args: tuple[object, ...]  # the op's own arguments, after the three tables
+    constexprs: dict[str, object]  # the op's own constexprs
+
+    def launch(self) -> None:
+        launch(self.kernel, self.blocks, self.pointers, *self.args, **self.constexprs)
+
+    def arguments(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        """``kernel[grid](*args, **kwargs)``'s arguments on a GPU (tables as built: ``launch`` swaps
+        in what ``table_memory.prepare`` gives), compile options included."""
+        args = (self.blocks.blocks, self.blocks.runs, self.pointers.pointers, *self.args)
+        return args, {**launch_constexprs(self.blocks, self.pointers, self.constexprs), **gpu_options(self.blocks)}
+
+
+def kernel_call(
+    kernel: triton.JITFunction,
+    layout: ShardLayout,
+    rank: int | None,
+    pad: bool,
+    tensors: Sequence[torch.Tensor],
+    args: Sequence[object],
+    constexprs: dict[str, object],
+) -> KernelCall:
+    """``kernel`` over ``layout``'s runs for ``rank`` (``None``: all ranks; ``pad``: blocks cover the
+    padding too) with the parameter-side ``tensors`` (contiguous), on the device of ``args[0]`` (the
+    flat buffer)."""
+    device = args[0].device
+    return KernelCall(kernel, block_table(layout, rank, pad, device), pointer_table(layout, tensors, device),
+                      tuple(tensors), tuple(args), constexprs)
+
+
+def scaled_kernel_call(
+    kernel: triton.JITFunction,
+    layout: ShardLayout,
+    rank: int | None,
+    pad: bool,
+    tensors: Sequence[torch.Tensor],
+    flat: torch.Tensor,
+    scale: float | None,
+    destinations: Sequence[torch.dtype],
+    **constexprs: object,
+) -> KernelCall:
+    """``kernel_call`` for a kernel taking ``(flat, scale)``: the scale (``None``: none) rounded to
+    float32 and applied in the compute dtype of ``flat`` and ``tensors``; ``destinations``: the
+    dtypes it writes (``vector_width``)."""
+    compute = compute_dtype([flat.dtype, *(t.dtype for t in tensors)])
+    return kernel_call(
+        kernel, layout, rank, pad, tensors, (flat, 1.0 if scale is None else as_float32(scale)),
+        dict(COMPUTE=TRITON_DTYPES[compute], HAS_SCALE=scale is not None, VEC=vector_width(destinations), **constexprs),
+    )
+
+
+def launch_constexprs(blocks: BlockTable, pointers: PointerTable, constexprs: dict[str, object]) -> dict[str, object]:
+    """The constexprs of a launch: dtype groups, block size, and the op's own."""
+    g = pointers.dtypes
+    return dict(DT0=g[0], DT1=g[1], DT2=g[2], DT3=g[3], NUM_GROUPS=pointers.num_groups, BLOCK=blocks.block,
+                CHUNK=blocks.chunk, **constexprs)
+
+
+def gpu_options(blocks: BlockTable) -> dict[str, object]:
+    """Compile options of a GPU launch (the interpreter takes none)."""
+    return dict(num_warps=blocks.num_warps, enable_fp_fusion=False)
 
 
 def launch(kernel: triton.JITFunction, blocks: BlockTable, pointers: PointerTable, *args: object, **constexprs: object) -> None:
     """``kernel[(num_blocks,)](blocks, runs, pointers, *args, ...)`` on the tensors' device."""
     if blocks.num_blocks == 0:
         return
-    g = pointers.dtypes
-    kwargs = dict(
-        DT0=g[0], DT1=g[1], DT2=g[2], DT3=g[3], NUM_GROUPS=pointers.num_groups,
-        ALIGNED=pointers.aligned and blocks.tensor_starts_aligned, BLOCK=blocks.block, **constexprs,
-    )
-    device = blocks.blocks.device
+    kwargs = launch_constexprs(blocks, pointers, constexprs)
+    device = blocks.device
     grid = (blocks.num_blocks,)
     if device.type == "cuda":
         with torch.cuda.device(device):
-            kernel[grid](blocks.blocks, blocks.runs, pointers.pointers, *args, **kwargs,
-                         num_warps=blocks.num_warps, enable_fp_fusion=False)
+            (block_tensors, (pointer_tensor,)) = table_memory.prepare((blocks.memory, pointers.memory), device)
+            kernel[grid](*block_tensors, pointer_tensor, *args, **kwargs, **gpu_options(blocks))
     else:
         kernel[grid](blocks.blocks, blocks.runs, pointers.pointers, *args, **kwargs)
 
@@ -528,79 +621,106 @@ def convert(x, TO: tl.constexpr):
 
 
 @triton.jit
-def block_run(blocks_ptr, runs_ptr, pointers_ptr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's block: ``(addr, group, tensor_start, flat_start, n_valid, n_total)``.
+def block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK: tl.constexpr):
+    """This program's block: ``(addr, group, tensor_start, flat_start, n_valid, n_total, aligned)``.
 
     ``addr``/``group``: address and dtype group of the parameter-side tensor; starts are the block's
-    first element (int64); counts are what is left of the run from there (may exceed ``BLOCK``).
+    first element (int64); counts are what is left of the run from there (may exceed ``BLOCK``);
+    ``aligned``: the parameter side starts 16-byte aligned ([Note: alignment per run]: the address
+    a multiple of 16 bytes and the start a multiple of 16 elements; ``BLOCK`` is a multiple of 16, so
+    this holds for every block of a run or for none).
     """
     pid = tl.program_id(0).to(tl.int64)
     row = runs_ptr + tl.load(blocks_ptr + pid).to(tl.int64) * 6
     param = tl.load(row)
     start = (pid - tl.load(row + 5)) * BLOCK
     tensor_start = tl.load(row + 1) + start
-    if ALIGNED:
-        tensor_start = tl.multiple_of(tensor_start, 16)
     flat_start = tl.multiple_of(tl.load(row + 2) + start, 16)  # slot offsets are 16-aligned
     addr = tl.load(pointers_ptr + param * 2)
     group = tl.load(pointers_ptr + param * 2 + 1)
-    return addr, group, tensor_start, flat_start, tl.load(row + 3) - start, tl.load(row + 4) - start
+    aligned = ((addr % 16) == 0) & ((tensor_start % 16) == 0)
+    return addr, group, tensor_start, flat_start, tl.load(row + 3) - start, tl.load(row + 4) - start, aligned
 
 
 @triton.jit
-def _typed(addr, DT: tl.constexpr, ALIGNED: tl.constexpr):
+def vector_lanes(BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """A block's element offsets on an aligned unmasked path: ``arange(0, BLOCK)``, ``VEC``
+    consecutive elements per thread ([Note: per-thread width])."""
+    return tl.max_contiguous(tl.arange(0, BLOCK), VEC)
+
+
+@triton.jit
+def scalar_lanes(BLOCK: tl.constexpr):
+    """A block's element offsets on an unaligned or masked path, shaped ``(1, BLOCK)``.
+
+    Triton's coalescing widens every load to the widest access *of the same shape* anywhere in the
+    kernel, and to what the load itself allows (the flat side is aligned even when the parameter
+    side is not); a wide load feeding a scalar store is a layout conversion through shared memory.
+    Another shape keeps these paths apart from the vector path, and a contiguity of 1 keeps their
+    flat side scalar: scalar on both sides, no shared memory ([Note: per-thread width]).
+    """
+    return tl.max_contiguous(tl.arange(0, BLOCK), 1)[None, :]
+
+
+@triton.jit
+def _at(addr, start, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Element ``start`` of the tensor at ``addr`` (dtype ``DT``); ``ALIGNED``: both are 16-aligned
+    (bytes, elements), which lets Triton vectorize. (``tl.multiple_of`` marks the op that defines a
+    value, and ``start`` is defined outside this branch: so it is rebuilt here as a product by 16,
+    the same number on an aligned run, from which Triton infers the divisibility itself.)"""
     ptr = addr.to(tl.pointer_type(DT))
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
-    return ptr
+        start = (start // 16) * 16
+    return ptr + start
 
 
 @triton.jit
-def _load(addr, offs, mask, other, DT: tl.constexpr, TO: tl.constexpr, ALIGNED: tl.constexpr):
-    return convert(tl.load(_typed(addr, DT, ALIGNED) + offs, mask=mask, other=other), TO)
+def _load(addr, start, offs, mask, other, DT: tl.constexpr, TO: tl.constexpr, ALIGNED: tl.constexpr):
+    return convert(tl.load(_at(addr, start, DT, ALIGNED) + offs, mask=mask, other=other), TO)
 
 
 @triton.jit
-def load_as(addr, group, offs, mask, other, DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr,
+def load_as(addr, group, start, offs, mask, other, DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr,
             DT3: tl.constexpr, NUM_GROUPS: tl.constexpr, TO: tl.constexpr, ALIGNED: tl.constexpr):
-    """Elements ``offs`` of the tensor at ``addr`` (dtype ``DT{group}``), converted to ``TO``."""
+    """Elements ``start + offs`` of the tensor at ``addr`` (dtype ``DT{group}``), converted to ``TO``."""
     if NUM_GROUPS == 1:
-        x = _load(addr, offs, mask, other, DT0, TO, ALIGNED)
+        x = _load(addr, start, offs, mask, other, DT0, TO, ALIGNED)
     elif group == 0:
-        x = _load(addr, offs, mask, other, DT0, TO, ALIGNED)
+        x = _load(addr, start, offs, mask, other, DT0, TO, ALIGNED)
     elif NUM_GROUPS == 2:
-        x = _load(addr, offs, mask, other, DT1, TO, ALIGNED)
+        x = _load(addr, start, offs, mask, other, DT1, TO, ALIGNED)
     elif group == 1:
-        x = _load(addr, offs, mask, other, DT1, TO, ALIGNED)
+        x = _load(addr, start, offs, mask, other, DT1, TO, ALIGNED)
     elif NUM_GROUPS == 3:
-        x = _load(addr, offs, mask, other, DT2, TO, ALIGNED)
+        x = _load(addr, start, offs, mask, other, DT2, TO, ALIGNED)
     elif group == 2:
-        x = _load(addr, offs, mask, other, DT2, TO, ALIGNED)
+        x = _load(addr, start, offs, mask, other, DT2, TO, ALIGNED)
     else:
-        x = _load(addr, offs, mask, other, DT3, TO, ALIGNED)
+        x = _load(addr, start, offs, mask, other, DT3, TO, ALIGNED)
     return x
 
 
 @triton.jit
-def _store(addr, offs, x, mask, DT: tl.constexpr, ALIGNED: tl.constexpr):
-    tl.store(_typed(addr, DT, ALIGNED) + offs, convert(x, DT), mask=mask)
+def _store(addr, start, offs, x, mask, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    tl.store(_at(addr, start, DT, ALIGNED) + offs, convert(x, DT), mask=mask)
 
 
 @triton.jit
-def store_as(addr, group, offs, x, mask, DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr,
+def store_as(addr, group, start, offs, x, mask, DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr,
              DT3: tl.constexpr, NUM_GROUPS: tl.constexpr, ALIGNED: tl.constexpr):
-    """Store ``x`` converted to ``DT{group}`` at elements ``offs`` of the tensor at ``addr``."""
+    """Store ``x`` converted to ``DT{group}`` at elements ``start + offs`` of the tensor at ``addr``."""
     if NUM_GROUPS == 1:
-        _store(addr, offs, x, mask, DT0, ALIGNED)
+        _store(addr, start, offs, x, mask, DT0, ALIGNED)
     elif group == 0:
-        _store(addr, offs, x, mask, DT0, ALIGNED)
+        _store(addr, start, offs, x, mask, DT0, ALIGNED)
     elif NUM_GROUPS == 2:
-        _store(addr, offs, x, mask, DT1, ALIGNED)
+        _store(addr, start, offs, x, mask, DT1, ALIGNED)
     elif group == 1:
-        _store(addr, offs, x, mask, DT1, ALIGNED)
+        _store(addr, start, offs, x, mask, DT1, ALIGNED)
     elif NUM_GROUPS == 3:
-        _store(addr, offs, x, mask, DT2, ALIGNED)
+        _store(addr, start, offs, x, mask, DT2, ALIGNED)
     elif group == 2:
-        _store(addr, offs, x, mask, DT2, ALIGNED)
+        _store(addr, start, offs, x, mask, DT2, ALIGNED)
     else:
-        _store(addr, offs, x, mask, DT3, ALIGNED)
+        _store(addr, start, offs, x, mask, DT3, ALIGNED)

@@ -23,27 +23,44 @@ import triton
 import triton.language as tl
 
 from kernels import _launch
-from kernels._launch import block_run, load_as
+from kernels._launch import block_run, load_as, scalar_lanes, vector_lanes
 from kernels.layout import ShardLayout
 
 OP = "all_gather_copy_in"
 
 
 @triton.jit
+def _copy_in(
+    addr, group, src_start, offs, dst, mask, other, store_mask,
+    DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    OUT: tl.constexpr = dst.dtype.element_ty
+    x = load_as(addr, group, src_start, offs, mask, other, DT0, DT1, DT2, DT3, NUM_GROUPS, OUT, ALIGNED)
+    tl.store(dst + offs, x, mask=store_mask)
+
+
+@triton.jit
 def _all_gather_copy_in_kernel(
     blocks_ptr, runs_ptr, pointers_ptr, slot_ptr,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr,
-    NUM_GROUPS: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    addr, group, src_start, dst_start, n_valid, n_total = block_run(blocks_ptr, runs_ptr, pointers_ptr, ALIGNED, BLOCK)
-    offs = tl.arange(0, BLOCK)
-    OUT: tl.constexpr = slot_ptr.dtype.element_ty
+    addr, group, src_start, dst_start, n_valid, n_total, aligned = block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK)
+    dst = slot_ptr + dst_start
     if n_valid >= BLOCK:
-        x = load_as(addr, group, src_start + offs, None, None, DT0, DT1, DT2, DT3, NUM_GROUPS, OUT, ALIGNED)
-        tl.store(slot_ptr + dst_start + offs, x)
+        if aligned:  # [Note: alignment per run], [Note: per-thread width]
+            _copy_in(addr, group, src_start, vector_lanes(BLOCK, VEC), dst, None, None, None,
+                     DT0, DT1, DT2, DT3, NUM_GROUPS, True)
+        else:
+            for i in range(0, BLOCK, CHUNK):
+                _copy_in(addr, group, src_start + i, scalar_lanes(CHUNK), dst + i, None, None, None,
+                         DT0, DT1, DT2, DT3, NUM_GROUPS, False)
     else:  # the run's last block: shard tail, then zero padding
-        x = load_as(addr, group, src_start + offs, offs < n_valid, 0, DT0, DT1, DT2, DT3, NUM_GROUPS, OUT, ALIGNED)
-        tl.store(slot_ptr + dst_start + offs, x, mask=offs < n_total)
+        for i in range(0, BLOCK, CHUNK):
+            offs = scalar_lanes(CHUNK)
+            _copy_in(addr, group, src_start + i, offs, dst + i, offs < n_valid - i, 0, offs < n_total - i,
+                     DT0, DT1, DT2, DT3, NUM_GROUPS, False)
 
 
 def _check(
@@ -76,12 +93,16 @@ def _all_gather_copy_in(
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
             return _all_gather_copy_in_torch(shards, layout, rank, dtype, device)
-    shards = [s.contiguous() for s in shards]
     ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]
-    blocks = _launch.block_table(layout, rank, pad=True, device=device)
-    _launch.launch(_all_gather_copy_in_kernel, blocks, _launch.pointer_table(layout, shards, device), ag_input)
+    _kernel_call([s.contiguous() for s in shards], layout, rank, ag_input).launch()
     return ag_input, ag_output
+
+
+def _kernel_call(shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, ag_input: torch.Tensor) -> _launch.KernelCall:
+    """The launch that fills ``ag_input`` (this rank's slot) from contiguous ``shards``."""
+    return _launch.kernel_call(_all_gather_copy_in_kernel, layout, rank, True, shards, (ag_input,),
+                               dict(VEC=_launch.vector_width([ag_input.dtype])))
 
 
 def _all_gather_copy_in_torch(

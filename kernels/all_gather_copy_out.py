@@ -22,27 +22,42 @@ import triton
 import triton.language as tl
 
 from kernels import _launch
-from kernels._launch import block_run, store_as
+from kernels._launch import block_run, scalar_lanes, store_as, vector_lanes
 from kernels.layout import ShardLayout
 
 OP = "all_gather_copy_out"
 
 
 @triton.jit
+def _copy_out(
+    src, offs, addr, group, dst_start, mask,
+    DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    x = tl.load(src + offs, mask=mask)
+    store_as(addr, group, dst_start, offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, ALIGNED)
+
+
+@triton.jit
 def _all_gather_copy_out_kernel(
     blocks_ptr, runs_ptr, pointers_ptr, buffer_ptr,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr,
-    NUM_GROUPS: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    addr, group, dst_start, src_start, n_valid, _ = block_run(blocks_ptr, runs_ptr, pointers_ptr, ALIGNED, BLOCK)
-    offs = tl.arange(0, BLOCK)
+    addr, group, dst_start, src_start, n_valid, _, aligned = block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK)
+    src = buffer_ptr + src_start
     if n_valid >= BLOCK:
-        x = tl.load(buffer_ptr + src_start + offs)
-        store_as(addr, group, dst_start + offs, x, None, DT0, DT1, DT2, DT3, NUM_GROUPS, ALIGNED)
+        if aligned:  # [Note: alignment per run], [Note: per-thread width]
+            _copy_out(src, vector_lanes(BLOCK, VEC), addr, group, dst_start, None, DT0, DT1, DT2, DT3, NUM_GROUPS, True)
+        else:
+            for i in range(0, BLOCK, CHUNK):
+                _copy_out(src + i, scalar_lanes(CHUNK), addr, group, dst_start + i, None,
+                          DT0, DT1, DT2, DT3, NUM_GROUPS, False)
     else:
-        mask = offs < n_valid
-        x = tl.load(buffer_ptr + src_start + offs, mask=mask)
-        store_as(addr, group, dst_start + offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, ALIGNED)
+        for i in range(0, BLOCK, CHUNK):
+            offs = scalar_lanes(CHUNK)
+            _copy_out(src + i, offs, addr, group, dst_start + i, offs < n_valid - i,
+                      DT0, DT1, DT2, DT3, NUM_GROUPS, False)
 
 
 def _check(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor] | None, dtype: torch.dtype | None) -> None:
@@ -84,10 +99,14 @@ def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: lis
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
             _all_gather_copy_out_torch(ag_output, layout, outs)
         return
-    device = ag_output.device
-    blocks = _launch.block_table(layout, None, pad=False, device=device)
-    _launch.launch(_all_gather_copy_out_kernel, blocks, _launch.pointer_table(layout, outs, device), ag_output)
+    _kernel_call(ag_output, layout, outs).launch()
     _launch.increment_version(outs)
+
+
+def _kernel_call(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor]) -> _launch.KernelCall:
+    """The launch that scatters ``ag_output`` into ``outs`` (contiguous)."""
+    return _launch.kernel_call(_all_gather_copy_out_kernel, layout, None, False, outs, (ag_output,),
+                               dict(VEC=_launch.vector_width([o.dtype for o in outs])))
 
 
 def _all_gather_copy_out_torch(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor]) -> None:

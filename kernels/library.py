@@ -23,6 +23,15 @@ op                                 schema (informal)
 ``overlap::reduce_scatter_copy_out`` (Tensor rs_output, Tensor(a!)[] shard_grads, int[] spec, int rank,
                                    float? post_scale, bool accumulate) -> ()
 =================================  ======================================================
+
+[Note: ops in CUDA graphs]
+On CUDA with Triton the four ops are capture-safe: their launch path allocates nothing pinned,
+waits on nothing and syncs nothing during capture, and the tables their kernels read stay valid
+for as long as a graph may replay (``kernels.table_memory``). CUDA tensors under
+``TRITON_INTERPRET`` take the torch fallback instead, whose NaN check (``_launch.has_nan``) reads a
+value back to the host: in that configuration the ops are registered with
+``torch.Tag.cudagraph_unsafe``, so that Inductor's CUDA graphs leave them out
+(``CUDAGRAPH_UNSAFE_TAGS``).
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from kernels import _launch
 from kernels.all_gather_copy_in import _all_gather_copy_in
 from kernels.all_gather_copy_in import _check as _check_all_gather_copy_in
 from kernels.all_gather_copy_out import _all_gather_copy_out
@@ -41,11 +51,21 @@ from kernels.reduce_scatter_copy_out import _check as _check_reduce_scatter_copy
 from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
 
 
+def _cudagraph_tags(interpret: bool) -> tuple[torch.Tag, ...]:
+    """The tags of the ops: ``cudagraph_unsafe`` when CUDA tensors would take the torch fallback
+    ([Note: ops in CUDA graphs]); none on a torch without that tag."""
+    unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
+    return (unsafe,) if interpret and unsafe is not None else ()
+
+
+CUDAGRAPH_UNSAFE_TAGS = _cudagraph_tags(_launch.INTERPRET)
+
+
 def _layout(spec: list[int]) -> ShardLayout:
     return ShardLayout.from_spec(tuple(spec))
 
 
-@torch.library.custom_op("overlap::all_gather_copy_in", mutates_args=())
+@torch.library.custom_op("overlap::all_gather_copy_in", mutates_args=(), tags=CUDAGRAPH_UNSAFE_TAGS)
 def all_gather_copy_in(
     shards: list[torch.Tensor], layout_spec: list[int], rank: int, dtype: Optional[torch.dtype]
 ) -> torch.Tensor:
@@ -61,7 +81,7 @@ def _(shards, layout_spec, rank, dtype):
     return torch.empty(layout.buffer_numel, dtype=dtype, device=device)
 
 
-@torch.library.custom_op("overlap::all_gather_copy_out", mutates_args=("outs",))
+@torch.library.custom_op("overlap::all_gather_copy_out", mutates_args=("outs",), tags=CUDAGRAPH_UNSAFE_TAGS)
 def all_gather_copy_out(ag_output: torch.Tensor, layout_spec: list[int], outs: list[torch.Tensor]) -> None:
     layout = _layout(layout_spec)
     _check_all_gather_copy_out(ag_output, layout, outs, None)
@@ -73,7 +93,7 @@ def _(ag_output, layout_spec, outs):
     _check_all_gather_copy_out(ag_output, _layout(layout_spec), outs, None)
 
 
-@torch.library.custom_op("overlap::reduce_scatter_copy_in", mutates_args=())
+@torch.library.custom_op("overlap::reduce_scatter_copy_in", mutates_args=(), tags=CUDAGRAPH_UNSAFE_TAGS)
 def reduce_scatter_copy_in(
     grads: list[torch.Tensor], layout_spec: list[int], pre_scale: Optional[float], dtype: Optional[torch.dtype]
 ) -> torch.Tensor:
@@ -89,7 +109,7 @@ def _(grads, layout_spec, pre_scale, dtype):
     return torch.empty(layout.buffer_numel, dtype=dtype, device=device)
 
 
-@torch.library.custom_op("overlap::reduce_scatter_copy_out", mutates_args=("shard_grads",))
+@torch.library.custom_op("overlap::reduce_scatter_copy_out", mutates_args=("shard_grads",), tags=CUDAGRAPH_UNSAFE_TAGS)
 def reduce_scatter_copy_out(
     rs_output: torch.Tensor,
     shard_grads: list[torch.Tensor],

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import _launch
-from kernels._launch import block_run, convert, load_as
+from kernels._launch import block_run, convert, load_as, scalar_lanes, vector_lanes
 from kernels.layout import ShardLayout
 
 OP = "reduce_scatter_copy_in"
@@ -31,19 +31,19 @@ OP = "reduce_scatter_copy_in"
 
 @triton.jit
 def _pack(
-    addr, group, src_offs, dst_ptrs, mask, other, store_mask, scale,
+    addr, group, src_start, offs, dst, mask, other, store_mask, scale,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
     COMPUTE: tl.constexpr, HAS_SCALE: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    OUT: tl.constexpr = dst_ptrs.dtype.element_ty
+    OUT: tl.constexpr = dst.dtype.element_ty
     if HAS_SCALE:
-        x = load_as(addr, group, src_offs, mask, other, DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, ALIGNED) * scale
+        x = load_as(addr, group, src_start, offs, mask, other, DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, ALIGNED) * scale
         if mask is not None:
             x = tl.where(mask, x, 0)  # padding stays 0 whatever the scale
-        tl.store(dst_ptrs, convert(x, OUT), mask=store_mask)
+        tl.store(dst + offs, convert(x, OUT), mask=store_mask)
     else:
-        x = load_as(addr, group, src_offs, mask, other, DT0, DT1, DT2, DT3, NUM_GROUPS, OUT, ALIGNED)
-        tl.store(dst_ptrs, x, mask=store_mask)
+        x = load_as(addr, group, src_start, offs, mask, other, DT0, DT1, DT2, DT3, NUM_GROUPS, OUT, ALIGNED)
+        tl.store(dst + offs, x, mask=store_mask)
 
 
 @triton.jit
@@ -51,17 +51,23 @@ def _reduce_scatter_copy_in_kernel(
     blocks_ptr, runs_ptr, pointers_ptr, buffer_ptr, scale,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr,
     NUM_GROUPS: tl.constexpr, COMPUTE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    VEC: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    addr, group, src_start, dst_start, n_valid, n_total = block_run(blocks_ptr, runs_ptr, pointers_ptr, ALIGNED, BLOCK)
-    offs = tl.arange(0, BLOCK)
-    dst_ptrs = buffer_ptr + dst_start + offs
+    addr, group, src_start, dst_start, n_valid, n_total, aligned = block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK)
+    dst = buffer_ptr + dst_start
     if n_valid >= BLOCK:
-        _pack(addr, group, src_start + offs, dst_ptrs, None, None, None, scale,
-              DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ALIGNED)
+        if aligned:  # [Note: alignment per run], [Note: per-thread width]
+            _pack(addr, group, src_start, vector_lanes(BLOCK, VEC), dst, None, None, None, scale,
+                  DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, True)
+        else:
+            for i in range(0, BLOCK, CHUNK):
+                _pack(addr, group, src_start + i, scalar_lanes(CHUNK), dst + i, None, None, None, scale,
+                      DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, False)
     else:  # the run's last block: gradient tail, then zero padding
-        _pack(addr, group, src_start + offs, dst_ptrs, offs < n_valid, 0, offs < n_total, scale,
-              DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ALIGNED)
+        for i in range(0, BLOCK, CHUNK):
+            offs = scalar_lanes(CHUNK)
+            _pack(addr, group, src_start + i, offs, dst + i, offs < n_valid - i, 0, offs < n_total - i, scale,
+                  DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, False)
 
 
 def _check(
@@ -98,19 +104,17 @@ def _reduce_scatter_copy_in(
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
             return _reduce_scatter_copy_in_torch(grads, layout, pre_scale, dtype, device)
-    grads = [g.contiguous() for g in grads]
     rs_input = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
-    compute = _launch.compute_dtype([dtype, *(g.dtype for g in grads)])
-    _launch.launch(
-        _reduce_scatter_copy_in_kernel,
-        _launch.block_table(layout, None, pad=True, device=device),
-        _launch.pointer_table(layout, grads, device),
-        rs_input,
-        1.0 if pre_scale is None else _launch.as_float32(pre_scale),
-        COMPUTE=_launch.TRITON_DTYPES[compute],
-        HAS_SCALE=pre_scale is not None,
-    )
+    _kernel_call([g.contiguous() for g in grads], layout, pre_scale, rs_input).launch()
     return rs_input
+
+
+def _kernel_call(
+    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, rs_input: torch.Tensor
+) -> _launch.KernelCall:
+    """The launch that packs contiguous ``grads`` into ``rs_input``."""
+    return _launch.scaled_kernel_call(_reduce_scatter_copy_in_kernel, layout, None, True, grads, rs_input, pre_scale,
+                                      [rs_input.dtype])
 
 
 def _reduce_scatter_copy_in_torch(

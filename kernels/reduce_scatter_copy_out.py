@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import _launch
-from kernels._launch import block_run, convert, load_as, store_as
+from kernels._launch import block_run, convert, load_as, scalar_lanes, store_as, vector_lanes
 from kernels.layout import ShardLayout
 
 OP = "reduce_scatter_copy_out"
@@ -32,18 +32,18 @@ OP = "reduce_scatter_copy_out"
 
 @triton.jit
 def _unpack(
-    src_ptrs, addr, group, dst_offs, mask, other, scale,
+    src, offs, addr, group, dst_start, mask, other, scale,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
     COMPUTE: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    x = tl.load(src_ptrs, mask=mask)
+    x = tl.load(src + offs, mask=mask)
     if HAS_SCALE or ACCUMULATE:
         x = convert(x, COMPUTE)
     if HAS_SCALE:
         x = x * scale
     if ACCUMULATE:
-        x = load_as(addr, group, dst_offs, mask, other, DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, ALIGNED) + x
-    store_as(addr, group, dst_offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, ALIGNED)
+        x = load_as(addr, group, dst_start, offs, mask, other, DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, ALIGNED) + x
+    store_as(addr, group, dst_start, offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, ALIGNED)
 
 
 @triton.jit
@@ -51,17 +51,23 @@ def _reduce_scatter_copy_out_kernel(
     blocks_ptr, runs_ptr, pointers_ptr, slot_ptr, scale,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr,
     NUM_GROUPS: tl.constexpr, COMPUTE: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    VEC: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    addr, group, dst_start, src_start, n_valid, _ = block_run(blocks_ptr, runs_ptr, pointers_ptr, ALIGNED, BLOCK)
-    offs = tl.arange(0, BLOCK)
-    src_ptrs = slot_ptr + src_start + offs
+    addr, group, dst_start, src_start, n_valid, _, aligned = block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK)
+    src = slot_ptr + src_start
     if n_valid >= BLOCK:
-        _unpack(src_ptrs, addr, group, dst_start + offs, None, None, scale,
-                DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ACCUMULATE, ALIGNED)
+        if aligned:  # [Note: alignment per run], [Note: per-thread width]
+            _unpack(src, vector_lanes(BLOCK, VEC), addr, group, dst_start, None, None, scale,
+                    DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ACCUMULATE, True)
+        else:
+            for i in range(0, BLOCK, CHUNK):
+                _unpack(src + i, scalar_lanes(CHUNK), addr, group, dst_start + i, None, None, scale,
+                        DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ACCUMULATE, False)
     else:
-        _unpack(src_ptrs, addr, group, dst_start + offs, offs < n_valid, 0, scale,
-                DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ACCUMULATE, ALIGNED)
+        for i in range(0, BLOCK, CHUNK):
+            offs = scalar_lanes(CHUNK)
+            _unpack(src + i, offs, addr, group, dst_start + i, offs < n_valid - i, 0, scale,
+                    DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ACCUMULATE, False)
 
 
 def _check(
@@ -116,18 +122,21 @@ def _reduce_scatter_copy_out(
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
             _reduce_scatter_copy_out_torch(rs_output, shard_grads, layout, rank, post_scale, accumulate)
         return
-    compute = _launch.compute_dtype([rs_output.dtype, *(g.dtype for g in shard_grads)])
-    _launch.launch(
-        _reduce_scatter_copy_out_kernel,
-        _launch.block_table(layout, rank, pad=False, device=device),
-        _launch.pointer_table(layout, shard_grads, device),
-        rs_output,
-        1.0 if post_scale is None else _launch.as_float32(post_scale),
-        COMPUTE=_launch.TRITON_DTYPES[compute],
-        HAS_SCALE=post_scale is not None,
-        ACCUMULATE=accumulate,
-    )
+    _kernel_call(rs_output, shard_grads, layout, rank, post_scale, accumulate).launch()
     _launch.increment_version(shard_grads)
+
+
+def _kernel_call(
+    rs_output: torch.Tensor,
+    shard_grads: Sequence[torch.Tensor],
+    layout: ShardLayout,
+    rank: int,
+    post_scale: float | None,
+    accumulate: bool,
+) -> _launch.KernelCall:
+    """The launch that writes (or adds) ``rs_output`` into ``shard_grads`` (contiguous)."""
+    return _launch.scaled_kernel_call(_reduce_scatter_copy_out_kernel, layout, rank, False, shard_grads, rs_output,
+                                      post_scale, [g.dtype for g in shard_grads], ACCUMULATE=accumulate)
 
 
 def _reduce_scatter_copy_out_torch(

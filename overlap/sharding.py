@@ -104,7 +104,9 @@ _sharded_classes: dict[type, type] = {}
 def _sharded_class(cls: type) -> type:
     sharded = _sharded_classes.get(cls)
     if sharded is None:
-        sharded = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+        # The original class's module: libraries that branch on where a class comes from (HF's
+        # custom-code check picks its init path from ``__module__``) see the model's own class.
+        sharded = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
         _sharded_classes[cls] = sharded
     return sharded
 

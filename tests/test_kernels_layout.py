@@ -208,10 +208,8 @@ def test_huge_layout_offsets_are_exact() -> None:
 
 
 @triton.jit
-def _block_run_probe_kernel(blocks_ptr, runs_ptr, pointers_ptr, out_ptr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    _, _, tensor_start, flat_start, n_valid, n_total = _launch.block_run(
-        blocks_ptr, runs_ptr, pointers_ptr, ALIGNED, BLOCK
-    )
+def _block_run_probe_kernel(blocks_ptr, runs_ptr, pointers_ptr, out_ptr, BLOCK: tl.constexpr):
+    _, _, tensor_start, flat_start, n_valid, n_total, _ = _launch.block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK)
     row = out_ptr + tl.program_id(0).to(tl.int64) * 4
     tl.store(row, tensor_start)
     tl.store(row + 1, flat_start)
@@ -239,7 +237,7 @@ def test_device_side_block_offsets_beyond_int32() -> None:
     pointers = torch.zeros(layout.num_params, 2, dtype=torch.int64, device=device)
     out = torch.full((table.num_blocks, 4), -1, dtype=torch.int64, device=device)
     _block_run_probe_kernel[(table.num_blocks,)](
-        table.blocks, table.runs, pointers, out, ALIGNED=False, BLOCK=table.block
+        table.blocks, table.runs, pointers, out, BLOCK=table.block
     )
     expected = [
         [0, HUGE, 2 * 3, ALIGN],

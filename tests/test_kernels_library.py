@@ -247,6 +247,19 @@ def test_triton_path_on_cpu_only_under_the_interpreter() -> None:
     assert not _launch.triton_enabled(torch.device("meta"))
 
 
+def test_ops_are_tagged_cudagraph_unsafe_only_when_cuda_takes_the_torch_fallback() -> None:
+    """[Note: ops in CUDA graphs]: the Triton launch path is capture-safe; the torch fallback that
+    CUDA tensors take under ``TRITON_INTERPRET`` syncs the host (its NaN check), so then the ops
+    carry ``torch.Tag.cudagraph_unsafe`` and Inductor's CUDA graphs leave them out."""
+    from kernels import library
+
+    unsafe = torch.Tag.cudagraph_unsafe
+    assert library._cudagraph_tags(True) == (unsafe,) and library._cudagraph_tags(False) == ()
+    for name in ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out"):
+        tags = getattr(torch.ops.overlap, name).default.tags
+        assert (unsafe in tags) == _launch.INTERPRET, (name, tags)
+
+
 FALLBACK_CASES = [(1, 0), (2, 1), (3, 2), (4, 1), (8, 0), (8, 7)]
 """(world size, rank) pairs: SHAPES' 0-dim and (0, 4) parameters, short ranks, and empty shards on
 high ranks (8 ranks: (7,) leaves rank 7 nothing, () every rank but 0)."""

@@ -583,12 +583,12 @@ def test_bfloat16_subnormals_widen_exactly() -> None:
 # ------------------------------------------------------------------------- device metadata caching
 def test_device_tables_are_built_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Steady state (same layout, same tensors): no host -> device metadata copy, no new table."""
-    copies: list[tuple[int, ...]] = []
+    copies: list[tuple[tuple[int, ...], ...]] = []
     real_to_device = _launch.to_device
 
-    def counting_to_device(array: np.ndarray, device: torch.device, *, cached: bool) -> torch.Tensor:
-        copies.append(array.shape)
-        return real_to_device(array, device, cached=cached)
+    def counting_to_device(arrays: Sequence[np.ndarray], device: torch.device, *, cached: bool) -> object:
+        copies.append(tuple(a.shape for a in arrays))
+        return real_to_device(arrays, device, cached=cached)
 
     monkeypatch.setattr(_launch, "to_device", counting_to_device)
     shapes = ODD_SHAPES[:8]
@@ -617,7 +617,7 @@ def test_device_tables_are_built_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
     # new tensors (new addresses): one pointer table, no block table
     all_gather_copy_in([s.clone() for s in shards], layout, 1)
-    assert copies == [(len(shapes), 2)]
+    assert copies == [((len(shapes), 2),)]
 
 
 def test_pointer_table_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

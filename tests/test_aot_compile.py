@@ -1,0 +1,330 @@
+"""Ahead-of-time compiles of the four packing kernels for sm_80 and sm_90, on a CPU-only machine.
+
+Select with ``pytest -k aot_compile``. Each kernel is compiled the way a GPU launch compiles it: the
+op's own launcher builds the call (``_kernel_call``: tables, arguments, constexprs such as ``VEC``,
+``COMPUTE``, ``HAS_SCALE``), ``_launch._pick_block`` gives the CUDA block configuration, and Triton's
+own argument binder specializes the arguments (types, 16-byte divisibility) before
+``triton.compile`` runs with Triton's bundled ptxas for ``GPUTarget("cuda", 80, 32)`` and
+``GPUTarget("cuda", 90, 32)``. One subprocess compiles everything (``TRITON_INTERPRET`` unset, so
+``triton.jit`` makes real JIT functions; a fresh Triton cache, so ptxas runs and reports).
+
+Matrix: fp32/bf16/fp16 in and out (9 pairs) for every kernel; reduce_scatter_copy_in with and
+without a scale; reduce_scatter_copy_out copying, scaling, accumulating, both; all parameters of
+one dtype (one dtype group). Besides, per kernel, one launch whose parameters mix fp32, bf16 and
+fp16 (three dtype groups, a branch each). The largest run is 4000 elements, so the kernels get the
+GPU's largest block: ``BLOCK=4096``, 8 warps, scalar steps of 1024 elements.
+
+Checked per compile:
+
+* **Registers**: at most ``REGISTER_BUDGET`` = 40 per thread (ptxas ``-v``), 48 with three dtype
+  groups (``MIXED_REGISTER_BUDGET``), and no spills (0 bytes of spill stores/loads, 0-byte stack
+  frame). 40 registers x 256 threads lets 6 blocks (48 of 64 warps) share an SM's 64K registers on
+  sm_80 and sm_90; 48 lets 5 (40 warps).
+* **No shared memory** (``metadata.shared == 0``): no layout conversion between the load and the
+  store side ([Note: per-thread width] in ``kernels._launch``).
+* **Vector accesses**: on the aligned unmasked path each thread stores its 16 elements with 128-bit
+  ``st.global.v4.b32`` and loads them with ``ld.global.v4.b32``, except that a source half as wide
+  as the destination (16-bit to fp32) is loaded with 64-bit ``ld.global.v2.b32`` (4 elements per
+  thread on both sides); exact counts, and no other vector width. Everything else (tables, the
+  unaligned and masked paths) is scalar. (Mixed-dtype launches: 128-bit stores of the widest
+  destination dtype, no exact counts.)
+
+Toolchain and driver: with triton 3.9's wheel, sm_80 code comes from its ptxas 12.9 (PTX ISA 8.8)
+and sm_90 code (``sm_90a``) from its ``ptxas-blackwell`` 13.4 (PTX ISA 9.4). Triton loads the cubin,
+so the driver must support the CUDA major version of the ptxas that built it: a CUDA 12 driver
+(R525 or newer, minor-version compatibility) for A100, and a CUDA 13 driver (R580 or newer) for
+H100. On an older H100 driver, point ``TRITON_PTXAS_BLACKWELL_PATH`` at a CUDA 12.x ptxas.
+``test_aot_compile_toolchain`` pins these versions, so a Triton upgrade that changes them fails here
+and the statement gets revisited.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+REGISTER_BUDGET = 40
+"""Registers per thread, at most, with one dtype group (see the module docstring)."""
+MIXED_REGISTER_BUDGET = 48
+"""Registers per thread, at most, with three dtype groups."""
+
+TOOLCHAIN = {80: ("sm_80", "8.8", "12.9"), 90: ("sm_90a", "9.4", "13.4")}
+"""Target arch -> (PTX ``.target``, PTX ``.version``, ptxas release) of triton 3.9's bundled ptxas."""
+
+TARGETS = (80, 90)
+DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}  # name -> bytes
+MIXED = ("fp32", "bf16", "fp16")  # "mixed": the parameters' dtypes, cycled
+MODES = {
+    "all_gather_copy_in": ("copy",),
+    "all_gather_copy_out": ("copy",),
+    "reduce_scatter_copy_in": ("copy", "scale"),
+    "reduce_scatter_copy_out": ("copy", "scale", "accumulate", "scale+accumulate"),
+}
+FLAT_IS_DESTINATION = {"all_gather_copy_in": True, "reduce_scatter_copy_in": True,
+                       "all_gather_copy_out": False, "reduce_scatter_copy_out": False}
+SHAPES, WORLD_SIZE, RANK = [(8000,), (30, 7), (4000, 1)], 2, 1  # largest run: 4000 elements
+BLOCK, NUM_WARPS, CHUNK = 4096, 8, 1024
+ELEMENTS_PER_THREAD = BLOCK // (32 * NUM_WARPS)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str
+    src: str  # dtype read
+    dst: str  # dtype written
+    mode: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.src}-{self.dst}-{self.mode}"
+
+    @property
+    def mixed(self) -> bool:
+        return "mixed" in (self.src, self.dst)
+
+    @property
+    def widest_dst(self) -> int:
+        return max(DTYPES[d] for d in (MIXED if self.dst == "mixed" else (self.dst,)))
+
+
+CASES = [Case(op, s, d, m) for op, modes in MODES.items() for s in DTYPES for d in DTYPES for m in modes]
+MIXED_CASES = [  # the parameter side mixes dtypes
+    Case("all_gather_copy_in", "mixed", "bf16", "copy"),
+    Case("all_gather_copy_out", "bf16", "mixed", "copy"),
+    Case("reduce_scatter_copy_in", "mixed", "fp32", "scale"),
+    Case("reduce_scatter_copy_out", "fp32", "mixed", "scale+accumulate"),
+]
+
+
+# --------------------------------------------------------------------- the compiling subprocess
+def _kernel_call(case: Case) -> object:
+    """The op's launcher's call for ``case`` on CPU tensors, with the CUDA block configuration."""
+    import importlib
+
+    import torch
+
+    from kernels import ShardLayout, _launch
+
+    torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+    def dtype(name: str, i: int) -> torch.dtype:  # of parameter i ("mixed": cycled)
+        return torch_dtypes[MIXED[i % len(MIXED)] if name == "mixed" else name]
+
+    layout = ShardLayout(SHAPES, WORLD_SIZE)
+    module = importlib.import_module(f"kernels.{case.op}")
+    scale = 0.5 if "scale" in case.mode else None
+    fulls = [torch.zeros(s, dtype=dtype(case.src, i)) for i, s in enumerate(layout.shapes)]
+    if case.op == "all_gather_copy_in":
+        slot = torch.empty(layout.buffer_numel, dtype=dtype(case.dst, 0)).view(WORLD_SIZE, -1)[RANK]
+        call = module._kernel_call(layout.shards(fulls, RANK), layout, RANK, slot)
+    elif case.op == "all_gather_copy_out":
+        outs = [torch.empty(s, dtype=dtype(case.dst, i)) for i, s in enumerate(layout.shapes)]
+        call = module._kernel_call(torch.zeros(layout.buffer_numel, dtype=dtype(case.src, 0)), layout, outs)
+    elif case.op == "reduce_scatter_copy_in":
+        call = module._kernel_call(fulls, layout, scale, torch.empty(layout.buffer_numel, dtype=dtype(case.dst, 0)))
+    else:
+        grads = [torch.zeros(s, dtype=dtype(case.dst, i)) for i, s in enumerate(layout.shard_shapes(RANK))]
+        call = module._kernel_call(torch.zeros(layout.slot_numel, dtype=dtype(case.src, 0)), grads, layout, RANK,
+                                   scale, "accumulate" in case.mode)
+    # The tables were built for CPU tensors; a CUDA device gets this block configuration.
+    max_run = max(int(layout.segments(r)[:, 4].max()) for r in (None, RANK))
+    block, num_warps, chunk = _launch._pick_block(max_run, torch.device("cuda"))
+    blocks = dataclasses.replace(call.blocks, block=block, num_warps=num_warps, chunk=chunk)
+    return dataclasses.replace(call, blocks=blocks)
+
+
+def _compile(call: object, arch: int) -> dict:
+    """Compile ``call`` as ``kernel[grid](*args, **kwargs)`` would on a GPU of ``arch``; report."""
+    import contextlib
+    import io
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = call.kernel
+    args, kwargs = call.arguments()
+    # what JITFunction.run adds before binding
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):  # knobs.nvidia.dump_ptxas_log prints ptxas -v
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)
+    ptxas = log.getvalue()
+    ptx = compiled.asm["ptx"]
+    spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+    registers = re.search(r"Used (\d+) registers", ptxas)
+    if spills is None or registers is None:
+        raise RuntimeError(f"no ptxas -v report for {kernel.__name__} on sm_{arch}:\n{ptxas}")
+    names = kernel.arg_names
+    return {
+        "signature": signature,
+        "divisible16": sorted(names[k[0]] for k, v in attrs.items() if ["tt.divisibility", 16] in v),
+        "constexprs": {names[k[0]]: str(v) for k, v in constexprs.items()},
+        "num_warps": options.num_warps,
+        "enable_fp_fusion": options.enable_fp_fusion,
+        "shared": compiled.metadata.shared,
+        "registers": int(registers.group(1)),
+        "stack": int(spills.group(1)),
+        "spill_stores": int(spills.group(2)),
+        "spill_loads": int(spills.group(3)),
+        "accesses": dict(Counter(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)+", ptx))),
+        "ptx_version": re.search(r"^\.version (\S+)", ptx, re.M).group(1),
+        "ptx_target": re.search(r"^\.target (\S+)", ptx, re.M).group(1),
+        "ptxas_release": re.search(r"release (\d+\.\d+)", _ptxas_version(arch)).group(1),
+    }
+
+
+def _ptxas_version(arch: int) -> str:
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    return get_ptxas_version(arch)
+
+
+def _compile_all(out: str) -> None:
+    from triton import knobs
+
+    knobs.nvidia.dump_ptxas_log = True
+    results = {}
+    for case in CASES + MIXED_CASES:
+        call = _kernel_call(case)
+        for arch in TARGETS:
+            results[f"{case.id}-sm{arch}"] = _compile(call, arch)
+    Path(out).write_text(json.dumps(results))
+
+
+# ---------------------------------------------------------------------------------------- tests
+def _bundled_ptxas() -> Path | None:
+    try:
+        import triton.backends.nvidia as nvidia
+    except ImportError:
+        return None
+    path = Path(nvidia.__file__).parent / "bin" / "ptxas"
+    return path if path.exists() else None
+
+
+pytestmark = pytest.mark.skipif(_bundled_ptxas() is None, reason="needs Triton's NVIDIA backend with its bundled ptxas")
+
+
+@pytest.fixture(scope="session")
+def compiled() -> dict[str, dict]:
+    """Every case compiled for every target, once per session, in one subprocess."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")}
+    with tempfile.TemporaryDirectory() as tmp:
+        env["TRITON_CACHE_DIR"] = str(Path(tmp, "cache"))  # fresh: every compile runs ptxas
+        out = Path(tmp, "results.json")
+        proc = subprocess.run([sys.executable, __file__, str(out)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the AOT compile subprocess failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}")
+        return json.loads(out.read_text())
+
+
+def _ids(cases: list[Case]) -> list[str]:
+    return [c.id for c in cases]
+
+
+@pytest.mark.parametrize("case", CASES + MIXED_CASES, ids=_ids(CASES + MIXED_CASES))
+def test_aot_compile_launch_configuration(compiled: dict[str, dict], case: Case) -> None:
+    """What the launcher hands Triton: argument types, 16-byte divisible pointers, constexprs."""
+    r = compiled[f"{case.id}-sm90"]
+    flat = case.dst if FLAT_IS_DESTINATION[case.op] else case.src
+    param_side = case.src if FLAT_IS_DESTINATION[case.op] else case.dst
+    groups = MIXED if param_side == "mixed" else (param_side,)
+    sig = r["signature"]
+    assert [sig["blocks_ptr"], sig["runs_ptr"], sig["pointers_ptr"]] == ["*i32", "*i64", "*i64"]
+    flat_arg = {"all_gather_copy_in": "slot_ptr", "all_gather_copy_out": "buffer_ptr",
+                "reduce_scatter_copy_in": "buffer_ptr", "reduce_scatter_copy_out": "slot_ptr"}[case.op]
+    assert sig[flat_arg] == f"*{flat}"
+    assert r["divisible16"] == sorted(["blocks_ptr", "runs_ptr", "pointers_ptr", flat_arg])
+    c = r["constexprs"]
+    assert [c[f"DT{g}"] for g in range(len(groups))] == list(groups) and c["NUM_GROUPS"] == str(len(groups))
+    assert (c["BLOCK"], c["CHUNK"], r["num_warps"]) == (str(BLOCK), str(CHUNK), NUM_WARPS)
+    assert c["VEC"] == str(16 // case.widest_dst)
+    assert r["enable_fp_fusion"] is False
+    if case.op.startswith("reduce_scatter"):
+        assert sig["scale"] == "fp32" and c["HAS_SCALE"] == str("scale" in case.mode)
+    if case.op == "reduce_scatter_copy_out":
+        assert c["ACCUMULATE"] == str("accumulate" in case.mode)
+
+
+ALL = [(case, arch) for case in CASES for arch in TARGETS]
+ALL_IDS = [f"{case.id}-sm{arch}" for case, arch in ALL]
+ALL_MIXED = [(case, arch) for case in MIXED_CASES for arch in TARGETS]
+ALL_MIXED_IDS = [f"{case.id}-sm{arch}" for case, arch in ALL_MIXED]
+
+
+@pytest.mark.parametrize(("case", "arch"), ALL + ALL_MIXED, ids=ALL_IDS + ALL_MIXED_IDS)
+def test_aot_compile_resources(compiled: dict[str, dict], case: Case, arch: int) -> None:
+    """No spills, registers within budget, no shared memory (no layout conversion)."""
+    r = compiled[f"{case.id}-sm{arch}"]
+    assert (r["spill_stores"], r["spill_loads"], r["stack"]) == (0, 0, 0)
+    assert r["registers"] <= (MIXED_REGISTER_BUDGET if case.mixed else REGISTER_BUDGET), r["registers"]
+    assert r["shared"] == 0
+
+
+def expected_vector_accesses(case: Case) -> Counter:
+    """Vector instructions of the aligned unmasked path: ``VEC`` elements per thread on both sides
+    ([Note: per-thread width]), in pieces of at most 16 bytes."""
+    vec = 16 // DTYPES[case.dst]
+    out: Counter = Counter()
+
+    def side(kind: str, nbytes: int) -> None:
+        piece = min(16, vec * nbytes)  # bytes per instruction
+        out[f"{kind}.global.v{piece // 4}.b32"] += ELEMENTS_PER_THREAD * nbytes // piece
+
+    side("ld", DTYPES[case.src])
+    side("st", DTYPES[case.dst])
+    if "accumulate" in case.mode:
+        side("ld", DTYPES[case.dst])  # the gradients read back
+    return out
+
+
+@pytest.mark.parametrize(("case", "arch"), ALL, ids=ALL_IDS)
+def test_aot_compile_vector_accesses(compiled: dict[str, dict], case: Case, arch: int) -> None:
+    accesses = compiled[f"{case.id}-sm{arch}"]["accesses"]
+    vector = Counter({k: n for k, n in accesses.items() if re.search(r"\.v\d", k)})
+    assert vector == expected_vector_accesses(case)
+    assert vector["st.global.v4.b32"] == ELEMENTS_PER_THREAD * DTYPES[case.dst] // 16  # 128-bit stores
+
+
+@pytest.mark.parametrize(("case", "arch"), ALL_MIXED, ids=ALL_MIXED_IDS)
+def test_aot_compile_vector_accesses_mixed(compiled: dict[str, dict], case: Case, arch: int) -> None:
+    """Three dtype groups, a branch each: 128-bit stores (the widest destination's 4 elements per
+    thread), and no vector access wider than 128 bits."""
+    accesses = compiled[f"{case.id}-sm{arch}"]["accesses"]
+    assert accesses.get("st.global.v4.b32", 0) > 0
+    assert all(re.search(r"\.v[24]\.b32$", k) for k in accesses if re.search(r"\.v\d", k)), accesses
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_aot_compile_toolchain(compiled: dict[str, dict], arch: int) -> None:
+    """The PTX ISA and ptxas behind each target, on which the driver requirement (module
+    docstring) rests."""
+    target, ptx_version, release = TOOLCHAIN[arch]
+    for case in CASES + MIXED_CASES:
+        r = compiled[f"{case.id}-sm{arch}"]
+        assert (r["ptx_target"], r["ptx_version"], r["ptxas_release"]) == (target, ptx_version, release)
+
+
+if __name__ == "__main__":
+    _compile_all(sys.argv[1])
