@@ -1,7 +1,7 @@
 """Async collectives: return at once, wait at first use.
 
 Every function validates its arguments, snapshots its input (so the caller may mutate it right
-after the call, see Core contract 2), issues the collective and returns an ``AsyncTensor`` (see
+after the call, see contract 2 in docs/DESIGN.md), issues the collective and returns an ``AsyncTensor`` (see
 ``scheduler.async_tensor``) that waits just before its first use. On CUDA the collective runs on a
 communication stream that first waits for the current stream (``overlap.streams``); on CPU it is an
 async gloo work. ``overlap.wait(t)`` forces the wait.

@@ -1,4 +1,4 @@
-"""Data safety of collectives in flight (DESIGN.md, Core contract 2).
+"""Data safety of collectives in flight (docs/DESIGN.md, contract 2).
 
 A collective's input may be mutated right after the call, and the memory it reads or writes is never
 handed to another tensor before it is done: here every collective is issued behind an emulated link
