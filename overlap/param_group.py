@@ -60,6 +60,7 @@ on CPU, the final backward callback). Collectives are issued on ``overlap``'s co
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Optional
 
@@ -76,6 +77,7 @@ from overlap.groups import GroupInfo
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
 from overlap.regions import region
+from overlap.streams import comm_stream
 
 __all__ = ["ParamGroup", "ParamLocation", "PendingGather", "PendingReduce", "widest_dtype"]
 
@@ -254,10 +256,12 @@ class ParamGroup:
         """Pack the shards and start the all-gather (no-op if gathered or already in flight)."""
         if self.is_unsharded or self.pending_gather is not None or self.aliases_shards:
             return
-        with region("overlap::all_gather_copy_in"), torch.no_grad():
-            ag_input, ag_output = unchecked.all_gather_copy_in(
-                [self.local_rows(i) for i in range(len(self.sharded))], self.layout, self.rank, self.gather_dtype)
-        work = all_gather_into(ag_output, ag_input, self.info) if self.world_size > 1 else None
+        with _copy_in_stream(self.sharded[0]._local_tensor.device):  # type: ignore[attr-defined]
+            with region("overlap::all_gather_copy_in"), torch.no_grad():
+                ag_input, ag_output = unchecked.all_gather_copy_in(
+                    [self.local_rows(i) for i in range(len(self.sharded))], self.layout, self.rank,
+                    self.gather_dtype)
+            work = all_gather_into(ag_output, ag_input, self.info) if self.world_size > 1 else None
         self.pending_gather = PendingGather(work, ag_output)
 
     def finish_gather(self) -> None:
@@ -284,11 +288,10 @@ class ParamGroup:
         self.is_unsharded = True
 
     def reshard(self) -> None:
-        """Free the unsharded storage (and drop a gather still in flight, after it completes)."""
-        if self.pending_gather is not None:
-            if self.pending_gather.work is not None:
-                self.pending_gather.work.wait()
-            self.pending_gather = None
+        """Free the unsharded storage, and drop a gather still in flight without waiting for it (a
+        prefetch for a module that did not run must not stall compute: the in-flight registry keeps
+        its buffers until it completes)."""
+        self.pending_gather = None
         if self.is_unsharded:
             assert self.unsharded is not None
             if not self.aliases_shards:  # aliased storage belongs to the shards
@@ -342,8 +345,37 @@ class ParamGroup:
         return PendingReduce(reduce_scatter_into(rs_output, rs_input, self.info), rs_output, indices, layout,
                              post_scale)
 
+    @property
+    def finishes_early(self) -> bool:
+        """May this group's reduce-scatter epilogue run before the end of backward? Not with 0-dim
+        parameters: their gradients are broadcast, a collective that must stay at a fixed place."""
+        return not self.scalar_indices
+
+    def finish_reduce_on_stream(self, pending: PendingReduce) -> Optional["torch.cuda.Event"]:
+        """CUDA: queue the epilogue (copy-out, scale, accumulate) on the reduce-scatter's own stream,
+        right behind the collective, with no host wait; returns the event the consumer of the
+        gradients must wait on. The gradients are allocated on the current stream first, so their
+        memory belongs to the stream that will read them (see [Note: the reduce-scatter epilogue
+        runs where the collective ran])."""
+        device = pending.rs_output.device
+        if device.type != "cuda" or pending.work is None:
+            return None
+        stream = comm_stream(device, "reduce_scatter")
+        targets, accumulate = self._grads_for(pending)
+        with torch.cuda.stream(stream):
+            self._copy_out_reduced(pending, targets, accumulate)
+            return stream.record_event()
+
     def finish_reduce(self, pending: PendingReduce) -> None:
         """Wait for the reduce-scatter; average, cast and add the result into the sharded ``.grad``s."""
+        targets, accumulate = self._grads_for(pending)
+        self._copy_out_reduced(pending, targets, accumulate)
+        with torch.no_grad():
+            self._broadcast_scalar_grads(pending.indices)
+
+    def _grads_for(self, pending: PendingReduce) -> tuple[list[nn.Parameter], bool]:
+        """The sharded parameters ``pending`` reduces, each with a ``.grad`` DTensor (new ones are
+        zeros when others accumulate, else uninitialized: the copy-out writes every element)."""
         targets = [self.sharded[i] for i in pending.indices]
         accumulate = any(p.grad is not None for p in targets)
         for p in targets:
@@ -351,18 +383,17 @@ class ParamGroup:
                 local = p._local_tensor  # type: ignore[attr-defined]
                 grad = torch.zeros_like(local) if accumulate else torch.empty_like(local)
                 p.grad = DTensor(grad, p._spec, requires_grad=False)  # type: ignore[attr-defined]
-        scale = pending.post_scale
+        return targets, accumulate
 
+    def _copy_out_reduced(self, pending: PendingReduce, targets: list[nn.Parameter], accumulate: bool) -> None:
         def copy_out() -> None:
             with region("overlap::reduce_scatter_copy_out"), torch.no_grad():
                 unchecked.reduce_scatter_copy_out(
                     pending.rs_output, [self.local_grad_rows(p, self.rank) for p in targets], pending.layout,
-                    self.rank, scale, accumulate
+                    self.rank, pending.post_scale, accumulate
                 )
 
         _wait_then(pending.work, copy_out)
-        with torch.no_grad():
-            self._broadcast_scalar_grads(pending.indices)
 
     def _broadcast_scalar_grads(self, indices: tuple[int, ...]) -> None:
         """Replicated (0-dim) parameters: rank 0 holds the reduced gradient; give it to every rank."""
@@ -406,6 +437,17 @@ def _average_scales(reduce_dtype: torch.dtype, world_size: int) -> tuple[Optiona
     if reduce_dtype == torch.float16:
         return 1.0 / world_size, None
     return None, 1.0 / world_size
+
+
+def _copy_in_stream(device: torch.device) -> contextlib.AbstractContextManager:
+    """CUDA: the all-gather copy-in runs on its own stream, after the work already queued on the
+    current stream (the optimizer's update of the shards), so a prefetch's packing is not queued
+    behind compute that the current stream gets later; elsewhere: no stream change."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stream = comm_stream(device, "all_gather_copy_in")
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)
 
 
 def _wait_then(work: Optional[InflightWork], copy_out: Callable[[], None]) -> None:

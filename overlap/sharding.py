@@ -43,6 +43,17 @@ gradient. So the sequence of collectives is the same on every rank. A call that 
 (no input needs a gradient, e.g. token ids, or an input is a leaf) leaves only the count and the
 end-of-backward flush for that group in that step.
 
+[Note: the reduce-scatter epilogue runs where the collective ran]
+A reduce-scatter's epilogue (wait, copy-out, ``1/w`` scale, cast and accumulate into the sharded
+``.grad``) runs as soon as it can, not at the end of backward where nothing is left to hide it: on
+CUDA it is queued on the reduce-scatter stream right behind the collective (no host wait; the end
+of backward makes the current stream wait on one event per group before anyone reads a
+gradient), and the gradients it writes are allocated on the current stream beforehand, so their
+memory belongs to the stream that reads them later. On CPU it runs at the first runtime hook after
+the collective completed (a non-blocking check). Epilogues run in issue order. A group with 0-dim
+parameters keeps its epilogue at the end of backward, because it broadcasts their gradients and a
+collective must not be issued at a time that depends on how fast a collective completed.
+
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order with ``all_gather_object`` in the first step,
 and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
@@ -354,7 +365,8 @@ class _Root:
         self._reduce_order: list[int] = []
         self._reduce_next = 0
         self._ready: set[int] = set()
-        self._pending_reduces: list[tuple[ParamGroup, PendingReduce]] = []
+        self._pending_reduces: list[tuple[ParamGroup, PendingReduce]] = []  # epilogue not run yet
+        self._reduce_events: list[Any] = []  # CUDA: epilogues queued on the reduce-scatter stream
 
     def on_pre_backward(self, state: ShardState) -> None:
         if not self.in_backward:
@@ -365,6 +377,7 @@ class _Root:
             # Registered for backward too: an activation-checkpoint recompute that runs ``forward``
             # without this module's hooks (HF's form, checkpoint_wrapper inside the shard) reads them.
             state.group.to_unsharded()
+        self._finish_completed_reduces()
         # Backward runs the forward order in reverse: prefetch the groups after this one.
         reverse = self._backward_order
         try:
@@ -425,16 +438,40 @@ class _Root:
                 pending = group.issue_reduce()
                 if pending is not None:
                     self._track(pending.work)
-                    self._pending_reduces.append((group, pending))
+                    event = group.finish_reduce_on_stream(pending) if group.finishes_early else None
+                    if event is not None:
+                        self._reduce_events.append(event)
+                    else:
+                        self._pending_reduces.append((group, pending))
+        self._finish_completed_reduces()
         group.grads_ready.clear()
         group.reshard()
         group.to_sharded()
+
+    def _finish_completed_reduces(self) -> None:
+        """CPU: run the epilogue of the reduce-scatters that have completed, oldest first, at this
+        runtime hook instead of at the end of backward (see [Note: the reduce-scatter epilogue runs
+        where the collective ran]). Stops at the first one still in flight, so the epilogues run in
+        issue order; a group whose epilogue communicates waits for the end of backward."""
+        done = 0
+        for group, pending in self._pending_reduces:
+            if not group.finishes_early or (pending.work is not None and not pending.work.is_done()):
+                break
+            with region("overlap::reduce_scatter_epilogue"), torch.no_grad():
+                group.finish_reduce(pending)
+            done += 1
+        if done:
+            del self._pending_reduces[:done]
 
     def _end_backward(self) -> None:
         with region("overlap::end_backward"), torch.no_grad():
             self._flush_reduces(final=True)
             for group, pending in self._pending_reduces:
                 group.finish_reduce(pending)
+            if self._reduce_events:
+                current = torch.cuda.current_stream()
+                for event in self._reduce_events:  # the gradients were written on the reduce-scatter stream
+                    current.wait_event(event)
             self._finish_step()
 
     def _finish_step(self) -> None:
@@ -445,6 +482,7 @@ class _Root:
                 state.group.reshard()
                 state.group.to_sharded()
         self._pending_reduces = []
+        self._reduce_events = []
         self.in_backward = False
         self._outstanding = [w for w in self._outstanding if w.pending]
 

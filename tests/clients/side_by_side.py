@@ -50,15 +50,20 @@ def torch_packing_on_cpu() -> Iterator[None]:
     tests/conftest.py) one training step of these clients costs ~1 s instead of ~0.03 s, which
     would put this level far past its time budget. The kernels are checked by the kernel tests.
     """
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
+    # Spawned, not forked from the harness's fork server: a forked rank imports ``kernels`` (with
+    # ``overlap.testing.harness``) under the server's environment, i.e. the first call's
+    # ``TRITON_INTERPRET``, before this call's environment applies (see the harness's docstring).
+    changes = {"TRITON_INTERPRET": "0", "OVERLAP_TEST_START_METHOD": "spawn"}
+    before = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
+        for key, value in before.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
 
 
 class Checks:
