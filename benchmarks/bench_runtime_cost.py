@@ -1,0 +1,194 @@
+"""The sharding runtime's own CPU cost per block: overlap.shard vs torch FSDP2 on tiny blocks, world size 1.
+
+What is measured. One process joins a 1-rank gloo group (``MASTER_ADDR``/``MASTER_PORT``, then
+``init_process_group("gloo", rank=0, world_size=1)``), so no collective moves data: what a sharded
+step takes beyond the same model unsharded is the runtime's own bookkeeping (hooks, DTensor
+wrapping, packing, casts, state machines). The model is ``--blocks`` tiny blocks, each
+``nn.Linear(16, 16)`` + tanh, on a batch of 8 rows. Three parameter setups, each in three modes:
+
+* setups: fp32 parameters; bf16 parameters (the model built in bfloat16); fp32 parameters with
+  mixed precision (``overlap.MixedPrecision`` / FSDP2 ``MixedPrecisionPolicy`` with
+  ``param_dtype=torch.bfloat16``), whose unsharded baseline is the bf16 model (the same math);
+* modes: the plain unsharded model (baseline); ``overlap.shard`` on each block, then the root;
+  torch FSDP2 ``fully_shard`` on each block, then the root (both on a 1-rank CPU DeviceMesh, other
+  options default).
+
+Table 1, forward + backward: one step is ``zero_grad(set_to_none=True)``, forward, ``sum()``,
+backward. "Runtime cost per block" is (mode's step - plain step of the same round) / blocks,
+median over rounds; the ratio is overlap's cost over FSDP2's. Both runtimes shortcut world size 1
+differently: without a cast overlap's unsharded parameters alias the shards (no packing), FSDP2
+skips its all-gather and copies (casts) each shard into its unsharded parameter; with
+``param_dtype`` overlap runs its full pack / unpack path (all-gather copy-in and copy-out in forward
+and again in backward, reduce-scatter copy-in and epilogue), so that row prices its packing too.
+
+Table 2, optimizer step: ``torch.optim.AdamW`` over each model's parameters (plain tensors, or the
+sharded DTensors of overlap and FSDP2), timed on ``opt.step()`` alone after one backward has left
+gradients in place; ratio overlap / FSDP2. Twice: with the default ``foreach=None`` (on CPU torch
+then picks the per-tensor loop: its foreach default covers CUDA-like devices only) and with
+``foreach=True`` (what the default gives on GPUs).
+
+How it is timed. All models are built first; then each round times every mode once for ``--steps``
+calls (``timing.seconds_per_call``), the modes interleaved (A B C A B C ..., the order rotated each
+round), so that load from other processes on the box hits all modes alike; figures are medians over
+``--repeats`` rounds. ``TRITON_INTERPRET`` is left unset: on CPU the packing runs its torch fallback.
+
+    python benchmarks/bench_runtime_cost.py [--blocks 64] [--steps 10] [--repeats 31] [--markdown benchmarks/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import overlap  # noqa: E402
+from report import emit  # noqa: E402
+from timing import seconds_per_call  # noqa: E402
+
+WIDTH, BATCH = 16, 8
+# setup -> (parameter dtype, compute dtype under mixed precision or None)
+SETUPS = {"fp32": (torch.float32, None), "bf16 params": (torch.bfloat16, None),
+          "fp32 + MP bf16": (torch.float32, torch.bfloat16)}
+MODES = ("plain", "overlap.shard", "torch FSDP2")
+# AdamW's foreach argument: the default (per-tensor on CPU) and foreach=True
+OPTIMIZERS = {"AdamW default (per-tensor on CPU)": None, "AdamW foreach=True": True}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+def _model(blocks: int, dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(blocks)]).to(dtype)
+
+
+def _shard(mode: str, model: nn.Sequential, mp_dtype: Optional[torch.dtype]) -> nn.Sequential:
+    """``model`` sharded in place for ``mode``: each block, then the root."""
+    if mode == "plain":
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    for module in [*model, model]:
+        if mode == "overlap.shard":
+            overlap.shard(module, mesh=mesh, mp=overlap.MixedPrecision(param_dtype=mp_dtype))
+        else:
+            fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=mp_dtype))
+    return model
+
+
+def _fwd_bwd(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+    return step
+
+
+def _opt_step(model: nn.Module, x: torch.Tensor, foreach: Optional[bool]) -> Callable[[], None]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
+    model(x).sum().backward()
+    return opt.step
+
+
+def _interleaved(fns: dict[str, Callable[[], None]], steps: int, repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Per-call seconds of each ``fns`` entry, one sample per round, the entries interleaved and
+    their order rotated each round."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples[name].append(seconds_per_call(fns[name], steps, repeats=1, warmup=0))
+    return samples
+
+
+def _paired_cost(samples: dict[str, list[float]], mode: str, base: str) -> float:
+    """Median over rounds of (mode - base) in the same round, seconds."""
+    return statistics.median(m - b for m, b in zip(samples[mode], samples[base]))
+
+
+def _init_group() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=64, help="tiny Linear+tanh blocks (default 64)")
+    parser.add_argument("--steps", type=int, default=10, help="timed calls per mode per round (default 10)")
+    parser.add_argument("--repeats", type=int, default=31, help="interleaved rounds; figures are medians (default 31)")
+    parser.add_argument("--markdown", default=None, help="append the tables to this markdown file")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        print("note: TRITON_INTERPRET is set; unset it to time the CPU torch fallback", file=sys.stderr)
+
+    _init_group()
+    try:
+        fwd: dict[str, Callable[[], None]] = {}
+        opt: dict[str, Callable[[], None]] = {}
+        for setup, (dtype, mp_dtype) in SETUPS.items():
+            x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
+            for mode in MODES:
+                # The mixed-precision baseline is the bf16 model: the same math, no runtime.
+                model_dtype = mp_dtype if mode == "plain" and mp_dtype is not None else dtype
+                xin = x.to(model_dtype)
+                fwd[f"{setup}|{mode}"] = _fwd_bwd(_shard(mode, _model(args.blocks, model_dtype), mp_dtype), xin)
+                if mp_dtype is None:  # under MP the optimizer sees the same fp32 shards as "fp32"
+                    for impl, foreach in OPTIMIZERS.items():
+                        model = _shard(mode, _model(args.blocks, dtype), None)
+                        opt[f"{setup}, {impl}|{mode}"] = _opt_step(model, xin, foreach)
+        warmup = max(3, args.steps // 2)
+        fwd_s = _interleaved(fwd, args.steps, args.repeats, warmup)
+        opt_s = _interleaved(opt, args.steps, args.repeats, warmup)
+    finally:
+        dist.destroy_process_group()
+
+    n, med = args.blocks, statistics.median
+    rows = []
+    for setup, (_, mp_dtype) in SETUPS.items():
+        cost = {mode: _paired_cost(fwd_s, f"{setup}|{mode}", f"{setup}|plain") for mode in MODES[1:]}
+        for mode in MODES:
+            t = med(fwd_s[f"{setup}|{mode}"])
+            label = mode + (" (bf16 model)" if mode == "plain" and mp_dtype is not None else "")
+            per_block = "-" if mode == "plain" else f"{1e6 * cost[mode] / n:.1f}"
+            ratio = f"{cost['overlap.shard'] / cost['torch FSDP2']:.2f}x" if mode == "overlap.shard" else "-"
+            rows.append([setup, label, f"{1e3 * t:.2f}", per_block, ratio])
+    emit(f"Runtime CPU cost per block: zero_grad + fwd + bwd of {n} blocks Linear({WIDTH}, {WIDTH}) + tanh, batch "
+         f"{BATCH}, world size 1 (1-rank gloo); medians of {args.repeats} interleaved rounds of {args.steps} steps",
+         ["params", "mode", "ms per step", "runtime cost per block µs (step - plain) / blocks",
+          "cost overlap / FSDP2"], rows, args.markdown)
+
+    rows = []
+    for setup in dict.fromkeys(key.split("|")[0] for key in opt_s):
+        t = {mode: med(opt_s[f"{setup}|{mode}"]) for mode in MODES}
+        for mode in MODES:
+            ratio = f"{t['overlap.shard'] / t['torch FSDP2']:.2f}x" if mode == "overlap.shard" else "-"
+            rows.append([setup, mode, f"{1e6 * t[mode]:.0f}", f"{t[mode] / t['plain']:.2f}x", ratio])
+    emit(f"Optimizer step: torch.optim.AdamW over the {2 * n} parameters of {n} Linear({WIDTH}, {WIDTH}) "
+         f"blocks (plain tensors vs sharded DTensors), world size 1; medians of {args.repeats} interleaved rounds "
+         f"of {args.steps} steps", ["params, optimizer", "mode", "µs per step", "vs plain", "overlap / FSDP2"],
+         rows, args.markdown)
+
+
+if __name__ == "__main__":
+    main()
