@@ -1,9 +1,9 @@
-"""The sharded runtime on one GPU (NCCL, world size 1): the reduce-scatter epilogue queued on the
+"""The sharded runtime on GPUs (NCCL, 2 ranks): the reduce-scatter epilogue queued on the
 reduce-scatter stream (see [Note: the reduce-scatter epilogue runs where the collective ran] in
 ``overlap/sharding.py``), the all-gather copy-in stream, and gradients equal to the unsharded model.
 
-Mixed precision (bf16 gather and compute, fp32 reduce) keeps world size 1 off the alias path, so
-every collective, copy-in and copy-out runs. Tolerance: the bf16 band of the CPU numerics tests
+World size 1 issues no reduce-scatter (a rank's gradient is already its shard), so this needs two
+GPUs. Mixed precision: bf16 gather and compute, fp32 reduce. Tolerance: the bf16 band of the CPU numerics tests
 (2e-2 relative on gradients: the sharded run computes in bf16, the reference in fp32).
 Skipped without a GPU (``requires_cuda``); ``pytest -m gpu`` runs it.
 """
@@ -18,7 +18,8 @@ from torch import nn
 from conftest import requires_cuda
 from overlap.testing import run_distributed
 
-pytestmark = [pytest.mark.gpu, requires_cuda]
+pytestmark = [pytest.mark.gpu, requires_cuda,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (one per NCCL rank)")]
 
 
 def _epilogue_on_stream(rank: int, world: int) -> dict:
@@ -40,10 +41,12 @@ def _epilogue_on_stream(rank: int, world: int) -> dict:
         end_backward(self)
 
     _Root._end_backward = counting_end_backward  # type: ignore[method-assign]
-    x = torch.randn(64, 256, device="cuda")
+    x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(rank))
     torch.cuda._sleep(50_000_000)  # keep the compute stream busy: nothing below may wait for it on the host
     model(x).float().square().mean().backward()
-    ref(x).square().mean().backward()
+    ref_x = torch.cat([torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(r))
+                       for r in range(world)])
+    ref(ref_x).square().mean().backward()  # the global batch: the mean of the ranks' equal-sized means
     torch.cuda.synchronize()
     worst = max(float(((p.grad.full_tensor() - q.grad).abs().max() / q.grad.abs().max()))
                 for p, q in zip(model.parameters(), ref.parameters()))
@@ -51,6 +54,6 @@ def _epilogue_on_stream(rank: int, world: int) -> dict:
 
 
 def test_reduce_scatter_epilogue_runs_on_its_stream_and_gradients_match() -> None:
-    (r,) = run_distributed(_epilogue_on_stream, 1, backend="nccl")
-    assert r["events"] and r["events"][0] >= 4, r  # one queued epilogue per block (the root has none of its own)
-    assert r["worst"] <= 2e-2, r
+    for r in run_distributed(_epilogue_on_stream, 2, backend="nccl"):
+        assert r["events"] and r["events"][0] >= 4, r  # one queued epilogue per block (the root has none)
+        assert r["worst"] <= 2e-2, r
