@@ -16,16 +16,13 @@ from overlap.collectives import (
 )
 from overlap.desync import DesyncError, debug, debug_enabled, set_debug
 from overlap.device_info import DeviceInfo, device_info
+from overlap.errors import CollectiveError, CollectiveTimeoutError, set_wait_timeout, wait_timeout
 from overlap.inflight_work import (
-    CollectiveError,
-    CollectiveTimeoutError,
     inflight,
     inflight_bytes,
     max_inflight_bytes,
     set_max_inflight_bytes,
-    set_wait_timeout,
     wait_all,
-    wait_timeout,
 )
 from overlap.mixed_precision import MixedPrecision
 from overlap.profiler import Profiler, profile

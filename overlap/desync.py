@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from overlap.inflight_work import collective_failure, wait_timeout
+from overlap.errors import collective_failure, wait_timeout
 from overlap.regions import region
 from scheduler.env_flags import env_flag
 

@@ -103,7 +103,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from overlap.inflight_work import wait_timeout
+from overlap.errors import wait_timeout
 
 __all__ = ["EmulatedLink", "EmulatedWork", "LinkStats", "current_link", "emulated_link"]
 
