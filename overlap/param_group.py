@@ -149,7 +149,8 @@ class ParamGroup:
             local, placement = full.detach().clone(), Replicate()
         else:
             local, placement = self.layout.shard(full.detach(), self.rank).clone(), Shard(0)
-        spec = DTensorSpec(self.mesh, (placement,), tensor_meta=TensorMeta(full.shape, _contiguous_strides(full.shape), full.dtype))
+        meta = TensorMeta(full.shape, _contiguous_strides(full.shape), full.dtype)
+        spec = DTensorSpec(self.mesh, (placement,), tensor_meta=meta)
         return nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=full.requires_grad)
 
     def _read_dtypes(self) -> None:
@@ -162,21 +163,8 @@ class ParamGroup:
         nothing is packed, moved or freed (see [Note: world size 1])."""
 
     def local_rows(self, index: int) -> torch.Tensor:
-        """This rank's rows of parameter ``index`` as the layout sees them (the DTensor's local tensor;
-        a 0-dim parameter is one row on rank 0 and none elsewhere)."""
-        local = self.sharded[index]._local_tensor
-        if local.dim() == 0:
-            rows = local.view(1)
-            return rows if self.rank == 0 else rows[:0]
-        return local
-
-    @staticmethod
-    def local_grad_rows(param: nn.Parameter, rank: int) -> torch.Tensor:
-        grad = param.grad._local_tensor  # type: ignore[union-attr]
-        if grad.dim() == 0:
-            rows = grad.view(1)
-            return rows if rank == 0 else rows[:0]
-        return grad
+        """This rank's rows of parameter ``index`` as the layout sees them (see :func:`_layout_rows`)."""
+        return _layout_rows(self.sharded[index]._local_tensor, self.rank)
 
     # ------------------------------------------------------------------ registration on the module
     def to_sharded(self) -> None:
@@ -389,7 +377,7 @@ class ParamGroup:
         def copy_out() -> None:
             with region("overlap::reduce_scatter_copy_out"), torch.no_grad():
                 unchecked.reduce_scatter_copy_out(
-                    pending.rs_output, [self.local_grad_rows(p, self.rank) for p in targets], pending.layout,
+                    pending.rs_output, [_layout_rows(p.grad._local_tensor, self.rank) for p in targets], pending.layout,
                     self.rank, pending.post_scale, accumulate
                 )
 
@@ -437,6 +425,15 @@ def _average_scales(reduce_dtype: torch.dtype, world_size: int) -> tuple[Optiona
     if reduce_dtype == torch.float16:
         return 1.0 / world_size, None
     return None, 1.0 / world_size
+
+
+def _layout_rows(local: torch.Tensor, rank: int) -> torch.Tensor:
+    """A DTensor's local tensor as the layout's rows: itself, except that a 0-dim (replicated)
+    parameter or gradient is one row on rank 0 and none elsewhere."""
+    if local.dim() == 0:
+        rows = local.view(1)
+        return rows if rank == 0 else rows[:0]
+    return local
 
 
 def _copy_in_stream(device: torch.device) -> contextlib.AbstractContextManager:

@@ -585,7 +585,7 @@ def shard(
         if state.root is not None:  # `state` is bound below, before any backward can run
             state.root.on_grad_ready(state)
 
-    device_type = _mesh_device_type(devices.pop() if devices else torch.device("cpu"), info)
+    device_type = _mesh_device_type(next(iter(devices), torch.device("cpu")), info)
     param_group = ParamGroup(params, locations, info, device_mesh_for(group_arg, info, device_type), mp,
                              on_grad_ready) if params else None
     if param_group is not None:
