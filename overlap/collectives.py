@@ -101,7 +101,7 @@ def _dist_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, op=op, group=group, async_op=async_op)
 
-_STREAM_PURPOSE = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
+_STREAM_PURPOSE = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
 
 
 def _bound_device(group: str) -> Optional[torch.device]:
@@ -508,6 +508,19 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupIn
     op = dist_reduce_op("sum", info)
     return _issue("reduce_scatter", output.device, lambda a: _dist_reduce_scatter(output, input, op, info.pg, a),
                   (input, output), input.numel() * input.element_size(), info.pg.group_name, "sum")
+
+
+def all_reduce_into(buffer: torch.Tensor, info: GroupInfo) -> InflightWork:
+    """Issue a sum all-reduce of ``buffer`` over ``info``'s group, in place.
+
+    For the sharded runtime (HSDP: a reduce-scatter's output summed over the replicas). On CUDA it
+    runs on the all-reduce stream after the work queued on the *current* stream, so a caller that
+    issues it under the reduce-scatter stream orders it after that reduce-scatter without a host
+    wait. Returns the in-flight work; wait it before reading ``buffer``.
+    """
+    op = dist_reduce_op("sum", info)
+    return _issue("all_reduce", buffer.device, lambda a: dist.all_reduce(buffer, op=op, group=info.pg, async_op=a),
+                  (buffer,), buffer.numel() * buffer.element_size(), info.pg.group_name, "sum")
 
 
 def wait(t):

@@ -39,6 +39,18 @@ The runtime never dispatches through DTensor in a step: it packs and unpacks the
 ``Replicate()`` DTensor; in the flat buffers rank 0 holds it as a 1-row shard (the layout's rule), and
 after the reduce-scatter rank 0 broadcasts its reduced gradient so every replica holds it.
 
+[Note: hybrid sharding]
+With a 2-D mesh (FSDP2's convention: dim 0 replicates, dim 1 shards) the group shards over the
+mesh's dim 1 and replicates over dim 0: the sharded parameters are ``(Replicate(), Shard(0))``
+DTensors (0-dim ones ``(Replicate(), Replicate())``), all-gathers run within the shard group, and a
+gradient is reduce-scattered within the shard group, then summed over the replicas by an all-reduce
+of the reduce-scatter's output, in place (that buffer is the all-reduce's input and output: no
+copy, no extra pass), and finally scaled by ``1/(shards * replicas)``, cast and accumulated by the
+one copy-out. The all-reduce is issued as soon as its reduce-scatter is done: on CUDA at once,
+ordered behind it by the streams; on CPU at the first runtime hook after it completed (a non-blocking
+check), or at the end of backward. All-reduces are issued in the reduce-scatters' order, so the
+replicate group sees the same sequence on every rank. ``no_sync`` skips both.
+
 [Note: unsharded parameters keep their identity]
 Autograd saves the unsharded parameters used in forward (e.g. a linear's weight) and reads them in
 backward; it also accumulates their gradients through one ``AccumulateGrad`` node per parameter
@@ -72,7 +84,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from kernels import ShardLayout, unchecked
-from overlap.collectives import all_gather_into, reduce_scatter_into
+from overlap.collectives import all_gather_into, all_reduce_into, reduce_scatter_into
 from overlap.groups import GroupInfo
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
@@ -108,6 +120,7 @@ class PendingReduce:
     indices: tuple[int, ...]
     layout: ShardLayout
     post_scale: Optional[float]  # applied by the copy-out (None: the average is already taken)
+    needs_all_reduce: bool = False  # HSDP: the cross-replica all-reduce is still to be issued
 
 
 class ParamGroup:
@@ -121,10 +134,15 @@ class ParamGroup:
         mesh: DeviceMesh,
         mp: MixedPrecision,
         on_grad_ready: Callable[["ParamGroup", int], None],
+        replicate: Optional[GroupInfo] = None,
     ) -> None:
         self.info = info
         self.mesh = mesh
         self.rank, self.world_size = info.rank, info.size
+        self.replicate = replicate
+        """HSDP: the group over the replicas (the mesh's dim 0); None when fully sharded."""
+        self.replicas = replicate.size if replicate is not None else 1
+        self.data_parallel_size = info.size * self.replicas
         self.locations = locations
         self.fqns = [locs[0].fqn for locs in locations]
         self.layout = ShardLayout([tuple(p.shape) for p in params], info.size)
@@ -149,15 +167,16 @@ class ParamGroup:
             local, placement = full.detach().clone(), Replicate()
         else:
             local, placement = self.layout.shard(full.detach(), self.rank).clone(), Shard(0)
+        placements = (placement,) if self.replicate is None else (Replicate(), placement)
         meta = TensorMeta(full.shape, _contiguous_strides(full.shape), full.dtype)
-        spec = DTensorSpec(self.mesh, (placement,), tensor_meta=meta)
+        spec = DTensorSpec(self.mesh, placements, tensor_meta=meta)
         return nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=full.requires_grad)
 
     def _read_dtypes(self) -> None:
         """(Re)derive everything that depends on the sharded parameters' dtypes."""
         self.orig_dtypes = [p.dtype for p in self.sharded]
         self.gather_dtype = self.mp.param_dtype or widest_dtype(self.orig_dtypes)
-        self.aliases_shards = self.world_size == 1 and all(
+        self.aliases_shards = self.world_size == 1 and self.replicas == 1 and all(
             self._unsharded_dtype(i) == d for i, d in enumerate(self.orig_dtypes))
         """World size 1 without a dtype cast: the unsharded parameters share the shards' storage, so
         nothing is packed, moved or freed (see [Note: world size 1])."""
@@ -325,13 +344,33 @@ class ParamGroup:
         layout = self._reduce_layout(indices)
         dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads])
         with region("overlap::reduce_scatter_copy_in"), torch.no_grad():
-            pre_scale, post_scale = _average_scales(dtype, self.world_size)
+            pre_scale, post_scale = _average_scales(dtype, self.data_parallel_size)
             rs_input = unchecked.reduce_scatter_copy_in(grads, layout, pre_scale, dtype)
+        hsdp = self.replicas > 1
         if self.world_size == 1:
-            return PendingReduce(None, rs_input, indices, layout, None)
+            return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp)
         rs_output = torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device)
         return PendingReduce(reduce_scatter_into(rs_output, rs_input, self.info), rs_output, indices, layout,
-                             post_scale)
+                             post_scale, needs_all_reduce=hsdp)
+
+    def issue_all_reduce(self, pending: PendingReduce) -> InflightWork:
+        """HSDP: sum the reduced shard over the replicas, in place in the reduce-scatter's output,
+        which thereby *is* the all-reduce's input (no copy); ``pending`` then waits on the all-reduce
+        (see [Note: hybrid sharding]). On CUDA it is ordered after the reduce-scatter by the streams
+        (no host wait); elsewhere it waits for the reduce-scatter first, so call it once that is done
+        to hide it."""
+        assert self.replicate is not None and pending.needs_all_reduce
+        buffer, rs_work = pending.rs_output, pending.work
+        if buffer.device.type == "cuda":
+            after = comm_stream(buffer.device, "reduce_scatter") if rs_work is not None else torch.cuda.current_stream()
+            with torch.cuda.stream(after):
+                work = all_reduce_into(buffer, self.replicate)
+        else:
+            if rs_work is not None:
+                rs_work.wait()
+            work = all_reduce_into(buffer, self.replicate)
+        pending.work, pending.needs_all_reduce = work, False
+        return work
 
     @property
     def finishes_early(self) -> bool:
@@ -348,7 +387,8 @@ class ParamGroup:
         device = pending.rs_output.device
         if device.type != "cuda" or pending.work is None:
             return None
-        stream = comm_stream(device, "reduce_scatter")
+        assert not pending.needs_all_reduce
+        stream = comm_stream(device, "reduce_scatter" if self.replicate is None else "all_reduce")
         targets, accumulate = self._grads_for(pending)
         with torch.cuda.stream(stream):
             self._copy_out_reduced(pending, targets, accumulate)
@@ -411,7 +451,8 @@ class ParamGroup:
 
 
 def _average_scales(reduce_dtype: torch.dtype, world_size: int) -> tuple[Optional[float], Optional[float]]:
-    """(pre_scale, post_scale) that turn the reduce-scatter's sum into the average over ranks.
+    """(pre_scale, post_scale) that turn the reduction's sum into the average over the ``world_size``
+    data-parallel ranks (with HSDP: every rank of the mesh, shards times replicas).
 
     [Note: fp16 gradients are averaged before they are summed]
     fp16's largest value is 65504: the sum over ranks of gradients whose average fits can overflow

@@ -78,6 +78,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -131,10 +132,12 @@ class ShardState:
     """What ``shard`` attaches to one module: its parameter group (or None), options and hooks."""
 
     def __init__(self, module: nn.Module, group: Optional[ParamGroup], info: GroupInfo, mp: MixedPrecision,
-                 reshard_after_forward: bool, prefetch: int, max_inflight_bytes: Optional[int]) -> None:
+                 reshard_after_forward: bool, prefetch: int, max_inflight_bytes: Optional[int],
+                 replicate: Optional[GroupInfo] = None) -> None:
         self.module = module
         self.group = group
         self.info = info
+        self.replicate = replicate  # HSDP: the replicas' group (see [Note: hybrid sharding] in param_group.py)
         self.mp = mp
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
@@ -342,19 +345,21 @@ class _Root:
             self._finish_step()  # no backward will follow
 
     def _agree(self, order: list[int]) -> list[int]:
-        """Check that every rank ran the groups in the same order; raise on every rank if not."""
-        info = self.owner.info
-        if info.size == 1:
-            return list(order)
-        orders: list[Any] = [None] * info.size
-        dist.all_gather_object(orders, list(order), group=info.pg)
-        if any(o != orders[0] for o in orders):
-            names = [type(s.module).__name__ for s in self.states]
-            described = "; ".join(f"rank {r}: {[names[i] for i in o]}" for r, o in enumerate(orders))
-            raise RuntimeError(
-                f"overlap.shard: ranks ran the sharded modules in different orders, so their collectives "
-                f"would not match ({described}). Every rank must run the same modules in the same order."
-            )
+        """Check that every rank ran the groups in the same order; raise on every rank if not. With
+        HSDP the shard group agrees first, then the replicas (which covers every rank of the mesh)."""
+        for info in (self.owner.info, self.owner.replicate):
+            if info is None or info.size == 1:
+                continue
+            orders: list[Any] = [None] * info.size
+            dist.all_gather_object(orders, list(order), group=info.pg)
+            if any(o != orders[0] for o in orders):
+                names = [type(s.module).__name__ for s in self.states]
+                described = "; ".join(f"rank {info.global_rank(r)}: {[names[i] for i in o]}"
+                                      for r, o in enumerate(orders))
+                raise RuntimeError(
+                    f"overlap.shard: ranks ran the sharded modules in different orders, so their collectives "
+                    f"would not match ({described}). Every rank must run the same modules in the same order."
+                )
         return list(order)
 
     # ------------------------------------------------------------------ backward
@@ -365,7 +370,7 @@ class _Root:
         self._reduce_order: list[int] = []
         self._reduce_next = 0
         self._ready: set[int] = set()
-        self._pending_reduces: list[tuple[ParamGroup, PendingReduce]] = []  # epilogue not run yet
+        self._pending_reduces: list[tuple[ShardState, PendingReduce]] = []  # epilogue not run yet
         self._reduce_events: list[Any] = []  # CUDA: epilogues queued on the reduce-scatter stream
 
     def on_pre_backward(self, state: ShardState) -> None:
@@ -438,24 +443,45 @@ class _Root:
                 pending = group.issue_reduce()
                 if pending is not None:
                     self._track(pending.work)
+                    if pending.needs_all_reduce and (pending.work is None or pending.rs_output.is_cuda):
+                        self._all_reduce(state, pending)  # stream-ordered on CUDA (see [Note: hybrid sharding])
                     event = group.finish_reduce_on_stream(pending) if group.finishes_early else None
                     if event is not None:
                         self._reduce_events.append(event)
                     else:
-                        self._pending_reduces.append((group, pending))
+                        self._pending_reduces.append((state, pending))
         self._finish_completed_reduces()
         group.grads_ready.clear()
         group.reshard()
         group.to_sharded()
 
+    def _all_reduce(self, state: ShardState, pending: PendingReduce) -> None:
+        """HSDP: issue the cross-replica all-reduce of a reduce-scatter's output."""
+        assert state.group is not None
+        if state.max_inflight_bytes is not None:
+            self._admit(pending.rs_output.numel() * pending.rs_output.element_size(), state.max_inflight_bytes)
+        with region("overlap::all_reduce_replicas"):
+            self._track(state.group.issue_all_reduce(pending))
+
     def _finish_completed_reduces(self) -> None:
-        """CPU: run the epilogue of the reduce-scatters that have completed, oldest first, at this
-        runtime hook instead of at the end of backward (see [Note: the reduce-scatter epilogue runs
-        where the collective ran]). Stops at the first one still in flight, so the epilogues run in
-        issue order; a group whose epilogue communicates waits for the end of backward."""
+        """CPU: at this runtime hook, issue the cross-replica all-reduces (HSDP) of the reduce-scatters
+        that have completed, then run the epilogues of the reductions that have completed, each
+        oldest first, instead of at the end of backward (see [Note: the reduce-scatter epilogue runs
+        where the collective ran]). Each pass stops at the first one still in flight, so all-reduces
+        and epilogues run in issue order; a group whose epilogue communicates waits for the end of
+        backward."""
+        for state, pending in self._pending_reduces:
+            if not pending.needs_all_reduce:
+                continue
+            if pending.work is not None and not pending.work.is_done():
+                break
+            self._all_reduce(state, pending)
         done = 0
-        for group, pending in self._pending_reduces:
-            if not group.finishes_early or (pending.work is not None and not pending.work.is_done()):
+        for state, pending in self._pending_reduces:
+            group = state.group
+            assert group is not None
+            if (not group.finishes_early or pending.needs_all_reduce
+                    or (pending.work is not None and not pending.work.is_done())):
                 break
             with region("overlap::reduce_scatter_epilogue"), torch.no_grad():
                 group.finish_reduce(pending)
@@ -466,8 +492,12 @@ class _Root:
     def _end_backward(self) -> None:
         with region("overlap::end_backward"), torch.no_grad():
             self._flush_reduces(final=True)
-            for group, pending in self._pending_reduces:
-                group.finish_reduce(pending)
+            for state, pending in self._pending_reduces:
+                if pending.needs_all_reduce:
+                    self._all_reduce(state, pending)
+            for state, pending in self._pending_reduces:
+                assert state.group is not None
+                state.group.finish_reduce(pending)
             if self._reduce_events:
                 current = torch.cuda.current_stream()
                 for event in self._reduce_events:  # the gradients were written on the reduce-scatter stream
@@ -555,23 +585,33 @@ def shard(
     prefetch: int = 1,
     max_inflight_bytes: Optional[int] = None,
 ) -> nn.Module:
-    """Shard ``module``'s parameters over ``group`` (or a 1-D ``mesh``; default WORLD), in place.
+    """Shard ``module``'s parameters over ``group`` or ``mesh`` (default WORLD), in place.
+
+    ``mesh`` is a 1-D DeviceMesh (or ``(mesh, dim)``) to shard over, or a 2-D one for hybrid
+    sharding (HSDP, FSDP2's convention): dim 0 replicates, dim 1 shards (see [Note: hybrid
+    sharding] in ``overlap/param_group.py``).
 
     Returns ``module``, whose class becomes a subclass of :class:`ShardedModule`. Its parameters are
-    replaced by this rank's dim-0 shards (plain ``nn.Parameter``s); buffers stay replicated and are
+    replaced by DTensor parameters holding this rank's dim-0 shard; buffers stay replicated and are
     not touched. Call it on each block first, then on the root.
     """
     _check_options(module, mp, reshard_after_forward, prefetch, max_inflight_bytes)
     if group is not None and mesh is not None:
         raise ValueError("shard: pass group or mesh, not both")
-    group_arg = mesh if mesh is not None else group
-    info = resolve_group(group_arg, "mesh" if mesh is not None else "group")
-    mp = mp or MixedPrecision()
     params, locations = _owned_parameters(module)
     devices = {p.device for p in params}
     if len(devices) > 1:
         where = {str(p.device): locs[0].fqn for p, locs in zip(params, locations)}
         raise ValueError(f"shard: {type(module).__name__} has parameters on several devices ({where}); move them to one")
+    device = next(iter(devices), torch.device("cpu"))
+    replicate: Optional[GroupInfo] = None
+    if mesh is not None and _mesh_ndim(mesh) is not None:
+        _check_mesh(mesh, device)
+    if mesh is not None and _mesh_ndim(mesh) == 2:
+        info, replicate = resolve_group((mesh, 1), "mesh"), resolve_group((mesh, 0), "mesh")
+    else:
+        info = resolve_group(mesh if mesh is not None else group, "mesh" if mesh is not None else "group")
+    mp = mp or MixedPrecision()
     dtensors = [locs[0].fqn for p, locs in zip(params, locations) if isinstance(p, DTensor)]
     if dtensors:
         raise ValueError(f"shard: parameters {dtensors} of {type(module).__name__} are already DTensors "
@@ -585,20 +625,45 @@ def shard(
         if state.root is not None:  # `state` is bound below, before any backward can run
             state.root.on_grad_ready(state)
 
-    device_type = _mesh_device_type(next(iter(devices), torch.device("cpu")), info)
-    param_group = ParamGroup(params, locations, info, device_mesh_for(group_arg, info, device_type), mp,
-                             on_grad_ready) if params else None
+    if replicate is not None:
+        dtensor_mesh = mesh
+    else:
+        dtensor_mesh = device_mesh_for(mesh if mesh is not None else group, info, _mesh_device_type(device, info))
+    param_group = ParamGroup(params, locations, info, dtensor_mesh, mp, on_grad_ready,
+                             replicate) if params else None
     if param_group is not None:
         for original, sharded in zip(params, param_group.sharded):
             original._overlap_sharded_by = param_group  # type: ignore[attr-defined]
             sharded._overlap_sharded_by = param_group  # type: ignore[attr-defined]
-    state = ShardState(module, param_group, info, mp, reshard_after_forward, prefetch, max_inflight_bytes)
+    state = ShardState(module, param_group, info, mp, reshard_after_forward, prefetch, max_inflight_bytes,
+                       replicate)
     module.__class__ = _sharded_class(type(module))
     module._overlap_state = state  # type: ignore[assignment]
     # Hooks run eagerly under torch.compile too (see [Note: hooks stay eager under torch.compile]).
     module.register_forward_pre_hook(torch._dynamo.disable(state.pre_forward, recursive=True), with_kwargs=True)
     module.register_forward_hook(torch._dynamo.disable(state.post_forward, recursive=True))
     return module
+
+
+def _mesh_ndim(mesh: object) -> Optional[int]:
+    """The number of dims of ``mesh`` if it is a DeviceMesh (not a ``(mesh, dim)`` pair), else None."""
+    return mesh.ndim if isinstance(mesh, DeviceMesh) else None
+
+
+def _check_mesh(mesh: DeviceMesh, device: torch.device) -> None:
+    """A DeviceMesh passed to ``shard``: 1-D (full sharding) or 2-D (HSDP), containing this rank, of
+    the parameters' device type."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"shard: mesh must be a 1-D DeviceMesh (full sharding) or a 2-D one (HSDP: dim 0 replicates, "
+            f"dim 1 shards), got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; for a mesh with more dims "
+            f"pass the sub-mesh to shard over, e.g. mesh['replicate', 'shard'] or (mesh, dim)")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"shard: mesh {mesh} does not contain this rank ({dist.get_rank()}); pass a mesh "
+                         f"that every rank calling shard belongs to")
+    if device.type != "meta" and mesh.device_type != device.type:
+        raise ValueError(f"shard: mesh is a {mesh.device_type!r} mesh but the parameters are on {device.type!r}; "
+                         f"build the mesh for the parameters' device type (init_device_mesh({device.type!r}, ...))")
 
 
 def _mesh_device_type(device: torch.device, info: GroupInfo) -> str:

@@ -3,8 +3,9 @@
 [Note: one stream per purpose]
 All-gathers run on their own stream so that a backward reduce-scatter queued behind compute never
 delays the next all-gather (the prefetch that forward and backward depend on); reduce-scatters get a
-second stream, and every other collective a third. The sharded runtime packs its all-gather inputs
-on a fourth (``all_gather_copy_in``), so a prefetch is not queued behind later compute, and runs each
+second stream, all-reduces a third (HSDP's cross-replica all-reduce of a reduced shard waits for
+its reduce-scatter without holding up the next one), and every other collective a fourth. The sharded runtime packs its all-gather inputs
+on a fifth (``all_gather_copy_in``), so a prefetch is not queued behind later compute, and runs each
 reduce-scatter's copy-out on the reduce-scatter stream right behind the collective. Streams are created with high priority so that
 communication kernels are scheduled ahead of compute kernels when both are ready, as FSDP2 does.
 Every collective's stream first waits for the issuing (current) stream, so the data it reads is ready.
@@ -36,7 +37,7 @@ import torch
 __all__ = ["comm_stream", "STREAM_PURPOSES", "StreamCaptureError", "capturing", "capture_error",
            "check_not_capturing", "check_device"]
 
-STREAM_PURPOSES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "other")
+STREAM_PURPOSES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduce", "other")
 _streams: dict[tuple[int, str], "torch.cuda.Stream"] = {}
 
 

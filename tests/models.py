@@ -303,9 +303,11 @@ def global_mean(value: torch.Tensor) -> float:
     return t.item() / dist.get_world_size()
 
 
-def train_ranks(model: nn.Module, rank: int, world_size: int, steps: int = STEPS) -> list[float]:
+def train_ranks(model: nn.Module, rank: int, world_size: int, steps: int = STEPS,
+                after_step: Callable[[int], None] | None = None) -> list[float]:
     """The data-parallel loop every sharded runtime is checked with: AdamW over ``model.parameters()``,
-    ``steps`` steps on this rank's slice of ``make_batch(step)``; returns the global loss per step."""
+    ``steps`` steps on this rank's slice of ``make_batch(step)``; returns the global loss per step.
+    ``after_step(step)``, if given, runs after each optimizer step (a check on every rank)."""
     opt = make_optimizer(model.parameters())
     losses = []
     for step in range(steps):
@@ -314,6 +316,8 @@ def train_ranks(model: nn.Module, rank: int, world_size: int, steps: int = STEPS
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(global_mean(loss))
+        if after_step is not None:
+            after_step(step)
     return losses
 
 

@@ -138,6 +138,12 @@ def _two_dim_mesh(env: Env) -> Any:
     return init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
 
 
+def _three_dim_mesh(env: Env) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+
+
 # --------------------------------------------------------------------------------------- the table
 @dataclass(frozen=True)
 class Bad:
@@ -226,8 +232,8 @@ MATRIX: dict[str, Bad] = {
                                    "ProcessGroup, a 1-D DeviceMesh"),
     "shard group and mesh": Bad(lambda e: overlap.shard(e.model, group=dist.group.WORLD, mesh=_two_dim_mesh(e)),
                                 ValueError, "group or mesh", "not both"),
-    "shard 2-D mesh": Bad(lambda e: overlap.shard(e.model, mesh=_two_dim_mesh(e)), ValueError, "mesh",
-                          "pass (mesh, dim)"),
+    "shard 3-D mesh": Bad(lambda e: overlap.shard(e.model, mesh=_three_dim_mesh(e)), ValueError, "mesh",
+                          "1-D DeviceMesh (full sharding) or a 2-D one (HSDP"),
     "shard unknown option": Bad(lambda e: overlap.shard(e.model, prefetched=1), TypeError, "prefetched",
                                 "unexpected keyword argument"),
     "shard int params in bf16": Bad(lambda e: overlap.shard(_int_param_module(), mp=overlap.MixedPrecision(bf16)),
