@@ -13,22 +13,30 @@ argument                shape                                  dtype
 ``ag_input`` (out)      ``(slot_numel,)``                      ``dtype`` (default: the shards')
 ``ag_output`` (out)     ``(world_size * slot_numel,)``         ``dtype``
 ======================  =====================================  =================================
+
+This module is the op's one home: the Triton kernel, the argument checks (``_check``), the public
+function, ``torch.ops.overlap.all_gather_copy_in`` (custom op and fake, [Note: why custom_op and not
+triton_op] in ``kernels.library``), ``_all_gather_copy_in`` (the op without argument checks, for the
+runtime, which builds every argument from the layout: wrong arguments there are undefined
+behaviour, the kernel reads raw addresses), the torch fallback and the pure-torch reference.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import _launch
-from kernels._launch import block_run, load_as, scalar_lanes, vector_lanes
+from kernels import _checks, _launch, _torch_fallback, library
+from kernels._jit import block_run, load_as, scalar_lanes, vector_lanes
 from kernels.layout import ShardLayout
 
 OP = "all_gather_copy_in"
 
 
+# ------------------------------------------------------------------------------------------- kernel
 @triton.jit
 def _copy_in(
     addr, group, src_start, offs, dst, mask, other, store_mask,
@@ -63,16 +71,17 @@ def _all_gather_copy_in_kernel(
                      DT0, DT1, DT2, DT3, NUM_GROUPS, False)
 
 
+# -------------------------------------------------------------------- checks, API, torch.library op
 def _check(
     shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype | None
 ) -> tuple[torch.device, torch.dtype]:
-    _launch.check_layout(OP, layout)
-    _launch.check_rank(OP, rank, layout)
-    device = _launch.check_tensors(OP, "shards", shards, layout.shard_shapes(rank))
-    _launch.check_dtype_groups(OP, "shards", shards)
+    _checks.check_layout(OP, layout)
+    _checks.check_rank(OP, rank, layout)
+    device = _checks.check_tensors(OP, "shards", shards, layout.shard_shapes(rank))
+    _checks.check_dtype_groups(OP, "shards", shards)
     if dtype is None:
-        dtype = _launch.common_dtype(OP, "shards", shards)
-    _launch.check_dtype(OP, "dtype", dtype)
+        dtype = _checks.common_dtype(OP, "shards", shards)
+    _checks.check_dtype(OP, "dtype", dtype)
     return device, dtype
 
 
@@ -80,16 +89,35 @@ def all_gather_copy_in(
     shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack ``shards`` (this rank's) into a new all-gather buffer; returns ``(ag_input, ag_output)``."""
-    device, dtype = _check(shards, layout, rank, dtype)
-    if _launch.use_dispatcher(shards):
+    _, dtype = _check(shards, layout, rank, dtype)
+    if library.use_dispatcher(shards):
         ag_output = torch.ops.overlap.all_gather_copy_in(list(shards), list(layout.spec), rank, dtype)
         return ag_output.view(layout.world_size, layout.slot_numel)[rank], ag_output
-    return _all_gather_copy_in(shards, layout, rank, dtype, device)
+    return _all_gather_copy_in(shards, layout, rank, dtype)
 
 
+@torch.library.custom_op("overlap::all_gather_copy_in", mutates_args=(), tags=library.CUDAGRAPH_UNSAFE_TAGS)
+def _all_gather_copy_in_op(
+    shards: list[torch.Tensor], layout_spec: list[int], rank: int, dtype: Optional[torch.dtype]
+) -> torch.Tensor:
+    layout = library.layout(layout_spec)
+    _, dtype = _check(shards, layout, rank, dtype)
+    return _all_gather_copy_in(shards, layout, rank, dtype)[1]
+
+
+@_all_gather_copy_in_op.register_fake
+def _(shards, layout_spec, rank, dtype):
+    layout = library.layout(layout_spec)
+    device, dtype = _check(shards, layout, rank, dtype)
+    return torch.empty(layout.buffer_numel, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------------------------------- launch
 def _all_gather_copy_in(
-    shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype, device: torch.device
+    shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op on checked arguments (``dtype`` given): the kernel, or the torch fallback."""
+    device = shards[0].device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
             return _all_gather_copy_in_torch(shards, layout, rank, dtype, device)
@@ -105,16 +133,17 @@ def _kernel_call(shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int,
                                dict(VEC=_launch.vector_width([ag_input.dtype])))
 
 
+# ------------------------------------------------------------------------------ fallback, reference
 def _all_gather_copy_in_torch(
     shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op without Triton: the shards packed into the slot by one ``torch._chunk_cat`` or one
     ``_foreach_copy_`` of views cut like the reference's copies; bitwise equal to
-    ``all_gather_copy_in_ref`` (see [Note: torch fallback] in ``kernels._launch``)."""
-    plan = _launch.torch_plan(layout, rank)
+    ``all_gather_copy_in_ref`` ([Note: torch fallback] in ``kernels._torch_fallback``)."""
+    plan = _torch_fallback.torch_plan(layout, rank)
     ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]
-    if _launch.chunk_cat(shards, plan, 1, ag_input):
+    if _torch_fallback.chunk_cat(shards, plan, 1, ag_input):
         return ag_input, ag_output
     if plan.padded:
         ag_input.zero_()
@@ -128,7 +157,7 @@ def _all_gather_copy_in_torch(
             src = shard.reshape(-1)
             dsts.append(ag_output.as_strided(src.shape, (1,), base + offset))
             srcs.append(src)
-    _launch.foreach_copy(dsts, srcs)
+    _torch_fallback.foreach_copy(dsts, srcs)
     return ag_input, ag_output
 
 

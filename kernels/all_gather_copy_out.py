@@ -12,6 +12,12 @@ argument                shape                                  dtype
 ``ag_output``           ``buffer_numel`` elements, contiguous  any supported
 ``outs[i]`` (out)       ``layout.shapes[i]``, contiguous       any supported, mixed allowed
 ======================  =====================================  =================================
+
+This module is the op's one home: the Triton kernel, the argument checks (``_check``), the public
+function, ``torch.ops.overlap.all_gather_copy_out`` (custom op and fake, [Note: why custom_op and not
+triton_op] in ``kernels.library``), ``_all_gather_copy_out`` (the op without argument checks, for
+the runtime, which builds every argument from the layout: wrong arguments there are undefined
+behaviour, the kernel writes through raw addresses), the torch fallback and the pure-torch reference.
 """
 from __future__ import annotations
 
@@ -21,13 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _launch
-from kernels._launch import block_run, scalar_lanes, store_as, vector_lanes
+from kernels import _checks, _launch, _torch_fallback, library
+from kernels._jit import block_run, scalar_lanes, store_as, vector_lanes
 from kernels.layout import ShardLayout
 
 OP = "all_gather_copy_out"
 
 
+# ------------------------------------------------------------------------------------------- kernel
 @triton.jit
 def _copy_out(
     src, offs, addr, group, dst_start, mask,
@@ -60,14 +67,15 @@ def _all_gather_copy_out_kernel(
                       DT0, DT1, DT2, DT3, NUM_GROUPS, False)
 
 
+# -------------------------------------------------------------------- checks, API, torch.library op
 def _check(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor] | None, dtype: torch.dtype | None) -> None:
-    _launch.check_layout(OP, layout)
-    device = _launch.check_flat(OP, "ag_output", ag_output, layout.buffer_numel, None)
+    _checks.check_layout(OP, layout)
+    device = _checks.check_flat(OP, "ag_output", ag_output, layout.buffer_numel, None)
     if dtype is not None:
-        _launch.check_dtype(OP, "dtype", dtype)
+        _checks.check_dtype(OP, "dtype", dtype)
     if outs is not None:
-        _launch.check_tensors(OP, "outs", outs, layout.shapes, device, writable=True)
-        _launch.check_dtype_groups(OP, "outs", outs)
+        _checks.check_tensors(OP, "outs", outs, layout.shapes, device, writable=True)
+        _checks.check_dtype_groups(OP, "outs", outs)
         for i, out in enumerate(outs):
             if dtype is not None and out.dtype != dtype:
                 raise TypeError(f"{OP}: outs[{i}] has dtype {out.dtype}, expected dtype={dtype}")
@@ -87,14 +95,28 @@ def all_gather_copy_out(
     """Scatter the gathered ``ag_output`` into full parameters (``outs``, or new tensors); returns them."""
     _check(ag_output, layout, outs, dtype)
     outs = _allocate(ag_output, layout, dtype) if outs is None else list(outs)
-    if _launch.use_dispatcher([ag_output, *outs]):
+    if library.use_dispatcher([ag_output, *outs]):
         torch.ops.overlap.all_gather_copy_out(ag_output, list(layout.spec), outs)
     else:
         _all_gather_copy_out(ag_output, layout, outs)
     return outs
 
 
-def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: list[torch.Tensor]) -> None:
+@torch.library.custom_op("overlap::all_gather_copy_out", mutates_args=("outs",), tags=library.CUDAGRAPH_UNSAFE_TAGS)
+def _all_gather_copy_out_op(ag_output: torch.Tensor, layout_spec: list[int], outs: list[torch.Tensor]) -> None:
+    layout = library.layout(layout_spec)
+    _check(ag_output, layout, outs, None)
+    _all_gather_copy_out(ag_output, layout, outs)
+
+
+@_all_gather_copy_out_op.register_fake
+def _(ag_output, layout_spec, outs):
+    _check(ag_output, library.layout(layout_spec), outs, None)
+
+
+# ------------------------------------------------------------------------------------------- launch
+def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor]) -> None:
+    """The op on checked arguments (``outs`` given): the kernel, or the torch fallback."""
     if not _launch.triton_enabled(ag_output.device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
             _all_gather_copy_out_torch(ag_output, layout, outs)
@@ -109,15 +131,17 @@ def _kernel_call(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[to
                                dict(VEC=_launch.vector_width([o.dtype for o in outs])))
 
 
+# ------------------------------------------------------------------------------ fallback, reference
 def _all_gather_copy_out_torch(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor]) -> None:
     """The op without Triton: one ``_foreach_copy_`` of buffer views into views of ``outs``, at most
     two per parameter (full ranks, short rank); bitwise equal to ``all_gather_copy_out_ref``, which
-    it runs instead when it would cast a NaN (see [Note: torch fallback] in ``kernels._launch``)."""
-    if any(o.dtype != ag_output.dtype for o in outs) and _launch.has_nan(ag_output):
+    it runs instead when it would cast a NaN ([Note: torch fallback] in ``kernels._torch_fallback``)."""
+    if any(o.dtype != ag_output.dtype for o in outs) and _torch_fallback.has_nan(ag_output):
         all_gather_copy_out_ref(ag_output, layout, outs)
         return
-    plan = _launch.torch_plan(layout, None)
-    _launch.foreach_copy(_launch.param_views(outs, plan.pieces), _launch.buffer_views(ag_output, plan))
+    plan = _torch_fallback.torch_plan(layout, None)
+    _torch_fallback.foreach_copy(_torch_fallback.param_views(outs, plan.pieces),
+                                 _torch_fallback.buffer_views(ag_output, plan))
 
 
 def all_gather_copy_out_ref(

@@ -29,7 +29,7 @@ flat buffer                ``(buffer_numel,)`` = ``(w * slot_numel,)``, viewable
 
 Device-side metadata derived from a layout (block tables, see ``kernels._launch``) is cached on the
 layout object per device, so steady-state launches copy nothing from host to device; so are the torch
-fallback's plans (host ints, ``kernels._launch.torch_plan``). When a layout goes, its device tables
+fallback's plans (host ints, ``kernels._torch_fallback.torch_plan``). When a layout goes, its device tables
 are released only after the kernels that may read them ([Note: table lifetime] in
 ``kernels.table_memory``).
 """

@@ -13,22 +13,31 @@ argument                shape                                  dtype
 ``grads[i]``            ``layout.shapes[i]``                   any supported, mixed allowed
 ``rs_input`` (out)      ``(world_size * slot_numel,)``         ``dtype``
 ======================  =====================================  =================================
+
+This module is the op's one home: the Triton kernel, the argument checks (``_check``), the public
+function, ``torch.ops.overlap.reduce_scatter_copy_in`` (custom op and fake, [Note: why custom_op and
+not triton_op] in ``kernels.library``), ``_reduce_scatter_copy_in`` (the op without argument checks,
+for the runtime, which builds every argument from the layout: wrong arguments there are undefined
+behaviour, the kernel reads raw addresses), the torch fallback and the pure-torch reference.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import _launch
-from kernels._launch import block_run, convert, load_as, scalar_lanes, vector_lanes
+from kernels import _checks, _launch, _torch_fallback, library
+from kernels._dtypes import as_float32, compute_dtype
+from kernels._jit import block_run, convert, load_as, scalar_lanes, vector_lanes
 from kernels.layout import ShardLayout
 
 OP = "reduce_scatter_copy_in"
 
 
+# ------------------------------------------------------------------------------------------- kernel
 @triton.jit
 def _pack(
     addr, group, src_start, offs, dst, mask, other, store_mask, scale,
@@ -70,18 +79,19 @@ def _reduce_scatter_copy_in_kernel(
                   DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, False)
 
 
+# -------------------------------------------------------------------- checks, API, torch.library op
 def _check(
     grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype | None
 ) -> tuple[torch.device, torch.dtype]:
-    _launch.check_layout(OP, layout)
-    device = _launch.check_tensors(OP, "grads", grads, layout.shapes)
-    _launch.check_dtype_groups(OP, "grads", grads)
+    _checks.check_layout(OP, layout)
+    device = _checks.check_tensors(OP, "grads", grads, layout.shapes)
+    _checks.check_dtype_groups(OP, "grads", grads)
     if dtype is None:
-        dtype = _launch.common_dtype(OP, "grads", grads)
-    _launch.check_dtype(OP, "dtype", dtype)
-    _launch.check_scale(OP, "pre_scale", pre_scale)
+        dtype = _checks.common_dtype(OP, "grads", grads)
+    _checks.check_dtype(OP, "dtype", dtype)
+    _checks.check_scale(OP, "pre_scale", pre_scale)
     if pre_scale is not None:
-        _launch.check_floating(OP, "pre_scale", [dtype, *(g.dtype for g in grads)])
+        _checks.check_floating(OP, "pre_scale", [dtype, *(g.dtype for g in grads)])
     return device, dtype
 
 
@@ -92,15 +102,34 @@ def reduce_scatter_copy_in(
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Pack full ``grads`` rank-major into a new reduce-scatter input (scaled, cast); returns it."""
-    device, dtype = _check(grads, layout, pre_scale, dtype)
-    if _launch.use_dispatcher(grads):
+    _, dtype = _check(grads, layout, pre_scale, dtype)
+    if library.use_dispatcher(grads):
         return torch.ops.overlap.reduce_scatter_copy_in(list(grads), list(layout.spec), pre_scale, dtype)
-    return _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, device)
+    return _reduce_scatter_copy_in(grads, layout, pre_scale, dtype)
 
 
-def _reduce_scatter_copy_in(
-    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype, device: torch.device
+@torch.library.custom_op("overlap::reduce_scatter_copy_in", mutates_args=(), tags=library.CUDAGRAPH_UNSAFE_TAGS)
+def _reduce_scatter_copy_in_op(
+    grads: list[torch.Tensor], layout_spec: list[int], pre_scale: Optional[float], dtype: Optional[torch.dtype]
 ) -> torch.Tensor:
+    layout = library.layout(layout_spec)
+    _, dtype = _check(grads, layout, pre_scale, dtype)
+    return _reduce_scatter_copy_in(grads, layout, pre_scale, dtype)
+
+
+@_reduce_scatter_copy_in_op.register_fake
+def _(grads, layout_spec, pre_scale, dtype):
+    layout = library.layout(layout_spec)
+    device, dtype = _check(grads, layout, pre_scale, dtype)
+    return torch.empty(layout.buffer_numel, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------------------------------- launch
+def _reduce_scatter_copy_in(
+    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The op on checked arguments (``dtype`` given): the kernel, or the torch fallback."""
+    device = grads[0].device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
             return _reduce_scatter_copy_in_torch(grads, layout, pre_scale, dtype, device)
@@ -117,57 +146,59 @@ def _kernel_call(
                                       [rs_input.dtype])
 
 
+# ------------------------------------------------------------------------------ fallback, reference
 def _reduce_scatter_copy_in_torch(
     grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """The op without Triton: the grads packed by one ``torch._chunk_cat`` or one ``_foreach_copy_``
     (at most two views per parameter) — with a scale, packed in the compute dtype, then scaled and
     cast in one call each; bitwise equal to ``reduce_scatter_copy_in_ref``, which it runs instead
-    when it has cast a NaN (see [Note: torch fallback] in ``kernels._launch``)."""
-    plan = _launch.torch_plan(layout, None)
-    compute = _launch.compute_dtype([dtype, *(g.dtype for g in grads)])
+    when it has cast a NaN ([Note: torch fallback] in ``kernels._torch_fallback``)."""
+    plan = _torch_fallback.torch_plan(layout, None)
+    compute = compute_dtype([dtype, *(g.dtype for g in grads)])
     work = torch.empty(layout.buffer_numel, dtype=dtype if pre_scale is None else compute, device=device)
-    if _launch.chunk_cat(grads, plan, layout.world_size, work):
+    if _torch_fallback.chunk_cat(grads, plan, layout.world_size, work):
         casts = False  # (it looked for a NaN before casting)
     else:
         casts = _pack_torch(grads, layout, plan, work)  # in pieces unlike the reference's
     if pre_scale is None:
-        if casts and _launch.has_nan(work):
+        if casts and _torch_fallback.has_nan(work):
             return reduce_scatter_copy_in_ref(grads, layout, pre_scale, dtype)
         return work
-    scale = _launch.as_float32(pre_scale)
+    scale = as_float32(pre_scale)
     work.mul_(scale)
-    if (casts or dtype != compute) and _launch.has_nan(work):
+    if (casts or dtype != compute) and _torch_fallback.has_nan(work):
         return reduce_scatter_copy_in_ref(grads, layout, pre_scale, dtype)
-    if not plan.padded or _launch.keeps_zero(scale):  # the padding is still +0
+    if not plan.padded or _torch_fallback.keeps_zero(scale):  # the padding is still +0
         return work if dtype == compute else work.to(dtype)
     rs_input = torch.zeros(layout.buffer_numel, dtype=dtype, device=device)
-    _launch.foreach_copy(_launch.buffer_views(rs_input, plan), _launch.buffer_views(work, plan))
+    _torch_fallback.foreach_copy(_torch_fallback.buffer_views(rs_input, plan),
+                                 _torch_fallback.buffer_views(work, plan))
     return rs_input
 
 
 def _pack_torch(
-    grads: Sequence[torch.Tensor], layout: ShardLayout, plan: _launch.TorchPlan, buffer: torch.Tensor
+    grads: Sequence[torch.Tensor], layout: ShardLayout, plan: _torch_fallback.TorchPlan, buffer: torch.Tensor
 ) -> bool:
     """Fill ``buffer`` with ``grads`` rank-major, cast, zeros in the padding, by one
     ``_foreach_copy_``; returns whether it cast."""
     if plan.padded:
         buffer.zero_()
-    dsts = _launch.buffer_views(buffer, plan)
+    dsts = _torch_fallback.buffer_views(buffer, plan)
     strided = {i for i, g in enumerate(grads) if not g.is_contiguous()}
     if not strided:
-        srcs = _launch.param_views(grads, plan.pieces)
+        srcs = _torch_fallback.param_views(grads, plan.pieces)
     else:
         kept = [k for k, piece in enumerate(plan.pieces) if piece[0] not in strided]
         dsts = [dsts[k] for k in kept]
-        srcs = _launch.param_views(grads, [plan.pieces[k] for k in kept])
+        srcs = _torch_fallback.param_views(grads, [plan.pieces[k] for k in kept])
     for i in sorted(strided):  # as the reference reads them: each rank's rows flattened
         for r in range(layout.world_size):
             src = layout.shard(grads[i], r).reshape(-1)
             if src.numel():
                 dsts.append(buffer.narrow(0, r * layout.slot_numel + layout.slot_offsets[i], src.numel()))
                 srcs.append(src)
-    _launch.foreach_copy(dsts, srcs)
+    _torch_fallback.foreach_copy(dsts, srcs)
     return any(g.dtype != buffer.dtype for g in grads)
 
 
@@ -180,13 +211,13 @@ def reduce_scatter_copy_in_ref(
     """Plain-torch reference of ``reduce_scatter_copy_in``, one copy per rank and parameter: what the kernel and
     the torch fallback (``_reduce_scatter_copy_in_torch``, bitwise) are tested against."""
     dtype = dtype or grads[0].dtype
-    compute = _launch.compute_dtype([dtype, *(g.dtype for g in grads)])
+    compute = compute_dtype([dtype, *(g.dtype for g in grads)])
     rs_input = torch.zeros(layout.buffer_numel, dtype=dtype, device=grads[0].device)
     slots = rs_input.view(layout.world_size, layout.slot_numel)
     for r in range(layout.world_size):
         for grad, offset in zip(grads, layout.slot_offsets):
             shard = layout.shard(grad, r).reshape(-1)
             if pre_scale is not None:
-                shard = shard.to(compute) * _launch.as_float32(pre_scale)
+                shard = shard.to(compute) * as_float32(pre_scale)
             slots[r, offset : offset + shard.numel()].copy_(shard)
     return rs_input

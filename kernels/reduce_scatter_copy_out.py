@@ -14,22 +14,32 @@ argument                shape                                  dtype
 ``rs_output``           ``slot_numel`` elements, contiguous    any supported
 ``shard_grads[i]`` (io) ``layout.shard_shape(i, rank)``        any supported, mixed allowed
 ======================  =====================================  =================================
+
+This module is the op's one home: the Triton kernel, the argument checks (``_check``), the public
+function, ``torch.ops.overlap.reduce_scatter_copy_out`` (custom op and fake, [Note: why custom_op
+and not triton_op] in ``kernels.library``), ``_reduce_scatter_copy_out`` (the op without argument
+checks, for the runtime, which builds every argument from the layout: wrong arguments there are
+undefined behaviour, the kernel writes through raw addresses), the torch fallback and the
+pure-torch reference.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import _launch
-from kernels._launch import block_run, convert, load_as, scalar_lanes, store_as, vector_lanes
+from kernels import _checks, _launch, _torch_fallback, library
+from kernels._dtypes import as_float32, compute_dtype
+from kernels._jit import block_run, convert, load_as, scalar_lanes, store_as, vector_lanes
 from kernels.layout import ShardLayout
 
 OP = "reduce_scatter_copy_out"
 
 
+# ------------------------------------------------------------------------------------------- kernel
 @triton.jit
 def _unpack(
     src, offs, addr, group, dst_start, mask, other, scale,
@@ -70,6 +80,7 @@ def _reduce_scatter_copy_out_kernel(
                     DT0, DT1, DT2, DT3, NUM_GROUPS, COMPUTE, HAS_SCALE, ACCUMULATE, False)
 
 
+# -------------------------------------------------------------------- checks, API, torch.library op
 def _check(
     rs_output: torch.Tensor,
     shard_grads: Sequence[torch.Tensor],
@@ -78,17 +89,17 @@ def _check(
     post_scale: float | None,
     accumulate: bool,
 ) -> None:
-    _launch.check_layout(OP, layout)
-    _launch.check_rank(OP, rank, layout)
-    device = _launch.check_flat(OP, "rs_output", rs_output, layout.slot_numel, None)
-    _launch.check_tensors(OP, "shard_grads", shard_grads, layout.shard_shapes(rank), device, writable=True)
-    _launch.check_dtype_groups(OP, "shard_grads", shard_grads)
-    _launch.check_scale(OP, "post_scale", post_scale)
+    _checks.check_layout(OP, layout)
+    _checks.check_rank(OP, rank, layout)
+    device = _checks.check_flat(OP, "rs_output", rs_output, layout.slot_numel, None)
+    _checks.check_tensors(OP, "shard_grads", shard_grads, layout.shard_shapes(rank), device, writable=True)
+    _checks.check_dtype_groups(OP, "shard_grads", shard_grads)
+    _checks.check_scale(OP, "post_scale", post_scale)
     if not isinstance(accumulate, bool):
         raise TypeError(f"{OP}: accumulate must be a bool, got {type(accumulate).__name__}")
     if post_scale is not None or accumulate:
         what = "post_scale" if post_scale is not None else "accumulate=True"
-        _launch.check_floating(OP, what, [rs_output.dtype, *(g.dtype for g in shard_grads)])
+        _checks.check_floating(OP, what, [rs_output.dtype, *(g.dtype for g in shard_grads)])
 
 
 def reduce_scatter_copy_out(
@@ -101,7 +112,7 @@ def reduce_scatter_copy_out(
 ) -> None:
     """Write (or add) this rank's reduced slot, scaled and cast, into ``shard_grads`` in place."""
     _check(rs_output, shard_grads, layout, rank, post_scale, accumulate)
-    if _launch.use_dispatcher([rs_output, *shard_grads]):
+    if library.use_dispatcher([rs_output, *shard_grads]):
         torch.ops.overlap.reduce_scatter_copy_out(
             rs_output, list(shard_grads), list(layout.spec), rank, post_scale, accumulate
         )
@@ -109,6 +120,28 @@ def reduce_scatter_copy_out(
         _reduce_scatter_copy_out(rs_output, shard_grads, layout, rank, post_scale, accumulate)
 
 
+@torch.library.custom_op(
+    "overlap::reduce_scatter_copy_out", mutates_args=("shard_grads",), tags=library.CUDAGRAPH_UNSAFE_TAGS
+)
+def _reduce_scatter_copy_out_op(
+    rs_output: torch.Tensor,
+    shard_grads: list[torch.Tensor],
+    layout_spec: list[int],
+    rank: int,
+    post_scale: Optional[float],
+    accumulate: bool,
+) -> None:
+    layout = library.layout(layout_spec)
+    _check(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+    _reduce_scatter_copy_out(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+
+
+@_reduce_scatter_copy_out_op.register_fake
+def _(rs_output, shard_grads, layout_spec, rank, post_scale, accumulate):
+    _check(rs_output, shard_grads, library.layout(layout_spec), rank, post_scale, accumulate)
+
+
+# ------------------------------------------------------------------------------------------- launch
 def _reduce_scatter_copy_out(
     rs_output: torch.Tensor,
     shard_grads: Sequence[torch.Tensor],
@@ -117,6 +150,7 @@ def _reduce_scatter_copy_out(
     post_scale: float | None,
     accumulate: bool,
 ) -> None:
+    """The op on checked arguments: the kernel, or the torch fallback."""
     device = rs_output.device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
@@ -139,6 +173,7 @@ def _kernel_call(
                                       post_scale, [g.dtype for g in shard_grads], ACCUMULATE=accumulate)
 
 
+# ------------------------------------------------------------------------------ fallback, reference
 def _reduce_scatter_copy_out_torch(
     rs_output: torch.Tensor,
     shard_grads: Sequence[torch.Tensor],
@@ -150,21 +185,21 @@ def _reduce_scatter_copy_out_torch(
     """The op without Triton: the slot widened and scaled in one call each, then one
     ``_foreach_copy_`` (or ``_foreach_add_``, which widens, adds and casts back) of its views into
     the grads; bitwise equal to ``reduce_scatter_copy_out_ref``, which it runs instead when it
-    would widen a NaN (see [Note: torch fallback] in ``kernels._launch``)."""
-    plan = _launch.torch_plan(layout, rank)
+    would widen a NaN ([Note: torch fallback] in ``kernels._torch_fallback``)."""
+    plan = _torch_fallback.torch_plan(layout, rank)
     if not plan.pieces:
         return
     slot = rs_output
     if post_scale is not None or accumulate:
-        compute = _launch.compute_dtype([rs_output.dtype, *(g.dtype for g in shard_grads)])
-        if compute != rs_output.dtype and _launch.has_nan(rs_output):
+        compute = compute_dtype([rs_output.dtype, *(g.dtype for g in shard_grads)])
+        if compute != rs_output.dtype and _torch_fallback.has_nan(rs_output):
             reduce_scatter_copy_out_ref(rs_output, shard_grads, layout, rank, post_scale, accumulate)
             return
         slot = slot.to(compute)
     if post_scale is not None:
-        slot = slot * _launch.as_float32(post_scale)
+        slot = slot * as_float32(post_scale)
     grads = [shard_grads[piece[0]] for piece in plan.pieces]
-    views = _launch.buffer_views(slot, plan)
+    views = _torch_fallback.buffer_views(slot, plan)
     if accumulate:
         torch._foreach_add_(grads, views)
     else:
@@ -181,14 +216,14 @@ def reduce_scatter_copy_out_ref(
 ) -> None:
     """Plain-torch reference of ``reduce_scatter_copy_out``, one copy per rank and parameter: what the kernel and
     the torch fallback (``_reduce_scatter_copy_out_torch``, bitwise) are tested against."""
-    compute = _launch.compute_dtype([rs_output.dtype, *(g.dtype for g in shard_grads)])
+    compute = compute_dtype([rs_output.dtype, *(g.dtype for g in shard_grads)])
     slot = rs_output.reshape(-1)
     for grad, offset in zip(shard_grads, layout.slot_offsets):
         x = slot[offset : offset + grad.numel()].view(grad.shape)
         if post_scale is not None or accumulate:
             x = x.to(compute)
         if post_scale is not None:
-            x = x * _launch.as_float32(post_scale)
+            x = x * as_float32(post_scale)
         if accumulate:
             x = grad.to(compute) + x
         grad.copy_(x)

@@ -83,7 +83,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from kernels import ShardLayout, unchecked
+from kernels import ShardLayout
+# The ops without argument checks (the runtime builds every argument from the layout):
+from kernels.all_gather_copy_in import _all_gather_copy_in
+from kernels.all_gather_copy_out import _all_gather_copy_out
+from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
+from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
 from overlap.collectives import all_gather_into, all_reduce_into, reduce_scatter_into
 from overlap.groups import GroupInfo
 from overlap.inflight_work import InflightWork
@@ -265,7 +270,7 @@ class ParamGroup:
             return
         with _copy_in_stream(self.sharded[0]._local_tensor.device):  # type: ignore[attr-defined]
             with region("overlap::all_gather_copy_in"), torch.no_grad():
-                ag_input, ag_output = unchecked.all_gather_copy_in(
+                ag_input, ag_output = _all_gather_copy_in(
                     [self.local_rows(i) for i in range(len(self.sharded))], self.layout, self.rank,
                     self.gather_dtype)
             work = all_gather_into(ag_output, ag_input, self.info) if self.world_size > 1 else None
@@ -289,7 +294,7 @@ class ParamGroup:
                 for u in outs:
                     u.untyped_storage().resize_(u.numel() * u.element_size())
                 with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
-                    unchecked.all_gather_copy_out(pending.ag_output, self.layout, outs)
+                    _all_gather_copy_out(pending.ag_output, self.layout, outs)
 
         _wait_then(pending.work, copy_out)
         self.is_unsharded = True
@@ -345,7 +350,7 @@ class ParamGroup:
         dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads])
         with region("overlap::reduce_scatter_copy_in"), torch.no_grad():
             pre_scale, post_scale = _average_scales(dtype, self.data_parallel_size)
-            rs_input = unchecked.reduce_scatter_copy_in(grads, layout, pre_scale, dtype)
+            rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype)
         hsdp = self.replicas > 1
         if self.world_size == 1:
             return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp)
@@ -416,7 +421,7 @@ class ParamGroup:
     def _copy_out_reduced(self, pending: PendingReduce, targets: list[nn.Parameter], accumulate: bool) -> None:
         def copy_out() -> None:
             with region("overlap::reduce_scatter_copy_out"), torch.no_grad():
-                unchecked.reduce_scatter_copy_out(
+                _reduce_scatter_copy_out(
                     pending.rs_output, [_layout_rows(p.grad._local_tensor, self.rank) for p in targets], pending.layout,
                     self.rank, pending.post_scale, accumulate
                 )

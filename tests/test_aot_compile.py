@@ -21,7 +21,7 @@ Checked per compile:
   frame). 40 registers x 256 threads lets 6 blocks (48 of 64 warps) share an SM's 64K registers on
   sm_80 and sm_90; 48 lets 5 (40 warps).
 * **No shared memory** (``metadata.shared == 0``): no layout conversion between the load and the
-  store side ([Note: per-thread width] in ``kernels._launch``).
+  store side ([Note: per-thread width] in ``kernels._jit``).
 * **Vector accesses**: on the aligned unmasked path each thread stores its 16 elements with 128-bit
   ``st.global.v4.b32`` and loads them with ``ld.global.v4.b32``, except that a source half as wide
   as the destination (16-bit to fp32) is loaded with 64-bit ``ld.global.v2.b32`` (4 elements per
@@ -231,6 +231,8 @@ def compiled() -> dict[str, dict]:
            if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")}
     with tempfile.TemporaryDirectory() as tmp:
         env["TRITON_CACHE_DIR"] = str(Path(tmp, "cache"))  # fresh: every compile runs ptxas
+        # This checkout's kernels, whatever an installed copy points at (a script's sys.path[0] is its folder).
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         out = Path(tmp, "results.json")
         proc = subprocess.run([sys.executable, __file__, str(out)], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=600)

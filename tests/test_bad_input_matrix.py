@@ -429,10 +429,9 @@ def test_every_public_name_has_a_row() -> None:
     no_arguments = {"inflight", "inflight_bytes", "max_inflight_bytes", "wait_all", "debug_enabled", "uninstall",  # none
                     "wait", "wait_tensor", "is_pending",  # take any object (non-tensors pass through)
                     "AsyncTensor", "Completion", "Schedule", "ShardedModule", "DeviceInfo", "Profiler",
-                    "CollectiveError", "CollectiveTimeoutError", "DesyncError", "ScheduleMismatchError",
-                    "unchecked"}
-    # The types are built (or raised) by the library itself; ``unchecked`` ops check nothing by
-    # contract, and ``*_ref`` are the plain-torch references.
+                    "CollectiveError", "CollectiveTimeoutError", "DesyncError", "ScheduleMismatchError"}
+    # The types are built (or raised) by the library itself, and ``*_ref`` are the plain-torch
+    # references.
     covered = " ".join(MATRIX) + " " + " ".join(MATRIX_2_RANKS)
     missing = [
         f"{mod.__name__}.{name}"

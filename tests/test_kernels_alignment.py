@@ -1,5 +1,5 @@
 """Alignment per run and the scalar paths' steps ([Note: alignment per run], [Note: per-thread width]
-in ``kernels._launch``), under the interpreter.
+in ``kernels._jit``), under the interpreter.
 
 The interpreter computes every path alike, so what is checked here is the logic around the paths:
 
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import ShardLayout, _launch
+from kernels import ShardLayout, _jit, _launch
 from test_kernels_ops import (  # noqa: F401  (uninitialized_memory_is_filled: autouse)
     DTYPE_CASES,
     MODES,
@@ -34,7 +34,7 @@ from test_kernels_ops import (  # noqa: F401  (uninitialized_memory_is_filled: a
 )
 
 pytestmark = [
-    pytest.mark.skipif(not _launch.INTERPRET, reason="checks the kernels under TRITON_INTERPRET=1"),
+    pytest.mark.skipif(not _jit.INTERPRET, reason="checks the kernels under TRITON_INTERPRET=1"),
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
 ]
 
@@ -51,7 +51,7 @@ def test_vector_width_is_16_bytes_of_the_widest_destination() -> None:
 
 @triton.jit
 def _aligned_probe_kernel(blocks_ptr, runs_ptr, pointers_ptr, out_ptr, BLOCK: tl.constexpr):
-    _, _, _, _, _, _, aligned = _launch.block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK)
+    _, _, _, _, _, _, aligned = _jit.block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK)
     tl.store(out_ptr + tl.program_id(0), aligned.to(tl.int32))
 
 

@@ -26,6 +26,7 @@ import torch
 from conftest import requires_cuda
 from kernels import (
     ShardLayout,
+    _jit,
     _launch,
     all_gather_copy_in,
     all_gather_copy_in_ref,
@@ -41,7 +42,7 @@ from kernels import (
 pytestmark = [
     pytest.mark.gpu,
     requires_cuda,
-    pytest.mark.skipif(_launch.INTERPRET, reason="TRITON_INTERPRET sends CUDA tensors to the torch fallback"),
+    pytest.mark.skipif(_jit.INTERPRET, reason="TRITON_INTERPRET sends CUDA tensors to the torch fallback"),
 ]
 
 # odd shapes, a parameter with unmasked (vector) blocks, one whose shards start unaligned

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels import ShardLayout
-from kernels import _launch
+from kernels import _jit, _launch
 
 WORLD_SIZES = (1, 2, 3, 4, 8)
 ALIGN = 16  # documented: every parameter's region in a slot starts at a multiple of 16 elements
@@ -209,7 +209,7 @@ def test_huge_layout_offsets_are_exact() -> None:
 
 @triton.jit
 def _block_run_probe_kernel(blocks_ptr, runs_ptr, pointers_ptr, out_ptr, BLOCK: tl.constexpr):
-    _, _, tensor_start, flat_start, n_valid, n_total, _ = _launch.block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK)
+    _, _, tensor_start, flat_start, n_valid, n_total, _ = _jit.block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK)
     row = out_ptr + tl.program_id(0).to(tl.int64) * 4
     tl.store(row, tensor_start)
     tl.store(row + 1, flat_start)
@@ -218,14 +218,14 @@ def _block_run_probe_kernel(blocks_ptr, runs_ptr, pointers_ptr, out_ptr, BLOCK: 
 
 
 def _probe_device() -> torch.device | None:
-    if torch.cuda.is_available() and not _launch.INTERPRET:
+    if torch.cuda.is_available() and not _jit.INTERPRET:
         return torch.device("cuda")
-    return torch.device("cpu") if _launch.INTERPRET else None
+    return torch.device("cpu") if _jit.INTERPRET else None
 
 
 @pytest.mark.skipif(_probe_device() is None, reason="needs TRITON_INTERPRET=1 on CPU or a CUDA device")
 def test_device_side_block_offsets_beyond_int32() -> None:
-    """The kernels' per-block offsets (``_launch.block_run``) for runs that start past 2**32 elements.
+    """The kernels' per-block offsets (``_jit.block_run``) for runs that start past 2**32 elements.
 
     On rank 1 the huge parameters hold no rows, so only the two small parameters have blocks, but
     they sit behind 2**32 and 2**32 + 3 * 2**31 elements of other parameters' regions.

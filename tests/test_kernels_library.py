@@ -28,9 +28,11 @@ from torch.utils._pytree import tree_leaves
 
 from kernels import (
     ShardLayout,
+    _jit,
     _launch,
     all_gather_copy_in,
     all_gather_copy_out,
+    library,
     reduce_scatter_copy_in,
     reduce_scatter_copy_out,
 )
@@ -43,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 requires_kernels = pytest.mark.skipif(
-    not (_launch.INTERPRET or torch.cuda.is_available()),
+    not (_jit.INTERPRET or torch.cuda.is_available()),
     reason="the Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device",
 )
 
@@ -222,7 +224,7 @@ def test_one_launch_per_op_without_the_dispatcher(num_params: int, monkeypatch: 
     shapes = [(3 + i % 5, 2) for i in range(num_params)]
     layout = ShardLayout(shapes, 2)
     fulls = [data(s, torch.float32, i) for i, s in enumerate(shapes)]
-    assert not _launch.use_dispatcher(fulls)
+    assert not library.use_dispatcher(fulls)
     _, ag_output = all_gather_copy_in(layout.shards(fulls, 0), layout, 0)
     all_gather_copy_out(ag_output, layout)
     rs_input = reduce_scatter_copy_in(fulls, layout, 0.5)
@@ -235,15 +237,15 @@ def test_use_dispatcher_when_tracing_or_under_a_mode() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     plain = [torch.zeros(2), torch.nn.Parameter(torch.zeros(2))]
-    assert not _launch.use_dispatcher(plain)
+    assert not library.use_dispatcher(plain)
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(torch.zeros(2))
-        assert _launch.use_dispatcher([fake])
-    assert _launch.use_dispatcher([fake])  # a subclass, even outside the mode
+        assert library.use_dispatcher([fake])
+    assert library.use_dispatcher([fake])  # a subclass, even outside the mode
 
 
 def test_triton_path_on_cpu_only_under_the_interpreter() -> None:
-    assert _launch.triton_enabled(torch.device("cpu")) == _launch.INTERPRET
+    assert _launch.triton_enabled(torch.device("cpu")) == _jit.INTERPRET
     assert not _launch.triton_enabled(torch.device("meta"))
 
 
@@ -251,13 +253,11 @@ def test_ops_are_tagged_cudagraph_unsafe_only_when_cuda_takes_the_torch_fallback
     """[Note: ops in CUDA graphs]: the Triton launch path is capture-safe; the torch fallback that
     CUDA tensors take under ``TRITON_INTERPRET`` syncs the host (its NaN check), so then the ops
     carry ``torch.Tag.cudagraph_unsafe`` and Inductor's CUDA graphs leave them out."""
-    from kernels import library
-
     unsafe = torch.Tag.cudagraph_unsafe
     assert library._cudagraph_tags(True) == (unsafe,) and library._cudagraph_tags(False) == ()
     for name in ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out"):
         tags = getattr(torch.ops.overlap, name).default.tags
-        assert (unsafe in tags) == _launch.INTERPRET, (name, tags)
+        assert (unsafe in tags) == _jit.INTERPRET, (name, tags)
 
 
 FALLBACK_CASES = [(1, 0), (2, 1), (3, 2), (4, 1), (8, 0), (8, 7)]
@@ -300,9 +300,9 @@ _FALLBACK_SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
-    from kernels import _launch
+    from kernels import _jit, _launch
 
-    assert not _launch.INTERPRET and not _launch.triton_enabled(torch.device("cpu"))
+    assert not _jit.INTERPRET and not _launch.triton_enabled(torch.device("cpu"))
 
     def no_launch(*args, **kwargs):
         raise AssertionError("a Triton kernel was launched without the interpreter")

@@ -1,7 +1,7 @@
 """The torch fallback of the four ops (what runs without Triton) against their references, bit for bit.
 
 Each op's ``_*_torch`` batches its reference's ``world_size * N`` small copies into one ``_foreach``
-call over at most two views per parameter ([Note: torch fallback] in ``kernels._launch``). They are
+call over at most two views per parameter ([Note: torch fallback] in ``kernels._torch_fallback``). They are
 called directly here, so these tests run whatever ``TRITON_INTERPRET`` says, and compared with the
 ``*_ref`` functions as integer bit patterns — NaN payloads included, which is stricter than the ops'
 contract — over the op tests' odd shapes (0-dim, empty, primes, uneven rows) and dtype cases, world
@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kernels import (
     ShardLayout,
     _launch,
+    _torch_fallback,
     all_gather_copy_in,
     all_gather_copy_in_ref,
     all_gather_copy_out,
@@ -153,8 +154,8 @@ def test_fallback_equals_reference_aligned_layouts(
         request.getfixturevalue("batched_only")
     layout = ShardLayout(shapes, world_size)
     even = shapes is EVEN_SHAPES or world_size == 1  # every shard full
-    assert _launch.torch_plan(layout, None).chunk_cat
-    assert all(_launch.torch_plan(layout, r).chunk_cat for r in range(world_size)) == even
+    assert _torch_fallback.torch_plan(layout, None).chunk_cat
+    assert all(_torch_fallback.torch_plan(layout, r).chunk_cat for r in range(world_size)) == even
     calls = []
     real_chunk_cat = torch._chunk_cat
 
@@ -166,14 +167,14 @@ def test_fallback_equals_reference_aligned_layouts(
     check_all_ops(shapes, world_size, case, seed=world_size, nans=nans)
     if len(set(DTYPE_CASES[case][0])) == 1 and not nans:  # one dtype: packed by _chunk_cat
         assert world_size in calls
-        assert (1 in calls) == any(_launch.torch_plan(layout, r).chunk_cat for r in range(world_size))
+        assert (1 in calls) == any(_torch_fallback.torch_plan(layout, r).chunk_cat for r in range(world_size))
 
 
 @pytest.mark.parametrize("case", ["fp32-bf16", "bf16-fp32"])
 def test_fallback_casts_large_tensors_by_views(case: str, batched_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Aligned layouts whose tensors are too large to cast through a temporary (the threshold
     lowered to 0 here) take the views, even where torch._chunk_cat could pack."""
-    monkeypatch.setattr(_launch, "CHUNK_CAT_CAST_MAX_NUMEL", 0)
+    monkeypatch.setattr(_torch_fallback, "CHUNK_CAT_CAST_MAX_NUMEL", 0)
     for world_size in (1, 4):
         check_all_ops(ALIGNED_SHAPES, world_size, case, seed=world_size, nans=False)
 
@@ -203,7 +204,7 @@ def test_non_contiguous_inputs(nans: bool, aligned: bool) -> None:
     shapes = [tuple(f.shape) for f in fulls]
     for world_size in world_sizes:
         layout = ShardLayout(shapes, world_size)
-        assert _launch.torch_plan(layout, None).chunk_cat == aligned
+        assert _torch_fallback.torch_plan(layout, None).chunk_cat == aligned
         for rank in range(world_size):
             shards = layout.shards(fulls, rank)
             for dtype in (f32, bf16, f16):
@@ -233,7 +234,7 @@ def test_at_most_two_copies_per_parameter(world_size: int) -> None:
     """All-ranks plans: one 2-D piece for the full ranks, one more only for a short rank's rows —
     whatever the world size; rank plans: one piece per non-empty shard."""
     layout = ShardLayout(ODD_SHAPES + EVEN_SHAPES, world_size)
-    plan = _launch.torch_plan(layout, None)
+    plan = _torch_fallback.torch_plan(layout, None)
     for i in range(layout.num_params):
         d, rows = layout.dim0s[i], layout.rows_per_rank[i]
         expected = 0 if layout.numels[i] == 0 else 1 + (d % rows != 0)
@@ -242,9 +243,9 @@ def test_at_most_two_copies_per_parameter(world_size: int) -> None:
             if layout.numels[i] and layout.dim0s[i] % world_size == 0 and layout.chunk_numels[i] % 16 == 0}
     assert {p[0] for p, whole in zip(plan.pieces, plan.whole) if whole} == even
     assert plan.padded == (sum(layout.numels) != layout.buffer_numel)
-    assert _launch.torch_plan(layout, None) is plan  # cached on the layout
+    assert _torch_fallback.torch_plan(layout, None) is plan  # cached on the layout
     for rank in range(world_size):
-        pieces = _launch.torch_plan(layout, rank).pieces
+        pieces = _torch_fallback.torch_plan(layout, rank).pieces
         assert [p[0] for p in pieces] == [i for i in range(layout.num_params) if layout.shard_numel(i, rank)]
 
 

@@ -1,0 +1,108 @@
+"""Argument checks shared by the four ops' ``_check`` functions.
+
+Contract: each check raises ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, wrong
+value) with a message that names the op, the argument and what is allowed, and returns what it
+established (the tensors' device, a dtype). An op runs all its checks before it allocates or
+launches anything, so bad input changes nothing. The torch.library ops' fake implementations run the
+same checks, so traced code fails as eager code does.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels._dtypes import MAX_DTYPE_GROUPS, SUPPORTED, TRITON_DTYPES
+from kernels.layout import ShardLayout
+
+
+def check_dtype(op: str, name: str, dtype: object) -> None:
+    if dtype not in TRITON_DTYPES:
+        raise TypeError(f"{op}: {name} must be one of {SUPPORTED}, got {dtype}")
+
+
+def check_rank(op: str, rank: object, layout: ShardLayout) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{op}: rank must be an int in [0, {layout.world_size}), got {type(rank).__name__}")
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"{op}: rank must be an int in [0, {layout.world_size}), got {rank!r}")
+
+
+def check_layout(op: str, layout: object) -> None:
+    if not isinstance(layout, ShardLayout):
+        raise TypeError(f"{op}: layout must be a kernels.ShardLayout, got {type(layout).__name__}")
+
+
+def check_tensors(
+    op: str,
+    name: str,
+    tensors: object,
+    shapes: Sequence[torch.Size],
+    device: torch.device | None = None,
+    *,
+    writable: bool = False,
+) -> torch.device:
+    """A list of ``len(shapes)`` tensors of those shapes, supported dtypes, one device; returns it.
+
+    ``writable`` tensors (outputs) must also be contiguous: the kernel writes them in place.
+    """
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{op}: {name} must be a list of tensors, got {type(tensors).__name__}")
+    if len(tensors) != len(shapes):
+        raise ValueError(f"{op}: {name} has {len(tensors)} tensors, the layout has {len(shapes)} parameters")
+    for i, (t, shape) in enumerate(zip(tensors, shapes)):
+        where = f"{op}: {name}[{i}]"
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+        device = t.device if device is None else device
+        if t.device != device:
+            raise ValueError(f"{where} is on {t.device}, expected {device} (all tensors on one device)")
+        check_dtype(op, f"{name}[{i}].dtype", t.dtype)
+        if t.shape != shape:
+            raise ValueError(f"{where} has shape {tuple(t.shape)}, the layout expects {tuple(shape)}")
+        if writable and not t.is_contiguous():
+            raise ValueError(f"{where} must be contiguous (it is written in place)")
+    assert device is not None
+    return device
+
+
+def check_flat(op: str, name: str, tensor: object, numel: int, device: torch.device | None) -> torch.device:
+    """A contiguous buffer of exactly ``numel`` elements (any shape) of a supported dtype."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(tensor).__name__}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{op}: {name} is on {tensor.device}, expected {device} (all tensors on one device)")
+    check_dtype(op, f"{name}.dtype", tensor.dtype)
+    if tensor.numel() != numel:
+        raise ValueError(f"{op}: {name} has {tensor.numel()} elements, the layout needs exactly {numel}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous")
+    return tensor.device
+
+
+def common_dtype(op: str, name: str, tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The one dtype of ``tensors``; mixed lists need an explicit ``dtype``."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise ValueError(f"{op}: {name} mixes dtypes {sorted(map(str, dtypes))}; pass dtype= to choose the buffer's")
+    return dtypes.pop()
+
+
+def check_dtype_groups(op: str, name: str, tensors: Sequence[torch.Tensor]) -> None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > MAX_DTYPE_GROUPS:
+        raise ValueError(
+            f"{op}: {name} mixes {len(dtypes)} dtypes, at most {MAX_DTYPE_GROUPS} per call are supported"
+        )
+
+
+def check_scale(op: str, name: str, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise TypeError(f"{op}: {name} must be None or a float, got {type(value).__name__}")
+
+
+def check_floating(op: str, what: str, dtypes: Sequence[torch.dtype]) -> None:
+    """Scaling and accumulation need floating-point tensors; integer ones can only be copied."""
+    bad = sorted({str(d) for d in dtypes if not d.is_floating_point})
+    if bad:
+        raise TypeError(f"{op}: {what} needs floating-point tensors, got integer dtypes {bad} (ints can only be copied)")
