@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train import _mlp, _sharded, _step_fn  # noqa: E402
 from overlap.testing import emulated_link, paired_steps, run_distributed  # noqa: E402
-from overlap.training import calibrated_gbps, measure_traffic  # noqa: E402
+from overlap.demo.training import calibrated_gbps, measure_traffic  # noqa: E402
 from report import emit  # noqa: E402
 
 VARIANTS = ("epilogue as soon as complete", "epilogues at the end")

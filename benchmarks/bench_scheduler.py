@@ -9,7 +9,7 @@ Sections (``--sections``, default all; one function per section, each prints its
     (AsyncCollectiveTensor), and a recording step; against the same forward with local weights.
 
 ``compiled``
-    A compiled FSDP-style training step (``overlap.testing.compiled_step.ShardedMLP``: ``--blocks``
+    A compiled FSDP-style training step (``ShardedMLP`` of ``tests/compiled_step.py``: ``--blocks``
     residual MLP blocks, each block's parameters one flat shard that the forward all-gathers and
     whose gradient the backward reduce-scatters) on ``--world-size`` gloo ranks, compiled by
     Inductor twice: without and with ``scheduler.inductor_overlap()``. Both copies start from the
@@ -38,9 +38,10 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import scheduler  # noqa: E402
+from compiled_step import ShardedMLP, captured_code, collective_gaps, compiled_step  # noqa: E402
 from overlap.testing import EmulatedLink, run_distributed  # noqa: E402
-from overlap.testing.compiled_step import ShardedMLP, captured_code, collective_gaps, compiled_step  # noqa: E402
 from report import emit  # noqa: E402
 from timing import seconds_per_call  # noqa: E402
 

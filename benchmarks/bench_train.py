@@ -17,7 +17,7 @@ Part 2 (one process, a 1-rank gloo group): the runtime's own CPU cost, per block
     python benchmarks/bench_train.py [--world-size 2] [--steps 8] [--markdown benchmarks/RESULTS.md]
 
 Packing runs the torch path on CPU here (no TRITON_INTERPRET): the Triton kernels are for GPUs.
-The modes, the training step and the link calibration are ``overlap.training``'s (shared with the demo).
+The modes, the training step and the link calibration are ``overlap.demo.training``'s (shared with the demo).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overlap.testing import PairedTimes, paired_steps, run_distributed  # noqa: E402
-from overlap.training import TrainStep, calibrated_gbps, measure_traffic, shard_for_mode  # noqa: E402
+from overlap.demo.training import TrainStep, calibrated_gbps, measure_traffic, shard_for_mode  # noqa: E402
 from report import emit  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def _mlp(blocks: int, dim: int) -> nn.Sequential:
 
 
 def _sharded(mode: str, model: nn.Sequential, bf16: bool = False) -> tuple[nn.Module, Callable[[], Any]]:
-    """``model`` sharded block by block for ``mode`` (``overlap.training.MODES``), and its step context."""
+    """``model`` sharded block by block for ``mode`` (``overlap.demo.training.MODES``), and its step context."""
     return model, shard_for_mode(mode, model, list(model), bf16=bf16)
 
 
@@ -54,7 +54,7 @@ def _step_fn(model: nn.Module, context: Callable[[], Any], x: torch.Tensor) -> T
     return TrainStep(lambda _: model(x).square().mean(), torch.optim.AdamW(model.parameters(), lr=1e-3), context)
 
 
-# Display name -> overlap.training mode.
+# Display name -> overlap.demo.training mode.
 MODES = {"overlap.shard": "overlap", "overlap.shard, overlap off": "no-overlap",
          "torch FSDP2 (default)": "fsdp2", "torch FSDP2 (explicit prefetch)": "fsdp2-prefetch"}
 
