@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.demo.model import MODEL_SIZES, TransformerLM, token_batch
-from overlap.demo.training import TrainStep, calibrated_gbps, measure_traffic, shard_for_mode
+from overlap.demo.training import TrainStep, calibrate_link, shard_for_mode
 from overlap.testing.exposed import PairedTimes
 
 __all__ = [
@@ -207,9 +207,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     if gbps is None:
         progress.start("calibrating the link on overlap.shard's compute side")
         probe = build("overlap")
-        compute = paired_steps(probe, 2, 1e6, 0.0, warmup=1).unlinked
-        collectives, wire_bytes = measure_traffic(probe)
-        gbps = calibrated_gbps(compute, collectives, wire_bytes, cfg.latency_us)
+        gbps = calibrate_link(probe, cfg.latency_us, steps=2, warmup=1)
         del probe
     modes: dict[str, ModeResult] = {}
     local: dict[str, list[torch.Tensor]] = {}
