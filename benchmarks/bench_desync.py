@@ -5,33 +5,21 @@ mode off and on, and reports medians; the difference is what the debug check (on
 gather on the side channel) adds to each collective. Also: the cost, with debug mode off, of the
 lines ``_issue`` runs for it (the sequence number and one boolean check).
 
-    python benchmarks/bench_desync.py [--world 2] [--numel 1024] [--iters 300] [--markdown benchmarks/RESULTS.md]
+    python benchmarks/bench_desync.py [--world-size 2] [--numel 1024] [--iters 300] [--markdown benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
-import time
 import timeit
-from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import overlap  # noqa: E402
-from overlap import desync  # noqa: E402
-from overlap.testing import run_distributed  # noqa: E402
-from report import emit  # noqa: E402
-
-
-def _us_per_call(fn: Callable[[], object], iters: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters * 1e6
+from _common import add_world_size, parse, parser  # first: sys.path
+import overlap
+from overlap import desync
+from overlap.testing import run_distributed
+from report import emit
+from timing import seconds_per_call
 
 
 def _rank(rank: int, world: int, numel: int, iters: int, blocks: int) -> dict[str, float]:
@@ -46,7 +34,7 @@ def _rank(rank: int, world: int, numel: int, iters: int, blocks: int) -> dict[st
         for mode in ("off", "on"):
             overlap.set_debug(mode == "on")
             for name, call in calls.items():
-                us = _us_per_call(call, iters)
+                us = 1e6 * seconds_per_call(call, iters, repeats=1, warmup=0)
                 if block:
                     samples[f"{name} {mode}"].append(us)
     overlap.set_debug(None)
@@ -61,15 +49,14 @@ def _issue_prologue() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--numel", type=int, default=1024, help="float32 elements per collective (default 1024)")
-    parser.add_argument("--iters", type=int, default=300, help="collectives per timing block (default 300)")
-    parser.add_argument("--blocks", type=int, default=5, help="timed blocks per mode, alternating (default 5)")
-    parser.add_argument("--markdown", default=None, help="append the table to this markdown file")
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    add_world_size(p)  # was --world, which still parses (argparse takes unique prefixes)
+    p.add_argument("--numel", type=int, default=1024, help="float32 elements per collective (default 1024)")
+    p.add_argument("--iters", type=int, default=300, help="collectives per timing block (default 300)")
+    p.add_argument("--blocks", type=int, default=5, help="timed blocks per mode, alternating (default 5)")
+    args = parse(p, argv)
 
-    results = run_distributed(_rank, args.world, args.numel, args.iters, args.blocks, timeout=600)
+    results = run_distributed(_rank, args.world_size, args.numel, args.iters, args.blocks, timeout=600)
     desync.set_debug(False)
     off_path = min(timeit.repeat(_issue_prologue, number=100_000, repeat=5)) / 100_000 * 1e6
     rows = []
@@ -79,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append([f"{name} of {args.numel} float32, issue + wait", f"{off:.1f}", f"{on:.1f}", f"{on - off:.1f}",
                      f"{on / off:.2f}x"])
     rows.append(["`_issue`'s desync lines with debug off (seq + check)", f"{off_path:.3f}", "", "", ""])
-    emit(f"Desync detection: cost per collective, debug mode off vs on ({args.world} gloo ranks; median of "
+    emit(f"Desync detection: cost per collective, debug mode off vs on ({args.world_size} gloo ranks; median of "
          f"{args.blocks} alternating blocks of {args.iters}, slowest rank)",
          ["what", "off µs", "on µs", "added µs", "on / off"], rows, args.markdown)
 

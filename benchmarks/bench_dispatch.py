@@ -8,19 +8,16 @@ this process (no communication worth measuring: the point is the Python/dispatch
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import tempfile
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import overlap  # noqa: E402
-from report import emit  # noqa: E402
-from timing import seconds_per_call  # noqa: E402
+from _common import parse, parser, single_rank_group  # first: sys.path
+import overlap
+from report import emit
+from timing import seconds_per_call
 
 
 def _us_per_call(fn: Callable[[], object], iters: int, repeats: int = 5) -> float:
@@ -28,14 +25,15 @@ def _us_per_call(fn: Callable[[], object], iters: int, repeats: int = 5) -> floa
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=16, help="elements of the tensor (default 16)")
-    parser.add_argument("--iters", type=int, default=20000, help="ops per timing sample (default 20000)")
-    parser.add_argument("--markdown", default=None, help="append the table to this markdown file")
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--numel", type=int, default=16, help="elements of the tensor (default 16)")
+    p.add_argument("--iters", type=int, default=20000, help="ops per timing sample (default 20000)")
+    args = parse(p, argv)
+    with single_rank_group():
+        _measure(args)
 
-    store = os.path.join(tempfile.mkdtemp(), "store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+
+def _measure(args: argparse.Namespace) -> None:
     group = dist.group.WORLD
     x = torch.randn(args.numel)
 
@@ -60,7 +58,6 @@ def main(argv: list[str] | None = None) -> None:
     rows += [[name, f"{us:.2f}", f"{us / base_issue:.2f}x vs blocking"] for name, us in issue.items()]
     emit(f"Dispatch cost: `x + 1` on a {args.numel}-element CPU tensor; issue + first use of an all-reduce "
          "(1-rank gloo)", ["what", "µs per call (median of 5)", "ratio"], rows, args.markdown)
-    dist.destroy_process_group()
 
 
 def _blocking(x: torch.Tensor) -> torch.Tensor:

@@ -22,22 +22,18 @@ timed with a median of repeats: the table says so, and its figures are not GPU r
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernels  # noqa: E402
-from kernels import ShardLayout, _launch  # noqa: E402
-from report import emit  # noqa: E402
+from _common import add_world_size, parse, parser  # first: sys.path
+import kernels
+from kernels import ShardLayout, _launch
+from report import emit
 
 QUANTILES = [0.5, 0.2, 0.8]
 OPS = ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out")
@@ -193,24 +189,21 @@ def path_label(device: torch.device) -> str:
 
 # --------------------------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> list[list[object]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where to run (default: cuda if available, else cpu)")
-    parser.add_argument("--world-size", type=int, default=8, help="world size of the layout; rank 0 is timed (default 8)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smaller workloads (dimensions / 4 on CUDA, / 16 on CPU) and fewer CPU repeats")
-    parser.add_argument("--workload", action="append", choices=sorted(workloads(1)),
-                        help="run only this workload (repeatable; default: all)")
-    parser.add_argument("--repeats", type=int, default=None, help="CPU timing repeats (default 30, 10 with --quick)")
-    parser.add_argument("--markdown", default=None, help="append the table to this markdown file")
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where to run (default: cuda if available, else cpu)")
+    add_world_size(p, default=8, help="world size of the layout; rank 0 is timed")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller workloads (dimensions / 4 on CUDA, / 16 on CPU) and fewer CPU repeats")
+    p.add_argument("--workload", action="append", choices=sorted(workloads(1)),
+                   help="run only this workload (repeatable; default: all)")
+    p.add_argument("--repeats", type=int, default=None, help="CPU timing repeats (default 30, 10 with --quick)")
+    args = parse(p, argv)
     if args.world_size < 1:
-        parser.error("--world-size must be >= 1")
+        p.error("--world-size must be >= 1")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here (use --device cpu)")
+        p.error("--device cuda: no CUDA device here (use --device cpu)")
 
     scale = (4 if args.quick else 1) if device.type == "cuda" else (16 if args.quick else 4)
     repeats = args.repeats or (10 if args.quick else 30)

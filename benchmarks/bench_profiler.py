@@ -19,47 +19,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import overlap  # noqa: E402
-from overlap.testing import emulated_link, run_distributed  # noqa: E402
-from report import emit  # noqa: E402
-
-
-def _sharded_mlp(blocks: int, dim: int) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-                            for _ in range(blocks)])
-    for block in model:
-        overlap.shard(block)
-    return overlap.shard(model)
-
-
-def _slowest(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+from _common import mlp_parser, mlp_step, over_ranks, parse, rank_input  # first: sys.path
+import overlap
+from overlap.testing import emulated_link, run_distributed
+from report import emit
+from timing import seconds_per_call
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    model = _sharded_mlp(args.blocks, args.dim)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
+    step = mlp_step("overlap", args.blocks, args.dim, rank_input(args.batch, args.dim, rank))
     records = []
-
-    def step() -> None:
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
 
     def profiled() -> None:
         with overlap.profile() as prof:
@@ -88,10 +63,10 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     ratios = [p[0] / q[0] for p, q in zip(prof, plain)]
     cpu_ratios = [p[1] / q[1] for p, q in zip(prof, plain)]
     q1, _, q3 = statistics.quantiles(ratios, n=4)
-    return {"plain": _slowest(statistics.median(t for t, _ in plain)),
-            "profiled": _slowest(statistics.median(t for t, _ in prof)),
-            "ratio": _slowest(statistics.median(ratios)), "q1": _slowest(q1), "q3": _slowest(q3),
-            "cpu_ratio": _slowest(statistics.median(cpu_ratios)), "collectives": records[-1]}
+    return {"plain": over_ranks(statistics.median(t for t, _ in plain)),
+            "profiled": over_ranks(statistics.median(t for t, _ in prof)),
+            "ratio": over_ranks(statistics.median(ratios)), "q1": over_ranks(q1), "q3": over_ranks(q3),
+            "cpu_ratio": over_ranks(statistics.median(cpu_ratios)), "collectives": records[-1]}
 
 
 def _hook_costs(n: int) -> dict[str, float]:
@@ -100,13 +75,7 @@ def _hook_costs(n: int) -> dict[str, float]:
     from overlap.regions import region
 
     def per_call(fn: Callable[[], None]) -> float:
-        samples = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            samples.append((time.perf_counter() - start) / n)
-        return statistics.median(samples)
+        return seconds_per_call(fn, n, repeats=5, warmup=0)
 
     def collective() -> None:
         InflightWork("all_gather", 64, (), group="g").wait()
@@ -123,18 +92,9 @@ def _hook_costs(n: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--steps", type=int, default=20, help="timed pairs of steps (default 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed pairs first (default 3)")
-    parser.add_argument("--blocks", type=int, default=8, help="sharded MLP blocks (default 8)")
-    parser.add_argument("--dim", type=int, default=256, help="MLP width (default 256)")
-    parser.add_argument("--batch", type=int, default=256, help="rows per rank (default 256)")
-    parser.add_argument("--link-gbps", type=float, default=None, help="emulated link bandwidth (default: none)")
-    parser.add_argument("--latency-us", type=float, default=20.0, help="link latency per collective (default 20)")
-    parser.add_argument("--hook-calls", type=int, default=20000, help="calls per sample in part 2 (default 20000)")
-    parser.add_argument("--markdown", default=None, help="append the tables to this markdown file")
-    args = parser.parse_args(argv)
+    p = mlp_parser(__doc__, 20, "timed pairs of steps", 3, "untimed pairs first", gbps_default="none")
+    p.add_argument("--hook-calls", type=int, default=20000, help="calls per sample in part 2 (default 20000)")
+    args = parse(p, argv)
 
     r = run_distributed(_rank, args.world_size, args, timeout=900)[0]
     link = f"emulated link {args.link_gbps:g} Gbit/s + {args.latency_us:g} µs" if args.link_gbps else "no link delay"

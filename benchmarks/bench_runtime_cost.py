@@ -1,6 +1,6 @@
 """The sharding runtime's own CPU cost per block: overlap.shard vs torch FSDP2 on tiny blocks, world size 1.
 
-What is measured. One process joins a 1-rank gloo group (``MASTER_ADDR``/``MASTER_PORT``, then
+What is measured. One process joins a 1-rank gloo group (an in-memory store,
 ``init_process_group("gloo", rank=0, world_size=1)``), so no collective moves data: what a sharded
 step takes beyond the same model unsharded is the runtime's own bookkeeping (hooks, DTensor
 wrapping, packing, casts, state machines). The model is ``--blocks`` tiny blocks, each
@@ -10,8 +10,8 @@ wrapping, packing, casts, state machines). The model is ``--blocks`` tiny blocks
   mixed precision (``overlap.MixedPrecision`` / FSDP2 ``MixedPrecisionPolicy`` with
   ``param_dtype=torch.bfloat16``), whose unsharded baseline is the bf16 model (the same math);
 * modes: the plain unsharded model (baseline); ``overlap.shard`` on each block, then the root;
-  torch FSDP2 ``fully_shard`` on each block, then the root (both on a 1-rank CPU DeviceMesh, other
-  options default).
+  torch FSDP2 ``fully_shard`` on each block, then the root (both over the 1-rank group, other
+  options default: ``overlap.demo.training.shard_for_mode``).
 
 Table 1, forward + backward: one step is ``zero_grad(set_to_none=True)``, forward, ``sum()``,
 backward. "Runtime cost per block" is (mode's step - plain step of the same round) / blocks,
@@ -36,27 +36,25 @@ round), so that load from other processes on the box hits all modes alike; figur
 """
 from __future__ import annotations
 
-import argparse
 import os
-import socket
 import statistics
 import sys
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import overlap  # noqa: E402
-from report import emit  # noqa: E402
-from timing import seconds_per_call  # noqa: E402
+from _common import parse, parser, single_rank_group  # first: sys.path
+from overlap.demo.training import shard_for_mode
+from report import emit
+from timing import seconds_per_call
 
 WIDTH, BATCH = 16, 8
 # setup -> (parameter dtype, compute dtype under mixed precision or None)
 SETUPS = {"fp32": (torch.float32, None), "bf16 params": (torch.bfloat16, None),
           "fp32 + MP bf16": (torch.float32, torch.bfloat16)}
 MODES = ("plain", "overlap.shard", "torch FSDP2")
+_TRAINING_MODES = {"overlap.shard": "overlap", "torch FSDP2": "fsdp2"}  # overlap.demo.training's names
 # AdamW's foreach argument: the default (per-tensor on CPU) and foreach=True
 OPTIMIZERS = {"AdamW default (per-tensor on CPU)": None, "AdamW foreach=True": True}
 
@@ -76,18 +74,11 @@ def _model(blocks: int, dtype: torch.dtype) -> nn.Sequential:
 
 
 def _shard(mode: str, model: nn.Sequential, mp_dtype: Optional[torch.dtype]) -> nn.Sequential:
-    """``model`` sharded in place for ``mode``: each block, then the root."""
-    if mode == "plain":
-        return model
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh("cpu", (1,))
-    for module in [*model, model]:
-        if mode == "overlap.shard":
-            overlap.shard(module, mesh=mesh, mp=overlap.MixedPrecision(param_dtype=mp_dtype))
-        else:
-            fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=mp_dtype))
+    """``model`` sharded in place for ``mode`` (each block, then the root), computing in ``mp_dtype``
+    (bfloat16 or None: the parameters' dtype)."""
+    if mode != "plain":
+        assert mp_dtype in (None, torch.bfloat16), mp_dtype
+        shard_for_mode(_TRAINING_MODES[mode], model, list(model), bf16=mp_dtype is not None)
     return model
 
 
@@ -123,27 +114,16 @@ def _paired_cost(samples: dict[str, list[float]], mode: str, base: str) -> float
     return statistics.median(m - b for m, b in zip(samples[mode], samples[base]))
 
 
-def _init_group() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=64, help="tiny Linear+tanh blocks (default 64)")
-    parser.add_argument("--steps", type=int, default=10, help="timed calls per mode per round (default 10)")
-    parser.add_argument("--repeats", type=int, default=31, help="interleaved rounds; figures are medians (default 31)")
-    parser.add_argument("--markdown", default=None, help="append the tables to this markdown file")
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--blocks", type=int, default=64, help="tiny Linear+tanh blocks (default 64)")
+    p.add_argument("--steps", type=int, default=10, help="timed calls per mode per round (default 10)")
+    p.add_argument("--repeats", type=int, default=31, help="interleaved rounds; figures are medians (default 31)")
+    args = parse(p, argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("note: TRITON_INTERPRET is set; unset it to time the CPU torch fallback", file=sys.stderr)
 
-    _init_group()
-    try:
+    with single_rank_group():
         fwd: dict[str, Callable[[], None]] = {}
         opt: dict[str, Callable[[], None]] = {}
         for setup, (dtype, mp_dtype) in SETUPS.items():
@@ -160,8 +140,6 @@ def main(argv: list[str] | None = None) -> None:
         warmup = max(3, args.steps // 2)
         fwd_s = _interleaved(fwd, args.steps, args.repeats, warmup)
         opt_s = _interleaved(opt, args.steps, args.repeats, warmup)
-    finally:
-        dist.destroy_process_group()
 
     n, med = args.blocks, statistics.median
     rows = []

@@ -9,7 +9,7 @@ Sections (``--sections``, default all; one function per section, each prints its
     (AsyncCollectiveTensor), and a recording step; against the same forward with local weights.
 
 ``compiled``
-    A compiled FSDP-style training step (``overlap.testing.compiled_step.ShardedMLP``: ``--blocks``
+    A compiled FSDP-style training step (``ShardedMLP`` of ``tests/compiled_step.py``: ``--blocks``
     residual MLP blocks, each block's parameters one flat shard that the forward all-gathers and
     whose gradient the backward reduce-scatters) on ``--world-size`` gloo ranks, compiled by
     Inductor twice: without and with ``scheduler.inductor_overlap()``. Both copies start from the
@@ -27,9 +27,7 @@ Sections (``--sections``, default all; one function per section, each prints its
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -37,19 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import scheduler  # noqa: E402
-from overlap.testing import EmulatedLink, run_distributed  # noqa: E402
-from overlap.testing.compiled_step import ShardedMLP, captured_code, collective_gaps, compiled_step  # noqa: E402
-from report import emit  # noqa: E402
-from timing import seconds_per_call  # noqa: E402
-
-
-def _over_ranks(value: float, op: dist.ReduceOp = dist.ReduceOp.MAX) -> float:
-    """``value`` reduced over ranks: by default the slowest rank's."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return float(t.item())
+from _common import (add_link, add_mlp, add_steps, add_world_size, over_ranks, parse, parser,  # first: sys.path
+                     rank_input)
+import scheduler
+from compiled_step import ShardedMLP, captured_code, collective_gaps, compiled_step
+from overlap.demo.training import calibrated_gbps
+from overlap.testing import EmulatedLink, run_distributed
+from report import emit
+from timing import seconds_per_call
 
 
 def _timed(step: Callable[[], torch.Tensor], losses: list[torch.Tensor]) -> float:
@@ -69,7 +62,7 @@ def _compiled_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str,
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
+    x = rank_input(args.batch, args.dim, rank)
     names = ("without hook", "with hook")
     models = [ShardedMLP(args.blocks, args.dim, args.hidden, rank, world) for _ in names]
     steps = [compiled_step(models[0], x)]
@@ -94,12 +87,12 @@ def _compiled_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str,
         for name, step in zip(names, steps):
             _timed(step, losses[name])
     # Calibration: the compute side, median over both copies (the same number of steps on each).
-    compute = _over_ranks(statistics.median(
+    compute = over_ranks(statistics.median(
         _timed(step, losses[name]) for _ in range(args.calibration_steps) for name, step in zip(names, steps)))
     rows = models[0][0].rows
     wire = 2 * args.blocks * (world - 1) * rows * 4  # per step: an all-gather and a reduce-scatter per block
     collectives = 2 * args.blocks
-    gbps = args.link_gbps or wire * 8 / max(compute - collectives * args.latency_us * 1e-6, 1e-4) / 1e9
+    gbps = args.link_gbps or calibrated_gbps(compute, collectives, wire, args.latency_us)
     link = EmulatedLink(gbps, args.latency_us, functional=True)
 
     unlinked: dict[str, list[float]] = {n: [] for n in names}
@@ -113,13 +106,13 @@ def _compiled_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str,
             with link:
                 linked[name].append(_timed(step, losses[name]))
     stats = link.stats()
-    out.update(gbps=gbps, comm=_over_ranks(stats.emulated_seconds / (len(names) * args.steps)),
+    out.update(gbps=gbps, comm=over_ranks(stats.emulated_seconds / (len(names) * args.steps)),
                by_op=dict(stats.by_op))
     for name in names:
-        out["unlinked " + name] = _over_ranks(statistics.median(unlinked[name]))
-        out["linked " + name] = _over_ranks(statistics.median(linked[name]))
+        out["unlinked " + name] = over_ranks(statistics.median(unlinked[name]))
+        out["linked " + name] = over_ranks(statistics.median(linked[name]))
     pair_ratios = [a / b for a, b in zip(linked[names[0]], linked[names[1]])]
-    out["pair ratio"] = _over_ranks(statistics.median(pair_ratios), dist.ReduceOp.MIN)  # least favourable rank
+    out["pair ratio"] = over_ranks(statistics.median(pair_ratios), dist.ReduceOp.MIN)  # least favourable rank
     a, b = torch.stack(losses[names[0]]), torch.stack(losses[names[1]])
     out["losses"] = (len(a), torch.equal(a, b), float((a - b).abs().max()))
     out["shards equal"] = all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
@@ -247,27 +240,20 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {"compiled": compile
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--sections", nargs="+", choices=sorted(SECTIONS), default=sorted(SECTIONS),
-                        help="sections to run (default: all)")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--steps", type=int, default=10, help="timed iterations (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant after compiling (default 2)")
-    parser.add_argument("--calibration-steps", type=int, default=4,
-                        help="unlinked steps per variant that calibrate the link (default 4)")
-    parser.add_argument("--blocks", type=int, default=4, help="sharded MLP blocks (default 4)")
-    parser.add_argument("--dim", type=int, default=256, help="block width (default 256)")
-    parser.add_argument("--hidden", type=int, default=1024, help="block hidden width (default 1024)")
-    parser.add_argument("--batch", type=int, default=1024, help="rows per rank (default 1024)")
-    parser.add_argument("--link-gbps", type=float, default=None, help="link bandwidth (default: comm ~ compute)")
-    parser.add_argument("--latency-us", type=float, default=20.0, help="link latency per collective (default 20)")
-    parser.add_argument("--eager-blocks", type=int, default=32, help="eager section: blocks (default 32)")
-    parser.add_argument("--eager-width", type=int, default=16, help="eager section: block width (default 16)")
-    parser.add_argument("--eager-iters", type=int, default=50, help="eager section: forwards per sample (default 50)")
-    parser.add_argument("--markdown", default=None, help="append the tables to this markdown file")
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--sections", nargs="+", choices=sorted(SECTIONS), default=sorted(SECTIONS),
+                   help="sections to run (default: all)")
+    add_world_size(p)
+    add_steps(p, 10, "timed iterations", 2, "untimed steps per variant after compiling")
+    p.add_argument("--calibration-steps", type=int, default=4,
+                   help="unlinked steps per variant that calibrate the link (default 4)")
+    add_mlp(p, blocks=4, dim=256, batch=1024)
+    p.add_argument("--hidden", type=int, default=1024, help="block hidden width (default 1024)")
+    add_link(p)
+    p.add_argument("--eager-blocks", type=int, default=32, help="eager section: blocks (default 32)")
+    p.add_argument("--eager-width", type=int, default=16, help="eager section: block width (default 16)")
+    p.add_argument("--eager-iters", type=int, default=50, help="eager section: forwards per sample (default 50)")
+    args = parse(p, argv)
     for name in args.sections:
         SECTIONS[name](args)
 

@@ -1,7 +1,7 @@
-"""``python -m overlap ...``: see ``overlap.cli``."""
+"""``python -m overlap ...``: see ``overlap.demo.cli``."""
 import sys
 
-from overlap.cli import main
+from overlap.demo.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

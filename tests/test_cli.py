@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-import overlap.demo
-from overlap.cli import main, max_world_size
+import overlap.demo.run
+from overlap.demo.cli import main, max_world_size
 
 DEMO_OPTIONS = ("--world-size", "--steps", "--model", "--compare", "--link-gbps", "--latency-us", "--profile-steps",
                 "--device", "--out")
@@ -31,8 +31,8 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("the demo started training on bad input")
 
-    monkeypatch.setattr(overlap.demo, "run_demo", fail)
-    monkeypatch.setattr(overlap.demo, "rank_main", fail)
+    monkeypatch.setattr(overlap.demo.run, "run_demo", fail)
+    monkeypatch.setattr(overlap.demo.run, "rank_main", fail)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
 

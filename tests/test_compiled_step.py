@@ -1,6 +1,6 @@
 """A compiled FSDP-style training step, without and with ``scheduler.inductor_overlap()``.
 
-On 2 gloo ranks, two copies of ``overlap.testing.compiled_step.ShardedMLP`` (3 blocks; each block
+On 2 gloo ranks, two copies of ``ShardedMLP`` (``tests/compiled_step.py``; 3 blocks, each block
 all-gathers its flat shard in forward and reduce-scatters its gradient in backward) start from the
 same weights and take the same SGD steps; one is compiled by Inductor as is, the other inside the
 hook. Checked:
@@ -66,7 +66,7 @@ def _train_both(rank: int, world_size: int) -> dict[str, Any]:
     import torch._inductor.config as inductor_config
 
     import scheduler
-    from overlap.testing.compiled_step import ShardedMLP, captured_code, collective_gaps, compiled_step
+    from compiled_step import ShardedMLP, captured_code, collective_gaps, compiled_step
 
     x = torch.randn(BATCH, DIM, generator=torch.Generator().manual_seed(rank))
     models = [ShardedMLP(BLOCKS, DIM, HIDDEN, rank, world_size) for _ in range(2)]

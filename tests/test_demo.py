@@ -21,8 +21,8 @@ import os
 
 import pytest
 
-from overlap.cli import main
-from overlap.demo import HEADER, MODE_NAMES
+from overlap.demo.cli import main
+from overlap.demo.run import HEADER, MODE_NAMES
 
 TINY = ["demo", "--model", "tiny", "--steps", "1", "--profile-steps", "1", "--device", "cpu"]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

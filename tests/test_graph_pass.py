@@ -413,7 +413,7 @@ def _runtime_captured_run(rank: int, world_size: int) -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     import overlap
-    from overlap.testing.compiled_step import ShardedMLP
+    from compiled_step import ShardedMLP
 
     model = ShardedMLP(2, 8, 16, rank, world_size)
     names = [name for name, _ in model.named_parameters()]

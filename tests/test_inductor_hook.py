@@ -268,7 +268,7 @@ def _gather_then_mm(group: Any) -> Any:
     """A fresh ``train_step(x, w)``: all-gather ``x``, an independent ``w @ w``, a loss using both.
     Each call returns a copy with a code object of its own, so Dynamo's per-code-object cache never
     serves one compile to another (see [Note: one code object per step] in
-    ``overlap.testing.compiled_step``)."""
+    ``tests/compiled_step.py``)."""
     import torch.distributed._functional_collectives as funcol
 
     all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -286,7 +286,7 @@ def test_readme_form_compiles_with_the_pass_after_the_block(single_rank_group, m
     import torch._functorch.config as functorch_config
 
     import scheduler
-    from overlap.testing.compiled_step import captured_code, collective_gaps
+    from compiled_step import captured_code, collective_gaps
 
     runs = _counting_pass(monkeypatch)
     torch_compile = torch.compile

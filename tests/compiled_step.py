@@ -1,5 +1,9 @@
 """A small FSDP-style model and its compiled training step, for tests and benchmarks of compiled code.
 
+A test helper, not part of the installed package: test modules import it as ``compiled_step`` (pytest
+puts ``tests/`` on ``sys.path``, as for ``models``), and ``benchmarks/bench_scheduler.py`` through
+``benchmarks/_common.py``, which appends ``tests/`` to its ``sys.path``.
+
 :class:`ShardedMLP` is ``blocks`` residual blocks ``x + fc2(gelu(fc1(x)))``. Each block keeps its
 parameters as one flat dim-0 shard (a plain ``nn.Parameter``; the sharding rule of
 ``DESIGN.md``: ``ceil(n / w)`` elements per rank, the last ranks fewer or none, padding only in the

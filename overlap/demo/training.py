@@ -13,8 +13,9 @@ mode                  what it is
 ====================  ===========================================================================
 
 :class:`TrainStep` is one optimizer step as a callable (for ``overlap.testing.paired_steps``); it
-records each step's loss. :func:`measure_traffic` and :func:`calibrated_gbps` size the emulated link
-so that one step's communication takes about as long as a chosen compute time.
+records each step's loss. :func:`calibrate_link` sizes the emulated link so that one step's
+communication takes about as long as its compute side (:func:`measure_traffic` counts what a step
+sends, :func:`calibrated_gbps` does the arithmetic).
 
 All ranks must call these functions alike (same modes, same order): they issue collectives.
 """
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MODES", "TrainStep", "calibrated_gbps", "measure_traffic", "shard_for_mode"]
+__all__ = ["MODES", "TrainStep", "calibrate_link", "calibrated_gbps", "measure_traffic", "shard_for_mode"]
 
 MODES: tuple[str, ...] = ("overlap", "no-overlap", "fsdp2", "fsdp2-prefetch")
 
@@ -133,3 +134,13 @@ def calibrated_gbps(compute_s: float, collectives: int, wire_bytes: float, laten
         raise ValueError(f"nothing to calibrate the link on: a step moved {wire_bytes} bytes")
     transfer = max(compute_s - collectives * latency_us * 1e-6, 1e-3)
     return wire_bytes * 8 / transfer / 1e9
+
+
+def calibrate_link(step: Callable[[], object], latency_us: float, steps: int = 3, warmup: int = 2) -> float:
+    """The link bandwidth (Gbit/s) at which one ``step``'s communication takes about as long as its
+    compute side: the median of ``steps`` runs without link delay (after ``warmup``), then one more
+    run counts what it sends (:func:`measure_traffic`), then :func:`calibrated_gbps`."""
+    from overlap.testing import paired_steps
+
+    compute = paired_steps(step, steps, 1e6, 0.0, warmup=warmup).unlinked
+    return calibrated_gbps(compute, *measure_traffic(step), latency_us)

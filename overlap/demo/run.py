@@ -8,7 +8,7 @@ One run, side by side on the same ranks, from the same initial weights and on th
   runs: what overlap is measured from);
 * torch FSDP2 (``fully_shard``, default settings).
 
-Each mode trains :class:`~overlap.demo_model.TransformerLM` with AdamW; its steps alternate without
+Each mode trains :class:`~overlap.demo.model.TransformerLM` with AdamW; its steps alternate without
 and with the emulated link's delay (``overlap.testing.paired_steps``): the first kind is the mode's
 *compute side* (math, packing, the runtime's and gloo's own host work) and what the second takes
 beyond it is *exposed communication*. The link's bandwidth is chosen, unless given, so that one
@@ -35,9 +35,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from overlap.demo_model import MODEL_SIZES, TransformerLM, token_batch
+from overlap.demo.model import MODEL_SIZES, TransformerLM, token_batch
+from overlap.demo.training import TrainStep, calibrate_link, shard_for_mode
 from overlap.testing.exposed import PairedTimes
-from overlap.training import TrainStep, calibrated_gbps, measure_traffic, shard_for_mode
 
 __all__ = [
     "COMPARABLE", "DemoConfig", "DemoResult", "FSDP2_LOSS_RTOL", "MODE_NAMES", "ModeResult", "format_report",
@@ -207,9 +207,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     if gbps is None:
         progress.start("calibrating the link on overlap.shard's compute side")
         probe = build("overlap")
-        compute = paired_steps(probe, 2, 1e6, 0.0, warmup=1).unlinked
-        collectives, wire_bytes = measure_traffic(probe)
-        gbps = calibrated_gbps(compute, collectives, wire_bytes, cfg.latency_us)
+        gbps = calibrate_link(probe, cfg.latency_us, steps=2, warmup=1)
         del probe
     modes: dict[str, ModeResult] = {}
     local: dict[str, list[torch.Tensor]] = {}

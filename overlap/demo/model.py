@@ -1,8 +1,8 @@
 """The demo's model and data: a small GPT-style language model and synthetic token batches.
 
-Used by ``python -m overlap demo`` and the benchmarks. Everything here is deterministic given its
-arguments (``torch.manual_seed`` for the weights, an explicit seed for the tokens), so several
-runtimes trained from the same seed on the same batches can be compared loss for loss.
+Used by ``python -m overlap demo``. Everything here is deterministic given its arguments
+(``torch.manual_seed`` for the weights, an explicit seed for the tokens), so several runtimes
+trained from the same seed on the same batches can be compared loss for loss.
 
 Sizes (:data:`MODEL_SIZES`; parameters counted with the head tied to the token embedding):
 

@@ -12,7 +12,7 @@ import tempfile
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
-    from overlap.demo import DemoConfig, DemoResult
+    from overlap.demo.run import DemoConfig, DemoResult
 
 __all__ = ["main", "build_parser", "max_world_size"]
 
@@ -51,8 +51,8 @@ def _finite_float(strictly_positive: bool) -> Callable[[str], float]:
 
 
 def _compare(text: str) -> tuple[str, ...]:
-    """An argparse type: comma-separated modes of ``overlap.demo.COMPARABLE``, or ``none``."""
-    from overlap.demo import COMPARABLE
+    """An argparse type: comma-separated modes of ``overlap.demo.run.COMPARABLE``, or ``none``."""
+    from overlap.demo.run import COMPARABLE
 
     if text.strip() == "none":
         return ()
@@ -71,7 +71,7 @@ def max_world_size() -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m overlap`` parser (sub-command ``demo``)."""
-    from overlap.demo import COMPARABLE, FSDP2_LOSS_RTOL, MODEL_SIZES
+    from overlap.demo.run import COMPARABLE, FSDP2_LOSS_RTOL, MODEL_SIZES
 
     parser = argparse.ArgumentParser(prog="python -m overlap", description="triton-overlap command line.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -142,7 +142,7 @@ def _unwritable(out: str) -> Optional[str]:
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
-    from overlap.demo import MODE_NAMES, DemoConfig, format_report, run_demo, write_outputs
+    from overlap.demo.run import MODE_NAMES, DemoConfig, format_report, run_demo, write_outputs
     from overlap.device_info import device_info
 
     launched = _torchrun_env(parser)
@@ -197,12 +197,12 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _in_process(cfg: DemoConfig, rank: int, world_size: int, local_rank: int) -> Optional[DemoResult]:
-    """Run :func:`overlap.demo.rank_main` on this torchrun rank (a process group is initialized here
+    """Run :func:`overlap.demo.run.rank_main` on this torchrun rank (a process group is initialized here
     from torchrun's environment unless one exists); rank 0 gets the result, the others None."""
     import torch
     import torch.distributed as dist
 
-    from overlap.demo import rank_main
+    from overlap.demo.run import rank_main
 
     created = not dist.is_initialized()
     if created:
