@@ -498,3 +498,48 @@ def test_a_timeout_bounds_every_wait_behind_the_link(distributed) -> None:
 def test_emulated_work_rejects_a_bad_default_timeout() -> None:
     with pytest.raises(ValueError, match="default_timeout must be None or a datetime.timedelta > 0"):
         EmulatedWork(None, 0.0, 5.0)  # type: ignore[arg-type]
+
+
+# -- two tiers (see [Note: two-tier links]) -------------------------------------------------------------
+
+
+def _tiered_rank(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+    x = torch.ones(1000)
+    with emulated_link(100.0, 5.0, gpus_per_node=2, inter_node=(10.0, 50.0)) as link:
+        for group in (shard, replicate, dist.group.WORLD):
+            dist.all_reduce(x, group=group)
+        by_group = link.stats_by_group()
+        tiers = [link.tier(g) for g in (shard, replicate, dist.group.WORLD)]
+    # The same groups under an explicit per-group setting, which wins over the topology.
+    with emulated_link(100.0, 5.0, gpus_per_node=2, inter_node=(10.0, 50.0),
+                       groups={replicate: (1.0, 0.0)}) as link:
+        overridden = link.tier(replicate)
+    names = [g.group_name for g in (shard, replicate, dist.group.WORLD)]
+    return {"seconds": [by_group[n].emulated_seconds for n in names], "tiers": tiers, "overridden": overridden}
+
+
+def test_two_tier_link_charges_groups_that_span_nodes_at_the_inter_node_speed(distributed) -> None:
+    wire = lambda w: 2 * (w - 1) / w * 4000  # a ring all-reduce of 1000 float32 over w ranks  # noqa: E731
+    for res in distributed(_tiered_rank, 4):
+        assert res["tiers"] == [(100.0, 5.0), (10.0, 50.0), (10.0, 50.0)]  # within a node, across, both
+        want = [5e-6 + wire(2) / (100e9 / 8), 50e-6 + wire(2) / (10e9 / 8), 50e-6 + wire(4) / (10e9 / 8)]
+        assert res["seconds"] == pytest.approx(want, rel=1e-9)
+        assert res["overridden"] == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"gpus_per_node": 2}, ValueError, "gpus_per_node and inter_node go together"),
+    ({"gpus_per_node": 0, "inter_node": (1.0, 1.0)}, ValueError, "gpus_per_node must be an int >= 1"),
+    ({"gpus_per_node": 2, "inter_node": 10.0}, TypeError, r"inter_node must be a \(gbps, latency_us\) tuple"),
+    ({"gpus_per_node": 2, "inter_node": (0.0, 1.0)}, ValueError, r"inter_node\[0\] \(bandwidth"),
+    ({"groups": [("g", (1.0, 1.0))]}, TypeError, "groups must be a mapping"),
+    ({"groups": {3: (1.0, 1.0)}}, TypeError, "keys must be ProcessGroups or group names"),
+    ({"groups": {"g": (1.0, -1.0)}}, ValueError, r"latency in µs\) must be a finite number >= 0"),
+])
+def test_two_tier_bad_input(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        emulated_link(10.0, **kwargs)

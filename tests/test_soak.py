@@ -41,10 +41,10 @@ class JitteryLink(EmulatedLink):
         self._rng = random.Random(seed)
         self.jitters: list[float] = []
 
-    def transfer_seconds(self, wire_bytes: float) -> float:
+    def transfer_seconds(self, wire_bytes: float, group: Any = None) -> float:
         extra = self._rng.uniform(0.0, self.jitter_us) * 1e-6
         self.jitters.append(extra)
-        return super().transfer_seconds(wire_bytes) + extra
+        return super().transfer_seconds(wire_bytes, group) + extra
 
 
 def _soak_rank(rank: int, world: int, steps: int, jitter_us: float) -> dict[str, Any]:

@@ -9,7 +9,8 @@ restores the originals. Contexts nest (the innermost active link models every ca
 restored when the outermost exits) and may be entered from several threads. The patch is
 process-wide while any link is active.
 
-Timing model. Each process group has one FIFO link. A collective issued (host time) at ``t`` starts
+Timing model. Each process group has one FIFO link (its speed: ``gbps`` and ``latency_us``, or
+another tier's, see [Note: two-tier links]). A collective issued (host time) at ``t`` starts
 at ``max(t, busy_until)`` and completes at ``start + latency + wire_bytes / bandwidth``; that
 completion time becomes the group's ``busy_until``. ``bandwidth = gbps * 1e9 / 8`` bytes/s
 (**gigabits** per second). ``wire_bytes`` is what each rank receives, ``w`` the group size:
@@ -299,32 +300,98 @@ def check_number(value: object, rule: str, positive: bool) -> None:
         raise ValueError(f"{rule}, got {value!r}")
 
 
-class EmulatedLink:
-    """A modelled interconnect (see the module docstring); a context manager that activates it."""
+def _check_tier(value: object, name: str) -> tuple[float, float]:
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise TypeError(f"{name} must be a (gbps, latency_us) tuple, got {value!r}")
+    check_number(value[0], f"{name}[0] (bandwidth in gigabits/s) must be a finite number > 0", positive=True)
+    check_number(value[1], f"{name}[1] (latency in µs) must be a finite number >= 0", positive=False)
+    return float(value[0]), float(value[1])
 
-    def __init__(self, gbps: float, latency_us: float = 10.0, functional: bool = False) -> None:
+
+class EmulatedLink:
+    """A modelled interconnect (see the module docstring); a context manager that activates it.
+
+    [Note: two-tier links]
+    Every process group has its own FIFO link; by default all of them run at ``gbps`` /
+    ``latency_us``. Two ways give groups other speeds, so one run can model fast intra-node and slow
+    inter-node networks: ``gpus_per_node=G, inter_node=(gbps, latency_us)`` puts the global ranks
+    ``[k*G, (k+1)*G)`` on node ``k``, and a group whose ranks lie on more than one node runs at the
+    inter-node speed (a collective spanning both tiers is as slow as its slowest hop: its ring
+    crosses the inter-node link, so the whole collective is charged at that link's bandwidth and
+    latency); ``groups={group: (gbps, latency_us)}`` (a ProcessGroup or its name) sets a group's
+    link directly and wins over the topology.
+    """
+
+    def __init__(self, gbps: float, latency_us: float = 10.0, functional: bool = False, *,
+                 gpus_per_node: int | None = None, inter_node: tuple[float, float] | None = None,
+                 groups: Mapping[Any, tuple[float, float]] | None = None) -> None:
         if not isinstance(functional, bool):
             raise TypeError(f"functional must be a bool (also model torch.ops._c10d_functional collectives), got {functional!r}")
         check_number(gbps, "gbps (link bandwidth in gigabits/s) must be a finite number > 0", positive=True)
         check_number(latency_us, "latency_us (per-collective latency in µs) must be a finite number >= 0",
                      positive=False)
+        if (gpus_per_node is None) != (inter_node is None):
+            raise ValueError("gpus_per_node and inter_node go together (ranks per node, and the (gbps, latency_us) "
+                             f"of links between nodes); got gpus_per_node={gpus_per_node!r}, inter_node={inter_node!r}")
+        if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int)
+                                          or gpus_per_node < 1):
+            raise ValueError(f"gpus_per_node must be an int >= 1 (global ranks per node), got {gpus_per_node!r}")
+        self.inter_node = None if inter_node is None else _check_tier(inter_node, "inter_node")
+        if groups is not None and not isinstance(groups, Mapping):
+            raise TypeError(f"groups must be a mapping of ProcessGroup (or group name) to (gbps, latency_us), "
+                            f"got {type(groups).__name__}")
+        self._group_tiers = {self._group_key(g): _check_tier(t, f"groups[{g!r}]") for g, t in (groups or {}).items()}
         self.gbps = float(gbps)
         self.latency_us = float(latency_us)
         self.functional = functional
+        self.gpus_per_node = gpus_per_node
+        self._tier_cache: dict[Any, tuple[float, float]] = {}
         self._lock = threading.Lock()
         self._groups: dict[Any, _GroupLink] = {}
         self._names: dict[Any, str] = {}
 
     def __repr__(self) -> str:
-        return f"EmulatedLink(gbps={self.gbps}, latency_us={self.latency_us}, functional={self.functional})"
+        tiers = ""
+        if self.gpus_per_node is not None:
+            tiers += f", gpus_per_node={self.gpus_per_node}, inter_node={self.inter_node}"
+        if self._group_tiers:
+            tiers += f", groups={self._group_tiers}"
+        return f"EmulatedLink(gbps={self.gbps}, latency_us={self.latency_us}, functional={self.functional}{tiers})"
+
+    @staticmethod
+    def _group_key(group: Any) -> str:
+        if isinstance(group, str):
+            return group
+        name = getattr(group, "group_name", None)
+        if not isinstance(name, str):
+            raise TypeError(f"groups: keys must be ProcessGroups or group names, got {type(group).__name__}")
+        return name
+
+    def tier(self, group: Any = None) -> tuple[float, float]:
+        """``(gbps, latency_us)`` of ``group``'s link (None: the default link); see [Note: two-tier links]."""
+        if group is None or (not self._group_tiers and self.gpus_per_node is None):
+            return self.gbps, self.latency_us
+        key = getattr(group, "group_name", None) or group
+        tier = self._tier_cache.get(key)
+        if tier is None:
+            tier = self._group_tiers.get(key) if isinstance(key, str) else None
+            if tier is None and self.gpus_per_node is not None and self.inter_node is not None:
+                nodes = {r // self.gpus_per_node for r in dist.get_process_group_ranks(group)}
+                tier = self.inter_node if len(nodes) > 1 else None
+            tier = tier or (self.gbps, self.latency_us)
+            self._tier_cache[key] = tier
+        return tier
 
     @property
     def bytes_per_second(self) -> float:
+        """The default link's bandwidth in bytes/s."""
         return self.gbps * 1e9 / 8
 
-    def transfer_seconds(self, wire_bytes: float) -> float:
-        """Link time of one collective that delivers ``wire_bytes`` to each rank."""
-        return self.latency_us * 1e-6 + wire_bytes / self.bytes_per_second
+    def transfer_seconds(self, wire_bytes: float, group: Any = None) -> float:
+        """Link time of one collective over ``group`` (None: the default link) that delivers
+        ``wire_bytes`` to each rank."""
+        gbps, latency_us = self.tier(group)
+        return latency_us * 1e-6 + wire_bytes / (gbps * 1e9 / 8)
 
     def _schedule(self, group: Any, op: str, wire_bytes: int, seconds: float, issued: float) -> float:
         """Book ``seconds`` of the group's FIFO link from ``issued``; return the completion time."""
@@ -361,14 +428,19 @@ class EmulatedLink:
         _deactivate(self)
 
 
-def emulated_link(gbps: float, latency_us: float = 10.0, functional: bool = False) -> EmulatedLink:
+def emulated_link(gbps: float, latency_us: float = 10.0, functional: bool = False, *,
+                  gpus_per_node: int | None = None, inter_node: tuple[float, float] | None = None,
+                  groups: Mapping[Any, tuple[float, float]] | None = None) -> EmulatedLink:
     """A link of ``gbps`` gigabits/s and ``latency_us`` µs per collective; use it with ``with``.
+    ``gpus_per_node`` with ``inter_node``, and ``groups``, give groups other speeds (see [Note:
+    two-tier links]).
 
     ``functional=True`` also models ``torch.ops._c10d_functional`` collectives (compiled code,
     DTensor). It is opt-in: a first version hung DTensor's ``full_tensor`` inside torch FSDP2
     state-dict code on gloo (torch 2.13), a GIL deadlock now understood and avoided (see
     [Note: calling torch's kernel without the GIL]), and timings taken without it stay comparable."""
-    return EmulatedLink(gbps, latency_us, functional)
+    return EmulatedLink(gbps, latency_us, functional, gpus_per_node=gpus_per_node, inter_node=inter_node,
+                        groups=groups)
 
 
 # --- patching -----------------------------------------------------------------------------------
@@ -463,7 +535,7 @@ def _wrap(
         world = group.size()
         if world > 1:
             wire_bytes = int(sum(t.numel() * t.element_size() for t in tensors) * factor(world))
-            seconds = link.transfer_seconds(wire_bytes)
+            seconds = link.transfer_seconds(wire_bytes, group)
         else:
             wire_bytes, seconds = 0, 0.0
         if tensors and tensors[0].is_cuda:
@@ -592,7 +664,7 @@ def _issue_kernel(
         world = group.size()
         if world > 1:
             wire_bytes = int(sum(t.numel() * t.element_size() for t in counted) * factor(world))
-            seconds = link.transfer_seconds(wire_bytes)
+            seconds = link.transfer_seconds(wire_bytes, group)
         else:
             wire_bytes, seconds = 0, 0.0
         deadline = link._schedule(group, label, wire_bytes, seconds, issued)
