@@ -44,17 +44,23 @@ def _check_positive(value: object, name: str, allow_zero: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class LinkCost:
-    """One tier of the network, per GPU: bandwidth in Gbit/s and latency per ring hop in µs."""
+    """One tier of the network, per GPU: bandwidth in Gbit/s and latency per ring hop in µs
+    (``per_hop=False``: one latency per collective, the emulated link's model, for validating the
+    plan against emulated runs)."""
 
     gbps: float
     latency_us: float = 10.0
+    per_hop: bool = True
 
     def __post_init__(self) -> None:
         _check_positive(self.gbps, "LinkCost.gbps")
         _check_positive(self.latency_us, "LinkCost.latency_us", allow_zero=True)
+        if not isinstance(self.per_hop, bool):
+            raise TypeError(f"LinkCost.per_hop must be a bool, got {self.per_hop!r}")
 
     def seconds(self, wire_bytes: float, hops: int) -> float:
-        return hops * self.latency_us * 1e-6 + wire_bytes * 8 / (self.gbps * 1e9)
+        latencies = hops if self.per_hop else min(hops, 1)
+        return latencies * self.latency_us * 1e-6 + wire_bytes * 8 / (self.gbps * 1e9)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,6 +66,9 @@ def test_latency_is_paid_per_ring_hop() -> None:
     model = ModelCost(blocks=1, param_bytes=0.0, forward_seconds=0.0)
     p = predict(model, Topology(1, 8, slow, slow), "full")
     assert p.step_seconds == pytest.approx(2 * 7 * 10e-6)  # gather and reduce-scatter, 7 hops each
+    per_collective = LinkCost(gbps=1e6, latency_us=10.0, per_hop=False)
+    p = predict(model, Topology(1, 8, per_collective, per_collective), "full")
+    assert p.step_seconds == pytest.approx(2 * 10e-6)
 
 
 def test_table_lists_every_size() -> None:

@@ -33,21 +33,22 @@ __all__ = ["MODES", "TrainStep", "calibrate_link", "calibrated_gbps", "measure_t
 MODES: tuple[str, ...] = ("overlap", "no-overlap", "fsdp2", "fsdp2-prefetch")
 
 
-def _shard_overlap(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool) -> None:
+def _shard_overlap(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool, mesh: object) -> None:
     import overlap
 
     mp = overlap.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     for block in blocks:
-        overlap.shard(block, mp=mp)
-    overlap.shard(model, mp=mp)
+        overlap.shard(block, mp=mp, mesh=mesh)
+    overlap.shard(model, mp=mp, mesh=mesh)
 
 
-def _shard_fsdp2(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool, explicit_prefetch: bool) -> None:
+def _shard_fsdp2(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool, explicit_prefetch: bool,
+                 mesh: object) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    device_type = next(model.parameters()).device.type
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -61,19 +62,20 @@ def _shard_fsdp2(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool, expl
 
 
 def shard_for_mode(mode: str, model: nn.Module, blocks: Sequence[nn.Module], *,
-                   bf16: bool = False) -> Callable[[], ContextManager[object]]:
+                   bf16: bool = False, mesh: object = None) -> Callable[[], ContextManager[object]]:
     """Shard ``model`` in place for ``mode`` (one of :data:`MODES`): each of ``blocks``, then the root.
 
     ``model`` must already be on its device, with a default process group initialized. ``bf16``
-    computes with bfloat16 parameters. Returns the factory of the context every forward + backward of
+    computes with bfloat16 parameters. ``mesh``: a DeviceMesh to shard over (2-D: hybrid sharding,
+    dim 0 replicates, dim 1 shards); default every rank. Returns the factory of the context every forward + backward of
     this mode must run in (``overlap.no_overlap`` for ``no-overlap``, a no-op otherwise).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if mode.startswith("fsdp2"):
-        _shard_fsdp2(model, blocks, bf16, explicit_prefetch=mode == "fsdp2-prefetch")
+        _shard_fsdp2(model, blocks, bf16, explicit_prefetch=mode == "fsdp2-prefetch", mesh=mesh)
         return contextlib.nullcontext
-    _shard_overlap(model, blocks, bf16)
+    _shard_overlap(model, blocks, bf16, mesh)
     if mode == "no-overlap":
         import overlap
 

@@ -51,14 +51,17 @@ def _slowest(value: float) -> float:
 
 
 def paired_steps(step: Callable[[], object], steps: int, gbps: float, latency_us: float,
-                 warmup: int = 1) -> PairedTimes:
+                 warmup: int = 1, link: EmulatedLink | None = None) -> PairedTimes:
     """Run ``warmup`` untimed steps, then ``steps`` pairs (no link delay, then the link).
 
-    Every rank must call it with the same arguments (steps start together behind a barrier).
+    ``link``: the link to time behind (e.g. two tiers), instead of a uniform one of ``gbps`` and
+    ``latency_us``; its statistics then cover the linked steps. Every rank must call it with the
+    same arguments (steps start together behind a barrier).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    link = EmulatedLink(gbps, latency_us)
+    if link is None:
+        link = EmulatedLink(gbps, latency_us)
 
     def timed() -> float:
         if dist.is_initialized():
