@@ -113,12 +113,13 @@ def _bound_device(group: str) -> Optional[torch.device]:
 
 
 def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[torch.Tensor], nbytes: int,
-           group: str = "", op: str = "") -> InflightWork:
+           group: str = "", op: str = "", finish: Optional[Callable[[], None]] = None) -> InflightWork:
     """Start ``launch`` without blocking the caller: on a comm stream (CUDA) or as an async work.
 
     ``group`` is the process group's name, kept on the work (for the profiler and errors) with the
     collective's per-group sequence number. ``op`` (the reduce op, or ``src=<rank>`` of a broadcast)
     is part of the fingerprint that debug mode checks across ranks first (``overlap.desync``).
+    ``finish`` (CPU only) completes the output once the work is waited, before any reader.
     Raises before issuing during CUDA graph capture, and on CUDA unless ``device`` is the current
     device and this rank's (``overlap.streams``: [Note: no collectives in CUDA graph capture],
     [Note: one device per rank]).
@@ -141,7 +142,7 @@ def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[to
                 event.record(stream)
             return track(InflightWork(kind, nbytes, buffers, event=event, device=device, group=group, seq=seq,
                                       issue_stream=current))
-        return track(InflightWork(kind, nbytes, buffers, work=launch(True), group=group, seq=seq))
+        return track(InflightWork(kind, nbytes, buffers, work=launch(True), group=group, seq=seq, finish=finish))
 
 
 class _Plan:
@@ -504,7 +505,26 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupIn
     """Issue a sum reduce-scatter of the rank-major ``input`` into ``output`` (``1/w`` of its elements).
 
     For the sharded runtime. Returns the in-flight work; wait it before reading ``output``.
+
+    [Note: gloo's reduce-scatter cannot say it is done]
+    gloo's reduce-scatter works (torch 2.13) never report ``is_completed()`` before they are waited,
+    although they progress in the background, so the runtime could not tell that one had landed:
+    no early epilogue, no early HSDP all-reduce. On gloo the runtime therefore moves the same bytes
+    with ``all_to_all_single`` (each rank receives every rank's slot for its own shard: ``(w-1)/w``
+    of the input, a reduce-scatter's traffic), whose work does report completion, and sums the ``w``
+    received slots in rank order when the work is waited. The sum order is fixed and the same on
+    every rank; with two ranks it is the one addition gloo's reduce-scatter makes.
     """
+    if output.device.type != "cuda" and info.backend == "gloo" and info.size > 1:
+        received = torch.empty((info.size, output.numel()), dtype=output.dtype, device=output.device)
+        pg = info.pg
+
+        def launch(a: bool) -> Optional[dist.Work]:
+            return dist.all_to_all_single(received.view(-1), input, group=pg, async_op=a)
+
+        return _issue("reduce_scatter", output.device, launch, (input, received, output),
+                      input.numel() * input.element_size(), pg.group_name, "sum",
+                      finish=lambda: torch.sum(received, dim=0, out=output.view(-1)))
     op = dist_reduce_op("sum", info)
     return _issue("reduce_scatter", output.device, lambda a: _dist_reduce_scatter(output, input, op, info.pg, a),
                   (input, output), input.numel() * input.element_size(), info.pg.group_name, "sum")

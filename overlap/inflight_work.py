@@ -57,7 +57,7 @@ class InflightWork:
     """One issued collective: its completion signal and the buffers it must keep alive."""
 
     __slots__ = ("kind", "nbytes", "group", "seq", "_work", "_event", "_device", "_buffers", "_shapes", "_host_waited", "_record",
-                 "_issue_stream")
+                 "_issue_stream", "_finish")
 
     def __init__(
         self,
@@ -70,8 +70,10 @@ class InflightWork:
         group: str = "",
         seq: int = -1,
         issue_stream: Optional["torch.cuda.Stream"] = None,
+        finish: Optional[Callable[[], None]] = None,
     ) -> None:
         self.kind = kind
+        self._finish = finish  # CPU: completes the collective's output after the host wait, before any reader
         # CUDA: the stream the buffers were allocated on (see [Note: cross-stream buffer lifetime])
         self._issue_stream = issue_stream
         self.seq = seq  # per-group sequence number (overlap.desync), named in errors
@@ -111,6 +113,9 @@ class InflightWork:
             if self._work is not None:
                 _host_wait(self, self._work)  # raises CollectiveError naming this collective
             self._host_waited = True
+            if self._finish is not None:
+                self._finish, finish = None, self._finish
+                finish()
         if timed:
             self._record.end_wait()
         if then is not None:

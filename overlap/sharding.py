@@ -50,7 +50,8 @@ CUDA it is queued on the reduce-scatter stream right behind the collective (no h
 of backward makes the current stream wait on one event per group before anyone reads a
 gradient), and the gradients it writes are allocated on the current stream beforehand, so their
 memory belongs to the stream that reads them later. On CPU it runs at the first runtime hook after
-the collective completed (a non-blocking check). Epilogues run in issue order. A group with 0-dim
+the collective completed (a non-blocking check; on gloo see [Note: gloo's reduce-scatter cannot
+say it is done] in ``overlap/collectives.py``). Epilogues run in issue order. A group with 0-dim
 parameters keeps its epilogue at the end of backward, because it broadcasts their gradients and a
 collective must not be issued at a time that depends on how fast a collective completed.
 
@@ -422,6 +423,10 @@ class _Root:
         if set(group.requires_grad_indices) <= group.grads_ready:
             self._ready.add(state.index)
             self._flush_reduces(final=False)
+        elif self._pending_reduces:
+            # A poll point inside a block's backward: an HSDP all-reduce goes out as soon as its
+            # reduce-scatter landed, not one block later (see [Note: hybrid sharding]).
+            self._finish_completed_reduces()
 
     def _flush_reduces(self, final: bool) -> None:
         while self._reduce_next < len(self._reduce_order):

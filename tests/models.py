@@ -255,9 +255,10 @@ COUNTING_LINK = (1000.0, 0.0)
 
 
 def gradient_reductions(stats) -> int:
-    """Gradient-reducing collectives (reduce-scatters, all-reduces) among a link's counted calls
-    (``overlap.testing.LinkStats``)."""
-    return sum(n for op, n in stats.by_op.items() if "reduce" in op)
+    """Gradient-reducing collectives (reduce-scatters, all-reduces, and the all-to-alls that carry
+    reduce-scatters on gloo: [Note: gloo's reduce-scatter cannot say it is done]) among a link's
+    counted calls (``overlap.testing.LinkStats``)."""
+    return sum(n for op, n in stats.by_op.items() if "reduce" in op or "all_to_all" in op)
 
 
 def accumulation_batches() -> list[torch.Tensor]:

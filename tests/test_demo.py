@@ -22,7 +22,7 @@ import os
 import pytest
 
 from overlap.demo.cli import main
-from overlap.demo.run import HEADER, MODE_NAMES
+from overlap.demo.run import HEADER, MODE_NAMES, PROFILED
 
 TINY = ["demo", "--model", "tiny", "--steps", "1", "--profile-steps", "1", "--device", "cpu"]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -52,7 +52,7 @@ def _check_report(out: str, folder: str, modes: tuple[str, ...]) -> None:
     for mode in modes:
         cells = rows[MODE_NAMES[mode]]
         assert len(cells) == len(HEADER) - 1, cells
-        figures = cells[:6] if mode == "fsdp2" else cells  # FSDP2's collectives are not profiled: "-"
+        figures = cells if mode in PROFILED else cells[:6]  # others' collectives are not profiled: "-"
         assert all(math.isfinite(_number(c)) for c in figures), cells
         assert _number(cells[0]) > 0 and _number(cells[1]) > 0, cells  # step ms, tokens/s
         assert 0 <= _number(cells[5]) <= 100, cells  # comm hidden
@@ -114,3 +114,17 @@ def test_demo_under_torchrun_runs_in_process(tmp_path: object, distributed, as_u
     assert all(math.isfinite(_number(c)) for c in rows[MODE_NAMES["overlap"]]), rows
     assert "no other mode to compare with" in out0
     assert os.path.exists(os.path.join(folder, "trace-overlap.json"))
+
+
+def test_demo_with_a_mesh_runs_hsdp_beside_full_sharding(tmp_path: object, capsys: pytest.CaptureFixture[str],
+                                                         as_users_run_it: None) -> None:
+    folder = os.path.join(str(tmp_path), "out")
+    code = main([*TINY, "--mesh", "2x2", "--compare", "fsdp2", "--profile-steps", "0", "--out", folder])
+    out = capsys.readouterr().out
+    print(out)
+    assert code == 0, out
+    assert "4 spawned ranks (gloo)" in out and "HSDP mesh (replicate, shard) = (2, 2)" in out, out
+    rows = _table_rows(out)
+    for mode in ("overlap", "overlap-hsdp", "fsdp2", "fsdp2-hsdp"):
+        assert all(math.isfinite(_number(c)) for c in rows[MODE_NAMES[mode]][:6]), rows
+    assert "HSDP vs full sharding: agree" in out and "vs torch FSDP2: agree" in out, out

@@ -185,7 +185,9 @@ def test_sharded_runtime_collectives_are_recorded(distributed, tmp_path) -> None
         kinds = [c.kind for c in records]
         # Every gather and reduce-scatter the link carried was recorded, and only those.
         assert kinds.count("all_gather") == res["carried"].get("all_gather_single", 0) > 0
-        assert kinds.count("reduce_scatter") == res["carried"].get("reduce_scatter_single", 0) > 0
+        # On gloo the runtime's reduce-scatters travel as all-to-alls ([Note: gloo's reduce-scatter
+        # cannot say it is done] in overlap/collectives.py).
+        assert kinds.count("reduce_scatter") == res["carried"].get("all_to_all_single", 0) > 0
         assert set(kinds) == {"all_gather", "reduce_scatter"}
         assert {c.step for c in records} == {0, 1}
         per_step = [[c.kind for c in records if c.step == s] for s in (0, 1)]

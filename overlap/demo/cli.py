@@ -64,6 +64,14 @@ def _compare(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def _mesh(text: str) -> tuple[int, int]:
+    """``NODESxPER_NODE``, e.g. ``2x2``: each a whole number >= 1."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be NODESxRANKS_PER_NODE with whole numbers >= 1, e.g. 2x2; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def max_world_size() -> int:
     """The most CPU ranks the demo spawns on this machine (gloo ranks share the cores)."""
     return 4 * (os.cpu_count() or 1)
@@ -108,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--profile-steps", type=_int_at_least(0), default=2, metavar="P",
                       help="steps of overlap.shard (and no-overlap) run under overlap.profile() after the timed "
                            "ones, for the trace and timeline (default 2; 0: no profile, nothing written)")
+    demo.add_argument("--mesh", type=_mesh, default=None, metavar="NxG",
+                      help="emulate N nodes of G ranks (N*G ranks; --world-size may be left out): overlap.shard and "
+                           "FSDP2 each run fully sharded and as HSDP on the (replicate, shard) mesh (N, G), behind "
+                           "a two-tier link whose inter-node tier is the calibrated one and the intra-node tier "
+                           "8x faster (e.g. --mesh 2x2)")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                       help="auto (default): cuda (NCCL, one GPU per rank) when there are enough GPUs for the ranks, "
                            "else cpu (gloo)")
@@ -146,6 +159,13 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from overlap.device_info import device_info
 
     launched = _torchrun_env(parser)
+    if args.mesh is not None:
+        ranks = args.mesh[0] * args.mesh[1]
+        if args.world_size is not None and args.world_size != ranks:
+            parser.error(f"--mesh {args.mesh[0]}x{args.mesh[1]} has {ranks} ranks but --world-size is {args.world_size}")
+        if ranks < 2:
+            parser.error(f"--mesh {args.mesh[0]}x{args.mesh[1]}: the demo needs >= 2 ranks")
+        args.world_size = ranks
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "cuda" and not gpus:
         parser.error("--device cuda: no CUDA device is visible")
@@ -177,7 +197,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--out {args.out!r} cannot be written: {problem}")
     cfg = DemoConfig(world_size=world_size, steps=args.steps, model=args.model, compare=args.compare,
                      link_gbps=args.link_gbps, latency_us=args.latency_us, profile_steps=args.profile_steps,
-                     device=device)
+                     device=device, mesh=args.mesh)
     if rank == 0:
         backend = "NCCL, one GPU per rank" if device == "cuda" else "gloo"
         how = "torchrun" if launched is not None else "spawned"

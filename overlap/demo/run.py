@@ -54,9 +54,15 @@ FSDP2_LOSS_RTOL = 1e-4
 
 MODE_NAMES: dict[str, str] = {
     "overlap": "overlap.shard",
+    "overlap-hsdp": "overlap.shard, HSDP",
     "no-overlap": "no overlap (overlap.no_overlap)",
     "fsdp2": "torch FSDP2 (fully_shard)",
+    "fsdp2-hsdp": "torch FSDP2, HSDP",
 }
+HSDP_SUFFIX = "-hsdp"
+"""A mode name ending in it shards over the ``--mesh`` (replicate, shard) mesh instead of every rank."""
+INTER_NODE_SLOWDOWN = 8.0
+"""With ``--mesh``: the intra-node link is this many times faster than the (calibrated) inter-node one."""
 COMPARABLE: tuple[str, ...] = ("no-overlap", "fsdp2")
 """Modes ``--compare`` may name; ``overlap`` always runs."""
 PROFILED: tuple[str, ...] = ("overlap", "no-overlap")
@@ -80,8 +86,14 @@ class DemoConfig:
     warmup: int = 1
     device: str = "cpu"
     progress: bool = True
+    mesh: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
+        if self.mesh is not None:
+            nodes, per_node = self.mesh
+            if nodes < 1 or per_node < 1 or nodes * per_node != self.world_size:
+                raise ValueError(f"mesh {nodes}x{per_node} must have world_size={self.world_size} ranks "
+                                 "(nodes x ranks per node, each >= 1)")
         if self.model not in MODEL_SIZES:
             raise ValueError(f"model must be one of {', '.join(MODEL_SIZES)}; got {self.model!r}")
         unknown = [m for m in self.compare if m not in COMPARABLE]
@@ -92,8 +104,12 @@ class DemoConfig:
 
     @property
     def modes(self) -> tuple[str, ...]:
-        """``overlap`` first, then the compared modes in :data:`COMPARABLE` order."""
-        return ("overlap", *(m for m in COMPARABLE if m in self.compare))
+        """``overlap`` first, then the compared modes in :data:`COMPARABLE` order; with a ``mesh``,
+        ``overlap`` and ``fsdp2`` each also run as HSDP, right after their fully sharded run."""
+        modes = ("overlap", *(m for m in COMPARABLE if m in self.compare))
+        if self.mesh is None:
+            return modes
+        return tuple(x for m in modes for x in ((m, m + HSDP_SUFFIX) if m in ("overlap", "fsdp2") else (m,)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +128,7 @@ class DemoResult:
 
     ``bitwise``: overlap and no-overlap losses identical on every rank (None if no-overlap did not
     run); ``fsdp2_dev``: max relative deviation of FSDP2's global losses from overlap's (None if FSDP2
-    did not run)."""
+    did not run); ``hsdp_dev``: the same for the HSDP modes (None without a mesh)."""
 
     config: DemoConfig
     world_size: int
@@ -124,11 +140,14 @@ class DemoResult:
     modes: dict[str, ModeResult]
     bitwise: Optional[bool]
     fsdp2_dev: Optional[float]
+    hsdp_dev: Optional[float] = None
 
     @property
     def losses_agree(self) -> bool:
-        """Overlap vs no-overlap bitwise, and FSDP2 within :data:`FSDP2_LOSS_RTOL` (those that ran)."""
-        return self.bitwise is not False and (self.fsdp2_dev is None or self.fsdp2_dev <= FSDP2_LOSS_RTOL)
+        """Overlap vs no-overlap bitwise, and FSDP2 and the HSDP modes within :data:`FSDP2_LOSS_RTOL`
+        (those that ran)."""
+        return self.bitwise is not False and all(dev is None or dev <= FSDP2_LOSS_RTOL
+                                                 for dev in (self.fsdp2_dev, self.hsdp_dev))
 
 
 class _Progress:
@@ -198,10 +217,23 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         torch.manual_seed(_SEED)  # the same initial weights in every mode
         model = TransformerLM(size).to(device)
         parameters = sum(p.numel() for p in model.parameters())  # before sharding: the full count
-        context = shard_for_mode(mode, model, list(model.blocks))
+        mesh = None
+        if mode.endswith(HSDP_SUFFIX):
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, cfg.mesh, mesh_dim_names=("replicate", "shard"))
+            mode = mode.removesuffix(HSDP_SUFFIX)
+        context = shard_for_mode(mode, model, list(model.blocks), mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         return TrainStep(lambda i: model.loss(token_batch(size, i, rank).to(device)), optimizer, context,
                          device, progress.advance)
+
+    def link() -> EmulatedLink:
+        """The link at ``gbps``; with a mesh, that is the inter-node tier (see [Note: two-tier links])."""
+        if cfg.mesh is None:
+            return EmulatedLink(gbps, cfg.latency_us)
+        return EmulatedLink(gbps * INTER_NODE_SLOWDOWN, cfg.latency_us, gpus_per_node=cfg.mesh[1],
+                            inter_node=(gbps, cfg.latency_us))
 
     gbps = cfg.link_gbps
     if gbps is None:
@@ -214,13 +246,13 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     for mode in cfg.modes:
         progress.start(MODE_NAMES[mode])
         step = build(mode)
-        times = paired_steps(step, cfg.steps, gbps, cfg.latency_us, warmup=cfg.warmup)
+        times = paired_steps(step, cfg.steps, gbps, cfg.latency_us, warmup=cfg.warmup, link=link())
         local[mode] = list(step.losses)
         merged = None
         if cfg.profile_steps and mode in PROFILED:
             progress.start(f"profiling {MODE_NAMES[mode]}")
             dist.barrier()
-            with EmulatedLink(gbps, cfg.latency_us), profile() as prof:
+            with link(), profile() as prof:
                 for _ in range(cfg.profile_steps):
                     step()
                     prof.step()
@@ -234,11 +266,17 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     fsdp2_dev = None
     if "fsdp2" in modes:
         ours, theirs = modes["overlap"].losses, modes["fsdp2"].losses
-        fsdp2_dev = max(abs(a - b) / abs(a) if a else abs(b) for a, b in zip(ours, theirs))
+        fsdp2_dev = _max_rel_dev(ours, theirs)
+    hsdp = [m for m in modes if m.endswith(HSDP_SUFFIX)]
+    hsdp_dev = max((_max_rel_dev(modes["overlap"].losses, modes[m].losses) for m in hsdp), default=None)
     if rank != 0:
         return None
     return DemoResult(cfg, world_size, dist.get_backend(), gbps, calibrate, parameters,
-                      world_size * size.tokens_per_rank, modes, bitwise, fsdp2_dev)
+                      world_size * size.tokens_per_rank, modes, bitwise, fsdp2_dev, hsdp_dev)
+
+
+def _max_rel_dev(ours: tuple[float, ...], theirs: tuple[float, ...]) -> float:
+    return max(abs(a - b) / abs(a) if a else abs(b) for a, b in zip(ours, theirs))
 
 
 def run_demo(cfg: DemoConfig, timeout: float = 3600.0) -> DemoResult:
@@ -297,11 +335,15 @@ def format_report(result: DemoResult) -> str:
                  _ms(ours.comm), _ms(max(0.0, ours.comm - ours.unlinked)), "100%", "", ""))
     how = "calibrated so one step's comm ~ overlap.shard's compute" if result.calibrated else "from --link-gbps"
     size = MODEL_SIZES[cfg.model]
+    link = f"emulated link: {result.link_gbps:.3g} Gbit/s ({how})"
+    if cfg.mesh is not None:
+        link = (f"emulated nodes: {cfg.mesh[0]} x {cfg.mesh[1]} ranks; HSDP mesh (replicate, shard) = {cfg.mesh}; "
+                f"link across nodes {result.link_gbps:.3g} Gbit/s ({how}), within a node "
+                f"{INTER_NODE_SLOWDOWN:g}x faster")
     lines = [
         f"model {cfg.model}: {result.parameters / 1e6:.3g} M parameters, {size.layers} blocks (each sharded, then "
         f"the root); {result.tokens_per_step:,} tokens per step over {result.world_size} ranks",
-        f"emulated link: {result.link_gbps:.3g} Gbit/s ({how}), {cfg.latency_us:g} µs per collective; "
-        f"medians of {cfg.steps} steps, slowest rank",
+        f"{link}, {cfg.latency_us:g} µs per collective; medians of {cfg.steps} steps, slowest rank",
         "",
         _table(HEADER, rows),
         "",
@@ -325,6 +367,10 @@ def _loss_line(result: DemoResult) -> str:
     if result.fsdp2_dev is not None:
         verdict = "agree" if result.fsdp2_dev <= FSDP2_LOSS_RTOL else "DISAGREE"
         lines.append(f"  overlap.shard vs torch FSDP2: {verdict}, max relative deviation {result.fsdp2_dev:.2g} "
+                     f"(tolerance {FSDP2_LOSS_RTOL:g})")
+    if result.hsdp_dev is not None:
+        verdict = "agree" if result.hsdp_dev <= FSDP2_LOSS_RTOL else "DISAGREE"
+        lines.append(f"  HSDP vs full sharding: {verdict}, max relative deviation {result.hsdp_dev:.2g} "
                      f"(tolerance {FSDP2_LOSS_RTOL:g})")
     if len(lines) == 1:
         lines.append("  no other mode to compare with")

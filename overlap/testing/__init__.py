@@ -3,10 +3,11 @@
 - :func:`run_distributed` — spawn ``world_size`` ranks with a process group, return per-rank results.
 - :func:`emulated_link` — while active, ``torch.distributed`` collectives complete no sooner than a
   modelled link (latency + bytes / bandwidth) allows, without burning CPU.
-- :func:`paired_steps` — a step timed without and with the link delay: its exposed communication.
+- :func:`paired_steps` — a step timed without and with the link delay: its exposed communication
+  (:func:`interleaved_steps`: behind any number of links, interleaved).
 """
 from overlap.testing.emulated_link import EmulatedLink, EmulatedWork, LinkStats, current_link, emulated_link
-from overlap.testing.exposed import PairedTimes, paired_steps
+from overlap.testing.exposed import PairedTimes, interleaved_steps, paired_steps
 from overlap.testing.harness import DistributedTestError, DistributedTimeoutError, RankFailure, run_distributed
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "RankFailure",
     "current_link",
     "emulated_link",
+    "interleaved_steps",
     "paired_steps",
     "run_distributed",
 ]

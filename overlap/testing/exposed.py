@@ -8,17 +8,18 @@ drifts of a shared machine out of the difference.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from overlap.testing.emulated_link import EmulatedLink
 
-__all__ = ["PairedTimes", "paired_steps"]
+__all__ = ["PairedTimes", "interleaved_steps", "paired_steps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +51,16 @@ def _slowest(value: float) -> float:
     return float(t.item())
 
 
-def paired_steps(step: Callable[[], object], steps: int, gbps: float, latency_us: float,
-                 warmup: int = 1, link: EmulatedLink | None = None) -> PairedTimes:
-    """Run ``warmup`` untimed steps, then ``steps`` pairs (no link delay, then the link).
+def interleaved_steps(step: Callable[[], object], steps: int, links: Sequence[EmulatedLink | None],
+                      warmup: int = 1) -> list[float]:
+    """Run ``warmup`` untimed steps, then ``steps`` rounds of one step per entry of ``links`` (None:
+    no link delay); return the median seconds per step for each entry, of the slowest rank.
 
-    ``link``: the link to time behind (e.g. two tiers), instead of a uniform one of ``gbps`` and
-    ``latency_us``; its statistics then cover the linked steps. Every rank must call it with the
-    same arguments (steps start together behind a barrier).
+    Interleaving keeps a shared machine's slow drifts out of the differences between entries. Every
+    rank must call it with the same arguments (steps start together behind a barrier).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    if link is None:
-        link = EmulatedLink(gbps, latency_us)
 
     def timed() -> float:
         if dist.is_initialized():
@@ -72,11 +71,26 @@ def paired_steps(step: Callable[[], object], steps: int, gbps: float, latency_us
 
     for _ in range(warmup):
         timed()
-    unlinked, linked = [], []
-    link.reset_stats()
+    for link in links:
+        if link is not None:
+            link.reset_stats()
+    times: list[list[float]] = [[] for _ in links]
     for _ in range(steps):
-        unlinked.append(timed())
-        with link:
-            linked.append(timed())
-    return PairedTimes(_slowest(statistics.median(unlinked)), _slowest(statistics.median(linked)),
-                       _slowest(link.stats().emulated_seconds / steps))
+        for link, out in zip(links, times):
+            with link if link is not None else contextlib.nullcontext():
+                out.append(timed())
+    return [_slowest(statistics.median(t)) for t in times]
+
+
+def paired_steps(step: Callable[[], object], steps: int, gbps: float, latency_us: float,
+                 warmup: int = 1, link: EmulatedLink | None = None) -> PairedTimes:
+    """Run ``warmup`` untimed steps, then ``steps`` pairs (no link delay, then the link).
+
+    ``link``: the link to time behind (e.g. two tiers), instead of a uniform one of ``gbps`` and
+    ``latency_us``; its statistics then cover the linked steps. Every rank must call it with the
+    same arguments (steps start together behind a barrier).
+    """
+    if link is None:
+        link = EmulatedLink(gbps, latency_us)
+    unlinked, linked = interleaved_steps(step, steps, [None, link], warmup)
+    return PairedTimes(unlinked, linked, _slowest(link.stats().emulated_seconds / steps))
