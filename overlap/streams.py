@@ -33,11 +33,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["comm_stream", "STREAM_PURPOSES", "StreamCaptureError", "capturing", "capture_error",
-           "check_not_capturing", "check_device"]
+__all__ = ["comm_stream", "collective_stream", "stream_purpose", "STREAM_PURPOSES", "StreamCaptureError",
+           "capturing", "capture_error", "check_not_capturing", "check_device"]
 
 STREAM_PURPOSES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "other")
 _streams: dict[tuple[int, str], "torch.cuda.Stream"] = {}
+# Collective kinds (``InflightWork.kind`` without ``_coalesced``) with a stream of their own.
+_KINDS_WITH_OWN_STREAM = ("all_gather", "reduce_scatter")
 
 
 def comm_stream(device: torch.device, purpose: str) -> "torch.cuda.Stream":
@@ -51,6 +53,20 @@ def comm_stream(device: torch.device, purpose: str) -> "torch.cuda.Stream":
         stream = torch.cuda.Stream(device=index, priority=-1)
         _streams[key] = stream
     return stream
+
+
+def stream_purpose(kind: str) -> str:
+    """The purpose whose stream runs a collective of ``kind`` (``"all_gather"``, ``"reduce_scatter_coalesced"``
+    ...): all-gathers and reduce-scatters (coalesced or not) their own, every other kind ``"other"``.
+    See [Note: one stream per purpose]."""
+    base = kind.removesuffix("_coalesced")
+    return base if base in _KINDS_WITH_OWN_STREAM else "other"
+
+
+def collective_stream(device: torch.device, kind: str) -> "torch.cuda.Stream":
+    """The communication stream that a collective of ``kind`` runs on, on CUDA ``device``: the one
+    place that decides it, for the collectives that issue there and the profiler that times them."""
+    return comm_stream(device, stream_purpose(kind))
 
 
 # ----------------------------------------------------------------------------- CUDA graph capture

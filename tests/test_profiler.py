@@ -25,7 +25,8 @@ from torch import nn
 import overlap
 from overlap import inflight_work, regions
 from overlap.inflight_work import InflightWork
-from overlap.profiler import ProfileResult, RankProfile, Report, _overlap, _union, merge
+from overlap.profiler import ProfileResult, RankProfile, Report, merge
+from overlap.profiler.records import covered, union
 
 # One all-gather of 2 x 128 Ki float32 (1 MiB out, 512 KiB on the wire per rank) over a 0.02 Gbit/s
 # link: 10 µs + 524288 B / 2.5e6 B/s = 209.7 ms; long, so that a loaded machine's few ms of jitter
@@ -312,11 +313,11 @@ def test_single_rank_trace_without_process_group(tmp_path) -> None:
 
 
 def test_intervals() -> None:
-    merged = _union([(3.0, 4.0), (0.0, 1.0), (0.5, 2.0), (5.0, 5.0)])
+    merged = union([(3.0, 4.0), (0.0, 1.0), (0.5, 2.0), (5.0, 5.0)])
     assert merged == [(0.0, 2.0), (3.0, 4.0)]
-    assert _overlap(merged, 1.5, 3.5) == pytest.approx(1.0)
-    assert _overlap(merged, -1.0, 10.0) == pytest.approx(3.0)
-    assert _overlap(merged, 2.0, 3.0) == 0.0 and _overlap([], 0.0, 1.0) == 0.0
+    assert covered(merged, 1.5, 3.5) == pytest.approx(1.0)
+    assert covered(merged, -1.0, 10.0) == pytest.approx(3.0)
+    assert covered(merged, 2.0, 3.0) == 0.0 and covered([], 0.0, 1.0) == 0.0
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -4,9 +4,10 @@
 - :func:`emulated_link` — while active, ``torch.distributed`` collectives complete no sooner than a
   modelled link (latency + bytes / bandwidth) allows, without burning CPU.
 - :func:`paired_steps` — a step timed without and with the link delay: its exposed communication.
+- :func:`over_ranks` — a figure reduced over every rank (by default the slowest rank's).
 """
 from overlap.testing.emulated_link import EmulatedLink, EmulatedWork, LinkStats, current_link, emulated_link
-from overlap.testing.exposed import PairedTimes, paired_steps
+from overlap.testing.exposed import PairedTimes, over_ranks, paired_steps
 from overlap.testing.harness import DistributedTestError, DistributedTimeoutError, RankFailure, run_distributed
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "RankFailure",
     "current_link",
     "emulated_link",
+    "over_ranks",
     "paired_steps",
     "run_distributed",
 ]
