@@ -116,11 +116,7 @@ def mlp_step(mode: str, blocks: int, dim: int, x: torch.Tensor) -> TrainStep:
 
 
 # ---------------------------------------------------------------------------------- process groups
-def over_ranks(value: float, op: dist.ReduceOp = dist.ReduceOp.MAX) -> float:
-    """``value`` reduced over the default group's ranks: by default the slowest rank's."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return float(t.item())
+from overlap.testing import over_ranks  # noqa: E402,F401 (the benchmarks' one "max over ranks")
 
 
 @contextlib.contextmanager

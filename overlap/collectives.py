@@ -39,7 +39,7 @@ import torch.distributed as dist
 from overlap import desync, traced
 from overlap.groups import GroupArg, GroupInfo, check_reduce_op, dist_reduce_op, resolve_group
 from overlap.inflight_work import InflightWork, ResultCompletion, make_room, track
-from overlap.streams import check_device, check_not_capturing, comm_stream
+from overlap.streams import check_device, check_not_capturing, collective_stream
 from overlap.regions import region
 from scheduler.async_tensor import AsyncTensor, wait_tensor
 
@@ -101,8 +101,6 @@ def _dist_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, op=op, group=group, async_op=async_op)
 
-_STREAM_PURPOSE = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
-
 
 def _bound_device(group: str) -> Optional[torch.device]:
     """The device the process group named ``group`` ('' for WORLD) is bound to, if any."""
@@ -134,7 +132,7 @@ def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[to
     with region(f"overlap::{kind}"):
         if device.type == "cuda":
             current = torch.cuda.current_stream(device)
-            stream = comm_stream(device, _STREAM_PURPOSE.get(kind.removesuffix("_coalesced"), "other"))
+            stream = collective_stream(device, kind)
             stream.wait_stream(current)  # the snapshot copies on `current` must land first
             with torch.cuda.stream(stream):
                 launch(False)

@@ -93,7 +93,7 @@ from overlap.collectives import all_gather_into, all_reduce_into, reduce_scatter
 from overlap.groups import GroupInfo
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
-from overlap.regions import region
+from overlap.regions import ModuleRegions, region
 from overlap.streams import comm_stream
 
 __all__ = ["ParamGroup", "ParamLocation", "PendingGather", "PendingReduce", "widest_dtype"]
@@ -152,6 +152,7 @@ class ParamGroup:
         self.fqns = [locs[0].fqn for locs in locations]
         self.layout = ShardLayout([tuple(p.shape) for p in params], info.size)
         self.mp = mp
+        self.regions = ModuleRegions.named("")  # renamed by overlap.shard once the module's fqn is known
         self._on_grad_ready = on_grad_ready
         self.scalar_indices = tuple(i for i, p in enumerate(params) if p.dim() == 0)
         with torch.no_grad():
@@ -269,7 +270,7 @@ class ParamGroup:
         if self.is_unsharded or self.pending_gather is not None or self.aliases_shards:
             return
         with _copy_in_stream(self.sharded[0]._local_tensor.device):  # type: ignore[attr-defined]
-            with region("overlap::all_gather_copy_in"), torch.no_grad():
+            with region(self.regions.all_gather_copy_in), torch.no_grad():
                 ag_input, ag_output = _all_gather_copy_in(
                     [self.local_rows(i) for i in range(len(self.sharded))], self.layout, self.rank,
                     self.gather_dtype)
@@ -290,7 +291,7 @@ class ParamGroup:
         outs = self._unsharded_params()
 
         def copy_out() -> None:
-            with region("overlap::all_gather_copy_out"), torch.no_grad():
+            with region(self.regions.all_gather_copy_out), torch.no_grad():
                 for u in outs:
                     u.untyped_storage().resize_(u.numel() * u.element_size())
                 with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
@@ -348,7 +349,7 @@ class ParamGroup:
             u.grad = None
         layout = self._reduce_layout(indices)
         dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads])
-        with region("overlap::reduce_scatter_copy_in"), torch.no_grad():
+        with region(self.regions.reduce_scatter_copy_in), torch.no_grad():
             pre_scale, post_scale = _average_scales(dtype, self.data_parallel_size)
             rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype)
         hsdp = self.replicas > 1
@@ -420,7 +421,7 @@ class ParamGroup:
 
     def _copy_out_reduced(self, pending: PendingReduce, targets: list[nn.Parameter], accumulate: bool) -> None:
         def copy_out() -> None:
-            with region("overlap::reduce_scatter_copy_out"), torch.no_grad():
+            with region(self.regions.reduce_scatter_copy_out), torch.no_grad():
                 _reduce_scatter_copy_out(
                     pending.rs_output, [_layout_rows(p.grad._local_tensor, self.rank) for p in targets], pending.layout,
                     self.rank, pending.post_scale, accumulate

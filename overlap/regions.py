@@ -7,17 +7,25 @@ records while a profiler is collecting.
 While ``overlap.profiler`` records (:func:`track_labels`), regions also keep a per-thread stack of
 their names and entry times, so each collective can be attributed to the region that issued it, and
 its issue time taken where its issuing region began (:func:`current_regions`).
+
+A sharded module's regions carry its fully-qualified name relative to the root sharded last, as
+FSDP2's ``_with_fqn`` does: ``overlap::pre_forward (blocks.3)``; the root's own regions carry none
+(``overlap::pre_forward``), nor do those of a module whose ancestors were never sharded. The names
+are built once per module, when ``overlap.shard`` runs (:class:`ModuleRegions`), not per call.
+Regions of the collectives themselves (``overlap::all_gather``, ``overlap::wait`` ...) are not
+per module.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from typing import ContextManager, Optional
 
 import torch
 
-__all__ = ["region", "current_labels", "current_regions", "track_labels"]
+__all__ = ["ModuleRegions", "region", "current_labels", "current_regions", "track_labels", "with_fqn"]
 
 _NULL = contextlib.nullcontext()
 _profiler_enabled = torch._C._autograd._profiler_enabled
@@ -82,3 +90,30 @@ def current_regions() -> tuple[tuple[str, float], ...]:
 def current_labels() -> tuple[str, ...]:
     """Names of the regions this thread is inside, outermost first (empty unless tracking)."""
     return tuple(name for name, _ in getattr(_local, "stack", ()))
+
+
+def with_fqn(name: str, fqn: str) -> str:
+    """``name (fqn)``, or ``name`` alone for an empty ``fqn`` (the root), as FSDP2 labels its regions."""
+    return f"{name} ({fqn})" if fqn else name
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRegions:
+    """The names of one sharded module's runtime regions: field ``x`` holds ``overlap::x (fqn)``."""
+
+    pre_forward: str
+    pre_forward_recompute: str
+    post_forward: str
+    pre_backward: str
+    reduce_scatter: str
+    reduce_scatter_epilogue: str
+    end_backward: str
+    all_gather_copy_in: str
+    all_gather_copy_out: str
+    reduce_scatter_copy_in: str
+    reduce_scatter_copy_out: str
+
+    @classmethod
+    def named(cls, fqn: str) -> "ModuleRegions":
+        """The region names of the module at ``fqn`` relative to the root (``""``: the root)."""
+        return cls(**{f.name: with_fqn(f"overlap::{f.name}", fqn) for f in dataclasses.fields(cls)})

@@ -87,7 +87,7 @@ from overlap.groups import GroupInfo, device_mesh_for, resolve_group
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
-from overlap.regions import region
+from overlap.regions import ModuleRegions, region
 
 __all__ = ["shard", "no_sync", "no_overlap", "ShardedModule", "sharded_states"]
 
@@ -147,8 +147,16 @@ class ShardState:
         self.index = -1  # position in the root's state list
         self.sync_grads = True
         self.serialize_comm = False  # set by no_overlap() on the root
+        self.regions = ModuleRegions.named("")  # see name_regions
         self._backward_seen = -1  # the backward pass (root counter) whose pre-backward ran here
         self.reset_backward_tracking()
+
+    def name_regions(self, fqn: str) -> None:
+        """Name this module's runtime regions after its fully-qualified name ``fqn`` relative to the
+        root (``""``: the root itself, whose regions carry no name), here and in its group."""
+        self.regions = ModuleRegions.named(fqn)
+        if self.group is not None:
+            self.group.regions = self.regions
 
     def reset_backward_tracking(self) -> None:
         """Forget this step's forward calls (see [Note: a group is reduced when its backward is done])."""
@@ -161,7 +169,7 @@ class ShardState:
         root = self.root
         if root is not None and root.in_backward:
             # Activation-checkpoint recompute inside backward: gather, run, keep it for the backward.
-            with region("overlap::pre_forward_recompute"):
+            with region(self.regions.pre_forward_recompute):
                 if self.group is not None:
                     root.gather_now(self)
         else:
@@ -169,7 +177,7 @@ class ShardState:
                 root = _Root(self)  # first forward, or a sub-module run on its own
             if root.owner is self:
                 root.begin_forward()
-            with region("overlap::pre_forward"):
+            with region(self.regions.pre_forward):
                 root.on_pre_forward(self)
                 if self.group is not None and torch.is_grad_enabled():
                     self._watch_inputs((args, kwargs))
@@ -184,7 +192,7 @@ class ShardState:
             if self.group is not None:
                 self.group.to_sharded()
             return output
-        with region("overlap::post_forward"):
+        with region(self.regions.post_forward):
             root.post_forward_seq.append(self.index)
             if self.group is not None:
                 self.group.to_sharded()
@@ -239,7 +247,7 @@ class ShardState:
         assert root is not None
         if self._backward_seen == root.backward_count and root.in_backward:
             return
-        with region("overlap::pre_backward"):
+        with region(self.regions.pre_backward):
             root.on_pre_backward(self)
         self._backward_seen = root.backward_count
 
@@ -442,7 +450,7 @@ class _Root:
         if group is None:
             return
         if state.sync_grads:
-            with region("overlap::reduce_scatter"):
+            with region(state.regions.reduce_scatter):
                 if state.max_inflight_bytes is not None:
                     self._admit(group.reduce_bytes(), state.max_inflight_bytes)
                 pending = group.issue_reduce()
@@ -488,14 +496,14 @@ class _Root:
             if (not group.finishes_early or pending.needs_all_reduce
                     or (pending.work is not None and not pending.work.is_done())):
                 break
-            with region("overlap::reduce_scatter_epilogue"), torch.no_grad():
+            with region(group.regions.reduce_scatter_epilogue), torch.no_grad():
                 group.finish_reduce(pending)
             done += 1
         if done:
             del self._pending_reduces[:done]
 
     def _end_backward(self) -> None:
-        with region("overlap::end_backward"), torch.no_grad():
+        with region(self.owner.regions.end_backward), torch.no_grad():
             self._flush_reduces(final=True)
             for state, pending in self._pending_reduces:
                 if pending.needs_all_reduce:
@@ -598,7 +606,9 @@ def shard(
 
     Returns ``module``, whose class becomes a subclass of :class:`ShardedModule`. Its parameters are
     replaced by DTensor parameters holding this rank's dim-0 shard; buffers stay replicated and are
-    not touched. Call it on each block first, then on the root.
+    not touched. Call it on each block first, then on the root. Each call names the runtime regions
+    (torch.profiler, ``overlap.profile``) of the sharded modules under ``module`` after their fqn
+    relative to it: ``overlap::pre_forward (blocks.3)``; ``module``'s own regions carry no name.
     """
     _check_options(module, mp, reshard_after_forward, prefetch, max_inflight_bytes)
     if group is not None and mesh is not None:
@@ -647,6 +657,11 @@ def shard(
     # Hooks run eagerly under torch.compile too (see [Note: hooks stay eager under torch.compile]).
     module.register_forward_pre_hook(torch._dynamo.disable(state.pre_forward, recursive=True), with_kwargs=True)
     module.register_forward_hook(torch._dynamo.disable(state.post_forward, recursive=True))
+    # Region names carry each sharded module's fqn relative to this one, the latest root (once here,
+    # not per call): ``overlap::pre_forward (blocks.3)``; see ``overlap.regions``.
+    for fqn, m in module.named_modules():
+        if isinstance(m, ShardedModule):
+            m._overlap_state.name_regions(fqn)
     return module
 
 

@@ -4,10 +4,12 @@
 All-gathers run on their own stream so that a backward reduce-scatter queued behind compute never
 delays the next all-gather (the prefetch that forward and backward depend on); reduce-scatters get a
 second stream, all-reduces a third (HSDP's cross-replica all-reduce of a reduced shard waits for
-its reduce-scatter without holding up the next one), and every other collective a fourth. The sharded runtime packs its all-gather inputs
-on a fifth (``all_gather_copy_in``), so a prefetch is not queued behind later compute, and runs each
-reduce-scatter's copy-out on the reduce-scatter stream right behind the collective. Streams are created with high priority so that
-communication kernels are scheduled ahead of compute kernels when both are ready, as FSDP2 does.
+its reduce-scatter without holding up the next one), and every other collective a fourth. The
+sharded runtime packs its all-gather inputs on a fifth (``all_gather_copy_in``), so a prefetch is
+not queued behind later compute, and runs each reduce-scatter's epilogue on the stream of its last
+collective (reduce-scatter, or HSDP's all-reduce) right behind it. Streams are created with high
+priority so that communication kernels are scheduled ahead of compute kernels when both are ready,
+as FSDP2 does.
 Every collective's stream first waits for the issuing (current) stream, so the data it reads is ready.
 
 [Note: no collectives in CUDA graph capture]
@@ -34,11 +36,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["comm_stream", "STREAM_PURPOSES", "StreamCaptureError", "capturing", "capture_error",
-           "check_not_capturing", "check_device"]
+__all__ = ["comm_stream", "collective_stream", "stream_purpose", "STREAM_PURPOSES", "StreamCaptureError",
+           "capturing", "capture_error", "check_not_capturing", "check_device"]
 
 STREAM_PURPOSES = ("all_gather_copy_in", "all_gather", "reduce_scatter", "all_reduce", "other")
 _streams: dict[tuple[int, str], "torch.cuda.Stream"] = {}
+# Collective kinds (``InflightWork.kind`` without ``_coalesced``) with a stream of their own.
+_KINDS_WITH_OWN_STREAM = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def comm_stream(device: torch.device, purpose: str) -> "torch.cuda.Stream":
@@ -52,6 +56,21 @@ def comm_stream(device: torch.device, purpose: str) -> "torch.cuda.Stream":
         stream = torch.cuda.Stream(device=index, priority=-1)
         _streams[key] = stream
     return stream
+
+
+def stream_purpose(kind: str) -> str:
+    """The purpose whose stream runs a collective of ``kind`` (``"all_gather"``, ``"reduce_scatter_coalesced"``
+    ...): all-gathers, reduce-scatters and all-reduces (coalesced or not) their own, every other kind
+    ``"other"``.
+    See [Note: one stream per purpose]."""
+    base = kind.removesuffix("_coalesced")
+    return base if base in _KINDS_WITH_OWN_STREAM else "other"
+
+
+def collective_stream(device: torch.device, kind: str) -> "torch.cuda.Stream":
+    """The communication stream that a collective of ``kind`` runs on, on CUDA ``device``: the one
+    place that decides it, for the collectives that issue there and the profiler that times them."""
+    return comm_stream(device, stream_purpose(kind))
 
 
 # ----------------------------------------------------------------------------- CUDA graph capture

@@ -24,7 +24,7 @@ by exactly one ``wait_tensor``; static sizes known from ``node.meta["val"]``; ea
 ``bucket_bytes`` and the bucket in total at most ``bucket_bytes``. A bucket is issued where its
 first member was, so a later member joins only if its input is computed before that point (it is
 never delayed past anything it waits for), and no barrier (a mutating or side-effectful op, see
-``scheduler.graph_pass``) lies in between. Buckets are formed by scanning the graph in order, so
+``scheduler.fx_nodes``) lies in between. Buckets are formed by scanning the graph in order, so
 every rank with the same graph forms the same buckets in the same order (per-group order is kept).
 
 Values: an all-gather or reduce-scatter of a concatenation is the concatenation of the results for
@@ -41,17 +41,13 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from scheduler import graph_pass as _graph_pass
+from scheduler.fx_nodes import ALL_GATHER, BARRIER, OUTPUT, REDUCE_SCATTER, WAIT_TENSOR, BadGraph, classify, nbytes
 
 __all__ = ["bucket_collectives", "check_bucket_bytes"]
 
 logger = logging.getLogger("scheduler")
 
-_C10D = torch.ops._c10d_functional
 _ATEN = torch.ops.aten
-_ALL_GATHER = _C10D.all_gather_into_tensor.default
-_REDUCE_SCATTER = _C10D.reduce_scatter_tensor.default
-_WAIT = _C10D.wait_tensor.default
 
 
 def check_bucket_bytes(bucket_bytes: object) -> None:
@@ -72,19 +68,19 @@ class _Bucket:
 
 def _candidate(node: torch.fx.Node) -> Optional[tuple[tuple, int]]:
     """(bucket key, input bytes) if ``node`` is a collective this pass can merge, else None."""
-    if node.op != "call_function" or node.target not in (_ALL_GATHER, _REDUCE_SCATTER) or node.kwargs:
+    if node.op != "call_function" or node.target not in (ALL_GATHER, REDUCE_SCATTER) or node.kwargs:
         return None
     users = list(node.users)
-    if len(users) != 1 or users[0].target is not _WAIT:
+    if len(users) != 1 or users[0].target is not WAIT_TENSOR:
         return None
     inp = node.args[0]
     if not isinstance(inp, torch.fx.Node):
         return None
     val = inp.meta.get("val")
-    nbytes = _graph_pass._nbytes(val)
-    if nbytes is None or val.dim() == 0:
+    size_bytes = nbytes(val)
+    if size_bytes is None or val.dim() == 0:
         return None
-    if node.target is _ALL_GATHER:
+    if node.target is ALL_GATHER:
         _, size, group = node.args
         key: tuple = ("all_gather", size, group, val.dtype, val.device)
     else:
@@ -92,7 +88,7 @@ def _candidate(node: torch.fx.Node) -> Optional[tuple[tuple, int]]:
         if val.shape[0] % size:
             return None
         key = ("reduce_scatter", op, size, group, val.dtype, val.device)
-    return key, nbytes
+    return key, size_bytes
 
 
 def _find_buckets(graph: torch.fx.Graph, bucket_bytes: int) -> list[_Bucket]:
@@ -103,29 +99,29 @@ def _find_buckets(graph: torch.fx.Graph, bucket_bytes: int) -> list[_Bucket]:
     done: list[_Bucket] = []
     for i, node in enumerate(nodes):
         try:
-            kind = _graph_pass._classify(node, kinds)
-        except _graph_pass._BadGraph:
-            kind = _graph_pass._BARRIER
+            kind = classify(node, kinds)
+        except BadGraph:
+            kind = BARRIER
         kinds[node] = kind
-        if kind in (_graph_pass._BARRIER, _graph_pass._OUTPUT):
+        if kind in (BARRIER, OUTPUT):
             done.extend(open_buckets.values())
             open_buckets.clear()
             continue
         found = _candidate(node)
         if found is None:
             continue
-        key, nbytes = found
-        if nbytes > bucket_bytes:
+        key, size_bytes = found
+        if size_bytes > bucket_bytes:
             continue
         bucket = open_buckets.get(key)
-        fits = (bucket is not None and bucket.nbytes + nbytes <= bucket_bytes
+        fits = (bucket is not None and bucket.nbytes + size_bytes <= bucket_bytes
                 and position[node.args[0]] < bucket.first_position)
         if not fits:
             if bucket is not None:
                 done.append(bucket)
             bucket = open_buckets[key] = _Bucket(key, i)
         bucket.members.append(node)
-        bucket.nbytes += nbytes
+        bucket.nbytes += size_bytes
     done.extend(open_buckets.values())
     return [b for b in done if len(b.members) > 1]
 
@@ -157,13 +153,13 @@ class _Emitter:
 def _value(target: Any, args: Any) -> Any:
     """The op's output as a fake/meta value. Collectives' shapes come from their schema's rule (their
     meta kernels look the group up, which hand-written graphs and fake groups do not have)."""
-    if target is _ALL_GATHER:
+    if target is ALL_GATHER:
         x, size = args[0], args[1]
         return x.new_empty((x.shape[0] * size, *x.shape[1:]))
-    if target is _REDUCE_SCATTER:
+    if target is REDUCE_SCATTER:
         x, size = args[0], args[2]
         return x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    if target is _WAIT:
+    if target is WAIT_TENSOR:
         return args[0].new_empty(args[0].shape)
     return target(*args)
 
@@ -188,11 +184,11 @@ def _emit_bucket(emit: _Emitter, members: list[torch.fx.Node]) -> list[torch.fx.
     first = members[0]
     inputs = [m.args[0] for m in members]
     vals = [x.meta["val"] for x in inputs]
-    size, group = (first.args[1], first.args[2]) if first.target is _ALL_GATHER else (first.args[2], first.args[3])
-    if first.target is _ALL_GATHER:
+    size, group = (first.args[1], first.args[2]) if first.target is ALL_GATHER else (first.args[2], first.args[3])
+    if first.target is ALL_GATHER:
         flat = emit(_ATEN.cat.default, [emit(_ATEN.view.default, x, [v.numel()]) for x, v in zip(inputs, vals)])
         total = sum(v.numel() for v in vals)
-        gathered = emit(_WAIT, emit(_ALL_GATHER, flat, size, group))
+        gathered = emit(WAIT_TENSOR, emit(ALL_GATHER, flat, size, group))
         rows = emit(_ATEN.view.default, gathered, [size, total])
         offset, results = 0, []
         for v in vals:
@@ -205,7 +201,7 @@ def _emit_bucket(emit: _Emitter, members: list[torch.fx.Node]) -> list[torch.fx.
         per_rank = [emit(_ATEN.view.default, x, [size, v.numel() // size]) for x, v in zip(inputs, vals)]
         total = sum(v.numel() for v in vals)
         flat = emit(_ATEN.view.default, emit(_ATEN.cat.default, per_rank, 1), [total])
-        reduced = emit(_WAIT, emit(_REDUCE_SCATTER, flat, op, size, group))
+        reduced = emit(WAIT_TENSOR, emit(REDUCE_SCATTER, flat, op, size, group))
         offset, results = 0, []
         for v in vals:
             chunk = v.numel() // size

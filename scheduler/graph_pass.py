@@ -12,7 +12,8 @@ Contract
 * Collectives on one group keep their relative order; see [Note: same-group order].
 * Barriers stay where they are and nothing moves across one: a barrier is any node that is not a
   known-functional ``call_function`` -- an op whose schema mutates an argument, a seeded random op,
-  a side-effectful or higher-order op, ``call_method`` / ``call_module``, a placeholder.
+  a side-effectful or higher-order op, ``call_method`` / ``call_module``, a placeholder (the node
+  kinds: ``scheduler.fx_nodes``).
 * A ``wait_tensor`` on the result of another ``wait_tensor`` (user code waiting again on a traced
   collective's result) waits on nothing; it is ordered like any compute node that reads the result.
 * Bad input (a ``wait_tensor`` on something else that is not a collective, a collective result that is
@@ -49,13 +50,17 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
 import torch
 import torch.fx
+
+from scheduler.bucketing import bucket_collectives, check_bucket_bytes
+from scheduler.fx_nodes import (
+    BARRIER, COLLECTIVE, COLLECTIVE_OPS, COMPUTE, MEMBER, OUTPUT, WAIT, BadGraph, classify, group_of, is_coalesced,
+    meta_value, nbytes,
+)
 
 __all__ = ["overlap_pass", "overlap_graph", "COLLECTIVE_OPS"]
 
@@ -73,161 +78,6 @@ logger = logging.getLogger("scheduler")
 # Collectives of *different* groups may change their relative order: each group is matched on its
 # own (its own communicator / stream / gloo context), and for identical graphs the pass is
 # deterministic, so every rank still issues the same overall sequence.
-
-COLLECTIVE_OPS: frozenset[str] = frozenset(
-    {
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
-        "all_reduce",
-        "all_to_all_single",
-        "broadcast",
-        "all_gather_into_tensor_coalesced",
-        "reduce_scatter_tensor_coalesced",
-        "all_reduce_coalesced",
-    }
-)
-"""The ``torch.ops._c10d_functional`` collectives this pass moves (functional: a new result)."""
-
-_COALESCED_OPS = frozenset(op for op in COLLECTIVE_OPS if op.endswith("_coalesced"))
-_FUNCTIONAL_NS = "_c10d_functional"
-# Namespaces whose ops are collectives: any op there that is not in COLLECTIVE_OPS (or the wait)
-# is unknown to the pass, and the graph is left alone.
-_COLLECTIVE_NAMESPACES = frozenset({_FUNCTIONAL_NS, "_c10d_functional_autograd", "c10d_functional"})
-
-# Python-level call_function targets known to be pure (symbolic-shape arithmetic, tuple indexing).
-_PURE_PYTHON_TARGETS: frozenset[Any] = frozenset(
-    {
-        operator.getitem, operator.add, operator.sub, operator.mul, operator.truediv,
-        operator.floordiv, operator.mod, operator.pow, operator.neg, operator.pos, operator.abs,
-        operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
-        operator.and_, operator.or_, operator.xor, operator.not_, operator.invert,
-        operator.lshift, operator.rshift, operator.matmul,
-        math.ceil, math.floor, math.sqrt, math.trunc,
-        torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min, torch.sym_not,
-        torch.sym_ite,
-    }
-)
-
-_BARRIER = "barrier"
-_OUTPUT = "output"
-_COLLECTIVE = "collective"
-_WAIT = "wait"
-_MEMBER = "member"  # getitem on a coalesced collective: goes right after it
-_COMPUTE = "compute"
-
-
-class _BadGraph(Exception):
-    """The graph is not one this pass can reorder safely; the message says why."""
-
-
-def _qualified_name(target: Any) -> Optional[str]:
-    """``"namespace::op"`` for an ``OpOverload`` / ``OpOverloadPacket`` target, else None."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name
-    return None
-
-
-def _schemas(target: Any) -> list[torch.FunctionSchema]:
-    if isinstance(target, torch._ops.OpOverload):
-        return [target._schema]
-    return [getattr(target, name)._schema for name in target.overloads()]
-
-
-def _overloads(target: Any) -> list[torch._ops.OpOverload]:
-    if isinstance(target, torch._ops.OpOverload):
-        return [target]
-    return [getattr(target, name) for name in target.overloads()]
-
-
-def _op_has_effects(target: Any) -> bool:
-    """True for ops that may not be reordered: mutating schema, seeded random, side effects."""
-    side_effectful = getattr(torch.fx.node, "_side_effectful_functions", set())
-    for overload in _overloads(target):
-        schema = overload._schema
-        if schema.is_mutable or any(
-            r.alias_info is not None and r.alias_info.is_write for r in schema.returns
-        ):
-            return True
-        if torch.Tag.nondeterministic_seeded in overload.tags or overload in side_effectful:
-            return True
-    return target in side_effectful
-
-
-def _classify(node: torch.fx.Node, kinds: dict[torch.fx.Node, str]) -> str:
-    if node.op == "output":
-        return _OUTPUT
-    if node.op == "get_attr":
-        return _COMPUTE
-    if node.op != "call_function":
-        return _BARRIER  # placeholder, call_method, call_module: kept in place
-    target = node.target
-    name = _qualified_name(target)
-    if name is not None:
-        namespace, _, op = name.partition("::")
-        if namespace in _COLLECTIVE_NAMESPACES:
-            if namespace == _FUNCTIONAL_NS and op == "wait_tensor":
-                return _WAIT
-            if namespace == _FUNCTIONAL_NS and op in COLLECTIVE_OPS:
-                return _COLLECTIVE
-            raise _BadGraph(f"node {node.name!r} calls {name}, a collective op this pass does not know")
-        return _BARRIER if _op_has_effects(target) else _COMPUTE
-    if target is operator.getitem and node.args and isinstance(node.args[0], torch.fx.Node):
-        if kinds.get(node.args[0]) == _COLLECTIVE and _is_coalesced(node.args[0]):
-            return _MEMBER
-    try:
-        pure = target in _PURE_PYTHON_TARGETS
-    except TypeError:  # unhashable target
-        pure = False
-    return _COMPUTE if pure else _BARRIER
-
-
-def _is_coalesced(node: torch.fx.Node) -> bool:
-    name = _qualified_name(node.target) or ""
-    return name.partition("::")[2] in _COALESCED_OPS
-
-
-def _group_of(node: torch.fx.Node) -> Hashable:
-    """The collective's group name argument (found by name in the op's schema)."""
-    schema = _schemas(node.target)[0]
-    names = [a.name for a in schema.arguments]
-    if "group_name" not in names:
-        raise _BadGraph(f"collective {node.name!r}: its schema has no group_name argument")
-    i = names.index("group_name")
-    if "group_name" in node.kwargs:
-        group = node.kwargs["group_name"]
-    elif i < len(node.args):
-        group = node.args[i]
-    else:
-        raise _BadGraph(f"collective {node.name!r} has no group_name argument")
-    if isinstance(group, torch.fx.Node) or not isinstance(group, Hashable):
-        raise _BadGraph(f"collective {node.name!r}: group_name {group!r} is not a constant")
-    return group
-
-
-def _nbytes(value: Any) -> Optional[int]:
-    """Bytes of a tensor-like value (or a list of them) with static sizes, else None."""
-    if isinstance(value, (list, tuple)) and not hasattr(value, "dtype"):
-        parts = [_nbytes(v) for v in value]
-        return None if not parts or any(p is None for p in parts) else sum(parts)  # type: ignore[misc]
-    shape = getattr(value, "shape", None)
-    dtype = getattr(value, "dtype", None)
-    if shape is None or not isinstance(dtype, torch.dtype):
-        return None
-    numel = 1
-    for d in shape:
-        if type(d) is not int:  # SymInt or unknown: no static size
-            return None
-        numel *= d
-    return numel * dtype.itemsize
-
-
-def _meta_value(node: torch.fx.Node) -> Any:
-    if "val" in node.meta:
-        return node.meta["val"]
-    return node.meta.get("tensor_meta")
-
 
 # A collective's result tensor, as waited on: (collective, None) or (coalesced collective, index).
 _ResultKey = tuple[torch.fx.Node, Optional[int]]
@@ -259,74 +109,74 @@ def _analyse(graph: torch.fx.Graph) -> _Analysis:
         inputs = n.all_input_nodes
         for d in inputs:
             if index.get(d, len(nodes)) >= index[n]:
-                raise _BadGraph(f"the graph is not topologically sorted: {n.name!r} uses {d.name!r}")
-        kind[n] = _classify(n, kind)
+                raise BadGraph(f"the graph is not topologically sorted: {n.name!r} uses {d.name!r}")
+        kind[n] = classify(n, kind)
         deps[n] = list(inputs)
     a = _Analysis(nodes, index, kind, deps)
 
     last_of_group: dict[Hashable, torch.fx.Node] = {}
     for n in nodes:
-        if kind[n] == _WAIT:
+        if kind[n] == WAIT:
             src = n.args[0] if n.args else n.kwargs.get("tensor")
             if isinstance(src, torch.fx.Node) and (src in a.wait_key or src in a.redundant_waits):
                 # A wait on a waited result (user code calling wait_tensor on a traced collective's
                 # result) waits on nothing: an ordinary reader of the first wait's result.
-                kind[n] = _COMPUTE
+                kind[n] = COMPUTE
                 a.redundant_waits.add(n)
                 continue
-            if isinstance(src, torch.fx.Node) and kind.get(src) == _COLLECTIVE and not _is_coalesced(src):
+            if isinstance(src, torch.fx.Node) and kind.get(src) == COLLECTIVE and not is_coalesced(src):
                 key: _ResultKey = (src, None)
-            elif isinstance(src, torch.fx.Node) and kind.get(src) == _MEMBER and isinstance(src.args[1], int):
+            elif isinstance(src, torch.fx.Node) and kind.get(src) == MEMBER and isinstance(src.args[1], int):
                 key = (src.args[0], src.args[1])  # type: ignore[assignment]
-            elif isinstance(src, torch.fx.Node) and kind.get(src) == _COLLECTIVE:
-                raise _BadGraph(f"wait_tensor {n.name!r} waits on the whole list of coalesced {src.name!r}")
+            elif isinstance(src, torch.fx.Node) and kind.get(src) == COLLECTIVE:
+                raise BadGraph(f"wait_tensor {n.name!r} waits on the whole list of coalesced {src.name!r}")
             else:
                 what = src.name if isinstance(src, torch.fx.Node) else repr(src)
-                raise _BadGraph(f"wait_tensor {n.name!r} waits on {what!r}, which is not a collective")
+                raise BadGraph(f"wait_tensor {n.name!r} waits on {what!r}, which is not a collective")
             a.wait_key[n] = key
             a.waits.setdefault(key[0], []).append(n)
-        elif kind[n] == _COLLECTIVE:
-            group = _group_of(n)
+        elif kind[n] == COLLECTIVE:
+            group = group_of(n)
             if group in last_of_group:
                 deps[n].append(last_of_group[group])  # [Note: same-group order]
             last_of_group[group] = n
 
-    for c in (n for n in nodes if kind[n] == _COLLECTIVE):
+    for c in (n for n in nodes if kind[n] == COLLECTIVE):
         if not a.waits.get(c):
-            raise _BadGraph(f"the result of collective {c.name!r} is never waited (no wait_tensor)")
-        val = _meta_value(c)
-        if _is_coalesced(c):
+            raise BadGraph(f"the result of collective {c.name!r} is never waited (no wait_tensor)")
+        val = meta_value(c)
+        if is_coalesced(c):
             results: dict[_ResultKey, Optional[int]] = {}
             members = []
             for u in c.users:
-                if kind[u] != _MEMBER or not isinstance(u.args[1], int):
-                    raise _BadGraph(f"coalesced collective {c.name!r} is used by {u.name!r}, not by indexing")
+                if kind[u] != MEMBER or not isinstance(u.args[1], int):
+                    raise BadGraph(f"coalesced collective {c.name!r} is used by {u.name!r}, not by indexing")
                 members.append(u)
                 i = u.args[1]
-                item = val[i] if isinstance(val, (list, tuple)) and i < len(val) else _meta_value(u)
-                results[(c, i)] = None if item is None else _nbytes(item)
+                item = val[i] if isinstance(val, (list, tuple)) and i < len(val) else meta_value(u)
+                results[(c, i)] = None if item is None else nbytes(item)
             if isinstance(val, (list, tuple)) and set(range(len(val))) - {k[1] for k in results}:
-                raise _BadGraph(f"some results of coalesced collective {c.name!r} are never waited")
+                raise BadGraph(f"some results of coalesced collective {c.name!r} are never waited")
             readers = [(m, (c, m.args[1])) for m in members]
         else:
-            results = {(c, None): None if val is None else _nbytes(val)}
+            results = {(c, None): None if val is None else nbytes(val)}
             readers = [(c, (c, None))]
         a.result_bytes[c] = results
         for tensor, key in readers:
-            waits = [w for w in tensor.users if kind[w] == _WAIT]
+            waits = [w for w in tensor.users if kind[w] == WAIT]
             if not waits:
-                raise _BadGraph(f"result {tensor.name!r} of collective {c.name!r} is never waited")
+                raise BadGraph(f"result {tensor.name!r} of collective {c.name!r} is never waited")
             for u in tensor.users:
-                if kind[u] == _WAIT:
+                if kind[u] == WAIT:
                     continue
                 before = [w for w in waits if index[w] < index[u]]
                 if not before:
-                    raise _BadGraph(f"{u.name!r} reads collective result {tensor.name!r} before its wait")
+                    raise BadGraph(f"{u.name!r} reads collective result {tensor.name!r} before its wait")
                 deps[u].extend(before)
     return a
 
 
-class _Scheduler:
+class _OrderBuilder:
     """Builds the new order, one stretch between barriers at a time (see the module docstring)."""
 
     def __init__(self, a: _Analysis, max_inflight_bytes: Optional[int]) -> None:
@@ -344,7 +194,7 @@ class _Scheduler:
     def run(self) -> list[torch.fx.Node]:
         segment: list[torch.fx.Node] = []
         for n in self.a.nodes:
-            if self.a.kind[n] in (_BARRIER, _OUTPUT):
+            if self.a.kind[n] in (BARRIER, OUTPUT):
                 self._schedule(segment)
                 self._emit(n)
                 segment = []
@@ -368,7 +218,7 @@ class _Scheduler:
         self.ready_compute: list[tuple[int, torch.fx.Node]] = []
         self.ready_collectives: list[tuple[int, torch.fx.Node]] = []
         self.ready_waits: list[tuple[int, int, torch.fx.Node]] = []
-        collectives = [n for n in segment if a.kind[n] == _COLLECTIVE]
+        collectives = [n for n in segment if a.kind[n] == COLLECTIVE]
         forced = 0  # collectives[:forced] have been issued or checked
         for n in segment:
             if self.remaining[n] == 0:
@@ -401,11 +251,11 @@ class _Scheduler:
 
     def _push_ready(self, n: torch.fx.Node) -> None:
         kind, i = self.a.kind[n], self.a.index[n]
-        if kind == _COLLECTIVE:
+        if kind == COLLECTIVE:
             heapq.heappush(self.ready_collectives, (i, n))
-        elif kind == _WAIT:
+        elif kind == WAIT:
             heapq.heappush(self.ready_waits, (self._wait_priority(n), i, n))  # type: ignore[arg-type]
-        elif kind == _MEMBER:
+        elif kind == MEMBER:
             self._emit(n)  # an item of a coalesced result goes right after the collective
         else:
             heapq.heappush(self.ready_compute, (i, n))
@@ -463,23 +313,23 @@ class _Scheduler:
     def _emit(self, n: torch.fx.Node) -> None:
         a = self.a
         kind = a.kind[n]
-        if kind == _COLLECTIVE:
+        if kind == COLLECTIVE:
             size = a.collective_bytes(n)
             if self.budget is not None and size is not None:
                 self._make_room(size)
         self.order.append(n)
         self.emitted.add(n)
-        if kind == _COLLECTIVE:
+        if kind == COLLECTIVE:
             self.outstanding.update(a.result_bytes[n])
-        elif kind == _WAIT:
+        elif kind == WAIT:
             self.outstanding.pop(a.wait_key[n], None)
-        if kind in (_BARRIER, _OUTPUT):
+        if kind in (BARRIER, OUTPUT):
             return
         for m in self.dependents.get(n, ()):
             self.remaining[m] -= 1
             if self.remaining[m] == 0:
                 self._push_ready(m)
-        if kind == _COLLECTIVE and self.budget is not None and a.collective_bytes(n) is None:
+        if kind == COLLECTIVE and self.budget is not None and a.collective_bytes(n) is None:
             # Unknown size under a budget: not moved, and waited at once so the budget holds.
             for w in sorted(a.waits[n], key=a.index.__getitem__):
                 if w in self.segment:
@@ -514,8 +364,6 @@ def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = Non
     The core of :func:`overlap_pass`, working on a bare ``torch.fx.Graph`` (what Inductor's
     ``post_grad_custom_post_pass`` receives). Same contract; the caller recompiles the module.
     """
-    from scheduler.bucketing import bucket_collectives, check_bucket_bytes
-
     if not isinstance(graph, torch.fx.Graph):
         raise TypeError(f"graph must be a torch.fx.Graph, got {type(graph).__name__}")
     check_max_inflight_bytes(max_inflight_bytes)
@@ -527,13 +375,13 @@ def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = Non
 def _reorder(graph: torch.fx.Graph, max_inflight_bytes: Optional[int]) -> bool:
     try:
         analysis = _analyse(graph)
-    except _BadGraph as e:
+    except BadGraph as e:
         logger.warning("overlap pass: graph left unchanged: %s", e)
         return False
     if not analysis.waits:
         return False
     try:
-        order = _Scheduler(analysis, max_inflight_bytes).run()
+        order = _OrderBuilder(analysis, max_inflight_bytes).run()
         _check_order(order, analysis)
     except AssertionError as e:  # a bug here must not break the caller's graph
         logger.error("overlap pass: internal error, graph left unchanged: %s", e)
@@ -548,7 +396,7 @@ def _reorder(graph: torch.fx.Graph, max_inflight_bytes: Optional[int]) -> bool:
     graph.lint()
     logger.debug(
         "overlap pass: reordered %d nodes (%d collectives)",
-        len(order), sum(k == _COLLECTIVE for k in analysis.kind.values()),
+        len(order), sum(k == COLLECTIVE for k in analysis.kind.values()),
     )
     return True
 

@@ -56,6 +56,7 @@ from torch._inductor import custom_graph_pass as _cgp
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from scheduler import bucketing as _bucketing
+from scheduler import fx_nodes as _fx_nodes
 from scheduler import graph_pass as _graph_pass
 
 __all__ = ["OverlapGraphPass", "compile_options", "inductor_overlap", "install", "uninstall"]
@@ -118,7 +119,7 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
             if pid is None:
                 return None
             previous_ids.append(pid)
-        sources = _cgp.get_hash_for_files((_graph_pass.__file__, _bucketing.__file__, __file__))
+        sources = _cgp.get_hash_for_files((_graph_pass.__file__, _bucketing.__file__, _fx_nodes.__file__, __file__))
         h = hashlib.sha256(sources)
         h.update(repr((PASS_VERSION, self.max_inflight_bytes, self.bucket_bytes)).encode())
         h.update(pickle.dumps(previous_ids))

@@ -254,6 +254,19 @@ def test_unwaited_results_are_tracked_until_done() -> None:
     run_distributed(_unwaited_results_keep_buffers, 2, link=(1.0, 50_000.0))
 
 
+def test_stream_purpose_per_collective_kind() -> None:
+    # One table decides each kind's CUDA stream, for the collectives and the profiler alike
+    # (overlap.streams, [Note: one stream per purpose]).
+    from overlap.streams import STREAM_PURPOSES, stream_purpose
+
+    assert stream_purpose("all_gather") == stream_purpose("all_gather_coalesced") == "all_gather"
+    assert stream_purpose("reduce_scatter") == stream_purpose("reduce_scatter_coalesced") == "reduce_scatter"
+    assert stream_purpose("all_reduce") == "all_reduce"  # HSDP's cross-replica all-reduces among them
+    for kind in ("all_to_all", "broadcast"):
+        assert stream_purpose(kind) == "other"
+    assert {stream_purpose(k) for k in ("all_gather", "reduce_scatter", "all_reduce", "broadcast")} <= set(STREAM_PURPOSES)
+
+
 def _traced_matches_eager(rank: int, world: int) -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -41,7 +41,7 @@ def _issue_log() -> Iterator[list[str]]:
     """Log, as letters, the functional collectives and waits that run: what the compiled code does,
     not what it says. A CPU kernel in front of torch's for each op, which reaches torch's kernel by
     redispatching with the GIL released, as the emulated link's kernels do (see [Note: calling
-    torch's kernel without the GIL] in ``overlap.testing.emulated_link``)."""
+    torch's kernel without the GIL] in ``overlap.testing.emulated_link.functional``)."""
     log: list[str] = []
     library = torch.library.Library("_c10d_functional", "IMPL")
     torch_kernel = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)

@@ -434,7 +434,7 @@ def _fsdp2_full_tensors(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_functional_link_with_fsdp2_and_dtensor_does_not_deadlock(distributed) -> None:
     # The first version of the functional kernels called torch's kernel with the GIL held and hung
-    # here: see [Note: calling torch's kernel without the GIL] in overlap.testing.emulated_link.
+    # here: see [Note: calling torch's kernel without the GIL] in overlap.testing.emulated_link.functional.
     for res in distributed(_fsdp2_full_tensors, 2, timeout=60):
         assert res["equal"], res
         assert res["by_op"].get("_c10d_functional.all_gather_into_tensor", 0) >= 5 * 8, res

@@ -25,7 +25,8 @@ from torch import nn
 import overlap
 from overlap import inflight_work, regions
 from overlap.inflight_work import InflightWork
-from overlap.profiler import ProfileResult, RankProfile, Report, _overlap, _union, merge
+from overlap.profiler import ProfileResult, RankProfile, Report, merge
+from overlap.profiler.records import covered, union
 
 # One all-gather of 2 x 128 Ki float32 (1 MiB out, 512 KiB on the wire per rank) over a 0.02 Gbit/s
 # link: 10 µs + 524288 B / 2.5e6 B/s = 209.7 ms; long, so that a loaded machine's few ms of jitter
@@ -193,8 +194,9 @@ def test_sharded_runtime_collectives_are_recorded(distributed, tmp_path) -> None
         per_step = [[c.kind for c in records if c.step == s] for s in (0, 1)]
         assert per_step[0] == per_step[1], "both steps issue the same collectives"
         labels = {c.label for c in records}
-        assert {"train/overlap::pre_forward", "train/overlap::pre_backward",
-                "train/overlap::reduce_scatter"} <= labels, labels
+        # Runtime regions carry the block's fqn (model[i]: "i"); the root's carry none.
+        assert {"train/overlap::pre_forward", "train/overlap::pre_forward (0)", "train/overlap::pre_backward (2)",
+                *(f"train/overlap::reduce_scatter ({i})" for i in range(3))} <= labels, labels
         for c in records:
             assert any(part.startswith("overlap::") for part in c.label.split("/")), c.label  # a runtime region
             assert c.group == res["group"] and c.rank == rank
@@ -314,11 +316,11 @@ def test_single_rank_trace_without_process_group(tmp_path) -> None:
 
 
 def test_intervals() -> None:
-    merged = _union([(3.0, 4.0), (0.0, 1.0), (0.5, 2.0), (5.0, 5.0)])
+    merged = union([(3.0, 4.0), (0.0, 1.0), (0.5, 2.0), (5.0, 5.0)])
     assert merged == [(0.0, 2.0), (3.0, 4.0)]
-    assert _overlap(merged, 1.5, 3.5) == pytest.approx(1.0)
-    assert _overlap(merged, -1.0, 10.0) == pytest.approx(3.0)
-    assert _overlap(merged, 2.0, 3.0) == 0.0 and _overlap([], 0.0, 1.0) == 0.0
+    assert covered(merged, 1.5, 3.5) == pytest.approx(1.0)
+    assert covered(merged, -1.0, 10.0) == pytest.approx(3.0)
+    assert covered(merged, 2.0, 3.0) == 0.0 and covered([], 0.0, 1.0) == 0.0
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -360,3 +362,40 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch) -> 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(ImportError, match=r"pip install 'triton-overlap\[plot\]'"):
         prof.plot(tmp_path / "t.png")
+
+
+# ----------------------------------------------------------------------------- region names
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+# Last in this file: the module-scoped 1-rank group stays until the file's tests are done.
+def test_runtime_regions_carry_the_module_fqn(single_rank_group) -> None:
+    model = _Blocks()
+    for block in model.blocks:
+        overlap.shard(block)
+    assert model.blocks[1]._overlap_state.regions.pre_forward == "overlap::pre_forward"  # no root yet
+    overlap.shard(model)
+    regions = model.blocks[1]._overlap_state.regions  # named once, at shard time
+    assert regions.pre_forward == "overlap::pre_forward (blocks.1)"
+    assert model.blocks[1]._overlap_state.group.regions is regions
+    assert model._overlap_state.regions.pre_forward == "overlap::pre_forward"  # the root: no name
+    x = torch.randn(4, 8)
+    model(x).sum().backward()  # the first step agrees the forward order
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as torch_prof:
+        model(x).sum().backward()
+    names = {e.name for e in torch_prof.events() if e.name.startswith("overlap::")}
+    assert {"overlap::pre_forward", "overlap::end_backward",
+            "overlap::pre_forward (blocks.0)", "overlap::post_forward (blocks.1)",
+            "overlap::pre_backward (blocks.1)", "overlap::reduce_scatter (blocks.0)"} <= names, names
+    assert all(n.endswith(("(blocks.0)", "(blocks.1)")) for n in names if "(" in n), names
+    assert model.blocks[1]._overlap_state.regions is regions

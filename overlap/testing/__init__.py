@@ -5,9 +5,10 @@
   modelled link (latency + bytes / bandwidth) allows, without burning CPU.
 - :func:`paired_steps` — a step timed without and with the link delay: its exposed communication
   (:func:`interleaved_steps`: behind any number of links, interleaved).
+- :func:`over_ranks` — a figure reduced over every rank (by default the slowest rank's).
 """
 from overlap.testing.emulated_link import EmulatedLink, EmulatedWork, LinkStats, current_link, emulated_link
-from overlap.testing.exposed import PairedTimes, interleaved_steps, paired_steps
+from overlap.testing.exposed import PairedTimes, interleaved_steps, over_ranks, paired_steps
 from overlap.testing.harness import DistributedTestError, DistributedTimeoutError, RankFailure, run_distributed
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "current_link",
     "emulated_link",
     "interleaved_steps",
+    "over_ranks",
     "paired_steps",
     "run_distributed",
 ]

@@ -5,6 +5,13 @@ on the host (packing, bookkeeping, and on gloo the real loopback transfers, whic
 behind :class:`~overlap.testing.EmulatedLink`, the same step takes longer by exactly the
 communication it failed to hide. Alternating the two kinds of step, medians over many, keeps slow
 drifts of a shared machine out of the difference.
+
+Two figures named alike mean different things: :attr:`PairedTimes.hidden_share` divides the hidden
+communication by the part compute could have hidden (``min(comm, unlinked)``); the profiler's
+``efficiency`` (``overlap.profiler.records.hidden_fraction``) divides it by all the communication.
+
+Across ranks, figures are the slowest rank's: :func:`over_ranks`, the one helper for a value reduced
+over every rank (benchmarks use it too).
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import torch.distributed as dist
 
 from overlap.testing.emulated_link import EmulatedLink
 
-__all__ = ["PairedTimes", "interleaved_steps", "paired_steps"]
+__all__ = ["PairedTimes", "interleaved_steps", "over_ranks", "paired_steps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,16 +45,20 @@ class PairedTimes:
 
     @property
     def hidden_share(self) -> float:
-        """Share of the hideable communication (at most the compute side) that was hidden, 0..1."""
+        """Share of the hideable communication (at most the compute side) that was hidden, 0..1 (0.0
+        when nothing was hideable). Not the profiler's ``efficiency`` (hidden / all communication)."""
         hideable = min(self.comm, self.unlinked)
         return max(0.0, min(1.0, (self.comm - self.exposed) / hideable)) if hideable > 0 else 0.0
 
 
-def _slowest(value: float) -> float:
+def over_ranks(value: float, op: dist.ReduceOp = dist.ReduceOp.MAX) -> float:
+    """``value`` reduced with ``op`` over every rank of the default group: by default the slowest
+    rank's (the largest). ``value`` itself when torch.distributed is not initialized. A collective:
+    every rank calls it, in the same order (gloo or a CPU-capable backend: the value travels on CPU)."""
     if not dist.is_initialized():
         return value
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return float(t.item())
 
 
@@ -79,7 +90,7 @@ def interleaved_steps(step: Callable[[], object], steps: int, links: Sequence[Em
         for link, out in zip(links, times):
             with link if link is not None else contextlib.nullcontext():
                 out.append(timed())
-    return [_slowest(statistics.median(t)) for t in times]
+    return [over_ranks(statistics.median(t)) for t in times]
 
 
 def paired_steps(step: Callable[[], object], steps: int, gbps: float, latency_us: float,
@@ -93,4 +104,4 @@ def paired_steps(step: Callable[[], object], steps: int, gbps: float, latency_us
     if link is None:
         link = EmulatedLink(gbps, latency_us)
     unlinked, linked = interleaved_steps(step, steps, [None, link], warmup)
-    return PairedTimes(unlinked, linked, _slowest(link.stats().emulated_seconds / steps))
+    return PairedTimes(unlinked, linked, over_ranks(link.stats().emulated_seconds / steps))

@@ -62,7 +62,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from overlap.testing.emulated_link import EmulatedLink, check_number
+from overlap.testing.emulated_link import EmulatedLink
+from overlap.testing.emulated_link.timing import check_number
 
 __all__ = ["DistributedTestError", "DistributedTimeoutError", "RankFailure", "run_distributed"]
 

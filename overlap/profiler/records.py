@@ -1,0 +1,145 @@
+"""The profiler's data: what each rank recorded, as plain records, and the arithmetic of exposed time.
+
+Contract: frozen dataclasses of plain values, picklable (``Profiler.gather`` sends them between
+ranks, ``merge`` combines them), built by ``overlap.profiler.recorder`` and read by
+``overlap.profiler.report`` / ``export``. Times are seconds since the recording rank's profile
+started, on that rank's host clock; ``RankProfile.epoch`` puts ranks on one timeline. Nothing here
+records, prints or writes.
+
+Definitions. A *stall* is the interval of a first wait (CPU: the host blocked in ``wait`` /
+``synchronize``; CUDA: the waiting stream idle until the collective's end). A collective's
+*exposed* time is the part of its ``[start, end]`` during which this rank was stalled on any wait;
+the rest is *hidden*. *Efficiency* (:func:`hidden_fraction`) = hidden / communication time, 1.0
+where there was no communication time. It is not ``overlap.testing.PairedTimes.hidden_share``, which
+compares a step timed with and without the emulated link's delay and divides by the part of the
+communication that compute could have hidden. *Bandwidth* is the algorithm bandwidth ``bytes / (end
+- start)`` (``bytes``: the gathered output, or the reduce-scattered input), as nccl-tests report
+``algbw``.
+
+Intervals: :func:`union` merges ``(start, end)`` pairs into sorted, disjoint ones; :func:`covered`
+and :func:`covered_pieces` measure and list the part of ``[a, b]`` such a union covers.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Any, Iterable, Optional, Sequence
+
+__all__ = ["CollectiveRecord", "RankProfile", "StepRecord", "covered", "covered_pieces", "hidden_fraction", "union"]
+
+
+def hidden_fraction(comm: float, exposed: float) -> float:
+    """Efficiency: the hidden share of ``comm`` communication time of which ``exposed`` was exposed,
+    0..1 (1.0 when ``comm`` is 0)."""
+    return max(0.0, comm - exposed) / comm if comm > 0 else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as one rank saw it. Times: seconds since that rank's profile started."""
+
+    rank: int
+    step: int
+    kind: str
+    nbytes: int
+    group: str
+    label: str
+    """``/``-joined ``overlap::...`` (or user) region path it was issued in; ``""`` outside any."""
+    issued: float
+    start: float
+    end: float
+    end_measured: bool
+    """True when ``end`` comes from a completion signal, False when estimated (see ``overlap.profiler.recorder``)."""
+    wait_start: Optional[float]
+    wait_end: Optional[float]
+    wait_label: str
+    exposed: float
+    """Seconds of ``[start, end]`` during which this rank was stalled on a wait."""
+
+    @property
+    def duration(self) -> float:
+        """Communication time, seconds."""
+        return self.end - self.start
+
+    @property
+    def hidden(self) -> float:
+        return max(0.0, self.duration - self.exposed)
+
+    @property
+    def efficiency(self) -> float:
+        """Hidden share of the communication time, 0..1 (1.0 for a zero-length collective)."""
+        return hidden_fraction(self.duration, self.exposed)
+
+    @property
+    def waited(self) -> Optional[float]:
+        """How long the first wait took (None: never waited)."""
+        if self.wait_start is None or self.wait_end is None:
+            return None
+        return self.wait_end - self.wait_start
+
+    @property
+    def compute(self) -> Optional[float]:
+        """Host time between issue and the first wait: the compute the collective could hide behind."""
+        return None if self.wait_start is None else self.wait_start - self.issued
+
+    @property
+    def gbps(self) -> float:
+        """Algorithm bandwidth, GB/s (``1e9`` bytes); 0.0 for a zero-length collective."""
+        return self.nbytes / self.duration / 1e9 if self.duration > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One step (between ``prof.step()`` calls) of one rank; seconds since the profile started."""
+
+    rank: int
+    step: int
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RankProfile:
+    """Everything one rank recorded: plain, picklable data (``gather`` / ``merge`` move it)."""
+
+    rank: int
+    world_size: int
+    epoch: float
+    """``time.time()`` when the profile started: aligns ranks on one timeline."""
+    device: str
+    steps: tuple[StepRecord, ...]
+    collectives: tuple[CollectiveRecord, ...]
+
+    @property
+    def stalls(self) -> list[tuple[float, float]]:
+        """This rank's stall intervals (first waits), merged and sorted."""
+        return union((c.wait_start, c.wait_end) for c in self.collectives
+                     if c.wait_start is not None and c.wait_end is not None)
+
+
+# ---------------------------------------------------------------------------------------- intervals
+def union(intervals: Iterable[tuple[Any, Any]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as sorted, disjoint intervals (empty ones dropped)."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted((float(a), float(b)) for a, b in intervals if b > a):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def covered(merged: Sequence[tuple[float, float]], a: float, b: float) -> float:
+    """Length of ``[a, b]`` covered by the sorted, disjoint ``merged`` intervals."""
+    total = 0.0
+    i = max(0, bisect.bisect_right(merged, (a, a)) - 1)
+    while i < len(merged) and merged[i][0] < b:
+        lo, hi = max(a, merged[i][0]), min(b, merged[i][1])
+        total += max(0.0, hi - lo)
+        i += 1
+    return total
+
+
+def covered_pieces(merged: Sequence[tuple[float, float]], a: float, b: float) -> list[tuple[float, float]]:
+    """The parts of ``[a, b]`` covered by ``merged``."""
+    return [(max(a, lo), min(b, hi)) for lo, hi in merged if lo < b and hi > a]
