@@ -119,7 +119,8 @@ NVLINK_SWITCH = "NVLink (NVSwitch)"
 
 @dataclasses.dataclass(frozen=True)
 class NvLinkInfo:
-    """One NVLink of a GPU. ``gbps`` is GB/s per direction for this link (``NVLINK_GBPS_PER_LINK``);
+    """One NVLink of a GPU. ``gbps`` is GB/s per direction for this link (``NVLINK_GBPS_PER_LINK``, see
+    [Note: NVLink bandwidth per link]);
     ``version`` is the NVLink generation (see [Note: NVLink version from NVML]). Inactive links
     carry only ``link`` and ``active``."""
 
@@ -220,7 +221,8 @@ class DeviceInfo:
         return {"prefetch": 1, "bucket_bytes": 4 * MiB}
 
     def describe(self) -> str:
-        """A few human-readable lines: the CPU, each GPU, each pair, the suggested defaults."""
+        """A few human-readable lines: the CPU, each GPU, each pair, the suggested defaults (see
+        [Note: defaults from the interconnect])."""
         lines = [
             f"CPU: {self.processor or '?'}, {_fmt(self.cpu_count)} logical cores, "
             f"{_fmt_bytes(self.memory_bytes)} memory"

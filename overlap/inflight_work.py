@@ -230,7 +230,8 @@ def set_recorder(recorder: Optional[Recorder]) -> Optional[Recorder]:
 
 
 def track(work: InflightWork) -> InflightWork:
-    """Register ``work`` so its buffers outlive it even if every result is dropped unwaited."""
+    """Register ``work`` so its buffers outlive it even if every result is dropped unwaited (see
+    [Note: buffer lifetime without record_stream])."""
     sweep()
     _inflight.append(work)
     return work

@@ -2,9 +2,10 @@
 
 A group owns, for its ``N`` parameters:
 
-* the **sharded parameters** — ``nn.Parameter``s that are DTensors, ``Shard(0)`` on the group's 1-D
-  DeviceMesh, whose local tensors hold this rank's dim-0 rows (the sharding rule of
-  ``kernels.ShardLayout``, which is torch.chunk's and DTensor's), registered on the module between
+* the **sharded parameters** — ``nn.Parameter``s that are DTensors, ``Shard(0)`` on the group's
+  DeviceMesh (``(Replicate(), Shard(0))`` on a 2-D one, see [Note: hybrid sharding]), whose local
+  tensors hold this rank's dim-0 rows ([Note: sharding rule] of ``kernels.ShardLayout``, which is
+  torch.chunk's and DTensor's), registered on the module between
   steps, so the optimizer, the state dict, DCP, ``clip_grad_norm_`` and ``module.parameters()`` see
   what they see with torch FSDP2 (see [Note: sharded parameters are DTensors]);
 * the **unsharded parameters** — one persistent ``nn.Parameter`` per parameter, full shape, in
@@ -34,7 +35,8 @@ one sharded tensor (resharding on load at another world size), ``get_state_dict`
 ``clip_grad_norm_`` reduces its gradient's norm over the mesh, and init code written for full shapes
 (``reset_parameters``, ``nn.init.*``) sees full shapes. Its gradient is a DTensor with the same spec.
 The runtime never dispatches through DTensor in a step: it packs and unpacks the local tensors
-(``_local_tensor``) with the fused kernels and builds gradient DTensors with the constructor, not
+(``_local_tensor``) with the fused kernels (into flat buffers: [Note: flat buffers] in
+``kernels/layout.py``) and builds gradient DTensors with the constructor, not
 ``from_local`` (no autograd, no checks). A 0-dim parameter cannot be ``Shard(0)``: it is a
 ``Replicate()`` DTensor; in the flat buffers rank 0 holds it as a 1-row shard (the layout's rule), and
 after the reduce-scatter rank 0 broadcasts its reduced gradient so every replica holds it.

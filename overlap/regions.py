@@ -25,7 +25,7 @@ from typing import ContextManager, Optional
 
 import torch
 
-__all__ = ["ModuleRegions", "region", "current_labels", "current_regions", "track_labels", "with_fqn"]
+__all__ = ["ModuleRegions", "region", "current_regions", "track_labels", "with_fqn"]
 
 _NULL = contextlib.nullcontext()
 _profiler_enabled = torch._C._autograd._profiler_enabled
@@ -85,11 +85,6 @@ def current_regions() -> tuple[tuple[str, float], ...]:
     """``(name, time.perf_counter() at entry)`` of the regions this thread is inside, outermost first
     (empty unless tracking)."""
     return tuple(getattr(_local, "stack", ()))
-
-
-def current_labels() -> tuple[str, ...]:
-    """Names of the regions this thread is inside, outermost first (empty unless tracking)."""
-    return tuple(name for name, _ in getattr(_local, "stack", ()))
 
 
 def with_fqn(name: str, fqn: str) -> str:
