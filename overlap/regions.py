@@ -1,8 +1,8 @@
 """Named runtime regions (``overlap::...``) for torch.profiler traces, free when no profiler runs.
 
-``torch.profiler.record_function`` costs ~5 µs per region even with no profiler active; the runtime
-enters ~10 regions per block per step, so :func:`region` checks first (a ~0.1 µs C call) and only
-records while a profiler is collecting.
+``torch.profiler.record_function`` costs microseconds per region even with no profiler active, and
+the runtime enters several regions per block per step, so :func:`region` checks first (one cheap C
+call) and only records while a profiler is collecting.
 
 While ``overlap.profiler`` records (:func:`track_labels`), regions also keep a per-thread stack of
 their names and entry times, so each collective can be attributed to the region that issued it, and

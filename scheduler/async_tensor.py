@@ -17,7 +17,8 @@ Contract
 
 [Note: plain after wait]
 torch's ``AsyncCollectiveTensor`` stays a ``__torch_dispatch__`` subclass forever, so every op on a
-finished result pays a Python round trip (~63 µs vs ~4 µs for a small add on a 2-core CPU). Here
+finished result pays a Python round trip, many times the op's own cost for small tensors
+(``benchmarks/bench_dispatch.py``). Here
 the interception is ``__torch_function__`` on a subclass that shares the result's storage, and the
 object's ``__class__`` is set to ``torch.Tensor`` once it has waited: after that torch no longer
 sees an override, and there is nothing left to pay.
