@@ -65,8 +65,11 @@ mistake the re-gather for an in-place change of a saved tensor. torch's FSDP2 do
 [Note: world size 1]
 With one rank and no dtype cast the shard *is* the full parameter (the sharding rule gives rank 0
 every row), so each unsharded parameter is a view of its shard's storage: gathering and resharding
-only swap registrations, and a gradient moves to the shard's ``.grad`` without packing. torch's
-FSDP2 still runs its collectives at world size 1; this path is why a single-GPU run pays little.
+only swap registrations, and a gradient moves to the shard's ``.grad`` without packing. With a
+cast (mixed precision) a gather is one ``_foreach_copy_`` of the shards into the unsharded
+parameters and a reduction one cast of each gradient (through the reduce dtype) into the shard's
+``.grad``: the values packing and unpacking would give, without the flat buffers. torch's FSDP2
+still runs its collectives at world size 1; this path is why a single-GPU run pays little.
 
 Concurrency: every method runs on the thread that runs the module (forward hooks, autograd hooks
 on CPU, the final backward callback). Collectives are issued on ``overlap``'s communication streams
@@ -150,6 +153,8 @@ class ParamGroup:
         """HSDP: the group over the replicas (the mesh's dim 0); None when fully sharded."""
         self.replicas = replicate.size if replicate is not None else 1
         self.data_parallel_size = info.size * self.replicas
+        self.single_rank = self.data_parallel_size == 1
+        """One data-parallel rank: nothing travels (see [Note: world size 1])."""
         self.locations = locations
         self.fqns = [locs[0].fqn for locs in locations]
         self.layout = ShardLayout([tuple(p.shape) for p in params], info.size)
@@ -184,10 +189,13 @@ class ParamGroup:
         """(Re)derive everything that depends on the sharded parameters' dtypes."""
         self.orig_dtypes = [p.dtype for p in self.sharded]
         self.gather_dtype = self.mp.param_dtype or widest_dtype(self.orig_dtypes)
-        self.aliases_shards = self.world_size == 1 and self.replicas == 1 and all(
+        self.aliases_shards = self.single_rank and all(
             self._unsharded_dtype(i) == d for i, d in enumerate(self.orig_dtypes))
         """World size 1 without a dtype cast: the unsharded parameters share the shards' storage, so
         nothing is packed, moved or freed (see [Note: world size 1])."""
+        self.casts_shards = self.single_rank and not self.aliases_shards
+        """World size 1 with a dtype cast (mixed precision): a gather is one cast of the shards into
+        the unsharded parameters, a reduction one cast back (see [Note: world size 1])."""
 
     def local_rows(self, index: int) -> torch.Tensor:
         """This rank's rows of parameter ``index`` as the layout sees them (see :func:`_layout_rows`)."""
@@ -268,8 +276,9 @@ class ParamGroup:
         return self.layout.buffer_numel * self.gather_dtype.itemsize
 
     def issue_gather(self) -> None:
-        """Pack the shards and start the all-gather (no-op if gathered or already in flight)."""
-        if self.is_unsharded or self.pending_gather is not None or self.aliases_shards:
+        """Pack the shards and start the all-gather (no-op if gathered or already in flight, and at
+        world size 1, where nothing travels: ``finish_gather`` does it all)."""
+        if self.is_unsharded or self.pending_gather is not None or self.single_rank:
             return
         with _copy_in_stream(self.sharded[0]._local_tensor.device):  # type: ignore[attr-defined]
             with region(self.regions.all_gather_copy_in), torch.no_grad():
@@ -287,6 +296,9 @@ class ParamGroup:
             self._unsharded_params()
             self.is_unsharded = True
             return
+        if self.casts_shards:
+            self._cast_into_unsharded()
+            return
         self.issue_gather()
         pending, self.pending_gather = self.pending_gather, None
         assert pending is not None
@@ -300,6 +312,17 @@ class ParamGroup:
                     _all_gather_copy_out(pending.ag_output, self.layout, outs)
 
         _wait_then(pending.work, copy_out)
+        self.is_unsharded = True
+
+    def _cast_into_unsharded(self) -> None:
+        """World size 1 with a cast: one ``_foreach_copy_`` (cast) of the shards into the unsharded
+        parameters, which is what packing then unpacking would give, without the flat buffer."""
+        outs = self._unsharded_params()
+        with region(self.regions.all_gather_copy_in), torch.no_grad():
+            for u in outs:
+                u.untyped_storage().resize_(u.numel() * u.element_size())
+            with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+                torch._foreach_copy_(outs, [s._local_tensor for s in self.sharded])  # type: ignore[attr-defined]
         self.is_unsharded = True
 
     def reshard(self) -> None:
@@ -341,7 +364,7 @@ class ParamGroup:
         indices = self.requires_grad_indices
         if not indices or self.unsharded is None:
             return None
-        if self.aliases_shards:
+        if self.single_rank:
             self._move_grads_to_shards(indices)
             return None
         grads = []
@@ -443,15 +466,21 @@ class ParamGroup:
             g.copy_(value)
 
     def _move_grads_to_shards(self, indices: tuple[int, ...]) -> None:
-        """World size 1 fast path of the reduce-scatter: the full gradient is the shard's gradient."""
+        """World size 1 fast path of the reduce-scatter: the full gradient is the shard's gradient;
+        with a cast (``casts_shards``) it is rounded to the reduce dtype and cast to the shard's,
+        as the packed path's copy-in and copy-out would."""
         assert self.unsharded is not None
+        reduce_dtype = self.mp.effective_reduce_dtype if self.casts_shards else None
         with torch.no_grad():
             for i in indices:
                 u, s = self.unsharded[i], self.sharded[i]
                 if u.grad is None:
                     continue
                 local = s._local_tensor  # type: ignore[attr-defined]
-                grad, u.grad = u.grad.view(local.shape), None
+                grad, u.grad = u.grad, None
+                if reduce_dtype is not None:
+                    grad = grad.to(reduce_dtype)
+                grad = grad.to(local.dtype).view(local.shape)
                 if s.grad is None:
                     s.grad = DTensor(grad, s._spec, requires_grad=False)  # type: ignore[attr-defined]
                 else:

@@ -288,7 +288,7 @@ class _Root:
 
     def _gather(self, state: ShardState) -> None:
         group = state.group
-        if group is None or group.is_unsharded or group.pending_gather is not None or group.aliases_shards:
+        if group is None or group.is_unsharded or group.pending_gather is not None or group.single_rank:
             return
         if state.max_inflight_bytes is not None:
             self._admit(group.all_gather_bytes(), state.max_inflight_bytes)
