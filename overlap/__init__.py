@@ -26,7 +26,7 @@ from overlap.inflight_work import (
 )
 from overlap.mixed_precision import MixedPrecision
 from overlap.profiler import Profiler, profile
-from overlap.sharding import ShardedModule, no_overlap, no_sync, shard
+from overlap.sharding import ShardedModule, no_overlap, no_sync, prefetch_next_step, shard
 from overlap.state_dict import full_state_dict, load_full_state_dict
 from overlap.wrap import Wrapped, exclude_from_ddp, wrap
 from scheduler.async_tensor import AsyncTensor
@@ -45,6 +45,7 @@ __all__ = [
     "load_full_state_dict",
     "no_overlap",
     "no_sync",
+    "prefetch_next_step",
     "shard",
     "wrap",
     "all_gather",

@@ -169,6 +169,7 @@ class ParamGroup:
         self._read_dtypes()
         self.is_unsharded = False
         self.pending_gather: Optional[PendingGather] = None
+        self._gathered_versions: tuple[int, ...] = ()  # the shards' versions when the pending gather packed them
         self.grads_ready: set[int] = set()
         self._reduce_layouts: dict[tuple[int, ...], ShardLayout] = {}
         self.to_sharded()
@@ -287,6 +288,17 @@ class ParamGroup:
                     self.gather_dtype)
             work = all_gather_into(ag_output, ag_input, self.info) if self.world_size > 1 else None
         self.pending_gather = PendingGather(work, ag_output)
+        self._gathered_versions = self._shard_versions()
+
+    def _shard_versions(self) -> tuple[int, ...]:
+        # Both counters: an in-place op on the DTensor (an optimizer step) bumps the DTensor's own,
+        # not its local tensor's; a write through the local tensor (``to_local()``) bumps the other.
+        return tuple(s._version + s._local_tensor._version for s in self.sharded)  # type: ignore[attr-defined]
+
+    def stale_gather(self) -> bool:
+        """Was a shard changed in place (an optimizer step, a load, a manual edit) since the pending
+        gather packed it? Then its data is old (see [Note: prefetching across the step boundary])."""
+        return self.pending_gather is not None and self._shard_versions() != self._gathered_versions
 
     def finish_gather(self) -> None:
         """Wait for the all-gather (issuing it first if needed) and unpack into the unsharded params."""
@@ -299,6 +311,8 @@ class ParamGroup:
         if self.casts_shards:
             self._cast_into_unsharded()
             return
+        if self.stale_gather():
+            self.pending_gather = None  # dropped unwaited, as reshard() drops an unused prefetch
         self.issue_gather()
         pending, self.pending_gather = self.pending_gather, None
         assert pending is not None

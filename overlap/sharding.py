@@ -89,7 +89,7 @@ from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
 from overlap.regions import ModuleRegions, region
 
-__all__ = ["shard", "no_sync", "no_overlap", "ShardedModule", "sharded_states"]
+__all__ = ["shard", "no_sync", "no_overlap", "prefetch_next_step", "ShardedModule", "sharded_states"]
 
 
 class ShardedModule(nn.Module):
@@ -296,6 +296,23 @@ class _Root:
         assert group.pending_gather is not None
         self._track(group.pending_gather.work)
 
+    def prefetch_next_step(self) -> bool:
+        """Issue the all-gathers the next forward needs first (see [Note: prefetching across the step
+        boundary]); False when there is nothing to go by yet (no step has run) or it is not between
+        steps."""
+        order = self.agreed_order
+        if order is None or self.in_forward or self.in_backward or self.owner.serialize_comm:
+            return False
+        wanted = 1 + self.owner.prefetch  # the first group forward waits for, and what it prefetches
+        for index in dict.fromkeys(order):
+            if wanted == 0:
+                break
+            state = self.states[index]
+            if state.group is not None:
+                self._gather(state)
+                wanted -= 1
+        return True
+
     def _prefetch(self, state: ShardState, upcoming: list[int]) -> None:
         if self.owner.serialize_comm:
             return
@@ -322,6 +339,8 @@ class _Root:
         order = self.agreed_order
         # Prefetch only while this step follows the agreed order (see [Note: same collectives, ...]).
         self._on_script = self._on_script and order is not None and position < len(order) and order[position] == state.index
+        if state.group is not None and state.group.stale_gather():
+            state.group.reshard()  # prefetched before its shards changed: gather again, in order
         self._gather(state)  # no-op when prefetched
         if self._on_script:
             assert order is not None
@@ -710,6 +729,32 @@ def _states_flag(module: nn.Module, attribute: str, value: bool, caller: str) ->
     finally:
         for s, flag in zip(states, previous):
             setattr(s, attribute, flag)
+
+
+def prefetch_next_step(module: nn.Module) -> bool:
+    """Start the all-gathers that the next forward of ``module`` (a root passed to ``shard``) needs
+    first, now: call it right after ``optimizer.step()`` (or register it:
+    ``opt.register_step_post_hook(lambda *_: overlap.prefetch_next_step(model))``), so they run under
+    the rest of the step boundary (``zero_grad``, data loading, logging) instead of at the start of
+    forward. Every rank must call it at the same point (it issues collectives).
+
+    [Note: prefetching across the step boundary]
+    The gathers follow the agreed forward order of the last step: the first group with parameters
+    and the next ``prefetch`` ones. Each remembers the version counters of the shards it packed; if
+    a shard is changed in place before forward uses it (a load, a manual edit, another optimizer
+    step), the gather is dropped unwaited and forward gathers again, at the same place on every
+    rank. If forward skips the group, the gather is dropped as an unused prefetch is; if no
+    forward comes, nothing waits for it and the in-flight registry lets its buffers go once it
+    completes. Returns False (nothing issued) before the first step, or inside forward/backward.
+    """
+    if not isinstance(module, ShardedModule):
+        raise TypeError(f"prefetch_next_step: module must be a module sharded by overlap.shard (the root), "
+                        f"got {type(module).__name__}")
+    state = module._overlap_state
+    root = state.root
+    if root is None or root.owner is not state:
+        return False  # no step yet, or not the root of the last step
+    return root.prefetch_next_step()
 
 
 def no_sync(module: nn.Module) -> contextlib.AbstractContextManager[None]:

@@ -1,0 +1,139 @@
+"""The edges of the step: ``overlap.prefetch_next_step`` (the next forward's first all-gathers issued
+right after the optimizer step), on gloo CPU ranks.
+
+Every run is compared with the same loop without the prefetch, bitwise: the prefetch may only move
+when a gather happens, never what it gathers. Covered: a parameter changed in place between the
+prefetch and the next forward (it must be gathered again), ``no_sync`` micro-batches, a forward
+that skips the group that was prefetched, and a rank that exits with a prefetch in flight.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import overlap
+from models import COUNTING_LINK, SEED, TinyLM, local_batch, make_batch, make_optimizer
+
+
+def _sharded(model: TinyLM) -> TinyLM:
+    for block in model.blocks:
+        overlap.shard(block)
+    overlap.shard(model)
+    return model
+
+
+def _gathers(link) -> int:
+    return sum(n for op, n in link.stats().by_op.items() if "all_gather" in op)
+
+
+def _train(rank: int, world_size: int, prefetch: bool, skip_first_on_odd_steps: bool = False) -> dict[str, Any]:
+    """6 AdamW steps; after step 2's optimizer step, one weight is halved in place (after the
+    prefetch, which must then be gathered again); with ``skip_first_on_odd_steps``, odd steps run
+    without blocks[0] (the group the prefetch gathered for them)."""
+    from overlap.testing import current_link
+
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    model = _sharded(TinyLM())
+    first = model.blocks[0]
+    opt = make_optimizer(model.parameters())
+    link = current_link()
+    losses, prefetched = [], []
+    for step in range(6):
+        if skip_first_on_odd_steps:
+            model.blocks[0] = first if step % 2 == 0 else nn.Identity()
+        loss = model.loss(local_batch(make_batch(step), rank, world_size))
+        loss.backward()
+        opt.step()
+        if prefetch:
+            before = _gathers(link)
+            overlap.prefetch_next_step(model)
+            prefetched.append(_gathers(link) - before)
+        if step == 2:
+            with torch.no_grad():
+                first.mlp.fc1.weight.mul_(0.5)  # in place, after the prefetch packed it
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    model.blocks[0] = first
+    return {"losses": torch.stack(losses), "prefetched": prefetched,
+            "params": {n: p.to_local().clone() for n, p in model.named_parameters()}}
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert torch.equal(a["losses"], b["losses"]), (a["losses"], b["losses"])
+    for name, value in a["params"].items():
+        assert torch.equal(value, b["params"][name]), name
+
+
+def _both(rank: int, world_size: int, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _train(rank, world_size, True, **kwargs), _train(rank, world_size, False, **kwargs)
+
+
+def test_prefetch_next_step_changes_nothing_but_when_gathers_run(distributed) -> None:
+    for with_prefetch, plain in distributed(_both, 2, link=COUNTING_LINK):
+        _assert_same(with_prefetch, plain)
+        # The root group (embeddings, head, final norm) and the first block: 1 + prefetch groups.
+        assert with_prefetch["prefetched"] == [2] * 6, with_prefetch["prefetched"]
+
+
+def test_prefetch_for_a_group_the_next_forward_skips(distributed) -> None:
+    for with_prefetch, plain in distributed(_both, 2, link=COUNTING_LINK, skip_first_on_odd_steps=True):
+        _assert_same(with_prefetch, plain)
+
+
+def _micro_batches(rank: int, world_size: int, prefetch: bool) -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    model = _sharded(TinyLM())
+    opt = make_optimizer(model.parameters())
+    model.loss(local_batch(make_batch(0), rank, world_size)).backward()  # a first step: the agreed order
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for micro in range(3):
+        if prefetch:
+            overlap.prefetch_next_step(model)
+        tokens = local_batch(make_batch(10 + micro), rank, world_size)
+        if micro < 2:
+            with overlap.no_sync(model):
+                model.loss(tokens).backward()
+        else:
+            model.loss(tokens).backward()
+    return {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+
+
+def _micro_both(rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    return _micro_batches(rank, world_size, True), _micro_batches(rank, world_size, False)
+
+
+def test_prefetch_between_no_sync_micro_batches(distributed) -> None:
+    for with_prefetch, plain in distributed(_micro_both, 2):
+        for name, grad in with_prefetch.items():
+            assert torch.equal(grad, plain[name]), name
+
+
+def _exit_with_prefetch_in_flight(rank: int, world_size: int) -> bool:
+    torch.manual_seed(SEED)
+    model = _sharded(TinyLM())
+    model.loss(local_batch(make_batch(0), rank, world_size)).backward()
+    issued = overlap.prefetch_next_step(model)
+    return issued  # the harness then destroys the process group with the gathers unwaited
+
+
+def test_exit_with_a_prefetch_in_flight_does_not_hang(distributed) -> None:
+    assert distributed(_exit_with_prefetch_in_flight, 2, link=(0.01, 0.0), timeout=60) == [True, True]
+
+
+def _before_any_step(rank: int, world_size: int) -> bool:
+    return overlap.prefetch_next_step(_sharded(TinyLM()))
+
+
+def test_prefetch_next_step_before_any_step_issues_nothing(distributed) -> None:
+    assert distributed(_before_any_step, 2) == [False, False]
+
+
+def test_prefetch_next_step_refuses_an_unsharded_module() -> None:
+    with pytest.raises(TypeError, match="module must be a module sharded by overlap.shard"):
+        overlap.prefetch_next_step(TinyLM())
