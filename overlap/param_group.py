@@ -51,7 +51,11 @@ copy, no extra pass), and finally scaled by ``1/(shards * replicas)``, cast and 
 one copy-out. The all-reduce is issued as soon as its reduce-scatter is done: on CUDA at once,
 ordered behind it by the streams; on CPU at the first runtime hook after it completed (a non-blocking
 check), or at the end of backward. All-reduces are issued in the reduce-scatters' order, so the
-replicate group sees the same sequence on every rank. ``no_sync`` skips both.
+replicate group sees the same sequence on every rank. In debug mode (``overlap.debug``) each
+collective first checks its fingerprint with its group's ranks, a wait that crosses groups: issued
+at timing-dependent points, an all-reduce's check and a reduce-scatter's could wait on each other
+around the mesh, so there the all-reduce is issued right after its reduce-scatter, which it waits
+for (slower, deterministic). ``no_sync`` skips both.
 
 [Note: unsharded parameters keep their identity]
 Autograd saves the unsharded parameters used in forward (e.g. a linear's weight) and reads them in

@@ -83,6 +83,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from overlap import desync
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
@@ -475,8 +476,9 @@ class _Root:
                 pending = group.issue_reduce()
                 if pending is not None:
                     self._track(pending.work)
-                    if pending.needs_all_reduce and (pending.work is None or pending.rs_output.is_cuda):
-                        self._all_reduce(state, pending)  # stream-ordered on CUDA (see [Note: hybrid sharding])
+                    if pending.needs_all_reduce and (pending.work is None or pending.rs_output.is_cuda
+                                                     or desync.debug_enabled()):
+                        self._all_reduce(state, pending)  # see [Note: hybrid sharding]
                     event = group.finish_reduce_on_stream(pending) if group.finishes_early else None
                     if event is not None:
                         self._reduce_events.append(event)

@@ -273,3 +273,30 @@ def test_hsdp_bad_meshes_raise_before_anything_changes(distributed) -> None:
         assert "mesh must be a 1-D DeviceMesh (full sharding) or a 2-D one" in res["errors"]["3-D"]
         assert "does not contain this rank" in res["errors"]["not this rank"]
         assert res["untouched"]
+
+
+# -- composition: profiler and desync checks ---------------------------------------------------------
+
+
+def _profiled_and_checked_step(rank: int, world_size: int) -> dict[str, Any]:
+    """Two HSDP steps under ``overlap.debug()`` (every collective fingerprinted across its group's
+    ranks before it is issued) and ``overlap.profile()``."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)
+    model = _hsdp_model(mesh)
+    model.loss(local_batch(make_batch(0), rank, world_size)).backward()  # the first step agrees the order
+    with overlap.debug(), overlap.profile() as prof:
+        for step in range(1, 3):
+            model.loss(local_batch(make_batch(step), rank, world_size)).backward()
+            prof.step()
+    replicate = mesh.get_group("replicate").group_name
+    kinds = [(c.kind, c.group == replicate) for c in prof.collectives if c.step == 1]
+    return {"kinds": kinds, "groups": len(sharded_states(model))}
+
+
+def test_hsdp_under_the_profiler_and_the_desync_checks(distributed) -> None:
+    for res in distributed(_profiled_and_checked_step, 4):
+        kinds = res["kinds"]
+        # Every cross-replica collective is an all-reduce, one per group, and nothing else crosses.
+        assert [k for k, across in kinds if across] == ["all_reduce"] * res["groups"], kinds
+        assert {k for k, across in kinds if not across} == {"all_gather", "reduce_scatter"}, kinds
