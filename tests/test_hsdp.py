@@ -257,6 +257,7 @@ def _bad_meshes(rank: int, world_size: int) -> dict[str, str]:
     cases = {
         "3-D": lambda: init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("a", "b", "c")),
         "not this rank": lambda: DeviceMesh("cpu", [1 - rank], _init_backend=False),
+        "another device type": lambda: DeviceMesh("cuda", [[0, 1]], _init_backend=False),
     }
     for label, make in cases.items():
         try:
@@ -272,6 +273,7 @@ def test_hsdp_bad_meshes_raise_before_anything_changes(distributed) -> None:
     for res in distributed(_bad_meshes, 2):
         assert "mesh must be a 1-D DeviceMesh (full sharding) or a 2-D one" in res["errors"]["3-D"]
         assert "does not contain this rank" in res["errors"]["not this rank"]
+        assert "mesh is a 'cuda' mesh but the parameters are on 'cpu'" in res["errors"]["another device type"]
         assert res["untouched"]
 
 
