@@ -267,3 +267,36 @@ def test_parameters_are_this_ranks_dim0_shards(distributed, world_size: int) -> 
         # Values: the rule's rows of the unsharded initialisation, bitwise.
         values = {n: s[-1] for n, s in res["params"].items()}
         _assert_rows_match(values, full, world_size, rank, rtol=0, atol=0)
+
+
+# -- world size 1 with mixed precision: the cast path ([Note: world size 1]) ---------------------------
+
+
+def _mp_world_one(rank: int, world_size: int) -> dict[str, Any]:
+    """4 steps with bf16 parameters and float32 reduction, overlap.shard and FSDP2 on one rank."""
+    from models import fsdp2_model, local_batch, make_batch, make_optimizer
+
+    torch.set_num_threads(1)
+    mp = overlap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for name, model in (("overlap", _sharded_model(mp=mp)), ("fsdp2", fsdp2_model(1, mp_bf16=True))):
+        opt = make_optimizer(model.parameters())
+        losses = []
+        for step in range(4):
+            loss = model.loss(local_batch(make_batch(step), rank, world_size))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        out[name] = (torch.stack(losses), _local_params(model))
+    return out
+
+
+def test_mixed_precision_at_world_size_1_is_bitwise_fsdp2(distributed) -> None:
+    """The one-rank cast path (one cast in, one cast back per gradient) gives FSDP2's numbers, whose
+    packing and reduce-scatter at world size 1 do the same casts."""
+    res = distributed(_mp_world_one, 1)[0]
+    (ours, our_params), (theirs, their_params) = res["overlap"], res["fsdp2"]
+    assert torch.equal(ours, theirs), (ours, theirs)
+    for name, value in our_params.items():
+        assert value.dtype == torch.float32 and torch.equal(value, their_params[name]), name
