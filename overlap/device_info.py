@@ -50,7 +50,6 @@ __all__ = [
     "device_info",
 ]
 
-MiB = 1 << 20
 GiB = 1 << 30
 
 # [Note: NVLink bandwidth per link]
@@ -200,29 +199,8 @@ class DeviceInfo:
             return "NVLink"
         return "PCIe"
 
-    def suggested_defaults(self) -> dict[str, int]:
-        """``{"prefetch": int, "bucket_bytes": int}`` for this machine's interconnect.
-
-        [Note: defaults from the interconnect]
-        The slowest pair decides (a ring or all-gather runs at its slowest hop):
-        * NVLink everywhere: prefetch 1, 64 MiB buckets. The link is fast, so one group gathered
-          ahead hides it; big buckets amortise per-collective latency and launches.
-        * PCIe (one GPU, whose collectives go off the node, or any pair without NVLink):
-          prefetch 2, 32 MiB buckets. Transfers take longer than one group's compute, so gather
-          two ahead; smaller buckets let the first transfer start sooner and bound the extra
-          memory the deeper prefetch holds.
-        * CPU (gloo, tests and the demo): prefetch 1, 4 MiB buckets: keeps memory and test time low.
-        """
-        kind = self.interconnect
-        if kind == "NVLink":
-            return {"prefetch": 1, "bucket_bytes": 64 * MiB}
-        if kind == "PCIe":
-            return {"prefetch": 2, "bucket_bytes": 32 * MiB}
-        return {"prefetch": 1, "bucket_bytes": 4 * MiB}
-
     def describe(self) -> str:
-        """A few human-readable lines: the CPU, each GPU, each pair, the suggested defaults (see
-        [Note: defaults from the interconnect])."""
+        """A few human-readable lines: the CPU, each GPU, each pair, and the interconnect."""
         lines = [
             f"CPU: {self.processor or '?'}, {_fmt(self.cpu_count)} logical cores, "
             f"{_fmt_bytes(self.memory_bytes)} memory"
@@ -234,11 +212,7 @@ class DeviceInfo:
                 lines.append(f"NVIDIA driver {self.driver_version}")
             lines.extend(_describe_gpu(gpu) for gpu in self.gpus)
             lines.extend(_describe_pair(pair) for pair in self.pairs)
-        defaults = self.suggested_defaults()
-        lines.append(
-            f"suggested ({self.interconnect}): prefetch={defaults['prefetch']}, "
-            f"bucket_bytes={defaults['bucket_bytes'] // MiB} MiB"
-        )
+        lines.append(f"interconnect: {self.interconnect}")
         return "\n".join(lines)
 
 

@@ -106,6 +106,15 @@ class ShardedModule(nn.Module):
                 state.group.rebind_sharded()
         return out
 
+    @property
+    def max_inflight_bytes_seen(self) -> int:
+        """The most bytes of this runtime's collectives in flight at once (the one being issued
+        included) in the steps this module ran as the root, as counted against ``shard(...,
+        max_inflight_bytes=)``; 0 without a budget or before the first step. For checking that a
+        budget holds."""
+        root = self._overlap_state.root
+        return root.max_inflight_seen if root is not None and root.owner is self._overlap_state else 0
+
     def reshard(self) -> None:
         """Free this module's unsharded parameters (no-op if sharded)."""
         if self._overlap_state.group is not None:

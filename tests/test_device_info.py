@@ -18,7 +18,6 @@ import torch
 
 from overlap.device_info import NVLINK_GBPS_PER_LINK, DeviceInfo, device_info
 
-MiB = 1 << 20
 H100_MEMORY = 80 * (1 << 30)
 BUS = {0: (0, 0x18, 0), 1: (0, 0x2A, 0)}  # (domain, bus, device) of GPU 0 and GPU 1
 SWITCH_BUS = [(0, 0xC0 + s, 0) for s in range(4)]
@@ -189,7 +188,7 @@ def test_real_call_returns_without_raising():
     if not info.gpus:  # this machine: no NVML library
         assert info.reason is not None and "NVML" in info.reason
         assert info.pairs == ()
-        assert info.suggested_defaults() == {"prefetch": 1, "bucket_bytes": 4 * MiB}
+        assert info.interconnect == "CPU"
         assert "GPU: none" in info.describe()
     else:
         assert info.reason is None
@@ -231,7 +230,6 @@ def test_two_h100_with_nvlink(use_nvml):
     assert pair.topology == "multiple PCIe switches"
 
     assert info.interconnect == "NVLink"
-    assert info.suggested_defaults() == {"prefetch": 1, "bucket_bytes": 64 * MiB}
     text = info.describe()
     assert text.count("NVIDIA H100 80GB HBM3") == 2
     assert "GPU 0 <-> GPU 1: NVLink x18 (450 GB/s per direction)" in text
@@ -266,7 +264,6 @@ def test_pcie_only_pair(use_nvml):
     (pair,) = info.pairs
     assert pair.link_type == "PCIe host bridge" and pair.nvlinks == 0 and pair.nvlink_gbps is None
     assert info.interconnect == "PCIe"
-    assert info.suggested_defaults() == {"prefetch": 2, "bucket_bytes": 32 * MiB}
     assert "GPU 0 <-> GPU 1: PCIe host bridge" in info.describe()
     assert fake.calls["nvmlShutdown"] == 1
 
@@ -286,14 +283,14 @@ def test_nvswitch_pair(use_nvml):
     (pair,) = info.pairs
     assert pair.link_type == "NVLink (NVSwitch)" and pair.nvlinks == 0 and pair.nvlink_gbps == 450.0
     assert info.gpus[0].nvlinks[0].remote_type == "NVSwitch"
-    assert info.suggested_defaults() == {"prefetch": 1, "bucket_bytes": 64 * MiB}
+    assert info.interconnect == "NVLink"
 
 
 def test_single_gpu_is_pcie(use_nvml):
     use_nvml(make_nvml([h100()], not_supported=("nvmlDeviceGetNvLinkState",)))
     info = device_info()
     assert len(info.gpus) == 1 and info.pairs == ()
-    assert info.suggested_defaults() == {"prefetch": 2, "bucket_bytes": 32 * MiB}
+    assert info.interconnect == "PCIe"
 
 
 def test_unsupported_calls_leave_fields_none(use_nvml):
@@ -376,7 +373,7 @@ def test_init_failure_gives_cpu_branch(use_nvml):
     assert info.gpus == () and info.pairs == ()
     assert info.reason is not None and "NVML not available" in info.reason and "Driver Not Loaded" in info.reason
     assert info.cpu_count == os.cpu_count()
-    assert info.suggested_defaults() == {"prefetch": 1, "bucket_bytes": 4 * MiB}
+    assert info.interconnect == "CPU"
     assert fake.calls["nvmlShutdown"] == 0  # init failed: nothing to shut down
 
 

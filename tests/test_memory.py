@@ -164,7 +164,6 @@ def train_step(model: TinyLM, opt: torch.optim.Optimizer, step: int, rank: int, 
 
 def _memory_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     from overlap.inflight_work import set_recorder
-    from overlap.sharding import sharded_states
 
     budget = largest_collective_bytes(world)
     out: dict[str, Any] = {"budget": budget}
@@ -200,7 +199,7 @@ def _memory_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
             set_recorder(previous)
             live.close()
         out.update(live_bytes=live_bytes, heap=heap, losses=losses, samples=sampler.samples,
-                   max_inflight_seen=sharded_states(model)[0].root.max_inflight_seen,
+                   max_inflight_seen=model.max_inflight_bytes_seen,
                    inflight_after=overlap.inflight_bytes())
     return out
 

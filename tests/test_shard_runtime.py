@@ -106,7 +106,6 @@ def _awkward_rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, A
     frozen_before = overlap.full_state_dict(model, rank0_only=False)["frozen.weight"]
     losses = _train(model, rank, world)
     state = overlap.full_state_dict(model, rank0_only=False)
-    root = sharded_states(model)[0].root
     return {
         "losses": losses,
         "state": state,
@@ -114,7 +113,7 @@ def _awkward_rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, A
         "tied": model.head.weight is model.emb.weight,
         "unsharded_after_step": [s.group.is_unsharded for s in sharded_states(model) if s.group is not None],
         "inflight_after_step": len(overlap.inflight()),
-        "max_inflight_seen": root.max_inflight_seen if root is not None else 0,
+        "max_inflight_seen": model.max_inflight_bytes_seen,
         "gather_bytes": max(s.group.all_gather_bytes() for s in sharded_states(model) if s.group is not None),
     }
 
