@@ -251,6 +251,8 @@ MATRIX: dict[str, Bad] = {
                                        "torch.nn.Module sharded by overlap.shard"),
     "no_sync module not sharded": Bad(lambda e: _enter(overlap.no_sync(e.model)), ValueError, "no_sync",
                                       "call overlap.shard first"),
+    "prefetch_next_step module not sharded": Bad(lambda e: overlap.prefetch_next_step(e.model), TypeError,
+                                                  "prefetch_next_step", "module sharded by overlap.shard"),
     "no_overlap module not a module": Bad(lambda e: _enter(overlap.no_overlap(3)), TypeError, "module",
                                           "torch.nn.Module sharded by overlap.shard"),
     "no_overlap module not sharded": Bad(lambda e: _enter(overlap.no_overlap(e.model)), ValueError, "no_overlap",

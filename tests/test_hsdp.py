@@ -9,6 +9,7 @@ across replicas inside it), full state dicts and DCP resume at another mesh.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -45,7 +46,7 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 STEPS = 8  # enough to compound a wrong average or a missed replica; 4 ranks on 2 cores are slow
-BF16_STEPS = 5
+BF16_STEPS = 3
 
 
 class ScaledLM(TinyLM):
@@ -302,3 +303,36 @@ def test_hsdp_under_the_profiler_and_the_desync_checks(distributed) -> None:
         # Every cross-replica collective is an all-reduce, one per group, and nothing else crosses.
         assert [k for k, across in kinds if across] == ["all_reduce"] * res["groups"], kinds
         assert {k for k, across in kinds if not across} == {"all_gather", "reduce_scatter"}, kinds
+
+
+def _under_recorded_schedule(rank: int, world_size: int, scheduled: bool) -> dict[str, Any]:
+    """3 HSDP steps, each also all-reducing its loss with ``overlap.all_reduce`` (a user collective
+    on the default group), inside ``scheduler.Scheduler(model).step()`` or not."""
+    import scheduler
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=MESH_DIMS)  # replicas only: 2 ranks suffice
+    model = _hsdp_model(mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    sched = scheduler.Scheduler(model) if scheduled else None
+    losses = []
+    for step in range(3):
+        with sched.step() if sched is not None else contextlib.nullcontext():
+            loss = model.loss(local_batch(make_batch(step), rank, world_size))
+            total = overlap.all_reduce(loss.detach())
+            loss.backward()
+            losses.append(total * 1.0)  # the first use: waits here
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    kinds = [c.kind for c in sched.schedule.collectives] if sched is not None and sched.schedule else []
+    return {"losses": torch.stack(losses), "kinds": kinds}
+
+
+def _with_and_without_schedule(rank: int, world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _under_recorded_schedule(rank, world_size, True), _under_recorded_schedule(rank, world_size, False)
+
+
+def test_hsdp_inside_a_recorded_schedule(distributed) -> None:
+    for scheduled, plain in distributed(_with_and_without_schedule, 2):
+        assert torch.equal(scheduled["losses"], plain["losses"])
+        assert scheduled["kinds"] == ["all_reduce"], scheduled["kinds"]  # the user's; the runtime's are its own
