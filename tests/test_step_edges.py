@@ -30,7 +30,7 @@ def _gathers(link) -> int:
 
 
 def _train(rank: int, world_size: int, prefetch: bool, skip_first_on_odd_steps: bool = False) -> dict[str, Any]:
-    """6 AdamW steps; after step 2's optimizer step, one weight is halved in place (after the
+    """4 AdamW steps; after step 2's optimizer step, one weight is halved in place (after the
     prefetch, which must then be gathered again); with ``skip_first_on_odd_steps``, odd steps run
     without blocks[0] (the group the prefetch gathered for them)."""
     from overlap.testing import current_link
@@ -42,7 +42,7 @@ def _train(rank: int, world_size: int, prefetch: bool, skip_first_on_odd_steps: 
     opt = make_optimizer(model.parameters())
     link = current_link()
     losses, prefetched = [], []
-    for step in range(6):
+    for step in range(4):
         if skip_first_on_odd_steps:
             model.blocks[0] = first if step % 2 == 0 else nn.Identity()
         loss = model.loss(local_batch(make_batch(step), rank, world_size))
@@ -76,7 +76,7 @@ def test_prefetch_next_step_changes_nothing_but_when_gathers_run(distributed) ->
     for with_prefetch, plain in distributed(_both, 2, link=COUNTING_LINK):
         _assert_same(with_prefetch, plain)
         # The root group (embeddings, head, final norm) and the first block: 1 + prefetch groups.
-        assert with_prefetch["prefetched"] == [2] * 6, with_prefetch["prefetched"]
+        assert with_prefetch["prefetched"] == [2] * 4, with_prefetch["prefetched"]
 
 
 def test_prefetch_for_a_group_the_next_forward_skips(distributed) -> None:
