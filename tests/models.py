@@ -1,6 +1,7 @@
 """A tiny transformer LM and the reference training loops that sharded runtimes are checked against.
 
-Used by the numerics tests (``test_reference_fsdp2.py``, ``test_shard_numerics.py``) and benchmarks.
+Used by the numerics tests (``shard/test_reference_fsdp2.py``, ``shard/test_shard_numerics.py`` and
+others at every level).
 
 The comparison method (see [Note: global loss]):
 
@@ -40,7 +41,7 @@ __all__ = [
     "STEP_RTOL", "WEIGHT_DECAY",
     "Block", "TinyLM", "accumulation_batches", "accumulation_optimizer", "fsdp2_losses", "fsdp2_model",
     "global_mean", "gradient_reductions", "local_batch", "make_batch", "make_optimizer", "max_rel_dev",
-    "shard_rows", "single_threaded", "train_ranks", "unsharded_big_step", "unsharded_losses",
+    "shard_rows", "single_threaded", "SMALL_SIZES", "small_step", "train_ranks", "unsharded_big_step", "unsharded_losses",
 ]
 
 # [Note: odd sizes] The defaults are chosen so that dim-0 sharding is uneven on 2, 3 and 4 ranks:
@@ -353,3 +354,18 @@ def max_rel_dev(got: Sequence[float], want: Sequence[float]) -> float:
     if len(got) != len(want):
         raise ValueError(f"length mismatch: {len(got)} vs {len(want)}")
     return max(abs(g - w) / abs(w) for g, w in zip(got, want))
+
+
+# The long runs (tests/reliability: 200 steps for leaks, a 500-step soak) train a smaller TinyLM.
+SMALL_SIZES = dict(vocab=37, dim=12, heads=2, layers=2, seq=6, hidden=20)
+
+
+def small_step(model: TinyLM, opt: torch.optim.Optimizer, step: int, rank: int, world: int, batch: int) -> float:
+    """One step of a :data:`SMALL_SIZES` model (the long-run and soak tests) on this rank's slice of
+    ``make_batch(step)``; returns the rank's loss."""
+    tokens = make_batch(step, batch=batch, seq=SMALL_SIZES["seq"], vocab=SMALL_SIZES["vocab"]).chunk(world)[rank]
+    loss = model.loss(tokens)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()

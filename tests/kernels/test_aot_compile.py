@@ -73,7 +73,7 @@ FLAT_IS_DESTINATION = {"all_gather_copy_in": True, "reduce_scatter_copy_in": Tru
 SHAPES, WORLD_SIZE, RANK = [(8000,), (30, 7), (4000, 1)], 2, 1  # largest run: 4000 elements
 BLOCK, NUM_WARPS, CHUNK = 4096, 8, 1024
 ELEMENTS_PER_THREAD = BLOCK // (32 * NUM_WARPS)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True)

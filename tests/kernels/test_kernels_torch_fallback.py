@@ -36,7 +36,7 @@ from kernels.all_gather_copy_in import _all_gather_copy_in_torch
 from kernels.all_gather_copy_out import _all_gather_copy_out_torch
 from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in_torch
 from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out_torch
-from test_kernels_ops import (  # the op tests' shapes, dtype cases and data
+from kernel_cases import (  # the op tests' shapes, dtype cases and data
     DTYPE_CASES,
     FLOAT_CASES,
     ODD_SHAPES,

@@ -6,7 +6,7 @@ Skipped without a GPU (``requires_cuda``); on a GPU machine ``pytest -m gpu`` ru
 is a slow link (the collective waits behind it), on the compute stream it is long compute. Events
 timed on both streams show what ran beside what.
 The CPU half of these checks (the release bookkeeping with fake streams and events, the capture and
-device errors) is tests/test_stream_lifetime.py.
+device errors) is tests/collectives/test_stream_lifetime.py.
 """
 from __future__ import annotations
 

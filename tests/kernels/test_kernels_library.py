@@ -39,7 +39,7 @@ from kernels import (
 
 SHAPES = [(10, 3), (7,), (), (0, 4), (5, 2, 3)]
 WORLD_SIZE, RANK = 4, 1
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # torch's own Inductor internals warn about torch.jit.script_method on 2.13
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -308,7 +308,7 @@ _FALLBACK_SCRIPT = textwrap.dedent(
         raise AssertionError("a Triton kernel was launched without the interpreter")
 
     _launch.launch = no_launch
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, "tests/kernels")
     from test_kernels_library import run_fallback_ops
 
     torch.save([run_fallback_ops(inputs) for inputs in torch.load(sys.argv[1])], sys.argv[2])

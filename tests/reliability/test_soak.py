@@ -10,7 +10,7 @@ The jitter is a subclass of ``overlap.testing.EmulatedLink`` (``JitteryLink``): 
 link time is ``latency + bytes / bandwidth + U(0, jitter)``, drawn from a per-rank seeded generator,
 so the ranks see different delays for the same collective.
 
-Slow (``pytest -m slow tests/test_soak.py``): two runs of 500 steps. The ranks pack with the torch
+Slow (``pytest -m slow tests/reliability/test_soak.py``): two runs of 500 steps. The ranks pack with the torch
 fallback (``TRITON_INTERPRET=0``): the Triton interpreter costs ~0.4 s per step.
 """
 from __future__ import annotations
@@ -23,8 +23,7 @@ import torch
 
 import overlap
 from overlap.testing import EmulatedLink
-from models import TinyLM, single_threaded
-from test_memory import SIZES, train_step
+from models import SMALL_SIZES, TinyLM, single_threaded, small_step
 
 STEPS = 500
 WORLD = 3
@@ -52,14 +51,14 @@ def _soak_rank(rank: int, world: int, steps: int, jitter_us: float) -> dict[str,
     link = JitteryLink(GBPS, LATENCY_US, jitter_us, seed=1000 + rank)
     with single_threaded(), link:
         torch.manual_seed(0)
-        model = TinyLM(**SIZES)
+        model = TinyLM(**SMALL_SIZES)
         for block in model.blocks:
             overlap.shard(block)
         overlap.shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
         losses = []
         for step in range(steps):
-            total = torch.tensor([train_step(model, opt, step, rank, world, BATCH)])  # float32: exact
+            total = torch.tensor([small_step(model, opt, step, rank, world, BATCH)])  # float32: exact
             torch.distributed.all_reduce(total)
             losses.append(total.item())
         return {"losses": losses, "collectives": link.stats().count, "max_jitter_s": max(link.jitters, default=0.0),

@@ -47,7 +47,7 @@ from torch import nn
 
 import overlap
 from kernels import ShardLayout
-from models import TinyLM, make_batch, single_threaded
+from models import SMALL_SIZES, TinyLM, single_threaded, small_step
 
 STEPS = 200
 WARMUP = 10  # steps before the live-tensor baseline
@@ -56,7 +56,6 @@ HEAP_BASELINE = 50  # step whose heap bytes the last steps are compared with
 # one leaked 1 KiB buffer per step would add ~150 KiB over the ~150 steps after the baseline.
 HEAP_MARGIN = 128 * 1024
 SETTLE_S = 0.2
-SIZES = dict(vocab=37, dim=12, heads=2, layers=2, seq=6, hidden=20)
 BATCH = 4
 TENSOR_TYPES = (torch.Tensor, nn.Parameter)
 
@@ -133,7 +132,7 @@ class InflightSampler:
 # ------------------------------------------------------------------------------------------- model
 def _model(budget: Optional[int]) -> TinyLM:
     torch.manual_seed(0)
-    model = TinyLM(**SIZES)
+    model = TinyLM(**SMALL_SIZES)
     for block in model.blocks:
         overlap.shard(block, max_inflight_bytes=budget)
     overlap.shard(model, max_inflight_bytes=budget)
@@ -144,22 +143,11 @@ def largest_collective_bytes(world: int) -> int:
     """Bytes of the model's largest collective (float32: a group's all-gather output and its
     reduce-scatter input are both ``buffer_numel`` elements), from the unsharded model."""
     torch.manual_seed(0)
-    model = TinyLM(**SIZES)
+    model = TinyLM(**SMALL_SIZES)
     groups = [list(block.parameters()) for block in model.blocks]
     in_blocks = {id(p) for g in groups for p in g}
     groups.append([p for p in model.parameters() if id(p) not in in_blocks])
     return max(ShardLayout([tuple(p.shape) for p in g], world).buffer_numel * 4 for g in groups)
-
-
-def train_step(model: TinyLM, opt: torch.optim.Optimizer, step: int, rank: int, world: int,
-               batch: int = BATCH) -> float:
-    """One step on this rank's slice of ``make_batch(step)``; returns the rank's loss."""
-    tokens = make_batch(step, batch=batch, seq=SIZES["seq"], vocab=SIZES["vocab"]).chunk(world)[rank]
-    loss = model.loss(tokens)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.item()
 
 
 def _memory_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
@@ -175,7 +163,7 @@ def _memory_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
         try:
             opt = torch.optim.AdamW(free.parameters(), lr=1e-2)
             for step in range(3):
-                train_step(free, opt, step, rank, world)
+                small_step(free, opt, step, rank, world, BATCH)
         finally:
             set_recorder(previous)
         out["unbudgeted_peak"] = max(sampler.samples)
@@ -191,7 +179,7 @@ def _memory_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
         losses: list[float] = []
         try:
             for step in range(steps):
-                losses.append(train_step(model, opt, step, rank, world))
+                losses.append(small_step(model, opt, step, rank, world, BATCH))
                 limit = live_bytes[WARMUP] if len(live_bytes) > WARMUP else 1 << 62
                 live_bytes.append(live.settled_bytes(limit))
                 heap.append(heap_bytes())

@@ -52,7 +52,7 @@ from kernels.all_gather_copy_in import _all_gather_copy_in_torch  # noqa: E402
 from kernels.all_gather_copy_out import _all_gather_copy_out_torch  # noqa: E402
 from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in_torch  # noqa: E402
 from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out_torch  # noqa: E402
-from test_kernels_ops import (  # noqa: E402  (the op tests' dtype cases, data and comparisons)
+from kernel_cases import (  # noqa: E402  (the op tests' dtype cases, data and comparisons)
     DTYPE_CASES,
     FLOAT_CASES,
     assert_bitwise,

@@ -15,7 +15,7 @@ hook. Checked:
   it to overlap, the last nothing after it;
 * what runs is that code: a step logs its collectives and waits as they run (issue, wait, issue,
   wait, ... without the hook; all all-gathers first with it);
-* (the emulated link's coverage of compiled collectives is tested in tests/test_emulated_link.py, and
+* (the emulated link's coverage of compiled collectives is tested in tests/tools/test_emulated_link.py, and
   ``benchmarks/bench_scheduler.py --sections compiled`` runs this step behind it.)
 
 Both compiles run on each rank (the ranks compile in parallel), with Inductor's caches off so each

@@ -7,7 +7,7 @@ references: a buffer is released when the runtime's last reference to it is gone
 Checked: buffers waited on their issue stream drop at once; waited on another stream they stay held
 until an event recorded on that stream *after* the result's copy-out has completed (never before
 the ordering exists); a sweep releases them then; capture and device errors name the fix.
-The real thing (NCCL, streams, the caching allocator) is in tests/test_collectives_cuda.py.
+The real thing (NCCL, streams, the caching allocator) is in tests/collectives/test_collectives_cuda.py.
 """
 from __future__ import annotations
 
