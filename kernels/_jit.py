@@ -21,11 +21,11 @@ widening cast (bfloat16 -> float32: 8 elements loaded, 4 stored per thread) goes
 shared-memory layout conversion. With ``VEC``: stores are 128-bit and gapless across a warp; loads
 are 128-bit when the source is as wide as the destination, 64-bit (still coalesced) when it is half
 as wide, and two 128-bit loads per thread when it is twice as wide. No layout conversion, no shared
-memory (tests/kernels/test_aot_compile.py checks the PTX). This is also the rule of torch's vectorized CUDA
+memory (tests/packing/test_aot_compile.py checks the PTX). This is also the rule of torch's vectorized CUDA
 casts (one vector width for all operands, the narrowest one's). Unaligned and masked blocks are
 scalar on both sides (``scalar_lanes``), in steps of ``CHUNK`` elements (4 per thread on a GPU,
 ``kernels._launch._pick_block``): done in one step, their per-element 64-bit addresses would set the
-register count of the whole kernel (tests/kernels/test_aot_compile.py checks the count).
+register count of the whole kernel (tests/packing/test_aot_compile.py checks the count).
 """
 from __future__ import annotations
 

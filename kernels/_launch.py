@@ -5,7 +5,7 @@ fallback (``kernels._torch_fallback``). An op's launcher builds a ``KernelCall``
 ``kernel_call`` / ``scaled_kernel_call`` (its block table and pointer table, its own arguments and
 constexprs) and runs ``KernelCall.launch``: one launch over all of a group's tensors, on the
 tensors' device, with no host sync. ``increment_version`` then tells autograd what it wrote. The
-same ``KernelCall`` is what tests/kernels/test_aot_compile.py compiles for GPU targets.
+same ``KernelCall`` is what tests/packing/test_aot_compile.py compiles for GPU targets.
 
 [Note: one launch over N tensors]
 Each op is one Triton launch whatever the number of parameters. The grid is the number of
@@ -168,7 +168,7 @@ def vector_width(dtypes: Sequence[torch.dtype]) -> int:
 @dataclasses.dataclass(frozen=True)
 class KernelCall:
     """One launch as an op's launcher builds it: what ``launch`` runs, and what the ahead-of-time
-    checks (tests/kernels/test_aot_compile.py) compile for GPU targets on a CPU-only machine."""
+    checks (tests/packing/test_aot_compile.py) compile for GPU targets on a CPU-only machine."""
 
     kernel: triton.JITFunction
     blocks: BlockTable

@@ -46,7 +46,7 @@ def torch_packing_on_cpu() -> Iterator[None]:
     (``TRITON_INTERPRET=0`` in their environment; ``kernels`` reads it when a rank imports it).
 
     [Note: packing at the client level] What CPU users run, and bitwise the kernels' own result
-    (tests/kernels/test_kernels_torch_fallback.py); under Triton's interpreter (the default test set-up,
+    (tests/packing/test_kernels_torch_fallback.py); under Triton's interpreter (the default test set-up,
     tests/conftest.py) one training step of these clients costs ~1 s instead of ~0.03 s, which
     would put this level far past its time budget. The kernels are checked by the kernel tests.
     """

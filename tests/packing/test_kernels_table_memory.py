@@ -13,7 +13,7 @@ events and copies model what the device would do:
   no such method and ``torch.cuda``'s synchronizing calls are tripwires.
 
 The real CUDA behaviour (capture and replay against the references) is
-tests/kernels/test_kernels_cuda_graphs.py, which needs a GPU.
+tests/packing/test_kernels_cuda_graphs.py, which needs a GPU.
 """
 from __future__ import annotations
 

@@ -6,12 +6,12 @@ The interpreter computes every path alike, so what is checked here is the logic 
 * ``block_run``'s ``aligned`` flag, block by block, against the rule (address a multiple of 16 bytes
   and first element a multiple of 16);
 * the four ops, bitwise against their references and the first-principles expectations of
-  tests/kernels/test_kernels_ops.py, with the GPU's step structure forced onto the interpreter: small blocks
+  tests/packing/test_kernels_ops.py, with the GPU's step structure forced onto the interpreter: small blocks
   (so runs have unmasked blocks, aligned and not, in one launch) and scalar paths in steps of a
   quarter block, as on a GPU (on CPU a step is the whole block).
 
 What the compiled code looks like (vector widths, no shared memory, registers) is
-tests/kernels/test_aot_compile.py.
+tests/packing/test_aot_compile.py.
 """
 from __future__ import annotations
 

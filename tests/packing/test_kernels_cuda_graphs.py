@@ -14,7 +14,7 @@ checks is [Note: table memory] / [Note: tables in CUDA graphs] in ``kernels.tabl
 * tables whose upload copy was not yet seen complete at capture get their own copy in the graph,
   and tables used first on another stream are waited for (eager).
 
-The same rules are checked with a fake CUDA runtime on CPU in tests/kernels/test_kernels_table_memory.py.
+The same rules are checked with a fake CUDA runtime on CPU in tests/packing/test_kernels_table_memory.py.
 """
 from __future__ import annotations
 
