@@ -308,7 +308,7 @@ _FALLBACK_SCRIPT = textwrap.dedent(
         raise AssertionError("a Triton kernel was launched without the interpreter")
 
     _launch.launch = no_launch
-    sys.path.insert(0, "tests/kernels")
+    sys.path.insert(0, "tests/packing")
     from test_kernels_library import run_fallback_ops
 
     torch.save([run_fallback_ops(inputs) for inputs in torch.load(sys.argv[1])], sys.argv[2])
