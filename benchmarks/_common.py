@@ -105,14 +105,16 @@ def rank_input(rows: int, dim: int, rank: int) -> torch.Tensor:
     return torch.randn(rows, dim, generator=torch.Generator().manual_seed(rank))
 
 
-def mlp_step(mode: str, blocks: int, dim: int, x: torch.Tensor) -> TrainStep:
+def mlp_step(mode: str, blocks: int, dim: int, x: torch.Tensor, optimizer_in_backward: bool = False) -> TrainStep:
     """A fresh :func:`mlp` sharded block by block, then the root, for ``mode``
-    (``overlap.demo.training.MODES``), and its training step: loss ``mean(model(x) ** 2)``, AdamW."""
-    from overlap.demo.training import TrainStep, shard_for_mode
+    (``overlap.demo.training.MODES``), and its training step: loss ``mean(model(x) ** 2)``, AdamW
+    (stepped per group in backward with ``optimizer_in_backward``, an ``overlap`` mode only)."""
+    from overlap.demo.training import TrainStep, make_optimizer, shard_for_mode
 
     model = mlp(blocks, dim)
     context = shard_for_mode(mode, model, list(model))
-    return TrainStep(lambda _: model(x).square().mean(), torch.optim.AdamW(model.parameters(), lr=1e-3), context)
+    optimizer = make_optimizer(model, 1e-3, optimizer_in_backward)
+    return TrainStep(lambda _: model(x).square().mean(), optimizer, context)
 
 
 # ---------------------------------------------------------------------------------- process groups

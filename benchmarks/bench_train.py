@@ -31,7 +31,8 @@ from overlap.testing import PairedTimes, paired_steps, run_distributed
 from report import emit
 
 # Display name -> overlap.demo.training mode.
-MODES = {"overlap.shard": "overlap", "overlap.shard, overlap off": "no-overlap",
+MODES = {"overlap.shard": "overlap", "overlap.shard, optimizer in backward": "overlap",
+         "overlap.shard, overlap off": "no-overlap",
          "torch FSDP2 (default)": "fsdp2", "torch FSDP2 (explicit prefetch)": "fsdp2-prefetch"}
 
 
@@ -42,7 +43,7 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
         gbps = calibrate_link(mlp_step("overlap", args.blocks, args.dim, x), args.latency_us)
     out: dict[str, Any] = {"gbps": gbps}
     for name, mode in MODES.items():
-        step = mlp_step(mode, args.blocks, args.dim, x)
+        step = mlp_step(mode, args.blocks, args.dim, x, optimizer_in_backward="optimizer in backward" in name)
         out[name] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=2)
     return out
 

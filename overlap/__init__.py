@@ -25,6 +25,7 @@ from overlap.inflight_work import (
     wait_all,
 )
 from overlap.mixed_precision import MixedPrecision
+from overlap.optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
 from overlap.profiler import Profiler, profile
 from overlap.sharding import ShardedModule, no_overlap, no_sync, prefetch_next_step, shard
 from overlap.state_dict import full_state_dict, load_full_state_dict
@@ -38,6 +39,7 @@ __all__ = [
     "DesyncError",
     "DeviceInfo",
     "MixedPrecision",
+    "OptimizerInBackward",
     "Profiler",
     "ShardedModule",
     "Wrapped",
@@ -45,6 +47,7 @@ __all__ = [
     "load_full_state_dict",
     "no_overlap",
     "no_sync",
+    "optimizer_in_backward",
     "prefetch_next_step",
     "shard",
     "wrap",

@@ -176,6 +176,9 @@ class ParamGroup:
         self._gathered_versions: tuple[int, ...] = ()  # the shards' versions when the pending gather packed them
         self.grads_ready: set[int] = set()
         self._reduce_layouts: dict[tuple[int, ...], ShardLayout] = {}
+        self.reduced_hooks: list[Callable[[list[nn.Parameter]], None]] = []
+        """Called with the group's sharded parameters once their gradients of a step are final (see
+        [Note: hooks after the reduction])."""
         self.to_sharded()
 
     def _to_dtensor_param(self, full: torch.Tensor) -> nn.Parameter:
@@ -441,6 +444,7 @@ class ParamGroup:
         targets, accumulate = self._grads_for(pending)
         with torch.cuda.stream(stream):
             self._copy_out_reduced(pending, targets, accumulate)
+            self._run_reduced_hooks(targets)
             return stream.record_event()
 
     def finish_reduce(self, pending: PendingReduce) -> None:
@@ -449,6 +453,30 @@ class ParamGroup:
         self._copy_out_reduced(pending, targets, accumulate)
         with torch.no_grad():
             self._broadcast_scalar_grads(pending.indices)
+        self._run_reduced_hooks(targets)
+
+    def _run_reduced_hooks(self, params: list[nn.Parameter]) -> None:
+        """The gradients of ``params`` are final for this step: run their post-accumulate-grad hooks,
+        then the group's ``reduced_hooks``.
+
+        [Note: hooks after the reduction]
+        Autograd accumulates gradients into the unsharded parameters, so it never runs the hooks a
+        user registers on the sharded ones (``register_post_accumulate_grad_hook``, e.g. torch's
+        optimizer-in-backward recipe). The runtime runs them itself, as FSDP2 does, right after a
+        reduction's epilogue has written the sharded ``.grad``s: on CUDA on the stream the epilogue
+        ran on (before the event the end of backward waits on), elsewhere on the host, at the runtime
+        hook where the epilogue ran. When that is depends on how fast the collective completed, so a
+        hook must not communicate (an optimizer step over sharded parameters does not). They do not
+        run for micro-batches under ``no_sync``, where nothing is reduced.
+        """
+        if not params:
+            return
+        for p in params:
+            # The hooks torch keeps on a leaf (FSDP2 reads the same attribute).
+            for hook in tuple((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+                hook(p)
+        for hook in tuple(self.reduced_hooks):
+            hook(params)
 
     def _grads_for(self, pending: PendingReduce) -> tuple[list[nn.Parameter], bool]:
         """The sharded parameters ``pending`` reduces, each with a ``.grad`` DTensor (new ones are
@@ -503,6 +531,7 @@ class ParamGroup:
                     s.grad = DTensor(grad, s._spec, requires_grad=False)  # type: ignore[attr-defined]
                 else:
                     s.grad._local_tensor += grad  # type: ignore[union-attr]
+        self._run_reduced_hooks([self.sharded[i] for i in indices if self.sharded[i].grad is not None])
 
 
 def _average_scales(reduce_dtype: torch.dtype, world_size: int) -> tuple[Optional[float], Optional[float]]:

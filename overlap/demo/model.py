@@ -4,14 +4,15 @@ Used by ``python -m overlap demo``. Everything here is deterministic given its a
 (``torch.manual_seed`` for the weights, an explicit seed for the tokens), so several runtimes
 trained from the same seed on the same batches can be compared loss for loss.
 
-Sizes (:data:`MODEL_SIZES`; parameters counted with the head tied to the token embedding):
+Sizes (:data:`MODEL_SIZES`; parameters counted with the head untied from the token embedding, as
+the demo builds it):
 
 ========  =====  ===  =====  ======  ===  =====  ===========  ================
 size      vocab  dim  heads  layers  seq  batch  parameters   tokens per rank
 ========  =====  ===  =====  ======  ===  =====  ===========  ================
-tiny        128   32      2       2   16      2  ~29 K        32
-small      1024  256      4       4  128      4  ~3.4 M       512
-medium     4096  512      8       6  256      4  ~21 M        1,024
+tiny        128   32      2       2   16      2  ~34 K        32
+small      1024  256      4       4  128      4  ~3.7 M       512
+medium     4096  512      8       6  256      4  ~23 M        1,024
 ========  =====  ===  =====  ======  ===  =====  ===========  ================
 
 ``batch`` is sequences per rank per step: the global batch grows with the world size.
@@ -76,13 +77,15 @@ class _Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """Token and position embeddings, ``size.layers`` blocks (``self.blocks``: the units to shard),
-    a final LayerNorm and an output head tied to the token embedding.
+    """Token and position embeddings, ``size.layers`` blocks (``self.blocks``), a final LayerNorm and
+    an output head, tied to the token embedding with ``tie_head`` (GPT-2's choice) or its own
+    parameter (Llama's; then ``tok`` and ``head`` can be sharded as groups of their own, see
+    :meth:`shard_units`).
 
     ``forward(tokens (b, t <= size.seq)) -> logits (b, t, vocab)``; :meth:`loss` takes ``(b, t + 1)``.
     """
 
-    def __init__(self, size: ModelSize) -> None:
+    def __init__(self, size: ModelSize, tie_head: bool = False) -> None:
         super().__init__()
         self.size = size
         self.tok = nn.Embedding(size.vocab, size.dim)
@@ -90,7 +93,10 @@ class TransformerLM(nn.Module):
         self.blocks = nn.ModuleList(_Block(size.dim, size.heads) for _ in range(size.layers))
         self.norm = nn.LayerNorm(size.dim)
         self.head = nn.Linear(size.dim, size.vocab, bias=False)
-        self.head.weight = self.tok.weight
+        if tie_head:
+            self.head.weight = self.tok.weight
+        else:
+            nn.init.normal_(self.head.weight, std=0.02)
         nn.init.normal_(self.tok.weight, std=0.02)  # keeps the first loss near log(vocab)
         nn.init.normal_(self.pos.weight, std=0.02)
 
@@ -102,6 +108,15 @@ class TransformerLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+    def shard_units(self) -> list[nn.Module]:
+        """The modules to shard one by one before the root, in forward order: each block and, when the
+        head is untied, the token embedding first and the head last (as FSDP2 users shard them), so
+        the groups gathered at the very start of forward (root, embedding) and reduced at the very
+        end of backward are small, and the head's gather and reduction hide behind the blocks."""
+        if self.head.weight is self.tok.weight:
+            return list(self.blocks)
+        return [self.tok, *self.blocks, self.head]
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy over ``tokens`` (b, t + 1), in float32."""

@@ -3,12 +3,14 @@
 One run, side by side on the same ranks, from the same initial weights and on the same batches:
 
 * ``overlap.shard`` (this runtime: each block's gather in flight while the block before it computes,
-  gradients reduce-scattered while the rest of backward runs);
+  gradients reduce-scattered while the rest of backward runs, each group's optimizer step run in
+  backward as soon as its gradients land: ``overlap.optimizer_in_backward``);
 * ``overlap.no_overlap`` (the same runtime with every collective completed before anything else
   runs: what overlap is measured from);
 * torch FSDP2 (``fully_shard``, default settings).
 
-Each mode trains :class:`~overlap.demo.model.TransformerLM` with AdamW; its steps alternate without
+Each mode trains :class:`~overlap.demo.model.TransformerLM` (head untied; embedding, each block and
+head sharded on their own, then the root) with AdamW; its steps alternate without
 and with the emulated link's delay (``overlap.testing.paired_steps``): the first kind is the mode's
 *compute side* (math, packing, the runtime's and gloo's own host work) and what the second takes
 beyond it is *exposed communication*. The link's bandwidth is chosen, unless given, so that one
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.demo.model import MODEL_SIZES, TransformerLM, token_batch
-from overlap.demo.training import TrainStep, calibrate_link, shard_for_mode
+from overlap.demo.training import TrainStep, calibrate_link, make_optimizer, shard_for_mode
 from overlap.testing.exposed import PairedTimes
 
 __all__ = [
@@ -223,8 +225,9 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
 
             mesh = init_device_mesh(device.type, cfg.mesh, mesh_dim_names=("replicate", "shard"))
             mode = mode.removesuffix(HSDP_SUFFIX)
-        context = shard_for_mode(mode, model, list(model.blocks), mesh=mesh)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        context = shard_for_mode(mode, model, model.shard_units(), mesh=mesh)
+        # overlap.shard steps each group in backward as its gradients land (the plain step's numerics).
+        optimizer = make_optimizer(model, 1e-3, in_backward=mode == "overlap")
         return TrainStep(lambda i: model.loss(token_batch(size, i, rank).to(device)), optimizer, context,
                          device, progress.advance)
 
@@ -341,8 +344,8 @@ def format_report(result: DemoResult) -> str:
                 f"link across nodes {result.link_gbps:.3g} Gbit/s ({how}), within a node "
                 f"{INTER_NODE_SLOWDOWN:g}x faster")
     lines = [
-        f"model {cfg.model}: {result.parameters / 1e6:.3g} M parameters, {size.layers} blocks (each sharded, then "
-        f"the root); {result.tokens_per_step:,} tokens per step over {result.world_size} ranks",
+        f"model {cfg.model}: {result.parameters / 1e6:.3g} M parameters, {size.layers} blocks (embedding, each "
+        f"block and head sharded, then the root); {result.tokens_per_step:,} tokens per step over {result.world_size} ranks",
         f"{link}, {cfg.latency_us:g} µs per collective; medians of {cfg.steps} steps, slowest rank",
         "",
         _table(HEADER, rows),

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MODES", "TrainStep", "calibrate_link", "calibrated_gbps", "measure_traffic", "shard_for_mode"]
+__all__ = ["MODES", "TrainStep", "calibrate_link", "calibrated_gbps", "measure_traffic", "make_optimizer",
+           "shard_for_mode"]
 
 MODES: tuple[str, ...] = ("overlap", "no-overlap", "fsdp2", "fsdp2-prefetch")
 
@@ -81,6 +82,17 @@ def shard_for_mode(mode: str, model: nn.Module, blocks: Sequence[nn.Module], *,
 
         return lambda: overlap.no_overlap(model)
     return contextlib.nullcontext
+
+
+def make_optimizer(model: nn.Module, lr: float, in_backward: bool = False) -> torch.optim.Optimizer:
+    """AdamW(``lr``) over ``model``'s parameters; ``in_backward``: one per ``overlap.shard`` group,
+    each stepped in backward as soon as its gradients land (``overlap.optimizer_in_backward``: the
+    plain step's numerics; ``model`` must be sharded with ``overlap``)."""
+    if in_backward:
+        import overlap
+
+        return overlap.optimizer_in_backward(model, torch.optim.AdamW, lr=lr)  # type: ignore[return-value]
+    return torch.optim.AdamW(model.parameters(), lr=lr)
 
 
 class TrainStep:

@@ -253,6 +253,13 @@ MATRIX: dict[str, Bad] = {
                                       "call overlap.shard first"),
     "prefetch_next_step module not sharded": Bad(lambda e: overlap.prefetch_next_step(e.model), TypeError,
                                                   "prefetch_next_step", "module sharded by overlap.shard"),
+    "optimizer_in_backward model not sharded": Bad(lambda e: overlap.optimizer_in_backward(e.model, torch.optim.SGD),
+                                                    TypeError, "model", "root module passed to overlap.shard"),
+    "optimizer_in_backward not an optimizer class": Bad(lambda e: overlap.optimizer_in_backward(e.sharded, "sgd"),
+                                                        TypeError, "optimizer_class", "torch.optim.Optimizer"),
+    "optimizer_in_backward bad max_norm": Bad(lambda e: overlap.optimizer_in_backward(e.sharded, torch.optim.SGD,
+                                                                                      max_norm=-1.0, lr=0.1),
+                                              ValueError, "max_norm", "finite number > 0"),
     "no_overlap module not a module": Bad(lambda e: _enter(overlap.no_overlap(3)), TypeError, "module",
                                           "torch.nn.Module sharded by overlap.shard"),
     "no_overlap module not sharded": Bad(lambda e: _enter(overlap.no_overlap(e.model)), ValueError, "no_overlap",
@@ -430,7 +437,7 @@ def test_every_public_name_has_a_row() -> None:
     """The table covers every public callable that takes arguments (kept in sync with ``__all__``)."""
     no_arguments = {"inflight", "inflight_bytes", "max_inflight_bytes", "wait_all", "debug_enabled", "uninstall",  # none
                     "wait", "wait_tensor", "is_pending",  # take any object (non-tensors pass through)
-                    "AsyncTensor", "Completion", "Schedule", "ShardedModule", "DeviceInfo", "Profiler",
+                    "AsyncTensor", "Completion", "Schedule", "ShardedModule", "OptimizerInBackward", "DeviceInfo", "Profiler",
                     "CollectiveError", "CollectiveTimeoutError", "DesyncError", "ScheduleMismatchError"}
     # The types are built (or raised) by the library itself, and ``*_ref`` are the plain-torch
     # references.
