@@ -63,8 +63,9 @@ class OptimizerInBackward:
         group; otherwise step the groups whose parameters still hold gradients. Drops the gradients
         of the groups it steps."""
         if self.max_norm is not None:
-            params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+            # In the model's parameter order, as the plain loop clips: the total norm sums the
+            # per-parameter norms, and another order rounds differently.
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
         for optimizer in self.optimizers:
             if any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
                 optimizer.step()

@@ -514,9 +514,11 @@ class ParamGroup:
     def _move_grads_to_shards(self, indices: tuple[int, ...]) -> None:
         """World size 1 fast path of the reduce-scatter: the full gradient is the shard's gradient;
         with a cast (``casts_shards``) it is rounded to the reduce dtype and cast to the shard's,
-        as the packed path's copy-in and copy-out would."""
+        as the packed path's copy-in and copy-out would (one foreach cast for the new gradients, one
+        foreach add for the accumulated ones)."""
         assert self.unsharded is not None
         reduce_dtype = self.mp.effective_reduce_dtype if self.casts_shards else None
+        moved, fresh_src, fresh_dst, acc_src, acc_dst = [], [], [], [], []
         with torch.no_grad():
             for i in indices:
                 u, s = self.unsharded[i], self.sharded[i]
@@ -524,14 +526,36 @@ class ParamGroup:
                     continue
                 local = s._local_tensor  # type: ignore[attr-defined]
                 grad, u.grad = u.grad, None
-                if reduce_dtype is not None:
-                    grad = grad.to(reduce_dtype)
-                grad = grad.to(local.dtype).view(local.shape)
+                if reduce_dtype is not None and not _widens_exactly(grad.dtype, reduce_dtype):
+                    grad = grad.to(reduce_dtype)  # the reduction's rounding, as the packed path has it
+                grad = grad.view(local.shape)
+                moved.append(s)
                 if s.grad is None:
-                    s.grad = DTensor(grad, s._spec, requires_grad=False)  # type: ignore[attr-defined]
+                    if grad.dtype == local.dtype:
+                        s.grad = DTensor(grad, s._spec, requires_grad=False)  # type: ignore[attr-defined]
+                        continue
+                    target = torch.empty_like(local)
+                    s.grad = DTensor(target, s._spec, requires_grad=False)  # type: ignore[attr-defined]
+                    fresh_src.append(grad)
+                    fresh_dst.append(target)
                 else:
-                    s.grad._local_tensor += grad  # type: ignore[union-attr]
-        self._run_reduced_hooks([self.sharded[i] for i in indices if self.sharded[i].grad is not None])
+                    acc_src.append(grad if grad.dtype == local.dtype else grad.to(local.dtype))
+                    acc_dst.append(s.grad._local_tensor)  # type: ignore[union-attr]
+            if fresh_dst:
+                torch._foreach_copy_(fresh_dst, fresh_src)
+            if acc_dst:
+                torch._foreach_add_(acc_dst, acc_src)
+        self._run_reduced_hooks(moved)
+
+def _widens_exactly(source: torch.dtype, target: torch.dtype) -> bool:
+    """Does casting ``source`` to ``target`` keep every value (a no-op, or a float widening such as
+    bf16 or fp16 to fp32)? Then a cast through ``target`` may be skipped."""
+    if source == target:
+        return True
+    if not (source.is_floating_point and target.is_floating_point):
+        return False
+    s, t = torch.finfo(source), torch.finfo(target)
+    return t.bits > s.bits and t.eps <= s.eps and t.max >= s.max and t.tiny <= s.tiny
 
 
 def _average_scales(reduce_dtype: torch.dtype, world_size: int) -> tuple[Optional[float], Optional[float]]:

@@ -192,7 +192,9 @@ class ShardState:
                 if self.group is not None and torch.is_grad_enabled():
                     self._watch_inputs((args, kwargs))
         if self.mp.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
+            args = _cast_floating(args, self.mp.param_dtype)
+            if kwargs:
+                kwargs = _cast_floating(kwargs, self.mp.param_dtype)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -566,6 +568,10 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
             return x.to(dtype)
         return x
 
+    if isinstance(tree, torch.Tensor):
+        return cast(tree)
+    if type(tree) is tuple and all(isinstance(x, torch.Tensor) for x in tree):
+        return tuple(cast(x) for x in tree)  # the usual forward's arguments, without pytree's traversal
     return tree_map(cast, tree)
 
 
