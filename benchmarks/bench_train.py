@@ -1,7 +1,8 @@
 """Sharded training step, side by side in one run: overlap.shard vs torch FSDP2 vs overlap off vs ideal.
 
 On ``--world-size`` gloo ranks, an MLP of ``--blocks`` blocks, each sharded, trained with AdamW.
-Modes: ``overlap.shard``; ``overlap.shard`` under ``overlap.no_overlap`` (every collective completes
+Modes: ``overlap.shard``; ``overlap.shard`` with each group's AdamW stepped in backward as soon as
+its gradients are reduced (``overlap.optimizer_in_backward``); ``overlap.shard`` under ``overlap.no_overlap`` (every collective completes
 before anything else runs); torch FSDP2 ``fully_shard`` with default settings, and with explicit
 forward/backward prefetch of one module. Each mode alternates steps without and with the emulated
 link's delay: the unlinked step is the mode's *compute side* (math, packing, gloo's real loopback
