@@ -12,21 +12,24 @@ Sections (``--sections``, default all; one function per section, each prints its
     A compiled FSDP-style training step (``ShardedMLP`` of ``tests/compiled_step.py``: ``--blocks``
     residual MLP blocks, each block's parameters one flat shard that the forward all-gathers and
     whose gradient the backward reduce-scatters) on ``--world-size`` gloo ranks, compiled by
-    Inductor twice: without and with ``scheduler.inductor_overlap()``. Both copies start from the
-    same weights and take the same steps; each iteration times, in turn, a step of each without the
-    link's delay (the *compute side*) and a step of each behind the link, the order of the two
-    copies alternating between iterations. The link bandwidth is chosen (unless ``--link-gbps``) so
+    Inductor three times: without the hook, with Inductor's own comm passes (``INDUCTOR_COMM_PASSES``:
+    ``reorder_for_compute_comm_overlap`` with the pass list torch's config recommends, and FX
+    bucketing of all-gathers and reduce-scatters), and with ``scheduler.inductor_overlap()``. The
+    copies start from the same weights and take the same steps; each iteration times, in turn, a
+    step of each without the link's delay (the *compute side*) and a step of each behind the link,
+    the copies taking turns going first. The link bandwidth is chosen (unless ``--link-gbps``) so
     that one step's communication takes about as long as the compute side. Reported: medians of
-    the slowest rank, the speed-up of the hook (ratio of medians, and the median of the per-
-    iteration ratios), the ideal ``max(compute, comm)``, how many collectives have compute between
-    their issue and their wait in the generated code, and whether the two copies' losses are
-    identical, bit for bit.
+    the slowest rank, each copy's speed-up over the one without the hook (ratio of medians, and the
+    median of the per-iteration ratios), the hook's over Inductor's passes, the ideal
+    ``max(compute, comm)``, how many collectives have compute between their issue and their wait in
+    the generated code, and whether the copies' losses are identical, bit for bit.
 
     python benchmarks/bench_scheduler.py [--sections compiled] [--steps 10] [--markdown benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from typing import Any, Callable, Optional
@@ -58,95 +61,128 @@ def _overlapped(codes: list[str]) -> str:
     return f"{sum(g.compute_before_wait > 0 for g in gaps)}/{len(gaps)}"
 
 
+# Inductor's own comm passes, as torch 2.13 documents them: reordering for compute/comm overlap with
+# the pass list its config recommends, and FX bucketing of all-gathers and reduce-scatters. (Its
+# newer overlap scheduler, ``aten_distributed_optimizations.enable_overlap_scheduling``, estimates
+# collectives from the GPU's memory bandwidth and fails to compile without a GPU driver.)
+INDUCTOR_COMM_PASSES: dict[str, Any] = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["reorder_communication_preserving_peak_memory",
+                                                "sink_waits_iterative",
+                                                "reorder_communication_preserving_peak_memory"],
+    "bucket_all_gathers_fx": "all",
+    "bucket_reduce_scatters_fx": "all",
+}
+BASELINE, INDUCTOR, HOOK = "without hook", "Inductor's comm passes", "with hook"
+VARIANTS = (BASELINE, INDUCTOR, HOOK)
+
+
+def _compile_context(name: str) -> contextlib.AbstractContextManager[Any]:
+    """The context a variant's step compiles in (the hook also needs it when the step is built)."""
+    import torch._inductor.config as inductor_config
+
+    if name == HOOK:
+        return scheduler.inductor_overlap()
+    if name == INDUCTOR:
+        return inductor_config.patch(INDUCTOR_COMM_PASSES)
+    return contextlib.nullcontext()
+
+
 def _compiled_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     x = rank_input(args.batch, args.dim, rank)
-    names = ("without hook", "with hook")
-    models = [ShardedMLP(args.blocks, args.dim, args.hidden, rank, world) for _ in names]
-    steps = [compiled_step(models[0], x)]
-    with scheduler.inductor_overlap():  # the hook stays with this step, recompiles included
-        steps.append(compiled_step(models[1], x))
-    losses: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    models = [ShardedMLP(args.blocks, args.dim, args.hidden, rank, world) for _ in VARIANTS]
+    steps = []
+    for name, model in zip(VARIANTS, models):
+        with _compile_context(name) if name == HOOK else contextlib.nullcontext():
+            steps.append(compiled_step(model, x))  # the hook stays with this step, recompiles included
+    losses: dict[str, list[torch.Tensor]] = {n: [] for n in VARIANTS}
     out: dict[str, Any] = {}
     # Caches off: every graph is compiled here, under the config of its variant, and its code seen.
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        start = time.perf_counter()
-        with captured_code() as codes:
-            losses[names[0]].append(steps[0]())
-        out["compile s " + names[0]] = time.perf_counter() - start
-        out["overlapped " + names[0]] = _overlapped(codes)
-        start = time.perf_counter()
-        with scheduler.inductor_overlap(), captured_code() as codes:
-            losses[names[1]].append(steps[1]())
-        out["compile s " + names[1]] = time.perf_counter() - start
-        out["overlapped " + names[1]] = _overlapped(codes)
+        for name, step in zip(VARIANTS, steps):
+            start = time.perf_counter()
+            with _compile_context(name), captured_code() as codes:
+                losses[name].append(step())
+            out["compile s " + name] = time.perf_counter() - start
+            out["overlapped " + name] = _overlapped(codes)
 
     for _ in range(args.warmup):
-        for name, step in zip(names, steps):
+        for name, step in zip(VARIANTS, steps):
             _timed(step, losses[name])
-    # Calibration: the compute side, median over both copies (the same number of steps on each).
+    # Calibration: the compute side, median over every copy (the same number of steps on each).
     compute = over_ranks(statistics.median(
-        _timed(step, losses[name]) for _ in range(args.calibration_steps) for name, step in zip(names, steps)))
+        _timed(step, losses[name]) for _ in range(args.calibration_steps) for name, step in zip(VARIANTS, steps)))
     rows = models[0][0].rows
     wire = 2 * args.blocks * (world - 1) * rows * 4  # per step: an all-gather and a reduce-scatter per block
     collectives = 2 * args.blocks
     gbps = args.link_gbps or calibrated_gbps(compute, collectives, wire, args.latency_us)
     link = EmulatedLink(gbps, args.latency_us, functional=True)
 
-    unlinked: dict[str, list[float]] = {n: [] for n in names}
-    linked: dict[str, list[float]] = {n: [] for n in names}
+    unlinked: dict[str, list[float]] = {n: [] for n in VARIANTS}
+    linked: dict[str, list[float]] = {n: [] for n in VARIANTS}
     link.reset_stats()
     for i in range(args.steps):
-        order = list(zip(names, steps))[:: 1 if i % 2 == 0 else -1]
+        shift = i % len(VARIANTS)  # the copies take turns going first
+        order = list(zip(VARIANTS, steps))[shift:] + list(zip(VARIANTS, steps))[:shift]
         for name, step in order:
             unlinked[name].append(_timed(step, losses[name]))
         for name, step in order:
             with link:
                 linked[name].append(_timed(step, losses[name]))
     stats = link.stats()
-    out.update(gbps=gbps, comm=over_ranks(stats.emulated_seconds / (len(names) * args.steps)),
+    out.update(gbps=gbps, comm=over_ranks(stats.emulated_seconds / (len(VARIANTS) * args.steps)),
                by_op=dict(stats.by_op))
-    for name in names:
+    for name in VARIANTS:
         out["unlinked " + name] = over_ranks(statistics.median(unlinked[name]))
         out["linked " + name] = over_ranks(statistics.median(linked[name]))
-    pair_ratios = [a / b for a, b in zip(linked[names[0]], linked[names[1]])]
-    out["pair ratio"] = over_ranks(statistics.median(pair_ratios), dist.ReduceOp.MIN)  # least favourable rank
-    a, b = torch.stack(losses[names[0]]), torch.stack(losses[names[1]])
-    out["losses"] = (len(a), torch.equal(a, b), float((a - b).abs().max()))
-    out["shards equal"] = all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
+        pair_ratios = [a / b for a, b in zip(linked[BASELINE], linked[name])]
+        out["pair ratio " + name] = over_ranks(statistics.median(pair_ratios), dist.ReduceOp.MIN)  # least favourable rank
+    hook_vs_inductor = [a / b for a, b in zip(linked[INDUCTOR], linked[HOOK])]
+    out["hook vs inductor"] = over_ranks(statistics.median(hook_vs_inductor), dist.ReduceOp.MIN)
+    reference = torch.stack(losses[BASELINE])
+    out["losses"] = {name: (len(reference), torch.equal(reference, torch.stack(losses[name])),
+                            float((reference - torch.stack(losses[name])).abs().max())) for name in VARIANTS[1:]}
+    out["shards equal"] = {name: all(torch.equal(p, q) for p, q in zip(models[0].parameters(), m.parameters()))
+                           for name, m in zip(VARIANTS[1:], models[1:])}
     return out
 
 
 def compiled(args: argparse.Namespace) -> None:
-    """The ``compiled`` section: a compiled training step without vs with the Inductor hook."""
+    """The ``compiled`` section: a compiled training step without the hook, with Inductor's own comm
+    passes, and with the Inductor hook."""
     results = run_distributed(_compiled_rank, args.world_size, args, timeout=1800)
     r = results[0]
-    equal = all(res["losses"][1] and res["shards equal"] for res in results)
-    n_losses = r["losses"][0]
-    max_diff = max(res["losses"][2] for res in results)
-    loss_note = (f"identical, bit for bit ({n_losses} steps x {args.world_size} ranks, and final shards)"
-                 if equal else f"DIFFER (max abs diff {max_diff:.3g})")
-    base = r["linked without hook"]
+    notes = []
+    for name in VARIANTS[1:]:
+        n_losses = r["losses"][name][0]
+        if all(res["losses"][name][1] and res["shards equal"][name] for res in results):
+            notes.append(f"{name}: identical, bit for bit ({n_losses} steps x {args.world_size} ranks, and final shards)")
+        else:
+            notes.append(f"{name}: DIFFER (max abs diff {max(res['losses'][name][2] for res in results):.3g})")
+    base = r["linked " + BASELINE]
     rows = []
-    for name in ("without hook", "with hook"):
+    for name in VARIANTS:
         step, compute = r["linked " + name], r["unlinked " + name]
         rows.append([name, f"{1e3 * step:.1f}", f"{1e3 * compute:.1f}", f"{1e3 * r['comm']:.1f}",
                      f"{1e3 * max(0.0, step - compute):.1f}", f"{1e3 * max(compute, r['comm']):.1f}",
                      r["overlapped " + name], f"{base / step:.2f}x",
-                     f"{r['pair ratio']:.2f}x" if name == "with hook" else "-"])
+                     f"{r['pair ratio ' + name]:.2f}x" if name != BASELINE else "-"])
     emit(f"Compiled training step (torch.compile, Inductor), {args.world_size} CPU ranks (gloo), "
          f"{args.blocks} sharded MLP blocks {args.dim}->{args.hidden}->{args.dim}, batch {args.batch} "
-         f"per rank, SGD; emulated link {r['gbps']:.3g} Gbit/s + {args.latency_us:g} µs; without vs "
-         f"with scheduler.inductor_overlap(); medians of {args.steps} iterations, slowest rank; "
-         f"losses {loss_note}",
+         f"per rank, SGD; emulated link {r['gbps']:.3g} Gbit/s + {args.latency_us:g} µs; without the hook, with "
+         f"Inductor's own comm passes, with scheduler.inductor_overlap(); medians of {args.steps} iterations, "
+         f"slowest rank; losses vs without the hook: {'; '.join(notes)}",
          ["variant", "step ms", "compute side ms (no link delay)", "comm ms on the link", "exposed comm ms",
           "ideal max(compute, comm) ms", "collectives with compute before their wait",
-          "speed-up (ratio of medians)", "speed-up (median of paired ratios)"],
+          "speed-up vs without hook (ratio of medians)", "speed-up vs without hook (median of paired ratios)"],
          rows, args.markdown)
-    print(f"compile seconds (rank 0): without hook {r['compile s without hook']:.1f}, "
-          f"with hook {r['compile s with hook']:.1f}; link ops per iteration pair: {r['by_op']}")
+    print(f"hook vs Inductor's comm passes (median of paired ratios, least favourable rank): "
+          f"{r['hook vs inductor']:.2f}x")
+    print("compile seconds (rank 0): " + ", ".join(f"{n} {r['compile s ' + n]:.1f}" for n in VARIANTS)
+          + f"; link ops over the timed linked steps: {r['by_op']}")
 
 
 def eager(args: argparse.Namespace) -> None:
