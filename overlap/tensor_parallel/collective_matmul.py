@@ -31,7 +31,9 @@ re-gather in backward).
 Matmul -> reduce-scatter: chunk ``k``'s partial products (rows of the ``k``-th sub-slice of every
 destination rank's slice) are computed, packed rank-major and their reduce-scatter issued before
 chunk ``k + 1`` is computed; the results are waited for at the end.
-Matmul -> all-reduce: the same with row blocks of the flattened input, reduced in place.
+Matmul -> all-reduce: the same with row blocks of the flattened input, reduced in place. A
+row-parallel layer's replicated bias enters each rank's addend as ``bias / w`` (what DTensor makes
+of a ``Replicate()`` bias added to a ``Partial()`` product), not after the reduction.
 Uneven shards (``S`` not divisible by ``w``: torch.chunk's rule, as DTensor's ``Shard``) are
 padded to the widest rank's sub-slice inside the chunk buffers only; padding is never read.
 ``chunks == 1`` is torch's own order: one collective, one matmul on the whole operand (bitwise

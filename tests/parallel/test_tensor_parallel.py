@@ -82,6 +82,14 @@ def _close(what: str, got: torch.Tensor, want: torch.Tensor, tol: Optional[tuple
     return [f"{what}: max abs diff {diff:.3g} > {bound:.3g}"] if diff > bound else []
 
 
+def _seq_slice(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's slice of dim 1 under DTensor's ``Shard`` rule (torch.chunk's sizes: ``ceil(S / w)``
+    each, the last ranks fewer or none; unlike ``torch.chunk`` an empty slice for those)."""
+    per = -(-t.shape[1] // world)
+    start = min(rank * per, t.shape[1])
+    return t.narrow(1, start, max(0, min(per, t.shape[1] - start)))
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -94,8 +102,8 @@ def _run(model: torch.nn.Module, case: Case, x: torch.Tensor, dy: torch.Tensor, 
         if case.dtensor_input:
             xin = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
         else:
-            xin = x.chunk(world, dim=1)[rank].clone().requires_grad_()
-        dy = dy.chunk(world, dim=1)[rank]
+            xin = _seq_slice(x, world, rank).clone().requires_grad_()
+        dy = _seq_slice(dy, world, rank)
     else:
         xin = x.clone().requires_grad_()
     y = model(xin)
@@ -120,9 +128,9 @@ def _check_case(case: Case, mesh: Any, rank: int, world: int, bitwise_chunks1: b
     y_ours, gx_ours, g_ours = _run(ours, case, x, dy, mesh, rank, world)
     sp = case.block in SP_BLOCKS
     if sp:  # this rank's slice of the unsharded results
-        y_ref = y_ref.chunk(world, dim=1)[rank]
+        y_ref = _seq_slice(y_ref, world, rank)
         if not case.dtensor_input:
-            gx_ref = gx_ref.chunk(world, dim=1)[rank]
+            gx_ref = _seq_slice(gx_ref, world, rank)
     low = case.dtype != torch.float32
     vs_torch = (None if case.chunks == 1 and bitwise_chunks1 else (BF16_TOL if low else FP32_TOL))
     vs_ref = BF16_REF_TOL if low else FP32_TOL
@@ -216,7 +224,7 @@ def _ecosystem_rank(rank: int, world: int, path: str) -> list[str]:
         elif not torch.equal(o.to_local(), t.to_local()):
             problems.append(f"{k}: local shard differs from torch's")
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(BATCH, 8, 16, generator=gen).chunk(world, dim=1)[rank]
+    x = _seq_slice(torch.randn(BATCH, 8, 16, generator=gen), world, rank)
     norms = []
     for model in (theirs, ours):
         model(x).square().sum().backward()
