@@ -3,9 +3,12 @@
 On ``--world-size`` gloo ranks (default 2), a stack of ``--layers`` blocks with torch's own
 sequence-parallel plan (``tests/tp_blocks.py``): the sequence-parallel MLP (norm ``SequenceParallel``,
 w1 ``ColwiseParallel(input_layouts=Shard(1))``, gelu, w2 ``RowwiseParallel(output_layouts=Shard(1))``)
-and the sequence-parallel attention block (q, k, v projections colwise from the sequence-sharded
-input, SDPA on the local heads, the output projection rowwise into the sequence-sharded output),
-forward and backward (loss ``mean(y ** 2)``, no optimizer). Modes: torch ``parallelize_module``
+the sequence-parallel attention block (q, k, v projections colwise from the sequence-sharded
+input, each gathering it, SDPA on the local heads, the output projection rowwise into the
+sequence-sharded output), and the same attention with torchtitan's plan (the input gathered once by
+torch's ``PrepareModuleInput``, which stays torch's, q/k/v colwise on the replicated DTensor with no
+collective, the output projection rowwise into the sequence-sharded output: only that
+reduce-scatter and its backward all-gather are decomposed), forward and backward (loss ``mean(y ** 2)``, no optimizer). Modes: torch ``parallelize_module``
 (eager DTensor: each all-gather / reduce-scatter whole, before / after its matmul) and
 ``overlap.tensor_parallel`` with the same plan (chunks chosen from the sizes and the link, and with
 ``chunks=1``, torch's undecomposed order through this runtime's collectives).
@@ -34,7 +37,8 @@ from overlap.demo.training import calibrated_gbps
 from overlap.testing import EmulatedLink, PairedTimes, paired_steps, run_distributed
 from report import emit
 
-BLOCKS = {"sequence-parallel MLP": "sp_mlp", "sequence-parallel attention": "sp_attention"}
+BLOCKS = {"sequence-parallel MLP": "sp_mlp", "sequence-parallel attention": "sp_attention",
+          "attention, torchtitan's plan": "prepared_attn"}
 MODES = ("torch parallelize_module", "overlap.tensor_parallel", "overlap.tensor_parallel, chunks=1")
 
 
