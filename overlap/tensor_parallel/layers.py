@@ -60,7 +60,7 @@ class _State:
         self.backward_region = with_fqn("overlap::tp_backward", plan.fqn)
 
     def _call(self, rows: int, wire_bytes: float, layout: Optional[tuple[list[int], int]] = None) -> cm.Call:
-        chunks = choose_chunks(rows, wire_bytes, self.info.pg, self.plan.chunks)
+        chunks = choose_chunks(rows, wire_bytes, self.info.pg, self.plan.chunks, self.mesh.device_type)
         seq = cm.SeqLayout(layout[0], layout[1], chunks, self.info.rank) if layout is not None else None
         return cm.Call(self.info, chunks, self.forward_region, self.backward_region, seq)
 

@@ -297,16 +297,21 @@ def test_one_rank_is_the_plain_module(single_rank_group: dist.ProcessGroup) -> N
 
 def test_chunk_count_choice() -> None:
     """[Note: choosing the chunk count], worked by hand: behind a 8 Gbit/s link (1e9 bytes/s) a
-    1 MB transfer takes T = 1 ms; with L = 40 µs, sqrt(T / L) = 5; with L = 10 µs it is 10, capped
-    at 8; 64 rows allow 4 chunks of 16; no link: 2; ``chunks=`` wins, capped at the rows."""
+    10 MB transfer takes T = 10 ms; with L = 125 µs and the CPU's O = 500 µs, sqrt(T / (L + O)) = 4;
+    with L = 0 it is 4.47 -> 4; a 100 MB one (T = 100 ms) wants 13, capped at 8; 32 rows allow 2
+    chunks of 16; on CUDA (O = 20 µs) with L = 5 µs, T = 1 ms gives sqrt(40) -> 6; no link: 2;
+    ``chunks=`` wins, capped at the rows."""
     from overlap.tensor_parallel.chunks import DEFAULT_CHUNKS, MAX_CHUNKS, choose_chunks
     from overlap.testing import emulated_link
 
-    with emulated_link(8.0, 40.0):
-        assert choose_chunks(1024, 1e6) == 5
-        assert choose_chunks(64, 1e6) == 4
-    with emulated_link(8.0, 10.0):
-        assert choose_chunks(1024, 1e6) == MAX_CHUNKS == 8
+    with emulated_link(8.0, 125.0):
+        assert choose_chunks(1024, 1e7) == 4
+        assert choose_chunks(1024, 1e8) == MAX_CHUNKS == 8
+        assert choose_chunks(32, 1e7) == 2
+    with emulated_link(8.0, 0.0):
+        assert choose_chunks(1024, 1e7) == 4
+    with emulated_link(8.0, 5.0):
+        assert choose_chunks(1024, 1e6, device_type="cuda") == 6
     assert choose_chunks(1024, 1e6) == DEFAULT_CHUNKS == 2
     assert choose_chunks(20, 1e6) == 1
     assert choose_chunks(1024, 1e6, override=3) == 3
