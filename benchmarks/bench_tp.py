@@ -10,8 +10,10 @@ torch's ``PrepareModuleInput``, which stays torch's, q/k/v colwise on the replic
 collective, the output projection rowwise into the sequence-sharded output: only that
 reduce-scatter and its backward all-gather are decomposed), forward and backward (loss ``mean(y ** 2)``, no optimizer). Modes: torch ``parallelize_module``
 (eager DTensor: each all-gather / reduce-scatter whole, before / after its matmul) and
-``overlap.tensor_parallel`` with the same plan (chunks chosen from the sizes and the link, and with
-``chunks=1``, torch's undecomposed order through this runtime's collectives).
+``overlap.tensor_parallel`` with the same plan: chunks chosen per call (behind the link from the
+link and the sizes, without it 2, so this mode's compute side and linked steps run different chunk
+counts), ``chunks=1`` (torch's undecomposed order through this runtime's collectives) and
+``chunks=4`` (the same chunks in both halves of each pair).
 
 Each mode alternates steps without and with the emulated link's delay
 (``overlap.testing.paired_steps``; the link models torch's functional collectives too, which
@@ -39,7 +41,9 @@ from report import emit
 
 BLOCKS = {"sequence-parallel MLP": "sp_mlp", "sequence-parallel attention": "sp_attention",
           "attention, torchtitan's plan": "prepared_attn"}
-MODES = ("torch parallelize_module", "overlap.tensor_parallel", "overlap.tensor_parallel, chunks=1")
+MODES = ("torch parallelize_module", "overlap.tensor_parallel", "overlap.tensor_parallel, chunks=1",
+         "overlap.tensor_parallel, chunks=4")
+CHUNKS = {MODES[1]: None, MODES[2]: 1, MODES[3]: 4}  # None: --chunks (default: chosen per call)
 
 
 def _model(block: str, mode: str, args: argparse.Namespace, mesh: Any) -> Any:
@@ -55,7 +59,7 @@ def _model(block: str, mode: str, args: argparse.Namespace, mesh: Any) -> Any:
     plan = {f"*.{key}": style for key, style in plan_for(block).items()}  # fnmatch keys, as torch takes them
     if mode == MODES[0]:
         return parallelize_module(model, mesh, plan)
-    return overlap.tensor_parallel(model, mesh, plan, chunks=1 if mode == MODES[2] else args.chunks)
+    return overlap.tensor_parallel(model, mesh, plan, chunks=CHUNKS[mode] or args.chunks)
 
 
 def _step(model: Any, x: Any) -> Any:
