@@ -32,6 +32,7 @@ from torch import nn  # noqa: E402
 
 if TYPE_CHECKING:
     from overlap.demo.training import TrainStep
+    from overlap.testing import PairedTimes
 
 
 # ------------------------------------------------------------------------------------ command line
@@ -115,6 +116,17 @@ def mlp_step(mode: str, blocks: int, dim: int, x: torch.Tensor, optimizer_in_bac
     context = shard_for_mode(mode, model, list(model))
     optimizer = make_optimizer(model, 1e-3, optimizer_in_backward)
     return TrainStep(lambda _: model(x).square().mean(), optimizer, context)
+
+
+# ------------------------------------------------------------------------------------ paired steps
+PAIRED_HEADER = ["step ms", "compute side ms (no link delay)", "comm ms on the link", "exposed comm ms"]
+"""The columns of :func:`paired_cells`."""
+
+
+def paired_cells(m: "PairedTimes") -> list[str]:
+    """A mode's ``overlap.testing.paired_steps`` figures in ms: step (linked), compute side
+    (unlinked), the link's busy time and the exposed communication (:data:`PAIRED_HEADER`)."""
+    return [f"{1e3 * v:.1f}" for v in (m.linked, m.unlinked, m.comm, m.exposed)]
 
 
 # ---------------------------------------------------------------------------------- process groups

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from _common import mlp_parser, mlp_step, parse, rank_input  # first: sys.path
+from _common import PAIRED_HEADER, mlp_parser, mlp_step, paired_cells, parse, rank_input  # first: sys.path
 from overlap.demo.training import calibrate_link
 from overlap.testing import PairedTimes, paired_steps, run_distributed
 from report import emit
@@ -57,14 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in MODES:
         m: PairedTimes = r[name]
-        rows.append([name, f"{1e3 * m.linked:.1f}", f"{1e3 * m.unlinked:.1f}", f"{1e3 * m.comm:.1f}",
-                     f"{1e3 * m.exposed:.1f}", f"{100 * m.hidden_share:.0f}%",
+        rows.append([name, *paired_cells(m), f"{100 * m.hidden_share:.0f}%",
                      f"{1e3 * max(m.unlinked, m.comm):.1f}", f"{m.linked / fsdp2:.2f}x"])
     emit(f"Training step, {args.world_size} CPU ranks (gloo), {args.blocks} MLP blocks of width {args.dim}, "
          f"AdamW; emulated link {r['gbps']:.3g} Gbit/s + {args.latency_us:g} µs; medians of {args.steps} "
          "steps alternating without/with the link delay, slowest rank",
-         ["mode", "step ms", "compute side ms (no link delay)", "comm ms on the link", "exposed comm ms",
-          "hideable comm hidden", "ideal max(compute, comm) ms", "step vs FSDP2 default"],
+         ["mode", *PAIRED_HEADER, "hideable comm hidden", "ideal max(compute, comm) ms", "step vs FSDP2 default"],
          rows, args.markdown)
 
 

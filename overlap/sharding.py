@@ -84,6 +84,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from overlap import desync
+from overlap.class_swap import swapped_class
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
@@ -121,17 +122,6 @@ class ShardedModule(nn.Module):
             self._overlap_state.group.reshard()
 
 
-_sharded_classes: dict[type, type] = {}
-
-
-def _sharded_class(cls: type) -> type:
-    sharded = _sharded_classes.get(cls)
-    if sharded is None:
-        # The original class's module: libraries that branch on where a class comes from (HF's
-        # custom-code check picks its init path from ``__module__``) see the model's own class.
-        sharded = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
-        _sharded_classes[cls] = sharded
-    return sharded
 
 
 def sharded_states(module: nn.Module) -> list["ShardState"]:
@@ -688,7 +678,7 @@ def shard(
             sharded._overlap_sharded_by = param_group  # type: ignore[attr-defined]
     state = ShardState(module, param_group, info, mp, reshard_after_forward, prefetch, max_inflight_bytes,
                        replicate)
-    module.__class__ = _sharded_class(type(module))
+    module.__class__ = swapped_class(ShardedModule, type(module), "Sharded")
     module._overlap_state = state  # type: ignore[assignment]
     # Hooks run eagerly under torch.compile too (see [Note: hooks stay eager under torch.compile]).
     module.register_forward_pre_hook(torch._dynamo.disable(state.pre_forward, recursive=True), with_kwargs=True)

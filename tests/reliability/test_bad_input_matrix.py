@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import kernels
 import overlap
@@ -89,6 +91,9 @@ class Env:
                 problems.append(f"{k} changed")
         if type(self.model) is not nn.Sequential or any(isinstance(m, overlap.ShardedModule) for m in self.model.modules()):
             problems.append("the plain module was left (partly) sharded")
+        if any(isinstance(p, DTensor) for p in self.model.parameters()) or any(
+                type(m) not in (nn.Sequential, nn.Linear, nn.Tanh) for m in self.model.modules()):
+            problems.append("the plain module was left (partly) parallelized")
         with torch.no_grad():
             if not torch.equal(self.model(self.inp), self.model_out):
                 problems.append("the plain module's output changed")
@@ -136,6 +141,13 @@ def _two_dim_mesh(env: Env) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+
+
+def _tp_mesh(env: Env) -> Any:
+    """The 1-D mesh over every rank that ``overlap.tensor_parallel`` rows parallelize over."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (env.world,))
 
 
 def _three_dim_mesh(env: Env) -> Any:
@@ -397,6 +409,38 @@ MATRIX: dict[str, Bad] = {
                                                   "previous", "callables taking a torch.fx.Graph"),
     "compile_options budget negative": Bad(lambda e: _inductor_hook().compile_options(-1), ValueError,
                                            "max_inflight_bytes", ">= 0"),
+    # tensor_parallel (every plan entry is checked before any is applied) -----------------------------
+    "tensor_parallel module not a module": Bad(lambda e: overlap.tensor_parallel("mlp", _tp_mesh(e), {}), TypeError,
+                                               "module", "torch.nn.Module"),
+    "tensor_parallel mesh a process group": Bad(
+        lambda e: overlap.tensor_parallel(e.model, dist.group.WORLD, {"0": ColwiseParallel()}), TypeError, "mesh",
+        "1-D torch.distributed DeviceMesh"),
+    "tensor_parallel 2-D mesh": Bad(lambda e: overlap.tensor_parallel(e.model, _two_dim_mesh(e), {"0": ColwiseParallel()}),
+                                    ValueError, "mesh", "1-D DeviceMesh (the TP dim; slice this 2-D one"),
+    "tensor_parallel plan a list": Bad(lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), [ColwiseParallel()]),
+                                       TypeError, "plan", "dict of submodule name (str) to a torch ParallelStyle"),
+    "tensor_parallel missing submodule": Bad(
+        lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {"0": ColwiseParallel(), "fc9": RowwiseParallel()}),
+        ValueError, "'fc9'", "names no submodule"),
+    "tensor_parallel unknown style": Bad(
+        lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {"0": ColwiseParallel(), "2": "rowwise"}), TypeError,
+        "'2'", "ColwiseParallel, RowwiseParallel, SequenceParallel"),
+    "tensor_parallel colwise on a non-linear": Bad(
+        lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {"1": ColwiseParallel()}), ValueError, "'1'",
+        "nn.Linear or nn.Embedding"),
+    "tensor_parallel colwise feature-sharded input": Bad(
+        lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {"0": ColwiseParallel(input_layouts=Shard(-1))}),
+        ValueError, "'0'", "Replicate() or Shard(d) with d >= 0"),
+    "tensor_parallel rowwise feature-sharded output": Bad(
+        lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {"2": RowwiseParallel(output_layouts=Shard(-1))}),
+        ValueError, "'2'", "Replicate() or Shard(d) with d >= 0"),
+    "tensor_parallel one linear twice": Bad(
+        lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {"0": ColwiseParallel(), "*": RowwiseParallel()}),
+        ValueError, "'0'", "one ColwiseParallel or RowwiseParallel"),
+    "tensor_parallel chunks zero": Bad(lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {}, chunks=0),
+                                       ValueError, "chunks", "None (chosen from the sizes) or an int >= 1"),
+    "tensor_parallel chunks a str": Bad(lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {}, chunks="2"),
+                                        TypeError, "chunks", "None (chosen from the sizes) or an int >= 1"),
     "compile_options keep_peak_memory_reorder not a bool": Bad(
         lambda e: _inductor_hook().compile_options(keep_peak_memory_reorder=1), TypeError, "keep_peak_memory_reorder",
         "bool"),
@@ -475,6 +519,9 @@ MATRIX_2_RANKS: dict[str, Bad] = {
     "load_full_state_dict shard-sized tensor": Bad(
         lambda e: overlap.load_full_state_dict(e.sharded, _sharded_sd(e, "0.weight", e.rank)), ValueError,
         "'0.weight' has shape (2, 3)", "the model expects (4, 3)"),
+    "tensor_parallel rowwise in_features not divisible": Bad(
+        lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {"2": RowwiseParallel(), "0": RowwiseParallel()}),
+        ValueError, "in_features=3", "divisible by the mesh size 2"),
     "full_state_dict rank0_only a str": Bad(lambda e: overlap.full_state_dict(e.sharded, rank0_only="yes"),
                                             TypeError, "rank0_only", "bool"),
 }

@@ -1,0 +1,135 @@
+"""Tensor parallelism, eager, side by side: overlap.tensor_parallel vs torch's parallelize_module vs ideal.
+
+On ``--world-size`` gloo ranks (default 2), a stack of ``--layers`` blocks with torch's own
+sequence-parallel plan (``tests/tp_blocks.py``): the sequence-parallel MLP (norm ``SequenceParallel``,
+w1 ``ColwiseParallel(input_layouts=Shard(1))``, gelu, w2 ``RowwiseParallel(output_layouts=Shard(1))``)
+the sequence-parallel attention block (q, k, v projections colwise from the sequence-sharded
+input, each gathering it, SDPA on the local heads, the output projection rowwise into the
+sequence-sharded output), and the same attention with torchtitan's plan (the input gathered once by
+torch's ``PrepareModuleInput``, which stays torch's, q/k/v colwise on the replicated DTensor with no
+collective, the output projection rowwise into the sequence-sharded output: only that
+reduce-scatter and its backward all-gather are decomposed), forward and backward (loss ``mean(y ** 2)``, no optimizer). Modes: torch ``parallelize_module``
+(eager DTensor: each all-gather / reduce-scatter whole, before / after its matmul) and
+``overlap.tensor_parallel`` with the same plan: chunks chosen per call (behind the link from the
+link and the sizes, without it 2, so this mode's compute side and linked steps run different chunk
+counts), ``chunks=1`` (torch's undecomposed order through this runtime's collectives) and
+``chunks=4`` (the same chunks in both halves of each pair).
+
+Each mode alternates steps without and with the emulated link's delay
+(``overlap.testing.paired_steps``; the link models torch's functional collectives too, which
+DTensor issues): the unlinked step is the mode's compute side, what a linked step takes beyond it
+is exposed communication. The link bandwidth is chosen (unless ``--link-gbps``) so that one torch
+step's communication takes about as long as torch's compute side. Reported per mode: medians of
+the slowest rank, the ideal ``max(compute side, link busy time)`` of that mode, torch's linked step
+over this mode's, and this mode's over its ideal.
+
+Not yet built: compiled variants (torch.compile of the blocks with and without the Inductor hook
+that decomposes ``all_gather -> mm`` / ``mm -> reduce_scatter``, issue 16 item 4) and the GPU
+comparison against torch's async-TP.
+
+    python benchmarks/bench_tp.py [--layers 2] [--steps 8] [--markdown benchmarks/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from _common import PAIRED_HEADER, add_link, add_steps, add_world_size, paired_cells, parse, parser  # first: sys.path
+from overlap.demo.training import calibrated_gbps
+from overlap.testing import EmulatedLink, PairedTimes, paired_steps, run_distributed
+from report import emit
+
+BLOCKS = {"sequence-parallel MLP": "sp_mlp", "sequence-parallel attention": "sp_attention",
+          "attention, torchtitan's plan": "prepared_attn"}
+MODES = ("torch parallelize_module", "overlap.tensor_parallel", "overlap.tensor_parallel, chunks=1",
+         "overlap.tensor_parallel, chunks=4")
+CHUNKS = {MODES[1]: None, MODES[2]: 1, MODES[3]: 4}  # None: --chunks (default: chosen per call)
+
+
+def _model(block: str, mode: str, args: argparse.Namespace, mesh: Any) -> Any:
+    import torch
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import overlap
+    from tp_blocks import make_block, plan_for
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[make_block(block, True, seed=i, dim=args.dim, hidden=args.hidden, heads=args.heads)
+                                  for i in range(args.layers)])
+    plan = {f"*.{key}": style for key, style in plan_for(block).items()}  # fnmatch keys, as torch takes them
+    if mode == MODES[0]:
+        return parallelize_module(model, mesh, plan)
+    return overlap.tensor_parallel(model, mesh, plan, chunks=CHUNKS[mode] or args.chunks)
+
+
+def _step(model: Any, x: Any) -> Any:
+    def step() -> None:
+        model(x).square().mean().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+def _traffic(step: Any) -> tuple[int, int]:
+    """(collectives, wire bytes per rank) of one ``step``, functional collectives included."""
+    with EmulatedLink(1e6, 0.0, functional=True) as link:
+        step()
+    stats = link.stats()
+    return stats.count, stats.wire_bytes
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(args.batch, args.seq // world, args.dim, generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {}
+    for title, block in BLOCKS.items():
+        steps = {mode: _step(_model(block, mode, args, mesh), x) for mode in MODES}
+        gbps = args.link_gbps
+        if gbps is None:  # one torch step's comm ~ torch's compute side
+            compute = paired_steps(steps[MODES[0]], 3, 1e6, 0.0, warmup=2).unlinked
+            gbps = calibrated_gbps(compute, *_traffic(steps[MODES[0]]), args.latency_us)
+        out[title] = {"gbps": gbps}
+        for mode, step in steps.items():
+            link = EmulatedLink(gbps, args.latency_us, functional=True)
+            out[title][mode] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=2, link=link)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser(__doc__)
+    add_world_size(p)
+    add_steps(p, 8, "timed step pairs per mode")
+    p.add_argument("--layers", type=int, default=2, help="blocks in the stack (default 2)")
+    p.add_argument("--dim", type=int, default=256, help="model width (default 256)")
+    p.add_argument("--hidden", type=int, default=1024, help="MLP hidden width (default 1024)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    p.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
+    p.add_argument("--seq", type=int, default=512, help="global sequence length (default 512)")
+    p.add_argument("--chunks", type=int, default=None, help="overlap.tensor_parallel's chunks (default: chosen)")
+    add_link(p)
+    args = parse(p, argv)
+
+    r = run_distributed(_rank, args.world_size, args, timeout=1200)[0]
+    for title in BLOCKS:
+        res = r[title]
+        torch_linked = res[MODES[0]].linked
+        rows = []
+        for mode in MODES:
+            m: PairedTimes = res[mode]
+            ideal = max(m.unlinked, m.comm)
+            rows.append([mode, *paired_cells(m), f"{1e3 * ideal:.1f}", f"{torch_linked / m.linked:.2f}x",
+                         f"{m.linked / ideal:.2f}x"])
+        emit(f"Tensor parallelism, eager, {title}: {args.layers} blocks, dim {args.dim}, batch {args.batch} x seq "
+             f"{args.seq} on {args.world_size} CPU ranks (gloo), forward + backward; emulated link "
+             f"{res['gbps']:.3g} Gbit/s + {args.latency_us:g} µs; medians of {args.steps} steps alternating "
+             "without/with the link delay, slowest rank",
+             ["mode", *PAIRED_HEADER, "ideal max(compute, comm) ms", "torch step / this step", "this step / ideal"],
+             rows, args.markdown)
+
+
+if __name__ == "__main__":
+    main()

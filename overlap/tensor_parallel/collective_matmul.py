@@ -1,0 +1,407 @@
+"""Collective matmuls, decomposed: a linear layer's collective cut into chunks, each chunk's matmul
+run while the other chunks are on the link.
+
+Four autograd functions on *local* tensors (the caller unwraps DTensors and wraps the results, see
+``overlap.tensor_parallel.layers``). ``w`` ranks, this rank ``r``; ``x`` is ``(*lead, S, *rest,
+in)`` with the sequence (chunked) dim ``d`` anywhere but last; ``W`` this rank's weight shard:
+
+=======================  =====================  ==========================  ==========================
+function (torch style)   forward                backward: input grad        backward: weight grad
+=======================  =====================  ==========================  ==========================
+AllGatherMatmul          all-gather x on ``d``  matmul -> reduce-scatter    needs the gathered x: kept
+(Colwise, Shard(d) in)   -> matmul per chunk    on ``d``, per chunk         from forward; its matmul
+                                                                            runs while the last
+                                                                            reduce-scatters fly
+MatmulReduceScatter      matmul per chunk ->    all-gather of grad-out per  accumulated per landed
+(Rowwise, Shard(d) out)  reduce-scatter on ``d``  chunk -> matmul per chunk   chunk (chunks > 1)
+MatmulAllReduce          matmul per row block   local (the grad-out is      local
+(Rowwise, Replicate out) -> all-reduce          replicated)
+LinearAllReduceGrad      local                  matmul per row block ->     local, while the last
+(Colwise, Replicate in)                         all-reduce                  all-reduces fly
+=======================  =====================  ==========================  ==========================
+
+[Note: decomposing a collective matmul]
+All-gather -> matmul: chunk ``k`` of the gather carries the ``k``-th sub-slice of every rank's
+shard along ``d`` (one all-gather per chunk, every rank contributing, so each chunk is a plain
+collective that the link, the profiler, debug mode and the byte budget all know). All chunks are
+issued at once (FIFO on the group's link); this rank's own shard is multiplied first, with no
+wait, then each chunk's pieces as soon as that chunk has landed. The gathered input is assembled
+as the chunks land and kept for the weight gradient (as torch keeps its gathered input: no
+re-gather in backward).
+Matmul -> reduce-scatter: chunk ``k``'s partial products (rows of the ``k``-th sub-slice of every
+destination rank's slice) are computed, packed rank-major and their reduce-scatter issued before
+chunk ``k + 1`` is computed; the results are waited for at the end.
+Matmul -> all-reduce: the same with row blocks of the flattened input, reduced in place. A
+row-parallel layer's replicated bias enters each rank's addend as ``bias / w`` (what DTensor makes
+of a ``Replicate()`` bias added to a ``Partial()`` product), not after the reduction.
+Uneven shards (``S`` not divisible by ``w``: torch.chunk's rule, as DTensor's ``Shard``) are
+padded to the widest rank's sub-slice inside the chunk buffers only; padding is never read.
+``chunks == 1`` is torch's own order: one collective, one matmul on the whole operand (bitwise
+torch's results for the same collective sum order).
+
+[Note: streams and waits of the decomposed collectives]
+Every collective goes through ``overlap.collectives``' in-place building blocks
+(``all_gather_into``, ``reduce_scatter_into``, ``all_reduce_into``): on CUDA it runs on the
+comm stream of its kind after the current stream's work (the chunk's packed input is ready) and a
+wait makes the current stream wait on its event, so the host never blocks and a chunk's matmul is
+queued behind exactly that chunk's collective; the chunk buffers are held by the in-flight work
+until that wait ([Note: cross-stream buffer lifetime]). On CPU (gloo) each chunk is an async work
+waited on the host just before its first reader. Chunks are issued in the same order on every
+rank, and the chunk count is computed from global sizes only (contract 3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from overlap.collectives import all_gather_into, all_reduce_into, reduce_scatter_into
+from overlap.groups import GroupInfo
+from overlap.inflight_work import InflightWork
+from overlap.regions import region
+
+__all__ = ["AllGatherMatmul", "Call", "LinearAllReduceGrad", "MatmulAllReduce", "MatmulReduceScatter",
+           "SeqLayout", "shard_sizes", "split_sizes"]
+
+
+def shard_sizes(n: int, w: int) -> list[int]:
+    """Each of ``w`` ranks' extent of a dim of size ``n`` under torch.chunk's rule (DTensor's
+    ``Shard``): ``ceil(n / w)`` each, the last ranks fewer or none."""
+    per = -(-n // w)
+    return [max(0, min(per, n - i * per)) for i in range(w)]
+
+
+def split_sizes(n: int, c: int) -> list[int]:
+    """``n`` rows in ``c`` consecutive parts, the first ``n % c`` one row longer."""
+    q, extra = divmod(n, c)
+    return [q + (1 if i < extra else 0) for i in range(c)]
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    out, at = [], 0
+    for s in sizes:
+        out.append(at)
+        at += s
+    return out
+
+
+class SeqLayout:
+    """The chunked dim ``dim``: every rank's extent (``sizes``) cut into ``chunks`` sub-slices.
+
+    ``piece(j, k)`` is ``(start in the full dim, length)`` of rank ``j``'s ``k``-th sub-slice;
+    ``width(k)`` the longest of chunk ``k``'s sub-slices (its buffer's extent); chunks of width 0
+    (no rank has rows there) are skipped by everyone alike."""
+
+    def __init__(self, sizes: list[int], dim: int, chunks: int, rank: int) -> None:
+        self.sizes, self.dim, self.rank = sizes, dim, rank
+        self.starts = _starts(sizes)
+        self.sub = [split_sizes(s, chunks) for s in sizes]
+        self.sub_starts = [_starts(s) for s in self.sub]
+        self.widths = [max(col) for col in zip(*self.sub)]
+        self.chunks = [k for k, width in enumerate(self.widths) if width > 0]
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def piece(self, j: int, k: int) -> tuple[int, int]:
+        return self.starts[j] + self.sub_starts[j][k], self.sub[j][k]
+
+    def own(self, k: int) -> tuple[int, int]:
+        """This rank's ``k``-th sub-slice within its own shard: ``(start, length)``."""
+        return self.sub_starts[self.rank][k], self.sub[self.rank][k]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One decomposed call: the group, the chunked dim's layout (None for row blocks), the chunk
+    count, and the profiler region names of its forward and backward."""
+
+    info: GroupInfo
+    chunks: int
+    forward_region: str
+    backward_region: str
+    layout: Optional[SeqLayout] = None
+
+
+def _chunk_shape(like: torch.Tensor | tuple[int, ...], dim: int, width: int) -> tuple[int, ...]:
+    """``like``'s shape (a tensor's, or a shape) with ``width`` at ``dim``."""
+    shape = list(like.shape if isinstance(like, torch.Tensor) else like)
+    shape[dim] = width
+    return tuple(shape)
+
+
+# ------------------------------------------------------------------------ chunked collectives
+class _ChunkedGather:
+    """All-gather of ``local`` (this rank's shard along ``layout.dim``), one collective per chunk,
+    all issued on construction; :meth:`landed` waits chunk by chunk and yields the other ranks'
+    pieces as ``(start in the full dim, piece)``."""
+
+    def __init__(self, local: torch.Tensor, layout: SeqLayout, info: GroupInfo) -> None:
+        self.layout, self.info = layout, info
+        d, r = layout.dim, info.rank
+        self.inflight: list[tuple[int, torch.Tensor, InflightWork]] = []
+        for k in layout.chunks:
+            buf = local.new_empty((info.size, *_chunk_shape(local, d, layout.widths[k])))
+            start, length = layout.own(k)
+            buf[r].narrow(d, 0, length).copy_(local.narrow(d, start, length))
+            self.inflight.append((k, buf, all_gather_into(buf.view(-1), buf[r].view(-1), info)))
+
+    def landed(self) -> Iterator[tuple[int, torch.Tensor]]:
+        d, r = self.layout.dim, self.info.rank
+        for k, buf, work in self.inflight:
+            work.wait()
+            for j in range(self.info.size):
+                start, length = self.layout.piece(j, k)
+                if j != r and length:
+                    yield start, buf[j].narrow(d, 0, length)
+        self.inflight = []
+
+
+class _ChunkedReduceScatter:
+    """Sum over ranks of a tensor whose slices along ``layout.dim`` go to their ranks, one
+    reduce-scatter per chunk: ``partial(start, length)`` gives the rows ``[start, start + length)``
+    of this rank's addend (of shape ``shape`` but for ``layout.dim``; dtype and device ``ref``'s);
+    chunk ``k``'s addends are computed, packed and issued before chunk ``k + 1``'s are computed.
+    :meth:`finish` waits and writes this rank's rows into ``out``."""
+
+    def __init__(self, partial: Callable[[int, int], torch.Tensor], shape: tuple[int, ...], ref: torch.Tensor,
+                 layout: SeqLayout, info: GroupInfo) -> None:
+        self.layout, self.info = layout, info
+        d = layout.dim
+        self.inflight: list[tuple[int, torch.Tensor, InflightWork]] = []
+        for k in layout.chunks:
+            width = layout.widths[k]
+            chunk = _chunk_shape(shape, d, width)
+            uneven = any(layout.sub[j][k] < width for j in range(info.size))
+            buf = (ref.new_zeros if uneven else ref.new_empty)((info.size, *chunk))
+            for j in range(info.size):
+                start, length = layout.piece(j, k)
+                if length:
+                    buf[j].narrow(d, 0, length).copy_(partial(start, length))
+            out = ref.new_empty(chunk)
+            self.inflight.append((k, out, reduce_scatter_into(out.view(-1), buf.view(-1), info)))
+
+    def finish(self, out: torch.Tensor) -> None:
+        d = self.layout.dim
+        for k, result, work in self.inflight:
+            work.wait()
+            start, length = self.layout.own(k)
+            out.narrow(d, start, length).copy_(result.narrow(d, 0, length))
+        self.inflight = []
+
+
+def _all_reduce_rows(rows: int, cols: int, like: torch.Tensor, chunks: int, info: GroupInfo,
+                     compute: Callable[[int, int, torch.Tensor], None]) -> tuple[torch.Tensor, list[InflightWork]]:
+    """A ``(rows, cols)`` buffer whose row blocks ``compute(start, length, block)`` fills, each block's
+    in-place all-reduce issued before the next block is computed; returns it and the works to wait."""
+    out = like.new_empty((rows, cols))
+    works = []
+    for start, length in zip(_starts(split_sizes(rows, chunks)), split_sizes(rows, chunks)):
+        if length:
+            block = out[start:start + length]
+            compute(start, length, block)
+            works.append(all_reduce_into(block, info))
+    return out, works
+
+
+def _weight_grads(grad: torch.Tensor, x: torch.Tensor, weight_needed: bool,
+                  bias_needed: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``grad^T x`` over all rows (the weight's gradient) and ``grad`` summed over rows (the bias's)."""
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if weight_needed else None
+    gb = g2.sum(0) if bias_needed else None
+    return gw, gb
+
+
+def _accumulate(total: Optional[torch.Tensor], part: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    if part is None:
+        return total
+    return part.to(dtype) if total is None else total.add_(part)
+
+
+def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(dtype)
+
+
+def _bias_share(bias: Optional[torch.Tensor], w: int) -> Optional[torch.Tensor]:
+    """Each rank's share of a row-parallel layer's replicated bias, added before the reduction:
+    ``bias / w``, as DTensor turns a ``Replicate()`` bias into a ``Partial()`` addend of the
+    row-parallel matmul (so ``chunks=1`` sums exactly what torch TP sums)."""
+    return None if bias is None else bias / w
+
+
+# ------------------------------------------------------------------------ the four functions
+class AllGatherMatmul(torch.autograd.Function):
+    """``linear(all_gather(x, dim), weight, bias)``: ColwiseParallel with a sequence-sharded input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # type: ignore[override]
+                call: Call) -> torch.Tensor:
+        layout = call.layout
+        assert layout is not None
+        d, r = layout.dim, call.info.rank
+        with region(call.forward_region):
+            gather = _ChunkedGather(x, layout, call.info)
+            full = x.new_empty(_chunk_shape(x, d, layout.total))
+            full.narrow(d, layout.starts[r], layout.sizes[r]).copy_(x)
+            if call.chunks == 1:
+                for start, piece in gather.landed():
+                    full.narrow(d, start, piece.shape[d]).copy_(piece)
+                y = F.linear(full, weight, bias)
+            else:
+                own = F.linear(x, weight, bias)  # no wait: runs while the first chunk is on the link
+                y = own.new_empty((*full.shape[:-1], own.shape[-1]))
+                y.narrow(d, layout.starts[r], layout.sizes[r]).copy_(own)
+                for start, piece in gather.landed():
+                    full.narrow(d, start, piece.shape[d]).copy_(piece)
+                    y.narrow(d, start, piece.shape[d]).copy_(F.linear(piece, weight, bias))
+        ctx.call, ctx.has_bias = call, bias is not None
+        ctx.save_for_backward(full, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):  # type: ignore[override]
+        call: Call = ctx.call
+        layout = call.layout
+        full, weight = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        d = layout.dim
+        grad_x = None
+        with region(call.backward_region):
+            if ctx.needs_input_grad[0]:
+                if call.chunks == 1:
+                    grad_full = grad_y.matmul(weight)
+                    rows: Callable[[int, int], torch.Tensor] = lambda s, n: grad_full.narrow(d, s, n)
+                else:
+                    rows = lambda s, n: grad_y.narrow(d, s, n).matmul(weight)
+                scatter = _ChunkedReduceScatter(rows, tuple(full.shape), full, layout, call.info)
+            # the weight's matmul runs while the (last) reduce-scatters are on the link
+            gw, gb = _weight_grads(grad_y, full, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+            if ctx.needs_input_grad[0]:
+                grad_x = full.new_empty(_chunk_shape(full, d, layout.sizes[call.info.rank]))
+                scatter.finish(grad_x)
+        return grad_x, gw, gb, None
+
+
+class MatmulReduceScatter(torch.autograd.Function):
+    """``reduce_scatter(linear(x, weight, bias / w), dim)``: RowwiseParallel with a sequence-sharded
+    output (``x`` holds every position, this rank's input features)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # type: ignore[override]
+                call: Call) -> torch.Tensor:
+        layout = call.layout
+        assert layout is not None
+        d = layout.dim
+        share = _bias_share(bias, call.info.size)
+        with region(call.forward_region):
+            if call.chunks == 1:
+                partial_all = F.linear(x, weight, share)
+                rows: Callable[[int, int], torch.Tensor] = lambda s, n: partial_all.narrow(d, s, n)
+            else:
+                rows = lambda s, n: F.linear(x.narrow(d, s, n), weight, share)
+            shape = (*x.shape[:-1], weight.shape[0])
+            scatter = _ChunkedReduceScatter(rows, shape, x, layout, call.info)
+            y = x.new_empty(_chunk_shape(shape, d, layout.sizes[call.info.rank]))
+            scatter.finish(y)
+        ctx.call, ctx.has_bias = call, bias is not None
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):  # type: ignore[override]
+        call: Call = ctx.call
+        layout = call.layout
+        x, weight = ctx.saved_tensors
+        d, r = layout.dim, call.info.rank
+        grad_y = grad_y.contiguous()
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        with region(call.backward_region):
+            gather = _ChunkedGather(grad_y, layout, call.info)
+            if call.chunks == 1:
+                full = grad_y.new_empty(_chunk_shape(grad_y, d, layout.total))
+                full.narrow(d, layout.starts[r], layout.sizes[r]).copy_(grad_y)
+                for start, piece in gather.landed():
+                    full.narrow(d, start, piece.shape[d]).copy_(piece)
+                grad_x = full.matmul(weight) if need_x else None
+                gw, gb = _weight_grads(full, x, need_w, need_b)
+                return grad_x, gw, gb, None
+            # own rows first (no wait), then each chunk's rows as it lands: input and weight matmuls;
+            # the weight and bias gradients are summed over chunks in fp32 at least
+            grad_x = x.new_empty(x.shape) if need_x else None
+            acc = torch.promote_types(x.dtype, torch.float32)
+            gw = gb = None
+            for start, piece in [(layout.starts[r], grad_y), *gather.landed()]:
+                n = piece.shape[d]
+                if need_x:
+                    grad_x.narrow(d, start, n).copy_(piece.matmul(weight))
+                pw, pb = _weight_grads(piece, x.narrow(d, start, n), need_w, need_b)
+                gw = _accumulate(gw, pw, acc)
+                gb = _accumulate(gb, pb, acc)
+        return grad_x, _cast(gw, x.dtype), _cast(gb, x.dtype), None
+
+
+class MatmulAllReduce(torch.autograd.Function):
+    """``all_reduce(linear(x, weight, bias / w))``: RowwiseParallel with a replicated output."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # type: ignore[override]
+                call: Call) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        wt = weight.t()
+        share = _bias_share(bias, call.info.size)
+
+        def block_rows(s: int, n: int, block: torch.Tensor) -> None:
+            if share is None:
+                torch.mm(x2[s:s + n], wt, out=block)
+            else:
+                torch.addmm(share, x2[s:s + n], wt, out=block)
+
+        with region(call.forward_region):
+            out, works = _all_reduce_rows(x2.shape[0], weight.shape[0], x, call.chunks, call.info, block_rows)
+            for work in works:
+                work.wait()
+            y = out.view(*x.shape[:-1], weight.shape[0])
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
+        gw, gb = _weight_grads(grad_y, x, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        return grad_x, gw, gb, None
+
+
+class LinearAllReduceGrad(torch.autograd.Function):
+    """``linear(x, weight, bias)`` on a replicated ``x`` whose gradient is all-reduced in backward:
+    ColwiseParallel with a replicated plain-tensor input (torch's ``from_local`` backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # type: ignore[override]
+                call: Call) -> torch.Tensor:
+        ctx.call, ctx.has_bias = call, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):  # type: ignore[override]
+        call: Call = ctx.call
+        x, weight = ctx.saved_tensors
+        g2 = grad_y.contiguous().view(-1, grad_y.shape[-1])
+        grad_x = None
+        with region(call.backward_region):
+            if ctx.needs_input_grad[0]:
+                out, works = _all_reduce_rows(g2.shape[0], weight.shape[1], g2, call.chunks, call.info,
+                                              lambda s, n, block: torch.mm(g2[s:s + n], weight, out=block))
+            gw, gb = _weight_grads(g2, x, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+            if ctx.needs_input_grad[0]:
+                for work in works:
+                    work.wait()
+                grad_x = out.view(x.shape)
+        return grad_x, gw, gb, None

@@ -1,0 +1,318 @@
+"""``overlap.tensor_parallel`` against torch's ``parallelize_module`` with the same plan and against
+the unsharded module: forward output, input gradient and every parameter gradient.
+
+Blocks and plans: ``tp_blocks.py`` (sequence-parallel MLP, attention with and without sequence
+parallelism, Megatron MLP). Each case builds the unsharded block, a copy parallelized by torch and a
+copy parallelized by ``overlap.tensor_parallel``, runs the same global input and output gradient
+through all three (the sharded ones on their local slices) and compares full tensors.
+
+Tolerances (max abs difference <= atol + rtol * max abs of the reference):
+
+* ``chunks=1`` against torch TP: bitwise. It is torch's order: one collective, one matmul on the
+  whole operand, the same two-rank sums.
+* ``chunks > 1`` against torch TP, fp32: 1e-5 / 1e-5. Each chunk is its own GEMM (row blocks of
+  one GEMM are not guaranteed to be summed in the same order when split), and the rowwise weight
+  and bias gradients are summed chunk by chunk. bf16: 2e-2 / 2e-2 (bf16 has 8 significant bits,
+  eps 3.9e-3: a few roundings of values of order 1).
+* against the unsharded block: fp32 1e-5 / 1e-5 (the rowwise matmul's inner sum is split over
+  ranks and summed by the collective); bf16: 5e-2 / 5e-2 (bf16 rounding of the split sums, and of
+  each partial sum where the unsharded block rounds once).
+* 3 ranks (``slow``): gloo's three-way sums may associate differently from the reduce-scatter's
+  rank-order sum, so ``chunks=1`` against torch is held to the fp32 tolerance there too.
+
+Uneven sequence lengths: torch's ``SequenceParallel`` / ``Shard(1)`` input reads a *plain* local
+tensor as an even shard (``DTensor.from_local`` infers the global length as ``w`` times the local
+one), so uneven lengths only work in torch when the input is a DTensor carrying the global shape
+(``distribute_tensor(x, mesh, [Shard(1)])``: torch.chunk's rule, ``ceil(S / w)`` per rank, the
+last fewer or none). The uneven cases pass such a DTensor to both.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+import overlap
+from overlap.tensor_parallel.layers import TensorParallelLinear
+from tp_blocks import SP_BLOCKS, make_block, plan_for, sizes_for
+
+BATCH = 2
+FP32_TOL = (1e-5, 1e-5)  # (atol, rtol)
+BF16_TOL = (2e-2, 2e-2)
+BF16_REF_TOL = (5e-2, 5e-2)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One comparison: block, bias, chunk count, sequence length, dtype, and whether the sharded
+    input is a DTensor (needed for uneven lengths) or a plain local tensor."""
+
+    block: str
+    chunks: Optional[int] = 2
+    bias: bool = True
+    seq: int = 8
+    dtype: torch.dtype = torch.float32
+    dtensor_input: bool = False
+
+    @property
+    def name(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        kind = "dtensor" if self.dtensor_input else "local"
+        return f"{self.block}-chunks{self.chunks}-bias{int(self.bias)}-seq{self.seq}-{dtype}-{kind}"
+
+
+def _close(what: str, got: torch.Tensor, want: torch.Tensor, tol: Optional[tuple[float, float]]) -> list[str]:
+    """Problems (empty: none): shapes differ, or values beyond ``tol`` (None: must be bitwise equal)."""
+    if got.shape != want.shape:
+        return [f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"]
+    if tol is None:
+        if not torch.equal(got, want):
+            return [f"{what}: not bitwise equal (max abs diff {(got.float() - want.float()).abs().max().item():.3g})"]
+        return []
+    atol, rtol = tol
+    diff = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    bound = atol + rtol * (want.float().abs().max().item() if want.numel() else 0.0)
+    return [f"{what}: max abs diff {diff:.3g} > {bound:.3g}"] if diff > bound else []
+
+
+def _seq_slice(t: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's slice of dim 1 under DTensor's ``Shard`` rule (torch.chunk's sizes: ``ceil(S / w)``
+    each, the last ranks fewer or none; unlike ``torch.chunk`` an empty slice for those)."""
+    per = -(-t.shape[1] // world)
+    start = min(rank * per, t.shape[1])
+    return t.narrow(1, start, max(0, min(per, t.shape[1] - start)))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _run(model: torch.nn.Module, case: Case, x: torch.Tensor, dy: torch.Tensor, mesh: Any, rank: int,
+         world: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward and backward of ``model`` on this rank's part of ``x`` with output gradient ``dy``;
+    returns (this rank's output, the full input gradient, full parameter gradients)."""
+    if case.block in SP_BLOCKS and mesh is not None:
+        if case.dtensor_input:
+            xin = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
+        else:
+            xin = _seq_slice(x, world, rank).clone().requires_grad_()
+        dy = _seq_slice(dy, world, rank)
+    else:
+        xin = x.clone().requires_grad_()
+    y = model(xin)
+    y = y.to_local() if isinstance(y, DTensor) else y
+    (y * dy).sum().backward()
+    grad_x = _full(xin.grad)  # a plain local input: this rank's slice
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    return y, grad_x, grads
+
+
+def _check_case(case: Case, mesh: Any, rank: int, world: int, bitwise_chunks1: bool) -> list[str]:
+    sizes = sizes_for(world)
+    ref = make_block(case.block, case.bias, **sizes).to(case.dtype)
+    theirs = parallelize_module(copy.deepcopy(ref), mesh, plan_for(case.block))
+    ours = overlap.tensor_parallel(copy.deepcopy(ref), mesh, plan_for(case.block), chunks=case.chunks)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(BATCH, case.seq, sizes["dim"], generator=gen).to(case.dtype)
+    dy = torch.randn(BATCH, case.seq, sizes["dim"], generator=gen).to(case.dtype)
+
+    y_ref, gx_ref, g_ref = _run(ref, case, x, dy, None, rank, world)
+    y_torch, gx_torch, g_torch = _run(theirs, case, x, dy, mesh, rank, world)
+    y_ours, gx_ours, g_ours = _run(ours, case, x, dy, mesh, rank, world)
+    sp = case.block in SP_BLOCKS
+    if sp:  # this rank's slice of the unsharded results
+        y_ref = _seq_slice(y_ref, world, rank)
+        if not case.dtensor_input:
+            gx_ref = _seq_slice(gx_ref, world, rank)
+    low = case.dtype != torch.float32
+    vs_torch = (None if case.chunks == 1 and bitwise_chunks1 else (BF16_TOL if low else FP32_TOL))
+    vs_ref = BF16_REF_TOL if low else FP32_TOL
+    problems = []
+    for what, got, torch_, unsharded in [("output", y_ours, y_torch, y_ref), ("input grad", gx_ours, gx_torch, gx_ref),
+                                         *[(f"{n}.grad", g_ours[n], g_torch[n], g_ref[n]) for n in g_ref]]:
+        problems += _close(f"{what} vs torch TP", got, torch_, vs_torch)
+        problems += _close(f"{what} vs unsharded", got, unsharded, vs_ref)
+    return problems
+
+
+def _numerics_rank(rank: int, world: int, cases: list[Case], bitwise_chunks1: bool) -> dict[str, list[str]]:
+    mesh = init_device_mesh("cpu", (world,))
+    return {case.name: _check_case(case, mesh, rank, world, bitwise_chunks1) for case in cases}
+
+
+def _assert_no_problems(results: list[dict[str, list[str]]]) -> None:
+    for rank, problems in enumerate(results):
+        assert {k: v for k, v in problems.items() if v} == {}, f"rank {rank}"
+
+
+DEFAULT_CASES = [
+    # sequence-parallel MLP: all-gather -> matmul, matmul -> reduce-scatter
+    Case("sp_mlp", chunks=1), Case("sp_mlp", chunks=2), Case("sp_mlp", chunks=3, bias=False),
+    Case("sp_mlp", chunks=None),
+    Case("sp_mlp", chunks=1, seq=7, dtensor_input=True), Case("sp_mlp", chunks=3, seq=7, dtensor_input=True),
+    # Megatron MLP and attention: replicated input (grad all-reduce), matmul -> all-reduce
+    Case("mlp", chunks=1), Case("mlp", chunks=2, bias=False), Case("mlp", chunks=3),
+    Case("attention", chunks=1), Case("attention", chunks=2),
+    Case("sp_attention", chunks=1), Case("sp_attention", chunks=2, seq=7, dtensor_input=True),
+    Case("prepared_attn", chunks=1), Case("prepared_attn", chunks=2),
+    # bf16
+    Case("sp_mlp", chunks=1, dtype=torch.bfloat16), Case("sp_mlp", chunks=2, dtype=torch.bfloat16),
+    Case("mlp", chunks=2, dtype=torch.bfloat16),
+]
+
+
+def _two_rank_suite(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Everything the default suite checks on 2 ranks, in one run (the ranks' start-up, importing
+    overlap and torch's DTensor, costs more than the checks)."""
+    return {"numerics": _numerics_rank(rank, world, DEFAULT_CASES, True),
+            "ecosystem": _ecosystem_rank(rank, world, path),
+            "collectives": {chunks: _collectives_rank(rank, world, chunks) for chunks in (1, 3)}}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Per rank, :func:`_two_rank_suite`'s results."""
+    from overlap.testing import run_distributed
+
+    return run_distributed(_two_rank_suite, 2, str(tmp_path_factory.mktemp("tp") / "ckpt"), timeout=240)
+
+
+def test_numerics_two_ranks(two_ranks: list[dict[str, Any]]) -> None:
+    """Every block, layout and chunk count on 2 ranks: torch TP (bitwise with chunks=1) and the
+    unsharded block."""
+    _assert_no_problems([r["numerics"] for r in two_ranks])
+
+
+SLOW_CASES = [Case(block, chunks, bias, seq, dtype, seq % 3 != 0 and block in SP_BLOCKS)
+              for block in ("sp_mlp", "attention", "sp_attention", "mlp", "prepared_attn")
+              for chunks in (1, 2, 3) for bias in (True, False) for seq in (9, 7, 4)
+              for dtype in (torch.float32,)]
+SLOW_CASES += [Case(block, chunks, True, 9, torch.bfloat16) for block in ("sp_mlp", "mlp") for chunks in (1, 3)]
+
+
+@pytest.mark.slow
+def test_numerics_three_ranks(distributed: Callable[..., list[Any]]) -> None:
+    """The full matrix on 3 ranks, uneven lengths included (``seq=4``: the last rank holds no rows)."""
+    _assert_no_problems(distributed(_numerics_rank, 3, SLOW_CASES, False, timeout=600))
+
+
+# ------------------------------------------------------------------ DTensor ecosystem: specs, clip, DCP
+def _ecosystem_rank(rank: int, world: int, path: str) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    mesh = init_device_mesh("cpu", (world,))
+    problems = []
+    ref = make_block("sp_mlp", True)
+    theirs = parallelize_module(copy.deepcopy(ref), mesh, plan_for("sp_mlp"))
+    ours = overlap.tensor_parallel(copy.deepcopy(ref), mesh, plan_for("sp_mlp"), chunks=2)
+    sd_t, sd_o = get_model_state_dict(theirs), get_model_state_dict(ours)
+    if list(sd_t) != list(sd_o):
+        problems.append(f"state-dict keys {list(sd_o)} != torch's {list(sd_t)}")
+    for k in sd_t:
+        t, o = sd_t[k], sd_o[k]
+        if not isinstance(o, DTensor) or o.placements != t.placements or o.shape != t.shape:
+            problems.append(f"{k}: {type(o).__name__} {getattr(o, 'placements', None)} {tuple(o.shape)}, torch: "
+                            f"{t.placements} {tuple(t.shape)}")
+        elif not torch.equal(o.to_local(), t.to_local()):
+            problems.append(f"{k}: local shard differs from torch's")
+    gen = torch.Generator().manual_seed(3)
+    x = _seq_slice(torch.randn(BATCH, 8, 16, generator=gen), world, rank)
+    norms = []
+    for model in (theirs, ours):
+        model(x).square().sum().backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0))
+    norm_t, norm_o = (n.full_tensor() if isinstance(n, DTensor) else n for n in norms)
+    problems += _close("clip_grad_norm_ total norm vs torch TP", norm_o, norm_t, FP32_TOL)
+    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        if type(p.grad) is not type(q.grad) or p.grad.placements != q.grad.placements:
+            problems.append(f"{n}.grad placements {p.grad.placements} != torch's {q.grad.placements}")
+        problems += _close(f"{n}.grad after clipping", _full(p.grad), _full(q.grad), FP32_TOL)
+    dcp.save(get_model_state_dict(ours), checkpoint_id=path)
+    fresh = parallelize_module(make_block("sp_mlp", True, seed=1), mesh, plan_for("sp_mlp"))
+    loaded = get_model_state_dict(fresh)
+    dcp.load(loaded, checkpoint_id=path)
+    for k, v in loaded.items():
+        problems += _close(f"DCP round trip {k}", v.full_tensor(), sd_o[k].full_tensor(), None)
+    return problems
+
+
+def test_dtensor_ecosystem(two_ranks: list[dict[str, Any]]) -> None:
+    """Parameters are torch TP's DTensors (keys, placements, local shards bitwise); gradients carry
+    torch's placements and ``clip_grad_norm_`` gives torch's total norm; a DCP checkpoint of ours
+    loads into a torch-TP model."""
+    for rank, results in enumerate(two_ranks):
+        assert results["ecosystem"] == [], f"rank {rank}"
+
+
+# ------------------------------------------------------------------ the decomposition itself
+def _collectives_rank(rank: int, world: int, chunks: int) -> dict[str, int]:
+    from overlap.testing import emulated_link
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = overlap.tensor_parallel(make_block("sp_mlp", True), mesh, plan_for("sp_mlp"), chunks=chunks)
+    x = torch.randn(BATCH, 8, 16).requires_grad_()
+    with emulated_link(1e6, 0.0) as link:
+        y = model(x)
+        forward = dict(link.stats().by_op)
+        link.reset_stats()
+        y.sum().backward()
+        backward = dict(link.stats().by_op)
+    return {**{f"forward {k}": v for k, v in forward.items()}, **{f"backward {k}": v for k, v in backward.items()}}
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_collectives_are_chunked(two_ranks: list[dict[str, Any]], chunks: int) -> None:
+    """The sequence-parallel MLP issues ``chunks`` collectives per decomposed collective: forward, w1's
+    all-gather and w2's reduce-scatter (on gloo an all-to-all, see [Note: gloo's reduce-scatter
+    cannot say it is done]); backward, w2's grad all-gather and w1's grad reduce-scatter."""
+    counts = two_ranks[0]["collectives"][chunks]
+    gather = sum(v for k, v in counts.items() if k.startswith("forward all_gather"))
+    scatter = sum(v for k, v in counts.items() if k.startswith("forward all_to_all"))
+    assert (gather, scatter) == (chunks, chunks), counts
+    gather = sum(v for k, v in counts.items() if k.startswith("backward all_gather"))
+    scatter = sum(v for k, v in counts.items() if k.startswith("backward all_to_all"))
+    assert (gather, scatter) == (chunks, chunks), counts
+
+
+def test_one_rank_is_the_plain_module(single_rank_group: dist.ProcessGroup) -> None:
+    """On a 1-rank mesh nothing is communicated and the block computes exactly the unsharded block."""
+    mesh = init_device_mesh("cpu", (1,))
+    for block in ("sp_mlp", "attention", "mlp"):
+        ref = make_block(block, True)
+        ours = overlap.tensor_parallel(copy.deepcopy(ref), mesh, plan_for(block), chunks=2)
+        x = torch.randn(BATCH, 8, 16)
+        y_ref, y_ours = ref(x), ours(x)
+        y_ours = y_ours.to_local() if isinstance(y_ours, DTensor) else y_ours
+        assert torch.equal(y_ours, y_ref), block
+        assert isinstance(ours.wo if block == "attention" else ours.w2, TensorParallelLinear)
+
+
+def test_chunk_count_choice() -> None:
+    """[Note: choosing the chunk count], worked by hand: behind a 8 Gbit/s link (1e9 bytes/s) a
+    10 MB transfer takes T = 10 ms; with L = 125 µs and the CPU's O = 500 µs, sqrt(T / (L + O)) = 4;
+    with L = 0 it is 4.47 -> 4; a 100 MB one (T = 100 ms) wants 13, capped at 8; 32 rows allow 2
+    chunks of 16; on CUDA (O = 20 µs) with L = 5 µs, T = 1 ms gives sqrt(40) -> 6; no link: 2;
+    ``chunks=`` wins, capped at the rows."""
+    from overlap.tensor_parallel.chunks import DEFAULT_CHUNKS, MAX_CHUNKS, choose_chunks
+    from overlap.testing import emulated_link
+
+    with emulated_link(8.0, 125.0):
+        assert choose_chunks(1024, 1e7) == 4
+        assert choose_chunks(1024, 1e8) == MAX_CHUNKS == 8
+        assert choose_chunks(32, 1e7) == 2
+    with emulated_link(8.0, 0.0):
+        assert choose_chunks(1024, 1e7) == 4
+    with emulated_link(8.0, 5.0):
+        assert choose_chunks(1024, 1e6, device_type="cuda") == 6
+    assert choose_chunks(1024, 1e6) == DEFAULT_CHUNKS == 2
+    assert choose_chunks(20, 1e6) == 1
+    assert choose_chunks(1024, 1e6, override=3) == 3
+    assert choose_chunks(2, 1e6, override=3) == 2
