@@ -57,6 +57,21 @@ at timing-dependent points, an all-reduce's check and a reduce-scatter's could w
 around the mesh, so there the all-reduce is issued right after its reduce-scatter, which it waits
 for (slower, deterministic). ``no_sync`` skips both.
 
+[Note: sharding tensor-parallel parameters]
+A parameter that tensor parallelism made a DTensor (``overlap.tensor_parallel`` or torch's
+``parallelize_module``: ``Shard`` or ``Replicate`` on a 1-D TP mesh) is sharded as FSDP2 shards it
+(2-D parallelism). What this group shards, packs and gathers is its *local* tensor, by the same
+dim-0 rule; the sharded parameter is a DTensor on the data-parallel and TP meshes joined (slices of
+one DeviceMesh, ``DeviceMesh._concatenate``), with the data-parallel placement first, then the TP
+ones, and the global shape: ``Shard(0)`` over dp, or ``_StridedShard(0, split_factor=tp)`` where
+the TP dim shards dim 0 too (this rank's rows are a slice of a TP shard, not of the whole tensor).
+That is FSDP2's spec bit for bit, so DCP, ``get_state_dict`` and ``clip_grad_norm_`` treat both
+alike. The unsharded parameter is the TP DTensor again (the TP spec around the gathered local
+tensor, in ``param_dtype``), so the module's forward sees what tensor parallelism made. Its
+gradient comes back as a DTensor; one whose placements differ from the parameter's (a replicated
+norm's ``Partial()`` gradient under sequence parallelism) is redistributed to them first, an
+all-reduce over the TP dim, as FSDP2 does; then its local tensor is reduce-scattered over dp.
+
 [Note: unsharded parameters keep their identity]
 Autograd saves the unsharded parameters used in forward (e.g. a linear's weight) and reads them in
 backward; it also accumulates their gradients through one ``AccumulateGrad`` node per parameter
@@ -89,8 +104,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from kernels import ShardLayout
 # The ops without argument checks (the runtime builds every argument from the layout):
@@ -161,13 +178,19 @@ class ParamGroup:
         """One data-parallel rank: nothing travels (see [Note: world size 1])."""
         self.locations = locations
         self.fqns = [locs[0].fqn for locs in locations]
-        self.layout = ShardLayout([tuple(p.shape) for p in params], info.size)
+        self.tp_specs: list[Optional[DTensorSpec]] = [p._spec if isinstance(p, DTensor) else None for p in params]
+        """Per parameter, its tensor-parallel DTensor spec (None: a plain parameter); see [Note:
+        sharding tensor-parallel parameters]."""
+        self._spmd_meshes: dict[int, DeviceMesh] = {}
+        data = [_local(p) for p in params]  # what this group shards: a TP parameter's local tensor
+        self.layout = ShardLayout([tuple(t.shape) for t in data], info.size)
         self.mp = mp
         self.regions = ModuleRegions.named("")  # renamed by overlap.shard once the module's fqn is known
         self._on_grad_ready = on_grad_ready
-        self.scalar_indices = tuple(i for i, p in enumerate(params) if p.dim() == 0)
+        self.scalar_indices = tuple(i for i, t in enumerate(data) if t.dim() == 0)
         with torch.no_grad():
-            self.sharded: list[nn.Parameter] = [self._to_dtensor_param(p) for p in params]
+            self.sharded: list[nn.Parameter] = [self._to_dtensor_param(t, spec, p.requires_grad)
+                                                for t, spec, p in zip(data, self.tp_specs, params)]
         self.unsharded: Optional[list[nn.Parameter]] = None  # created at the first gather (device known then)
         self._unsharded_sources: list[int] = []  # ids of the shards the unsharded params were made for
         self._read_dtypes()
@@ -181,17 +204,34 @@ class ParamGroup:
         [Note: hooks after the reduction])."""
         self.to_sharded()
 
-    def _to_dtensor_param(self, full: torch.Tensor) -> nn.Parameter:
-        """This rank's rows of ``full`` as a sharded DTensor parameter (see [Note: sharded parameters
-        are DTensors]); works on the meta device."""
+    def _to_dtensor_param(self, full: torch.Tensor, tp_spec: Optional[DTensorSpec],
+                          requires_grad: bool) -> nn.Parameter:
+        """This rank's rows of ``full`` (a plain parameter, or a tensor-parallel parameter's local
+        tensor) as a sharded DTensor parameter (see [Note: sharded parameters are DTensors]); works
+        on the meta device."""
         if full.dim() == 0:
             local, placement = full.detach().clone(), Replicate()
         else:
             local, placement = self.layout.shard(full.detach(), self.rank).clone(), Shard(0)
+        if tp_spec is None:
+            mesh = self.mesh
+            tp_placements: tuple[Placement, ...] = ()
+            meta = TensorMeta(full.shape, _contiguous_strides(full.shape), full.dtype)
+        else:
+            split = tp_spec.num_shards_map[0] if full.dim() else 1
+            if split > 1:  # this mesh's rows interleave with the TP dim's shards of dim 0
+                placement = _StridedShard(0, split_factor=split)
+            mesh, tp_placements, meta = self._spmd_mesh(tp_spec.mesh), tuple(tp_spec.placements), tp_spec.tensor_meta
         placements = (placement,) if self.replicate is None else (Replicate(), placement)
-        meta = TensorMeta(full.shape, _contiguous_strides(full.shape), full.dtype)
-        spec = DTensorSpec(self.mesh, placements, tensor_meta=meta)
-        return nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=full.requires_grad)
+        spec = DTensorSpec(mesh, placements + tp_placements, tensor_meta=meta)
+        return nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=requires_grad)
+
+    def _spmd_mesh(self, tp_mesh: DeviceMesh) -> DeviceMesh:
+        """The data-parallel mesh and a tensor-parallel one, joined (both slices of one mesh)."""
+        mesh = self._spmd_meshes.get(id(tp_mesh))
+        if mesh is None:
+            mesh = self._spmd_meshes[id(tp_mesh)] = DeviceMesh._concatenate([self.mesh, tp_mesh])
+        return mesh
 
     def _read_dtypes(self) -> None:
         """(Re)derive everything that depends on the sharded parameters' dtypes."""
@@ -262,6 +302,11 @@ class ParamGroup:
                 else:
                     data = torch.empty(shape, dtype=self._unsharded_dtype(i), device=self.sharded[i]._local_tensor.device)
                     data.untyped_storage().resize_(0)
+                tp_spec = self.tp_specs[i]
+                if tp_spec is not None:  # the module sees the DTensor tensor parallelism made
+                    if tp_spec.tensor_meta.dtype != data.dtype:  # mixed precision: the spec says param_dtype
+                        tp_spec = dataclasses.replace(tp_spec, tensor_meta=tp_spec.tensor_meta._replace(dtype=data.dtype))
+                    data = DTensor(data, tp_spec, requires_grad=False)
                 self.unsharded.append(nn.Parameter(data, requires_grad=self.sharded[i].requires_grad))
             self._unsharded_sources = sources
             self._hooked: set[int] = set()
@@ -323,7 +368,7 @@ class ParamGroup:
         self.issue_gather()
         pending, self.pending_gather = self.pending_gather, None
         assert pending is not None
-        outs = self._unsharded_params()
+        outs = [_local(u) for u in self._unsharded_params()]
 
         def copy_out() -> None:
             with region(self.regions.all_gather_copy_out), torch.no_grad():
@@ -338,7 +383,7 @@ class ParamGroup:
     def _cast_into_unsharded(self) -> None:
         """World size 1 with a cast: one ``_foreach_copy_`` (cast) of the shards into the unsharded
         parameters, which is what packing then unpacking would give, without the flat buffer."""
-        outs = self._unsharded_params()
+        outs = [_local(u) for u in self._unsharded_params()]
         with region(self.regions.all_gather_copy_in), torch.no_grad():
             for u in outs:
                 u.untyped_storage().resize_(u.numel() * u.element_size())
@@ -355,10 +400,25 @@ class ParamGroup:
             assert self.unsharded is not None
             if not self.aliases_shards:  # aliased storage belongs to the shards
                 for u in self.unsharded:
-                    u.untyped_storage().resize_(0)
+                    _local(u).untyped_storage().resize_(0)
             self.is_unsharded = False
 
     # ------------------------------------------------------------------ reduce-scatter
+    def unsharded_grad(self, index: int) -> Optional[torch.Tensor]:
+        """Parameter ``index``'s unsharded gradient as the tensor to reduce: a tensor-parallel
+        parameter's local gradient, first redistributed to the parameter's own placements where
+        autograd left it otherwise (a ``Partial()`` gradient of a replicated parameter, e.g. a norm
+        under sequence parallelism: an all-reduce over the TP dim, as FSDP2 does)."""
+        grad = self.unsharded[index].grad if self.unsharded is not None else None
+        spec = self.tp_specs[index]
+        if grad is None or spec is None:
+            return grad
+        if isinstance(grad, AsyncCollectiveTensor):
+            grad = grad.wait()
+        if tuple(grad.placements) != tuple(spec.placements):
+            grad = grad.redistribute(placements=spec.placements)
+        return grad._local_tensor
+
     def _reduce_layout(self, indices: tuple[int, ...]) -> ShardLayout:
         layout = self._reduce_layouts.get(indices)
         if layout is None:
@@ -390,8 +450,9 @@ class ParamGroup:
             return None
         grads = []
         for i in indices:
-            u = self.unsharded[i]
-            grads.append(u.grad if u.grad is not None else torch.zeros(u.shape, dtype=u.dtype, device=u.device))
+            u, grad = self.unsharded[i], self.unsharded_grad(i)
+            data = _local(u)
+            grads.append(grad if grad is not None else torch.zeros(data.shape, dtype=data.dtype, device=data.device))
             u.grad = None
         layout = self._reduce_layout(indices)
         dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads])
@@ -522,10 +583,11 @@ class ParamGroup:
         with torch.no_grad():
             for i in indices:
                 u, s = self.unsharded[i], self.sharded[i]
-                if u.grad is None:
+                grad = self.unsharded_grad(i)
+                if grad is None:
                     continue
                 local = s._local_tensor  # type: ignore[attr-defined]
-                grad, u.grad = u.grad, None
+                u.grad = None
                 if reduce_dtype is not None and not _widens_exactly(grad.dtype, reduce_dtype):
                     grad = grad.to(reduce_dtype)  # the reduction's rounding, as the packed path has it
                 grad = grad.view(local.shape)
@@ -574,6 +636,11 @@ def _average_scales(reduce_dtype: torch.dtype, world_size: int) -> tuple[Optiona
     if reduce_dtype == torch.float16:
         return 1.0 / world_size, None
     return None, 1.0 / world_size
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor; a plain tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _layout_rows(local: torch.Tensor, rank: int) -> torch.Tensor:

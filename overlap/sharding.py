@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
 from overlap import desync
@@ -628,7 +628,10 @@ def shard(
 
     ``mesh`` is a 1-D DeviceMesh (or ``(mesh, dim)``) to shard over, or a 2-D one for hybrid
     sharding (HSDP, FSDP2's convention): dim 0 replicates, dim 1 shards (see [Note: hybrid
-    sharding] in ``overlap/param_group.py``).
+    sharding] in ``overlap/param_group.py``). Parameters that tensor parallelism made DTensors
+    (``overlap.tensor_parallel`` or torch's ``parallelize_module`` over another dim of the same
+    DeviceMesh: ``mesh=mesh["dp"]`` here, ``mesh["tp"]`` there) are sharded as FSDP2 shards them
+    (see [Note: sharding tensor-parallel parameters] there).
 
     Returns ``module``, whose class becomes a subclass of :class:`ShardedModule`. Its parameters are
     replaced by DTensor parameters holding this rank's dim-0 shard; buffers stay replicated and are
@@ -653,10 +656,7 @@ def shard(
     else:
         info = resolve_group(mesh if mesh is not None else group, "mesh" if mesh is not None else "group")
     mp = mp or MixedPrecision()
-    dtensors = [locs[0].fqn for p, locs in zip(params, locations) if isinstance(p, DTensor)]
-    if dtensors:
-        raise ValueError(f"shard: parameters {dtensors} of {type(module).__name__} are already DTensors "
-                         f"(sharded or parallelized before); shard plain parameters")
+    _check_tensor_parallel_params(module, params, locations, mesh)
     floating = all(p.is_floating_point() for p in params)
     if mp.param_dtype is not None and not floating:
         bad = [locs[0].fqn for p, locs in zip(params, locations) if not p.is_floating_point()]
@@ -689,6 +689,36 @@ def shard(
         if isinstance(m, ShardedModule):
             m._overlap_state.name_regions(fqn)
     return module
+
+
+def _check_tensor_parallel_params(module: nn.Module, params: list[nn.Parameter],
+                                  locations: list[list[ParamLocation]], mesh: Any) -> None:
+    """DTensor parameters are accepted from tensor parallelism only (see [Note: sharding
+    tensor-parallel parameters] in ``overlap/param_group.py``): on a 1-D mesh, Shard or Replicate,
+    and ``mesh`` a DeviceMesh slice of the same mesh as theirs, over other dims."""
+    dtensors = [(p, locs[0].fqn) for p, locs in zip(params, locations) if isinstance(p, DTensor)]
+    if not dtensors:
+        return
+    name = type(module).__name__
+    for p, fqn in dtensors:
+        placements = p._spec.placements  # type: ignore[attr-defined]
+        if p._spec.mesh.ndim != 1 or not all(isinstance(pl, (Shard, Replicate)) for pl in placements):  # type: ignore[attr-defined]
+            raise ValueError(f"shard: parameter {fqn!r} of {name} is a DTensor with placements {placements} on a "
+                             f"{p._spec.mesh.ndim}-D mesh; only tensor-parallel DTensors (Shard or Replicate on a "  # type: ignore[attr-defined]
+                             f"1-D mesh, e.g. from overlap.tensor_parallel or parallelize_module) can be sharded")
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"shard: {name} has tensor-parallel DTensor parameters ({dtensors[0][1]!r}, ...); pass "
+                         f"mesh= the data-parallel dim of the same DeviceMesh (e.g. mesh['dp']), not "
+                         f"{'a process group' if mesh is None else type(mesh).__name__}")
+    for p, fqn in dtensors:
+        tp_mesh = p._spec.mesh  # type: ignore[attr-defined]
+        try:
+            DeviceMesh._concatenate([mesh, tp_mesh])
+        except Exception as exc:  # torch's own check: slices of one root mesh, over different dims
+            raise ValueError(f"shard: mesh {mesh.mesh_dim_names} and the tensor-parallel mesh "
+                             f"{tp_mesh.mesh_dim_names} of parameter {fqn!r} must be different dims of one "
+                             f"DeviceMesh (init_device_mesh(..., mesh_dim_names=('dp', 'tp')); pass mesh['dp'] "
+                             f"here and mesh['tp'] to tensor parallelism): {exc}") from None
 
 
 def _mesh_ndim(mesh: object) -> Optional[int]:

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "step; figures are medians (default 5)")
     demo.add_argument("--model", choices=tuple(MODEL_SIZES), default="small",
                       help=f"model size (default small). {sizes}")
-    demo.add_argument("--compare", type=_compare, default=COMPARABLE, metavar="MODES",
+    demo.add_argument("--compare", type=_compare, default=None, metavar="MODES",
                       help=f"comma-separated modes to run beside overlap.shard: {', '.join(COMPARABLE)} "
                            "(no-overlap = overlap.no_overlap), or none (default: both)")
     demo.add_argument("--link-gbps", type=_finite_float(strictly_positive=True), default=None, metavar="B",
@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "FSDP2 each run fully sharded and as HSDP on the (replicate, shard) mesh (N, G), behind "
                            "a two-tier link whose inter-node tier is the calibrated one and the intra-node tier "
                            "8x faster (e.g. --mesh 2x2)")
+    demo.add_argument("--parallel", choices=("fsdp", "tp"), default="fsdp",
+                      help="fsdp (default): the FSDP comparison above. tp: tensor parallelism over every rank instead "
+                           "(Megatron's plan on the same model, q/k/v split): overlap.tensor_parallel with its "
+                           "collective matmuls decomposed, the same with chunks=1, and torch's parallelize_module, "
+                           "side by side behind the link (--compare and --mesh choose FSDP modes: not with tp)")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                       help="auto (default): cuda (NCCL, one GPU per rank) when there are enough GPUs for the ranks, "
                            "else cpu (gloo)")
@@ -159,6 +164,13 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from overlap.device_info import device_info
 
     launched = _torchrun_env(parser)
+    if args.parallel == "tp" and (args.compare is not None or args.mesh is not None):
+        parser.error("--parallel tp runs its own modes (overlap.tensor_parallel, chunks=1, torch TP): "
+                     "--compare and --mesh choose FSDP modes; leave them out")
+    if args.compare is None:
+        from overlap.demo.run import COMPARABLE
+
+        args.compare = COMPARABLE
     if args.mesh is not None:
         ranks = args.mesh[0] * args.mesh[1]
         if args.world_size is not None and args.world_size != ranks:
@@ -197,7 +209,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--out {args.out!r} cannot be written: {problem}")
     cfg = DemoConfig(world_size=world_size, steps=args.steps, model=args.model, compare=args.compare,
                      link_gbps=args.link_gbps, latency_us=args.latency_us, profile_steps=args.profile_steps,
-                     device=device, mesh=args.mesh)
+                     device=device, mesh=args.mesh, parallel=args.parallel)
     if rank == 0:
         backend = "NCCL, one GPU per rank" if device == "cuda" else "gloo"
         how = "torchrun" if launched is not None else "spawned"

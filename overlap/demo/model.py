@@ -53,26 +53,38 @@ MODEL_SIZES: dict[str, ModelSize] = {
 
 
 class _Block(nn.Module):
-    """Pre-LayerNorm block: causal self-attention (``scaled_dot_product_attention``), then a 4x MLP."""
+    """Pre-LayerNorm block: causal self-attention (``scaled_dot_product_attention``), then a 4x MLP.
 
-    def __init__(self, dim: int, heads: int) -> None:
+    ``split_qkv``: separate ``q``, ``k``, ``v`` projections instead of one fused ``qkv``, so a
+    column-parallel plan gives each rank whole heads (a fused weight's row shards would mix q, k
+    and v). The head count is read off the projection's width (``head_dim`` fixed), so the same
+    forward runs on a rank's local heads."""
+
+    def __init__(self, dim: int, heads: int, split_qkv: bool = False) -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"heads ({heads}) must divide dim ({dim})")
-        self.heads = heads
+        self.head_dim = dim // heads
         self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        if split_qkv:
+            self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        else:
+            self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
         self.up = nn.Linear(dim, 4 * dim)
         self.down = nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(h).view(b, t, 3, -1, self.head_dim).unbind(2)
+        else:
+            q, k, v = (proj(h).view(b, t, -1, self.head_dim) for proj in (self.q, self.k, self.v))
         attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                   is_causal=True)
-        x = x + self.out(attended.transpose(1, 2).reshape(b, t, d))
+        x = x + self.out(attended.transpose(1, 2).reshape(b, t, -1))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
@@ -85,12 +97,12 @@ class TransformerLM(nn.Module):
     ``forward(tokens (b, t <= size.seq)) -> logits (b, t, vocab)``; :meth:`loss` takes ``(b, t + 1)``.
     """
 
-    def __init__(self, size: ModelSize, tie_head: bool = False) -> None:
+    def __init__(self, size: ModelSize, tie_head: bool = False, split_qkv: bool = False) -> None:
         super().__init__()
         self.size = size
         self.tok = nn.Embedding(size.vocab, size.dim)
         self.pos = nn.Embedding(size.seq, size.dim)
-        self.blocks = nn.ModuleList(_Block(size.dim, size.heads) for _ in range(size.layers))
+        self.blocks = nn.ModuleList(_Block(size.dim, size.heads, split_qkv) for _ in range(size.layers))
         self.norm = nn.LayerNorm(size.dim)
         self.head = nn.Linear(size.dim, size.vocab, bias=False)
         if tie_head:
@@ -117,6 +129,18 @@ class TransformerLM(nn.Module):
         if self.head.weight is self.tok.weight:
             return list(self.blocks)
         return [self.tok, *self.blocks, self.head]
+
+    def tensor_parallel_plan(self) -> dict:
+        """Megatron's plan for the blocks, in torch's styles (for ``overlap.tensor_parallel`` and
+        ``parallelize_module``): q, k, v and ``up`` column-parallel, ``out`` and ``down`` row-parallel;
+        activations between blocks, embeddings, norms and head stay replicated. Needs ``split_qkv``."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        if not hasattr(self.blocks[0], "q"):
+            raise ValueError("tensor_parallel_plan: build the model with split_qkv=True (a fused qkv cannot be "
+                             "split by heads)")
+        return {"blocks.*.[qkv]": ColwiseParallel(), "blocks.*.up": ColwiseParallel(),
+                "blocks.*.out": RowwiseParallel(), "blocks.*.down": RowwiseParallel()}
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy over ``tokens`` (b, t + 1), in float32."""

@@ -60,6 +60,9 @@ MODE_NAMES: dict[str, str] = {
     "no-overlap": "no overlap (overlap.no_overlap)",
     "fsdp2": "torch FSDP2 (fully_shard)",
     "fsdp2-hsdp": "torch FSDP2, HSDP",
+    "tp": "overlap.tensor_parallel",
+    "tp-chunks1": "overlap.tensor_parallel, chunks=1",
+    "tp-torch": "torch TP (parallelize_module)",
 }
 HSDP_SUFFIX = "-hsdp"
 """A mode name ending in it shards over the ``--mesh`` (replicate, shard) mesh instead of every rank."""
@@ -67,7 +70,10 @@ INTER_NODE_SLOWDOWN = 8.0
 """With ``--mesh``: the intra-node link is this many times faster than the (calibrated) inter-node one."""
 COMPARABLE: tuple[str, ...] = ("no-overlap", "fsdp2")
 """Modes ``--compare`` may name; ``overlap`` always runs."""
-PROFILED: tuple[str, ...] = ("overlap", "no-overlap")
+TP_MODES: tuple[str, ...] = ("tp", "tp-chunks1", "tp-torch")
+"""``--parallel tp``: the decomposed collective matmuls (chunks chosen), the same undecomposed
+(torch's order: one collective, one matmul) and torch's ``parallelize_module``, one plan."""
+PROFILED: tuple[str, ...] = ("overlap", "no-overlap", "tp", "tp-chunks1")
 """Modes whose collectives ``overlap.profile()`` sees (FSDP2's are torch's own)."""
 _SEED = 1234
 
@@ -89,8 +95,14 @@ class DemoConfig:
     device: str = "cpu"
     progress: bool = True
     mesh: Optional[tuple[int, int]] = None
+    parallel: str = "fsdp"
 
     def __post_init__(self) -> None:
+        if self.parallel not in ("fsdp", "tp"):
+            raise ValueError(f"parallel must be 'fsdp' or 'tp'; got {self.parallel!r}")
+        if self.parallel == "tp" and (self.mesh is not None or tuple(self.compare) != COMPARABLE):
+            raise ValueError("parallel='tp' runs its own modes over every rank: leave mesh and compare at their "
+                             "defaults (they choose FSDP modes)")
         if self.mesh is not None:
             nodes, per_node = self.mesh
             if nodes < 1 or per_node < 1 or nodes * per_node != self.world_size:
@@ -105,9 +117,17 @@ class DemoConfig:
             raise ValueError("steps must be >= 1, warmup and profile_steps >= 0")
 
     @property
+    def main_mode(self) -> str:
+        """The mode the others are compared with: ``overlap`` (FSDP) or ``tp``."""
+        return "tp" if self.parallel == "tp" else "overlap"
+
+    @property
     def modes(self) -> tuple[str, ...]:
         """``overlap`` first, then the compared modes in :data:`COMPARABLE` order; with a ``mesh``,
-        ``overlap`` and ``fsdp2`` each also run as HSDP, right after their fully sharded run."""
+        ``overlap`` and ``fsdp2`` each also run as HSDP, right after their fully sharded run. With
+        ``parallel='tp'``: :data:`TP_MODES`."""
+        if self.parallel == "tp":
+            return TP_MODES
         modes = ("overlap", *(m for m in COMPARABLE if m in self.compare))
         if self.mesh is None:
             return modes
@@ -129,8 +149,11 @@ class DemoResult:
     """What rank 0 returns: the link used, per-mode results, and the loss checks.
 
     ``bitwise``: overlap and no-overlap losses identical on every rank (None if no-overlap did not
-    run); ``fsdp2_dev``: max relative deviation of FSDP2's global losses from overlap's (None if FSDP2
-    did not run); ``hsdp_dev``: the same for the HSDP modes (None without a mesh)."""
+    run); with ``--parallel tp``: ``overlap.tensor_parallel`` with ``chunks=1`` and torch TP identical
+    (they compute in the same order; with more than two ranks gloo's sums may associate differently,
+    so this is reported, not required). ``fsdp2_dev``: max relative deviation of FSDP2's global losses
+    from overlap's (None if FSDP2 did not run); with ``--parallel tp``: of every TP mode's from torch
+    TP's. ``hsdp_dev``: the same for the HSDP modes (None without a mesh)."""
 
     config: DemoConfig
     world_size: int
@@ -148,8 +171,9 @@ class DemoResult:
     def losses_agree(self) -> bool:
         """Overlap vs no-overlap bitwise, and FSDP2 and the HSDP modes within :data:`FSDP2_LOSS_RTOL`
         (those that ran)."""
-        return self.bitwise is not False and all(dev is None or dev <= FSDP2_LOSS_RTOL
-                                                 for dev in (self.fsdp2_dev, self.hsdp_dev))
+        bitwise_required = self.config.parallel == "fsdp"
+        return (self.bitwise is not False or not bitwise_required) and all(
+            dev is None or dev <= FSDP2_LOSS_RTOL for dev in (self.fsdp2_dev, self.hsdp_dev))
 
 
 class _Progress:
@@ -217,8 +241,10 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     def build(mode: str) -> TrainStep:
         nonlocal parameters
         torch.manual_seed(_SEED)  # the same initial weights in every mode
-        model = TransformerLM(size).to(device)
+        model = TransformerLM(size, split_qkv=cfg.parallel == "tp").to(device)
         parameters = sum(p.numel() for p in model.parameters())  # before sharding: the full count
+        if mode in TP_MODES:
+            return _tensor_parallel_step(mode, model, device, progress.advance)
         mesh = None
         if mode.endswith(HSDP_SUFFIX):
             from torch.distributed.device_mesh import init_device_mesh
@@ -233,15 +259,15 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
 
     def link() -> EmulatedLink:
         """The link at ``gbps``; with a mesh, that is the inter-node tier (see [Note: two-tier links])."""
-        if cfg.mesh is None:
-            return EmulatedLink(gbps, cfg.latency_us)
+        if cfg.mesh is None:  # torch TP's collectives are functional ones (DTensor): modelled too
+            return EmulatedLink(gbps, cfg.latency_us, functional=cfg.parallel == "tp")
         return EmulatedLink(gbps * INTER_NODE_SLOWDOWN, cfg.latency_us, gpus_per_node=cfg.mesh[1],
                             inter_node=(gbps, cfg.latency_us))
 
     gbps = cfg.link_gbps
     if gbps is None:
-        progress.start("calibrating the link on overlap.shard's compute side")
-        probe = build("overlap")
+        progress.start(f"calibrating the link on {MODE_NAMES[cfg.main_mode]}'s compute side")
+        probe = build(cfg.main_mode)
         gbps = calibrate_link(probe, cfg.latency_us, steps=2, warmup=1)
         del probe
     modes: dict[str, ModeResult] = {}
@@ -264,18 +290,40 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         del step
     progress.finish()
     bitwise = None
-    if "no-overlap" in local:
-        bitwise = _all_true(torch.equal(torch.stack(local["overlap"]), torch.stack(local["no-overlap"])), device)
+    pair = ("tp-chunks1", "tp-torch") if cfg.parallel == "tp" else ("overlap", "no-overlap")
+    if all(m in local for m in pair):
+        bitwise = _all_true(torch.equal(torch.stack(local[pair[0]]), torch.stack(local[pair[1]])), device)
     fsdp2_dev = None
     if "fsdp2" in modes:
         ours, theirs = modes["overlap"].losses, modes["fsdp2"].losses
         fsdp2_dev = _max_rel_dev(ours, theirs)
+    if cfg.parallel == "tp":
+        fsdp2_dev = max(_max_rel_dev(modes[m].losses, modes["tp-torch"].losses) for m in ("tp", "tp-chunks1"))
     hsdp = [m for m in modes if m.endswith(HSDP_SUFFIX)]
     hsdp_dev = max((_max_rel_dev(modes["overlap"].losses, modes[m].losses) for m in hsdp), default=None)
     if rank != 0:
         return None
+    batches = 1 if cfg.parallel == "tp" else world_size  # tensor-parallel ranks share one batch
     return DemoResult(cfg, world_size, dist.get_backend(), gbps, calibrate, parameters,
-                      world_size * size.tokens_per_rank, modes, bitwise, fsdp2_dev, hsdp_dev)
+                      batches * size.tokens_per_rank, modes, bitwise, fsdp2_dev, hsdp_dev)
+
+
+def _tensor_parallel_step(mode: str, model: TransformerLM, device: torch.device, on_step: Any) -> TrainStep:
+    """``model`` parallelized over every rank by its Megatron plan (:data:`TP_MODES`), AdamW, every
+    rank on the same batch (rank 0's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import overlap
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if mode == "tp-torch":
+        parallelize_module(model, mesh, model.tensor_parallel_plan())
+    else:
+        overlap.tensor_parallel(model, mesh, model.tensor_parallel_plan(), chunks=1 if mode == "tp-chunks1" else None)
+    size = model.size
+    return TrainStep(lambda i: model.loss(token_batch(size, i, 0).to(device)), make_optimizer(model, 1e-3),
+                     device=device, on_step=on_step)
 
 
 def _max_rel_dev(ours: tuple[float, ...], theirs: tuple[float, ...]) -> float:
@@ -332,20 +380,26 @@ def format_report(result: DemoResult) -> str:
         t = m.times
         rows.append((MODE_NAMES[mode], _ms(t.linked), f"{result.tokens_per_step / t.linked:,.0f}", _ms(t.unlinked),
                      _ms(t.comm), _ms(t.exposed), f"{100 * t.hidden_share:.0f}%", *_profiled(m.profile)))
-    ours = result.modes["overlap"].times
+    ours = result.modes[cfg.main_mode].times
     ideal = max(ours.unlinked, ours.comm)
     rows.append(("ideal max(compute, comm)", _ms(ideal), f"{result.tokens_per_step / ideal:,.0f}", _ms(ours.unlinked),
                  _ms(ours.comm), _ms(max(0.0, ours.comm - ours.unlinked)), "100%", "", ""))
-    how = "calibrated so one step's comm ~ overlap.shard's compute" if result.calibrated else "from --link-gbps"
+    how = (f"calibrated so one step's comm ~ {MODE_NAMES[cfg.main_mode]}'s compute" if result.calibrated
+           else "from --link-gbps")
     size = MODEL_SIZES[cfg.model]
     link = f"emulated link: {result.link_gbps:.3g} Gbit/s ({how})"
     if cfg.mesh is not None:
         link = (f"emulated nodes: {cfg.mesh[0]} x {cfg.mesh[1]} ranks; HSDP mesh (replicate, shard) = {cfg.mesh}; "
                 f"link across nodes {result.link_gbps:.3g} Gbit/s ({how}), within a node "
                 f"{INTER_NODE_SLOWDOWN:g}x faster")
+    if cfg.parallel == "tp":
+        layout = (f"each block's q, k, v, up column-parallel and out, down row-parallel over the {result.world_size} "
+                  f"ranks (Megatron's plan); {result.tokens_per_step:,} tokens per step, the same batch on every rank")
+    else:
+        layout = (f"embedding, each block and head sharded, then the root; {result.tokens_per_step:,} tokens per step "
+                  f"over {result.world_size} ranks")
     lines = [
-        f"model {cfg.model}: {result.parameters / 1e6:.3g} M parameters, {size.layers} blocks (embedding, each "
-        f"block and head sharded, then the root); {result.tokens_per_step:,} tokens per step over {result.world_size} ranks",
+        f"model {cfg.model}: {result.parameters / 1e6:.3g} M parameters, {size.layers} blocks ({layout})",
         f"{link}, {cfg.latency_us:g} µs per collective; medians of {cfg.steps} steps, slowest rank",
         "",
         _table(HEADER, rows),
@@ -354,7 +408,8 @@ def format_report(result: DemoResult) -> str:
         "link's busy time per step; exposed: step - compute; comm hidden: share of the hideable comm (at most",
         "compute) that was hidden. These count waiting for gloo's own transfer as compute, which flatters no",
         "overlap. profiled: overlap.profile() over the profiled steps, per step (exposed: time a rank stalled",
-        "in a wait while its collective ran, whatever it waited for); FSDP2's collectives are not profiled.",
+        "in a wait while its collective ran, whatever it waited for); torch's own collectives (FSDP2, torch TP)",
+        "are not profiled.",
         "",
         _loss_line(result),
     ]
@@ -362,8 +417,16 @@ def format_report(result: DemoResult) -> str:
 
 
 def _loss_line(result: DemoResult) -> str:
-    losses = result.modes["overlap"].losses
+    losses = result.modes[result.config.main_mode].losses
     lines = [f"losses over {len(losses)} steps (global mean {losses[0]:.4f} -> {losses[-1]:.4f}):"]
+    if result.config.parallel == "tp":
+        if result.bitwise is not None:
+            lines.append("  chunks=1 vs torch TP: " + ("bitwise identical" if result.bitwise else
+                                                       "not bitwise identical (allowed beyond 2 ranks)"))
+        verdict = "agree" if result.fsdp2_dev is not None and result.fsdp2_dev <= FSDP2_LOSS_RTOL else "DISAGREE"
+        lines.append(f"  overlap.tensor_parallel vs torch TP: {verdict}, max relative deviation "
+                     f"{result.fsdp2_dev:.2g} (tolerance {FSDP2_LOSS_RTOL:g})")
+        return "\n".join(lines)
     if result.bitwise is not None:
         lines.append("  overlap.shard vs no overlap: "
                      + ("bitwise identical" if result.bitwise else "DIFFER (they must be bitwise identical)"))

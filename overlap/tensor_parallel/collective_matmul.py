@@ -331,17 +331,26 @@ class MatmulReduceScatter(torch.autograd.Function):
                 gw, gb = _weight_grads(full, x, need_w, need_b)
                 return grad_x, gw, gb, None
             # own rows first (no wait), then each chunk's rows as it lands: input and weight matmuls;
-            # the weight and bias gradients are summed over chunks in fp32 at least
+            # the weight and bias gradients are summed over chunks in fp32 at least. The bias is
+            # replicated, so its pieces are summed in the same order on every rank (by position in
+            # the sequence, not by arrival): its replicas stay bitwise equal across steps.
             grad_x = x.new_empty(x.shape) if need_x else None
             acc = torch.promote_types(x.dtype, torch.float32)
-            gw = gb = None
-            for start, piece in [(layout.starts[r], grad_y), *gather.landed()]:
+            gw = None
+            bias_parts: dict[int, torch.Tensor] = {}
+            own_rows = [(layout.starts[r] + at, grad_y.narrow(d, at, n)) for at, n in map(layout.own, layout.chunks)]
+            for is_own, start, piece in [(True, layout.starts[r], grad_y), *((False, s, p) for s, p in gather.landed())]:
                 n = piece.shape[d]
                 if need_x:
                     grad_x.narrow(d, start, n).copy_(piece.matmul(weight))
-                pw, pb = _weight_grads(piece, x.narrow(d, start, n), need_w, need_b)
-                gw = _accumulate(gw, pw, acc)
-                gb = _accumulate(gb, pb, acc)
+                gw = _accumulate(gw, _weight_grads(piece, x.narrow(d, start, n), need_w, False)[0], acc)
+                if need_b:  # own rows cut like the other ranks' chunks: the same pieces on every rank
+                    for at, rows in own_rows if is_own else [(start, piece)]:
+                        if rows.shape[d]:
+                            bias_parts[at] = rows.reshape(-1, rows.shape[-1]).sum(0)
+            gb = None
+            for start in sorted(bias_parts):
+                gb = _accumulate(gb, bias_parts[start], acc)
         return grad_x, _cast(gw, x.dtype), _cast(gb, x.dtype), None
 
 

@@ -135,10 +135,25 @@ def _check_case(case: Case, mesh: Any, rank: int, world: int, bitwise_chunks1: b
     vs_torch = (None if case.chunks == 1 and bitwise_chunks1 else (BF16_TOL if low else FP32_TOL))
     vs_ref = BF16_REF_TOL if low else FP32_TOL
     problems = []
+    problems += _replicas_differ(ours)
     for what, got, torch_, unsharded in [("output", y_ours, y_torch, y_ref), ("input grad", gx_ours, gx_torch, gx_ref),
                                          *[(f"{n}.grad", g_ours[n], g_torch[n], g_ref[n]) for n in g_ref]]:
         problems += _close(f"{what} vs torch TP", got, torch_, vs_torch)
         problems += _close(f"{what} vs unsharded", got, unsharded, vs_ref)
+    return problems
+
+
+def _replicas_differ(model: torch.nn.Module) -> list[str]:
+    """Replicated parameters whose gradient is not bitwise the same on every rank (their replicas
+    would drift apart step by step)."""
+    problems = []
+    for n, p in model.named_parameters():
+        if isinstance(p.grad, DTensor) and all(pl.is_replicate() for pl in p.grad.placements):
+            local = p.grad.to_local()
+            copies = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(copies, local)
+            if not all(torch.equal(c, copies[0]) for c in copies):
+                problems.append(f"{n}.grad: replicated, but differs between ranks")
     return problems
 
 

@@ -150,6 +150,17 @@ def _tp_mesh(env: Env) -> Any:
     return init_device_mesh("cpu", (env.world,))
 
 
+def _tp_linear(mesh: Any) -> nn.Module:
+    """A fresh Linear whose weight and bias are ``Shard(0)`` DTensors on ``mesh`` (each on every
+    mesh dim when the mesh has several)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    linear = nn.Linear(4, 4)
+    for name, p in list(linear.named_parameters()):
+        linear.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)] * mesh.ndim)))
+    return linear
+
+
 def _three_dim_mesh(env: Env) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -252,6 +263,15 @@ MATRIX: dict[str, Bad] = {
                                     TypeError, "MixedPrecision.param_dtype", "floating-point parameters"),
     "shard twice": Bad(lambda e: overlap.shard(e.sharded), ValueError, "Sequential",
                        "already sharded (shard() was called on it before)"),
+    "shard TP params with a process group": Bad(
+        lambda e: overlap.shard(_tp_linear(_two_dim_mesh(e)["tp"])), ValueError, "mesh=",
+        "the data-parallel dim of the same DeviceMesh"),
+    "shard TP params over their own mesh": Bad(
+        lambda e: overlap.shard(_tp_linear(_tp_mesh(e)), mesh=_tp_mesh(e)), ValueError, "mesh",
+        "must be different dims of one DeviceMesh"),
+    "shard DTensor params on a 2-D mesh": Bad(
+        lambda e: overlap.shard(_tp_linear(_two_dim_mesh(e)), mesh=_two_dim_mesh(e)["dp"]), ValueError, "'weight'",
+        "Shard or Replicate on a 1-D mesh"),
     "wrap layer not a module": Bad(lambda e: overlap.wrap("linear"), TypeError, "layer", "torch.nn.Module"),
     "wrap bad option": Bad(lambda e: overlap.wrap(e.model, prefetch=-1), ValueError, "prefetch", "int >= 0"),
     "exclude_from_ddp model not a module": Bad(lambda e: overlap.exclude_from_ddp([e.model]), TypeError, "model",

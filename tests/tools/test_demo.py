@@ -2,8 +2,9 @@
 same demo run in-process on ranks that were already started (the ``torchrun`` path).
 
 Checked: the table's rows and columns, finite figures, the loss checks (overlap vs no-overlap bitwise,
-FSDP2 within tolerance), the Chrome trace and, where matplotlib imports, the PNG timeline. Timings
-are printed, never asserted.
+FSDP2 within tolerance; with ``--parallel tp``, chunks=1 vs torch TP bitwise on 2 ranks and the
+decomposed run within tolerance), the Chrome trace and, where matplotlib imports, the PNG timeline.
+Timings are printed, never asserted.
 
 The ranks run as users run the demo: without Triton's interpreter (``TRITON_INTERPRET=0``: on CPU the
 packing takes the torch fallback; interpreted, a tiny step takes seconds instead of milliseconds).
@@ -128,3 +129,27 @@ def test_demo_with_a_mesh_runs_hsdp_beside_full_sharding(tmp_path: object, capsy
     for mode in ("overlap", "overlap-hsdp", "fsdp2", "fsdp2-hsdp"):
         assert all(math.isfinite(_number(c)) for c in rows[MODE_NAMES[mode]][:6]), rows
     assert "HSDP vs full sharding: agree" in out and "vs torch FSDP2: agree" in out, out
+
+
+def test_demo_tensor_parallel_compares_with_torch_tp(tmp_path: object, capsys: pytest.CaptureFixture[str],
+                                                     as_users_run_it: None) -> None:
+    folder = os.path.join(str(tmp_path), "out")
+    code = main([*TINY, "--parallel", "tp", "--out", folder])
+    out = capsys.readouterr().out
+    print(out)
+    assert code == 0, out
+    assert "calibrated so one step's comm ~ overlap.tensor_parallel's compute" in out, out
+    rows = _table_rows(out)
+    for mode in ("tp", "tp-chunks1", "tp-torch"):
+        cells = rows[MODE_NAMES[mode]]
+        figures = cells if mode in PROFILED else cells[:6]
+        assert all(math.isfinite(_number(c)) for c in figures), cells
+        assert _number(cells[3]) > 0, f"the link saw no communication for {mode}: {cells}"  # comm ms
+    assert "chunks=1 vs torch TP: bitwise identical" in out, out
+    assert "overlap.tensor_parallel vs torch TP: agree" in out, out
+    collectives = {}
+    for mode in ("tp", "tp-chunks1"):
+        with open(os.path.join(folder, f"trace-{mode}.json")) as f:
+            collectives[mode] = sum(e.get("cat") == "comm" for e in json.load(f)["traceEvents"])
+    # the timeline shows each chunk's collective: more of them than undecomposed
+    assert collectives["tp"] > collectives["tp-chunks1"] > 0, collectives
