@@ -51,6 +51,7 @@ rank, and the chunk count is computed from global sizes only (contract 3).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -131,6 +132,49 @@ def _chunk_shape(like: torch.Tensor | tuple[int, ...], dim: int, width: int) -> 
     shape = list(like.shape if isinstance(like, torch.Tensor) else like)
     shape[dim] = width
     return tuple(shape)
+
+
+# ------------------------------------------------------------------------ one gather, several layers
+class _SharedGather:
+    """The last gathered input, for column-parallel layers that read the same sharded input (q, k
+    and v of a sequence-parallel attention): the first gathers it, the others reuse it.
+
+    [Note: sibling layers share one gather]
+    torch's plan gives each of q, k, v its own ``Shard(1)`` input, so torch gathers the same tensor
+    three times. A gathered input is a pure function of the local input (its storage, view and
+    version), the layout and the group, so the next layer given the same input reuses it: no
+    collective, one GEMM. Every rank runs the same layers on the same program path, so every rank
+    skips the same gathers (contract 3). The entry holds its input's root tensor and the gathered
+    tensor weakly (the gathered one lives as long as a layer saved it for backward) and is checked
+    against the input's version, so an in-place change or a freed input is never matched. Backward
+    is unchanged: each layer reduce-scatters its own input gradient."""
+
+    def __init__(self) -> None:
+        self._root: Optional[weakref.ref] = None
+        self._full: Optional[weakref.ref] = None
+        self._key: tuple = ()
+
+    @staticmethod
+    def _parts(x: torch.Tensor, layout: "SeqLayout", info: GroupInfo) -> tuple[torch.Tensor, tuple]:
+        root = x._base if x._base is not None else x
+        key = (x.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x._version, x.dtype,
+               tuple(layout.sizes), layout.dim, layout.rank, id(info.pg))
+        return root, key
+
+    def lookup(self, x: torch.Tensor, layout: "SeqLayout", info: GroupInfo) -> Optional[torch.Tensor]:
+        if self._root is None or self._full is None:
+            return None
+        root, key = self._parts(x, layout, info)
+        if self._root() is not root or key != self._key:
+            return None
+        return self._full()
+
+    def remember(self, x: torch.Tensor, layout: "SeqLayout", info: GroupInfo, full: torch.Tensor) -> None:
+        root, self._key = self._parts(x, layout, info)
+        self._root, self._full = weakref.ref(root), weakref.ref(full)
+
+
+_shared_gather = _SharedGather()
 
 
 # ------------------------------------------------------------------------ chunked collectives
@@ -243,6 +287,13 @@ class AllGatherMatmul(torch.autograd.Function):
         layout = call.layout
         assert layout is not None
         d, r = layout.dim, call.info.rank
+        shared = _shared_gather.lookup(x, layout, call.info)
+        if shared is not None:  # a sibling layer gathered this input (see [Note: sibling layers share one gather])
+            with region(call.forward_region):
+                y = F.linear(shared, weight, bias)
+            ctx.call, ctx.has_bias = call, bias is not None
+            ctx.save_for_backward(shared, weight)
+            return y
         with region(call.forward_region):
             gather = _ChunkedGather(x, layout, call.info)
             full = x.new_empty(_chunk_shape(x, d, layout.total))
@@ -258,6 +309,7 @@ class AllGatherMatmul(torch.autograd.Function):
                 for start, piece in gather.landed():
                     full.narrow(d, start, piece.shape[d]).copy_(piece)
                     y.narrow(d, start, piece.shape[d]).copy_(F.linear(piece, weight, bias))
+        _shared_gather.remember(x, layout, call.info, full)
         ctx.call, ctx.has_bias = call, bias is not None
         ctx.save_for_backward(full, weight)
         return y

@@ -297,6 +297,40 @@ def test_collectives_are_chunked(two_ranks: list[dict[str, Any]], chunks: int) -
     assert (gather, scatter) == (chunks, chunks), counts
 
 
+def _gathers(link: Any) -> int:
+    return sum(v for k, v in link.stats().by_op.items() if k.startswith("all_gather"))
+
+
+def _shared_gather_rank(rank: int, world: int) -> dict[str, Any]:
+    """Forward all-gathers of the sequence-parallel attention (q, k, v read one input) with chunks=2,
+    once as is and once with the input changed in place between k and v."""
+    from overlap.testing import emulated_link
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = overlap.tensor_parallel(make_block("sp_attention", True), mesh, plan_for("sp_attention"), chunks=2)
+    x = torch.randn(BATCH, 8, 16)
+    counts = {}
+    with emulated_link(1e6, 0.0) as link:
+        model(x)
+        counts["as is"] = _gathers(link)
+        link.reset_stats()
+        h = model.norm(x)
+        model.wq(h), model.wk(h)
+        with torch.no_grad():
+            h.to_local().mul_(2)  # an in-place change: v must not reuse the gather of the old values
+        model.wv(h)
+        counts["changed before v"] = _gathers(link)
+    return counts
+
+
+def test_sibling_layers_share_one_gather(distributed: Callable[..., list[Any]]) -> None:
+    """[Note: sibling layers share one gather]: q, k and v of the sequence-parallel attention gather
+    their common input once (2 chunk collectives, where torch's plan gathers three times); an input
+    changed in place is gathered again. Numerics: ``test_numerics_two_ranks`` (sp_attention cases)."""
+    for counts in distributed(_shared_gather_rank, 2, timeout=120):
+        assert counts == {"as is": 2, "changed before v": 4}, counts
+
+
 def test_one_rank_is_the_plain_module(single_rank_group: dist.ProcessGroup) -> None:
     """On a 1-rank mesh nothing is communicated and the block computes exactly the unsharded block."""
     mesh = init_device_mesh("cpu", (1,))
