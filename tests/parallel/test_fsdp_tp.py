@@ -21,6 +21,8 @@ and the same two-rank sums; with mixed precision too); the other sharded runs ar
 of the unsharded model (the rowwise matmuls' inner sums are split over tp ranks, and the chunked
 variant runs one GEMM per chunk); ``clip_grad_norm_`` gives FSDP2's total norm; ``get_state_dict``
 gives full tensors equal to the unsharded model's; a DCP checkpoint of ours loads into the FSDP2 model.
+HSDP + TP (mesh (replicate, shard, tp) = (2, 1, 2): the replicas' all-reduce and the 3-D spec, with a
+shard dim of one rank, all 4 ranks allow) against FSDP2 bitwise.
 """
 from __future__ import annotations
 
@@ -176,6 +178,8 @@ def _fsdp_tp_rank(rank: int, world: int, path: str) -> list[str]:
     for k, v in get_model_state_dict(models["tp+shard"]).items():
         problems += _close(f"tp+shard state dict {k} vs unsharded", _full(v), results["unsharded"]["params"][k], TOL)
 
+    problems += _hsdp_with_tp(ref)
+
     dcp.save(get_model_state_dict(models["tp+shard"]), checkpoint_id=path)
     fresh = _build("fsdp2", Stack().apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None), mesh)
     loaded = get_model_state_dict(fresh)
@@ -183,6 +187,32 @@ def _fsdp_tp_rank(rank: int, world: int, path: str) -> list[str]:
     for k, v in loaded.items():
         problems += _close(f"DCP of tp+shard loaded into FSDP2 {k}", v.full_tensor(),
                            results["tp+shard"]["params"][k], None)
+    return problems
+
+
+def _hsdp_with_tp(ref: nn.Module) -> list[str]:
+    """HSDP + TP on the 3-D mesh (replicate, shard, tp) = (2, 1, 2): torch TP, then ``overlap.shard``
+    or FSDP2 over ``mesh["replicate", "shard"]``: the same placements, gradients and updates, bitwise."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    replica, _, tp_rank = mesh.get_coordinate()
+    results, placements = {}, {}
+    for variant in ("fsdp2", "overlap"):
+        model = parallelize_module(copy.deepcopy(ref), mesh["tp"], _plan())
+        for module in (*model.blocks, model):
+            if variant == "fsdp2":
+                fully_shard(module, mesh=mesh["replicate", "shard"])
+            else:
+                overlap.shard(module, mesh=mesh["replicate", "shard"])
+        placements[variant] = {n: p.placements for n, p in model.named_parameters()}
+        results[variant] = _train(model, lambda t: _local_part(t, 2, replica, 2, tp_rank), 1)
+    problems = [f"HSDP + TP placements {placements['overlap']} != FSDP2's {placements['fsdp2']}"
+                ] if placements["overlap"] != placements["fsdp2"] else []
+    for what in ("grads", "params"):
+        for n, value in results["overlap"][what].items():
+            problems += _close(f"HSDP + TP {what} {n} vs FSDP2", value, results["fsdp2"][what][n], None)
     return problems
 
 
