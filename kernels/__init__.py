@@ -2,7 +2,9 @@
 
 Each op is one Triton launch over all parameters of a group, and one module owns everything about
 it (kernel, checks, public function, its ``torch.ops.overlap.*`` op, torch fallback, reference):
-``kernels.all_gather_copy_in`` and its three siblings. What they share: the layout of shards and flat
+``kernels.all_gather_copy_in`` and its three siblings; for tensor parallelism's decomposed
+collectives, ``kernels.chunk_place`` and ``kernels.chunk_pack`` (one chunk buffer each, see
+``kernels.chunk_layout``). What they share: the layout of shards and flat
 buffers (``ShardLayout``), the launch and its tables (``kernels._launch``), the device-side helpers
 (``kernels._jit``), the argument checks (``kernels._checks``), the torch fallback's plans
 (``kernels._torch_fallback``), the supported dtypes (``kernels._dtypes``), the ``torch.library``
@@ -11,6 +13,8 @@ Importing this package registers the ops. Knows nothing of process groups.
 """
 from kernels.all_gather_copy_in import all_gather_copy_in, all_gather_copy_in_ref
 from kernels.all_gather_copy_out import all_gather_copy_out, all_gather_copy_out_ref
+from kernels.chunk_pack import chunk_pack, chunk_pack_ref
+from kernels.chunk_place import chunk_place, chunk_place_ref
 from kernels.layout import ShardLayout
 from kernels.reduce_scatter_copy_in import reduce_scatter_copy_in, reduce_scatter_copy_in_ref
 from kernels.reduce_scatter_copy_out import reduce_scatter_copy_out, reduce_scatter_copy_out_ref
@@ -21,6 +25,10 @@ __all__ = [
     "all_gather_copy_in_ref",
     "all_gather_copy_out",
     "all_gather_copy_out_ref",
+    "chunk_pack",
+    "chunk_pack_ref",
+    "chunk_place",
+    "chunk_place_ref",
     "reduce_scatter_copy_in",
     "reduce_scatter_copy_in_ref",
     "reduce_scatter_copy_out",

@@ -58,6 +58,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from kernels.chunk_pack import chunk_pack
+from kernels.chunk_place import chunk_place
 from overlap.collectives import all_gather_into, all_reduce_into, reduce_scatter_into
 from overlap.groups import GroupInfo
 from overlap.inflight_work import InflightWork
@@ -109,6 +111,11 @@ class SeqLayout:
 
     def piece(self, j: int, k: int) -> tuple[int, int]:
         return self.starts[j] + self.sub_starts[j][k], self.sub[j][k]
+
+    def pieces(self, k: int) -> tuple[list[int], list[int]]:
+        """Chunk ``k``'s pieces, every rank's: ``(starts in the full dim, lengths)``."""
+        starts, lengths = zip(*(self.piece(j, k) for j in range(len(self.sizes))))
+        return list(starts), list(lengths)
 
     def own(self, k: int) -> tuple[int, int]:
         """This rank's ``k``-th sub-slice within its own shard: ``(start, length)``."""
@@ -193,39 +200,43 @@ class _ChunkedGather:
             buf[r].narrow(d, 0, length).copy_(local.narrow(d, start, length))
             self.inflight.append((k, buf, all_gather_into(buf.view(-1), buf[r].view(-1), info)))
 
-    def landed(self) -> Iterator[tuple[int, torch.Tensor]]:
-        d, r = self.layout.dim, self.info.rank
+    def chunks_landed(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each chunk ``(k, buffer)`` as it lands (the buffer: ``(w, *chunk)``, rank ``j``'s piece in
+        row ``j``)."""
         for k, buf, work in self.inflight:
             work.wait()
+            yield k, buf
+        self.inflight = []
+
+    def landed(self) -> Iterator[tuple[int, torch.Tensor]]:
+        d, r = self.layout.dim, self.info.rank
+        for k, buf in self.chunks_landed():
             for j in range(self.info.size):
                 start, length = self.layout.piece(j, k)
                 if j != r and length:
                     yield start, buf[j].narrow(d, 0, length)
-        self.inflight = []
+
+    def place_all(self, full: torch.Tensor) -> None:
+        """Wait for every chunk and place the other ranks' pieces into ``full`` (one launch per chunk)."""
+        for k, buf in self.chunks_landed():
+            chunk_place(full, buf, *self.layout.pieces(k), self.layout.dim, self.info.rank)
 
 
 class _ChunkedReduceScatter:
     """Sum over ranks of a tensor whose slices along ``layout.dim`` go to their ranks, one
-    reduce-scatter per chunk: ``partial(start, length)`` gives the rows ``[start, start + length)``
-    of this rank's addend (of shape ``shape`` but for ``layout.dim``; dtype and device ``ref``'s);
-    chunk ``k``'s addends are computed, packed and issued before chunk ``k + 1``'s are computed.
-    :meth:`finish` waits and writes this rank's rows into ``out``."""
+    reduce-scatter per chunk: ``make(k)`` returns chunk ``k``'s buffer ``(w, *chunk)`` (row ``j``:
+    this rank's addend for rank ``j``'s ``k``-th sub-slice, in its first rows; padding is summed
+    but never read), of shape ``shape`` but for ``layout.dim``; chunk ``k``'s buffer is made and its
+    reduce-scatter issued before chunk ``k + 1``'s is made (:func:`_packed` and :func:`_packed_then`
+    make them). :meth:`finish` waits and writes this rank's rows into ``out``."""
 
-    def __init__(self, partial: Callable[[int, int], torch.Tensor], shape: tuple[int, ...], ref: torch.Tensor,
+    def __init__(self, make: Callable[[int], torch.Tensor], shape: tuple[int, ...], ref: torch.Tensor,
                  layout: SeqLayout, info: GroupInfo) -> None:
         self.layout, self.info = layout, info
-        d = layout.dim
         self.inflight: list[tuple[int, torch.Tensor, InflightWork]] = []
         for k in layout.chunks:
-            width = layout.widths[k]
-            chunk = _chunk_shape(shape, d, width)
-            uneven = any(layout.sub[j][k] < width for j in range(info.size))
-            buf = (ref.new_zeros if uneven else ref.new_empty)((info.size, *chunk))
-            for j in range(info.size):
-                start, length = layout.piece(j, k)
-                if length:
-                    buf[j].narrow(d, 0, length).copy_(partial(start, length))
-            out = ref.new_empty(chunk)
+            buf = make(k)
+            out = ref.new_empty(_chunk_shape(shape, layout.dim, layout.widths[k]))
             self.inflight.append((k, out, reduce_scatter_into(out.view(-1), buf.view(-1), info)))
 
     def finish(self, out: torch.Tensor) -> None:
@@ -235,6 +246,27 @@ class _ChunkedReduceScatter:
             start, length = self.layout.own(k)
             out.narrow(d, start, length).copy_(result.narrow(d, 0, length))
         self.inflight = []
+
+
+def _packed(src: torch.Tensor, layout: SeqLayout) -> Callable[[int], torch.Tensor]:
+    """Chunk buffers packed from ``src`` (every position along ``layout.dim``), zero-padded, one
+    launch each (``kernels.chunk_pack``)."""
+    src = src.contiguous()
+
+    def make(k: int) -> torch.Tensor:
+        buf = src.new_empty((len(layout.sizes), *_chunk_shape(src, layout.dim, layout.widths[k])))
+        chunk_pack(buf, src, *layout.pieces(k), layout.dim)
+        return buf
+
+    return make
+
+
+def _packed_then(src: torch.Tensor, layout: SeqLayout, fn: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> Callable[[int], torch.Tensor]:
+    """Chunk buffers made by ``fn`` (a matmul over the last dim) of ``src``'s rows packed into a
+    chunk buffer: one launch and one GEMM per chunk (zero padding rows give rows that are never read)."""
+    pack = _packed(src, layout)
+    return lambda k: fn(pack(k))
 
 
 def _all_reduce_rows(rows: int, cols: int, like: torch.Tensor, chunks: int, info: GroupInfo,
@@ -299,16 +331,19 @@ class AllGatherMatmul(torch.autograd.Function):
             full = x.new_empty(_chunk_shape(x, d, layout.total))
             full.narrow(d, layout.starts[r], layout.sizes[r]).copy_(x)
             if call.chunks == 1:
-                for start, piece in gather.landed():
-                    full.narrow(d, start, piece.shape[d]).copy_(piece)
+                gather.place_all(full)
                 y = F.linear(full, weight, bias)
             else:
                 own = F.linear(x, weight, bias)  # no wait: runs while the first chunk is on the link
                 y = own.new_empty((*full.shape[:-1], own.shape[-1]))
                 y.narrow(d, layout.starts[r], layout.sizes[r]).copy_(own)
-                for start, piece in gather.landed():
-                    full.narrow(d, start, piece.shape[d]).copy_(piece)
-                    y.narrow(d, start, piece.shape[d]).copy_(F.linear(piece, weight, bias))
+                for k, buf in gather.chunks_landed():
+                    starts, lengths = layout.pieces(k)
+                    chunk_place(full, buf, starts, lengths, d, r)
+                    # the other ranks' pieces (rows before and after this rank's): a GEMM each, placed in one launch
+                    for lo, hi in ((0, r), (r + 1, len(starts))):
+                        if hi > lo and any(lengths[lo:hi]):
+                            chunk_place(y, F.linear(buf[lo:hi], weight, bias), starts[lo:hi], lengths[lo:hi], d)
         _shared_gather.remember(x, layout, call.info, full)
         ctx.call, ctx.has_bias = call, bias is not None
         ctx.save_for_backward(full, weight)
@@ -325,11 +360,10 @@ class AllGatherMatmul(torch.autograd.Function):
         with region(call.backward_region):
             if ctx.needs_input_grad[0]:
                 if call.chunks == 1:
-                    grad_full = grad_y.matmul(weight)
-                    rows: Callable[[int, int], torch.Tensor] = lambda s, n: grad_full.narrow(d, s, n)
+                    make = _packed(grad_y.matmul(weight), layout)
                 else:
-                    rows = lambda s, n: grad_y.narrow(d, s, n).matmul(weight)
-                scatter = _ChunkedReduceScatter(rows, tuple(full.shape), full, layout, call.info)
+                    make = _packed_then(grad_y, layout, lambda rows: rows.matmul(weight))
+                scatter = _ChunkedReduceScatter(make, tuple(full.shape), full, layout, call.info)
             # the weight's matmul runs while the (last) reduce-scatters are on the link
             gw, gb = _weight_grads(grad_y, full, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
             if ctx.needs_input_grad[0]:
@@ -351,12 +385,11 @@ class MatmulReduceScatter(torch.autograd.Function):
         share = _bias_share(bias, call.info.size)
         with region(call.forward_region):
             if call.chunks == 1:
-                partial_all = F.linear(x, weight, share)
-                rows: Callable[[int, int], torch.Tensor] = lambda s, n: partial_all.narrow(d, s, n)
+                make = _packed(F.linear(x, weight, share), layout)
             else:
-                rows = lambda s, n: F.linear(x.narrow(d, s, n), weight, share)
+                make = _packed_then(x, layout, lambda rows: F.linear(rows, weight, share))
             shape = (*x.shape[:-1], weight.shape[0])
-            scatter = _ChunkedReduceScatter(rows, shape, x, layout, call.info)
+            scatter = _ChunkedReduceScatter(make, shape, x, layout, call.info)
             y = x.new_empty(_chunk_shape(shape, d, layout.sizes[call.info.rank]))
             scatter.finish(y)
         ctx.call, ctx.has_bias = call, bias is not None
@@ -377,8 +410,7 @@ class MatmulReduceScatter(torch.autograd.Function):
             if call.chunks == 1:
                 full = grad_y.new_empty(_chunk_shape(grad_y, d, layout.total))
                 full.narrow(d, layout.starts[r], layout.sizes[r]).copy_(grad_y)
-                for start, piece in gather.landed():
-                    full.narrow(d, start, piece.shape[d]).copy_(piece)
+                gather.place_all(full)
                 grad_x = full.matmul(weight) if need_x else None
                 gw, gb = _weight_grads(full, x, need_w, need_b)
                 return grad_x, gw, gb, None

@@ -1,4 +1,5 @@
-"""Ahead-of-time compiles of the four packing kernels for sm_80 and sm_90, on a CPU-only machine.
+"""Ahead-of-time compiles of the four packing kernels (and tensor parallelism's two chunk kernels,
+``test_aot_compile_chunk_kernels``) for sm_80 and sm_90, on a CPU-only machine.
 
 Select with ``pytest -k aot_compile``. Each kernel is compiled the way a GPU launch compiles it: the
 op's own launcher builds the call (``_kernel_call``: tables, arguments, constexprs such as ``VEC``,
@@ -187,10 +188,47 @@ def _compile(call: object, arch: int) -> dict:
         "spill_stores": int(spills.group(2)),
         "spill_loads": int(spills.group(3)),
         "accesses": dict(Counter(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)+", ptx))),
+        "fma": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
         "ptx_version": re.search(r"^\.version (\S+)", ptx, re.M).group(1),
         "ptx_target": re.search(r"^\.target (\S+)", ptx, re.M).group(1),
         "ptxas_release": re.search(r"release (\d+\.\d+)", _ptxas_version(arch)).group(1),
     }
+
+
+TP_CASES = [("chunk_place", dt, "copy") for dt in DTYPES] + [
+    ("chunk_pack", dt, mode) for dt in DTYPES for mode in ("copy", "scale+bias")]
+"""Tensor parallelism's chunk kernels (``kernels.chunk_place`` / ``kernels.chunk_pack``): op, dtype,
+epilogue."""
+TP_REGISTER_BUDGET = 64
+"""Registers per thread for the chunk kernels: their per-element int64 index arithmetic (a
+``(w, outer, width, inner)`` decomposition, divisions included) costs more than the packing
+kernels' per-block tables; 64 x 128 threads still lets 8 blocks share an SM."""
+
+
+def _tp_id(op: str, dtype: str, mode: str) -> str:
+    return f"{op}-{dtype}-{mode}"
+
+
+def _tp_kernel_call(op: str, dtype: str, mode: str) -> object:
+    """The op's own launch for a (2 ranks, 4 x 1000 x 64) chunk of ``dtype``, with the CUDA block."""
+    import importlib
+
+    import torch
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    module = importlib.import_module(f"kernels.{op}")
+    full = torch.zeros(4, 1000, 64, dtype=torch_dtype)
+    buf = torch.zeros(2, 4, 500, 64, dtype=torch_dtype)
+    starts, lengths = [0, 500], [500, 500]
+    extents = (4, 500, 64)
+    if op == "chunk_place":
+        call = module._KernelCall(full, buf, starts, lengths, 1, 0, extents)
+    else:
+        epilogue = mode == "scale+bias"
+        call = module._KernelCall(buf, full, starts, lengths, 1, torch.zeros(64, dtype=torch_dtype) if epilogue else None,
+                                  0.5 if epilogue else None, extents)
+    call.kwargs["BLOCK"] = 1024  # what a CUDA launch uses (chunk_layout.launch_block)
+    return call
 
 
 def _ptxas_version(arch: int) -> str:
@@ -208,6 +246,10 @@ def _compile_all(out: str) -> None:
         call = _kernel_call(case)
         for arch in TARGETS:
             results[f"{case.id}-sm{arch}"] = _compile(call, arch)
+    for tp_case in TP_CASES:
+        call = _tp_kernel_call(*tp_case)
+        for arch in TARGETS:
+            results[f"{_tp_id(*tp_case)}-sm{arch}"] = _compile(call, arch)
     Path(out).write_text(json.dumps(results))
 
 
@@ -316,6 +358,24 @@ def test_aot_compile_vector_accesses_mixed(compiled: dict[str, dict], case: Case
     accesses = compiled[f"{case.id}-sm{arch}"]["accesses"]
     assert accesses.get("st.global.v4.b32", 0) > 0
     assert all(re.search(r"\.v[24]\.b32$", k) for k in accesses if re.search(r"\.v\d", k)), accesses
+
+
+@pytest.mark.parametrize(("tp_case", "arch"), [(c, a) for c in TP_CASES for a in TARGETS],
+                         ids=[f"{_tp_id(*c)}-sm{a}" for c in TP_CASES for a in TARGETS])
+def test_aot_compile_chunk_kernels(compiled: dict[str, dict], tp_case: tuple[str, str, str], arch: int) -> None:
+    """The chunk kernels compile for sm_80/sm_90: no spills, no shared memory, registers within
+    ``TP_REGISTER_BUDGET``, 16-byte divisible buffers, and the epilogue without fused multiply-adds
+    (``enable_fp_fusion=False``: it rounds as the torch reference does)."""
+    op, dtype, mode = tp_case
+    r = compiled[f"{_tp_id(*tp_case)}-sm{arch}"]
+    assert (r["spill_stores"], r["spill_loads"], r["stack"], r["shared"]) == (0, 0, 0, 0), r
+    assert r["registers"] <= TP_REGISTER_BUDGET, r["registers"]
+    full_arg, buf_arg = ("full_ptr", "buf_ptr") if op == "chunk_place" else ("src_ptr", "buf_ptr")
+    assert {full_arg, buf_arg} <= set(r["divisible16"]), r["divisible16"]
+    assert r["signature"][buf_arg] == f"*{dtype}"
+    if mode == "scale+bias":
+        assert r["enable_fp_fusion"] is False and r["constexprs"]["HAS_BIAS"] == "True"
+        assert r["fma"] == 0, "the epilogue must not fuse its multiply and add"
 
 
 @pytest.mark.parametrize("arch", TARGETS)

@@ -369,6 +369,12 @@ MATRIX: dict[str, Bad] = {
                                            "(world_size, N, then per parameter ndim followed by its dims)"),
     "ShardLayout.from_spec not ints": Bad(lambda e: ShardLayout.from_spec("3"), TypeError, "spec",
                                           "sequence of ints"),
+    "chunk_place buf of another dtype": Bad(
+        lambda e: kernels.chunk_place(torch.zeros(4, 3), torch.zeros(2, 2, 3, dtype=torch.float16), [0, 2], [2, 2], 0),
+        ValueError, "buf", "full's dtype and device"),
+    "chunk_pack piece longer than the width": Bad(
+        lambda e: kernels.chunk_pack(torch.zeros(2, 2, 3), torch.zeros(4, 3), [0, 2], [3, 1], 0), ValueError,
+        "piece 0", "must fit in buf's width 2"),
     "all_gather_copy_in layout not a layout": Bad(lambda e: kernels.all_gather_copy_in(e.shards, "layout", 1),
                                                   TypeError, "layout", "kernels.ShardLayout"),
     "all_gather_copy_in rank out of range": Bad(lambda e: kernels.all_gather_copy_in(e.shards, e.layout, 3),
