@@ -10,6 +10,8 @@ produce the same keys as on the unsharded model. Every rank must call both (they
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Mapping
 
 import torch
@@ -55,7 +57,10 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
     with torch.no_grad():
         full: dict[int, torch.Tensor] = {}
         for group in _groups_between_steps(module, "full_state_dict"):
-            for p, t in zip(group.sharded, _gather_full(group)):
+            for p, t, tp_spec in zip(group.sharded, _gather_full(group), group.tp_specs):
+                if tp_spec is not None:  # the gathered tensor is a tensor-parallel shard: gather that too
+                    meta = tp_spec.tensor_meta._replace(dtype=t.dtype)
+                    t = DTensor(t, dataclasses.replace(tp_spec, tensor_meta=meta), requires_grad=False).full_tensor()
                 full[id(p)] = t
         out = {}
         for key, value in module.state_dict(keep_vars=True).items():

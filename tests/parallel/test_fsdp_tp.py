@@ -20,7 +20,8 @@ Checks: ``torch_tp+shard`` has FSDP2's parameters (state-dict keys, placements o
 and the same two-rank sums; with mixed precision too); the other sharded runs are within 1e-5 (abs + rel to the largest value)
 of the unsharded model (the rowwise matmuls' inner sums are split over tp ranks, and the chunked
 variant runs one GEMM per chunk); ``clip_grad_norm_`` gives FSDP2's total norm; ``get_state_dict``
-gives full tensors equal to the unsharded model's; a DCP checkpoint of ours loads into the FSDP2 model.
+gives full tensors equal to the unsharded model's, ``overlap.full_state_dict`` the same full tensors,
+and ``overlap.load_full_state_dict`` of them into another 2-D model gives them back; a DCP checkpoint of ours loads into the FSDP2 model.
 HSDP + TP (mesh (replicate, shard, tp) = (2, 1, 2): the replicas' all-reduce and the 3-D spec, with a
 shard dim of one rank, all 4 ranks allow) against FSDP2 bitwise.
 """
@@ -175,8 +176,15 @@ def _fsdp_tp_rank(rank: int, world: int, path: str) -> list[str]:
                 problems += _close(f"{variant} {what} {n} vs unsharded", value, results["unsharded"][what][n], TOL)
         problems += _close(f"{variant} clip_grad_norm_ vs unsharded", results[variant]["norm"],
                            results["unsharded"]["norm"], TOL)
-    for k, v in get_model_state_dict(models["tp+shard"]).items():
+    sd_o_tp = get_model_state_dict(models["tp+shard"])
+    for k, v in sd_o_tp.items():
         problems += _close(f"tp+shard state dict {k} vs unsharded", _full(v), results["unsharded"]["params"][k], TOL)
+    full = overlap.full_state_dict(models["tp+shard"], rank0_only=False)
+    for k, v in full.items():
+        problems += _close(f"overlap.full_state_dict {k} vs get_model_state_dict", v, _full(sd_o_tp[k]), None)
+    overlap.load_full_state_dict(models["torch_tp+shard"], full)  # into another 2-D model: its parts
+    for k, v in overlap.full_state_dict(models["torch_tp+shard"], rank0_only=False).items():
+        problems += _close(f"overlap.load_full_state_dict round trip {k}", v, full[k], None)
 
     problems += _hsdp_with_tp(ref)
 
