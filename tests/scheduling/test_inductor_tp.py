@@ -1,0 +1,262 @@
+"""scheduler.collective_matmul: all-gather -> mm and mm -> reduce-scatter split into chunks.
+
+FX level (one process): hand-written post-grad graphs of the two patterns, as torch's DTensor
+sequence parallelism emits them on torch 2.13 (``all_gather_into_tensor`` -> ``wait_tensor`` ->
+``reshape`` -> ``addmm``; ``addmm`` -> ``reshape`` -> ``reduce_scatter_tensor`` -> ``wait_tensor``),
+rewritten and run on fake 2-rank collectives (plain tensor ops with the collectives' semantics) to
+compare values with the unrewritten graph. Two gloo ranks: a compiled Megatron-style
+sequence-parallel MLP, eager vs compiled vs compiled under ``inductor_overlap()``, forward and
+backward (one compile per configuration on each rank, the ranks compile in parallel).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+
+from scheduler.collective_matmul import decompose_collective_matmuls
+from scheduler.inductor_hook import OverlapGraphPass
+
+C10D = torch.ops._c10d_functional
+ATEN = torch.ops.aten
+AG, RS, WAIT = C10D.all_gather_into_tensor.default, C10D.reduce_scatter_tensor.default, C10D.wait_tensor.default
+W = 2  # ranks in the fake collectives
+
+
+def _call(g: fx.Graph, target: Any, *args: Any) -> fx.Node:
+    return g.call_function(target, args)
+
+
+def _set_vals(g: fx.Graph, inputs: dict[str, torch.Tensor]) -> None:
+    """Fill ``meta["val"]`` by running the graph on fake-collective meta values."""
+    env: dict[fx.Node, Any] = {}
+    for n in g.nodes:
+        if n.op == "placeholder":
+            env[n] = inputs[n.name].to("meta")
+        elif n.op == "call_function":
+            env[n] = _fake_op(n.target, fx.node.map_arg(n.args, env.__getitem__))
+        else:
+            continue
+        n.meta["val"] = env[n]
+
+
+def _fake_op(target: Any, args: Any) -> Any:
+    """The collectives on ``W`` ranks whose shards are ``x`` and ``x + 1`` (all-gather) or whose
+    inputs are ``y`` and ``2 * y`` (reduce-scatter, sum: rank 0's result)."""
+    if target is AG:
+        return torch.cat([args[0], args[0] + 1])
+    if target is RS:
+        y = args[0]
+        return (y + 2 * y)[: y.shape[0] // W]
+    if target is WAIT:
+        return args[0]
+    if target is operator.getitem:
+        return args[0][args[1]]
+    return target(*args)
+
+
+def _run(g: fx.Graph, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    env: dict[fx.Node, Any] = {}
+    for n in g.nodes:
+        if n.op == "placeholder":
+            env[n] = inputs[n.name]
+        elif n.op == "call_function":
+            env[n] = _fake_op(n.target, fx.node.map_arg(n.args, env.__getitem__))
+        elif n.op == "output":
+            return list(fx.node.map_arg(n.args[0], env.__getitem__))
+    raise AssertionError("no output")
+
+
+def _gather_graph(seq: int = 32, gather_dim: int = 0, extra_reader: bool = False) -> tuple[fx.Graph, dict]:
+    """Column-parallel linear on the sequence-gathered input (the forward of DTensor's
+    ``ColwiseParallel(input_layouts=Shard(0))``): x [seq/W, 2, 8] -> gathered -> [seq*2, 8] rows."""
+    g = fx.Graph()
+    x, wt, b = g.placeholder("x"), g.placeholder("w"), g.placeholder("b")
+    wait = _call(g, WAIT, _call(g, AG, x, W, "0"))
+    if gather_dim != 0:  # what funcol emits for a gather on dim 1: dim 0, then split and cat
+        split = _call(g, ATEN.split.Tensor, wait, 2)
+        wait = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)], 1)
+    rows = _call(g, ATEN.reshape.default, wait, [seq * 2, 8])
+    mm = _call(g, ATEN.addmm.default, b, rows, _call(g, ATEN.permute.default, wt, [1, 0]))
+    out = _call(g, ATEN.relu.default, _call(g, ATEN.reshape.default, mm, [seq, 2, 12]))
+    g.output((out, rows) if extra_reader else (out,))
+    inputs = {"x": torch.randn(seq // W, 2, 8), "w": torch.randn(12, 8), "b": torch.randn(12)}
+    if gather_dim != 0:
+        inputs["x"] = torch.randn(2, seq // W, 8)  # [batch, seq, hidden]: gathered on seq
+    _set_vals(g, inputs)
+    return g, inputs
+
+
+def _scatter_graph(seq: int = 32, mm_reader: bool = False) -> tuple[fx.Graph, dict]:
+    """Row-parallel linear into a sequence reduce-scatter (``RowwiseParallel(output_layouts=Shard(0))``)."""
+    g = fx.Graph()
+    h, wt = g.placeholder("h"), g.placeholder("w")
+    mm = _call(g, ATEN.mm.default, _call(g, ATEN.reshape.default, h, [seq * 2, 12]),
+               _call(g, ATEN.permute.default, wt, [1, 0]))
+    rs = _call(g, RS, _call(g, ATEN.reshape.default, mm, [seq, 2, 8]), "sum", W, "0")
+    out = _call(g, ATEN.neg.default, _call(g, WAIT, rs))
+    g.output((out, mm) if mm_reader else (out,))
+    inputs = {"h": torch.randn(seq, 2, 12), "w": torch.randn(8, 12)}
+    _set_vals(g, inputs)
+    return g, inputs
+
+
+def _targets(g: fx.Graph) -> list[Any]:
+    return [n.target for n in g.nodes if n.op == "call_function"]
+
+
+def _check_same_values(g: fx.Graph, inputs: dict, before: list[torch.Tensor]) -> None:
+    g.lint()
+    after = _run(g, inputs)
+    assert len(after) == len(before)
+    for a, b in zip(after, before):
+        assert torch.equal(a, b), "the rewrite changed a value"
+
+
+def test_all_gather_mm_splits_into_chunks_issued_up_front() -> None:
+    g, inputs = _gather_graph()
+    before = _run(g, inputs)
+    assert decompose_collective_matmuls(g, 2) == 1
+    order = [t for t in _targets(g) if t in (AG, WAIT, ATEN.addmm.default)]
+    assert order == [AG, AG, WAIT, WAIT, ATEN.addmm.default, ATEN.addmm.default]
+    _check_same_values(g, inputs, before)
+
+
+def test_other_readers_of_the_gathered_rows_read_them_reassembled() -> None:
+    g, inputs = _gather_graph(extra_reader=True)
+    before = _run(g, inputs)
+    assert decompose_collective_matmuls(g, 2) == 1
+    assert _targets(g).count(AG) == 2
+    _check_same_values(g, inputs, before)
+
+
+def test_mm_reduce_scatter_splits_each_scatter_after_its_mm() -> None:
+    g, inputs = _scatter_graph()
+    before = _run(g, inputs)
+    assert decompose_collective_matmuls(g, 2) == 1
+    order = [t for t in _targets(g) if t in (RS, WAIT, ATEN.mm.default)]
+    assert order == [ATEN.mm.default, RS, WAIT, ATEN.mm.default, RS, WAIT]
+    _check_same_values(g, inputs, before)
+
+
+def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
+    g, _ = _gather_graph(seq=48)  # 24 rows of dim 0 per rank, 96 matmul rows
+    assert decompose_collective_matmuls(g, 16) == 1
+    assert _targets(g).count(AG) == 6  # 16, 12, 8 do not divide 24 or leave < 16 rows; 6 does
+    g, _ = _gather_graph(seq=8)  # 16 matmul rows: a chunk would have 8
+    assert decompose_collective_matmuls(g, 2) == 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _gather_graph(gather_dim=1),  # the gather is not on the rows' leading dim
+    lambda: _gather_graph(seq=34),  # 17 rows per rank: not divisible by 2 chunks
+    lambda: _scatter_graph(mm_reader=True),  # the matmul's output has another reader
+], ids=["gather-dim", "not-divisible", "mm-read-elsewhere"])
+def test_other_graphs_are_left_unchanged(make) -> None:
+    g, _ = make()
+    code = g.python_code("self").src
+    assert decompose_collective_matmuls(g, 2) == 0
+    assert g.python_code("self").src == code
+
+
+def test_uuid_depends_on_the_chunk_option() -> None:
+    ids = {OverlapGraphPass(collective_matmul_chunks=c).uuid() for c in (None, 1, 2, 4)}
+    assert len(ids) == 4
+    assert OverlapGraphPass().uuid() == OverlapGraphPass(collective_matmul_chunks=2).uuid()
+
+
+def test_bad_chunk_option() -> None:
+    with pytest.raises(ValueError, match="collective_matmul_chunks"):
+        OverlapGraphPass(collective_matmul_chunks=0)
+    with pytest.raises(TypeError, match="collective_matmul_chunks"):
+        OverlapGraphPass(collective_matmul_chunks=2.0)
+
+
+# -- the sequence-parallel MLP on 2 gloo ranks ------------------------------------------------------
+
+SEQ, BATCH, HIDDEN, FFN = 64, 2, 16, 32
+
+
+def _sp_mlp(rank: int, world_size: int) -> dict[str, Any]:
+    import torch._inductor.config as inductor_config
+    import torch.nn as nn
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from scheduler import graph_pass, inductor_overlap
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(HIDDEN, FFN)
+            self.down = nn.Linear(FFN, HIDDEN)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.relu(self.up(x)))
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return parallelize_module(MLP(), mesh, {"up": ColwiseParallel(input_layouts=Shard(0)),
+                                                "down": RowwiseParallel(output_layouts=Shard(0))})
+
+    torch.manual_seed(1 + rank)
+    x0 = torch.randn(SEQ // world_size, BATCH, HIDDEN)
+
+    def step(m: nn.Module) -> list[torch.Tensor]:
+        x = x0.clone().requires_grad_()
+        y = m(x)
+        (y * torch.arange(y.numel()).view(y.shape).cos()).sum().backward()
+        values = [y.detach(), x.grad] + [p.grad.to_local() for p in m.parameters()]
+        # Eager DTensor hands back results of collectives not yet waited (AsyncCollectiveTensor).
+        return [v.wait() if isinstance(v, AsyncCollectiveTensor) else v for v in values]
+
+    graphs: list[str] = []
+    original = graph_pass.overlap_graph
+
+    def recording(graph: fx.Graph, *args: Any) -> bool:
+        changed = original(graph, *args)
+        graphs.append(str(graph))
+        return changed
+
+    result: dict[str, Any] = {"eager": step(model())}
+    with inductor_config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        result["compiled"] = step(torch.compile(model()))
+        graph_pass.overlap_graph = recording
+        try:
+            for chunks in (1, 2):
+                torch._dynamo.reset()
+                with inductor_overlap(collective_matmul_chunks=chunks):
+                    compiled = torch.compile(model())
+                result[f"hook{chunks}"] = step(compiled)
+                result[f"graphs{chunks}"] = [_counts(s) for s in graphs]
+                graphs.clear()
+        finally:
+            graph_pass.overlap_graph = original
+        torch._dynamo.reset()
+    return result
+
+
+def _counts(graph: str) -> dict[str, int]:
+    return {op: graph.count(f"_c10d_functional.{op}.default") for op in ("all_gather_into_tensor",
+                                                                         "reduce_scatter_tensor")}
+
+
+def test_sequence_parallel_mlp_compiled_with_split_collectives(distributed) -> None:
+    for rank, r in enumerate(distributed(_sp_mlp, 2, timeout=300)):
+        # forward: gather -> up, down -> scatter; backward: the mirror (gather of the output
+        # gradient -> down's input gradient, up's input gradient -> scatter).
+        assert r["graphs1"] == [{"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}] * 2, r["graphs1"]
+        assert r["graphs2"] == [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2, r["graphs2"]
+        names = ["out", "x.grad", "up.weight.grad", "up.bias.grad", "down.weight.grad", "down.bias.grad"]
+        for name, a, b, c, e in zip(names, r["hook2"], r["hook1"], r["compiled"], r["eager"]):
+            assert torch.equal(a, b), f"rank {rank}: {name}: split differs from unsplit under the hook"
+            assert torch.equal(a, c), f"rank {rank}: {name}: hook differs from plain compile"
+            torch.testing.assert_close(a, e, msg=lambda m: f"rank {rank}: {name} vs eager: {m}")
