@@ -229,17 +229,25 @@ def _rewrite_gather(graph: torch.fx.Graph, m: _Gather, fake_mode: Any, refake: b
     try:
         gathers = [emit(ALL_GATHER, emit(_ATEN.slice.Tensor, x, 0, k * step, (k + 1) * step), size, group)
                    for k in range(m.chunks)]
-        emit.anchor = m.wait
-        waits = [emit(WAIT_TENSOR, g) for g in gathers]
+        waits: list[torch.fx.Node] = []
+        first = min(readers, key=position.__getitem__) if readers else None
+        # Each chunk's wait goes right before its matmul (in graph order, which the overlap pass
+        # keeps when it has to issue something early), unless another reader comes first.
+        early = first is not None and position[first] < position[m.mm]
+        if early:
+            emit.anchor = m.wait
+            waits = [emit(WAIT_TENSOR, g) for g in gathers]
         emit.anchor = m.mm
         outs = []
-        for w in waits:
+        for k in range(m.chunks):
+            w = waits[k] if early else emit(WAIT_TENSOR, gathers[k])
+            if not early:
+                waits.append(w)
             a = _view(emit, w, [rows // m.chunks, cols])
             outs.append(emit(m.mm.target, *((bias, a, right) if bias is not None else (a, right))))
         result = _rank_major(emit, outs, size, _shape(m.mm))  # type: ignore[arg-type]
-        full = first = None
-        if readers:  # other readers of the gathered tensor (or its views) read it re-assembled
-            first = min(readers, key=position.__getitem__)
+        full = None
+        if first is not None:  # other readers of the gathered tensor (or its views) read it re-assembled
             emit.anchor = first
             full = _rank_major(emit, waits, size, _shape(m.wait))  # type: ignore[arg-type]
     except Exception:

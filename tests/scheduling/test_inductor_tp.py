@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.fx as fx
 
+from scheduler import overlap_graph
 from scheduler.collective_matmul import decompose_collective_matmuls
 from scheduler.inductor_hook import OverlapGraphPass
 
@@ -70,7 +71,8 @@ def _run(g: fx.Graph, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     raise AssertionError("no output")
 
 
-def _gather_graph(seq: int = 32, gather_dim: int = 0, extra_reader: bool = False) -> tuple[fx.Graph, dict]:
+def _gather_graph(seq: int = 32, gather_dim: int = 0, extra_reader: bool = False,
+                  early_reader: bool = False) -> tuple[fx.Graph, dict]:
     """Column-parallel linear on the sequence-gathered input (the forward of DTensor's
     ``ColwiseParallel(input_layouts=Shard(0))``): x [seq/W, 2, 8] -> gathered -> [seq*2, 8] rows."""
     g = fx.Graph()
@@ -80,9 +82,10 @@ def _gather_graph(seq: int = 32, gather_dim: int = 0, extra_reader: bool = False
         split = _call(g, ATEN.split.Tensor, wait, 2)
         wait = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)], 1)
     rows = _call(g, ATEN.reshape.default, wait, [seq * 2, 8])
+    total = _call(g, ATEN.sum.default, rows) if early_reader else None  # read before the matmul
     mm = _call(g, ATEN.addmm.default, b, rows, _call(g, ATEN.permute.default, wt, [1, 0]))
     out = _call(g, ATEN.relu.default, _call(g, ATEN.reshape.default, mm, [seq, 2, 12]))
-    g.output((out, rows) if extra_reader else (out,))
+    g.output((out, rows) if extra_reader else (out, total) if early_reader else (out,))
     inputs = {"x": torch.randn(seq // W, 2, 8), "w": torch.randn(12, 8), "b": torch.randn(12)}
     if gather_dim != 0:
         inputs["x"] = torch.randn(2, seq // W, 8)  # [batch, seq, hidden]: gathered on seq
@@ -121,15 +124,36 @@ def test_all_gather_mm_splits_into_chunks_issued_up_front() -> None:
     before = _run(g, inputs)
     assert decompose_collective_matmuls(g, 2) == 1
     order = [t for t in _targets(g) if t in (AG, WAIT, ATEN.addmm.default)]
-    assert order == [AG, AG, WAIT, WAIT, ATEN.addmm.default, ATEN.addmm.default]
+    assert order == [AG, AG, WAIT, ATEN.addmm.default, WAIT, ATEN.addmm.default]
     _check_same_values(g, inputs, before)
 
 
-def test_other_readers_of_the_gathered_rows_read_them_reassembled() -> None:
-    g, inputs = _gather_graph(extra_reader=True)
+@pytest.mark.parametrize("early", [False, True], ids=["read-after-mm", "read-before-mm"])
+def test_other_readers_of_the_gathered_rows_read_them_reassembled(early: bool) -> None:
+    g, inputs = _gather_graph(extra_reader=not early, early_reader=early)
     before = _run(g, inputs)
     assert decompose_collective_matmuls(g, 2) == 1
-    assert _targets(g).count(AG) == 2
+    order = [t for t in _targets(g) if t in (AG, WAIT, ATEN.addmm.default)]
+    if early:  # the reader needs every chunk before the matmuls: both waits come first
+        assert order == [AG, AG, WAIT, WAIT, ATEN.addmm.default, ATEN.addmm.default]
+    else:
+        assert order == [AG, AG, WAIT, ATEN.addmm.default, WAIT, ATEN.addmm.default]
+    _check_same_values(g, inputs, before)
+
+
+def test_overlap_graph_places_the_chunks_waits() -> None:
+    """What the Inductor hook runs: the split, then the wait placement."""
+    g, inputs = _gather_graph(extra_reader=True)
+    before = _run(g, inputs)
+    assert overlap_graph(g, collective_matmul_chunks=2)
+    order = [t for t in _targets(g) if t in (AG, WAIT, ATEN.addmm.default)]
+    assert order == [AG, AG, WAIT, ATEN.addmm.default, WAIT, ATEN.addmm.default]
+    _check_same_values(g, inputs, before)
+    g, inputs = _scatter_graph()
+    before = _run(g, inputs)
+    assert overlap_graph(g, collective_matmul_chunks=2)
+    order = [t for t in _targets(g) if t in (RS, WAIT, ATEN.mm.default)]
+    assert order == [ATEN.mm.default, RS, ATEN.mm.default, RS, WAIT, WAIT]
     _check_same_values(g, inputs, before)
 
 
