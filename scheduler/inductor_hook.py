@@ -7,7 +7,8 @@ user had set runs first, then the overlap pass (scheduling goes last, after any 
 :func:`uninstall` puts the previous value back. :func:`inductor_overlap` is the pair as a context
 manager. Installs nest: each ``uninstall`` undoes the latest ``install``.
 
-FX graph cache: ``OverlapGraphPass.uuid()`` hashes this package's pass sources, the options and the
+FX graph cache: ``OverlapGraphPass.uuid()`` hashes this package's pass sources (``graph_pass``,
+``bucketing``, ``collective_matmul``, ``fx_nodes`` and this module), the options and the
 composed user passes' own uuids, so a cached graph is reused only when all of those are the same,
 and a different ``max_inflight_bytes`` gives a different key. A user pass that is a plain callable
 (no uuid) makes ``uuid()`` return None, which tells Inductor to bypass the cache, as it would for
@@ -253,7 +254,10 @@ def install(
 ) -> OverlapGraphPass:
     """Set Inductor's ``post_grad_custom_post_pass`` to an :class:`OverlapGraphPass`; return it.
 
-    The pass already set there (if any) is kept and runs first. Unless
+    The pass already set there (if any) is kept and runs first. ``collective_matmul_chunks``
+    (default 2; None or 1: off) splits each all-gather -> mm and mm -> reduce-scatter (the
+    tensor-parallel linears of sequence parallelism) into that many chunks before the waits are
+    placed (``scheduler.collective_matmul``). Unless
     ``keep_peak_memory_reorder``, also turns ``reorder_for_peak_memory`` off (see
     [Note: Inductor's peak-memory reorder]). Until the matching :func:`uninstall`, functions given
     to ``torch.compile`` carry the pass wherever they compile (see [Note: torch.compile inside the

@@ -186,10 +186,19 @@ def test_other_graphs_are_left_unchanged(make) -> None:
     assert g.python_code("self").src == code
 
 
-def test_uuid_depends_on_the_chunk_option() -> None:
+def test_uuid_depends_on_the_chunk_option_and_the_source(monkeypatch) -> None:
     ids = {OverlapGraphPass(collective_matmul_chunks=c).uuid() for c in (None, 1, 2, 4)}
     assert len(ids) == 4
     assert OverlapGraphPass().uuid() == OverlapGraphPass(collective_matmul_chunks=2).uuid()
+
+    import scheduler.collective_matmul
+    from torch._inductor import custom_graph_pass
+
+    hashed: list[tuple[str, ...]] = []
+    real = custom_graph_pass.get_hash_for_files
+    monkeypatch.setattr(custom_graph_pass, "get_hash_for_files", lambda files: hashed.append(files) or real(files))
+    OverlapGraphPass().uuid()
+    assert scheduler.collective_matmul.__file__ in hashed[0]
 
 
 def test_bad_chunk_option() -> None:
