@@ -1,42 +1,48 @@
 """FX graph pass: split tensor-parallel collective matmuls into chunks, so each chunk's collective
 overlaps another chunk's matmul.
 
-Megatron-style sequence parallelism ([seq, batch, hidden] activations sharded on seq) runs a
-column-parallel linear on an all-gathered input and a row-parallel linear into a reduce-scatter.
-In a compiled graph (torch's DTensor TP, or functional collectives by hand) these are:
+Sequence parallelism (activations sharded on the sequence dim) runs a column-parallel linear on an
+all-gathered input and a row-parallel linear into a reduce-scatter. In a compiled graph (torch's
+DTensor TP, or functional collectives by hand) these are, on torch 2.13:
 
 =====================  =======================================================================
-pattern                post-grad nodes (``w`` ranks, ``s`` rows of dim 0 per rank)
+pattern                post-grad nodes (``w`` ranks, ``s`` = the shard's size on dim ``d``)
 =====================  =======================================================================
-(a) all-gather -> mm   ``all_gather_into_tensor(x, w, g)`` -> ``wait_tensor`` -> views ->
-                       ``mm(rows, B)`` / ``addmm(bias, rows, B)``: the gathered tensor is the
-                       matmul's left operand, its rows whole blocks of gathered dim 0
-(b) mm -> scatter      ``mm(A, B)`` / ``addmm(bias, A, B)`` -> views -> ``reduce_scatter_tensor(
-                       y, op, w, g)`` -> ``wait_tensor``: the scattered dim 0 is whole blocks of
-                       the matmul's rows
+(a) all-gather -> mm   ``all_gather_into_tensor(x, w, g)`` -> ``wait_tensor`` [-> ``split(n, 0)``
+                       -> its ``w`` items -> ``cat(d)``] -> views -> ``mm(rows, B)`` /
+                       ``addmm(bias, rows, B)``: the gathered tensor is the left operand
+(b) mm -> scatter      ``mm(A, B)`` / ``addmm(bias, A, B)`` -> views [-> ``split(s, d)`` -> its
+                       ``w`` items -> ``cat(0)``] -> ``reduce_scatter_tensor(y, op, w, g)`` ->
+                       ``wait_tensor``
 =====================  =======================================================================
 
-"Views" are ``view`` / ``reshape`` / ``_unsafe_view`` nodes that only merge (a) or split (b) the
-leading dims: the last dims, whose product is the matmul's column count, are untouched, so row
-``i`` of the matmul is a contiguous block of dim 0. The rewrite, with ``c`` chunks:
+``d`` is 0 for Megatron's [seq, batch, hidden] layout (DTensor's ``Shard(0)``: one collective on
+dim 0, nothing in brackets); for another dim (``Shard(1)`` of [batch, seq, hidden]) functional
+collectives add the bracketed split / cat. "Views" are ``view`` / ``reshape`` / ``_unsafe_view``
+nodes that only merge (a) or split (b) leading dims, ``d`` among them: the last dims, whose product
+is the matmul's column count, are untouched, so the matmul's rows are blocks of dim ``d``. The
+rewrite, with ``c`` chunks:
 
-* (a): ``c`` all-gathers, chunk ``k`` of the rows ``k*s/c .. (k+1)*s/c`` of each rank's shard, all
-  issued where the original was; per chunk a wait, the views and the matmul on ``w*s/c`` rows; the
-  outputs re-assembled rank-major (viewed ``(w, rows/w/c, n)``, concatenated on dim 1). Other
-  readers of the gathered tensor (the backward's weight gradient, a tensor saved for the backward)
-  read it re-assembled the same way, placed just before the first of them.
-* (b): per chunk ``k`` a matmul of the rows that go to chunk ``k`` of each rank's result (rows
-  ``r*s + k*s/c ..`` for every rank ``r``, copied contiguous), its reduce-scatter right after it;
-  the ``c`` results concatenated on dim 0. The matmul's output (and the views) must have no other
-  reader.
+* (a): ``c`` all-gathers, chunk ``k`` of the slice ``k*s/c .. (k+1)*s/c`` of dim ``d`` of each
+  rank's shard, all issued where the original was; per chunk a wait (right before its matmul in
+  graph order), the split / cat when ``d > 0``, a view and the matmul on ``1/c`` of the rows; the
+  outputs re-assembled rank-major (viewed ``(prefix, w, -1)``, concatenated on dim 2, ``prefix`` =
+  the product of the dims before ``d``). Other readers of the gathered tensor (the backward's
+  weight gradient, a tensor saved for the backward) read it re-assembled the same way, placed just
+  before the first of them (when that comes before the matmul, the waits go there too).
+* (b): per chunk ``k`` a matmul of the rows that go to chunk ``k`` of each rank's result (viewed
+  ``(prefix, w, c, -1, K)``, slice ``k`` of dim 2, copied contiguous), its reduce-scatter right
+  after it; the ``c`` results concatenated on dim ``d``. The matmul's output (and the views, split
+  and cat) must have no other reader.
 
 The waits are then placed by the overlap pass (``scheduler.graph_pass``, which runs after this one):
 each just before its first use, so chunk ``k``'s collective runs during another chunk's matmul.
 
-Chunk count: ``chunks`` at most, lowered until the rows of dim 0 per rank divide by it and every
-chunk's matmul has at least ``MIN_ROWS`` rows; 1 means no rewrite. Anything else (another gather
-dim, views that touch the last dims, sizes that do not divide, symbolic sizes, a bias that is not
-1-D) is left unchanged.
+Chunk count: ``chunks`` at most, lowered until ``s`` divides by it and every chunk's matmul has at
+least ``MIN_ROWS`` rows; 1 means no rewrite. Anything else (a gather on the matmul's columns,
+views that touch the last dims, sizes that do not divide, symbolic sizes, a bias that is not 1-D,
+a dtype cast or other op between the collective and the matmul) is left unchanged. One matmul per
+all-gather is split (the first found); other matmuls on the same gathered tensor are other readers.
 
 Values: the rows of a matmul are independent and each chunk computes its rows from the same
 operands, and a reduce-scatter reduces each element over the same ranks in the same order, so the
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -83,17 +90,17 @@ def _shape(node: Any) -> Optional[tuple[int, ...]]:
     return tuple(shape)
 
 
-def _rows_are_dim0_blocks(outer: tuple[int, ...], rows2d: tuple[int, ...]) -> bool:
-    """Is the 2-D ``rows2d`` a view of ``outer`` that merges its leading dims only (its columns are
-    the product of a suffix of ``outer``'s dims, at least the last)?"""
-    if len(rows2d) != 2 or len(outer) < 1:
-        return False
+def _merged_leading_dims(outer: tuple[int, ...], rows2d: tuple[int, ...]) -> int:
+    """How many leading dims of ``outer`` the 2-D ``rows2d`` merges into its rows (its columns the
+    product of the other dims, at least the last one); 0 when it is not such a view."""
+    if len(rows2d) != 2:
+        return 0
     for j in range(len(outer) - 1, 0, -1):
         if math.prod(outer[j:]) == rows2d[1]:
-            return math.prod(outer[:j]) == rows2d[0]
+            return j if math.prod(outer[:j]) == rows2d[0] else 0
         if math.prod(outer[j:]) > rows2d[1]:
-            return False
-    return False
+            return 0
+    return 0
 
 
 def _chunks_for(chunks: int, per_rank_dim0: int, mm_rows: int) -> int:
@@ -122,9 +129,15 @@ class _Gather:
 
     gather: torch.fx.Node
     wait: torch.fx.Node
-    chain: list[torch.fx.Node]  # the views from the wait's result to the matmul's left operand
+    dim: int  # the gathered dim: 0, or d when the wait is followed by ``split`` -> ``cat(dim=d)``
+    moved: list[torch.fx.Node]  # that split, its items and the cat (empty for dim 0)
+    chain: list[torch.fx.Node]  # the views from the gathered tensor to the matmul's left operand
     mm: torch.fx.Node
     chunks: int
+
+    @property
+    def gathered(self) -> torch.fx.Node:
+        return self.moved[-1] if self.moved else self.wait
 
 
 @dataclass
@@ -132,7 +145,9 @@ class _Scatter:
     """Pattern (b)."""
 
     mm: torch.fx.Node
-    chain: list[torch.fx.Node]  # views from the matmul to the reduce-scatter's input
+    chain: list[torch.fx.Node]  # views from the matmul to the scattered tensor
+    dim: int  # the scattered dim: 0, or d when ``split(dim=d)`` -> ``cat`` comes before the scatter
+    moved: list[torch.fx.Node]  # that split, its items and the cat (empty for dim 0)
     scatter: torch.fx.Node
     wait: torch.fx.Node
     chunks: int
@@ -145,17 +160,53 @@ def _single_wait(collective: torch.fx.Node) -> Optional[torch.fx.Node]:
     return users[0]
 
 
+def _split_cat(value: torch.fx.Node, size: int, split_dim: int, cat_dim: Optional[int]
+               ) -> Optional[tuple[list[torch.fx.Node], int]]:
+    """``value`` -> ``split(value, n, split_dim)`` -> its ``size`` items, each read once, in order,
+    by one ``cat``: what functional collectives emit to gather (cat on d) or scatter (split on d)
+    another dim than 0. Returns (the split, the items, the cat; the other dim) or None."""
+    users = list(value.users)
+    if len(users) != 1 or users[0].target is not _ATEN.split.Tensor or users[0].kwargs:
+        return None
+    split = users[0]
+    sdim = split.args[2] if len(split.args) > 2 else 0
+    items = sorted(split.users, key=lambda u: u.args[1] if u.target is operator.getitem else -1)
+    if sdim != split_dim or len(items) != size or [u.args[1] for u in items if u.target is operator.getitem] != list(
+            range(size)):
+        return None
+    cats = {u for i in items for u in i.users}
+    if len(cats) != 1 or any(len(i.users) != 1 for i in items):
+        return None
+    (cat,) = cats
+    cdim = cat.args[1] if len(cat.args) > 1 else 0
+    if cat.target is not _ATEN.cat.default or cat.kwargs or list(cat.args[0]) != items:
+        return None
+    other = cdim if cat_dim is None else sdim
+    if (cat_dim is not None and cdim != cat_dim) or other == 0:
+        return None
+    return [split, *items, cat], other
+
+
 def _match_gather(node: torch.fx.Node, chunks: int) -> Optional[_Gather]:
     if node.target is not ALL_GATHER or node.kwargs or len(node.args) != 3:
         return None
     x, size, _ = node.args
     wait = _single_wait(node)
-    x_shape, g_shape = _shape(x), _shape(wait) if wait is not None else None
-    if wait is None or x_shape is None or g_shape is None or not isinstance(size, int) or not x_shape:
+    x_shape = _shape(x)
+    if wait is None or x_shape is None or not isinstance(size, int) or not x_shape:
+        return None
+    moved: list[torch.fx.Node] = []
+    dim = 0
+    found = _split_cat(wait, size, 0, None)
+    if found is not None:
+        moved, dim = found
+    gathered = moved[-1] if moved else wait
+    g_shape = _shape(gathered)
+    if g_shape is None or dim >= len(x_shape):
         return None
     # Depth-first over view users: the first mm / addmm reading a view of the gathered rows as its
     # left operand.
-    stack: list[tuple[torch.fx.Node, list[torch.fx.Node]]] = [(wait, [])]
+    stack: list[tuple[torch.fx.Node, list[torch.fx.Node]]] = [(gathered, [])]
     while stack:
         value, chain = stack.pop()
         for user in value.users:
@@ -166,11 +217,11 @@ def _match_gather(node: torch.fx.Node, chunks: int) -> Optional[_Gather]:
                 if parts is None or parts[1] is not value or parts[2] is value:
                     continue
                 rows2d = _shape(value)
-                if rows2d is None or not _rows_are_dim0_blocks(g_shape, rows2d):
+                if rows2d is None or _merged_leading_dims(g_shape, rows2d) <= dim:
                     continue
-                c = _chunks_for(chunks, x_shape[0], rows2d[0])
+                c = _chunks_for(chunks, x_shape[dim], rows2d[0])
                 if c > 1:
-                    return _Gather(node, wait, chain, user, c)
+                    return _Gather(node, wait, dim, moved, chain, user, c)
     return None
 
 
@@ -193,63 +244,98 @@ def _match_scatter(node: torch.fx.Node, chunks: int) -> Optional[_Scatter]:
             value = user
             continue
         break
-    if user.target is not REDUCE_SCATTER or user.kwargs or len(user.args) != 4 or user.args[0] is not value:
+    y_shape = _shape(value)
+    moved: list[torch.fx.Node] = []
+    dim = 0
+    if user.target is _ATEN.split.Tensor and y_shape:
+        size = len(user.users)
+        found = _split_cat(value, size, user.args[2] if len(user.args) > 2 else 0, 0)
+        if found is None or len(found[0][-1].users) != 1:
+            return None
+        moved, dim = found
+        (user,) = moved[-1].users
+    if user.target is not REDUCE_SCATTER or user.kwargs or len(user.args) != 4:
+        return None
+    if user.args[0] is not (moved[-1] if moved else value):
         return None
     size = user.args[2]
     wait = _single_wait(user)
-    y_shape = _shape(value)
-    if wait is None or not isinstance(size, int) or y_shape is None or not y_shape or y_shape[0] % size:
+    if wait is None or not isinstance(size, int) or y_shape is None or not y_shape or y_shape[dim] % size:
         return None
-    if not _rows_are_dim0_blocks(y_shape, out_shape):
+    if moved and len(moved) != size + 2:
         return None
-    c = _chunks_for(chunks, y_shape[0] // size, out_shape[0])
-    return _Scatter(node, chain, user, wait, c) if c > 1 else None
+    if _merged_leading_dims(y_shape, out_shape) <= dim:
+        return None
+    c = _chunks_for(chunks, y_shape[dim] // size, out_shape[0])
+    return _Scatter(node, chain, dim, moved, user, wait, c) if c > 1 else None
 
 
 def _view(emit: _Emitter, node: torch.fx.Node, shape: list[int]) -> torch.fx.Node:
     return emit(_ATEN.view.default, node, shape)
 
 
-def _rank_major(emit: _Emitter, parts: list[torch.fx.Node], size: int, shape: tuple[int, ...]) -> torch.fx.Node:
-    """Chunk results (each rank-major: ``size`` blocks of rows) interleaved back into ``shape``:
-    rank r's blocks of chunks 0..c-1, then rank r+1's."""
-    blocks = [_view(emit, p, [size, -1]) for p in parts]
-    return _view(emit, emit(_ATEN.cat.default, blocks, 1), list(shape))
+def _rank_major(emit: _Emitter, parts: list[torch.fx.Node], size: int, prefix: int,
+                shape: tuple[int, ...]) -> torch.fx.Node:
+    """Chunk results interleaved back into ``shape``. Each part holds, for every one of ``prefix``
+    leading indices, ``size`` rank blocks; the result holds rank r's blocks of chunks 0..c-1, then
+    rank r+1's."""
+    blocks = [_view(emit, p, [prefix, size, -1]) for p in parts]
+    return _view(emit, emit(_ATEN.cat.default, blocks, 2), list(shape))
+
+
+def _dim_cat(emit: _Emitter, value: torch.fx.Node, size: int, dim: int) -> torch.fx.Node:
+    """A dim-0 all-gather's result with its ``size`` rank blocks concatenated on ``dim`` instead."""
+    if dim == 0:
+        return value
+    step = _shape(value)[0] // size  # type: ignore[index]
+    return emit(_ATEN.cat.default, [emit(_ATEN.slice.Tensor, value, 0, r * step, (r + 1) * step)
+                                    for r in range(size)], dim)
+
+
+def _dim_split(emit: _Emitter, value: torch.fx.Node, size: int, dim: int) -> torch.fx.Node:
+    """``value``'s ``size`` blocks of ``dim`` stacked on dim 0, what a dim-0 reduce-scatter takes."""
+    if dim == 0:
+        return value
+    step = _shape(value)[dim] // size  # type: ignore[index]
+    return emit(_ATEN.cat.default, [emit(_ATEN.slice.Tensor, value, dim, r * step, (r + 1) * step)
+                                    for r in range(size)], 0)
 
 
 def _rewrite_gather(graph: torch.fx.Graph, m: _Gather, fake_mode: Any, refake: bool) -> None:
     x, size, group = m.gather.args
-    step = _shape(x)[0] // m.chunks  # type: ignore[index]
+    step = _shape(x)[m.dim] // m.chunks  # type: ignore[index]
+    g_shape = _shape(m.gathered)
+    prefix = math.prod(g_shape[:m.dim])  # type: ignore[index]
     bias, left, right = _matmul_parts(m.mm)  # type: ignore[misc]
     rows, cols = _shape(left)  # type: ignore[misc]
     chain = set(m.chain)
-    readers = [u for n in [m.wait, *m.chain] for u in n.users if u not in chain and u is not m.mm]
+    readers = [u for n in [m.gathered, *m.chain] for u in n.users if u not in chain and u is not m.mm]
     position = {n: i for i, n in enumerate(graph.nodes)}
     emit = _Emitter(graph, m.gather, fake_mode, refake)
     try:
-        gathers = [emit(ALL_GATHER, emit(_ATEN.slice.Tensor, x, 0, k * step, (k + 1) * step), size, group)
+        gathers = [emit(ALL_GATHER, emit(_ATEN.slice.Tensor, x, m.dim, k * step, (k + 1) * step), size, group)
                    for k in range(m.chunks)]
-        waits: list[torch.fx.Node] = []
+        parts: list[torch.fx.Node] = []
         first = min(readers, key=position.__getitem__) if readers else None
         # Each chunk's wait goes right before its matmul (in graph order, which the overlap pass
         # keeps when it has to issue something early), unless another reader comes first.
         early = first is not None and position[first] < position[m.mm]
         if early:
             emit.anchor = m.wait
-            waits = [emit(WAIT_TENSOR, g) for g in gathers]
+            parts = [_dim_cat(emit, emit(WAIT_TENSOR, g), size, m.dim) for g in gathers]
         emit.anchor = m.mm
         outs = []
         for k in range(m.chunks):
-            w = waits[k] if early else emit(WAIT_TENSOR, gathers[k])
+            part = parts[k] if early else _dim_cat(emit, emit(WAIT_TENSOR, gathers[k]), size, m.dim)
             if not early:
-                waits.append(w)
-            a = _view(emit, w, [rows // m.chunks, cols])
+                parts.append(part)
+            a = _view(emit, part, [rows // m.chunks, cols])
             outs.append(emit(m.mm.target, *((bias, a, right) if bias is not None else (a, right))))
-        result = _rank_major(emit, outs, size, _shape(m.mm))  # type: ignore[arg-type]
+        result = _rank_major(emit, outs, size, prefix, _shape(m.mm))  # type: ignore[arg-type]
         full = None
         if first is not None:  # other readers of the gathered tensor (or its views) read it re-assembled
             emit.anchor = first
-            full = _rank_major(emit, waits, size, _shape(m.wait))  # type: ignore[arg-type]
+            full = _rank_major(emit, parts, size, prefix, g_shape)  # type: ignore[arg-type]
     except Exception:
         for node in reversed(emit.inserted):  # nothing of the original graph uses them yet
             graph.erase_node(node)
@@ -257,43 +343,43 @@ def _rewrite_gather(graph: torch.fx.Graph, m: _Gather, fake_mode: Any, refake: b
     m.mm.replace_all_uses_with(result)
     graph.erase_node(m.mm)
     if full is not None:
-        m.wait.replace_all_uses_with(full)
+        m.gathered.replace_all_uses_with(full)
         for v in m.chain:  # the views right after the wait move down to their new input
             first.prepend(v)  # type: ignore[union-attr]
     for v in reversed(m.chain):
         if not v.users:
             graph.erase_node(v)
-    graph.erase_node(m.wait)
-    graph.erase_node(m.gather)
+    for n in reversed([m.gather, m.wait, *m.moved]):
+        graph.erase_node(n)
 
 
 def _rewrite_scatter(graph: torch.fx.Graph, m: _Scatter, fake_mode: Any, refake: bool) -> None:
-    y, op, size, group = m.scatter.args
+    _, op, size, group = m.scatter.args
     bias, left, right = _matmul_parts(m.mm)  # type: ignore[misc]
     rows, cols = _shape(left)  # type: ignore[misc]
-    y_shape = _shape(y)
+    y_shape = _shape(m.chain[-1] if m.chain else m.mm)
+    prefix = math.prod(y_shape[:m.dim])  # type: ignore[index]
+    chunk_shape = list(y_shape)  # type: ignore[arg-type]
+    chunk_shape[m.dim] //= m.chunks
     emit = _Emitter(graph, m.mm, fake_mode, refake)
     try:
-        per_chunk = emit(_ATEN.reshape.default, left, [size, m.chunks, rows // size // m.chunks, cols])
+        per_chunk = emit(_ATEN.reshape.default, left, [prefix, size, m.chunks, -1, cols])
         waits = []
         for k in range(m.chunks):
-            part = emit(_ATEN.slice.Tensor, per_chunk, 1, k, k + 1)
+            part = emit(_ATEN.slice.Tensor, per_chunk, 2, k, k + 1)
             a = emit(_ATEN.reshape.default, emit(_ATEN.clone.default, part), [rows // m.chunks, cols])
             out = emit(m.mm.target, *((bias, a, right) if bias is not None else (a, right)))
-            out = _view(emit, out, [y_shape[0] // m.chunks, *y_shape[1:]])  # type: ignore[index]
+            out = _dim_split(emit, _view(emit, out, chunk_shape), size, m.dim)
             waits.append(emit(WAIT_TENSOR, emit(REDUCE_SCATTER, out, op, size, group)))
         emit.anchor = m.wait
-        result = emit(_ATEN.cat.default, waits, 0)
+        result = emit(_ATEN.cat.default, waits, m.dim)
     except Exception:
         for node in reversed(emit.inserted):
             graph.erase_node(node)
         raise
     m.wait.replace_all_uses_with(result)
-    graph.erase_node(m.wait)
-    graph.erase_node(m.scatter)
-    for v in reversed(m.chain):
-        graph.erase_node(v)
-    graph.erase_node(m.mm)
+    for n in reversed([m.mm, *m.chain, *m.moved, m.scatter, m.wait]):
+        graph.erase_node(n)
 
 
 def decompose_collective_matmuls(graph: torch.fx.Graph, chunks: Optional[int] = 2) -> int:

@@ -74,33 +74,38 @@ def _run(g: fx.Graph, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 def _gather_graph(seq: int = 32, gather_dim: int = 0, extra_reader: bool = False,
                   early_reader: bool = False) -> tuple[fx.Graph, dict]:
     """Column-parallel linear on the sequence-gathered input (the forward of DTensor's
-    ``ColwiseParallel(input_layouts=Shard(0))``): x [seq/W, 2, 8] -> gathered -> [seq*2, 8] rows."""
+    ``ColwiseParallel(input_layouts=Shard(0))``): x [seq/W, 2, 8] -> gathered -> [seq*2, 8] rows.
+    ``gather_dim`` 1: x [2, seq/W, 8] (``Shard(1)``, batch first); 2: x [2, seq, 4] gathered on the
+    hidden dim (the matmul's columns: not split)."""
     g = fx.Graph()
     x, wt, b = g.placeholder("x"), g.placeholder("w"), g.placeholder("b")
     wait = _call(g, WAIT, _call(g, AG, x, W, "0"))
-    if gather_dim != 0:  # what funcol emits for a gather on dim 1: dim 0, then split and cat
+    if gather_dim != 0:  # what funcol emits for a gather on dim d: dim 0, then split and cat on d
         split = _call(g, ATEN.split.Tensor, wait, 2)
-        wait = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)], 1)
+        wait = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)], gather_dim)
     rows = _call(g, ATEN.reshape.default, wait, [seq * 2, 8])
     total = _call(g, ATEN.sum.default, rows) if early_reader else None  # read before the matmul
     mm = _call(g, ATEN.addmm.default, b, rows, _call(g, ATEN.permute.default, wt, [1, 0]))
     out = _call(g, ATEN.relu.default, _call(g, ATEN.reshape.default, mm, [seq, 2, 12]))
     g.output((out, rows) if extra_reader else (out, total) if early_reader else (out,))
-    inputs = {"x": torch.randn(seq // W, 2, 8), "w": torch.randn(12, 8), "b": torch.randn(12)}
-    if gather_dim != 0:
-        inputs["x"] = torch.randn(2, seq // W, 8)  # [batch, seq, hidden]: gathered on seq
+    x_shape = [(seq // W, 2, 8), (2, seq // W, 8), (2, seq, 8 // W)][gather_dim]
+    inputs = {"x": torch.randn(x_shape), "w": torch.randn(12, 8), "b": torch.randn(12)}
     _set_vals(g, inputs)
     return g, inputs
 
 
-def _scatter_graph(seq: int = 32, mm_reader: bool = False) -> tuple[fx.Graph, dict]:
-    """Row-parallel linear into a sequence reduce-scatter (``RowwiseParallel(output_layouts=Shard(0))``)."""
+def _scatter_graph(seq: int = 32, mm_reader: bool = False, scatter_dim: int = 0) -> tuple[fx.Graph, dict]:
+    """Row-parallel linear into a sequence reduce-scatter (``RowwiseParallel(output_layouts=Shard(0))``);
+    ``scatter_dim`` 1: ``Shard(1)`` of [2, seq, 8] (split on dim 1, cat on 0, then the scatter)."""
     g = fx.Graph()
     h, wt = g.placeholder("h"), g.placeholder("w")
     mm = _call(g, ATEN.mm.default, _call(g, ATEN.reshape.default, h, [seq * 2, 12]),
                _call(g, ATEN.permute.default, wt, [1, 0]))
-    rs = _call(g, RS, _call(g, ATEN.reshape.default, mm, [seq, 2, 8]), "sum", W, "0")
-    out = _call(g, ATEN.neg.default, _call(g, WAIT, rs))
+    y = _call(g, ATEN.reshape.default, mm, [[seq, 2, 8], [2, seq, 8]][scatter_dim])
+    if scatter_dim:
+        split = _call(g, ATEN.split.Tensor, y, seq // W, 1)
+        y = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)])
+    out = _call(g, ATEN.neg.default, _call(g, WAIT, _call(g, RS, y, "sum", W, "0")))
     g.output((out, mm) if mm_reader else (out,))
     inputs = {"h": torch.randn(seq, 2, 12), "w": torch.randn(8, 12)}
     _set_vals(g, inputs)
@@ -119,8 +124,9 @@ def _check_same_values(g: fx.Graph, inputs: dict, before: list[torch.Tensor]) ->
         assert torch.equal(a, b), "the rewrite changed a value"
 
 
-def test_all_gather_mm_splits_into_chunks_issued_up_front() -> None:
-    g, inputs = _gather_graph()
+@pytest.mark.parametrize("dim", [0, 1], ids=["seq-first", "batch-first"])
+def test_all_gather_mm_splits_into_chunks_issued_up_front(dim: int) -> None:
+    g, inputs = _gather_graph(gather_dim=dim)
     before = _run(g, inputs)
     assert decompose_collective_matmuls(g, 2) == 1
     order = [t for t in _targets(g) if t in (AG, WAIT, ATEN.addmm.default)]
@@ -157,8 +163,9 @@ def test_overlap_graph_places_the_chunks_waits() -> None:
     _check_same_values(g, inputs, before)
 
 
-def test_mm_reduce_scatter_splits_each_scatter_after_its_mm() -> None:
-    g, inputs = _scatter_graph()
+@pytest.mark.parametrize("dim", [0, 1], ids=["seq-first", "batch-first"])
+def test_mm_reduce_scatter_splits_each_scatter_after_its_mm(dim: int) -> None:
+    g, inputs = _scatter_graph(scatter_dim=dim)
     before = _run(g, inputs)
     assert decompose_collective_matmuls(g, 2) == 1
     order = [t for t in _targets(g) if t in (RS, WAIT, ATEN.mm.default)]
@@ -175,7 +182,7 @@ def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
 
 
 @pytest.mark.parametrize("make", [
-    lambda: _gather_graph(gather_dim=1),  # the gather is not on the rows' leading dim
+    lambda: _gather_graph(gather_dim=2),  # gathered on the matmul's columns, not its rows
     lambda: _gather_graph(seq=34),  # 17 rows per rank: not divisible by 2 chunks
     lambda: _scatter_graph(mm_reader=True),  # the matmul's output has another reader
 ], ids=["gather-dim", "not-divisible", "mm-read-elsewhere"])
@@ -213,7 +220,11 @@ def test_bad_chunk_option() -> None:
 SEQ, BATCH, HIDDEN, FFN = 64, 2, 16, 32
 
 
-def _sp_mlp(rank: int, world_size: int) -> dict[str, Any]:
+def _sp_mlp(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
+    """Per sequence dim (0: Megatron's [seq, batch, hidden]; 1: [batch, seq, hidden]): outputs and
+    gradients eager, compiled, and compiled under the hook with 2 chunks, and the collectives
+    counted in the post-grad graphs after the pass (1 all-gather and 1 reduce-scatter each without
+    the split)."""
     import torch._inductor.config as inductor_config
     import torch.nn as nn
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -234,15 +245,12 @@ def _sp_mlp(rank: int, world_size: int) -> dict[str, Any]:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.down(torch.relu(self.up(x)))
 
-    def model() -> nn.Module:
+    def model(dim: int) -> nn.Module:
         torch.manual_seed(0)
-        return parallelize_module(MLP(), mesh, {"up": ColwiseParallel(input_layouts=Shard(0)),
-                                                "down": RowwiseParallel(output_layouts=Shard(0))})
+        return parallelize_module(MLP(), mesh, {"up": ColwiseParallel(input_layouts=Shard(dim)),
+                                                "down": RowwiseParallel(output_layouts=Shard(dim))})
 
-    torch.manual_seed(1 + rank)
-    x0 = torch.randn(SEQ // world_size, BATCH, HIDDEN)
-
-    def step(m: nn.Module) -> list[torch.Tensor]:
+    def step(m: nn.Module, x0: torch.Tensor) -> list[torch.Tensor]:
         x = x0.clone().requires_grad_()
         y = m(x)
         (y * torch.arange(y.numel()).view(y.shape).cos()).sum().backward()
@@ -258,23 +266,29 @@ def _sp_mlp(rank: int, world_size: int) -> dict[str, Any]:
         graphs.append(str(graph))
         return changed
 
-    result: dict[str, Any] = {"eager": step(model())}
-    with inductor_config.patch(fx_graph_cache=False):
-        torch._dynamo.reset()
-        result["compiled"] = step(torch.compile(model()))
-        graph_pass.overlap_graph = recording
-        try:
-            for chunks in (1, 2):
+    results: dict[int, dict[str, Any]] = {}
+    for dim in (0, 1):
+        torch.manual_seed(1 + rank)
+        x0 = torch.randn(SEQ // world_size, BATCH, HIDDEN)
+        if dim == 1:
+            x0 = x0.transpose(0, 1).contiguous()
+        result: dict[str, Any] = {"eager": step(model(dim), x0)}
+        with inductor_config.patch(fx_graph_cache=False):
+            torch._dynamo.reset()
+            result["compiled"] = step(torch.compile(model(dim)), x0)
+            graph_pass.overlap_graph = recording
+            try:
                 torch._dynamo.reset()
-                with inductor_overlap(collective_matmul_chunks=chunks):
-                    compiled = torch.compile(model())
-                result[f"hook{chunks}"] = step(compiled)
-                result[f"graphs{chunks}"] = [_counts(s) for s in graphs]
+                with inductor_overlap(collective_matmul_chunks=2):
+                    compiled = torch.compile(model(dim))
+                result["hook"] = step(compiled, x0)
+                result["graphs"] = [_counts(s) for s in graphs]
                 graphs.clear()
-        finally:
-            graph_pass.overlap_graph = original
-        torch._dynamo.reset()
-    return result
+            finally:
+                graph_pass.overlap_graph = original
+            torch._dynamo.reset()
+        results[dim] = result
+    return results
 
 
 def _counts(graph: str) -> dict[str, int]:
@@ -283,13 +297,15 @@ def _counts(graph: str) -> dict[str, int]:
 
 
 def test_sequence_parallel_mlp_compiled_with_split_collectives(distributed) -> None:
-    for rank, r in enumerate(distributed(_sp_mlp, 2, timeout=300)):
-        # forward: gather -> up, down -> scatter; backward: the mirror (gather of the output
-        # gradient -> down's input gradient, up's input gradient -> scatter).
-        assert r["graphs1"] == [{"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}] * 2, r["graphs1"]
-        assert r["graphs2"] == [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2, r["graphs2"]
-        names = ["out", "x.grad", "up.weight.grad", "up.bias.grad", "down.weight.grad", "down.bias.grad"]
-        for name, a, b, c, e in zip(names, r["hook2"], r["hook1"], r["compiled"], r["eager"]):
-            assert torch.equal(a, b), f"rank {rank}: {name}: split differs from unsplit under the hook"
-            assert torch.equal(a, c), f"rank {rank}: {name}: hook differs from plain compile"
-            torch.testing.assert_close(a, e, msg=lambda m: f"rank {rank}: {name} vs eager: {m}")
+    names = ["out", "x.grad", "up.weight.grad", "up.bias.grad", "down.weight.grad", "down.bias.grad"]
+    for rank, by_dim in enumerate(distributed(_sp_mlp, 2, timeout=300)):
+        for dim, r in by_dim.items():
+            where = f"rank {rank}, sequence dim {dim}"
+            # forward: gather -> up, down -> scatter; backward: the mirror (gather of the output
+            # gradient -> down's input gradient, up's input gradient -> scatter).
+            split = [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2
+            assert r["graphs"] == split, f"{where}: {r['graphs']}"
+            for name, a, c, e in zip(names, r["hook"], r["compiled"], r["eager"]):
+                assert torch.equal(a, c), f"{where}: {name}: split under the hook differs from plain compile"
+                # Eager DTensor sums the bias gradients in another order: ~1 ulp apart.
+                torch.testing.assert_close(a, e, msg=lambda m: f"{where}: {name} vs eager: {m}")
