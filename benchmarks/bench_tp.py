@@ -1,4 +1,5 @@
-"""Tensor parallelism, eager, side by side: overlap.tensor_parallel vs torch's parallelize_module vs ideal.
+"""Tensor parallelism side by side: overlap.tensor_parallel vs torch's parallelize_module (eager and
+compiled, with and without the Inductor hook) vs ideal.
 
 On ``--world-size`` gloo ranks (default 2), a stack of ``--layers`` blocks with torch's own
 sequence-parallel plan (``tests/tp_blocks.py``): the sequence-parallel MLP (norm ``SequenceParallel``,
@@ -13,7 +14,11 @@ reduce-scatter and its backward all-gather are decomposed), forward and backward
 ``overlap.tensor_parallel`` with the same plan: chunks chosen per call (behind the link from the
 link and the sizes, without it 2, so this mode's compute side and linked steps run different chunk
 counts), ``chunks=1`` (torch's undecomposed order through this runtime's collectives) and
-``chunks=4`` (the same chunks in both halves of each pair).
+``chunks=4`` (the same chunks in both halves of each pair). Compiled: torch's ``parallelize_module``
+model under ``torch.compile`` (Inductor; collectives whole, each waited right after it is issued)
+and the same compiled inside ``scheduler.inductor_overlap()`` (the hook splits each
+``all_gather -> mm`` / ``mm -> reduce_scatter`` into ``--compiled-chunks`` chunks, default 2, and
+moves every wait to its first use); each compiles at its first (warmup) step.
 
 Each mode alternates steps without and with the emulated link's delay
 (``overlap.testing.paired_steps``; the link models torch's functional collectives too, which
@@ -23,9 +28,7 @@ step's communication takes about as long as torch's compute side. Reported per m
 the slowest rank, the ideal ``max(compute side, link busy time)`` of that mode, torch's linked step
 over this mode's, and this mode's over its ideal.
 
-Not yet built: compiled variants (torch.compile of the blocks with and without the Inductor hook
-that decomposes ``all_gather -> mm`` / ``mm -> reduce_scatter``, issue 16 item 4) and the GPU
-comparison against torch's async-TP.
+Not yet built: the GPU comparison against torch's async-TP.
 
     python benchmarks/bench_tp.py [--layers 2] [--steps 8] [--markdown benchmarks/RESULTS.md]
 """
@@ -42,7 +45,9 @@ from report import emit
 BLOCKS = {"sequence-parallel MLP": "sp_mlp", "sequence-parallel attention": "sp_attention",
           "attention, torchtitan's plan": "prepared_attn"}
 MODES = ("torch parallelize_module", "overlap.tensor_parallel", "overlap.tensor_parallel, chunks=1",
-         "overlap.tensor_parallel, chunks=4")
+         "overlap.tensor_parallel, chunks=4", "torch parallelize_module, compiled",
+         "torch parallelize_module, compiled, inductor_overlap()")
+COMPILED = {MODES[4]: False, MODES[5]: True}  # mode -> with the Inductor hook
 CHUNKS = {MODES[1]: None, MODES[2]: 1, MODES[3]: 4}  # None: --chunks (default: chosen per call)
 
 
@@ -59,6 +64,14 @@ def _model(block: str, mode: str, args: argparse.Namespace, mesh: Any) -> Any:
     plan = {f"*.{key}": style for key, style in plan_for(block).items()}  # fnmatch keys, as torch takes them
     if mode == MODES[0]:
         return parallelize_module(model, mesh, plan)
+    if mode in COMPILED:
+        import scheduler
+
+        model = parallelize_module(model, mesh, plan)
+        if not COMPILED[mode]:
+            return torch.compile(model)
+        with scheduler.inductor_overlap(collective_matmul_chunks=args.compiled_chunks):
+            return torch.compile(model)  # compiles at the first step, with the hook's pass
     return overlap.tensor_parallel(model, mesh, plan, chunks=CHUNKS[mode] or args.chunks)
 
 
@@ -110,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
     p.add_argument("--seq", type=int, default=512, help="global sequence length (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="overlap.tensor_parallel's chunks (default: chosen)")
+    p.add_argument("--compiled-chunks", type=int, default=2,
+                   help="chunks of the Inductor hook's all_gather -> mm / mm -> reduce_scatter split (default 2)")
     add_link(p)
     args = parse(p, argv)
 
@@ -123,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             ideal = max(m.unlinked, m.comm)
             rows.append([mode, *paired_cells(m), f"{1e3 * ideal:.1f}", f"{torch_linked / m.linked:.2f}x",
                          f"{m.linked / ideal:.2f}x"])
-        emit(f"Tensor parallelism, eager, {title}: {args.layers} blocks, dim {args.dim}, batch {args.batch} x seq "
+        emit(f"Tensor parallelism, {title}: {args.layers} blocks, dim {args.dim}, batch {args.batch} x seq "
              f"{args.seq} on {args.world_size} CPU ranks (gloo), forward + backward; emulated link "
              f"{res['gbps']:.3g} Gbit/s + {args.latency_us:g} µs; medians of {args.steps} steps alternating "
              "without/with the link delay, slowest rank",
