@@ -41,8 +41,9 @@ each just before its first use, so chunk ``k``'s collective runs during another 
 Chunk count: ``chunks`` at most, lowered until ``s`` divides by it and every chunk's matmul has at
 least ``MIN_ROWS`` rows; 1 means no rewrite. Anything else (a gather on the matmul's columns,
 views that touch the last dims, sizes that do not divide, symbolic sizes, a bias that is not 1-D,
-a dtype cast or other op between the collective and the matmul) is left unchanged. One matmul per
-all-gather is split (the first found); other matmuls on the same gathered tensor are other readers.
+a dtype cast or other op between the collective and the matmul) is left unchanged. Every matmul
+that reads the gathered rows so (the q, k and v projections of one gathered input) is split, each
+at its own place, on the same chunks.
 
 Values: the rows of a matmul are independent and each chunk computes its rows from the same
 operands, and a reduce-scatter reduces each element over the same ranks in the same order, so the
@@ -131,13 +132,16 @@ class _Gather:
     wait: torch.fx.Node
     dim: int  # the gathered dim: 0, or d when the wait is followed by ``split`` -> ``cat(dim=d)``
     moved: list[torch.fx.Node]  # that split, its items and the cat (empty for dim 0)
-    chain: list[torch.fx.Node]  # the views from the gathered tensor to the matmul's left operand
-    mm: torch.fx.Node
+    mms: list[tuple[list[torch.fx.Node], torch.fx.Node]]  # (views from the gathered tensor, matmul)
     chunks: int
 
     @property
     def gathered(self) -> torch.fx.Node:
         return self.moved[-1] if self.moved else self.wait
+
+    @property
+    def matmuls(self) -> list[torch.fx.Node]:
+        return [mm for _, mm in self.mms]
 
 
 @dataclass
@@ -204,9 +208,11 @@ def _match_gather(node: torch.fx.Node, chunks: int) -> Optional[_Gather]:
     g_shape = _shape(gathered)
     if g_shape is None or dim >= len(x_shape):
         return None
-    # Depth-first over view users: the first mm / addmm reading a view of the gathered rows as its
-    # left operand.
+    # Depth-first over view users: every mm / addmm reading a view of the gathered rows as its
+    # left operand (the q, k and v projections of one gathered input, say).
     stack: list[tuple[torch.fx.Node, list[torch.fx.Node]]] = [(gathered, [])]
+    mms: list[tuple[list[torch.fx.Node], torch.fx.Node]] = []
+    c = chunks
     while stack:
         value, chain = stack.pop()
         for user in value.users:
@@ -219,10 +225,9 @@ def _match_gather(node: torch.fx.Node, chunks: int) -> Optional[_Gather]:
                 rows2d = _shape(value)
                 if rows2d is None or _merged_leading_dims(g_shape, rows2d) <= dim:
                     continue
-                c = _chunks_for(chunks, x_shape[dim], rows2d[0])
-                if c > 1:
-                    return _Gather(node, wait, dim, moved, chain, user, c)
-    return None
+                mms.append((chain, user))
+                c = _chunks_for(c, x_shape[dim], rows2d[0])
+    return _Gather(node, wait, dim, moved, mms, c) if mms and c > 1 else None
 
 
 def _match_scatter(node: torch.fx.Node, chunks: int) -> Optional[_Scatter]:
@@ -306,32 +311,34 @@ def _rewrite_gather(graph: torch.fx.Graph, m: _Gather, fake_mode: Any, refake: b
     step = _shape(x)[m.dim] // m.chunks  # type: ignore[index]
     g_shape = _shape(m.gathered)
     prefix = math.prod(g_shape[:m.dim])  # type: ignore[index]
-    bias, left, right = _matmul_parts(m.mm)  # type: ignore[misc]
-    rows, cols = _shape(left)  # type: ignore[misc]
-    chain = set(m.chain)
-    readers = [u for n in [m.gathered, *m.chain] for u in n.users if u not in chain and u is not m.mm]
     position = {n: i for i, n in enumerate(graph.nodes)}
+    mms = sorted(m.mms, key=lambda cm: position[cm[1]])
+    matmuls = set(m.matmuls)
+    chain = sorted({v for c, _ in mms for v in c}, key=position.__getitem__)
+    readers = [u for n in [m.gathered, *chain] for u in n.users if u not in chain and u not in matmuls]
     emit = _Emitter(graph, m.gather, fake_mode, refake)
     try:
         gathers = [emit(ALL_GATHER, emit(_ATEN.slice.Tensor, x, m.dim, k * step, (k + 1) * step), size, group)
                    for k in range(m.chunks)]
         parts: list[torch.fx.Node] = []
         first = min(readers, key=position.__getitem__) if readers else None
-        # Each chunk's wait goes right before its matmul (in graph order, which the overlap pass
-        # keeps when it has to issue something early), unless another reader comes first.
-        early = first is not None and position[first] < position[m.mm]
-        if early:
+        # Each chunk's wait goes right before the first matmul's chunk (in graph order, which the
+        # overlap pass keeps when it has to issue something early), unless another reader comes first.
+        if first is not None and position[first] < position[mms[0][1]]:
             emit.anchor = m.wait
             parts = [_dim_cat(emit, emit(WAIT_TENSOR, g), size, m.dim) for g in gathers]
-        emit.anchor = m.mm
-        outs = []
-        for k in range(m.chunks):
-            part = parts[k] if early else _dim_cat(emit, emit(WAIT_TENSOR, gathers[k]), size, m.dim)
-            if not early:
-                parts.append(part)
-            a = _view(emit, part, [rows // m.chunks, cols])
-            outs.append(emit(m.mm.target, *((bias, a, right) if bias is not None else (a, right))))
-        result = _rank_major(emit, outs, size, prefix, _shape(m.mm))  # type: ignore[arg-type]
+        results = []
+        for _, mm in mms:
+            bias, left, right = _matmul_parts(mm)  # type: ignore[misc]
+            rows, cols = _shape(left)  # type: ignore[misc]
+            emit.anchor = mm
+            outs = []
+            for k in range(m.chunks):
+                if k == len(parts):
+                    parts.append(_dim_cat(emit, emit(WAIT_TENSOR, gathers[k]), size, m.dim))
+                a = _view(emit, parts[k], [rows // m.chunks, cols])
+                outs.append(emit(mm.target, *((bias, a, right) if bias is not None else (a, right))))
+            results.append(_rank_major(emit, outs, size, prefix, _shape(mm)))  # type: ignore[arg-type]
         full = None
         if first is not None:  # other readers of the gathered tensor (or its views) read it re-assembled
             emit.anchor = first
@@ -340,13 +347,14 @@ def _rewrite_gather(graph: torch.fx.Graph, m: _Gather, fake_mode: Any, refake: b
         for node in reversed(emit.inserted):  # nothing of the original graph uses them yet
             graph.erase_node(node)
         raise
-    m.mm.replace_all_uses_with(result)
-    graph.erase_node(m.mm)
+    for (_, mm), result in zip(mms, results):
+        mm.replace_all_uses_with(result)
+        graph.erase_node(mm)
     if full is not None:
         m.gathered.replace_all_uses_with(full)
-        for v in m.chain:  # the views right after the wait move down to their new input
+        for v in chain:  # the views right after the wait move down to their new input
             first.prepend(v)  # type: ignore[union-attr]
-    for v in reversed(m.chain):
+    for v in reversed(chain):
         if not v.users:
             graph.erase_node(v)
     for n in reversed([m.gather, m.wait, *m.moved]):
@@ -382,6 +390,10 @@ def _rewrite_scatter(graph: torch.fx.Graph, m: _Scatter, fake_mode: Any, refake:
         graph.erase_node(n)
 
 
+def _matmuls_of(m: Any) -> list[torch.fx.Node]:
+    return m.matmuls if isinstance(m, _Gather) else [m.mm]
+
+
 def decompose_collective_matmuls(graph: torch.fx.Graph, chunks: Optional[int] = 2) -> int:
     """Split each all-gather -> mm and mm -> reduce-scatter of ``graph`` into chunks, in place (see
     the module docstring). Returns how many were split (0: graph unchanged). A match whose rewrite
@@ -396,7 +408,7 @@ def decompose_collective_matmuls(graph: torch.fx.Graph, chunks: Optional[int] = 
         if node.op != "call_function":
             continue
         found = _match_gather(node, chunks) or _match_scatter(node, chunks)
-        if found is not None and not any(found.mm is m.mm for m in matches):
+        if found is not None and not (set(_matmuls_of(found)) & {mm for m in matches for mm in _matmuls_of(m)}):
             matches.append(found)
     if not matches:
         return 0
@@ -407,7 +419,7 @@ def decompose_collective_matmuls(graph: torch.fx.Graph, chunks: Optional[int] = 
         try:
             (_rewrite_gather if isinstance(m, _Gather) else _rewrite_scatter)(graph, m, fake_mode, refake)
         except Exception as e:  # noqa: BLE001 - a failed shape computation must not break the graph
-            logger.warning("collective matmul: left %s unsplit: %s", m.mm.name, e)
+            logger.warning("collective matmul: left %s unsplit: %s", _matmuls_of(m)[0].name, e)
             continue
         done += 1
     graph.lint()

@@ -147,6 +147,22 @@ def test_other_readers_of_the_gathered_rows_read_them_reassembled(early: bool) -
     _check_same_values(g, inputs, before)
 
 
+def test_every_matmul_on_the_gathered_rows_is_split() -> None:
+    """q and k projections of one gathered input (DTensor gathers it once in a compiled graph)."""
+    g, inputs = _gather_graph()
+    mm = next(n for n in g.nodes if n.target is ATEN.addmm.default)
+    with g.inserting_after(mm):
+        k_proj = _call(g, ATEN.mm.default, mm.args[1], mm.args[2])
+    out = next(n for n in g.nodes if n.op == "output")
+    out.args = ((*out.args[0], k_proj),)
+    _set_vals(g, inputs)
+    before = _run(g, inputs)
+    assert decompose_collective_matmuls(g, 2) == 1
+    order = [t for t in _targets(g) if t in (AG, WAIT, ATEN.addmm.default, ATEN.mm.default)]
+    assert order == [AG, AG, WAIT, ATEN.addmm.default, WAIT, ATEN.addmm.default, ATEN.mm.default, ATEN.mm.default]
+    _check_same_values(g, inputs, before)
+
+
 def test_overlap_graph_places_the_chunks_waits() -> None:
     """What the Inductor hook runs: the split, then the wait placement."""
     g, inputs = _gather_graph(extra_reader=True)
