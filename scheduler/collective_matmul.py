@@ -173,18 +173,22 @@ def _split_cat(value: torch.fx.Node, size: int, split_dim: int, cat_dim: Optiona
     if len(users) != 1 or users[0].target is not _ATEN.split.Tensor or users[0].kwargs:
         return None
     split = users[0]
-    sdim = split.args[2] if len(split.args) > 2 else 0
+    shape = _shape(value)
+    if shape is None or len(split.args) < 2 or not isinstance(split.args[1], int):
+        return None
+    sdim = (split.args[2] if len(split.args) > 2 else 0) % len(shape)
     items = sorted(split.users, key=lambda u: u.args[1] if u.target is operator.getitem else -1)
-    if sdim != split_dim or len(items) != size or [u.args[1] for u in items if u.target is operator.getitem] != list(
-            range(size)):
+    if sdim != split_dim or len(items) != size or split.args[1] * size != shape[sdim]:
+        return None
+    if [u.args[1] for u in items if u.target is operator.getitem] != list(range(size)):
         return None
     cats = {u for i in items for u in i.users}
     if len(cats) != 1 or any(len(i.users) != 1 for i in items):
         return None
     (cat,) = cats
-    cdim = cat.args[1] if len(cat.args) > 1 else 0
     if cat.target is not _ATEN.cat.default or cat.kwargs or list(cat.args[0]) != items:
         return None
+    cdim = (cat.args[1] if len(cat.args) > 1 else 0) % len(shape)
     other = cdim if cat_dim is None else sdim
     if (cat_dim is not None and cdim != cat_dim) or other == 0:
         return None
@@ -254,7 +258,7 @@ def _match_scatter(node: torch.fx.Node, chunks: int) -> Optional[_Scatter]:
     dim = 0
     if user.target is _ATEN.split.Tensor and y_shape:
         size = len(user.users)
-        found = _split_cat(value, size, user.args[2] if len(user.args) > 2 else 0, 0)
+        found = _split_cat(value, size, (user.args[2] if len(user.args) > 2 else 0) % len(y_shape), 0)
         if found is None or len(found[0][-1].users) != 1:
             return None
         moved, dim = found

@@ -124,7 +124,7 @@ def _check_same_values(g: fx.Graph, inputs: dict, before: list[torch.Tensor]) ->
         assert torch.equal(a, b), "the rewrite changed a value"
 
 
-@pytest.mark.parametrize("dim", [0, 1], ids=["seq-first", "batch-first"])
+@pytest.mark.parametrize("dim", [0, 1, -2], ids=["seq-first", "batch-first", "batch-first-negative-dim"])
 def test_all_gather_mm_splits_into_chunks_issued_up_front(dim: int) -> None:
     g, inputs = _gather_graph(gather_dim=dim)
     before = _run(g, inputs)
