@@ -45,6 +45,11 @@ waited right after it is issued. Without a budget nothing limits how far waits s
 Bucketing: with ``bucket_bytes``, small all-gathers / reduce-scatters that can be issued together are
 first merged into one collective each (``scheduler.bucketing``); that rewrite adds and removes nodes
 (values stay bitwise equal), and the contract above then holds for the merged graph.
+
+Collective matmuls: with ``collective_matmul_chunks`` (the Inductor hook's default is 2), each
+all-gather -> mm and mm -> reduce-scatter is then split into chunks (``scheduler.collective_matmul``;
+values equal), and the reorder places the chunks' waits, so that chunk k's collective overlaps
+another chunk's matmul.
 """
 from __future__ import annotations
 
