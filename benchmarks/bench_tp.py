@@ -1,4 +1,5 @@
-"""Tensor parallelism, eager, side by side: overlap.tensor_parallel vs torch's parallelize_module vs ideal.
+"""Tensor parallelism side by side: overlap.tensor_parallel vs torch's parallelize_module (eager and
+compiled, with and without the Inductor hook) vs ideal.
 
 On ``--world-size`` gloo ranks (default 2), a stack of ``--layers`` blocks with torch's own
 sequence-parallel plan (``tests/tp_blocks.py``): the sequence-parallel MLP (norm ``SequenceParallel``,
@@ -13,7 +14,11 @@ reduce-scatter and its backward all-gather are decomposed), forward and backward
 ``overlap.tensor_parallel`` with the same plan: chunks chosen per call (behind the link from the
 link and the sizes, without it 2, so this mode's compute side and linked steps run different chunk
 counts), ``chunks=1`` (torch's undecomposed order through this runtime's collectives) and
-``chunks=4`` (the same chunks in both halves of each pair).
+``chunks=4`` (the same chunks in both halves of each pair). Compiled: torch's ``parallelize_module``
+model under ``torch.compile`` (Inductor; collectives whole, each waited right after it is issued)
+and the same compiled inside ``scheduler.inductor_overlap()`` (the hook splits each
+``all_gather -> mm`` / ``mm -> reduce_scatter`` into ``--compiled-chunks`` chunks, default 2, and
+moves every wait to its first use); each compiles at its first (warmup) step.
 
 Each mode alternates steps without and with the emulated link's delay
 (``overlap.testing.paired_steps``; the link models torch's functional collectives too, which
@@ -23,13 +28,9 @@ step's communication takes about as long as torch's compute side. Reported per m
 the slowest rank, the ideal ``max(compute side, link busy time)`` of that mode, torch's linked step
 over this mode's, and this mode's over its ideal.
 
-``--compiled`` adds torch's TP model under ``torch.compile`` (Inductor), without and with
-``scheduler.inductor_overlap()`` (the overlap graph pass: waits at first use, and the decomposition
-of ``all_gather -> mm`` / ``mm -> reduce_scatter`` in the compiled graphs); each is compiled once
-before its timed steps (compile time is not in the figures). Not built: the GPU comparison against
-torch's async-TP.
+Not yet built: the GPU comparison against torch's async-TP.
 
-    python benchmarks/bench_tp.py [--layers 2] [--steps 8] [--compiled] [--markdown benchmarks/RESULTS.md]
+    python benchmarks/bench_tp.py [--layers 2] [--steps 8] [--markdown benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ from report import emit
 BLOCKS = {"sequence-parallel MLP": "sp_mlp", "sequence-parallel attention": "sp_attention",
           "attention, torchtitan's plan": "prepared_attn"}
 MODES = ("torch parallelize_module", "overlap.tensor_parallel", "overlap.tensor_parallel, chunks=1",
-         "overlap.tensor_parallel, chunks=4")
+         "overlap.tensor_parallel, chunks=4", "torch parallelize_module, compiled",
+         "torch parallelize_module, compiled, inductor_overlap()")
+COMPILED = {MODES[4]: False, MODES[5]: True}  # mode -> with the Inductor hook
 CHUNKS = {MODES[1]: None, MODES[2]: 1, MODES[3]: 4}  # None: --chunks (default: chosen per call)
-COMPILED = ("torch parallelize_module, compiled", "torch parallelize_module, compiled + overlap hook")
 
 
 def _model(block: str, mode: str, args: argparse.Namespace, mesh: Any) -> Any:
@@ -60,25 +62,22 @@ def _model(block: str, mode: str, args: argparse.Namespace, mesh: Any) -> Any:
     model = torch.nn.Sequential(*[make_block(block, True, seed=i, dim=args.dim, hidden=args.hidden, heads=args.heads)
                                   for i in range(args.layers)])
     plan = {f"*.{key}": style for key, style in plan_for(block).items()}  # fnmatch keys, as torch takes them
+    if mode == MODES[0]:
+        return parallelize_module(model, mesh, plan)
     if mode in COMPILED:
         import scheduler
 
-        parallelize_module(model, mesh, plan)
-        if mode == COMPILED[0]:
-            return model, torch.compile(model)
-        with scheduler.inductor_overlap():
-            return model, torch.compile(model)
-    if mode == MODES[0]:
-        return parallelize_module(model, mesh, plan)
+        model = parallelize_module(model, mesh, plan)
+        if not COMPILED[mode]:
+            return torch.compile(model)
+        with scheduler.inductor_overlap(collective_matmul_chunks=args.compiled_chunks):
+            return torch.compile(model)  # compiles at the first step, with the hook's pass
     return overlap.tensor_parallel(model, mesh, plan, chunks=CHUNKS[mode] or args.chunks)
 
 
-def _step(built: Any, x: Any) -> Any:
-    """One forward + backward of ``built`` (a model, or ``(model, its compiled callable)``)."""
-    model, run = built if isinstance(built, tuple) else (built, built)
-
+def _step(model: Any, x: Any) -> Any:
     def step() -> None:
-        run(x).square().mean().backward()
+        model(x).square().mean().backward()
         for p in model.parameters():
             p.grad = None
 
@@ -100,9 +99,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(args.batch, args.seq // world, args.dim, generator=torch.Generator().manual_seed(rank))
     out: dict[str, Any] = {}
-    modes = MODES + (COMPILED if args.compiled else ())
     for title, block in BLOCKS.items():
-        steps = {mode: _step(_model(block, mode, args, mesh), x) for mode in modes}
+        steps = {mode: _step(_model(block, mode, args, mesh), x) for mode in MODES}
         gbps = args.link_gbps
         if gbps is None:  # one torch step's comm ~ torch's compute side
             compute = paired_steps(steps[MODES[0]], 3, 1e6, 0.0, warmup=2).unlinked
@@ -125,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
     p.add_argument("--seq", type=int, default=512, help="global sequence length (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="overlap.tensor_parallel's chunks (default: chosen)")
-    p.add_argument("--compiled", action="store_true",
-                   help="add torch TP under torch.compile, without and with scheduler.inductor_overlap()")
+    p.add_argument("--compiled-chunks", type=int, default=2,
+                   help="chunks of the Inductor hook's all_gather -> mm / mm -> reduce_scatter split (default 2)")
     add_link(p)
     args = parse(p, argv)
 
@@ -135,13 +133,12 @@ def main(argv: list[str] | None = None) -> None:
         res = r[title]
         torch_linked = res[MODES[0]].linked
         rows = []
-        for mode in MODES + (COMPILED if args.compiled else ()):
+        for mode in MODES:
             m: PairedTimes = res[mode]
             ideal = max(m.unlinked, m.comm)
             rows.append([mode, *paired_cells(m), f"{1e3 * ideal:.1f}", f"{torch_linked / m.linked:.2f}x",
                          f"{m.linked / ideal:.2f}x"])
-        kind = "eager and compiled" if args.compiled else "eager"
-        emit(f"Tensor parallelism, {kind}, {title}: {args.layers} blocks, dim {args.dim}, batch {args.batch} x seq "
+        emit(f"Tensor parallelism, {title}: {args.layers} blocks, dim {args.dim}, batch {args.batch} x seq "
              f"{args.seq} on {args.world_size} CPU ranks (gloo), forward + backward; emulated link "
              f"{res['gbps']:.3g} Gbit/s + {args.latency_us:g} µs; medians of {args.steps} steps alternating "
              "without/with the link delay, slowest rank",

@@ -45,6 +45,11 @@ waited right after it is issued. Without a budget nothing limits how far waits s
 Bucketing: with ``bucket_bytes``, small all-gathers / reduce-scatters that can be issued together are
 first merged into one collective each (``scheduler.bucketing``); that rewrite adds and removes nodes
 (values stay bitwise equal), and the contract above then holds for the merged graph.
+
+Collective matmuls: with ``collective_matmul_chunks`` (the Inductor hook's default is 2), each
+all-gather -> mm and mm -> reduce-scatter is then split into chunks (``scheduler.collective_matmul``;
+values equal), and the reorder places the chunks' waits, so that chunk k's collective overlaps
+another chunk's matmul.
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ import torch
 import torch.fx
 
 from scheduler.bucketing import bucket_collectives, check_bucket_bytes
+from scheduler.collective_matmul import check_chunks, decompose_collective_matmuls
 from scheduler.fx_nodes import (
     BARRIER, COLLECTIVE, COLLECTIVE_OPS, COMPUTE, MEMBER, OUTPUT, WAIT, BadGraph, classify, group_of, is_coalesced,
     meta_value, nbytes,
@@ -358,18 +364,23 @@ def check_max_inflight_bytes(max_inflight_bytes: object) -> None:
 
 
 def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = None,
-                  bucket_bytes: Optional[int] = None) -> bool:
+                  bucket_bytes: Optional[int] = None, collective_matmul_chunks: Optional[int] = None) -> bool:
     """Reorder ``graph`` in place for comm/compute overlap; return whether the graph changed.
 
     The core of :func:`overlap_pass`, working on a bare ``torch.fx.Graph`` (what Inductor's
     ``post_grad_custom_post_pass`` receives). Same contract; the caller recompiles the module.
+    With ``collective_matmul_chunks`` (> 1), all-gather -> mm and mm -> reduce-scatter are first
+    split into that many chunks (``scheduler.collective_matmul``), after bucketing (so that the
+    chunks are not merged back) and before the reorder (which places the chunks' waits).
     """
     if not isinstance(graph, torch.fx.Graph):
         raise TypeError(f"graph must be a torch.fx.Graph, got {type(graph).__name__}")
     check_max_inflight_bytes(max_inflight_bytes)
     check_bucket_bytes(bucket_bytes)
+    check_chunks(collective_matmul_chunks)
     merged = bucket_collectives(graph, bucket_bytes) if bucket_bytes is not None else 0
-    return _reorder(graph, max_inflight_bytes) or merged > 0
+    split = decompose_collective_matmuls(graph, collective_matmul_chunks)
+    return _reorder(graph, max_inflight_bytes) or merged > 0 or split > 0
 
 
 def _reorder(graph: torch.fx.Graph, max_inflight_bytes: Optional[int]) -> bool:

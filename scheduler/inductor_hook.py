@@ -7,7 +7,8 @@ user had set runs first, then the overlap pass (scheduling goes last, after any 
 :func:`uninstall` puts the previous value back. :func:`inductor_overlap` is the pair as a context
 manager. Installs nest: each ``uninstall`` undoes the latest ``install``.
 
-FX graph cache: ``OverlapGraphPass.uuid()`` hashes this package's pass sources, the options and the
+FX graph cache: ``OverlapGraphPass.uuid()`` hashes this package's pass sources (``graph_pass``,
+``bucketing``, ``collective_matmul``, ``fx_nodes`` and this module), the options and the
 composed user passes' own uuids, so a cached graph is reused only when all of those are the same,
 and a different ``max_inflight_bytes`` gives a different key. A user pass that is a plain callable
 (no uuid) makes ``uuid()`` return None, which tells Inductor to bypass the cache, as it would for
@@ -56,6 +57,7 @@ from torch._inductor import custom_graph_pass as _cgp
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from scheduler import bucketing as _bucketing
+from scheduler import collective_matmul as _collective_matmul
 from scheduler import fx_nodes as _fx_nodes
 from scheduler import graph_pass as _graph_pass
 
@@ -65,6 +67,9 @@ logger = logging.getLogger("scheduler")
 
 # Bump when the pass's behaviour changes in a way the source hash would not show.
 PASS_VERSION = 1
+
+DEFAULT_COLLECTIVE_MATMUL_CHUNKS = 2
+"""Chunks for all-gather -> mm and mm -> reduce-scatter (``scheduler.collective_matmul``)."""
 
 # Inductor passes ``is_inference`` to passes of this type (a CustomGraphPass subclass) where torch
 # has it; the overlap pass takes it so that it can hand it on to inference-aware user passes.
@@ -84,20 +89,25 @@ def _flatten(passes: Any) -> tuple[Any, ...]:
 class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
     """Inductor post-grad pass: the user's previous passes, then :func:`~scheduler.overlap_graph`.
 
-    ``max_inflight_bytes`` and ``bucket_bytes`` are passed to the graph pass. ``previous`` is the
+    ``max_inflight_bytes``, ``bucket_bytes`` and ``collective_matmul_chunks`` (split all-gather ->
+    mm and mm -> reduce-scatter into that many chunks, ``scheduler.collective_matmul``; None or 1:
+    no split) are passed to the graph pass. ``previous`` is the
     config value this pass replaced (None, a pass, or a list / tuple of passes); each runs before
     the overlap pass.
     """
 
     def __init__(self, max_inflight_bytes: Optional[int] = None, previous: Any = None,
-                 bucket_bytes: Optional[int] = None) -> None:
+                 bucket_bytes: Optional[int] = None,
+                 collective_matmul_chunks: Optional[int] = DEFAULT_COLLECTIVE_MATMUL_CHUNKS) -> None:
         _graph_pass.check_max_inflight_bytes(max_inflight_bytes)
         _bucketing.check_bucket_bytes(bucket_bytes)
+        _collective_matmul.check_chunks(collective_matmul_chunks)
         for p in _flatten(previous):
             if not callable(p):
                 raise TypeError(f"previous must hold callables taking a torch.fx.Graph, got {p!r}")
         self.max_inflight_bytes = max_inflight_bytes
         self.bucket_bytes = bucket_bytes
+        self.collective_matmul_chunks = collective_matmul_chunks
         self.previous = previous
 
     def __call__(self, graph: torch.fx.Graph, is_inference: Optional[bool] = None) -> None:
@@ -106,7 +116,7 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
                 p(graph, is_inference=bool(is_inference))
             else:
                 p(graph)
-        _graph_pass.overlap_graph(graph, self.max_inflight_bytes, self.bucket_bytes)
+        _graph_pass.overlap_graph(graph, self.max_inflight_bytes, self.bucket_bytes, self.collective_matmul_chunks)
 
     def uuid(self) -> Optional[str]:
         """Stable id of this pass: sources + version + options + the composed passes' uuids.
@@ -119,15 +129,17 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
             if pid is None:
                 return None
             previous_ids.append(pid)
-        sources = _cgp.get_hash_for_files((_graph_pass.__file__, _bucketing.__file__, _fx_nodes.__file__, __file__))
+        sources = _cgp.get_hash_for_files((_graph_pass.__file__, _bucketing.__file__, _fx_nodes.__file__,
+                                           _collective_matmul.__file__, __file__))
         h = hashlib.sha256(sources)
-        h.update(repr((PASS_VERSION, self.max_inflight_bytes, self.bucket_bytes)).encode())
+        h.update(repr((PASS_VERSION, self.max_inflight_bytes, self.bucket_bytes,
+                       self.collective_matmul_chunks)).encode())
         h.update(pickle.dumps(previous_ids))
         return h.hexdigest()
 
     def __repr__(self) -> str:
         return (f"OverlapGraphPass(max_inflight_bytes={self.max_inflight_bytes}, bucket_bytes={self.bucket_bytes}, "
-                f"previous={self.previous!r})")
+                f"collective_matmul_chunks={self.collective_matmul_chunks}, previous={self.previous!r})")
 
 
 def _pass_options(graph_pass: OverlapGraphPass, keep_peak_memory_reorder: bool) -> dict[str, Any]:
@@ -140,6 +152,7 @@ def _pass_options(graph_pass: OverlapGraphPass, keep_peak_memory_reorder: bool) 
 def compile_options(
     max_inflight_bytes: Optional[int] = None, *, keep_peak_memory_reorder: bool = False,
     bucket_bytes: Optional[int] = None,
+    collective_matmul_chunks: Optional[int] = DEFAULT_COLLECTIVE_MATMUL_CHUNKS,
 ) -> dict[str, Any]:
     """``torch.compile`` options that run the overlap pass on what that one call compiles, whenever it
     compiles: ``torch.compile(train_step, options=scheduler.compile_options())``.
@@ -148,7 +161,8 @@ def compile_options(
     config is not touched. Raises ``TypeError`` / ``ValueError`` naming a bad argument.
     """
     _check_keep(keep_peak_memory_reorder)
-    graph_pass = OverlapGraphPass(max_inflight_bytes, inductor_config.post_grad_custom_post_pass, bucket_bytes)
+    graph_pass = OverlapGraphPass(max_inflight_bytes, inductor_config.post_grad_custom_post_pass, bucket_bytes,
+                                  collective_matmul_chunks)
     return _pass_options(graph_pass, keep_peak_memory_reorder)
 
 
@@ -197,7 +211,8 @@ def _with_pass(entry: _Installed, bound: inspect.BoundArguments) -> None:
         options = {**list_mode_options(mode, bound.arguments.get("dynamic")), **options}
         bound.arguments["mode"] = None
     graph_pass = entry.graph_pass if user_pass is None else OverlapGraphPass(
-        entry.graph_pass.max_inflight_bytes, user_pass, entry.graph_pass.bucket_bytes)
+        entry.graph_pass.max_inflight_bytes, user_pass, entry.graph_pass.bucket_bytes,
+        entry.graph_pass.collective_matmul_chunks)
     bound.arguments["options"] = {**_pass_options(graph_pass, entry.keep_peak_memory_reorder), **options,
                                   "post_grad_custom_post_pass": graph_pass}
 
@@ -235,10 +250,14 @@ def _unwrap_torch_compile() -> None:
 def install(
     max_inflight_bytes: Optional[int] = None, *, keep_peak_memory_reorder: bool = False,
     bucket_bytes: Optional[int] = None,
+    collective_matmul_chunks: Optional[int] = DEFAULT_COLLECTIVE_MATMUL_CHUNKS,
 ) -> OverlapGraphPass:
     """Set Inductor's ``post_grad_custom_post_pass`` to an :class:`OverlapGraphPass`; return it.
 
-    The pass already set there (if any) is kept and runs first. Unless
+    The pass already set there (if any) is kept and runs first. ``collective_matmul_chunks``
+    (default 2; None or 1: off) splits each all-gather -> mm and mm -> reduce-scatter (the
+    tensor-parallel linears of sequence parallelism) into that many chunks before the waits are
+    placed (``scheduler.collective_matmul``). Unless
     ``keep_peak_memory_reorder``, also turns ``reorder_for_peak_memory`` off (see
     [Note: Inductor's peak-memory reorder]). Until the matching :func:`uninstall`, functions given
     to ``torch.compile`` carry the pass wherever they compile (see [Note: torch.compile inside the
@@ -246,7 +265,7 @@ def install(
     """
     _check_keep(keep_peak_memory_reorder)
     previous = inductor_config.post_grad_custom_post_pass
-    p = OverlapGraphPass(max_inflight_bytes, previous, bucket_bytes)
+    p = OverlapGraphPass(max_inflight_bytes, previous, bucket_bytes, collective_matmul_chunks)
     previous_peak: Optional[bool] = None
     if not keep_peak_memory_reorder:
         previous_peak = inductor_config.reorder_for_peak_memory
@@ -282,6 +301,7 @@ def uninstall() -> None:
 def inductor_overlap(
     max_inflight_bytes: Optional[int] = None, *, keep_peak_memory_reorder: bool = False,
     bucket_bytes: Optional[int] = None,
+    collective_matmul_chunks: Optional[int] = DEFAULT_COLLECTIVE_MATMUL_CHUNKS,
 ) -> Iterator[OverlapGraphPass]:
     """Within the block, graphs compiled by Inductor get the overlap pass; yields the pass.
 
@@ -295,7 +315,8 @@ def inductor_overlap(
 
     The previous config (and ``torch.compile``) is restored on exit, also on error.
     """
-    p = install(max_inflight_bytes, keep_peak_memory_reorder=keep_peak_memory_reorder, bucket_bytes=bucket_bytes)
+    p = install(max_inflight_bytes, keep_peak_memory_reorder=keep_peak_memory_reorder, bucket_bytes=bucket_bytes,
+                collective_matmul_chunks=collective_matmul_chunks)
     try:
         yield p
     finally:

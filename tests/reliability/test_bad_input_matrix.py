@@ -435,6 +435,12 @@ MATRIX: dict[str, Bad] = {
                                                   "previous", "callables taking a torch.fx.Graph"),
     "compile_options budget negative": Bad(lambda e: _inductor_hook().compile_options(-1), ValueError,
                                            "max_inflight_bytes", ">= 0"),
+    "inductor_overlap collective_matmul_chunks zero": Bad(
+        lambda e: _enter(scheduler.inductor_overlap(collective_matmul_chunks=0)), ValueError,
+        "collective_matmul_chunks", ">= 1"),
+    "compile_options collective_matmul_chunks a float": Bad(
+        lambda e: _inductor_hook().compile_options(collective_matmul_chunks=2.0), TypeError,
+        "collective_matmul_chunks", "int or None"),
     # tensor_parallel (every plan entry is checked before any is applied) -----------------------------
     "tensor_parallel module not a module": Bad(lambda e: overlap.tensor_parallel("mlp", _tp_mesh(e), {}), TypeError,
                                                "module", "torch.nn.Module"),

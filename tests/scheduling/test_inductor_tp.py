@@ -1,0 +1,327 @@
+"""scheduler.collective_matmul: all-gather -> mm and mm -> reduce-scatter split into chunks.
+
+FX level (one process): hand-written post-grad graphs of the two patterns, as torch's DTensor
+sequence parallelism emits them on torch 2.13 (``all_gather_into_tensor`` -> ``wait_tensor`` ->
+``reshape`` -> ``addmm``; ``addmm`` -> ``reshape`` -> ``reduce_scatter_tensor`` -> ``wait_tensor``),
+rewritten and run on fake 2-rank collectives (plain tensor ops with the collectives' semantics) to
+compare values with the unrewritten graph. Two gloo ranks: a compiled Megatron-style
+sequence-parallel MLP, eager vs compiled vs compiled under ``inductor_overlap()``, forward and
+backward (one compile per configuration on each rank, the ranks compile in parallel).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+
+from scheduler import overlap_graph
+from scheduler.collective_matmul import decompose_collective_matmuls
+from scheduler.inductor_hook import OverlapGraphPass
+
+C10D = torch.ops._c10d_functional
+ATEN = torch.ops.aten
+AG, RS, WAIT = C10D.all_gather_into_tensor.default, C10D.reduce_scatter_tensor.default, C10D.wait_tensor.default
+W = 2  # ranks in the fake collectives
+
+
+def _call(g: fx.Graph, target: Any, *args: Any) -> fx.Node:
+    return g.call_function(target, args)
+
+
+def _set_vals(g: fx.Graph, inputs: dict[str, torch.Tensor]) -> None:
+    """Fill ``meta["val"]`` by running the graph on fake-collective meta values."""
+    env: dict[fx.Node, Any] = {}
+    for n in g.nodes:
+        if n.op == "placeholder":
+            env[n] = inputs[n.name].to("meta")
+        elif n.op == "call_function":
+            env[n] = _fake_op(n.target, fx.node.map_arg(n.args, env.__getitem__))
+        else:
+            continue
+        n.meta["val"] = env[n]
+
+
+def _fake_op(target: Any, args: Any) -> Any:
+    """The collectives on ``W`` ranks whose shards are ``x`` and ``x + 1`` (all-gather) or whose
+    inputs are ``y`` and ``2 * y`` (reduce-scatter, sum: rank 0's result)."""
+    if target is AG:
+        return torch.cat([args[0], args[0] + 1])
+    if target is RS:
+        y = args[0]
+        return (y + 2 * y)[: y.shape[0] // W]
+    if target is WAIT:
+        return args[0]
+    if target is operator.getitem:
+        return args[0][args[1]]
+    return target(*args)
+
+
+def _run(g: fx.Graph, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    env: dict[fx.Node, Any] = {}
+    for n in g.nodes:
+        if n.op == "placeholder":
+            env[n] = inputs[n.name]
+        elif n.op == "call_function":
+            env[n] = _fake_op(n.target, fx.node.map_arg(n.args, env.__getitem__))
+        elif n.op == "output":
+            return list(fx.node.map_arg(n.args[0], env.__getitem__))
+    raise AssertionError("no output")
+
+
+def _gather_graph(seq: int = 32, gather_dim: int = 0, extra_reader: bool = False,
+                  early_reader: bool = False) -> tuple[fx.Graph, dict]:
+    """Column-parallel linear on the sequence-gathered input (the forward of DTensor's
+    ``ColwiseParallel(input_layouts=Shard(0))``): x [seq/W, 2, 8] -> gathered -> [seq*2, 8] rows.
+    ``gather_dim`` 1: x [2, seq/W, 8] (``Shard(1)``, batch first); 2: x [2, seq, 4] gathered on the
+    hidden dim (the matmul's columns: not split)."""
+    g = fx.Graph()
+    x, wt, b = g.placeholder("x"), g.placeholder("w"), g.placeholder("b")
+    wait = _call(g, WAIT, _call(g, AG, x, W, "0"))
+    if gather_dim != 0:  # what funcol emits for a gather on dim d: dim 0, then split and cat on d
+        split = _call(g, ATEN.split.Tensor, wait, 2)
+        wait = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)], gather_dim)
+    rows = _call(g, ATEN.reshape.default, wait, [seq * 2, 8])
+    total = _call(g, ATEN.sum.default, rows) if early_reader else None  # read before the matmul
+    mm = _call(g, ATEN.addmm.default, b, rows, _call(g, ATEN.permute.default, wt, [1, 0]))
+    out = _call(g, ATEN.relu.default, _call(g, ATEN.reshape.default, mm, [seq, 2, 12]))
+    g.output((out, rows) if extra_reader else (out, total) if early_reader else (out,))
+    x_shape = [(seq // W, 2, 8), (2, seq // W, 8), (2, seq, 8 // W)][gather_dim]
+    inputs = {"x": torch.randn(x_shape), "w": torch.randn(12, 8), "b": torch.randn(12)}
+    _set_vals(g, inputs)
+    return g, inputs
+
+
+def _scatter_graph(seq: int = 32, mm_reader: bool = False, scatter_dim: int = 0) -> tuple[fx.Graph, dict]:
+    """Row-parallel linear into a sequence reduce-scatter (``RowwiseParallel(output_layouts=Shard(0))``);
+    ``scatter_dim`` 1: ``Shard(1)`` of [2, seq, 8] (split on dim 1, cat on 0, then the scatter)."""
+    g = fx.Graph()
+    h, wt = g.placeholder("h"), g.placeholder("w")
+    mm = _call(g, ATEN.mm.default, _call(g, ATEN.reshape.default, h, [seq * 2, 12]),
+               _call(g, ATEN.permute.default, wt, [1, 0]))
+    y = _call(g, ATEN.reshape.default, mm, [[seq, 2, 8], [2, seq, 8]][scatter_dim])
+    if scatter_dim:
+        split = _call(g, ATEN.split.Tensor, y, seq // W, 1)
+        y = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)])
+    out = _call(g, ATEN.neg.default, _call(g, WAIT, _call(g, RS, y, "sum", W, "0")))
+    g.output((out, mm) if mm_reader else (out,))
+    inputs = {"h": torch.randn(seq, 2, 12), "w": torch.randn(8, 12)}
+    _set_vals(g, inputs)
+    return g, inputs
+
+
+def _targets(g: fx.Graph) -> list[Any]:
+    return [n.target for n in g.nodes if n.op == "call_function"]
+
+
+def _check_same_values(g: fx.Graph, inputs: dict, before: list[torch.Tensor]) -> None:
+    g.lint()
+    after = _run(g, inputs)
+    assert len(after) == len(before)
+    for a, b in zip(after, before):
+        assert torch.equal(a, b), "the rewrite changed a value"
+
+
+@pytest.mark.parametrize("dim", [0, 1, -2], ids=["seq-first", "batch-first", "batch-first-negative-dim"])
+def test_all_gather_mm_splits_into_chunks_issued_up_front(dim: int) -> None:
+    g, inputs = _gather_graph(gather_dim=dim)
+    before = _run(g, inputs)
+    assert decompose_collective_matmuls(g, 2) == 1
+    order = [t for t in _targets(g) if t in (AG, WAIT, ATEN.addmm.default)]
+    assert order == [AG, AG, WAIT, ATEN.addmm.default, WAIT, ATEN.addmm.default]
+    _check_same_values(g, inputs, before)
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["read-after-mm", "read-before-mm"])
+def test_other_readers_of_the_gathered_rows_read_them_reassembled(early: bool) -> None:
+    g, inputs = _gather_graph(extra_reader=not early, early_reader=early)
+    before = _run(g, inputs)
+    assert decompose_collective_matmuls(g, 2) == 1
+    order = [t for t in _targets(g) if t in (AG, WAIT, ATEN.addmm.default)]
+    if early:  # the reader needs every chunk before the matmuls: both waits come first
+        assert order == [AG, AG, WAIT, WAIT, ATEN.addmm.default, ATEN.addmm.default]
+    else:
+        assert order == [AG, AG, WAIT, ATEN.addmm.default, WAIT, ATEN.addmm.default]
+    _check_same_values(g, inputs, before)
+
+
+def test_every_matmul_on_the_gathered_rows_is_split() -> None:
+    """q and k projections of one gathered input (DTensor gathers it once in a compiled graph)."""
+    g, inputs = _gather_graph()
+    mm = next(n for n in g.nodes if n.target is ATEN.addmm.default)
+    with g.inserting_after(mm):
+        k_proj = _call(g, ATEN.mm.default, mm.args[1], mm.args[2])
+    out = next(n for n in g.nodes if n.op == "output")
+    out.args = ((*out.args[0], k_proj),)
+    _set_vals(g, inputs)
+    before = _run(g, inputs)
+    assert decompose_collective_matmuls(g, 2) == 1
+    order = [t for t in _targets(g) if t in (AG, WAIT, ATEN.addmm.default, ATEN.mm.default)]
+    assert order == [AG, AG, WAIT, ATEN.addmm.default, WAIT, ATEN.addmm.default, ATEN.mm.default, ATEN.mm.default]
+    _check_same_values(g, inputs, before)
+
+
+def test_overlap_graph_places_the_chunks_waits() -> None:
+    """What the Inductor hook runs: the split, then the wait placement."""
+    g, inputs = _gather_graph(extra_reader=True)
+    before = _run(g, inputs)
+    assert overlap_graph(g, collective_matmul_chunks=2)
+    order = [t for t in _targets(g) if t in (AG, WAIT, ATEN.addmm.default)]
+    assert order == [AG, AG, WAIT, ATEN.addmm.default, WAIT, ATEN.addmm.default]
+    _check_same_values(g, inputs, before)
+    g, inputs = _scatter_graph()
+    before = _run(g, inputs)
+    assert overlap_graph(g, collective_matmul_chunks=2)
+    order = [t for t in _targets(g) if t in (RS, WAIT, ATEN.mm.default)]
+    assert order == [ATEN.mm.default, RS, ATEN.mm.default, RS, WAIT, WAIT]
+    _check_same_values(g, inputs, before)
+
+
+@pytest.mark.parametrize("dim", [0, 1], ids=["seq-first", "batch-first"])
+def test_mm_reduce_scatter_splits_each_scatter_after_its_mm(dim: int) -> None:
+    g, inputs = _scatter_graph(scatter_dim=dim)
+    before = _run(g, inputs)
+    assert decompose_collective_matmuls(g, 2) == 1
+    order = [t for t in _targets(g) if t in (RS, WAIT, ATEN.mm.default)]
+    assert order == [ATEN.mm.default, RS, WAIT, ATEN.mm.default, RS, WAIT]
+    _check_same_values(g, inputs, before)
+
+
+def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
+    g, _ = _gather_graph(seq=48)  # 24 rows of dim 0 per rank, 96 matmul rows
+    assert decompose_collective_matmuls(g, 16) == 1
+    assert _targets(g).count(AG) == 6  # 16, 12, 8 do not divide 24 or leave < 16 rows; 6 does
+    g, _ = _gather_graph(seq=8)  # 16 matmul rows: a chunk would have 8
+    assert decompose_collective_matmuls(g, 2) == 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _gather_graph(gather_dim=2),  # gathered on the matmul's columns, not its rows
+    lambda: _gather_graph(seq=34),  # 17 rows per rank: not divisible by 2 chunks
+    lambda: _scatter_graph(mm_reader=True),  # the matmul's output has another reader
+], ids=["gather-dim", "not-divisible", "mm-read-elsewhere"])
+def test_other_graphs_are_left_unchanged(make) -> None:
+    g, _ = make()
+    code = g.python_code("self").src
+    assert decompose_collective_matmuls(g, 2) == 0
+    assert g.python_code("self").src == code
+
+
+def test_uuid_depends_on_the_chunk_option_and_the_source(monkeypatch) -> None:
+    ids = {OverlapGraphPass(collective_matmul_chunks=c).uuid() for c in (None, 1, 2, 4)}
+    assert len(ids) == 4
+    assert OverlapGraphPass().uuid() == OverlapGraphPass(collective_matmul_chunks=2).uuid()
+
+    import scheduler.collective_matmul
+    from torch._inductor import custom_graph_pass
+
+    hashed: list[tuple[str, ...]] = []
+    real = custom_graph_pass.get_hash_for_files
+    monkeypatch.setattr(custom_graph_pass, "get_hash_for_files", lambda files: hashed.append(files) or real(files))
+    OverlapGraphPass().uuid()
+    assert scheduler.collective_matmul.__file__ in hashed[0]
+
+
+def test_bad_chunk_option() -> None:
+    with pytest.raises(ValueError, match="collective_matmul_chunks"):
+        OverlapGraphPass(collective_matmul_chunks=0)
+    with pytest.raises(TypeError, match="collective_matmul_chunks"):
+        OverlapGraphPass(collective_matmul_chunks=2.0)
+
+
+# -- the sequence-parallel MLP on 2 gloo ranks ------------------------------------------------------
+
+SEQ, BATCH, HIDDEN, FFN = 64, 2, 16, 32
+
+
+def _sp_mlp(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
+    """Per sequence dim (0: Megatron's [seq, batch, hidden]; 1: [batch, seq, hidden]): outputs and
+    gradients eager, compiled, and compiled under the hook with 2 chunks, and the collectives
+    counted in the post-grad graphs after the pass (1 all-gather and 1 reduce-scatter each without
+    the split)."""
+    import torch._inductor.config as inductor_config
+    import torch.nn as nn
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from scheduler import graph_pass, inductor_overlap
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(HIDDEN, FFN)
+            self.down = nn.Linear(FFN, HIDDEN)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.relu(self.up(x)))
+
+    def model(dim: int) -> nn.Module:
+        torch.manual_seed(0)
+        return parallelize_module(MLP(), mesh, {"up": ColwiseParallel(input_layouts=Shard(dim)),
+                                                "down": RowwiseParallel(output_layouts=Shard(dim))})
+
+    def step(m: nn.Module, x0: torch.Tensor) -> list[torch.Tensor]:
+        x = x0.clone().requires_grad_()
+        y = m(x)
+        (y * torch.arange(y.numel()).view(y.shape).cos()).sum().backward()
+        values = [y.detach(), x.grad] + [p.grad.to_local() for p in m.parameters()]
+        # Eager DTensor hands back results of collectives not yet waited (AsyncCollectiveTensor).
+        return [v.wait() if isinstance(v, AsyncCollectiveTensor) else v for v in values]
+
+    graphs: list[str] = []
+    original = graph_pass.overlap_graph
+
+    def recording(graph: fx.Graph, *args: Any) -> bool:
+        changed = original(graph, *args)
+        graphs.append(str(graph))
+        return changed
+
+    results: dict[int, dict[str, Any]] = {}
+    for dim in (0, 1):
+        torch.manual_seed(1 + rank)
+        x0 = torch.randn(SEQ // world_size, BATCH, HIDDEN)
+        if dim == 1:
+            x0 = x0.transpose(0, 1).contiguous()
+        result: dict[str, Any] = {"eager": step(model(dim), x0)}
+        with inductor_config.patch(fx_graph_cache=False):
+            torch._dynamo.reset()
+            result["compiled"] = step(torch.compile(model(dim)), x0)
+            graph_pass.overlap_graph = recording
+            try:
+                torch._dynamo.reset()
+                with inductor_overlap(collective_matmul_chunks=2):
+                    compiled = torch.compile(model(dim))
+                result["hook"] = step(compiled, x0)
+                result["graphs"] = [_counts(s) for s in graphs]
+                graphs.clear()
+            finally:
+                graph_pass.overlap_graph = original
+            torch._dynamo.reset()
+        results[dim] = result
+    return results
+
+
+def _counts(graph: str) -> dict[str, int]:
+    return {op: graph.count(f"_c10d_functional.{op}.default") for op in ("all_gather_into_tensor",
+                                                                         "reduce_scatter_tensor")}
+
+
+def test_sequence_parallel_mlp_compiled_with_split_collectives(distributed) -> None:
+    names = ["out", "x.grad", "up.weight.grad", "up.bias.grad", "down.weight.grad", "down.bias.grad"]
+    for rank, by_dim in enumerate(distributed(_sp_mlp, 2, timeout=300)):
+        for dim, r in by_dim.items():
+            where = f"rank {rank}, sequence dim {dim}"
+            # forward: gather -> up, down -> scatter; backward: the mirror (gather of the output
+            # gradient -> down's input gradient, up's input gradient -> scatter).
+            split = [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2
+            assert r["graphs"] == split, f"{where}: {r['graphs']}"
+            for name, a, c, e in zip(names, r["hook"], r["compiled"], r["eager"]):
+                assert torch.equal(a, c), f"{where}: {name}: split under the hook differs from plain compile"
+                # Eager DTensor sums the bias gradients in another order: ~1 ulp apart.
+                torch.testing.assert_close(a, e, msg=lambda m: f"{where}: {name} vs eager: {m}")
