@@ -17,7 +17,7 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import Any, TYPE_CHECKING, Iterator, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -119,6 +119,18 @@ def mlp_step(mode: str, blocks: int, dim: int, x: torch.Tensor, optimizer_in_bac
 
 
 # ------------------------------------------------------------------------------------ paired steps
+# Inductor's own comm passes, as torch 2.13 documents them: reordering for compute/comm overlap with
+# the pass list its config recommends, and FX bucketing of all-gathers and reduce-scatters. (Its
+# newer overlap scheduler, ``aten_distributed_optimizations.enable_overlap_scheduling``, estimates
+# collectives from the GPU's memory bandwidth and fails to compile without a GPU driver.)
+INDUCTOR_COMM_PASSES: dict[str, Any] = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["reorder_communication_preserving_peak_memory",
+                                                "sink_waits_iterative",
+                                                "reorder_communication_preserving_peak_memory"],
+    "bucket_all_gathers_fx": "all",
+    "bucket_reduce_scatters_fx": "all",
+}
 PAIRED_HEADER = ["step ms", "compute side ms (no link delay)", "comm ms on the link", "exposed comm ms"]
 """The columns of :func:`paired_cells`."""
 

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _common import (add_link, add_mlp, add_steps, add_world_size, over_ranks, parse, parser,  # first: sys.path
-                     rank_input)
+from _common import (INDUCTOR_COMM_PASSES, add_link, add_mlp, add_steps, add_world_size, over_ranks,  # first: sys.path
+                     parse, parser, rank_input)
 import scheduler
 from compiled_step import ShardedMLP, captured_code, collective_gaps, compiled_step
 from overlap.demo.training import calibrated_gbps
@@ -61,18 +61,6 @@ def _overlapped(codes: list[str]) -> str:
     return f"{sum(g.compute_before_wait > 0 for g in gaps)}/{len(gaps)}"
 
 
-# Inductor's own comm passes, as torch 2.13 documents them: reordering for compute/comm overlap with
-# the pass list its config recommends, and FX bucketing of all-gathers and reduce-scatters. (Its
-# newer overlap scheduler, ``aten_distributed_optimizations.enable_overlap_scheduling``, estimates
-# collectives from the GPU's memory bandwidth and fails to compile without a GPU driver.)
-INDUCTOR_COMM_PASSES: dict[str, Any] = {
-    "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": ["reorder_communication_preserving_peak_memory",
-                                                "sink_waits_iterative",
-                                                "reorder_communication_preserving_peak_memory"],
-    "bucket_all_gathers_fx": "all",
-    "bucket_reduce_scatters_fx": "all",
-}
 BASELINE, INDUCTOR, HOOK = "without hook", "Inductor's comm passes", "with hook"
 VARIANTS = (BASELINE, INDUCTOR, HOOK)
 

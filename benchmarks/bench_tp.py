@@ -16,7 +16,9 @@ link and the sizes, without it 2, so this mode's compute side and linked steps r
 counts), ``chunks=1`` (torch's undecomposed order through this runtime's collectives) and
 ``chunks=4`` (the same chunks in both halves of each pair). Compiled: torch's ``parallelize_module``
 model under ``torch.compile`` (Inductor; collectives whole, each waited right after it is issued)
-and the same compiled inside ``scheduler.inductor_overlap()`` (the hook splits each
+the same with Inductor's own comm passes (``_common.INDUCTOR_COMM_PASSES``: reordering for
+compute/comm overlap with the recommended pass list, FX bucketing), and the same compiled inside
+``scheduler.inductor_overlap()`` (the hook splits each
 ``all_gather -> mm`` / ``mm -> reduce_scatter`` into ``--compiled-chunks`` chunks, default 2, and
 moves every wait to its first use); each compiles at its first (warmup) step.
 
@@ -37,7 +39,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from _common import PAIRED_HEADER, add_link, add_steps, add_world_size, paired_cells, parse, parser  # first: sys.path
+from _common import INDUCTOR_COMM_PASSES, PAIRED_HEADER, add_link, add_steps, add_world_size, paired_cells, parse, parser  # first: sys.path
 from overlap.demo.training import calibrated_gbps
 from overlap.testing import EmulatedLink, PairedTimes, paired_steps, run_distributed
 from report import emit
@@ -46,8 +48,9 @@ BLOCKS = {"sequence-parallel MLP": "sp_mlp", "sequence-parallel attention": "sp_
           "attention, torchtitan's plan": "prepared_attn"}
 MODES = ("torch parallelize_module", "overlap.tensor_parallel", "overlap.tensor_parallel, chunks=1",
          "overlap.tensor_parallel, chunks=4", "torch parallelize_module, compiled",
+         "torch parallelize_module, compiled, Inductor's comm passes",
          "torch parallelize_module, compiled, inductor_overlap()")
-COMPILED = {MODES[4]: False, MODES[5]: True}  # mode -> with the Inductor hook
+COMPILED = {MODES[4]: "plain", MODES[5]: "inductor", MODES[6]: "hook"}  # mode -> what compiles it
 CHUNKS = {MODES[1]: None, MODES[2]: 1, MODES[3]: 4}  # None: --chunks (default: chosen per call)
 
 
@@ -68,8 +71,10 @@ def _model(block: str, mode: str, args: argparse.Namespace, mesh: Any) -> Any:
         import scheduler
 
         model = parallelize_module(model, mesh, plan)
-        if not COMPILED[mode]:
+        if COMPILED[mode] == "plain":
             return torch.compile(model)
+        if COMPILED[mode] == "inductor":  # applied to every graph this compile makes, whenever it makes it
+            return torch.compile(model, options=dict(INDUCTOR_COMM_PASSES))
         with scheduler.inductor_overlap(collective_matmul_chunks=args.compiled_chunks):
             return torch.compile(model)  # compiles at the first step, with the hook's pass
     return overlap.tensor_parallel(model, mesh, plan, chunks=CHUNKS[mode] or args.chunks)
