@@ -122,7 +122,7 @@ from overlap.mixed_precision import MixedPrecision
 from overlap.regions import ModuleRegions, region
 from overlap.streams import comm_stream
 
-__all__ = ["ParamGroup", "ParamLocation", "PendingGather", "PendingReduce", "widest_dtype"]
+__all__ = ["ParamGroup", "ParamLocation", "PendingGather", "PendingReduce", "tp_dtensor", "widest_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,9 +304,7 @@ class ParamGroup:
                     data.untyped_storage().resize_(0)
                 tp_spec = self.tp_specs[i]
                 if tp_spec is not None:  # the module sees the DTensor tensor parallelism made
-                    if tp_spec.tensor_meta.dtype != data.dtype:  # mixed precision: the spec says param_dtype
-                        tp_spec = dataclasses.replace(tp_spec, tensor_meta=tp_spec.tensor_meta._replace(dtype=data.dtype))
-                    data = DTensor(data, tp_spec, requires_grad=False)
+                    data = tp_dtensor(data, tp_spec)
                 self.unsharded.append(nn.Parameter(data, requires_grad=self.sharded[i].requires_grad))
             self._unsharded_sources = sources
             self._hooked: set[int] = set()
@@ -636,6 +634,14 @@ def _average_scales(reduce_dtype: torch.dtype, world_size: int) -> tuple[Optiona
     if reduce_dtype == torch.float16:
         return 1.0 / world_size, None
     return None, 1.0 / world_size
+
+
+def tp_dtensor(local: torch.Tensor, tp_spec: DTensorSpec) -> DTensor:
+    """``local`` (a gathered tensor-parallel shard) as the DTensor ``tp_spec`` describes, the spec's
+    dtype set to ``local``'s (``param_dtype`` under mixed precision); no autograd."""
+    if tp_spec.tensor_meta.dtype != local.dtype:
+        tp_spec = dataclasses.replace(tp_spec, tensor_meta=tp_spec.tensor_meta._replace(dtype=local.dtype))
+    return DTensor(local, tp_spec, requires_grad=False)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,6 @@ produce the same keys as on the unsharded model. Every rank must call both (they
 """
 from __future__ import annotations
 
-import dataclasses
-
 from typing import Any, Mapping
 
 import torch
@@ -21,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import kernels
 from overlap.collectives import all_gather_into
-from overlap.param_group import ParamGroup, widest_dtype
+from overlap.param_group import ParamGroup, tp_dtensor, widest_dtype
 from overlap.sharding import sharded_states
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
@@ -59,8 +57,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         for group in _groups_between_steps(module, "full_state_dict"):
             for p, t, tp_spec in zip(group.sharded, _gather_full(group), group.tp_specs):
                 if tp_spec is not None:  # the gathered tensor is a tensor-parallel shard: gather that too
-                    meta = tp_spec.tensor_meta._replace(dtype=t.dtype)
-                    t = DTensor(t, dataclasses.replace(tp_spec, tensor_meta=meta), requires_grad=False).full_tensor()
+                    t = tp_dtensor(t, tp_spec).full_tensor()
                 full[id(p)] = t
         out = {}
         for key, value in module.state_dict(keep_vars=True).items():

@@ -216,6 +216,14 @@ class _ChunkedGather:
                 if j != r and length:
                     yield start, buf[j].narrow(d, 0, length)
 
+    def new_full(self, local: torch.Tensor) -> torch.Tensor:
+        """A tensor of the gathered shape with ``local`` (this rank's shard) in its place; the other
+        ranks' rows follow from :meth:`place_all` or :meth:`chunks_landed`."""
+        d, r = self.layout.dim, self.info.rank
+        full = local.new_empty(_chunk_shape(local, d, self.layout.total))
+        full.narrow(d, self.layout.starts[r], self.layout.sizes[r]).copy_(local)
+        return full
+
     def place_all(self, full: torch.Tensor) -> None:
         """Wait for every chunk and place the other ranks' pieces into ``full`` (one launch per chunk)."""
         for k, buf in self.chunks_landed():
@@ -328,8 +336,7 @@ class AllGatherMatmul(torch.autograd.Function):
             return y
         with region(call.forward_region):
             gather = _ChunkedGather(x, layout, call.info)
-            full = x.new_empty(_chunk_shape(x, d, layout.total))
-            full.narrow(d, layout.starts[r], layout.sizes[r]).copy_(x)
+            full = gather.new_full(x)
             if call.chunks == 1:
                 gather.place_all(full)
                 y = F.linear(full, weight, bias)
@@ -408,8 +415,7 @@ class MatmulReduceScatter(torch.autograd.Function):
         with region(call.backward_region):
             gather = _ChunkedGather(grad_y, layout, call.info)
             if call.chunks == 1:
-                full = grad_y.new_empty(_chunk_shape(grad_y, d, layout.total))
-                full.narrow(d, layout.starts[r], layout.sizes[r]).copy_(grad_y)
+                full = gather.new_full(grad_y)
                 gather.place_all(full)
                 grad_x = full.matmul(weight) if need_x else None
                 gw, gb = _weight_grads(full, x, need_w, need_b)
