@@ -51,6 +51,7 @@ rank, and the chunk count is computed from global sizes only (contract 3).
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -429,7 +430,9 @@ class MatmulReduceScatter(torch.autograd.Function):
             gw = None
             bias_parts: dict[int, torch.Tensor] = {}
             own_rows = [(layout.starts[r] + at, grad_y.narrow(d, at, n)) for at, n in map(layout.own, layout.chunks)]
-            for is_own, start, piece in [(True, layout.starts[r], grad_y), *((False, s, p) for s, p in gather.landed())]:
+            # chain, not a list display: the own rows must be computed before the first chunk is waited for
+            landed = ((False, s, p) for s, p in gather.landed())
+            for is_own, start, piece in itertools.chain([(True, layout.starts[r], grad_y)], landed):
                 n = piece.shape[d]
                 if need_x:
                     grad_x.narrow(d, start, n).copy_(piece.matmul(weight))

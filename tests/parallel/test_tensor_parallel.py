@@ -29,6 +29,7 @@ last fewer or none). The uneven cases pass such a DTensor to both.
 from __future__ import annotations
 
 import copy
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -188,7 +189,8 @@ def _two_rank_suite(rank: int, world: int, path: str) -> dict[str, Any]:
     overlap and torch's DTensor, costs more than the checks)."""
     return {"numerics": _numerics_rank(rank, world, DEFAULT_CASES, True),
             "ecosystem": _ecosystem_rank(rank, world, path),
-            "collectives": {chunks: _collectives_rank(rank, world, chunks) for chunks in (1, 3)}}
+            "collectives": {chunks: _collectives_rank(rank, world, chunks) for chunks in (1, 3)},
+            "order": _event_order_rank(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -295,6 +297,91 @@ def test_collectives_are_chunked(two_ranks: list[dict[str, Any]], chunks: int) -
     gather = sum(v for k, v in counts.items() if k.startswith("backward all_gather"))
     scatter = sum(v for k, v in counts.items() if k.startswith("backward all_to_all"))
     assert (gather, scatter) == (chunks, chunks), counts
+
+
+def _event_order_rank(rank: int, world: int) -> dict[str, list[str]]:
+    """The sequence-parallel MLP's forward and backward with chunks=2, as this rank's sequence of
+    events: ``issue all_gather`` / ``issue reduce_scatter`` (a chunk's collective issued), ``wait
+    all_gather`` / ``wait reduce_scatter`` (a chunk waited for) and ``mm`` (a matmul ran)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from overlap.inflight_work import InflightWork
+
+    # by module path: ``overlap.tensor_parallel`` the attribute is the function, not the package
+    cm = importlib.import_module("overlap.tensor_parallel.collective_matmul")
+
+    events: list[str] = []
+    kinds: dict[int, str] = {}
+    matmuls = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
+
+    class LogMatmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func.overloadpacket in matmuls:
+                events.append("mm")
+            return func(*args, **(kwargs or {}))
+
+    def logged(issue: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            work = issue(*args, **kwargs)
+            events.append(f"issue {kind}")
+            kinds[id(work)] = kind
+            return work
+        return wrapper
+
+    plain_wait = InflightWork.wait
+
+    def logged_wait(work: InflightWork, *args: Any, **kwargs: Any) -> None:
+        if id(work) in kinds:
+            events.append(f"wait {kinds[id(work)]}")
+        plain_wait(work, *args, **kwargs)
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = overlap.tensor_parallel(make_block("sp_mlp", True), mesh, plan_for("sp_mlp"), chunks=2)
+    x = torch.randn(BATCH, 8, 16).requires_grad_()
+    plain = cm.all_gather_into, cm.reduce_scatter_into
+    cm.all_gather_into, cm.reduce_scatter_into = logged(plain[0], "all_gather"), logged(plain[1], "reduce_scatter")
+    InflightWork.wait = logged_wait
+    try:
+        with LogMatmuls():
+            y = model(x)
+            forward, events[:] = list(events), []
+            (y.to_local() if isinstance(y, DTensor) else y).sum().backward()
+    finally:
+        cm.all_gather_into, cm.reduce_scatter_into = plain
+        InflightWork.wait = plain_wait
+    return {"forward": forward, "backward": list(events)}
+
+
+def _compute_before_waits(events: list[str], backward: bool) -> list[str]:
+    """Problems with the order of ``events`` (see :func:`_event_order_rank`), empty if none:
+    after a gather's chunks are issued, this rank's own rows are multiplied before the first chunk
+    is waited for; a reduce-scatter chunk is issued before the next chunk's matmul; in backward,
+    the weight gradient's matmul runs between the last reduce-scatter issue and its wait."""
+    problems = []
+    for i, event in enumerate(events):
+        nxt = events[i + 1] if i + 1 < len(events) else "end"
+        if event == "issue all_gather" and nxt != "issue all_gather" and nxt != "mm":
+            problems.append(f"event {i}: the gather's first wait (or {nxt!r}) before any matmul: {events}")
+        if event == "issue reduce_scatter":
+            after = [e for e in events[i + 1:] if e in ("issue reduce_scatter", "wait reduce_scatter", "mm")]
+            last = "issue reduce_scatter" not in after[:after.index("wait reduce_scatter")]
+            if (backward or not last) and after[:1] != ["mm"]:
+                problems.append(f"event {i}: nothing computed after this reduce-scatter chunk's issue: {events}")
+    return problems
+
+
+def test_own_rows_and_weight_gradients_are_computed_while_chunks_are_on_the_link(
+        two_ranks: list[dict[str, Any]]) -> None:
+    """[Note: decomposing a collective matmul], as an order of events (no timing): the sequence-
+    parallel MLP with chunks=2 issues its chunks and computes before it waits, forward (w1's gather,
+    w2's reduce-scatter) and backward (w2's grad gather: the own rows first; w1's input-grad
+    reduce-scatter: the weight gradient before the wait)."""
+    for rank, results in enumerate(two_ranks):
+        order = results["order"]
+        for phase in ("forward", "backward"):
+            assert order[phase].count("issue all_gather") == 2, (rank, phase, order[phase])
+            assert order[phase].count("issue reduce_scatter") == 2, (rank, phase, order[phase])
+            assert _compute_before_waits(order[phase], phase == "backward") == [], (rank, phase)
 
 
 def _gathers(link: Any) -> int:
