@@ -3,12 +3,14 @@
 Inductor calls ``torch._inductor.config.post_grad_custom_post_pass`` on the post-grad
 ``torch.fx.Graph`` (a Graph, not a GraphModule; Inductor recompiles afterwards) of every graph it
 compiles, forward and backward. :func:`install` puts an :class:`OverlapGraphPass` there; a pass the
-user had set runs first, then the overlap pass (scheduling goes last, after any rewrite).
+user had set runs first, then the overlap pass (scheduling goes last, after any rewrite), then the
+CPU all-gathers are routed through ``all_gather_into_tensor_out`` (``scheduler.cpu_all_gather``:
+gloo's coalesced all-gather cannot have two in flight).
 :func:`uninstall` puts the previous value back. :func:`inductor_overlap` is the pair as a context
 manager. Installs nest: each ``uninstall`` undoes the latest ``install``.
 
 FX graph cache: ``OverlapGraphPass.uuid()`` hashes this package's pass sources (``graph_pass``,
-``bucketing``, ``collective_matmul``, ``fx_nodes`` and this module), the options and the
+``bucketing``, ``collective_matmul``, ``cpu_all_gather``, ``fx_nodes`` and this module), the options and the
 composed user passes' own uuids, so a cached graph is reused only when all of those are the same,
 and a different ``max_inflight_bytes`` gives a different key. A user pass that is a plain callable
 (no uuid) makes ``uuid()`` return None, which tells Inductor to bypass the cache, as it would for
@@ -58,6 +60,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from scheduler import bucketing as _bucketing
 from scheduler import collective_matmul as _collective_matmul
+from scheduler import cpu_all_gather as _cpu_all_gather
 from scheduler import fx_nodes as _fx_nodes
 from scheduler import graph_pass as _graph_pass
 
@@ -66,7 +69,7 @@ __all__ = ["OverlapGraphPass", "compile_options", "inductor_overlap", "install",
 logger = logging.getLogger("scheduler")
 
 # Bump when the pass's behaviour changes in a way the source hash would not show.
-PASS_VERSION = 1
+PASS_VERSION = 2
 
 DEFAULT_COLLECTIVE_MATMUL_CHUNKS = 2
 """Chunks for all-gather -> mm and mm -> reduce-scatter (``scheduler.collective_matmul``)."""
@@ -117,6 +120,8 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
             else:
                 p(graph)
         _graph_pass.overlap_graph(graph, self.max_inflight_bytes, self.bucket_bytes, self.collective_matmul_chunks)
+        # last, after every pass that reads or moves the out-of-place all-gathers
+        _cpu_all_gather.use_out_variant_on_cpu(graph)
 
     def uuid(self) -> Optional[str]:
         """Stable id of this pass: sources + version + options + the composed passes' uuids.
@@ -130,7 +135,7 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
                 return None
             previous_ids.append(pid)
         sources = _cgp.get_hash_for_files((_graph_pass.__file__, _bucketing.__file__, _fx_nodes.__file__,
-                                           _collective_matmul.__file__, __file__))
+                                           _collective_matmul.__file__, _cpu_all_gather.__file__, __file__))
         h = hashlib.sha256(sources)
         h.update(repr((PASS_VERSION, self.max_inflight_bytes, self.bucket_bytes,
                        self.collective_matmul_chunks)).encode())

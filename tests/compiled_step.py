@@ -169,6 +169,7 @@ class CollectiveGap:
 
 _COLLECTIVE_LINE = re.compile(r"^(?:(\w+) = )?torch\.ops\._c10d_functional\.(\w+)\.default\((\w+)")
 _WAIT = "wait_tensor"
+_OUT_ARG = re.compile(r"\bout=(\w+)")
 _COMPUTE_LINE = re.compile(r"^(?:\w+ = )?(?:extern_kernels\.\w+|cpp_fused_\w+|triton_\w+\.run|aten\.\w+)")
 
 
@@ -185,6 +186,9 @@ def collective_gaps(code: str) -> list[CollectiveGap]:
         m = _COLLECTIVE_LINE.match(line)
         if m is not None:
             assigned, op, first_arg = m.groups()
+            out = _OUT_ARG.search(line)
+            if op.endswith("_out") and out is not None:  # writes its out= buffer, which the wait reads
+                op, assigned = op.removesuffix("_out"), out.group(1)
             if op == _WAIT:
                 if first_arg in pending:
                     issued_op, compute = pending.pop(first_arg)

@@ -181,7 +181,8 @@ def _compiled_values(rank: int, world: int) -> list[int]:
     for g, want in zip(got, program(xs, grads, w)):
         assert torch.equal(g, want)
     code = "\n".join(codes)
-    return [code.count("all_gather_into_tensor.default("), code.count("reduce_scatter_tensor.default(")]
+    gathers = code.count("all_gather_into_tensor.default(") + code.count("all_gather_into_tensor_out.default(")
+    return [gathers, code.count("reduce_scatter_tensor.default(")]
 
 
 def test_compiled_with_the_hook_issues_one_collective_per_bucket(distributed) -> None:

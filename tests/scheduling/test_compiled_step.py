@@ -33,7 +33,9 @@ BLOCKS, DIM, HIDDEN, BATCH = 3, 32, 64, 16
 STEPS = 4  # per copy after the compiling one; the third one logs what runs
 
 
-_LETTERS = {"all_gather_into_tensor": "G", "reduce_scatter_tensor": "R", "wait_tensor": "W"}
+# the hook compiles CPU all-gathers as all_gather_into_tensor_out (scheduler.cpu_all_gather)
+_LETTERS = {"all_gather_into_tensor": "G", "all_gather_into_tensor_out": "G", "reduce_scatter_tensor": "R",
+            "wait_tensor": "W"}
 
 
 @contextlib.contextmanager

@@ -14,7 +14,9 @@ Contract. While registered (from the entry of the first link made with ``functio
 exit of the last link, under ``active.state_lock``), an issuing op of the table below, on CPU
 tensors, runs torch's kernel, books the group's FIFO link of the innermost active link like any
 other collective (``timing.LinkModel.book``, counted as ``_c10d_functional.<op>``) and records the
-booking's deadline against the storage of each of its outputs; ``wait_tensor`` on that storage (the
+booking's deadline against the storage of each of its outputs (``all_gather_into_tensor`` runs as
+torch's ``all_gather_into_tensor_out`` into a new tensor, here with or without a link: see
+:func:`_gathered_into_out`); ``wait_tensor`` on that storage (the
 output or a view of it) sleeps until then (``work.sleep_within``, bounded by the group's
 ``overlap.wait_timeout`` at issue, see [Note: timeouts behind the link]), then runs the real wait. A
 second wait finds nothing recorded and does not sleep; an output with no bytes (an empty tensor) is
@@ -172,15 +174,18 @@ def _issue_kernel(
     group_index = [a.name for a in op._schema.arguments].index("group_name")
     label = f"{FUNCTIONAL_NAMESPACE}.{name}"
 
+    run_torch = _gathered_into_out(torch_kernel) if name == "all_gather_into_tensor" else (
+        lambda *args, **kwargs: op.redispatch(torch_kernel, *args, **kwargs))  # see [Note: calling torch's kernel without the GIL]
+
     def kernel(*args: Any, **kwargs: Any) -> Any:
         link = current_link()
         if link is None or inside():
-            return op.redispatch(torch_kernel, *args, **kwargs)
+            return run_torch(*args, **kwargs)
         group_name = args[group_index] if group_index < len(args) else kwargs["group_name"]
         group = _process_group(group_name)
         issued = time.monotonic()
         with passing_through():
-            result = op.redispatch(torch_kernel, *args, **kwargs)  # see [Note: calling torch's kernel without the GIL]
+            result = run_torch(*args, **kwargs)
         outputs = tensors_in(result)
         counted = outputs if which == "output" else tensors_in(args[0])
         booking = link.book(group, label, kind, payload_bytes(counted), issued)
@@ -193,6 +198,20 @@ def _issue_kernel(
         return result
 
     return kernel
+
+
+def _gathered_into_out(torch_kernel: Any) -> Callable[..., Any]:
+    """``all_gather_into_tensor(input, group_size, group_name)`` run as torch's
+    ``all_gather_into_tensor_out`` into a new tensor: the same collective through gloo's
+    ``_allgather_base``, not the coalesced entry point that corrupts the heap with two in flight
+    (see [Note: gloo's coalesced all-gather with two in flight] in ``scheduler.cpu_all_gather``)."""
+    gather_out = torch.ops._c10d_functional.all_gather_into_tensor_out.default
+
+    def run(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+        out = input.new_empty((input.shape[0] * group_size, *input.shape[1:]))
+        return gather_out.redispatch(torch_kernel, input.contiguous(), group_size, group_name, out=out)
+
+    return run
 
 
 def _wait_kernel(op: torch._ops.OpOverload, torch_kernel: Any) -> Callable[..., Any]:
