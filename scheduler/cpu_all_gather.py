@@ -38,8 +38,9 @@ ALL_GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 
 def use_out_variant_on_cpu(graph: torch.fx.Graph) -> int:
     """Rewrite every ``all_gather_into_tensor`` of ``graph`` whose result (``meta["val"]``) is a
-    CPU tensor into ``empty`` + ``all_gather_into_tensor_out``, in place; return how many. Nodes
-    without a value are left alone. See [Note: gloo's coalesced all-gather with two in flight]."""
+    CPU tensor of static shape into ``empty`` + ``all_gather_into_tensor_out``, in place; return
+    how many. Nodes without a value, or with symbolic sizes (a graph compiled with dynamic shapes),
+    are left alone: those keep the crash the note describes. See [Note: gloo's coalesced all-gather with two in flight]."""
     rewritten = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not ALL_GATHER:
@@ -47,6 +48,8 @@ def use_out_variant_on_cpu(graph: torch.fx.Graph) -> int:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
             continue
+        if not all(isinstance(d, int) for d in val.shape):  # symbolic sizes: the buffer's shape
+            continue  # would need the graph's size nodes; left functional (see the note)
         with graph.inserting_before(node):
             out = graph.call_function(torch.ops.aten.empty.memory_format, (list(val.shape),),
                                       {"dtype": val.dtype, "device": val.device, "pin_memory": False})

@@ -99,3 +99,20 @@ def test_many_steps_with_gathers_in_flight_do_not_crash(distributed) -> None:
     turned off, 2 runs of 3 aborted a rank: "malloc(): unaligned tcache chunk detected")."""
     _check(distributed(_three_in_flight, 2, 4000, timeout=600))
 
+
+
+def test_symbolic_sizes_are_left_alone() -> None:
+    """A graph compiled with dynamic shapes: the output buffer's size would need the graph's size
+    nodes, so the gather stays functional."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    g = _gather_graph("cpu")
+    ag = next(n for n in g.nodes if n.target is AG)
+    rows = mode.shape_env.create_unbacked_symint()
+    with mode:
+        ag.meta["val"] = torch.empty(rows, 8)
+    assert not isinstance(ag.meta["val"].shape[0], int)
+    assert use_out_variant_on_cpu(g) == 0
+    assert [n.target for n in g.nodes if n.op == "call_function"] == [AG, WAIT]
