@@ -26,6 +26,8 @@ Eager code of this project never used the coalesced path (``overlap.collectives`
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
@@ -38,9 +40,10 @@ ALL_GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 
 def use_out_variant_on_cpu(graph: torch.fx.Graph) -> int:
     """Rewrite every ``all_gather_into_tensor`` of ``graph`` whose result (``meta["val"]``) is a
-    CPU tensor of static shape into ``empty`` + ``all_gather_into_tensor_out``, in place; return
-    how many. Nodes without a value, or with symbolic sizes (a graph compiled with dynamic shapes),
-    are left alone: those keep the crash the note describes. See [Note: gloo's coalesced all-gather with two in flight]."""
+    CPU tensor into ``empty`` + ``all_gather_into_tensor_out``, in place; return how many. A
+    symbolic size of the output (a graph compiled with dynamic shapes) is read from the input in the
+    graph (``sym_size``, times the group size on dim 0). Nodes without a value are left alone. See
+    [Note: gloo's coalesced all-gather with two in flight]."""
     rewritten = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not ALL_GATHER:
@@ -48,10 +51,9 @@ def use_out_variant_on_cpu(graph: torch.fx.Graph) -> int:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
             continue
-        if not all(isinstance(d, int) for d in val.shape):  # symbolic sizes: the buffer's shape
-            continue  # would need the graph's size nodes; left functional (see the note)
         with graph.inserting_before(node):
-            out = graph.call_function(torch.ops.aten.empty.memory_format, (list(val.shape),),
+            shape = _output_shape(graph, node)
+            out = graph.call_function(torch.ops.aten.empty.memory_format, (shape,),
                                       {"dtype": val.dtype, "device": val.device, "pin_memory": False})
             gather = graph.call_function(ALL_GATHER_OUT, tuple(node.args), {"out": out})
         out.meta["val"] = val
@@ -60,3 +62,22 @@ def use_out_variant_on_cpu(graph: torch.fx.Graph) -> int:
         graph.erase_node(node)
         rewritten += 1
     return rewritten
+
+
+def _output_shape(graph: torch.fx.Graph, gather: torch.fx.Node) -> list:
+    """The gathered shape as ``empty`` takes it: ints where static, size nodes of the input where
+    symbolic (inserted at the graph's current insertion point)."""
+    x, group_size = gather.args[0], gather.args[1]
+    shape: list = []
+    for dim, size in enumerate(gather.meta["val"].shape):
+        if isinstance(size, int):
+            shape.append(size)
+            continue
+        in_size = x.meta["val"].shape[dim]
+        size_node = graph.call_function(torch.ops.aten.sym_size.int, (x, dim))
+        size_node.meta["val"] = in_size
+        if dim == 0:
+            size_node = graph.call_function(operator.mul, (size_node, group_size))
+            size_node.meta["val"] = in_size * group_size
+        shape.append(size_node)
+    return shape

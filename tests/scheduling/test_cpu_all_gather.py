@@ -1,13 +1,16 @@
 """scheduler.cpu_all_gather: CPU all-gathers compiled under the hook go through
 ``all_gather_into_tensor_out`` ([Note: gloo's coalesced all-gather with two in flight]).
 
-A hand-written graph checks the rewrite (structure; CPU values only); a program compiled by Inductor
-with the hook on 2 gloo ranks, with three all-gathers in flight at once, checks the generated code
-and that the values are bit for bit the program compiled without the hook (and within 1e-5 of
-eager: Inductor's fused kernels round differently from ATen's), over enough steps that the out-of-place
-path (``allgather_into_tensor_coalesced``) crashed more often than not on torch 2.13 (``slow``).
+Hand-written graphs check the rewrite (structure; CPU values only; a symbolic size read from the
+input). A program compiled by Inductor with the hook on 2 gloo ranks, with three all-gathers in
+flight at once, static and dynamic shapes, checks the generated code and that the values are bit
+for bit the program compiled without the hook (and within 1e-5 of eager: Inductor's fused kernels
+round differently from ATen's); the ``slow`` test runs it for enough steps that the functional path
+(``allgather_into_tensor_coalesced``) crashed more often than not on torch 2.13.
 """
 from __future__ import annotations
+
+import operator
 
 import pytest
 import torch
@@ -51,7 +54,7 @@ def test_gathers_off_the_cpu_are_left_alone() -> None:
     assert [(n.op, n.target, n.args) for n in g.nodes] == before
 
 
-def _three_in_flight(rank: int, world: int, steps: int) -> dict[str, object]:
+def _three_in_flight(rank: int, world: int, steps: int, dynamic: bool = False) -> dict[str, object]:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     from torch._inductor.utils import run_and_get_code
@@ -67,15 +70,19 @@ def _three_in_flight(rank: int, world: int, steps: int) -> dict[str, object]:
         return sum((g @ w).sin() for g in gathered)
 
     torch._dynamo.reset()
-    plain = torch.compile(program, backend="inductor", fullgraph=True)  # collectives waited at once
+    plain = torch.compile(program, backend="inductor", fullgraph=True, dynamic=dynamic)  # waited at once
     want = plain(xs, w)
     torch._dynamo.reset()
     with scheduler.inductor_overlap(collective_matmul_chunks=None):  # three gathers, not split
-        compiled = torch.compile(program, backend="inductor", fullgraph=True)
+        compiled = torch.compile(program, backend="inductor", fullgraph=True, dynamic=dynamic)
         got, codes = run_and_get_code(compiled, xs, w)
     same = torch.equal(got, want)
     for _ in range(steps):
         same = same and torch.equal(compiled(xs, w), want)
+    if dynamic:  # other row counts through the same dynamic graph
+        for rows in (5, 11):
+            short = [x[:rows] for x in xs]
+            same = same and torch.equal(compiled(short, w), plain(short, w))
     code = "\n".join(set(codes))
     return {"same": same, "close to eager": torch.allclose(got, program(xs, w), rtol=1e-5, atol=1e-5),
             "out": code.count("all_gather_into_tensor_out.default("),
@@ -89,8 +96,9 @@ def _check(results: list[dict[str, object]]) -> None:
         assert (r["out"], r["functional"]) == (3, 0), f"rank {rank}: {r}"
 
 
-def test_compiled_cpu_gathers_use_the_out_variant(distributed) -> None:
-    _check(distributed(_three_in_flight, 2, 20, timeout=180))
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_cpu_gathers_use_the_out_variant(distributed, dynamic: bool) -> None:
+    _check(distributed(_three_in_flight, 2, 20, dynamic, timeout=180))
 
 
 @pytest.mark.slow
@@ -101,18 +109,25 @@ def test_many_steps_with_gathers_in_flight_do_not_crash(distributed) -> None:
 
 
 
-def test_symbolic_sizes_are_left_alone() -> None:
-    """A graph compiled with dynamic shapes: the output buffer's size would need the graph's size
-    nodes, so the gather stays functional."""
+
+def test_symbolic_sizes_come_from_the_input() -> None:
+    """A graph compiled with dynamic shapes: the output buffer's symbolic rows are the input's
+    ``sym_size`` times the group size."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     g = _gather_graph("cpu")
+    x = next(n for n in g.nodes if n.op == "placeholder")
     ag = next(n for n in g.nodes if n.target is AG)
     rows = mode.shape_env.create_unbacked_symint()
     with mode:
-        ag.meta["val"] = torch.empty(rows, 8)
-    assert not isinstance(ag.meta["val"].shape[0], int)
-    assert use_out_variant_on_cpu(g) == 0
-    assert [n.target for n in g.nodes if n.op == "call_function"] == [AG, WAIT]
+        x.meta["val"] = torch.empty(rows, 8)
+        ag.meta["val"] = torch.empty(rows * 2, 8)
+    assert use_out_variant_on_cpu(g) == 1
+    calls = [n for n in g.nodes if n.op == "call_function"]
+    assert [n.target for n in calls] == [torch.ops.aten.sym_size.int, operator.mul,
+                                         torch.ops.aten.empty.memory_format, ALL_GATHER_OUT, WAIT]
+    size, times, empty = calls[:3]
+    assert size.args == (x, 0) and times.args == (size, 2) and empty.args == ([times, 8],)
+    g.lint()
