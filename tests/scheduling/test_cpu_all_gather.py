@@ -104,7 +104,8 @@ def test_compiled_cpu_gathers_use_the_out_variant(distributed, dynamic: bool) ->
 @pytest.mark.slow
 def test_many_steps_with_gathers_in_flight_do_not_crash(distributed) -> None:
     """The crash this rewrite avoids: 4000 steps with three gathers in flight each (with the rewrite
-    turned off, 2 runs of 3 aborted a rank: "malloc(): unaligned tcache chunk detected")."""
+    turned off it failed 3 runs of 3; in the one whose output was read, a rank aborted with
+    "malloc(): unaligned tcache chunk detected")."""
     _check(distributed(_three_in_flight, 2, 4000, timeout=600))
 
 
