@@ -15,11 +15,12 @@ functional reduce-scatters and all-reduces two at a time (0 of 5 each) did not c
 An overlapped compiled graph is exactly the case: the overlap pass issues the next all-gathers
 before the waits of the previous ones, and the collective-matmul split issues all of a gather's
 chunks at once. So the Inductor hook (``scheduler.inductor_hook``), last, after every rewrite and
-the reorder, calls :func:`use_out_variant_on_cpu`, which replaces each all-gather whose result is a CPU tensor with an ``empty`` output buffer and
-``all_gather_into_tensor_out`` into it, in the same place: the same collective, the same bytes
-and group, the same wait (``wait_tensor`` of the output), through the entry point that holds up.
-Graphs the hook does not compile (``overlap_pass`` on a traced graph) keep the functional op.
-CUDA graphs are left alone (NCCL's coalesced path is not affected, and stays what Inductor emits).
+the reorder, calls :func:`use_out_variant_on_cpu`, which replaces each all-gather whose result is a
+CPU tensor with an ``empty`` output buffer and ``all_gather_into_tensor_out`` into it, in the same
+place: the same collective, the same bytes and group, the same wait (``wait_tensor`` of the
+output), through the entry point that holds up. Graphs the hook does not compile (``overlap_pass``
+on a traced graph) keep the functional op. CUDA graphs are left alone: they stay what Inductor
+emits (whether NCCL's coalesced path has the same problem is not known; no GPU has run this).
 Eager code of this project never used the coalesced path (``overlap.collectives`` calls
 ``dist.all_gather_into_tensor``); the emulated link routes functional CPU all-gathers the same way
 (``overlap.testing.emulated_link.functional``).

@@ -54,6 +54,29 @@ def test_gathers_off_the_cpu_are_left_alone() -> None:
     assert [(n.op, n.target, n.args) for n in g.nodes] == before
 
 
+def test_symbolic_sizes_come_from_the_input() -> None:
+    """A graph compiled with dynamic shapes: the output buffer's symbolic rows are the input's
+    ``sym_size`` times the group size."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    g = _gather_graph("cpu")
+    x = next(n for n in g.nodes if n.op == "placeholder")
+    ag = next(n for n in g.nodes if n.target is AG)
+    rows = mode.shape_env.create_unbacked_symint()
+    with mode:
+        x.meta["val"] = torch.empty(rows, 8)
+        ag.meta["val"] = torch.empty(rows * 2, 8)
+    assert use_out_variant_on_cpu(g) == 1
+    calls = [n for n in g.nodes if n.op == "call_function"]
+    assert [n.target for n in calls] == [torch.ops.aten.sym_size.int, operator.mul,
+                                         torch.ops.aten.empty.memory_format, ALL_GATHER_OUT, WAIT]
+    size, times, empty = calls[:3]
+    assert size.args == (x, 0) and times.args == (size, 2) and empty.args == ([times, 8],)
+    g.lint()
+
+
 def _three_in_flight(rank: int, world: int, steps: int, dynamic: bool = False) -> dict[str, object]:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -107,28 +130,3 @@ def test_many_steps_with_gathers_in_flight_do_not_crash(distributed) -> None:
     turned off it failed 3 runs of 3; in the one whose output was read, a rank aborted with
     "malloc(): unaligned tcache chunk detected")."""
     _check(distributed(_three_in_flight, 2, 4000, timeout=600))
-
-
-
-
-def test_symbolic_sizes_come_from_the_input() -> None:
-    """A graph compiled with dynamic shapes: the output buffer's symbolic rows are the input's
-    ``sym_size`` times the group size."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-    g = _gather_graph("cpu")
-    x = next(n for n in g.nodes if n.op == "placeholder")
-    ag = next(n for n in g.nodes if n.target is AG)
-    rows = mode.shape_env.create_unbacked_symint()
-    with mode:
-        x.meta["val"] = torch.empty(rows, 8)
-        ag.meta["val"] = torch.empty(rows * 2, 8)
-    assert use_out_variant_on_cpu(g) == 1
-    calls = [n for n in g.nodes if n.op == "call_function"]
-    assert [n.target for n in calls] == [torch.ops.aten.sym_size.int, operator.mul,
-                                         torch.ops.aten.empty.memory_format, ALL_GATHER_OUT, WAIT]
-    size, times, empty = calls[:3]
-    assert size.args == (x, 0) and times.args == (size, 2) and empty.args == ([times, 8],)
-    g.lint()
