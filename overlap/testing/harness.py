@@ -30,9 +30,10 @@ Contract of :func:`run_distributed`:
   working directory, ``sys.path``, stdout and stderr.
 
 Process start-up. Ranks are forked from a ``multiprocessing`` fork server that has imported torch
-once (a fresh interpreter, not a copy of the threaded caller, so it is as safe as "spawn"). The
-first call in a process starts the server (~2 s, not counted against ``timeout``); after that a
-trivial 2-rank run costs ~0.13 s, against ~2.2 s per call with "spawn". Set
+and ``overlap`` once (a fresh interpreter, not a copy of the threaded caller, so it is as safe as
+"spawn"). The first call in a process starts the server (~5 s on a 2-core box, not counted against
+``timeout``); after that a trivial 2-rank run costs ~0.1 s, against ~5 s per call with "spawn".
+Modules the caller's ``fn`` needs beyond those are imported by each rank. Set
 ``OVERLAP_TEST_START_METHOD=spawn`` to use plain spawn. Under the fork server, environment variables
 that torch reads while being imported come from the first call's environment, and so does
 ``TRITON_INTERPRET`` (importing ``overlap`` imports ``kernels``, whose Triton kernels are decorated
@@ -68,7 +69,10 @@ from overlap.testing.emulated_link.timing import check_number
 __all__ = ["DistributedTestError", "DistributedTimeoutError", "RankFailure", "run_distributed"]
 
 _START_METHOD_ENV = "OVERLAP_TEST_START_METHOD"
-_PRELOAD = ["torch", "torch.distributed"]
+# The server imports this module (so ``overlap``, Triton and torch's distributed and Inductor
+# modules) once: every rank's target, ``_child_main``, lives here, and importing ``overlap`` in each
+# rank instead costs seconds per call.
+_PRELOAD = ["torch", "torch.distributed", __name__]
 # After the first failure, how long to keep collecting other ranks' reports before killing them.
 _FAILURE_GRACE_S = 2.0
 # How long a terminated rank gets before SIGKILL, and how long a hung rank gets to dump its stacks.
