@@ -143,6 +143,64 @@ def _chunk_shape(like: torch.Tensor | tuple[int, ...], dim: int, width: int) -> 
 
 
 # ------------------------------------------------------------------------ one gather, several layers
+class _SiblingGrads:
+    """The input gradient of one shared gather: the layers that read it in forward (their backward
+    nodes, held weakly) and, during a backward pass, the sum of the partial input gradients of
+    those that have run, for the last of them to reduce-scatter.
+
+    [Note: sibling layers share one reduce-scatter]
+    The input gradient of a gathered input is the reduce-scatter of the sum of its readers'
+    partial gradients (``grad_y @ W`` each), and a reduce-scatter is linear, so the siblings that
+    share a gather ([Note: sibling layers share one gather]) need one reduce-scatter, not one each:
+    each sibling's backward adds its partial gradient to a running sum, unless it is the last of
+    them to run in this backward pass, which reduce-scatters (running sum + its own product), chunk
+    by chunk behind its own matmuls, and returns the input gradient for all of them (the others
+    return none, a zero for autograd). "The last" is decided when each runs: a sibling is still to
+    come when ``torch._C._will_engine_execute_node`` says the engine will run its node in this
+    graph task and it has not run yet, so a sibling whose output the loss does not use, a
+    ``torch.autograd.grad`` over a part of the graph, a second backward over a retained graph (a new
+    graph task, a fresh sum) are all handled. Every rank runs the same graph, so every rank issues
+    the same reduce-scatter at the same point (contract 3). Only layers with ``chunks > 1`` take
+    part: ``chunks=1`` keeps torch's order (a reduce-scatter per layer, bitwise torch's sums); the
+    shared sum adds the partial gradients before the reduction, so it equals torch's within the
+    decomposed tolerance."""
+
+    def __init__(self) -> None:
+        self._members: list[weakref.ref] = []
+        self._task: Optional[int] = None
+        self._ran: set[int] = set()
+        self._sum: Optional[torch.Tensor] = None
+
+    def join(self, node: object) -> None:
+        self._members.append(weakref.ref(node))
+
+    def _others_to_come(self, node: object) -> bool:
+        """Mark ``node`` as run in the current graph task; whether another member will still run in it."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._task, self._ran, self._sum = task, set(), None
+        self._ran.add(id(node))
+        for ref in self._members:
+            other = ref()
+            if other is not None and id(other) not in self._ran and torch._C._will_engine_execute_node(other):
+                return True
+        return False
+
+    def defer(self, node: object, partial: Callable[[], torch.Tensor]) -> bool:
+        """True when another member is still to run in this backward: ``partial()`` (this member's
+        partial input gradient) was added to the running sum, for that member to reduce."""
+        if len(self._members) < 2 or not self._others_to_come(node):
+            return False
+        part = partial()
+        self._sum = part if self._sum is None else self._sum.add_(part)
+        return True
+
+    def take(self) -> Optional[torch.Tensor]:
+        """The running sum of the members that deferred (None if none did); cleared."""
+        total, self._sum = self._sum, None
+        return total
+
+
 class _SharedGather:
     """The last gathered input, for column-parallel layers that read the same sharded input (q, k
     and v of a sequence-parallel attention): the first gathers it, the others reuse it.
@@ -152,14 +210,18 @@ class _SharedGather:
     three times. A gathered input is a pure function of the local input (its storage, view and
     version), the layout and the group, so the next layer given the same input reuses it: no
     collective, one GEMM. Every rank runs the same layers on the same program path, so every rank
-    skips the same gathers (contract 3). The entry holds its input's root tensor and the gathered
-    tensor weakly (the gathered one lives as long as a layer saved it for backward) and is checked
-    against the input's version, so an in-place change or a freed input is never matched. Backward
-    is unchanged: each layer reduce-scatters its own input gradient."""
+    skips the same gathers (contract 3). The entry holds its input's root tensor weakly and is
+    checked against the input's version, so an in-place change or a freed input is never matched.
+    It holds the gathered tensor itself until the next gather replaces it (one layer's gathered
+    input at most): under activation checkpointing nothing else keeps it through the siblings'
+    forwards. The siblings' gradient record is held weakly (it lives as long as a layer's backward
+    node). Backward: the siblings share one reduce-scatter of their summed input gradients
+    ([Note: sibling layers share one reduce-scatter])."""
 
     def __init__(self) -> None:
         self._root: Optional[weakref.ref] = None
-        self._full: Optional[weakref.ref] = None
+        self._full: Optional[torch.Tensor] = None
+        self._grads: Optional[weakref.ref] = None
         self._key: tuple = ()
 
     @staticmethod
@@ -169,17 +231,21 @@ class _SharedGather:
                tuple(layout.sizes), layout.dim, layout.rank, id(info.pg))
         return root, key
 
-    def lookup(self, x: torch.Tensor, layout: "SeqLayout", info: GroupInfo) -> Optional[torch.Tensor]:
-        if self._root is None or self._full is None:
+    def lookup(self, x: torch.Tensor, layout: "SeqLayout", info: GroupInfo
+               ) -> Optional[tuple[torch.Tensor, Optional[_SiblingGrads]]]:
+        """(the gathered tensor, its siblings' gradient record if a layer that takes part in the
+        shared reduce-scatter still holds it) if ``x`` was gathered so last."""
+        if self._root is None or self._full is None or self._grads is None:
             return None
         root, key = self._parts(x, layout, info)
         if self._root() is not root or key != self._key:
             return None
-        return self._full()
+        return self._full, self._grads()
 
-    def remember(self, x: torch.Tensor, layout: "SeqLayout", info: GroupInfo, full: torch.Tensor) -> None:
+    def remember(self, x: torch.Tensor, layout: "SeqLayout", info: GroupInfo, full: torch.Tensor,
+                 grads: _SiblingGrads) -> None:
         root, self._key = self._parts(x, layout, info)
-        self._root, self._full = weakref.ref(root), weakref.ref(full)
+        self._root, self._full, self._grads = weakref.ref(root), full, weakref.ref(grads)
 
 
 _shared_gather = _SharedGather()
@@ -278,6 +344,21 @@ def _packed_then(src: torch.Tensor, layout: SeqLayout, fn: Callable[[torch.Tenso
     return lambda k: fn(pack(k))
 
 
+def _plus_packed(make: Callable[[int], torch.Tensor], addend: torch.Tensor, layout: SeqLayout
+                 ) -> Callable[[int], torch.Tensor]:
+    """``make``'s chunk buffers with ``addend``'s rows (every position along ``layout.dim``) added."""
+    pack = _packed(addend, layout)
+    return lambda k: make(k).add_(pack(k))
+
+
+def _join_siblings(ctx: object, call: Call) -> None:
+    """Enter ``ctx`` (a forward's backward node) into its gather's shared reduce-scatter when it takes
+    part ([Note: sibling layers share one reduce-scatter]: decomposed layers whose input needs a gradient)."""
+    ctx.joined = ctx.siblings is not None and call.chunks > 1 and ctx.needs_input_grad[0]  # type: ignore[attr-defined]
+    if ctx.joined:  # type: ignore[attr-defined]
+        ctx.siblings.join(ctx)  # type: ignore[attr-defined]
+
+
 def _all_reduce_rows(rows: int, cols: int, like: torch.Tensor, chunks: int, info: GroupInfo,
                      compute: Callable[[int, int, torch.Tensor], None]) -> tuple[torch.Tensor, list[InflightWork]]:
     """A ``(rows, cols)`` buffer whose row blocks ``compute(start, length, block)`` fills, each block's
@@ -328,12 +409,14 @@ class AllGatherMatmul(torch.autograd.Function):
         layout = call.layout
         assert layout is not None
         d, r = layout.dim, call.info.rank
+        ctx.call, ctx.has_bias = call, bias is not None
         shared = _shared_gather.lookup(x, layout, call.info)
         if shared is not None:  # a sibling layer gathered this input (see [Note: sibling layers share one gather])
+            full, ctx.siblings = shared
             with region(call.forward_region):
-                y = F.linear(shared, weight, bias)
-            ctx.call, ctx.has_bias = call, bias is not None
-            ctx.save_for_backward(shared, weight)
+                y = F.linear(full, weight, bias)
+            _join_siblings(ctx, call)
+            ctx.save_for_backward(full, weight)
             return y
         with region(call.forward_region):
             gather = _ChunkedGather(x, layout, call.info)
@@ -352,8 +435,9 @@ class AllGatherMatmul(torch.autograd.Function):
                     for lo, hi in ((0, r), (r + 1, len(starts))):
                         if hi > lo and any(lengths[lo:hi]):
                             chunk_place(y, F.linear(buf[lo:hi], weight, bias), starts[lo:hi], lengths[lo:hi], d)
-        _shared_gather.remember(x, layout, call.info, full)
-        ctx.call, ctx.has_bias = call, bias is not None
+        ctx.siblings = _SiblingGrads()
+        _shared_gather.remember(x, layout, call.info, full, ctx.siblings)
+        _join_siblings(ctx, call)
         ctx.save_for_backward(full, weight)
         return y
 
@@ -366,15 +450,21 @@ class AllGatherMatmul(torch.autograd.Function):
         d = layout.dim
         grad_x = None
         with region(call.backward_region):
-            if ctx.needs_input_grad[0]:
+            scatter = None
+            siblings: Optional[_SiblingGrads] = ctx.siblings if ctx.joined else None
+            # [Note: sibling layers share one reduce-scatter]: all but the last sibling only add their part
+            if ctx.needs_input_grad[0] and not (siblings and siblings.defer(ctx, lambda: grad_y.matmul(weight))):
                 if call.chunks == 1:
                     make = _packed(grad_y.matmul(weight), layout)
                 else:
                     make = _packed_then(grad_y, layout, lambda rows: rows.matmul(weight))
+                    earlier = siblings.take() if siblings else None
+                    if earlier is not None:
+                        make = _plus_packed(make, earlier, layout)
                 scatter = _ChunkedReduceScatter(make, tuple(full.shape), full, layout, call.info)
             # the weight's matmul runs while the (last) reduce-scatters are on the link
             gw, gb = _weight_grads(grad_y, full, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
-            if ctx.needs_input_grad[0]:
+            if scatter is not None:
                 grad_x = full.new_empty(_chunk_shape(full, d, layout.sizes[call.info.rank]))
                 scatter.finish(grad_x)
         return grad_x, gw, gb, None

@@ -190,7 +190,8 @@ def _two_rank_suite(rank: int, world: int, path: str) -> dict[str, Any]:
     return {"numerics": _numerics_rank(rank, world, DEFAULT_CASES, True),
             "ecosystem": _ecosystem_rank(rank, world, path),
             "collectives": {chunks: _collectives_rank(rank, world, chunks) for chunks in (1, 3)},
-            "order": _event_order_rank(rank, world)}
+            "order": _event_order_rank(rank, world),
+            "siblings": _siblings_rank(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -384,38 +385,104 @@ def test_own_rows_and_weight_gradients_are_computed_while_chunks_are_on_the_link
             assert _compute_before_waits(order[phase], phase == "backward") == [], (rank, phase)
 
 
-def _gathers(link: Any) -> int:
-    return sum(v for k, v in link.stats().by_op.items() if k.startswith("all_gather"))
+def _collective_counts(link: Any) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) the link carried; gloo's reduce-scatter is an all-to-all (see
+    [Note: gloo's reduce-scatter cannot say it is done])."""
+    by_op = link.stats().by_op
+    return (sum(v for k, v in by_op.items() if k.startswith("all_gather")),
+            sum(v for k, v in by_op.items() if k.startswith("all_to_all")))
 
 
-def _shared_gather_rank(rank: int, world: int) -> dict[str, Any]:
-    """Forward all-gathers of the sequence-parallel attention (q, k, v read one input) with chunks=2,
-    once as is and once with the input changed in place between k and v."""
+def _siblings_rank(rank: int, world: int) -> dict[str, Any]:
+    """q, k and v of the sequence-parallel attention (chunks=2) read one sequence-sharded input:
+    collectives of forward and backward, and the input gradient against the unsharded projections,
+    in several uses of the siblings (each: ``(forward gathers, backward reduce-scatters, problems)``)."""
+    from torch.utils.checkpoint import checkpoint
+
     from overlap.testing import emulated_link
 
     mesh = init_device_mesh("cpu", (world,))
-    model = overlap.tensor_parallel(make_block("sp_attention", True), mesh, plan_for("sp_attention"), chunks=2)
-    x = torch.randn(BATCH, 8, 16)
-    counts = {}
+    ref = make_block("sp_attention", True)
+    ours = overlap.tensor_parallel(copy.deepcopy(ref), mesh, plan_for("sp_attention"), chunks=2)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(BATCH, 8, 16, generator=gen)
+    dys = [torch.randn(BATCH, 8, 16, generator=gen) for _ in range(3)]
+    out: dict[str, Any] = {}
+
+    def projections(model: torch.nn.Module, inp: torch.Tensor, used: str, sharded: bool) -> torch.Tensor:
+        """sum(proj(norm(inp)) * dy) over the used projections; a sharded projection's output is this
+        rank's output features (its heads) of every position, so it meets those columns of dy."""
+        h = model.norm(inp)
+        loss = torch.zeros(())
+        for p, dy in zip("qkv", dys):
+            if p in used:
+                y = getattr(model, f"w{p}")(h)
+                loss = loss + (y * (dy.chunk(world, -1)[rank] if sharded else dy)).sum()
+        return loss
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def run(name: str, used: str, backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], times: int) -> None:
+        xr = x.clone().requires_grad_()
+        want = _seq_slice(backward(projections(ref, xr, used, False), xr), world, rank) * times
+        xl = _seq_slice(x, world, rank).clone().requires_grad_()
+        with emulated_link(1e6, 0.0) as link:
+            loss = projections(ours, xl, used, True)
+            gathers = _collective_counts(link)[0]
+            link.reset_stats()
+            got = sum(local(backward(loss, xl)) for _ in range(times))
+            scatters = _collective_counts(link)[1]
+        out[name] = (gathers, scatters, _close(f"{name}: input grad", got, want, FP32_TOL))
+
+    def grad(loss: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        return torch.autograd.grad(loss, [inp], retain_graph=True)[0]
+
+    run("q, k, v", "qkv", grad, 1)
+    run("q, k (v's output unused)", "qk", grad, 1)
+    run("q alone", "q", grad, 1)
+    run("q, k, v, two backwards over the retained graph", "qkv", grad, 2)
+
+    # the whole block under activation checkpointing (torch's, non-reentrant): the recomputed forward
+    # shares its gather too, the original nodes' backward their reduce-scatter; bitwise the plain block
+    grads, counts = [], []
+    for checkpointed in (False, True):
+        model = overlap.tensor_parallel(copy.deepcopy(ref), mesh, plan_for("sp_attention"), chunks=2)
+        xl = _seq_slice(x, world, rank).clone().requires_grad_()
+        with emulated_link(1e6, 0.0) as link:
+            y = checkpoint(model, xl, use_reentrant=False) if checkpointed else model(xl)
+            link.reset_stats()
+            (y * _seq_slice(dys[0], world, rank)).sum().backward()
+            counts.append(_collective_counts(link))
+        grads.append([xl.grad, *(local(p.grad) for p in model.parameters())])
+    out["checkpointed block, backward"] = (counts, [n for n, (a, b) in enumerate(zip(*grads)) if not torch.equal(a, b)])
+
+    # an in-place change of the input between k and v: v gathers (and reduce-scatters) on its own
     with emulated_link(1e6, 0.0) as link:
-        model(x)
-        counts["as is"] = _gathers(link)
-        link.reset_stats()
-        h = model.norm(x)
-        model.wq(h), model.wk(h)
+        h = ours.norm(_seq_slice(x, world, rank))
+        ours.wq(h), ours.wk(h)
         with torch.no_grad():
-            h.to_local().mul_(2)  # an in-place change: v must not reuse the gather of the old values
-        model.wv(h)
-        counts["changed before v"] = _gathers(link)
-    return counts
+            h.to_local().mul_(2)  # v must not reuse the gather of the old values
+        ours.wv(h)
+        out["changed before v"] = _collective_counts(link)[0]
+    return out
 
 
-def test_sibling_layers_share_one_gather(distributed: Callable[..., list[Any]]) -> None:
-    """[Note: sibling layers share one gather]: q, k and v of the sequence-parallel attention gather
-    their common input once (2 chunk collectives, where torch's plan gathers three times); an input
-    changed in place is gathered again. Numerics: ``test_numerics_two_ranks`` (sp_attention cases)."""
-    for counts in distributed(_shared_gather_rank, 2, timeout=120):
-        assert counts == {"as is": 2, "changed before v": 4}, counts
+def test_sibling_layers_share_one_gather_and_one_reduce_scatter(two_ranks: list[dict[str, Any]]) -> None:
+    """[Note: sibling layers share one gather] and [Note: sibling layers share one reduce-scatter]:
+    q, k and v of the sequence-parallel attention (chunks=2) gather their common input once (2 chunk
+    collectives, where torch's plan gathers three times) and reduce-scatter its summed gradient
+    once (2, not 6); with v's output unused, q and k share one; a second backward over the retained
+    graph reduce-scatters again; the input gradient matches the unsharded projections in each case.
+    Under activation checkpointing the recomputed forward shares too and gradients are bitwise the
+    plain block's. An input changed in place is gathered again. Whole-block numerics: ``test_numerics_two_ranks``."""
+    for rank, results in enumerate(two_ranks):
+        counts = results["siblings"]
+        assert counts.pop("changed before v") == 4, rank
+        # plain: wo's 2 gathers, 2 shared reduce-scatters; checkpointed: the recomputed forward's 2 + 2 on top
+        assert counts.pop("checkpointed block, backward") == ([(2, 2), (4, 4)], []), rank
+        assert counts == {"q, k, v": (2, 2, []), "q, k (v's output unused)": (2, 2, []), "q alone": (2, 2, []),
+                          "q, k, v, two backwards over the retained graph": (2, 4, [])}, rank
 
 
 def test_one_rank_is_the_plain_module(single_rank_group: dist.ProcessGroup) -> None:
