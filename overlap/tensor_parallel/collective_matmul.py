@@ -143,6 +143,16 @@ def _chunk_shape(like: torch.Tensor | tuple[int, ...], dim: int, width: int) -> 
 
 
 # ------------------------------------------------------------------------ one gather, several layers
+def _will_run(node: object) -> bool:
+    """Whether the autograd engine will run ``node`` in the current backward; False where the engine
+    cannot say (outside its own execution, e.g. a traced backward): each layer then reduce-scatters
+    its own gradient (and any sum deferred to it), still exact."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
+
+
 class _SiblingGrads:
     """The input gradient of one shared gather: the layers that read it in forward (their backward
     nodes, held weakly) and, during a backward pass, the sum of the partial input gradients of
@@ -182,7 +192,7 @@ class _SiblingGrads:
         self._ran.add(id(node))
         for ref in self._members:
             other = ref()
-            if other is not None and id(other) not in self._ran and torch._C._will_engine_execute_node(other):
+            if other is not None and id(other) not in self._ran and _will_run(other):
                 return True
         return False
 
