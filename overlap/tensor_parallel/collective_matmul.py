@@ -54,7 +54,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -245,7 +245,7 @@ class _SharedGather:
                ) -> Optional[tuple[torch.Tensor, Optional[_SiblingGrads]]]:
         """(the gathered tensor, its siblings' gradient record if a layer that takes part in the
         shared reduce-scatter still holds it) if ``x`` was gathered so last."""
-        if self._root is None or self._full is None or self._grads is None:
+        if self._root is None:
             return None
         root, key = self._parts(x, layout, info)
         if self._root() is not root or key != self._key:
@@ -361,12 +361,10 @@ def _plus_packed(make: Callable[[int], torch.Tensor], addend: torch.Tensor, layo
     return lambda k: make(k).add_(pack(k))
 
 
-def _join_siblings(ctx: object, call: Call) -> None:
-    """Enter ``ctx`` (a forward's backward node) into its gather's shared reduce-scatter when it takes
-    part ([Note: sibling layers share one reduce-scatter]: decomposed layers whose input needs a gradient)."""
-    ctx.joined = ctx.siblings is not None and call.chunks > 1 and ctx.needs_input_grad[0]  # type: ignore[attr-defined]
-    if ctx.joined:  # type: ignore[attr-defined]
-        ctx.siblings.join(ctx)  # type: ignore[attr-defined]
+def _sibling_record(ctx: Any) -> Optional[_SiblingGrads]:
+    """The shared reduce-scatter ``ctx`` (an :class:`AllGatherMatmul` node) takes part in, or None:
+    decomposed layers whose input needs a gradient do ([Note: sibling layers share one reduce-scatter])."""
+    return ctx.siblings if ctx.call.chunks > 1 and ctx.needs_input_grad[0] else None
 
 
 def _all_reduce_rows(rows: int, cols: int, like: torch.Tensor, chunks: int, info: GroupInfo,
@@ -409,6 +407,32 @@ def _bias_share(bias: Optional[torch.Tensor], w: int) -> Optional[torch.Tensor]:
     return None if bias is None else bias / w
 
 
+def _gather_and_multiply(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], call: Call
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the gathered ``x``, ``linear`` of it): the gather's chunks issued at once, this rank's own rows
+    multiplied before the first wait, then each chunk's pieces as it lands ([Note: decomposing a
+    collective matmul]); ``chunks == 1`` waits for the whole gather, then one GEMM (torch's order)."""
+    layout = call.layout
+    assert layout is not None
+    d, r = layout.dim, call.info.rank
+    gather = _ChunkedGather(x, layout, call.info)
+    full = gather.new_full(x)
+    if call.chunks == 1:
+        gather.place_all(full)
+        return full, F.linear(full, weight, bias)
+    own = F.linear(x, weight, bias)  # no wait: runs while the first chunk is on the link
+    y = own.new_empty((*full.shape[:-1], own.shape[-1]))
+    y.narrow(d, layout.starts[r], layout.sizes[r]).copy_(own)
+    for k, buf in gather.chunks_landed():
+        starts, lengths = layout.pieces(k)
+        chunk_place(full, buf, starts, lengths, d, r)
+        # the other ranks' pieces (rows before and after this rank's): a GEMM each, placed in one launch
+        for lo, hi in ((0, r), (r + 1, len(starts))):
+            if hi > lo and any(lengths[lo:hi]):
+                chunk_place(y, F.linear(buf[lo:hi], weight, bias), starts[lo:hi], lengths[lo:hi], d)
+    return full, y
+
+
 # ------------------------------------------------------------------------ the four functions
 class AllGatherMatmul(torch.autograd.Function):
     """``linear(all_gather(x, dim), weight, bias)``: ColwiseParallel with a sequence-sharded input."""
@@ -418,36 +442,19 @@ class AllGatherMatmul(torch.autograd.Function):
                 call: Call) -> torch.Tensor:
         layout = call.layout
         assert layout is not None
-        d, r = layout.dim, call.info.rank
         ctx.call, ctx.has_bias = call, bias is not None
         shared = _shared_gather.lookup(x, layout, call.info)
         if shared is not None:  # a sibling layer gathered this input (see [Note: sibling layers share one gather])
             full, ctx.siblings = shared
             with region(call.forward_region):
                 y = F.linear(full, weight, bias)
-            _join_siblings(ctx, call)
-            ctx.save_for_backward(full, weight)
-            return y
-        with region(call.forward_region):
-            gather = _ChunkedGather(x, layout, call.info)
-            full = gather.new_full(x)
-            if call.chunks == 1:
-                gather.place_all(full)
-                y = F.linear(full, weight, bias)
-            else:
-                own = F.linear(x, weight, bias)  # no wait: runs while the first chunk is on the link
-                y = own.new_empty((*full.shape[:-1], own.shape[-1]))
-                y.narrow(d, layout.starts[r], layout.sizes[r]).copy_(own)
-                for k, buf in gather.chunks_landed():
-                    starts, lengths = layout.pieces(k)
-                    chunk_place(full, buf, starts, lengths, d, r)
-                    # the other ranks' pieces (rows before and after this rank's): a GEMM each, placed in one launch
-                    for lo, hi in ((0, r), (r + 1, len(starts))):
-                        if hi > lo and any(lengths[lo:hi]):
-                            chunk_place(y, F.linear(buf[lo:hi], weight, bias), starts[lo:hi], lengths[lo:hi], d)
-        ctx.siblings = _SiblingGrads()
-        _shared_gather.remember(x, layout, call.info, full, ctx.siblings)
-        _join_siblings(ctx, call)
+        else:
+            with region(call.forward_region):
+                full, y = _gather_and_multiply(x, weight, bias, call)
+            ctx.siblings = _SiblingGrads()
+            _shared_gather.remember(x, layout, call.info, full, ctx.siblings)
+        if _sibling_record(ctx) is not None:
+            ctx.siblings.join(ctx)
         ctx.save_for_backward(full, weight)
         return y
 
@@ -461,7 +468,7 @@ class AllGatherMatmul(torch.autograd.Function):
         grad_x = None
         with region(call.backward_region):
             scatter = None
-            siblings: Optional[_SiblingGrads] = ctx.siblings if ctx.joined else None
+            siblings = _sibling_record(ctx)
             # [Note: sibling layers share one reduce-scatter]: all but the last sibling only add their part
             if ctx.needs_input_grad[0] and not (siblings and siblings.defer(ctx, lambda: grad_y.matmul(weight))):
                 if call.chunks == 1:
