@@ -271,7 +271,15 @@ def test_dtensor_ecosystem(two_ranks: list[dict[str, Any]]) -> None:
 
 
 # ------------------------------------------------------------------ the decomposition itself
-def _collectives_rank(rank: int, world: int, chunks: int) -> dict[str, int]:
+def _collective_counts(link: Any) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) the link carried; gloo's reduce-scatter is an all-to-all (see
+    [Note: gloo's reduce-scatter cannot say it is done])."""
+    by_op = link.stats().by_op
+    return (sum(v for k, v in by_op.items() if k.startswith("all_gather")),
+            sum(v for k, v in by_op.items() if k.startswith("all_to_all")))
+
+
+def _collectives_rank(rank: int, world: int, chunks: int) -> dict[str, tuple[int, int]]:
     from overlap.testing import emulated_link
 
     mesh = init_device_mesh("cpu", (world,))
@@ -279,11 +287,11 @@ def _collectives_rank(rank: int, world: int, chunks: int) -> dict[str, int]:
     x = torch.randn(BATCH, 8, 16).requires_grad_()
     with emulated_link(1e6, 0.0) as link:
         y = model(x)
-        forward = dict(link.stats().by_op)
+        forward = _collective_counts(link)
         link.reset_stats()
         y.sum().backward()
-        backward = dict(link.stats().by_op)
-    return {**{f"forward {k}": v for k, v in forward.items()}, **{f"backward {k}": v for k, v in backward.items()}}
+        backward = _collective_counts(link)
+    return {"forward": forward, "backward": backward}
 
 
 @pytest.mark.parametrize("chunks", [1, 3])
@@ -292,12 +300,8 @@ def test_collectives_are_chunked(two_ranks: list[dict[str, Any]], chunks: int) -
     all-gather and w2's reduce-scatter (on gloo an all-to-all, see [Note: gloo's reduce-scatter
     cannot say it is done]); backward, w2's grad all-gather and w1's grad reduce-scatter."""
     counts = two_ranks[0]["collectives"][chunks]
-    gather = sum(v for k, v in counts.items() if k.startswith("forward all_gather"))
-    scatter = sum(v for k, v in counts.items() if k.startswith("forward all_to_all"))
-    assert (gather, scatter) == (chunks, chunks), counts
-    gather = sum(v for k, v in counts.items() if k.startswith("backward all_gather"))
-    scatter = sum(v for k, v in counts.items() if k.startswith("backward all_to_all"))
-    assert (gather, scatter) == (chunks, chunks), counts
+    assert counts["forward"] == (chunks, chunks), counts
+    assert counts["backward"] == (chunks, chunks), counts
 
 
 def _event_order_rank(rank: int, world: int) -> dict[str, list[str]]:
@@ -385,14 +389,6 @@ def test_own_rows_and_weight_gradients_are_computed_while_chunks_are_on_the_link
             assert _compute_before_waits(order[phase], phase == "backward") == [], (rank, phase)
 
 
-def _collective_counts(link: Any) -> tuple[int, int]:
-    """(all-gathers, reduce-scatters) the link carried; gloo's reduce-scatter is an all-to-all (see
-    [Note: gloo's reduce-scatter cannot say it is done])."""
-    by_op = link.stats().by_op
-    return (sum(v for k, v in by_op.items() if k.startswith("all_gather")),
-            sum(v for k, v in by_op.items() if k.startswith("all_to_all")))
-
-
 def _siblings_rank(rank: int, world: int) -> dict[str, Any]:
     """q, k and v of the sequence-parallel attention (chunks=2) read one sequence-sharded input:
     collectives of forward and backward, and the input gradient against the unsharded projections,
@@ -423,25 +419,26 @@ def _siblings_rank(rank: int, world: int) -> dict[str, Any]:
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
-    def run(name: str, used: str, backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], times: int) -> None:
+    def grad(loss: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        return torch.autograd.grad(loss, [inp], retain_graph=True)[0]
+
+    def run(name: str, used: str, times: int) -> None:
+        """Input grad of the used projections, ``times`` backwards over one graph."""
         xr = x.clone().requires_grad_()
-        want = _seq_slice(backward(projections(ref, xr, used, False), xr), world, rank) * times
+        want = _seq_slice(grad(projections(ref, xr, used, False), xr), world, rank) * times
         xl = _seq_slice(x, world, rank).clone().requires_grad_()
         with emulated_link(1e6, 0.0) as link:
             loss = projections(ours, xl, used, True)
             gathers = _collective_counts(link)[0]
             link.reset_stats()
-            got = sum(local(backward(loss, xl)) for _ in range(times))
+            got = sum(grad(loss, xl) for _ in range(times))
             scatters = _collective_counts(link)[1]
         out[name] = (gathers, scatters, _close(f"{name}: input grad", got, want, FP32_TOL))
 
-    def grad(loss: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-        return torch.autograd.grad(loss, [inp], retain_graph=True)[0]
-
-    run("q, k, v", "qkv", grad, 1)
-    run("q, k (v's output unused)", "qk", grad, 1)
-    run("q alone", "q", grad, 1)
-    run("q, k, v, two backwards over the retained graph", "qkv", grad, 2)
+    run("q, k, v", "qkv", 1)
+    run("q, k (v's output unused)", "qk", 1)
+    run("q alone", "q", 1)
+    run("q, k, v, two backwards over the retained graph", "qkv", 2)
 
     # the whole block under activation checkpointing (torch's, non-reentrant): the recomputed forward
     # shares its gather too, the original nodes' backward their reduce-scatter; bitwise the plain block
