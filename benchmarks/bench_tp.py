@@ -32,7 +32,7 @@ over this mode's, and this mode's over its ideal.
 
 Not yet built: the GPU comparison against torch's async-TP.
 
-    python benchmarks/bench_tp.py [--layers 2] [--steps 8] [--markdown benchmarks/RESULTS.md]
+    python benchmarks/bench_tp.py [--layers 2] [--steps 8] [--blocks sp_mlp ...] [--markdown benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
@@ -105,6 +105,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     x = torch.randn(args.batch, args.seq // world, args.dim, generator=torch.Generator().manual_seed(rank))
     out: dict[str, Any] = {}
     for title, block in BLOCKS.items():
+        if block not in args.blocks:
+            continue
         steps = {mode: _step(_model(block, mode, args, mesh), x) for mode in MODES}
         gbps = args.link_gbps
         if gbps is None:  # one torch step's comm ~ torch's compute side
@@ -130,11 +132,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunks", type=int, default=None, help="overlap.tensor_parallel's chunks (default: chosen)")
     p.add_argument("--compiled-chunks", type=int, default=2,
                    help="chunks of the Inductor hook's all_gather -> mm / mm -> reduce_scatter split (default 2)")
+    p.add_argument("--blocks", nargs="+", choices=list(BLOCKS.values()), default=list(BLOCKS.values()),
+                   help="which blocks to time (default all)")
     add_link(p)
     args = parse(p, argv)
 
     r = run_distributed(_rank, args.world_size, args, timeout=1200)[0]
-    for title in BLOCKS:
+    for title in r:
         res = r[title]
         torch_linked = res[MODES[0]].linked
         rows = []

@@ -13,6 +13,8 @@ module                   concern
 ``layers``               the parallelized ``nn.Linear``: parameters as torch shards them, the
                          decomposed forward on local tensors, DTensors at the boundaries
 ``collective_matmul``    the decomposed collective matmuls (autograd functions, forward and backward)
+``deferred_gather``      a ``PrepareModuleInput``'s gather of a sequence-sharded input, left to the
+                         column-parallel layers that read it (torchtitan's attention plan)
 ``chunks``               how many chunks a collective is cut into
 =======================  ========================================================================
 """

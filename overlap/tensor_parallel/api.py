@@ -9,7 +9,9 @@ layout combination it does not support, a dim that does not divide, a mesh that 
 DeviceMesh) a ``TypeError`` / ``ValueError`` names the entry and what is allowed, and nothing has
 been changed. Then the entries are applied in the plan's order: Colwise / Rowwise on ``nn.Linear``
 by ``overlap.tensor_parallel.layers``, every other supported entry by torch's
-``parallelize_module`` on that submodule (torch's own style). Parameters end up the DTensors torch
+``parallelize_module`` on that submodule (torch's own style; a ``PrepareModuleInput`` that gathers a
+sequence-sharded input leaves that gather to the column-parallel layers reading it,
+``overlap.tensor_parallel.deferred_gather``). Parameters end up the DTensors torch
 TP makes (same placements, same shards from rank 0's values), so DCP, state dicts,
 ``clip_grad_norm_`` and optimizers see what they see with torch TP; the module's numerics are
 torch's (bitwise with ``chunks=1``; see ``collective_matmul`` for the decomposed order).
@@ -28,6 +30,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from overlap.tensor_parallel.chunks import check_chunks
+from overlap.tensor_parallel.deferred_gather import deferring
 from overlap.tensor_parallel.layers import TensorParallelLinear, parallelize_linear
 from overlap.tensor_parallel.plan import DELEGATE, KNOWN_STYLES, LinearPlan, layer_plan
 
@@ -91,8 +94,8 @@ def tensor_parallel(module: nn.Module, mesh: DeviceMesh, plan: Any, *, chunks: O
                 linear_entries[id(sub)] = key
             steps.append((sub, style, spec))
     for sub, style, spec in steps:
-        if spec == DELEGATE:
-            parallelize_module(sub, mesh, style)
+        if spec == DELEGATE:  # a prepared sequence-sharded input: gathered by the layers reading it
+            parallelize_module(sub, mesh, deferring(style))
         else:
             parallelize_linear(sub, mesh, spec)
     return module

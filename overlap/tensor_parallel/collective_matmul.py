@@ -67,7 +67,7 @@ from overlap.inflight_work import InflightWork
 from overlap.regions import region
 
 __all__ = ["AllGatherMatmul", "Call", "LinearAllReduceGrad", "MatmulAllReduce", "MatmulReduceScatter",
-           "SeqLayout", "shard_sizes", "split_sizes"]
+           "SeqLayout", "gathered", "shard_sizes", "split_sizes"]
 
 
 def shard_sizes(n: int, w: int) -> list[int]:
@@ -407,6 +407,23 @@ def _bias_share(bias: Optional[torch.Tensor], w: int) -> Optional[torch.Tensor]:
     return None if bias is None else bias / w
 
 
+def _gather_whole(x: torch.Tensor, layout: SeqLayout, info: GroupInfo) -> torch.Tensor:
+    """``x`` (this rank's shard along ``layout.dim``) gathered, waited for and placed in one tensor."""
+    gather = _ChunkedGather(x, layout, info)
+    full = gather.new_full(x)
+    gather.place_all(full)
+    return full
+
+
+def gathered(x: torch.Tensor, sizes: list[int], dim: int, info: GroupInfo) -> torch.Tensor:
+    """``x`` (this rank's shard along ``dim``, every rank's extent ``sizes``) gathered whole: a
+    sibling layer's gather if one is held ([Note: sibling layers share one gather]), else one
+    collective, waited for. No autograd."""
+    layout = SeqLayout(sizes, dim, 1, info.rank)
+    shared = _shared_gather.lookup(x, layout, info)
+    return shared[0] if shared is not None else _gather_whole(x, layout, info)
+
+
 def _gather_and_multiply(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], call: Call
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the gathered ``x``, ``linear`` of it): the gather's chunks issued at once, this rank's own rows
@@ -415,11 +432,11 @@ def _gather_and_multiply(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     layout = call.layout
     assert layout is not None
     d, r = layout.dim, call.info.rank
+    if call.chunks == 1:
+        full = _gather_whole(x, layout, call.info)
+        return full, F.linear(full, weight, bias)
     gather = _ChunkedGather(x, layout, call.info)
     full = gather.new_full(x)
-    if call.chunks == 1:
-        gather.place_all(full)
-        return full, F.linear(full, weight, bias)
     own = F.linear(x, weight, bias)  # no wait: runs while the first chunk is on the link
     y = own.new_empty((*full.shape[:-1], own.shape[-1]))
     y.narrow(d, layout.starts[r], layout.sizes[r]).copy_(own)

@@ -45,6 +45,7 @@ from overlap.groups import GroupInfo, resolve_group
 from overlap.regions import with_fqn
 from overlap.tensor_parallel import collective_matmul as cm
 from overlap.tensor_parallel.chunks import choose_chunks
+from overlap.tensor_parallel.deferred_gather import deferred_input
 from overlap.tensor_parallel.plan import LinearPlan
 
 __all__ = ["TensorParallelLinear", "parallelize_linear"]
@@ -116,6 +117,9 @@ class TensorParallelLinear(nn.Module):
     def _colwise(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  state: _State) -> torch.Tensor:
         plan, w = state.plan, state.info.size
+        y = self._deferred_colwise(x, weight, bias, state)
+        if y is not None:
+            return self._colwise_output(y, state)
         if isinstance(x, DTensor):
             placement = x.placements[0]
             if not (isinstance(placement, Replicate) or (isinstance(placement, Shard)
@@ -142,6 +146,24 @@ class TensorParallelLinear(nn.Module):
                 y = F.linear(x, weight, bias)
             else:
                 y = cm.AllGatherMatmul.apply(x, weight, bias, state.seq_call(x, sizes, d, x.shape[-1]))
+        return self._colwise_output(y, state)
+
+    @staticmethod
+    def _deferred_colwise(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          state: _State) -> Optional[torch.Tensor]:
+        """The local output for a prepared input whose gather was deferred to this layer, decomposed
+        ([Note: deferring a prepared input's gather]); None where the input is read as it is (not
+        deferred, or one chunk: gathered whole, torch's order)."""
+        deferred = deferred_input(x)
+        if deferred is None:
+            return None
+        shard = deferred.shard
+        call = state.seq_call(shard, deferred.sizes, deferred.dim, shard.shape[-1])
+        return cm.AllGatherMatmul.apply(shard, weight, bias, call) if call.chunks > 1 else None
+
+    def _colwise_output(self, y: torch.Tensor, state: _State) -> torch.Tensor:
+        """The colwise local output ``y`` (``Shard(-1)``) in the plan's output layout."""
+        plan = state.plan
         out = plan.output_layout
         if isinstance(out, Shard) and out.dim % y.dim() == y.dim() - 1:
             if plan.use_local_output:

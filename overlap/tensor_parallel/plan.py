@@ -14,9 +14,9 @@ style on module                                 what happens
 ``RowwiseParallel`` on ``nn.Linear``            :class:`LinearPlan` ``rowwise``: input ``Shard(-1)``;
                                                 output ``Replicate()`` or ``Shard(d)`` (``d >= 0``)
 ``ColwiseParallel`` / ``RowwiseParallel`` on    ``DELEGATE``: torch's style applies (nothing to
-``nn.Embedding``; ``SequenceParallel``;         decompose)
-``PrepareModuleInput`` / ``Output`` /
-``InputOutput``
+``nn.Embedding``; ``SequenceParallel``;         decompose; a ``PrepareModuleInput``'s
+``PrepareModuleInput`` / ``Output`` /           ``Shard(d) -> Replicate()`` gather is deferred to
+``InputOutput``                                 the column-parallel layers that read the input)
 anything else                                   ``TypeError`` / ``ValueError`` naming the submodule
 ==============================================  =====================================================
 

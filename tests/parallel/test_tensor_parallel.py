@@ -37,7 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import overlap
@@ -191,7 +191,8 @@ def _two_rank_suite(rank: int, world: int, path: str) -> dict[str, Any]:
             "ecosystem": _ecosystem_rank(rank, world, path),
             "collectives": {chunks: _collectives_rank(rank, world, chunks) for chunks in (1, 3)},
             "order": _event_order_rank(rank, world),
-            "siblings": _siblings_rank(rank, world)}
+            "siblings": _siblings_rank(rank, world),
+            "prepared": _prepared_input_rank(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -480,6 +481,94 @@ def test_sibling_layers_share_one_gather_and_one_reduce_scatter(two_ranks: list[
         assert counts.pop("checkpointed block, backward") == ([(2, 2), (4, 4)], []), rank
         assert counts == {"q, k, v": (2, 2, []), "q, k (v's output unused)": (2, 2, []), "q alone": (2, 2, []),
                           "q, k, v, two backwards over the retained graph": (2, 4, [])}, rank
+
+
+class _PreparedWithSkip(torch.nn.Module):
+    """Two column-parallel projections of a prepared (gathered) input and a plain op on that input,
+    the op before the projections (``op_first``) or between them: ``wq(x) * sum(x * x) + wk(x)``."""
+
+    def __init__(self, dim: int, op_first: bool) -> None:
+        super().__init__()
+        self.op_first = op_first
+        self.wq, self.wk = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def op() -> torch.Tensor:
+            s = (x * x).sum(-1, keepdim=True)
+            # replicated, but each rank's use of it (its output columns) gives a partial gradient
+            return s.to_local(grad_placements=[Partial()]) if isinstance(s, DTensor) else s
+
+        s = op() if self.op_first else None
+        q = self.wq(x)
+        s = op() if s is None else s
+        return q * s + self.wk(x)
+
+
+def _prepared_input_rank(rank: int, world: int) -> dict[str, Any]:
+    """torchtitan's plan (``PrepareModuleInput(Shard(1) -> Replicate())`` before column-parallel
+    q/k/v), chunks=2: each collective the link carries, by op, forward and backward, ours and
+    torch's; then a prepared input also read by a plain op (before or between two projections):
+    forward gathers, and the input and parameter gradients against torch TP and the unsharded module."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
+
+    from overlap.testing import emulated_link
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(BATCH, 8, 16, generator=gen)
+    dy = torch.randn(BATCH, 8, 16, generator=gen)
+    out: dict[str, Any] = {}
+    ref = make_block("prepared_attn", True)
+    for name, model in (("torch", parallelize_module(copy.deepcopy(ref), mesh, plan_for("prepared_attn"))),
+                        ("ours", overlap.tensor_parallel(copy.deepcopy(ref), mesh, plan_for("prepared_attn"),
+                                                         chunks=2))):
+        with emulated_link(1e6, 0.0, functional=True) as link:
+            y = model(_seq_slice(x, world, rank))
+            forward = dict(link.stats().by_op)
+            link.reset_stats()
+            (y * _seq_slice(dy, world, rank)).sum().backward()
+            out[name] = (forward, dict(link.stats().by_op))
+
+    plan = {"": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+            "wq": ColwiseParallel(), "wk": ColwiseParallel()}
+    for op_first in (False, True):
+        torch.manual_seed(0)
+        unsharded = _PreparedWithSkip(16, op_first)
+        results = []
+        for model in (unsharded, parallelize_module(copy.deepcopy(unsharded), mesh, dict(plan)),
+                      overlap.tensor_parallel(copy.deepcopy(unsharded), mesh, dict(plan), chunks=2)):
+            sharded = model is not unsharded
+            xin = (_seq_slice(x, world, rank) if sharded else x).clone().requires_grad_()
+            with emulated_link(1e6, 0.0, functional=True) as link:
+                y = model(xin)
+                gathers = sum(v for k, v in link.stats().by_op.items() if "all_gather" in k)
+            (y * (dy.chunk(world, -1)[rank] if sharded else dy)).sum().backward()
+            grads = [_seq_slice(xin.grad, world, rank) if not sharded else xin.grad,
+                     *(_full(p.grad) for p in model.parameters())]
+            results.append((gathers, grads))
+        problems = [p for k, (got, want_torch, want) in enumerate(zip(results[2][1], results[1][1], results[0][1]))
+                    for p in _close(f"grad {k} vs torch TP", got, want_torch, FP32_TOL)
+                    + _close(f"grad {k} vs unsharded", got, want, FP32_TOL)]
+        out[f"plain op {'before' if op_first else 'between'}"] = (results[2][0], results[1][0], problems)
+    return out
+
+
+def test_prepared_input_is_gathered_by_the_layers_that_read_it(two_ranks: list[dict[str, Any]]) -> None:
+    """[Note: deferring a prepared input's gather]: with torchtitan's plan torch gathers the
+    attention's input whole in ``PrepareModuleInput`` and reduce-scatters its gradient whole; ours
+    (chunks=2) issues those as 2 chunk collectives shared by q, k and v, so forward and backward
+    each carry 2 all-gathers and 2 reduce-scatters (the other pair: wo's) and no whole one. A plain
+    op on the prepared input gathers it whole (reusing the layers' gather when it comes after
+    one), and gradients match torch TP and the unsharded module."""
+    for rank, results in enumerate(two_ranks):
+        got = results["prepared"]
+        torch_whole = {"_c10d_functional.all_gather_into_tensor": 1, "_c10d_functional.reduce_scatter_tensor": 1}
+        assert got.pop("torch") == (torch_whole, torch_whole), rank
+        ours = {"all_gather_single": 2, "all_to_all_single": 2}
+        assert got.pop("ours") == (ours, ours), rank
+        # (our forward gathers, torch's, problems): between the projections the op reuses wq's 2 chunks
+        assert got == {"plain op between": (2, 1, []), "plain op before": (1, 1, [])}, rank
 
 
 def test_one_rank_is_the_plain_module(single_rank_group: dist.ProcessGroup) -> None:
