@@ -35,8 +35,10 @@ Launches pass ``enable_fp_fusion=False`` so that scale-then-accumulate rounds li
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -53,12 +55,36 @@ GPU_MAX_BLOCK = 4096
 INTERPRET_MAX_BLOCK = 1 << 16  # the interpreter pays per program, not per element
 
 
+CPU_KERNELS_ENV = "OVERLAP_CPU_KERNELS"
+"""Set to ``torch`` (read at each call), CPU tensors take the torch fallback even under
+``TRITON_INTERPRET=1`` (:func:`torch_fallback_on_cpu`)."""
+
+
+@contextlib.contextmanager
+def torch_fallback_on_cpu() -> Iterator[None]:
+    """While active, CPU tensors take the torch fallback even under ``TRITON_INTERPRET=1``, in this
+    process and in the ranks it starts meanwhile (they read ``OVERLAP_CPU_KERNELS`` from the
+    environment they are given). What CPU users run, and bitwise the kernels' result
+    (tests/packing/test_kernels_library.py); the test suite's long training loops use it, where the
+    interpreter would cost five times their compute and check nothing the kernel tests do not."""
+    before = os.environ.get(CPU_KERNELS_ENV)
+    os.environ[CPU_KERNELS_ENV] = "torch"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[CPU_KERNELS_ENV]
+        else:
+            os.environ[CPU_KERNELS_ENV] = before
+
+
 # ----------------------------------------------------------------------------------------- dispatch
 def triton_enabled(device: torch.device) -> bool:
-    """Triton kernel (compiled on CUDA, interpreted on CPU) or the torch fallback ([Note: torch fallback])."""
+    """Triton kernel (compiled on CUDA, interpreted on CPU) or the torch fallback ([Note: torch fallback]);
+    CPU tensors take the fallback without the interpreter, or with ``OVERLAP_CPU_KERNELS=torch``."""
     if device.type == "cuda":
         return not INTERPRET
-    return device.type == "cpu" and INTERPRET
+    return device.type == "cpu" and INTERPRET and os.environ.get(CPU_KERNELS_ENV) != "torch"
 
 
 def increment_version(tensors: Sequence[torch.Tensor]) -> None:

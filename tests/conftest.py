@@ -40,6 +40,24 @@ else:
     settings.load_profile(_profile)
 
 
+def _cpu_kernels_for(request: pytest.FixtureRequest):
+    """With a ``torch_kernels`` marker, CPU packing runs the torch fallback instead of the Triton
+    interpreter (``OVERLAP_CPU_KERNELS=torch``, seen by the ranks the test starts)."""
+    from kernels._launch import torch_fallback_on_cpu
+
+    if request.node.get_closest_marker("torch_kernels") is None:
+        yield
+        return
+    with torch_fallback_on_cpu():
+        yield
+
+
+# Module-scoped for the module fixtures that run a module's ranks once (module marker), function-
+# scoped for a test's own marker.
+_torch_kernels_in_module = pytest.fixture(scope="module", autouse=True)(_cpu_kernels_for)
+_torch_kernels_in_test = pytest.fixture(autouse=True)(_cpu_kernels_for)
+
+
 @pytest.fixture
 def distributed():
     """``overlap.testing.run_distributed``: ``distributed(fn, world_size, *args, **kwargs)`` runs

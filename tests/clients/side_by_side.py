@@ -14,12 +14,10 @@ the same code, so a failure leaves the ranks at the same point of their collecti
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
-import os
 import time
 import traceback
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -33,37 +31,11 @@ from models import SEED, global_mean, local_batch, make_optimizer
 __all__ = [
     "OTHER_SEED", "RUNTIMES", "Checks", "Env", "build", "build_sharded", "describe", "full_parameters", "full_tensor",
     "gather_state", "local", "max_abs_diff", "outcome", "per_runtime", "replace_module", "scalar", "shard",
-    "shard_info", "torch_packing_on_cpu", "train",
+    "shard_info", "train",
 ]
 
 RUNTIMES = ("fsdp2", "overlap")
 OTHER_SEED = SEED + 1  # a model that must be overwritten by a load starts from other weights
-
-
-@contextlib.contextmanager
-def torch_packing_on_cpu() -> Iterator[None]:
-    """Ranks started inside use overlap's torch fallback for the packing kernels on CPU
-    (``TRITON_INTERPRET=0`` in their environment; ``kernels`` reads it when a rank imports it).
-
-    [Note: packing at the client level] What CPU users run, and bitwise the kernels' own result
-    (tests/packing/test_kernels_torch_fallback.py); under Triton's interpreter (the default test set-up,
-    tests/conftest.py) one training step of these clients costs ~1 s instead of ~0.03 s, which
-    would put this level far past its time budget. The kernels are checked by the kernel tests.
-    """
-    # Spawned, not forked from the harness's fork server: a forked rank imports ``kernels`` (with
-    # ``overlap.testing.harness``) under the server's environment, i.e. the first call's
-    # ``TRITON_INTERPRET``, before this call's environment applies (see the harness's docstring).
-    changes = {"TRITON_INTERPRET": "0", "OVERLAP_TEST_START_METHOD": "spawn"}
-    before = {k: os.environ.get(k) for k in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value
 
 
 class Checks:

@@ -30,7 +30,9 @@ import torch
 
 from client_zoo import CLIENTS, Client
 from models import max_rel_dev
-from side_by_side import RUNTIMES, Env, build, build_sharded, outcome, per_runtime, shard, torch_packing_on_cpu, train
+from side_by_side import RUNTIMES, Env, build, build_sharded, outcome, per_runtime, shard, train
+
+pytestmark = pytest.mark.torch_kernels  # [Note: packing at the client level] in test_clients.py
 
 COMPILE_RTOL = 1e-5  # compiled vs eager losses (see the module docstring)
 STEPS = 4
@@ -123,8 +125,7 @@ _results: dict[tuple[str, str], list[dict[str, Any]]] = {}
 def compiled_runs(distributed):
     def get(client: str, mode: str) -> list[dict[str, Any]]:
         if (client, mode) not in _results:
-            with torch_packing_on_cpu():
-                _results[client, mode] = distributed(_rank_compiled, 2, client, mode, timeout=280, pg_timeout=120)
+            _results[client, mode] = distributed(_rank_compiled, 2, client, mode, timeout=280, pg_timeout=120)
         return _results[client, mode]
 
     return get

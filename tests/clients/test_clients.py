@@ -60,8 +60,13 @@ from models import (
 )
 from side_by_side import (
     OTHER_SEED, RUNTIMES, Checks, Env, build, build_sharded, describe, full_parameters, full_tensor, gather_state,
-    local, max_abs_diff, outcome, per_runtime, replace_module, shard, shard_info, torch_packing_on_cpu, train,
+    local, max_abs_diff, outcome, per_runtime, replace_module, shard, shard_info, train,
 )
+
+# [Note: packing at the client level] The clients' ranks pack with the torch fallback: what CPU users
+# run, bitwise the kernels' result (tests/packing/test_kernels_library.py); under Triton's interpreter
+# one training step of these clients costs ~1 s instead of ~0.03 s.
+pytestmark = pytest.mark.torch_kernels
 
 # [Note: client tolerances] Sharded fp32 runs against the unsharded one: the tolerances of
 # models.py [Note: tolerances] (LOSS_RTOL 1e-5 on losses; PARAM_RTOL 1e-5 / PARAM_ATOL 5e-5 on
@@ -430,10 +435,9 @@ def runs(client: Client, distributed, tmp_path_factory) -> dict[str, list[dict[s
     if client.name not in _runs:
         root = str(tmp_path_factory.mktemp(f"dcp-{client.name}"))
         try:
-            with torch_packing_on_cpu():
-                w2 = distributed(_rank_world2, 2, client.name, root, timeout=TIMEOUT_S, pg_timeout=PG_TIMEOUT_S)
-                resume = distributed(_rank_resume, client.resume_world, client.name, root, timeout=TIMEOUT_S,
-                                     pg_timeout=PG_TIMEOUT_S)
+            w2 = distributed(_rank_world2, 2, client.name, root, timeout=TIMEOUT_S, pg_timeout=PG_TIMEOUT_S)
+            resume = distributed(_rank_resume, client.resume_world, client.name, root, timeout=TIMEOUT_S,
+                                 pg_timeout=PG_TIMEOUT_S)
             _runs[client.name] = {"w2": w2, "resume": resume}
         except Exception as e:  # noqa: BLE001 -- every test of this client reports it, none re-runs it
             _runs[client.name] = e

@@ -317,6 +317,24 @@ _FALLBACK_SCRIPT = textwrap.dedent(
 
 
 @requires_kernels
+def test_torch_fallback_on_cpu_switches_this_process_and_back() -> None:
+    """``kernels._launch.torch_fallback_on_cpu`` (what the suite's ``torch_kernels`` marker uses):
+    inside it CPU tensors take the torch fallback even under the interpreter, with the kernels'
+    results bitwise; after it, the kernels again."""
+    from kernels._launch import torch_fallback_on_cpu, triton_enabled
+
+    cpu = torch.device("cpu")
+    inputs = fallback_inputs(3, 2)
+    kernel = run_fallback_ops(inputs)
+    with torch_fallback_on_cpu():
+        assert not triton_enabled(cpu)
+        fallback = run_fallback_ops(inputs)
+    assert triton_enabled(cpu) == _jit.INTERPRET
+    for key in kernel:
+        assert same(fallback[key], kernel[key]), key
+
+
+@requires_kernels
 def test_torch_fallback_without_the_interpreter_equals_the_kernels(tmp_path: Path) -> None:
     """A fresh process with ``TRITON_INTERPRET=0`` (no GPU visible) computes the four ops with torch
     alone (the batched fallbacks, see ``test_kernels_torch_fallback``) over world sizes 1 to 8,

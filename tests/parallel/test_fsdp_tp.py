@@ -40,6 +40,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 import overlap
 from tp_blocks import make_block, plan_for
 
+pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
+
 BATCH, SEQ, DIM, HIDDEN, HEADS = 4, 8, 16, 32, 4
 TOL = (1e-5, 1e-5)  # (atol, rtol): see the module docstring
 STEPS = 2

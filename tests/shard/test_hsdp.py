@@ -37,6 +37,8 @@ from models import (
     unsharded_losses,
 )
 
+pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
+
 MESH_DIMS = ("replicate", "shard")
 
 

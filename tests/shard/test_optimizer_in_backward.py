@@ -17,6 +17,8 @@ from torch import nn
 import overlap
 from models import SEED, LR, TinyLM, fsdp2_model, local_batch, make_batch, make_optimizer
 
+pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
+
 STEPS = 3
 
 

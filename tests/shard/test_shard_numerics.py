@@ -94,6 +94,8 @@ def _train_overlap_and_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+# This test packs with the Triton kernels (under the interpreter without a GPU); the long training
+# tests below marked torch_kernels with the torch fallback, bitwise the same (tests/packing).
 # 3 and 4 ranks (an empty shard of pos.weight) are under `slow`: the default suite covers uneven and
 # empty shards at 3 ranks in test_shard_runtime's awkward model, the no_sync and state-dict checks
 # below, and tests/clients (all with FSDP2 or the unsharded model beside them).
@@ -126,6 +128,7 @@ def _train_wrapped(rank: int, world_size: int) -> dict[str, Any]:
     return {"losses": losses, "keys": keys, "full_keys": list(full), "full": full}
 
 
+@pytest.mark.torch_kernels
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_wrap_on_each_block_matches_unsharded(distributed, reference, world_size: int) -> None:
     ref_losses, ref_sd = reference
@@ -145,6 +148,7 @@ def _train_overlap_bf16(rank: int, world_size: int) -> list[float]:
     return train_ranks(_sharded_model(mp=mp), rank, world_size)
 
 
+@pytest.mark.torch_kernels
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_bf16_params_stay_within_fsdp2s_bf16_tolerance(distributed, reference, world_size: int) -> None:
     ref_losses, _ = reference
@@ -178,6 +182,7 @@ def _accumulate(rank: int, world_size: int) -> dict[str, Any]:
     return {"grads": grads, "params": _local_params(model), "reductions": reductions}
 
 
+@pytest.mark.torch_kernels
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_no_sync_accumulation_equals_one_big_step(distributed, world_size: int) -> None:
     ref_grads, ref_params = unsharded_big_step()
@@ -230,6 +235,7 @@ def _assert_bitwise_state_dict(got: dict[str, torch.Tensor], want: dict[str, tor
         assert torch.equal(t, want[name]), name
 
 
+@pytest.mark.torch_kernels
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_full_state_dict_round_trip_is_bitwise(distributed, world_size: int) -> None:
     for rank, res in enumerate(distributed(_state_dict_round_trip, world_size)):

@@ -140,6 +140,7 @@ def _awkward_runs(rank: int, world: int, option_sets: list[dict[str, Any]]) -> l
     return [_awkward_rank(rank, world, options) for options in option_sets]
 
 
+@pytest.mark.torch_kernels  # three trainings of the awkward model: packing by the torch fallback
 def test_options_do_not_change_results(distributed) -> None:
     """No prefetch, deep prefetch, no reshard after forward, and a tight in-flight budget."""
     budget = 700  # bytes: about one group's all-gather, so collectives must queue behind each other

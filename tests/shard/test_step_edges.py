@@ -17,6 +17,8 @@ from torch import nn
 import overlap
 from models import COUNTING_LINK, SEED, TinyLM, local_batch, make_batch, make_optimizer
 
+pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
+
 
 def _sharded(model: TinyLM) -> TinyLM:
     for block in model.blocks:

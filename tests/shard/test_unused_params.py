@@ -14,6 +14,8 @@ from torch import nn
 
 import overlap
 
+pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
+
 STEPS = 4
 RTOL = 1e-5
 

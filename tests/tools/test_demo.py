@@ -25,6 +25,8 @@ import pytest
 from overlap.demo.cli import main
 from overlap.demo.run import HEADER, MODE_NAMES, PROFILED
 
+pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
+
 TINY = ["demo", "--model", "tiny", "--steps", "1", "--profile-steps", "1", "--device", "cpu"]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
