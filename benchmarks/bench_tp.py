@@ -6,10 +6,10 @@ sequence-parallel plan (``tests/tp_blocks.py``): the sequence-parallel MLP (norm
 w1 ``ColwiseParallel(input_layouts=Shard(1))``, gelu, w2 ``RowwiseParallel(output_layouts=Shard(1))``)
 the sequence-parallel attention block (q, k, v projections colwise from the sequence-sharded
 input, each gathering it, SDPA on the local heads, the output projection rowwise into the
-sequence-sharded output), and the same attention with torchtitan's plan (the input gathered once by
-torch's ``PrepareModuleInput``, which stays torch's, q/k/v colwise on the replicated DTensor with no
-collective, the output projection rowwise into the sequence-sharded output: only that
-reduce-scatter and its backward all-gather are decomposed), forward and backward (loss ``mean(y ** 2)``, no optimizer). Modes: torch ``parallelize_module``
+sequence-sharded output), and the same attention with torchtitan's plan (the input gathered once in
+the attention's ``PrepareModuleInput``, q/k/v colwise on the replicated DTensor, the output
+projection rowwise into the sequence-sharded output; ``overlap.tensor_parallel`` leaves that gather
+to q/k/v, decomposed, see ``overlap.tensor_parallelism.deferred_gather``), forward and backward (loss ``mean(y ** 2)``, no optimizer). Modes: torch ``parallelize_module``
 (eager DTensor: each all-gather / reduce-scatter whole, before / after its matmul) and
 ``overlap.tensor_parallel`` with the same plan: chunks chosen per call (behind the link from the
 link and the sizes, without it 2, so this mode's compute side and linked steps run different chunk

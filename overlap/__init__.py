@@ -29,7 +29,7 @@ from overlap.optimizer_in_backward import OptimizerInBackward, optimizer_in_back
 from overlap.profiler import Profiler, profile
 from overlap.sharding import ShardedModule, no_overlap, no_sync, prefetch_next_step, shard
 from overlap.state_dict import full_state_dict, load_full_state_dict
-from overlap.tensor_parallel import tensor_parallel
+from overlap.tensor_parallelism import tensor_parallel
 from overlap.wrap import Wrapped, exclude_from_ddp, wrap
 from scheduler.async_tensor import AsyncTensor
 

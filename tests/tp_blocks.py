@@ -16,7 +16,7 @@ block              plan                                                       in
 ``mlp``            w1 ``Colwise``, gelu, w2 ``Rowwise`` (Megatron MLP)          replicated / replicated
 ``prepared_attn``  torchtitan's: norm ``SequenceParallel``, attn                ``Shard(1)`` / ``Shard(1)``
                    ``PrepareModuleInput(Shard(1) -> Replicate())`` (one
-                   gather, by torch), attn.wq/wk/wv ``Colwise`` (a replicated
+                   gather), attn.wq/wk/wv ``Colwise`` (a replicated
                    DTensor input), attn.wo ``Rowwise(Shard(1) out)``
 =================  =========================================================  =======================
 

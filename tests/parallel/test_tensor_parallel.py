@@ -29,7 +29,6 @@ last fewer or none). The uneven cases pass such a DTensor to both.
 from __future__ import annotations
 
 import copy
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -41,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import overlap
-from overlap.tensor_parallel.layers import TensorParallelLinear
+from overlap.tensor_parallelism.layers import TensorParallelLinear
 from tp_blocks import SP_BLOCKS, make_block, plan_for, sizes_for
 
 BATCH = 2
@@ -313,8 +312,7 @@ def _event_order_rank(rank: int, world: int) -> dict[str, list[str]]:
 
     from overlap.inflight_work import InflightWork
 
-    # by module path: ``overlap.tensor_parallel`` the attribute is the function, not the package
-    cm = importlib.import_module("overlap.tensor_parallel.collective_matmul")
+    import overlap.tensor_parallelism.collective_matmul as cm
 
     events: list[str] = []
     kinds: dict[int, str] = {}
@@ -590,7 +588,7 @@ def test_chunk_count_choice() -> None:
     with L = 0 it is 4.47 -> 4; a 100 MB one (T = 100 ms) wants 13, capped at 8; 32 rows allow 2
     chunks of 16; on CUDA (O = 20 µs) with L = 5 µs, T = 1 ms gives sqrt(40) -> 6; no link: 2;
     ``chunks=`` wins, capped at the rows."""
-    from overlap.tensor_parallel.chunks import DEFAULT_CHUNKS, MAX_CHUNKS, choose_chunks
+    from overlap.tensor_parallelism.chunks import DEFAULT_CHUNKS, MAX_CHUNKS, choose_chunks
     from overlap.testing import emulated_link
 
     with emulated_link(8.0, 125.0):

@@ -46,7 +46,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_map
 
 from overlap.groups import GroupInfo, resolve_group
-from overlap.tensor_parallel.collective_matmul import gathered, shard_sizes
+from overlap.tensor_parallelism.collective_matmul import gathered, shard_sizes
 
 __all__ = ["DeferredGather", "DeferringPrepareModuleInput", "deferred_input", "deferring"]
 

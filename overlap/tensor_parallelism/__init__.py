@@ -1,4 +1,5 @@
-"""Tensor parallelism with the communication hidden inside the matmuls.
+"""Tensor parallelism with the communication hidden inside the matmuls (the package behind the
+function ``overlap.tensor_parallel``, as ``overlap.sharding`` is behind ``overlap.shard``).
 
 ``overlap.tensor_parallel(module, mesh, plan, chunks=None)`` takes torch's ``parallelize_module``
 plan (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput`` /
@@ -18,6 +19,6 @@ module                   concern
 ``chunks``               how many chunks a collective is cut into
 =======================  ========================================================================
 """
-from overlap.tensor_parallel.api import tensor_parallel
+from overlap.tensor_parallelism.api import tensor_parallel
 
 __all__ = ["tensor_parallel"]

@@ -4,14 +4,14 @@ linear layers decomposed and overlapped with their matmuls.
 Contract. The plan is ``parallelize_module``'s: a dict from a submodule key (dot-separated, each
 part an ``fnmatch`` pattern over child names, ``""`` the module itself) to one of torch's own
 styles, or one style for ``module`` itself. Every entry is resolved and checked first
-(``overlap.tensor_parallel.plan``); on any problem (a key that names no submodule, a style or
+(``overlap.tensor_parallelism.plan``); on any problem (a key that names no submodule, a style or
 layout combination it does not support, a dim that does not divide, a mesh that is not a 1-D
 DeviceMesh) a ``TypeError`` / ``ValueError`` names the entry and what is allowed, and nothing has
 been changed. Then the entries are applied in the plan's order: Colwise / Rowwise on ``nn.Linear``
-by ``overlap.tensor_parallel.layers``, every other supported entry by torch's
+by ``overlap.tensor_parallelism.layers``, every other supported entry by torch's
 ``parallelize_module`` on that submodule (torch's own style; a ``PrepareModuleInput`` that gathers a
 sequence-sharded input leaves that gather to the column-parallel layers reading it,
-``overlap.tensor_parallel.deferred_gather``). Parameters end up the DTensors torch
+``overlap.tensor_parallelism.deferred_gather``). Parameters end up the DTensors torch
 TP makes (same placements, same shards from rank 0's values), so DCP, state dicts,
 ``clip_grad_norm_`` and optimizers see what they see with torch TP; the module's numerics are
 torch's (bitwise with ``chunks=1``; see ``collective_matmul`` for the decomposed order).
@@ -29,10 +29,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from overlap.tensor_parallel.chunks import check_chunks
-from overlap.tensor_parallel.deferred_gather import deferring
-from overlap.tensor_parallel.layers import TensorParallelLinear, parallelize_linear
-from overlap.tensor_parallel.plan import DELEGATE, KNOWN_STYLES, LinearPlan, layer_plan
+from overlap.tensor_parallelism.chunks import check_chunks
+from overlap.tensor_parallelism.deferred_gather import deferring
+from overlap.tensor_parallelism.layers import TensorParallelLinear, parallelize_linear
+from overlap.tensor_parallelism.plan import DELEGATE, KNOWN_STYLES, LinearPlan, layer_plan
 
 __all__ = ["tensor_parallel"]
 

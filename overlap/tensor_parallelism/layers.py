@@ -4,7 +4,7 @@
 from rank 0: colwise weight and bias ``Shard(0)``; rowwise weight ``Shard(1)``, bias
 ``Replicate()``) and swaps the module's class for a subclass of :class:`TensorParallelLinear`
 (named ``TensorParallel<cls>``), whose ``forward`` runs the decomposed collective matmul of
-``overlap.tensor_parallel.collective_matmul`` on the local tensors. State-dict keys, parameter
+``overlap.tensor_parallelism.collective_matmul`` on the local tensors. State-dict keys, parameter
 names and DTensor specs are torch TP's; ``weight.grad`` / ``bias.grad`` are DTensors with the
 parameter's placements.
 
@@ -43,17 +43,17 @@ from torch.distributed.tensor.placement_types import Placement
 from overlap.class_swap import swapped_class
 from overlap.groups import GroupInfo, resolve_group
 from overlap.regions import with_fqn
-from overlap.tensor_parallel import collective_matmul as cm
-from overlap.tensor_parallel.chunks import choose_chunks
-from overlap.tensor_parallel.deferred_gather import deferred_input
-from overlap.tensor_parallel.plan import LinearPlan
+from overlap.tensor_parallelism import collective_matmul as cm
+from overlap.tensor_parallelism.chunks import choose_chunks
+from overlap.tensor_parallelism.deferred_gather import deferred_input
+from overlap.tensor_parallelism.plan import LinearPlan
 
 __all__ = ["TensorParallelLinear", "parallelize_linear"]
 
 
 class _State:
     """What a parallelized Linear keeps: its plan, mesh, group and region names; it picks each
-    call's chunk count (``overlap.tensor_parallel.chunks``)."""
+    call's chunk count (``overlap.tensor_parallelism.chunks``)."""
 
     def __init__(self, plan: LinearPlan, mesh: DeviceMesh, info: GroupInfo) -> None:
         self.plan, self.mesh, self.info = plan, mesh, info

@@ -2,7 +2,7 @@
 run while the other chunks are on the link.
 
 Four autograd functions on *local* tensors (the caller unwraps DTensors and wraps the results, see
-``overlap.tensor_parallel.layers``). ``w`` ranks, this rank ``r``; ``x`` is ``(*lead, S, *rest,
+``overlap.tensor_parallelism.layers``). ``w`` ranks, this rank ``r``; ``x`` is ``(*lead, S, *rest,
 in)`` with the sequence (chunked) dim ``d`` anywhere but last; ``W`` this rank's weight shard:
 
 =======================  =====================  ==========================  ==========================
