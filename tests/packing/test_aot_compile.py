@@ -237,19 +237,16 @@ def _ptxas_version(arch: int) -> str:
     return get_ptxas_version(arch)
 
 
-def _compile_all(out: str) -> None:
+def _compile_all(out: str, arch: int) -> None:
+    """Every case compiled for ``arch``, the reports written to ``out`` (JSON)."""
     from triton import knobs
 
     knobs.nvidia.dump_ptxas_log = True
     results = {}
     for case in CASES + MIXED_CASES:
-        call = _kernel_call(case)
-        for arch in TARGETS:
-            results[f"{case.id}-sm{arch}"] = _compile(call, arch)
+        results[f"{case.id}-sm{arch}"] = _compile(_kernel_call(case), arch)
     for tp_case in TP_CASES:
-        call = _tp_kernel_call(*tp_case)
-        for arch in TARGETS:
-            results[f"{_tp_id(*tp_case)}-sm{arch}"] = _compile(call, arch)
+        results[f"{_tp_id(*tp_case)}-sm{arch}"] = _compile(_tp_kernel_call(*tp_case), arch)
     Path(out).write_text(json.dumps(results))
 
 
@@ -268,19 +265,30 @@ pytestmark = pytest.mark.skipif(_bundled_ptxas() is None, reason="needs Triton's
 
 @pytest.fixture(scope="session")
 def compiled() -> dict[str, dict]:
-    """Every case compiled for every target, once per session, in one subprocess."""
+    """Every case compiled for every target, once per session: a subprocess per target, side by side
+    (each is one core's work for most of a minute)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")}
+    # This checkout's kernels, whatever an installed copy points at (a script's sys.path[0] is its folder).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as tmp:
-        env["TRITON_CACHE_DIR"] = str(Path(tmp, "cache"))  # fresh: every compile runs ptxas
-        # This checkout's kernels, whatever an installed copy points at (a script's sys.path[0] is its folder).
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        out = Path(tmp, "results.json")
-        proc = subprocess.run([sys.executable, __file__, str(out)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the AOT compile subprocess failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}")
-        return json.loads(out.read_text())
+        procs = {}
+        for arch in TARGETS:  # a fresh cache each: every compile runs ptxas; output to a file (no pipe to fill)
+            with open(Path(tmp, f"sm{arch}.log"), "w") as log:
+                procs[arch] = subprocess.Popen(
+                    [sys.executable, __file__, str(Path(tmp, f"sm{arch}.json")), str(arch)], cwd=REPO,
+                    env=dict(env, TRITON_CACHE_DIR=str(Path(tmp, f"cache{arch}"))), stdout=log,
+                    stderr=subprocess.STDOUT)
+        results: dict[str, dict] = {}
+        failed = []
+        for arch, proc in procs.items():
+            if proc.wait(timeout=600) != 0:
+                failed.append(f"sm_{arch}:\n{Path(tmp, f'sm{arch}.log').read_text()[-10000:]}")
+            else:
+                results.update(json.loads(Path(tmp, f"sm{arch}.json").read_text()))
+        if failed:
+            raise RuntimeError("the AOT compile subprocess failed: " + "\n".join(failed))
+        return results
 
 
 def _ids(cases: list[Case]) -> list[str]:
@@ -389,4 +397,4 @@ def test_aot_compile_toolchain(compiled: dict[str, dict], arch: int) -> None:
 
 
 if __name__ == "__main__":
-    _compile_all(sys.argv[1])
+    _compile_all(sys.argv[1], int(sys.argv[2]))

@@ -218,6 +218,7 @@ def _peak_unsharded_rank(rank: int, world: int, prefetch: int) -> dict[str, int]
     return peak
 
 
+@pytest.mark.torch_kernels  # about when and what is gathered, not how it is packed
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_at_most_one_plus_prefetch_groups_unsharded(distributed, prefetch: int) -> None:
     for peak in distributed(_peak_unsharded_rank, 2, prefetch):
@@ -288,6 +289,7 @@ def _meta_rank(rank: int, world: int) -> dict[str, Any]:
             "tied": model.head.weight is model.emb.weight, "finite": all(torch.isfinite(torch.tensor(losses)))}
 
 
+@pytest.mark.torch_kernels  # about when and what is gathered, not how it is packed
 def test_meta_device_model_is_materialized_shard_by_shard(distributed) -> None:
     for rank, r in enumerate(distributed(_meta_rank, 3)):
         assert r["meta_before"] and r["tied"] and r["finite"]
@@ -348,6 +350,7 @@ def _overlap_structure_rank(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.torch_kernels  # about when and what is gathered, not how it is packed
 def test_next_gather_is_in_flight_while_a_block_computes(distributed, monkeypatch: pytest.MonkeyPatch) -> None:
     # Scheduling, not kernels: the ranks pack with the torch path, because Triton's interpreter
     # takes longer to pack a group (~15 ms) than the link takes to move it. A 64x64 fp32 gather
