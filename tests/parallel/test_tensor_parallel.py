@@ -508,7 +508,7 @@ def _prepared_input_rank(rank: int, world: int) -> dict[str, Any]:
     torch's; then a prepared input also read by a plain op (before or between two projections):
     forward gathers, and the input and parameter gradients against torch TP and the unsharded module."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput
 
     from overlap.testing import emulated_link
 
@@ -528,9 +528,11 @@ def _prepared_input_rank(rank: int, world: int) -> dict[str, Any]:
             (y * _seq_slice(dy, world, rank)).sum().backward()
             out[name] = (forward, dict(link.stats().by_op))
 
-    plan = {"": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
-            "wq": ColwiseParallel(), "wk": ColwiseParallel()}
-    for op_first in (False, True):
+    prepare_input = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    prepare_both = PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                            output_layouts=Shard(-1), desired_output_layouts=Shard(-1))
+    for op_first, prepare in ((False, prepare_input), (True, prepare_input), (False, prepare_both)):
+        plan = {"": prepare, "wq": ColwiseParallel(), "wk": ColwiseParallel()}
         torch.manual_seed(0)
         unsharded = _PreparedWithSkip(16, op_first)
         results = []
@@ -548,7 +550,8 @@ def _prepared_input_rank(rank: int, world: int) -> dict[str, Any]:
         problems = [p for k, (got, want_torch, want) in enumerate(zip(results[2][1], results[1][1], results[0][1]))
                     for p in _close(f"grad {k} vs torch TP", got, want_torch, FP32_TOL)
                     + _close(f"grad {k} vs unsharded", got, want, FP32_TOL)]
-        out[f"plain op {'before' if op_first else 'between'}"] = (results[2][0], results[1][0], problems)
+        style = "" if prepare is prepare_input else f", {type(prepare).__name__}"
+        out[f"plain op {'before' if op_first else 'between'}{style}"] = (results[2][0], results[1][0], problems)
     return out
 
 
@@ -558,7 +561,8 @@ def test_prepared_input_is_gathered_by_the_layers_that_read_it(two_ranks: list[d
     (chunks=2) issues those as 2 chunk collectives shared by q, k and v, so forward and backward
     each carry 2 all-gathers and 2 reduce-scatters (the other pair: wo's) and no whole one. A plain
     op on the prepared input gathers it whole (reusing the layers' gather when it comes after
-    one), and gradients match torch TP and the unsharded module."""
+    one), and gradients match torch TP and the unsharded module; ``PrepareModuleInputOutput``'s
+    input defers alike."""
     for rank, results in enumerate(two_ranks):
         got = results["prepared"]
         torch_whole = {"_c10d_functional.all_gather_into_tensor": 1, "_c10d_functional.reduce_scatter_tensor": 1}
@@ -566,7 +570,8 @@ def test_prepared_input_is_gathered_by_the_layers_that_read_it(two_ranks: list[d
         ours = {"all_gather_single": 2, "all_to_all_single": 2}
         assert got.pop("ours") == (ours, ours), rank
         # (our forward gathers, torch's, problems): between the projections the op reuses wq's 2 chunks
-        assert got == {"plain op between": (2, 1, []), "plain op before": (1, 1, [])}, rank
+        assert got == {"plain op between": (2, 1, []), "plain op before": (1, 1, []),
+                       "plain op between, PrepareModuleInputOutput": (2, 1, [])}, rank
 
 
 def test_one_rank_is_the_plain_module(single_rank_group: dist.ProcessGroup) -> None:
