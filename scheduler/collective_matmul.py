@@ -14,6 +14,9 @@ pattern                post-grad nodes (``w`` ranks, ``s`` = the shard's size on
 (b) mm -> scatter      ``mm(A, B)`` / ``addmm(bias, A, B)`` -> views [-> ``split(s, d)`` -> its
                        ``w`` items -> ``cat(0)``] -> ``reduce_scatter_tensor(y, op, w, g)`` ->
                        ``wait_tensor``
+(c) sum -> scatter     as (b), but what is scattered is ``add.Tensor`` s of several matmuls of
+                       one shape, each viewed alike (the input gradient of q, k and v's shared
+                       input under torchtitan's plan, which gathers it once for the three)
 =====================  =======================================================================
 
 ``d`` is 0 for Megatron's [seq, batch, hidden] layout (DTensor's ``Shard(0)``: one collective on
@@ -34,6 +37,9 @@ rewrite, with ``c`` chunks:
   ``(prefix, w, c, -1, K)``, slice ``k`` of dim 2, copied contiguous), its reduce-scatter right
   after it; the ``c`` results concatenated on dim ``d``. The matmul's output (and the views, split
   and cat) must have no other reader.
+* (c): per chunk ``k`` every term's matmul on its rows of chunk ``k``, added in the graph's order
+  (the same per-element sum), then the chunk's reduce-scatter; placed where the last add was. No
+  term, partial sum or view may have another reader.
 
 The waits are then placed by the overlap pass (``scheduler.graph_pass``, which runs after this one):
 each just before its first use, so chunk ``k``'s collective runs during another chunk's matmul.
@@ -146,15 +152,28 @@ class _Gather:
 
 @dataclass
 class _Scatter:
-    """Pattern (b)."""
+    """Pattern (b): one matmul, or (c) a sum of them, reduce-scattered."""
 
-    mm: torch.fx.Node
-    chain: list[torch.fx.Node]  # views from the matmul to the scattered tensor
+    terms: Any  # the matmul, or ``(left, right, add node)`` of terms: the sum, added in this order
+    summed: list[torch.fx.Node]  # the sum's views and adds, from the matmuls to ``terms``' root
+    chain: list[torch.fx.Node]  # views from the root (the matmul or the last add) to the scattered tensor
     dim: int  # the scattered dim: 0, or d when ``split(dim=d)`` -> ``cat`` comes before the scatter
     moved: list[torch.fx.Node]  # that split, its items and the cat (empty for dim 0)
     scatter: torch.fx.Node
     wait: torch.fx.Node
     chunks: int
+
+    @property
+    def root(self) -> torch.fx.Node:
+        return self.terms if isinstance(self.terms, torch.fx.Node) else self.terms[2]
+
+    @property
+    def matmuls(self) -> list[torch.fx.Node]:
+        return _leaves(self.terms)
+
+
+def _leaves(terms: Any) -> list[torch.fx.Node]:
+    return [terms] if isinstance(terms, torch.fx.Node) else _leaves(terms[0]) + _leaves(terms[1])
 
 
 def _single_wait(collective: torch.fx.Node) -> Optional[torch.fx.Node]:
@@ -234,15 +253,56 @@ def _match_gather(node: torch.fx.Node, chunks: int) -> Optional[_Gather]:
     return _Gather(node, wait, dim, moved, mms, c) if mms and c > 1 else None
 
 
+def _sum_of_matmuls(node: torch.fx.Node, out_shape: tuple[int, ...], shape: tuple[int, ...],
+                    summed: list[torch.fx.Node]) -> Any:
+    """``node`` as a sum of matmuls of output ``out_shape``, each viewed as ``shape`` (the terms, see
+    :class:`_Scatter`), every node read only by the next; None if it is not one. Collects the views
+    and adds in ``summed``."""
+    if len(node.users) != 1 or _shape(node) != shape:
+        return None
+    if node.target is _ATEN.add.Tensor:
+        if node.kwargs or len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
+            return None
+        left = _sum_of_matmuls(node.args[0], out_shape, shape, summed)
+        right = _sum_of_matmuls(node.args[1], out_shape, shape, summed) if left is not None else None
+        if right is None:
+            return None
+        summed.append(node)
+        return left, right, node
+    views = []
+    while node.target in _VIEWS:
+        views.append(node)
+        node = node.args[0]
+        if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
+            return None
+    if node.target not in _MATMULS or _matmul_parts(node) is None or _shape(node) != out_shape:
+        return None
+    summed.extend(reversed(views))
+    return node
+
+
 def _match_scatter(node: torch.fx.Node, chunks: int) -> Optional[_Scatter]:
-    if node.target not in _MATMULS:
+    terms: Any = node
+    summed: list[torch.fx.Node] = []
+    if node.target is _ATEN.add.Tensor:  # (c): the input gradient of q, k and v's shared input, say
+        first = node.args[0] if node.args else None
+        while isinstance(first, torch.fx.Node) and first.target not in _MATMULS:
+            first = first.args[0] if first.args and first.target in _VIEWS | {_ATEN.add.Tensor} else None
+        out_shape, shape = _shape(first), _shape(node)
+        if out_shape is None or shape is None or len(out_shape) != 2:
+            return None
+        terms = _sum_of_matmuls(node, out_shape, shape, summed)
+        if terms is None:
+            return None
+        node = first
+    elif node.target not in _MATMULS:
         return None
     parts = _matmul_parts(node)
     out_shape = _shape(node)
     if parts is None or out_shape is None or len(out_shape) != 2:
         return None
     chain: list[torch.fx.Node] = []
-    value = node
+    value = terms if isinstance(terms, torch.fx.Node) else terms[2]
     while True:
         users = list(value.users)
         if len(users) != 1:
@@ -276,7 +336,7 @@ def _match_scatter(node: torch.fx.Node, chunks: int) -> Optional[_Scatter]:
     if _merged_leading_dims(y_shape, out_shape) <= dim:
         return None
     c = _chunks_for(chunks, y_shape[dim] // size, out_shape[0])
-    return _Scatter(node, chain, dim, moved, user, wait, c) if c > 1 else None
+    return _Scatter(terms, summed, chain, dim, moved, user, wait, c) if c > 1 else None
 
 
 def _view(emit: _Emitter, node: torch.fx.Node, shape: list[int]) -> torch.fx.Node:
@@ -367,21 +427,30 @@ def _rewrite_gather(graph: torch.fx.Graph, m: _Gather, fake_mode: Any, refake: b
 
 def _rewrite_scatter(graph: torch.fx.Graph, m: _Scatter, fake_mode: Any, refake: bool) -> None:
     _, op, size, group = m.scatter.args
-    bias, left, right = _matmul_parts(m.mm)  # type: ignore[misc]
-    rows, cols = _shape(left)  # type: ignore[misc]
-    y_shape = _shape(m.chain[-1] if m.chain else m.mm)
+    y_shape = _shape(m.chain[-1] if m.chain else m.root)
     prefix = math.prod(y_shape[:m.dim])  # type: ignore[index]
     chunk_shape = list(y_shape)  # type: ignore[arg-type]
     chunk_shape[m.dim] //= m.chunks
-    emit = _Emitter(graph, m.mm, fake_mode, refake)
+    emit = _Emitter(graph, m.root, fake_mode, refake)
     try:
-        per_chunk = emit(_ATEN.reshape.default, left, [prefix, size, m.chunks, -1, cols])
+        per_chunk = {}  # matmul -> its left operand's rows, viewed (prefix, w, c, -1, cols)
+        for mm in m.matmuls:
+            _, left, _ = _matmul_parts(mm)  # type: ignore[misc]
+            per_chunk[mm] = emit(_ATEN.reshape.default, left, [prefix, size, m.chunks, -1, _shape(left)[1]])
+
+        def chunk_of(terms: Any, k: int) -> torch.fx.Node:
+            """Chunk ``k``'s rows of ``terms``: each matmul's on those rows, added as the graph adds."""
+            if not isinstance(terms, torch.fx.Node):
+                return emit(_ATEN.add.Tensor, chunk_of(terms[0], k), chunk_of(terms[1], k))
+            bias, left, right = _matmul_parts(terms)  # type: ignore[misc]
+            rows, cols = _shape(left)  # type: ignore[misc]
+            part = emit(_ATEN.slice.Tensor, per_chunk[terms], 2, k, k + 1)
+            a = emit(_ATEN.reshape.default, emit(_ATEN.clone.default, part), [rows // m.chunks, cols])
+            return emit(terms.target, *((bias, a, right) if bias is not None else (a, right)))
+
         waits = []
         for k in range(m.chunks):
-            part = emit(_ATEN.slice.Tensor, per_chunk, 2, k, k + 1)
-            a = emit(_ATEN.reshape.default, emit(_ATEN.clone.default, part), [rows // m.chunks, cols])
-            out = emit(m.mm.target, *((bias, a, right) if bias is not None else (a, right)))
-            out = _dim_split(emit, _view(emit, out, chunk_shape), size, m.dim)
+            out = _dim_split(emit, _view(emit, chunk_of(m.terms, k), chunk_shape), size, m.dim)
             waits.append(emit(WAIT_TENSOR, emit(REDUCE_SCATTER, out, op, size, group)))
         emit.anchor = m.wait
         result = emit(_ATEN.cat.default, waits, m.dim)
@@ -390,12 +459,8 @@ def _rewrite_scatter(graph: torch.fx.Graph, m: _Scatter, fake_mode: Any, refake:
             graph.erase_node(node)
         raise
     m.wait.replace_all_uses_with(result)
-    for n in reversed([m.mm, *m.chain, *m.moved, m.scatter, m.wait]):
+    for n in reversed([*m.matmuls, *m.summed, *m.chain, *m.moved, m.scatter, m.wait]):
         graph.erase_node(n)
-
-
-def _matmuls_of(m: Any) -> list[torch.fx.Node]:
-    return m.matmuls if isinstance(m, _Gather) else [m.mm]
 
 
 def decompose_collective_matmuls(graph: torch.fx.Graph, chunks: Optional[int] = 2) -> int:
@@ -412,18 +477,18 @@ def decompose_collective_matmuls(graph: torch.fx.Graph, chunks: Optional[int] = 
         if node.op != "call_function":
             continue
         found = _match_gather(node, chunks) or _match_scatter(node, chunks)
-        if found is not None and not (set(_matmuls_of(found)) & {mm for m in matches for mm in _matmuls_of(m)}):
+        if found is not None and not (set(found.matmuls) & {mm for m in matches for mm in m.matmuls}):
             matches.append(found)
     if not matches:
         return 0
-    vals = [(m.gather.args[0] if isinstance(m, _Gather) else m.mm).meta["val"] for m in matches]
+    vals = [(m.gather.args[0] if isinstance(m, _Gather) else m.root).meta["val"] for m in matches]
     fake_mode, refake = _fake_mode(vals)
     done = 0
     for m in matches:
         try:
             (_rewrite_gather if isinstance(m, _Gather) else _rewrite_scatter)(graph, m, fake_mode, refake)
         except Exception as e:  # noqa: BLE001 - a failed shape computation must not break the graph
-            logger.warning("collective matmul: left %s unsplit: %s", _matmuls_of(m)[0].name, e)
+            logger.warning("collective matmul: left %s unsplit: %s", m.matmuls[0].name, e)
             continue
         done += 1
     graph.lint()

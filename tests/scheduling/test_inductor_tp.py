@@ -11,7 +11,7 @@ backward (one compile per configuration on each rank, the ranks compile in paral
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -94,20 +94,30 @@ def _gather_graph(seq: int = 32, gather_dim: int = 0, extra_reader: bool = False
     return g, inputs
 
 
-def _scatter_graph(seq: int = 32, mm_reader: bool = False, scatter_dim: int = 0) -> tuple[fx.Graph, dict]:
+def _scatter_graph(seq: int = 32, mm_reader: bool = False, scatter_dim: int = 0, terms: int = 1,
+                   sum_reader: bool = False) -> tuple[fx.Graph, dict]:
     """Row-parallel linear into a sequence reduce-scatter (``RowwiseParallel(output_layouts=Shard(0))``);
-    ``scatter_dim`` 1: ``Shard(1)`` of [2, seq, 8] (split on dim 1, cat on 0, then the scatter)."""
+    ``scatter_dim`` 1: ``Shard(1)`` of [2, seq, 8] (split on dim 1, cat on 0, then the scatter).
+    ``terms`` > 1: the sum of that many such matmuls (each viewed, then added left to right) is
+    scattered, as the input gradient of q, k and v's shared input is; ``sum_reader``: the first
+    partial sum is also an output."""
     g = fx.Graph()
-    h, wt = g.placeholder("h"), g.placeholder("w")
-    mm = _call(g, ATEN.mm.default, _call(g, ATEN.reshape.default, h, [seq * 2, 12]),
-               _call(g, ATEN.permute.default, wt, [1, 0]))
-    y = _call(g, ATEN.reshape.default, mm, [[seq, 2, 8], [2, seq, 8]][scatter_dim])
+    ys, inputs = [], {}
+    for t in range(terms):
+        h, wt = g.placeholder(f"h{t}"), g.placeholder(f"w{t}")
+        mm = _call(g, ATEN.mm.default, _call(g, ATEN.reshape.default, h, [seq * 2, 12]),
+                   _call(g, ATEN.permute.default, wt, [1, 0]))
+        ys.append(_call(g, ATEN.reshape.default, mm, [[seq, 2, 8], [2, seq, 8]][scatter_dim]))
+        inputs.update({f"h{t}": torch.randn(seq, 2, 12), f"w{t}": torch.randn(8, 12)})
+    y, partial = ys[0], None
+    for other in ys[1:]:
+        y = _call(g, ATEN.add.Tensor, y, other)
+        partial = y if partial is None else partial
     if scatter_dim:
         split = _call(g, ATEN.split.Tensor, y, seq // W, 1)
         y = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)])
     out = _call(g, ATEN.neg.default, _call(g, WAIT, _call(g, RS, y, "sum", W, "0")))
-    g.output((out, mm) if mm_reader else (out,))
-    inputs = {"h": torch.randn(seq, 2, 12), "w": torch.randn(8, 12)}
+    g.output((out, mm) if mm_reader else (out, partial) if sum_reader else (out,))
     _set_vals(g, inputs)
     return g, inputs
 
@@ -189,6 +199,20 @@ def test_mm_reduce_scatter_splits_each_scatter_after_its_mm(dim: int) -> None:
     _check_same_values(g, inputs, before)
 
 
+@pytest.mark.parametrize("dim", [0, 1], ids=["seq-first", "batch-first"])
+def test_a_sum_of_matmuls_into_a_reduce_scatter_is_split_alike(dim: int) -> None:
+    """Pattern (c): q, k and v's partial input gradients summed, then reduce-scattered (torchtitan's
+    plan, compiled): per chunk the three matmuls on its rows, added in the graph's order, then the
+    chunk's scatter; the values are the unrewritten graph's, bitwise."""
+    g, inputs = _scatter_graph(scatter_dim=dim, terms=3)
+    before = _run(g, inputs)
+    assert decompose_collective_matmuls(g, 2) == 1
+    order = [t for t in _targets(g) if t in (RS, WAIT, ATEN.mm.default, ATEN.add.Tensor)]
+    chunk = [ATEN.mm.default, ATEN.mm.default, ATEN.add.Tensor, ATEN.mm.default, ATEN.add.Tensor, RS, WAIT]
+    assert order == chunk + chunk
+    _check_same_values(g, inputs, before)
+
+
 def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
     g, _ = _gather_graph(seq=48)  # 24 rows of dim 0 per rank, 96 matmul rows
     assert decompose_collective_matmuls(g, 16) == 1
@@ -201,7 +225,8 @@ def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
     lambda: _gather_graph(gather_dim=2),  # gathered on the matmul's columns, not its rows
     lambda: _gather_graph(seq=34),  # 17 rows per rank: not divisible by 2 chunks
     lambda: _scatter_graph(mm_reader=True),  # the matmul's output has another reader
-], ids=["gather-dim", "not-divisible", "mm-read-elsewhere"])
+    lambda: _scatter_graph(terms=3, sum_reader=True),  # a partial sum has another reader
+], ids=["gather-dim", "not-divisible", "mm-read-elsewhere", "partial-sum-read-elsewhere"])
 def test_other_graphs_are_left_unchanged(make) -> None:
     g, _ = make()
     code = g.python_code("self").src
@@ -236,19 +261,56 @@ def test_bad_chunk_option() -> None:
 SEQ, BATCH, HIDDEN, FFN = 64, 2, 16, 32
 
 
-def _sp_mlp(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
-    """Per sequence dim (0: Megatron's [seq, batch, hidden]; 1: [batch, seq, hidden]): outputs and
-    gradients eager, compiled, and compiled under the hook with 2 chunks, and the collectives
-    counted in the post-grad graphs after the pass (1 all-gather and 1 reduce-scatter each without
-    the split)."""
+def _three_ways(build: Callable[[], Any], x0: torch.Tensor) -> dict[str, Any]:
+    """Outputs and gradients of ``build()`` (a torch-TP module) eager, compiled, and compiled under
+    the hook with 2 chunks, and the collectives counted in the hook's post-grad graphs after the pass."""
     import torch._inductor.config as inductor_config
-    import torch.nn as nn
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from scheduler import graph_pass, inductor_overlap
+
+    def step(m: Any) -> list[torch.Tensor]:
+        x = x0.clone().requires_grad_()
+        y = m(x)
+        y = y.to_local() if hasattr(y, "to_local") else y
+        (y * torch.arange(y.numel()).view(y.shape).cos()).sum().backward()
+        values = [y.detach(), x.grad] + [p.grad.to_local() for p in m.parameters()]
+        # Eager DTensor hands back results of collectives not yet waited (AsyncCollectiveTensor).
+        return [v.wait() if isinstance(v, AsyncCollectiveTensor) else v for v in values]
+
+    graphs: list[str] = []
+    original = graph_pass.overlap_graph
+
+    def recording(graph: fx.Graph, *args: Any) -> bool:
+        changed = original(graph, *args)
+        graphs.append(str(graph))
+        return changed
+
+    result: dict[str, Any] = {"eager": step(build())}
+    with inductor_config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        result["compiled"] = step(torch.compile(build()))
+        graph_pass.overlap_graph = recording
+        try:
+            torch._dynamo.reset()
+            with inductor_overlap(collective_matmul_chunks=2):
+                compiled = torch.compile(build())
+            result["hook"] = step(compiled)
+            result["graphs"] = [_counts(g) for g in graphs]
+        finally:
+            graph_pass.overlap_graph = original
+        torch._dynamo.reset()
+    return result
+
+
+def _sp_mlp(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
+    """Per sequence dim (0: Megatron's [seq, batch, hidden]; 1: [batch, seq, hidden]): the sequence-
+    parallel MLP three ways (:func:`_three_ways`; 1 all-gather and 1 reduce-scatter each way per
+    graph without the split)."""
+    import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from scheduler import graph_pass, inductor_overlap
 
     mesh = init_device_mesh("cpu", (world_size,))
 
@@ -266,45 +328,28 @@ def _sp_mlp(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
         return parallelize_module(MLP(), mesh, {"up": ColwiseParallel(input_layouts=Shard(dim)),
                                                 "down": RowwiseParallel(output_layouts=Shard(dim))})
 
-    def step(m: nn.Module, x0: torch.Tensor) -> list[torch.Tensor]:
-        x = x0.clone().requires_grad_()
-        y = m(x)
-        (y * torch.arange(y.numel()).view(y.shape).cos()).sum().backward()
-        values = [y.detach(), x.grad] + [p.grad.to_local() for p in m.parameters()]
-        # Eager DTensor hands back results of collectives not yet waited (AsyncCollectiveTensor).
-        return [v.wait() if isinstance(v, AsyncCollectiveTensor) else v for v in values]
-
-    graphs: list[str] = []
-    original = graph_pass.overlap_graph
-
-    def recording(graph: fx.Graph, *args: Any) -> bool:
-        changed = original(graph, *args)
-        graphs.append(str(graph))
-        return changed
-
     results: dict[int, dict[str, Any]] = {}
     for dim in (0, 1):
         torch.manual_seed(1 + rank)
         x0 = torch.randn(SEQ // world_size, BATCH, HIDDEN)
         if dim == 1:
             x0 = x0.transpose(0, 1).contiguous()
-        result: dict[str, Any] = {"eager": step(model(dim), x0)}
-        with inductor_config.patch(fx_graph_cache=False):
-            torch._dynamo.reset()
-            result["compiled"] = step(torch.compile(model(dim)), x0)
-            graph_pass.overlap_graph = recording
-            try:
-                torch._dynamo.reset()
-                with inductor_overlap(collective_matmul_chunks=2):
-                    compiled = torch.compile(model(dim))
-                result["hook"] = step(compiled, x0)
-                result["graphs"] = [_counts(s) for s in graphs]
-                graphs.clear()
-            finally:
-                graph_pass.overlap_graph = original
-            torch._dynamo.reset()
-        results[dim] = result
+        results[dim] = _three_ways(lambda: model(dim), x0)
     return results
+
+
+def _titan_attention(rank: int, world_size: int) -> dict[str, Any]:
+    """torchtitan's attention plan (``tp_blocks``' ``prepared_attn``: the input gathered once by
+    ``PrepareModuleInput`` for q, k and v) three ways (:func:`_three_ways`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tp_blocks import make_block, plan_for
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(1 + rank)
+    x0 = torch.randn(BATCH, SEQ // world_size, HIDDEN)
+    return _three_ways(lambda: parallelize_module(make_block("prepared_attn"), mesh, plan_for("prepared_attn")), x0)
 
 
 def _counts(graph: str) -> dict[str, int]:
@@ -312,9 +357,21 @@ def _counts(graph: str) -> dict[str, int]:
                                                                          "reduce_scatter_tensor")}
 
 
-def test_sequence_parallel_mlp_compiled_with_split_collectives(distributed) -> None:
+def _both(rank: int, world_size: int) -> dict[str, Any]:
+    """:func:`_sp_mlp` and :func:`_titan_attention` on one set of ranks (each start-up warms Inductor anew)."""
+    return {"sp_mlp": _sp_mlp(rank, world_size), "titan": _titan_attention(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def compiled_blocks() -> list[dict[str, Any]]:
+    from overlap.testing import run_distributed
+
+    return run_distributed(_both, 2, timeout=400)
+
+
+def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: list[dict[str, Any]]) -> None:
     names = ["out", "x.grad", "up.weight.grad", "up.bias.grad", "down.weight.grad", "down.bias.grad"]
-    for rank, by_dim in enumerate(distributed(_sp_mlp, 2, timeout=300)):
+    for rank, by_dim in enumerate(r["sp_mlp"] for r in compiled_blocks):
         for dim, r in by_dim.items():
             where = f"rank {rank}, sequence dim {dim}"
             # forward: gather -> up, down -> scatter; backward: the mirror (gather of the output
@@ -325,3 +382,19 @@ def test_sequence_parallel_mlp_compiled_with_split_collectives(distributed) -> N
                 assert torch.equal(a, c), f"{where}: {name}: split under the hook differs from plain compile"
                 # Eager DTensor sums the bias gradients in another order: ~1 ulp apart.
                 torch.testing.assert_close(a, e, msg=lambda m: f"{where}: {name} vs eager: {m}")
+
+
+def test_torchtitan_attention_compiled_with_split_collectives(compiled_blocks: list[dict[str, Any]]) -> None:
+    """torchtitan's plan compiled under the hook: forward, the gather before q, k, v (one, shared)
+    and the output projection's scatter; backward, the output gradient's gather and the scatter of
+    q, k and v's summed input gradients (pattern (c)), each in 2 chunks; values bitwise plain compile."""
+    names = ["out", "x.grad", *(f"{p}.grad" for p in ("norm.weight", "norm.bias", "wq.weight", "wq.bias",
+                                                      "wk.weight", "wk.bias", "wv.weight", "wv.bias",
+                                                      "wo.weight", "wo.bias"))]
+    for rank, r in enumerate(r["titan"] for r in compiled_blocks):
+        split = [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2
+        assert r["graphs"] == split, f"rank {rank}: {r['graphs']}"
+        assert len(r["hook"]) == len(names)
+        for name, a, c, e in zip(names, r["hook"], r["compiled"], r["eager"]):
+            assert torch.equal(a, c), f"rank {rank}: {name}: split under the hook differs from plain compile"
+            torch.testing.assert_close(a, e, msg=lambda m: f"rank {rank}: {name} vs eager: {m}")
