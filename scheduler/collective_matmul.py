@@ -261,7 +261,8 @@ def _sum_of_matmuls(node: torch.fx.Node, out_shape: tuple[int, ...], shape: tupl
     if len(node.users) != 1 or _shape(node) != shape:
         return None
     if node.target is _ATEN.add.Tensor:
-        if node.kwargs or len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args):
+        if (node.kwargs or len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args)
+                or node.args[0] is node.args[1]):  # y + y: one term read twice
             return None
         left = _sum_of_matmuls(node.args[0], out_shape, shape, summed)
         right = _sum_of_matmuls(node.args[1], out_shape, shape, summed) if left is not None else None

@@ -99,18 +99,18 @@ def _scatter_graph(seq: int = 32, mm_reader: bool = False, scatter_dim: int = 0,
     """Row-parallel linear into a sequence reduce-scatter (``RowwiseParallel(output_layouts=Shard(0))``);
     ``scatter_dim`` 1: ``Shard(1)`` of [2, seq, 8] (split on dim 1, cat on 0, then the scatter).
     ``terms`` > 1: the sum of that many such matmuls (each viewed, then added left to right) is
-    scattered, as the input gradient of q, k and v's shared input is; ``sum_reader``: the first
-    partial sum is also an output."""
+    scattered, as the input gradient of q, k and v's shared input is (0: one matmul added to
+    itself); ``sum_reader``: the first partial sum is also an output."""
     g = fx.Graph()
     ys, inputs = [], {}
-    for t in range(terms):
+    for t in range(max(terms, 1)):
         h, wt = g.placeholder(f"h{t}"), g.placeholder(f"w{t}")
         mm = _call(g, ATEN.mm.default, _call(g, ATEN.reshape.default, h, [seq * 2, 12]),
                    _call(g, ATEN.permute.default, wt, [1, 0]))
         ys.append(_call(g, ATEN.reshape.default, mm, [[seq, 2, 8], [2, seq, 8]][scatter_dim]))
         inputs.update({f"h{t}": torch.randn(seq, 2, 12), f"w{t}": torch.randn(8, 12)})
     y, partial = ys[0], None
-    for other in ys[1:]:
+    for other in ys[1:] if terms > 0 else ys:  # terms=0: one matmul added to itself
         y = _call(g, ATEN.add.Tensor, y, other)
         partial = y if partial is None else partial
     if scatter_dim:
@@ -226,7 +226,8 @@ def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
     lambda: _gather_graph(seq=34),  # 17 rows per rank: not divisible by 2 chunks
     lambda: _scatter_graph(mm_reader=True),  # the matmul's output has another reader
     lambda: _scatter_graph(terms=3, sum_reader=True),  # a partial sum has another reader
-], ids=["gather-dim", "not-divisible", "mm-read-elsewhere", "partial-sum-read-elsewhere"])
+    lambda: _scatter_graph(terms=0),  # y + y: not a sum of distinct matmuls
+], ids=["gather-dim", "not-divisible", "mm-read-elsewhere", "partial-sum-read-elsewhere", "one-term-twice"])
 def test_other_graphs_are_left_unchanged(make) -> None:
     g, _ = make()
     code = g.python_code("self").src
