@@ -18,10 +18,10 @@ import pytest  # noqa: E402
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # Hypothesis profiles for the property tests (test_properties_*.py): "quick" (the default) keeps them
-# to ~20 s on 2 cores; "long" (OVERLAP_HYPOTHESIS_PROFILE=long) explores 20x more examples.
+# to ~20 s on 2 cores; "long" (OVERLAP_HYPOTHESIS_PROFILE=long) explores 40x more examples.
 # No deadline: the Triton interpreter's first launch of a kernel variant is slow, and timings are
 # never asserted.
-HYPOTHESIS_PROFILES = {"quick": 100, "long": 2000}  # name: max_examples per test
+HYPOTHESIS_PROFILES = {"quick": 50, "long": 2000}  # name: max_examples per test
 try:
     from hypothesis import HealthCheck, settings
 except ImportError:  # the property tests skip themselves without hypothesis (the `test` extra has it)

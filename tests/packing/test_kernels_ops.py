@@ -189,8 +189,11 @@ def torch_reduce_scatter(grads_by_rank: Sequence[Sequence[torch.Tensor]], world_
     return out
 
 
-@pytest.mark.parametrize("variant", ["sum", "average", "bf16-comm"])
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+# 8 ranks (every rank's copy-in and copy-out, under the interpreter) runs "sum" in the default suite,
+# the other variants under `slow`: they are checked at 1 to 4 ranks there.
+@pytest.mark.parametrize(("world_size", "variant"), [
+    pytest.param(w, v, marks=[pytest.mark.slow] if w == 8 and v != "sum" else [])
+    for w in WORLD_SIZES for v in ("sum", "average", "bf16-comm")])
 def test_reduce_scatter_round_trip(world_size: int, variant: str) -> None:
     """reduce_scatter_copy_in on every rank, a simulated reduce-scatter (sum over ranks, in rank
     order, float32), reduce_scatter_copy_out on every rank == sum of the full grads, sharded.
