@@ -253,19 +253,18 @@ def _match_gather(node: torch.fx.Node, chunks: int) -> Optional[_Gather]:
     return _Gather(node, wait, dim, moved, mms, c) if mms and c > 1 else None
 
 
-def _sum_of_matmuls(node: torch.fx.Node, out_shape: tuple[int, ...], shape: tuple[int, ...],
-                    summed: list[torch.fx.Node]) -> Any:
-    """``node`` as a sum of matmuls of output ``out_shape``, each viewed as ``shape`` (the terms, see
-    :class:`_Scatter`), every node read only by the next; None if it is not one. Collects the views
-    and adds in ``summed``."""
+def _sum_of_matmuls(node: torch.fx.Node, shape: tuple[int, ...], summed: list[torch.fx.Node]) -> Any:
+    """``node`` as a sum of matmuls, each viewed as ``shape`` (the terms, see :class:`_Scatter`),
+    every node read only by the next; None if it is not one. Collects the views and adds in
+    ``summed``."""
     if len(node.users) != 1 or _shape(node) != shape:
         return None
     if node.target is _ATEN.add.Tensor:
         if (node.kwargs or len(node.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in node.args)
                 or node.args[0] is node.args[1]):  # y + y: one term read twice
             return None
-        left = _sum_of_matmuls(node.args[0], out_shape, shape, summed)
-        right = _sum_of_matmuls(node.args[1], out_shape, shape, summed) if left is not None else None
+        left = _sum_of_matmuls(node.args[0], shape, summed)
+        right = _sum_of_matmuls(node.args[1], shape, summed) if left is not None else None
         if right is None:
             return None
         summed.append(node)
@@ -276,7 +275,7 @@ def _sum_of_matmuls(node: torch.fx.Node, out_shape: tuple[int, ...], shape: tupl
         node = node.args[0]
         if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
             return None
-    if node.target not in _MATMULS or _matmul_parts(node) is None or _shape(node) != out_shape:
+    if node.target not in _MATMULS or _matmul_parts(node) is None:
         return None
     summed.extend(reversed(views))
     return node
@@ -286,16 +285,11 @@ def _match_scatter(node: torch.fx.Node, chunks: int) -> Optional[_Scatter]:
     terms: Any = node
     summed: list[torch.fx.Node] = []
     if node.target is _ATEN.add.Tensor:  # (c): the input gradient of q, k and v's shared input, say
-        first = node.args[0] if node.args else None
-        while isinstance(first, torch.fx.Node) and first.target not in _MATMULS:
-            first = first.args[0] if first.args and first.target in _VIEWS | {_ATEN.add.Tensor} else None
-        out_shape, shape = _shape(first), _shape(node)
-        if out_shape is None or shape is None or len(out_shape) != 2:
+        shape = _shape(node)
+        terms = _sum_of_matmuls(node, shape, summed) if shape is not None else None
+        if terms is None or len({_shape(mm) for mm in _leaves(terms)}) != 1:  # one output shape for all
             return None
-        terms = _sum_of_matmuls(node, out_shape, shape, summed)
-        if terms is None:
-            return None
-        node = first
+        node = _leaves(terms)[0]
     elif node.target not in _MATMULS:
         return None
     parts = _matmul_parts(node)

@@ -94,7 +94,7 @@ def tensor_parallel(module: nn.Module, mesh: DeviceMesh, plan: Any, *, chunks: O
                 linear_entries[id(sub)] = key
             steps.append((sub, style, spec))
     for sub, style, spec in steps:
-        if spec == DELEGATE:  # a prepared sequence-sharded input: gathered by the layers reading it
+        if spec == DELEGATE:  # torch's style (a PrepareModuleInput's sequence gather left to the layers)
             parallelize_module(sub, mesh, deferring(style))
         else:
             parallelize_linear(sub, mesh, spec)
