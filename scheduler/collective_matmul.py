@@ -41,11 +41,27 @@ rewrite, with ``c`` chunks:
   (the same per-element sum), then the chunk's reduce-scatter; placed where the last add was. No
   term, partial sum or view may have another reader.
 
+Where ``d > 0`` and dim 0 divides into as many chunks, chunk ``k`` is instead the ``k``-th block of
+dim 0 (the batch) and the results are concatenated on dim 0 ([Note: cutting the leading dim]).
+
 The waits are then placed by the overlap pass (``scheduler.graph_pass``, which runs after this one):
 each just before its first use, so chunk ``k``'s collective runs during another chunk's matmul.
 
-Chunk count: ``chunks`` at most, lowered until ``s`` divides by it and every chunk's matmul has at
-least ``MIN_ROWS`` rows; 1 means no rewrite. Anything else (a gather on the matmul's columns,
+[Note: cutting the leading dim]
+When ``d > 0`` (``Shard(1)`` of [batch, seq, hidden]) the chunks above interleave: chunk ``k``'s
+matmul rows are, for every batch index, a sub-slice of every rank's block, so its results (and the
+gathered input kept for the backward) are put back together rank-major by a copy, and the
+scattered matmul's rows are gathered into a contiguous buffer (a ``clone``) first. Cutting dim 0
+(the batch) instead avoids both: chunk ``k`` all-gathers (reduce-scatters) the ``k``-th block of
+batch indices, which is a whole ``[batch / c, seq, hidden]`` tensor after the split / cat, its
+matmul rows are consecutive rows of the full matmul (read in place, written to a block of the
+result: a dim-0 ``cat``), and the chunks hold the same elements in the same sums. So dim 0 is cut
+whenever it gives as many chunks as cutting ``d`` would (its size divides by them), else ``d``.
+A profile of the 2-chunk split of a sequence-parallel MLP on CPU (2 ranks) had put the re-assembly
+copies at about as much time as the extra collectives.
+
+Chunk count: ``chunks`` at most, lowered until the cut dim's per-rank size (``s``, or dim 0's)
+divides by it and every chunk's matmul has at least ``MIN_ROWS`` rows; 1 means no rewrite. Anything else (a gather on the matmul's columns,
 views that touch the last dims, sizes that do not divide, symbolic sizes, a bias that is not 1-D,
 a dtype cast or other op between the collective and the matmul) is left unchanged. Every matmul
 that reads the gathered rows so (the q, k and v projections of one gathered input) is split, each
@@ -117,6 +133,17 @@ def _chunks_for(chunks: int, per_rank_dim0: int, mm_rows: int) -> int:
     return c
 
 
+def _chunking(chunks: int, dim: int, shard: tuple[int, ...], mm_rows: list[int]) -> tuple[int, bool]:
+    """(chunk count, whether to cut dim 0) for a collective on ``dim`` of a tensor whose per-rank
+    shape is ``shard``, feeding or fed by matmuls of ``mm_rows`` rows: dim 0 when ``dim > 0`` and it
+    gives as many chunks as cutting ``dim`` would (see [Note: cutting the leading dim])."""
+    on_dim = min(_chunks_for(chunks, shard[dim], rows) for rows in mm_rows)
+    if dim == 0:
+        return on_dim, False
+    on_lead = min(_chunks_for(chunks, shard[0], rows) for rows in mm_rows)
+    return (on_lead, True) if on_lead >= on_dim else (on_dim, False)
+
+
 def _matmul_parts(mm: torch.fx.Node) -> Optional[tuple[Any, torch.fx.Node, Any]]:
     """(bias or None, left operand, right operand) of an mm / addmm with a 1-D (or no) bias."""
     if mm.kwargs:
@@ -140,6 +167,7 @@ class _Gather:
     moved: list[torch.fx.Node]  # that split, its items and the cat (empty for dim 0)
     mms: list[tuple[list[torch.fx.Node], torch.fx.Node]]  # (views from the gathered tensor, matmul)
     chunks: int
+    leading: bool  # chunks of dim 0 (whole rows of the gathered dim) rather than of dim ``dim``
 
     @property
     def gathered(self) -> torch.fx.Node:
@@ -162,6 +190,7 @@ class _Scatter:
     scatter: torch.fx.Node
     wait: torch.fx.Node
     chunks: int
+    leading: bool  # chunks of dim 0 rather than of dim ``dim``
 
     @property
     def root(self) -> torch.fx.Node:
@@ -235,7 +264,7 @@ def _match_gather(node: torch.fx.Node, chunks: int) -> Optional[_Gather]:
     # left operand (the q, k and v projections of one gathered input, say).
     stack: list[tuple[torch.fx.Node, list[torch.fx.Node]]] = [(gathered, [])]
     mms: list[tuple[list[torch.fx.Node], torch.fx.Node]] = []
-    c = chunks
+    rows: list[int] = []
     while stack:
         value, chain = stack.pop()
         for user in value.users:
@@ -249,8 +278,11 @@ def _match_gather(node: torch.fx.Node, chunks: int) -> Optional[_Gather]:
                 if rows2d is None or _merged_leading_dims(g_shape, rows2d) <= dim:
                     continue
                 mms.append((chain, user))
-                c = _chunks_for(c, x_shape[dim], rows2d[0])
-    return _Gather(node, wait, dim, moved, mms, c) if mms and c > 1 else None
+                rows.append(rows2d[0])
+    if not mms:
+        return None
+    c, leading = _chunking(chunks, dim, x_shape, rows)
+    return _Gather(node, wait, dim, moved, mms, c, leading) if c > 1 else None
 
 
 def _sum_of_matmuls(node: torch.fx.Node, shape: tuple[int, ...], summed: list[torch.fx.Node]) -> Any:
@@ -330,8 +362,9 @@ def _match_scatter(node: torch.fx.Node, chunks: int) -> Optional[_Scatter]:
         return None
     if _merged_leading_dims(y_shape, out_shape) <= dim:
         return None
-    c = _chunks_for(chunks, y_shape[dim] // size, out_shape[0])
-    return _Scatter(terms, summed, chain, dim, moved, user, wait, c) if c > 1 else None
+    shard = (*y_shape[:dim], y_shape[dim] // size, *y_shape[dim + 1:])
+    c, leading = _chunking(chunks, dim, shard, [out_shape[0]])
+    return _Scatter(terms, summed, chain, dim, moved, user, wait, c, leading) if c > 1 else None
 
 
 def _view(emit: _Emitter, node: torch.fx.Node, shape: list[int]) -> torch.fx.Node:
@@ -367,9 +400,16 @@ def _dim_split(emit: _Emitter, value: torch.fx.Node, size: int, dim: int) -> tor
 
 def _rewrite_gather(graph: torch.fx.Graph, m: _Gather, fake_mode: Any, refake: bool) -> None:
     x, size, group = m.gather.args
-    step = _shape(x)[m.dim] // m.chunks  # type: ignore[index]
+    cut = 0 if m.leading else m.dim
+    step = _shape(x)[cut] // m.chunks  # type: ignore[index]
     g_shape = _shape(m.gathered)
     prefix = math.prod(g_shape[:m.dim])  # type: ignore[index]
+
+    def assembled(parts: list[torch.fx.Node], shape: tuple[int, ...]) -> torch.fx.Node:
+        """Per-chunk results (rows of the gathered tensor, or of a matmul on it) as one tensor."""
+        if m.leading:
+            return emit(_ATEN.cat.default, parts, 0)
+        return _rank_major(emit, parts, size, prefix, shape)
     position = {n: i for i, n in enumerate(graph.nodes)}
     mms = sorted(m.mms, key=lambda cm: position[cm[1]])
     matmuls = set(m.matmuls)
@@ -377,7 +417,7 @@ def _rewrite_gather(graph: torch.fx.Graph, m: _Gather, fake_mode: Any, refake: b
     readers = [u for n in [m.gathered, *chain] for u in n.users if u not in chain and u not in matmuls]
     emit = _Emitter(graph, m.gather, fake_mode, refake)
     try:
-        gathers = [emit(ALL_GATHER, emit(_ATEN.slice.Tensor, x, m.dim, k * step, (k + 1) * step), size, group)
+        gathers = [emit(ALL_GATHER, emit(_ATEN.slice.Tensor, x, cut, k * step, (k + 1) * step), size, group)
                    for k in range(m.chunks)]
         parts: list[torch.fx.Node] = []
         first = min(readers, key=position.__getitem__) if readers else None
@@ -397,11 +437,11 @@ def _rewrite_gather(graph: torch.fx.Graph, m: _Gather, fake_mode: Any, refake: b
                     parts.append(_dim_cat(emit, emit(WAIT_TENSOR, gathers[k]), size, m.dim))
                 a = _view(emit, parts[k], [rows // m.chunks, cols])
                 outs.append(emit(mm.target, *((bias, a, right) if bias is not None else (a, right))))
-            results.append(_rank_major(emit, outs, size, prefix, _shape(mm)))  # type: ignore[arg-type]
+            results.append(assembled(outs, _shape(mm)))  # type: ignore[arg-type]
         full = None
         if first is not None:  # other readers of the gathered tensor (or its views) read it re-assembled
             emit.anchor = first
-            full = _rank_major(emit, parts, size, prefix, g_shape)  # type: ignore[arg-type]
+            full = assembled(parts, g_shape)  # type: ignore[arg-type]
     except Exception:
         for node in reversed(emit.inserted):  # nothing of the original graph uses them yet
             graph.erase_node(node)
@@ -424,12 +464,13 @@ def _rewrite_scatter(graph: torch.fx.Graph, m: _Scatter, fake_mode: Any, refake:
     _, op, size, group = m.scatter.args
     y_shape = _shape(m.chain[-1] if m.chain else m.root)
     prefix = math.prod(y_shape[:m.dim])  # type: ignore[index]
+    cut = 0 if m.leading else m.dim
     chunk_shape = list(y_shape)  # type: ignore[arg-type]
-    chunk_shape[m.dim] //= m.chunks
+    chunk_shape[cut] //= m.chunks
     emit = _Emitter(graph, m.root, fake_mode, refake)
     try:
         per_chunk = {}  # matmul -> its left operand's rows, viewed (prefix, w, c, -1, cols)
-        for mm in m.matmuls:
+        for mm in m.matmuls if not m.leading else ():
             _, left, _ = _matmul_parts(mm)  # type: ignore[misc]
             per_chunk[mm] = emit(_ATEN.reshape.default, left, [prefix, size, m.chunks, -1, _shape(left)[1]])
 
@@ -439,8 +480,12 @@ def _rewrite_scatter(graph: torch.fx.Graph, m: _Scatter, fake_mode: Any, refake:
                 return emit(_ATEN.add.Tensor, chunk_of(terms[0], k), chunk_of(terms[1], k))
             bias, left, right = _matmul_parts(terms)  # type: ignore[misc]
             rows, cols = _shape(left)  # type: ignore[misc]
-            part = emit(_ATEN.slice.Tensor, per_chunk[terms], 2, k, k + 1)
-            a = emit(_ATEN.reshape.default, emit(_ATEN.clone.default, part), [rows // m.chunks, cols])
+            n = rows // m.chunks
+            if m.leading:  # a block of consecutive rows: read in place
+                a = emit(_ATEN.slice.Tensor, left, 0, k * n, (k + 1) * n)
+            else:
+                part = emit(_ATEN.slice.Tensor, per_chunk[terms], 2, k, k + 1)
+                a = emit(_ATEN.reshape.default, emit(_ATEN.clone.default, part), [n, cols])
             return emit(terms.target, *((bias, a, right) if bias is not None else (a, right)))
 
         waits = []
@@ -448,7 +493,7 @@ def _rewrite_scatter(graph: torch.fx.Graph, m: _Scatter, fake_mode: Any, refake:
             out = _dim_split(emit, _view(emit, chunk_of(m.terms, k), chunk_shape), size, m.dim)
             waits.append(emit(WAIT_TENSOR, emit(REDUCE_SCATTER, out, op, size, group)))
         emit.anchor = m.wait
-        result = emit(_ATEN.cat.default, waits, m.dim)
+        result = emit(_ATEN.cat.default, waits, cut)
     except Exception:
         for node in reversed(emit.inserted):
             graph.erase_node(node)

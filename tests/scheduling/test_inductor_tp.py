@@ -213,6 +213,24 @@ def test_a_sum_of_matmuls_into_a_reduce_scatter_is_split_alike(dim: int) -> None
     _check_same_values(g, inputs, before)
 
 
+@pytest.mark.parametrize("chunks, cut, clones", [(2, 0, 0), (4, 1, 4)], ids=["batch-divides", "batch-too-small"])
+def test_batch_first_chunks_cut_the_batch_where_it_divides(chunks: int, cut: int, clones: int) -> None:
+    """[Note: cutting the leading dim]: with the sequence on dim 1 of [2, seq, hidden], 2 chunks cut
+    the batch (whole sequences gathered and scattered, matmul rows read and written in place: no
+    interleaving copy); 4 chunks do not divide the batch of 2 and cut the sequence as before.
+    Values bitwise the unrewritten graph's either way."""
+    for g, inputs, collective in (_gather_graph(gather_dim=1) + (AG,), _scatter_graph(scatter_dim=1) + (RS,)):
+        before = _run(g, inputs)
+        assert decompose_collective_matmuls(g, chunks) == 1
+        issued = [n for n in g.nodes if n.target is collective]
+        assert len(issued) == chunks
+        if collective is AG:  # each chunk gathers a slice of the shard on the cut dim
+            assert {n.args[0].target for n in issued} == {ATEN.slice.Tensor}
+            assert {n.args[0].args[1] for n in issued} == {cut}
+        assert _targets(g).count(ATEN.clone.default) == (clones if collective is RS else 0)
+        _check_same_values(g, inputs, before)
+
+
 def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
     g, _ = _gather_graph(seq=48)  # 24 rows of dim 0 per rank, 96 matmul rows
     assert decompose_collective_matmuls(g, 16) == 1
