@@ -99,14 +99,20 @@ def _traffic(step: Any) -> tuple[int, int]:
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
+    import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(args.batch, args.seq // world, args.dim, generator=torch.Generator().manual_seed(rank))
     out: dict[str, Any] = {}
+    # Each compiled mode is one more compile of the same Sequential.forward: past Dynamo's
+    # recompile_limit (8) a mode would silently run eager, so start every block afresh and fail
+    # rather than time an eager step as a compiled one.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     for title, block in BLOCKS.items():
         if block not in args.blocks:
             continue
+        torch._dynamo.reset()
         steps = {mode: _step(_model(block, mode, args, mesh), x) for mode in MODES}
         gbps = args.link_gbps
         if gbps is None:  # one torch step's comm ~ torch's compute side

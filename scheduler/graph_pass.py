@@ -46,7 +46,9 @@ Bucketing: with ``bucket_bytes``, small all-gathers / reduce-scatters that can b
 first merged into one collective each (``scheduler.bucketing``); that rewrite adds and removes nodes
 (values stay bitwise equal), and the contract above then holds for the merged graph.
 
-Collective matmuls: with ``collective_matmul_chunks`` (the Inductor hook's default is 2), each
+Collective matmuls: with ``collective_matmul_chunks`` (the Inductor hook's default is 2), a sum of
+reduce-scatters (q, k and v's input gradients) first becomes one reduce-scatter of the sum
+(``scheduler.summed_scatters``; equal up to float rounding), then each
 all-gather -> mm and mm -> reduce-scatter is then split into chunks (``scheduler.collective_matmul``;
 values equal), and the reorder places the chunks' waits, so that chunk k's collective overlaps
 another chunk's matmul.
@@ -63,6 +65,7 @@ import torch.fx
 
 from scheduler.bucketing import bucket_collectives, check_bucket_bytes
 from scheduler.collective_matmul import check_chunks, decompose_collective_matmuls
+from scheduler.summed_scatters import merge_summed_reduce_scatters
 from scheduler.fx_nodes import (
     BARRIER, COLLECTIVE, COLLECTIVE_OPS, COMPUTE, MEMBER, OUTPUT, WAIT, BadGraph, classify, group_of, is_coalesced,
     meta_value, nbytes,
@@ -369,18 +372,22 @@ def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = Non
 
     The core of :func:`overlap_pass`, working on a bare ``torch.fx.Graph`` (what Inductor's
     ``post_grad_custom_post_pass`` receives). Same contract; the caller recompiles the module.
-    With ``collective_matmul_chunks`` (> 1), all-gather -> mm and mm -> reduce-scatter are first
-    split into that many chunks (``scheduler.collective_matmul``), after bucketing (so that the
-    chunks are not merged back) and before the reorder (which places the chunks' waits).
+    With ``collective_matmul_chunks`` (> 1), sums of reduce-scatters are first merged into one
+    reduce-scatter of the sum (``scheduler.summed_scatters``: equal up to float rounding, not
+    bitwise), then all-gather -> mm and mm -> reduce-scatter are split into that many chunks
+    (``scheduler.collective_matmul``), after bucketing (so that the chunks are not merged back)
+    and before the reorder (which places the chunks' waits).
     """
     if not isinstance(graph, torch.fx.Graph):
         raise TypeError(f"graph must be a torch.fx.Graph, got {type(graph).__name__}")
     check_max_inflight_bytes(max_inflight_bytes)
     check_bucket_bytes(bucket_bytes)
     check_chunks(collective_matmul_chunks)
+    splitting = collective_matmul_chunks is not None and collective_matmul_chunks > 1
+    summed = merge_summed_reduce_scatters(graph) if splitting else 0
     merged = bucket_collectives(graph, bucket_bytes) if bucket_bytes is not None else 0
     split = decompose_collective_matmuls(graph, collective_matmul_chunks)
-    return _reorder(graph, max_inflight_bytes) or merged > 0 or split > 0
+    return _reorder(graph, max_inflight_bytes) or summed > 0 or merged > 0 or split > 0
 
 
 def _reorder(graph: torch.fx.Graph, max_inflight_bytes: Optional[int]) -> bool:

@@ -10,7 +10,7 @@ gloo's coalesced all-gather cannot have two in flight).
 manager. Installs nest: each ``uninstall`` undoes the latest ``install``.
 
 FX graph cache: ``OverlapGraphPass.uuid()`` hashes this package's pass sources (``graph_pass``,
-``bucketing``, ``collective_matmul``, ``cpu_all_gather``, ``fx_nodes`` and this module), the options and the
+``bucketing``, ``collective_matmul``, ``summed_scatters``, ``cpu_all_gather``, ``fx_nodes`` and this module), the options and the
 composed user passes' own uuids, so a cached graph is reused only when all of those are the same,
 and a different ``max_inflight_bytes`` gives a different key. A user pass that is a plain callable
 (no uuid) makes ``uuid()`` return None, which tells Inductor to bypass the cache, as it would for
@@ -63,6 +63,7 @@ from scheduler import collective_matmul as _collective_matmul
 from scheduler import cpu_all_gather as _cpu_all_gather
 from scheduler import fx_nodes as _fx_nodes
 from scheduler import graph_pass as _graph_pass
+from scheduler import summed_scatters as _summed_scatters
 
 __all__ = ["OverlapGraphPass", "compile_options", "inductor_overlap", "install", "uninstall"]
 
@@ -135,7 +136,8 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
                 return None
             previous_ids.append(pid)
         sources = _cgp.get_hash_for_files((_graph_pass.__file__, _bucketing.__file__, _fx_nodes.__file__,
-                                           _collective_matmul.__file__, _cpu_all_gather.__file__, __file__))
+                                           _collective_matmul.__file__, _summed_scatters.__file__, _cpu_all_gather.__file__,
+                                           __file__))
         h = hashlib.sha256(sources)
         h.update(repr((PASS_VERSION, self.max_inflight_bytes, self.bucket_bytes,
                        self.collective_matmul_chunks)).encode())

@@ -20,6 +20,7 @@ import torch.fx as fx
 from scheduler import overlap_graph
 from scheduler.collective_matmul import decompose_collective_matmuls
 from scheduler.inductor_hook import OverlapGraphPass
+from scheduler.summed_scatters import merge_summed_reduce_scatters
 
 C10D = torch.ops._c10d_functional
 ATEN = torch.ops.aten
@@ -231,6 +232,74 @@ def test_batch_first_chunks_cut_the_batch_where_it_divides(chunks: int, cut: int
         _check_same_values(g, inputs, before)
 
 
+def _summed_scatters_graph(scatter_dim: int = 1, terms: int = 3, op: str = "sum", groups: tuple[str, ...] = ("0",),
+                           wait_reader: bool = False) -> tuple[fx.Graph, dict]:
+    """torch's sequence-parallel q, k and v in backward, compiled: each projection's input gradient
+    (a matmul, viewed) reduce-scattered on its own (split on ``scatter_dim`` and cat on 0 first when
+    it is 1), the shards added left to right. ``groups`` cycles over the terms; ``wait_reader``: the
+    first term's shard is also an output."""
+    g = fx.Graph()
+    shards, inputs = [], {}
+    for t in range(terms):
+        h, wt = g.placeholder(f"h{t}"), g.placeholder(f"w{t}")
+        mm = _call(g, ATEN.mm.default, _call(g, ATEN.reshape.default, h, [64, 12]),
+                   _call(g, ATEN.permute.default, wt, [1, 0]))
+        y = _call(g, ATEN.reshape.default, mm, [[32, 2, 8], [2, 32, 8]][scatter_dim])
+        if scatter_dim:
+            split = _call(g, ATEN.split.Tensor, y, 32 // W, 1)
+            y = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)])
+        shards.append(_call(g, WAIT, _call(g, RS, y, op, W, groups[t % len(groups)])))
+        inputs.update({f"h{t}": torch.randn(32, 2, 12), f"w{t}": torch.randn(8, 12)})
+    total = shards[0]
+    for other in shards[1:]:
+        total = _call(g, ATEN.add.Tensor, total, other)
+    out = _call(g, ATEN.neg.default, total)
+    g.output((out, shards[0]) if wait_reader else (out,))
+    _set_vals(g, inputs)
+    return g, inputs
+
+
+@pytest.mark.parametrize("dim", [0, 1], ids=["seq-first", "batch-first"])
+def test_summed_reduce_scatters_become_one_then_split(dim: int) -> None:
+    """[Note: summed reduce-scatters in compiled graphs]: three reduce-scattered input gradients
+    added become one reduce-scatter of their sum (a third of the traffic), which is then pattern
+    (c) and split in chunks. Values: the sum is reduced once instead of each term, so they agree up to
+    float rounding (fp32, 1e-5 relative), not bitwise."""
+    g, inputs = _summed_scatters_graph(dim)
+    before = _run(g, inputs)
+    assert merge_summed_reduce_scatters(g) == 2
+    assert _targets(g).count(RS) == 1 and _targets(g).count(ATEN.add.Tensor) == 2
+    after = _run(g, inputs)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert decompose_collective_matmuls(g, 2) == 1  # now pattern (c)
+    order = [t for t in _targets(g) if t in (RS, WAIT, ATEN.mm.default, ATEN.add.Tensor)]
+    chunk = [ATEN.mm.default, ATEN.mm.default, ATEN.add.Tensor, ATEN.mm.default, ATEN.add.Tensor, RS, WAIT]
+    assert order == chunk + chunk
+    torch.testing.assert_close(_run(g, inputs), before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _summed_scatters_graph(op="avg"),  # another reduce op
+    lambda: _summed_scatters_graph(groups=("0", "1")),  # different groups
+    lambda: _summed_scatters_graph(wait_reader=True),  # a term's shard has another reader
+    lambda: _summed_scatters_graph(terms=1),  # nothing to add
+], ids=["avg", "two-groups", "shard-read-elsewhere", "one-term"])
+def test_other_sums_of_reduce_scatters_are_left_unchanged(make) -> None:
+    g, _ = make()
+    code = g.python_code("self").src
+    assert merge_summed_reduce_scatters(g) == 0
+    assert g.python_code("self").src == code
+
+
+def test_summed_reduce_scatters_merge_only_when_splitting() -> None:
+    """The merge changes rounding, so the hook runs it only with the collective matmul split:
+    ``collective_matmul_chunks=1`` (or None) leaves the graph's collectives as they were."""
+    for chunks, scatters in ((None, 3), (1, 3), (2, 2)):
+        g, _ = _summed_scatters_graph(1)
+        overlap_graph(g, collective_matmul_chunks=chunks)
+        assert _targets(g).count(RS) == scatters, chunks
+
+
 def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
     g, _ = _gather_graph(seq=48)  # 24 rows of dim 0 per rank, 96 matmul rows
     assert decompose_collective_matmuls(g, 16) == 1
@@ -371,21 +440,37 @@ def _titan_attention(rank: int, world_size: int) -> dict[str, Any]:
     return _three_ways(lambda: parallelize_module(make_block("prepared_attn"), mesh, plan_for("prepared_attn")), x0)
 
 
+def _sp_attention(rank: int, world_size: int) -> dict[str, Any]:
+    """torch's sequence-parallel attention plan (``tp_blocks``' ``sp_attention``: q, k and v each
+    ``ColwiseParallel(input_layouts=Shard(1))``) three ways (:func:`_three_ways`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tp_blocks import make_block, plan_for
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(1 + rank)
+    x0 = torch.randn(BATCH, SEQ // world_size, HIDDEN)
+    return _three_ways(lambda: parallelize_module(make_block("sp_attention"), mesh, plan_for("sp_attention")), x0)
+
+
 def _counts(graph: str) -> dict[str, int]:
     return {op: graph.count(f"_c10d_functional.{op}.default") for op in ("all_gather_into_tensor",
                                                                          "reduce_scatter_tensor")}
 
 
-def _both(rank: int, world_size: int) -> dict[str, Any]:
-    """:func:`_sp_mlp` and :func:`_titan_attention` on one set of ranks (each start-up warms Inductor anew)."""
-    return {"sp_mlp": _sp_mlp(rank, world_size), "titan": _titan_attention(rank, world_size)}
+def _blocks(rank: int, world_size: int) -> dict[str, Any]:
+    """:func:`_sp_mlp`, :func:`_titan_attention` and :func:`_sp_attention` on one set of ranks (each
+    start-up warms Inductor anew)."""
+    return {"sp_mlp": _sp_mlp(rank, world_size), "titan": _titan_attention(rank, world_size),
+            "sp_attention": _sp_attention(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
 def compiled_blocks() -> list[dict[str, Any]]:
     from overlap.testing import run_distributed
 
-    return run_distributed(_both, 2, timeout=400)
+    return run_distributed(_blocks, 2, timeout=400)
 
 
 def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: list[dict[str, Any]]) -> None:
@@ -416,4 +501,27 @@ def test_torchtitan_attention_compiled_with_split_collectives(compiled_blocks: l
         assert len(r["hook"]) == len(names)
         for name, a, c, e in zip(names, r["hook"], r["compiled"], r["eager"]):
             assert torch.equal(a, c), f"rank {rank}: {name}: split under the hook differs from plain compile"
+            torch.testing.assert_close(a, e, msg=lambda m: f"rank {rank}: {name} vs eager: {m}")
+
+
+def test_sequence_parallel_attention_compiled_with_one_summed_scatter(compiled_blocks: list[dict[str, Any]]) -> None:
+    """torch's sequence-parallel attention plan compiled under the hook: AOT already gathers the
+    input once for q, k and v; in backward their three input-gradient reduce-scatters become one
+    of the sum ([Note: summed reduce-scatters in compiled graphs]), split in 2 chunks like the
+    output projection's pair. Everything upstream of that sum (the output, every projection's
+    gradients) is bitwise plain compile; the input's and the norm's gradients, downstream of it,
+    agree up to the changed rounding order (fp32, 1e-5 relative)."""
+    names = ["out", "x.grad", *(f"{p}.grad" for p in ("norm.weight", "norm.bias", "wq.weight", "wq.bias",
+                                                      "wk.weight", "wk.bias", "wv.weight", "wv.bias",
+                                                      "wo.weight", "wo.bias"))]
+    downstream = {"x.grad", "norm.weight.grad", "norm.bias.grad"}
+    for rank, r in enumerate(r["sp_attention"] for r in compiled_blocks):
+        split = [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2
+        assert r["graphs"] == split, f"rank {rank}: {r['graphs']}"
+        assert len(r["hook"]) == len(names)
+        for name, a, c, e in zip(names, r["hook"], r["compiled"], r["eager"]):
+            if name in downstream:
+                torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {name}: {m}")
+            else:
+                assert torch.equal(a, c), f"rank {rank}: {name}: the hook differs from plain compile"
             torch.testing.assert_close(a, e, msg=lambda m: f"rank {rank}: {name} vs eager: {m}")
