@@ -109,8 +109,8 @@ def _sum_of_terms(node: Any, terms: list[_Term], adds: list[torch.fx.Node], top:
 def _rewrite(graph: torch.fx.Graph, root: torch.fx.Node, tree: Any, terms: list[_Term], adds: list[torch.fx.Node],
              fake_mode: Any, refake: bool) -> None:
     position = {n: i for i, n in enumerate(graph.nodes)}
-    last = max((t.value for t in terms), key=position.__getitem__)
-    emit = _Emitter(graph, last.next, fake_mode, refake)  # right after the last addend is computed
+    # where the last of the scatters was: after every addend (each comes before its own scatter)
+    emit = _Emitter(graph, max((t.scatter for t in terms), key=position.__getitem__), fake_mode, refake)
     try:
         def summed(t: Any) -> torch.fx.Node:
             return t.value if isinstance(t, _Term) else emit(_ATEN.add.Tensor, summed(t[0]), summed(t[1]))
