@@ -1,0 +1,175 @@
+"""Property-based tests of the Inductor hook's tensor-parallel rewrites on graphs drawn by Hypothesis.
+
+``scheduler.collective_matmul.decompose_collective_matmuls`` on a column-parallel linear fed by an
+all-gather and a row-parallel linear (or a sum of them) feeding a reduce-scatter, as torch 2.13's
+functional collectives emit them, with drawn batch, per-rank sequence length, widths, sequence
+dim (0: [seq, batch, hidden], 1: [batch, seq, hidden]), group size, bias and chunk count; and
+``scheduler.summed_scatters.merge_summed_reduce_scatters`` on sums of reduce-scattered matmuls.
+The graphs run on fake ``w``-rank collectives (plain tensor ops with the collectives' semantics:
+rank ``r``'s shard of a gather is ``x + r``, a reduce-scatter sums ``(r + 1) * y`` over ranks and
+keeps rank 0's block). Properties:
+
+* the split: bitwise the unrewritten graph's values; ``c`` collectives where there was one, ``c``
+  no more than asked, every chunk's matmul at least ``MIN_ROWS`` rows, and the cut dim (dim 0 where
+  the sequence dim is not 0 and the batch divides into as many chunks, else the sequence dim)
+  divisible by ``c``;
+* the merge: one reduce-scatter where there were ``terms``, values within float rounding (fp32:
+  1e-5 relative, 1e-4 absolute on values of order 10-100), then split like any sum of matmuls.
+
+Example counts come from the Hypothesis profile (conftest: ``OVERLAP_HYPOTHESIS_PROFILE``).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from scheduler.collective_matmul import MIN_ROWS, decompose_collective_matmuls  # noqa: E402
+from scheduler.summed_scatters import merge_summed_reduce_scatters  # noqa: E402
+
+C10D = torch.ops._c10d_functional
+ATEN = torch.ops.aten
+AG, RS, WAIT = C10D.all_gather_into_tensor.default, C10D.reduce_scatter_tensor.default, C10D.wait_tensor.default
+
+
+def _fake(target: Any, args: Any, w: int) -> Any:
+    if target is AG:
+        return torch.cat([args[0] + r for r in range(w)])
+    if target is RS:
+        y = args[0]
+        return sum((r + 1) * y for r in range(w))[: y.shape[0] // w]
+    if target is WAIT:
+        return args[0]
+    if target is operator.getitem:
+        return args[0][args[1]]
+    return target(*args)
+
+
+def _run(g: fx.Graph, inputs: dict[str, torch.Tensor], w: int, meta: bool = False) -> list[Any]:
+    env: dict[fx.Node, Any] = {}
+    for n in g.nodes:
+        if n.op == "placeholder":
+            env[n] = inputs[n.name].to("meta") if meta else inputs[n.name]
+        elif n.op == "call_function":
+            env[n] = _fake(n.target, fx.node.map_arg(n.args, env.__getitem__), w)
+            if meta:
+                n.meta["val"] = env[n]
+        elif n.op == "output":
+            return list(fx.node.map_arg(n.args[0], env.__getitem__))
+    raise AssertionError("no output")
+
+
+def _call(g: fx.Graph, target: Any, *args: Any) -> fx.Node:
+    return g.call_function(target, args)
+
+
+def _layout(dim: int, batch: int, seq: int, width: int) -> list[int]:
+    return [seq, batch, width] if dim == 0 else [batch, seq, width]
+
+
+def _gather_graph(batch: int, seq: int, hidden: int, out: int, dim: int, w: int, bias: bool) -> tuple[fx.Graph, dict]:
+    """x (this rank's ``seq`` rows of the sequence dim) -> all-gather on ``dim`` -> rows -> linear."""
+    g = fx.Graph()
+    x, wt, b = g.placeholder("x"), g.placeholder("w"), g.placeholder("b")
+    gathered = _call(g, WAIT, _call(g, AG, x, w, "0"))
+    if dim:
+        split = _call(g, ATEN.split.Tensor, gathered, batch)
+        gathered = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(w)], dim)
+    rows = _call(g, ATEN.reshape.default, gathered, [batch * seq * w, hidden])
+    right = _call(g, ATEN.permute.default, wt, [1, 0])
+    mm = _call(g, ATEN.addmm.default, b, rows, right) if bias else _call(g, ATEN.mm.default, rows, right)
+    g.output((_call(g, ATEN.reshape.default, mm, _layout(dim, batch, seq * w, out)),))
+    inputs = {"x": torch.randn(_layout(dim, batch, seq, hidden)), "w": torch.randn(out, hidden), "b": torch.randn(out)}
+    return g, inputs
+
+
+def _scatter_graph(batch: int, seq: int, hidden: int, out: int, dim: int, w: int, terms: int,
+                   scatter_each: bool) -> tuple[fx.Graph, dict]:
+    """``terms`` row-parallel matmuls over the full sequence (``seq * w`` rows of ``dim``), added then
+    reduce-scattered on ``dim``, or (``scatter_each``) each reduce-scattered, then added."""
+    g = fx.Graph()
+    inputs, ys = {}, []
+    full = _layout(dim, batch, seq * w, out)
+
+    def scattered(y: fx.Node) -> fx.Node:
+        if dim:
+            split = _call(g, ATEN.split.Tensor, y, seq, 1)
+            y = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(w)])
+        return _call(g, WAIT, _call(g, RS, y, "sum", w, "0"))
+
+    for t in range(terms):
+        h, wt = g.placeholder(f"h{t}"), g.placeholder(f"w{t}")
+        mm = _call(g, ATEN.mm.default, _call(g, ATEN.reshape.default, h, [batch * seq * w, hidden]),
+                   _call(g, ATEN.permute.default, wt, [1, 0]))
+        y = _call(g, ATEN.reshape.default, mm, full)
+        ys.append(scattered(y) if scatter_each else y)
+        inputs.update({f"h{t}": torch.randn(_layout(dim, batch, seq * w, hidden)), f"w{t}": torch.randn(out, hidden)})
+    total = ys[0]
+    for other in ys[1:]:
+        total = _call(g, ATEN.add.Tensor, total, other)
+    g.output((total if scatter_each else scattered(total),))
+    return g, inputs
+
+
+def _count(g: fx.Graph, target: Any) -> int:
+    return sum(n.target is target for n in g.nodes)
+
+
+def _check_chunks(g: fx.Graph, collective: Any, chunks: int, batch: int, seq: int, dim: int, rows: int) -> None:
+    c = _count(g, collective)
+    assert 1 <= c <= max(chunks, 1)
+    if c > 1:
+        assert rows // c >= MIN_ROWS
+        batch_cut = dim > 0 and batch % c == 0
+        assert batch_cut or seq % c == 0, (c, batch, seq)
+
+
+SHAPES = dict(batch=st.integers(1, 6), seq=st.sampled_from([4, 8, 12, 16, 24, 32]), hidden=st.sampled_from([4, 8]),
+              out=st.sampled_from([4, 6]), dim=st.sampled_from([0, 1]), w=st.integers(2, 4), chunks=st.integers(1, 6))
+
+
+def _split_keeps_values(g: fx.Graph, inputs: dict, w: int, collective: Any, chunks: int, batch: int, seq: int,
+                        dim: int) -> None:
+    _run(g, inputs, w, meta=True)
+    before = _run(g, inputs, w)
+    split = decompose_collective_matmuls(g, chunks)
+    g.lint()
+    assert split == (1 if _count(g, collective) > 1 else 0)
+    _check_chunks(g, collective, chunks, batch, seq, dim, batch * seq * w)
+    for a, b in zip(_run(g, inputs, w), before):
+        assert torch.equal(a, b)
+
+
+@given(bias=st.booleans(), **SHAPES)
+def test_split_gather_matmul_keeps_values_bitwise(batch: int, seq: int, hidden: int, out: int, dim: int, w: int,
+                                                  chunks: int, bias: bool) -> None:
+    g, inputs = _gather_graph(batch, seq, hidden, out, dim, w, bias)
+    _split_keeps_values(g, inputs, w, AG, chunks, batch, seq, dim)
+
+
+@given(terms=st.integers(1, 3), **SHAPES)
+def test_split_matmul_scatter_keeps_values_bitwise(batch: int, seq: int, hidden: int, out: int, dim: int, w: int,
+                                                   chunks: int, terms: int) -> None:
+    g, inputs = _scatter_graph(batch, seq, hidden, out, dim, w, terms, scatter_each=False)
+    _split_keeps_values(g, inputs, w, RS, chunks, batch, seq, dim)
+
+
+@given(terms=st.integers(2, 4), **SHAPES)
+def test_summed_scatters_merge_then_split(batch: int, seq: int, hidden: int, out: int, dim: int, w: int,
+                                         chunks: int, terms: int) -> None:
+    g, inputs = _scatter_graph(batch, seq, hidden, out, dim, w, terms, scatter_each=True)
+    _run(g, inputs, w, meta=True)
+    before = _run(g, inputs, w)
+    assert merge_summed_reduce_scatters(g) == terms - 1
+    g.lint()
+    assert _count(g, RS) == 1
+    decompose_collective_matmuls(g, chunks)
+    _check_chunks(g, RS, chunks, batch, seq, dim, batch * seq * w)
+    torch.testing.assert_close(_run(g, inputs, w), before, rtol=1e-5, atol=1e-4)
