@@ -17,59 +17,22 @@ import pytest
 import torch
 import torch.fx as fx
 
+from fake_collectives import AG, ATEN, RS, WAIT, call as _call, run
 from scheduler import overlap_graph
 from scheduler.collective_matmul import decompose_collective_matmuls
 from scheduler.inductor_hook import OverlapGraphPass
 from scheduler.summed_scatters import merge_summed_reduce_scatters
 
-C10D = torch.ops._c10d_functional
-ATEN = torch.ops.aten
-AG, RS, WAIT = C10D.all_gather_into_tensor.default, C10D.reduce_scatter_tensor.default, C10D.wait_tensor.default
 W = 2  # ranks in the fake collectives
-
-
-def _call(g: fx.Graph, target: Any, *args: Any) -> fx.Node:
-    return g.call_function(target, args)
 
 
 def _set_vals(g: fx.Graph, inputs: dict[str, torch.Tensor]) -> None:
     """Fill ``meta["val"]`` by running the graph on fake-collective meta values."""
-    env: dict[fx.Node, Any] = {}
-    for n in g.nodes:
-        if n.op == "placeholder":
-            env[n] = inputs[n.name].to("meta")
-        elif n.op == "call_function":
-            env[n] = _fake_op(n.target, fx.node.map_arg(n.args, env.__getitem__))
-        else:
-            continue
-        n.meta["val"] = env[n]
-
-
-def _fake_op(target: Any, args: Any) -> Any:
-    """The collectives on ``W`` ranks whose shards are ``x`` and ``x + 1`` (all-gather) or whose
-    inputs are ``y`` and ``2 * y`` (reduce-scatter, sum: rank 0's result)."""
-    if target is AG:
-        return torch.cat([args[0], args[0] + 1])
-    if target is RS:
-        y = args[0]
-        return (y + 2 * y)[: y.shape[0] // W]
-    if target is WAIT:
-        return args[0]
-    if target is operator.getitem:
-        return args[0][args[1]]
-    return target(*args)
+    run(g, inputs, W, meta=True)
 
 
 def _run(g: fx.Graph, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    env: dict[fx.Node, Any] = {}
-    for n in g.nodes:
-        if n.op == "placeholder":
-            env[n] = inputs[n.name]
-        elif n.op == "call_function":
-            env[n] = _fake_op(n.target, fx.node.map_arg(n.args, env.__getitem__))
-        elif n.op == "output":
-            return list(fx.node.map_arg(n.args[0], env.__getitem__))
-    raise AssertionError("no output")
+    return run(g, inputs, W)
 
 
 def _gather_graph(seq: int = 32, gather_dim: int = 0, extra_reader: bool = False,
