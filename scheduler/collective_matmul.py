@@ -61,9 +61,10 @@ A profile of the 2-chunk split of a sequence-parallel MLP on CPU (2 ranks) had p
 copies at about as much time as the extra collectives.
 
 Chunk count: ``chunks`` at most, lowered until the cut dim's per-rank size (``s``, or dim 0's)
-divides by it and every chunk's matmul has at least ``MIN_ROWS`` rows; 1 means no rewrite. Anything else (a gather on the matmul's columns,
-views that touch the last dims, sizes that do not divide, symbolic sizes, a bias that is not 1-D,
-a dtype cast or other op between the collective and the matmul) is left unchanged. Every matmul
+divides by it and every chunk's matmul has at least ``MIN_ROWS`` rows; 1 means no rewrite.
+Anything else (a gather on the matmul's columns, views that touch the last dims, sizes that do not
+divide, symbolic sizes, a bias that is not 1-D, a dtype cast or other op between the collective and
+the matmul) is left unchanged. Every matmul
 that reads the gathered rows so (the q, k and v projections of one gathered input) is split, each
 at its own place, on the same chunks.
 
@@ -404,18 +405,19 @@ def _rewrite_gather(graph: torch.fx.Graph, m: _Gather, fake_mode: Any, refake: b
     step = _shape(x)[cut] // m.chunks  # type: ignore[index]
     g_shape = _shape(m.gathered)
     prefix = math.prod(g_shape[:m.dim])  # type: ignore[index]
-
-    def assembled(parts: list[torch.fx.Node], shape: tuple[int, ...]) -> torch.fx.Node:
-        """Per-chunk results (rows of the gathered tensor, or of a matmul on it) as one tensor."""
-        if m.leading:
-            return emit(_ATEN.cat.default, parts, 0)
-        return _rank_major(emit, parts, size, prefix, shape)
     position = {n: i for i, n in enumerate(graph.nodes)}
     mms = sorted(m.mms, key=lambda cm: position[cm[1]])
     matmuls = set(m.matmuls)
     chain = sorted({v for c, _ in mms for v in c}, key=position.__getitem__)
     readers = [u for n in [m.gathered, *chain] for u in n.users if u not in chain and u not in matmuls]
     emit = _Emitter(graph, m.gather, fake_mode, refake)
+
+    def assembled(parts: list[torch.fx.Node], shape: tuple[int, ...]) -> torch.fx.Node:
+        """Per-chunk results (rows of the gathered tensor, or of a matmul on it) as one tensor."""
+        if m.leading:
+            return emit(_ATEN.cat.default, parts, 0)
+        return _rank_major(emit, parts, size, prefix, shape)
+
     try:
         gathers = [emit(ALL_GATHER, emit(_ATEN.slice.Tensor, x, cut, k * step, (k + 1) * step), size, group)
                    for k in range(m.chunks)]
@@ -469,10 +471,11 @@ def _rewrite_scatter(graph: torch.fx.Graph, m: _Scatter, fake_mode: Any, refake:
     chunk_shape[cut] //= m.chunks
     emit = _Emitter(graph, m.root, fake_mode, refake)
     try:
-        per_chunk = {}  # matmul -> its left operand's rows, viewed (prefix, w, c, -1, cols)
-        for mm in m.matmuls if not m.leading else ():
-            _, left, _ = _matmul_parts(mm)  # type: ignore[misc]
-            per_chunk[mm] = emit(_ATEN.reshape.default, left, [prefix, size, m.chunks, -1, _shape(left)[1]])
+        per_chunk = {}  # matmul -> its left operand's rows, viewed (prefix, w, c, -1, cols); cut on d only
+        if not m.leading:
+            for mm in m.matmuls:
+                _, left, _ = _matmul_parts(mm)  # type: ignore[misc]
+                per_chunk[mm] = emit(_ATEN.reshape.default, left, [prefix, size, m.chunks, -1, _shape(left)[1]])
 
         def chunk_of(terms: Any, k: int) -> torch.fx.Node:
             """Chunk ``k``'s rows of ``terms``: each matmul's on those rows, added as the graph adds."""

@@ -65,11 +65,11 @@ import torch.fx
 
 from scheduler.bucketing import bucket_collectives, check_bucket_bytes
 from scheduler.collective_matmul import check_chunks, decompose_collective_matmuls
-from scheduler.summed_scatters import merge_summed_reduce_scatters
 from scheduler.fx_nodes import (
     BARRIER, COLLECTIVE, COLLECTIVE_OPS, COMPUTE, MEMBER, OUTPUT, WAIT, BadGraph, classify, group_of, is_coalesced,
     meta_value, nbytes,
 )
+from scheduler.summed_scatters import merge_summed_reduce_scatters
 
 __all__ = ["overlap_pass", "overlap_graph", "COLLECTIVE_OPS"]
 

@@ -10,11 +10,11 @@ gloo's coalesced all-gather cannot have two in flight).
 manager. Installs nest: each ``uninstall`` undoes the latest ``install``.
 
 FX graph cache: ``OverlapGraphPass.uuid()`` hashes this package's pass sources (``graph_pass``,
-``bucketing``, ``collective_matmul``, ``summed_scatters``, ``cpu_all_gather``, ``fx_nodes`` and this module), the options and the
-composed user passes' own uuids, so a cached graph is reused only when all of those are the same,
-and a different ``max_inflight_bytes`` gives a different key. A user pass that is a plain callable
-(no uuid) makes ``uuid()`` return None, which tells Inductor to bypass the cache, as it would for
-that pass on its own.
+``bucketing``, ``collective_matmul``, ``summed_scatters``, ``cpu_all_gather``, ``fx_nodes`` and
+this module), the options and the composed user passes' own uuids, so a cached graph is reused
+only when all of those are the same, and a different ``max_inflight_bytes`` gives a different key.
+A user pass that is a plain callable (no uuid) makes ``uuid()`` return None, which tells Inductor
+to bypass the cache, as it would for that pass on its own.
 
 The config is process-global and not thread-safe; install from one thread, before compiling.
 
@@ -136,8 +136,8 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
                 return None
             previous_ids.append(pid)
         sources = _cgp.get_hash_for_files((_graph_pass.__file__, _bucketing.__file__, _fx_nodes.__file__,
-                                           _collective_matmul.__file__, _summed_scatters.__file__, _cpu_all_gather.__file__,
-                                           __file__))
+                                           _collective_matmul.__file__, _summed_scatters.__file__,
+                                           _cpu_all_gather.__file__, __file__))
         h = hashlib.sha256(sources)
         h.update(repr((PASS_VERSION, self.max_inflight_bytes, self.bucket_bytes,
                        self.collective_matmul_chunks)).encode())

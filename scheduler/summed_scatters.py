@@ -152,7 +152,7 @@ def merge_summed_reduce_scatters(graph: torch.fx.Graph) -> int:
         terms: list[_Term] = []
         adds: list[torch.fx.Node] = []
         tree = _sum_of_terms(node, terms, adds, True)
-        if tree is None or len(terms) < 2 or len({t.key() for t in terms}) != 1:
+        if tree is None or len({t.key() for t in terms}) != 1:  # an add of terms: two at least
             continue
         inside.update(adds)
         matches.append((node, tree, terms, adds))
