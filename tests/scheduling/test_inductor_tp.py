@@ -58,6 +58,25 @@ def _gather_graph(seq: int = 32, gather_dim: int = 0, extra_reader: bool = False
     return g, inputs
 
 
+def _projection(g: fx.Graph, t: int, seq: int, scatter_dim: int, inputs: dict) -> fx.Node:
+    """Term ``t``: a row-parallel matmul of ``h{t}`` [seq, 2, 12] by ``w{t}`` [8, 12], viewed as
+    [seq, 2, 8] (``scatter_dim`` 0) or [2, seq, 8] (1); its inputs go into ``inputs``."""
+    h, wt = g.placeholder(f"h{t}"), g.placeholder(f"w{t}")
+    mm = _call(g, ATEN.mm.default, _call(g, ATEN.reshape.default, h, [seq * 2, 12]),
+               _call(g, ATEN.permute.default, wt, [1, 0]))
+    inputs.update({f"h{t}": torch.randn(seq, 2, 12), f"w{t}": torch.randn(8, 12)})
+    return _call(g, ATEN.reshape.default, mm, [[seq, 2, 8], [2, seq, 8]][scatter_dim])
+
+
+def _scattered(g: fx.Graph, y: fx.Node, seq: int, scatter_dim: int, op: str = "sum", group: str = "0") -> fx.Node:
+    """``y`` reduce-scattered on ``scatter_dim`` and waited (split on dim 1 and cat on 0 first when
+    it is 1, as functional collectives do)."""
+    if scatter_dim:
+        split = _call(g, ATEN.split.Tensor, y, seq // W, 1)
+        y = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)])
+    return _call(g, WAIT, _call(g, RS, y, op, W, group))
+
+
 def _scatter_graph(seq: int = 32, mm_reader: bool = False, scatter_dim: int = 0, terms: int = 1,
                    sum_reader: bool = False) -> tuple[fx.Graph, dict]:
     """Row-parallel linear into a sequence reduce-scatter (``RowwiseParallel(output_layouts=Shard(0))``);
@@ -66,21 +85,14 @@ def _scatter_graph(seq: int = 32, mm_reader: bool = False, scatter_dim: int = 0,
     scattered, as the input gradient of q, k and v's shared input is (0: one matmul added to
     itself); ``sum_reader``: the first partial sum is also an output."""
     g = fx.Graph()
-    ys, inputs = [], {}
-    for t in range(max(terms, 1)):
-        h, wt = g.placeholder(f"h{t}"), g.placeholder(f"w{t}")
-        mm = _call(g, ATEN.mm.default, _call(g, ATEN.reshape.default, h, [seq * 2, 12]),
-                   _call(g, ATEN.permute.default, wt, [1, 0]))
-        ys.append(_call(g, ATEN.reshape.default, mm, [[seq, 2, 8], [2, seq, 8]][scatter_dim]))
-        inputs.update({f"h{t}": torch.randn(seq, 2, 12), f"w{t}": torch.randn(8, 12)})
+    inputs: dict = {}
+    ys = [_projection(g, t, seq, scatter_dim, inputs) for t in range(max(terms, 1))]
     y, partial = ys[0], None
     for other in ys[1:] if terms > 0 else ys:  # terms=0: one matmul added to itself
         y = _call(g, ATEN.add.Tensor, y, other)
         partial = y if partial is None else partial
-    if scatter_dim:
-        split = _call(g, ATEN.split.Tensor, y, seq // W, 1)
-        y = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)])
-    out = _call(g, ATEN.neg.default, _call(g, WAIT, _call(g, RS, y, "sum", W, "0")))
+    out = _call(g, ATEN.neg.default, _scattered(g, y, seq, scatter_dim))
+    mm = ys[-1].args[0]
     g.output((out, mm) if mm_reader else (out, partial) if sum_reader else (out,))
     _set_vals(g, inputs)
     return g, inputs
@@ -198,21 +210,12 @@ def test_batch_first_chunks_cut_the_batch_where_it_divides(chunks: int, cut: int
 def _summed_scatters_graph(scatter_dim: int = 1, terms: int = 3, op: str = "sum", groups: tuple[str, ...] = ("0",),
                            wait_reader: bool = False) -> tuple[fx.Graph, dict]:
     """torch's sequence-parallel q, k and v in backward, compiled: each projection's input gradient
-    (a matmul, viewed) reduce-scattered on its own (split on ``scatter_dim`` and cat on 0 first when
-    it is 1), the shards added left to right. ``groups`` cycles over the terms; ``wait_reader``: the
-    first term's shard is also an output."""
+    (a matmul, viewed) reduce-scattered on its own (:func:`_scattered`), the shards added left to
+    right. ``groups`` cycles over the terms; ``wait_reader``: the first term's shard is also an output."""
     g = fx.Graph()
-    shards, inputs = [], {}
-    for t in range(terms):
-        h, wt = g.placeholder(f"h{t}"), g.placeholder(f"w{t}")
-        mm = _call(g, ATEN.mm.default, _call(g, ATEN.reshape.default, h, [64, 12]),
-                   _call(g, ATEN.permute.default, wt, [1, 0]))
-        y = _call(g, ATEN.reshape.default, mm, [[32, 2, 8], [2, 32, 8]][scatter_dim])
-        if scatter_dim:
-            split = _call(g, ATEN.split.Tensor, y, 32 // W, 1)
-            y = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)])
-        shards.append(_call(g, WAIT, _call(g, RS, y, op, W, groups[t % len(groups)])))
-        inputs.update({f"h{t}": torch.randn(32, 2, 12), f"w{t}": torch.randn(8, 12)})
+    inputs: dict = {}
+    shards = [_scattered(g, _projection(g, t, 32, scatter_dim, inputs), 32, scatter_dim, op, groups[t % len(groups)])
+              for t in range(terms)]
     total = shards[0]
     for other in shards[1:]:
         total = _call(g, ATEN.add.Tensor, total, other)
