@@ -24,17 +24,24 @@ per chunk; ``c = 4`` was the fastest behind a link with ``T`` ~ 10 ms, which thi
 
 Every rank computes the same count from the same global sizes, so all ranks issue the same
 collectives (contract 3).
+
+The Inductor hook (``scheduler/collective_matmul.py``) shares ``MIN_ROWS`` but not the rest: it
+takes the count it is given (``collective_matmul_chunks``, where None means no split) and lowers it
+until the cut dim divides, since a compiled chunk has a static shape. It does not choose from the
+link: a count chosen at compile time from the link active then would be baked into graphs that
+Inductor caches by the pass's uuid, and reused behind another link.
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Optional
 
+from scheduler.collective_matmul import MIN_ROWS
+
 __all__ = ["DEFAULT_CHUNKS", "MAX_CHUNKS", "MIN_ROWS", "PER_CHUNK_COST_S", "choose_chunks", "check_chunks"]
 
 DEFAULT_CHUNKS = 2
 MAX_CHUNKS = 8
-MIN_ROWS = 16
 PER_CHUNK_COST_S = {"cpu": 5e-4, "cuda": 2e-5}  # host cost per extra chunk, see the note
 
 
