@@ -17,6 +17,18 @@ import pytest  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+# Most tests are single-threaded (the Triton interpreter, graph passes) or mostly wait (ranks behind
+# the emulated link), so two workers on 2 cores take about two thirds of one worker's time. More
+# than four would start up to 16 rank processes at once (a multi-rank test starts up to four).
+MAX_TEST_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """The worker count of ``-n auto`` (pyproject's default): one per CPU this process may run on, at
+    most ``MAX_TEST_WORKERS``."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cpus, MAX_TEST_WORKERS))
+
 # Hypothesis profiles for the property tests (test_properties_*.py): "quick" (the default) keeps them
 # to ~20 s on 2 cores; "long" (OVERLAP_HYPOTHESIS_PROFILE=long) explores 40x more examples.
 # No deadline: the Triton interpreter's first launch of a kernel variant is slow, and timings are
