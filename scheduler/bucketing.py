@@ -140,17 +140,18 @@ class _Emitter:
                 return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
         return val
 
-    def __call__(self, target: Any, *args: Any) -> torch.fx.Node:
+    def __call__(self, target: Any, *args: Any, kwargs: Optional[dict[str, Any]] = None) -> torch.fx.Node:
         with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args)
+            node = self.graph.call_function(target, args, kwargs)
         vals = torch.fx.node.map_arg(args, self._val)
+        kwvals = torch.fx.node.map_arg(kwargs or {}, self._val)
         self.inserted.append(node)
         with self.fake_mode if self.fake_mode is not None else contextlib.nullcontext():
-            node.meta["val"] = _value(target, vals)
+            node.meta["val"] = _value(target, vals, kwvals)
         return node
 
 
-def _value(target: Any, args: Any) -> Any:
+def _value(target: Any, args: Any, kwargs: Optional[dict[str, Any]] = None) -> Any:
     """The op's output as a fake/meta value. Collectives' shapes come from their schema's rule (their
     meta kernels look the group up, which hand-written graphs and fake groups do not have)."""
     if target is ALL_GATHER:
@@ -161,7 +162,7 @@ def _value(target: Any, args: Any) -> Any:
         return x.new_empty((x.shape[0] // size, *x.shape[1:]))
     if target is WAIT_TENSOR:
         return args[0].new_empty(args[0].shape)
-    return target(*args)
+    return target(*args, **(kwargs or {}))
 
 
 def _rewrite(graph: torch.fx.Graph, bucket: _Bucket, fake_mode: Any, refake: bool) -> None:

@@ -266,6 +266,85 @@ def test_summed_reduce_scatters_merge_only_when_splitting() -> None:
         assert _targets(g).count(RS) == scatters, chunks
 
 
+def _mlp_graph(gather_dim: int = 1, late_operand: bool = False, mix_rows: bool = False,
+               overwritten: bool = False) -> tuple[fx.Graph, dict]:
+    """A sequence-parallel MLP's forward as compiled: gather -> addmm -> reshape -> relu, times a
+    broadcast scale ``s`` -> reshape -> mm -> reduce-scatter, on x [2, seq/W, 8] (``gather_dim`` 1:
+    ``Shard(1)``, batch first) or [seq/W, 2, 8] (0). ``late_operand``: also times ``tanh(z)``, a
+    tensor of the activation's shape made after the first matmul (as a saved activation's
+    derivative is in backward); ``mix_rows``: the activation flipped on dim 0 first (rows mixed
+    across chunks); ``overwritten``: with ``late_operand``, ``z`` is a copy that is filled in place
+    after the first matmul, before ``tanh`` reads it. The activation is also an output (as a tensor
+    saved for backward is)."""
+    seq = 32
+    g = fx.Graph()
+    x, w1, b1, w2, s, z = (g.placeholder(n) for n in ("x", "w1", "b1", "w2", "s", "z"))
+    if overwritten:
+        z = _call(g, ATEN.clone.default, z)
+    wait = _call(g, WAIT, _call(g, AG, x, W, "0"))
+    if gather_dim:
+        split = _call(g, ATEN.split.Tensor, wait, 2)
+        wait = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)], gather_dim)
+    up = _call(g, ATEN.addmm.default, b1, _call(g, ATEN.reshape.default, wait, [seq * 2, 8]),
+               _call(g, ATEN.permute.default, w1, [1, 0]))
+    shape = [[seq, 2, 12], [2, seq, 12]][gather_dim]
+    h = _call(g, ATEN.reshape.default, up, shape)
+    if mix_rows:
+        h = _call(g, ATEN.flip.default, h, [0])
+    if overwritten:
+        _call(g, ATEN.fill_.Scalar, z, 0.5)
+    h = _call(g, ATEN.mul.Tensor, _call(g, ATEN.relu.default, h), s)
+    if late_operand:
+        h = _call(g, ATEN.mul.Tensor, h, _call(g, ATEN.tanh.default, z))
+    act = _call(g, ATEN.reshape.default, h, [seq * 2, 12])
+    down = _call(g, ATEN.mm.default, act, _call(g, ATEN.permute.default, w2, [1, 0]))
+    out = _scattered(g, _call(g, ATEN.reshape.default, down, [[seq, 2, 8], [2, seq, 8]][gather_dim]), seq, gather_dim)
+    g.output((out, act))
+    inputs = {"x": torch.randn([(seq // W, 2, 8), (2, seq // W, 8)][gather_dim]), "w1": torch.randn(12, 8),
+              "b1": torch.randn(12), "w2": torch.randn(8, 12), "s": torch.randn(12), "z": torch.randn(shape)}
+    _set_vals(g, inputs)
+    return g, inputs
+
+
+def _collective_order(g: fx.Graph) -> list[str]:
+    """Issues and waits in graph order: "AG", "RS", "wait AG", "wait RS"."""
+    names = {AG: "AG", RS: "RS"}
+    return [names[n.target] if n.target in names else f"wait {names[n.args[0].target]}"
+            for n in g.nodes if n.target in names or n.target is WAIT]
+
+
+@pytest.mark.parametrize("late_operand", [False, True], ids=["operands-early", "operand-made-late"])
+def test_pointwise_ops_between_split_matmuls_run_per_chunk(late_operand: bool) -> None:
+    """[Note: chunks through pointwise ops]: with the batch cut, the activation between the gathered
+    matmul and the scattered one runs per chunk, so chunk 0's scatter is issued before chunk 1's
+    gather is waited for; the activation (an output) is the cat of the chunks' values; a tensor the
+    activation reads that was made after the first matmul is made before it. Values bitwise."""
+    g, inputs = _mlp_graph(late_operand=late_operand)
+    before = _run(g, inputs)
+    assert overlap_graph(g, collective_matmul_chunks=2)
+    assert _targets(g).count(ATEN.relu.default) == 2
+    assert _targets(g).count(ATEN.tanh.default) == int(late_operand)  # made once, sliced per chunk
+    assert _collective_order(g) == ["AG", "AG", "wait AG", "RS", "wait AG", "RS", "wait RS", "wait RS"]
+    _check_same_values(g, inputs, before)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _mlp_graph(gather_dim=0),  # the sequence cut: chunks interleave rows, not consecutive
+    lambda: _mlp_graph(mix_rows=True),  # a flip on dim 0 mixes the chunks' rows
+    lambda: _mlp_graph(late_operand=True, overwritten=True),  # tanh(z) cannot move above z's fill
+], ids=["sequence-cut", "rows-mixed", "operand-written-late"])
+def test_pointwise_ops_stay_whole_where_chunk_rows_are_not_apart(make) -> None:
+    """The matmuls are still split, but the activation runs once on the whole tensor and no
+    scatter is issued before the last gather chunk is waited for. Values bitwise."""
+    g, inputs = make()
+    before = _run(g, inputs)
+    assert overlap_graph(g, collective_matmul_chunks=2)
+    assert _targets(g).count(ATEN.relu.default) == 1
+    assert _targets(g).count(AG) == 2 and _targets(g).count(RS) == 2
+    assert _collective_order(g) == ["AG", "AG", "wait AG", "wait AG", "RS", "RS", "wait RS", "wait RS"]
+    _check_same_values(g, inputs, before)
+
+
 def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
     g, _ = _gather_graph(seq=48)  # 24 rows of dim 0 per rank, 96 matmul rows
     assert decompose_collective_matmuls(g, 16) == 1
@@ -333,11 +412,13 @@ def _three_ways(build: Callable[[], Any], x0: torch.Tensor) -> dict[str, Any]:
         return [v.wait() if isinstance(v, AsyncCollectiveTensor) else v for v in values]
 
     graphs: list[str] = []
+    orders: list[list[str]] = []
     original = graph_pass.overlap_graph
 
     def recording(graph: fx.Graph, *args: Any) -> bool:
         changed = original(graph, *args)
         graphs.append(str(graph))
+        orders.append(_collective_order(graph))
         return changed
 
     result: dict[str, Any] = {"eager": step(build())}
@@ -351,6 +432,7 @@ def _three_ways(build: Callable[[], Any], x0: torch.Tensor) -> dict[str, Any]:
                 compiled = torch.compile(build())
             result["hook"] = step(compiled)
             result["graphs"] = [_counts(g) for g in graphs]
+            result["orders"] = orders
         finally:
             graph_pass.overlap_graph = original
         torch._dynamo.reset()
@@ -448,6 +530,12 @@ def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: 
             # gradient -> down's input gradient, up's input gradient -> scatter).
             split = [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2
             assert r["graphs"] == split, f"{where}: {r['graphs']}"
+            # [Note: chunks through pointwise ops]: batch first (the batch cut), the relu (forward)
+            # and its backward run per chunk, so each graph issues its first scatter chunk before
+            # it waits for its last gather chunk; sequence first, the chunks' rows interleave.
+            for order in r["orders"]:
+                last_gather_wait = len(order) - 1 - order[::-1].index("wait AG")
+                assert (order.index("RS") < last_gather_wait) == (dim == 1), f"{where}: {order}"
             for name, a, c, e in zip(names, r["hook"], r["compiled"], r["eager"]):
                 assert torch.equal(a, c), f"{where}: {name}: split under the hook differs from plain compile"
                 # Eager DTensor sums the bias gradients in another order: ~1 ulp apart.
