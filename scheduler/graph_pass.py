@@ -50,9 +50,9 @@ Collective matmuls: with ``collective_matmul_chunks`` (the Inductor hook's defau
 reduce-scatters (q, k and v's input gradients) first becomes one reduce-scatter of the sum
 (``scheduler.summed_scatters``; equal up to float rounding), then each
 all-gather -> mm and mm -> reduce-scatter is then split into chunks (``scheduler.collective_matmul``;
-values equal); where the batch is cut, the pointwise ops between two split matmuls then run per
-chunk (``scheduler.chunked_pointwise``; values equal), and the reorder places the chunks' waits, so
-that chunk k's collective overlaps another chunk's matmul.
+values equal); where the batch is cut, the ops between two split matmuls that keep the batch
+apart then run per chunk (``scheduler.per_chunk_ops``; values equal), and the reorder places the
+chunks' waits, so that chunk k's collective overlaps another chunk's matmul.
 """
 from __future__ import annotations
 
@@ -65,12 +65,12 @@ import torch
 import torch.fx
 
 from scheduler.bucketing import bucket_collectives, check_bucket_bytes
-from scheduler.chunked_pointwise import run_chunks_through_pointwise
 from scheduler.collective_matmul import check_chunks, decompose_collective_matmuls
 from scheduler.fx_nodes import (
     BARRIER, COLLECTIVE, COLLECTIVE_OPS, COMPUTE, MEMBER, OUTPUT, WAIT, BadGraph, classify, group_of, is_coalesced,
     meta_value, nbytes,
 )
+from scheduler.per_chunk_ops import run_ops_per_chunk
 from scheduler.summed_scatters import merge_summed_reduce_scatters
 
 __all__ = ["overlap_pass", "overlap_graph", "COLLECTIVE_OPS"]
@@ -378,8 +378,8 @@ def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = Non
     reduce-scatter of the sum (``scheduler.summed_scatters``: equal up to float rounding, not
     bitwise), then all-gather -> mm and mm -> reduce-scatter are split into that many chunks
     (``scheduler.collective_matmul``), after bucketing (so that the chunks are not merged back)
-    and before the reorder (which places the chunks' waits); pointwise ops between two split
-    matmuls then run per chunk (``scheduler.chunked_pointwise``, values unchanged).
+    and before the reorder (which places the chunks' waits); ops between two split matmuls
+    that keep the batch apart then run per chunk (``scheduler.per_chunk_ops``, values unchanged).
     """
     if not isinstance(graph, torch.fx.Graph):
         raise TypeError(f"graph must be a torch.fx.Graph, got {type(graph).__name__}")
@@ -390,7 +390,7 @@ def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = Non
     summed = merge_summed_reduce_scatters(graph) if splitting else 0
     merged = bucket_collectives(graph, bucket_bytes) if bucket_bytes is not None else 0
     split = decompose_collective_matmuls(graph, collective_matmul_chunks)
-    chained = run_chunks_through_pointwise(graph) if split else 0
+    chained = run_ops_per_chunk(graph) if split else 0
     return _reorder(graph, max_inflight_bytes) or summed > 0 or merged > 0 or split > 0 or chained > 0
 
 

@@ -59,11 +59,11 @@ from torch._inductor import custom_graph_pass as _cgp
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from scheduler import bucketing as _bucketing
-from scheduler import chunked_pointwise as _chunked_pointwise
 from scheduler import collective_matmul as _collective_matmul
 from scheduler import cpu_all_gather as _cpu_all_gather
 from scheduler import fx_nodes as _fx_nodes
 from scheduler import graph_pass as _graph_pass
+from scheduler import per_chunk_ops as _per_chunk_ops
 from scheduler import summed_scatters as _summed_scatters
 
 __all__ = ["OverlapGraphPass", "compile_options", "inductor_overlap", "install", "uninstall"]
@@ -138,7 +138,7 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
             previous_ids.append(pid)
         sources = _cgp.get_hash_for_files((_graph_pass.__file__, _bucketing.__file__, _fx_nodes.__file__,
                                            _collective_matmul.__file__, _summed_scatters.__file__,
-                                           _chunked_pointwise.__file__, _cpu_all_gather.__file__, __file__))
+                                           _per_chunk_ops.__file__, _cpu_all_gather.__file__, __file__))
         h = hashlib.sha256(sources)
         h.update(repr((PASS_VERSION, self.max_inflight_bytes, self.bucket_bytes,
                        self.collective_matmul_chunks)).encode())

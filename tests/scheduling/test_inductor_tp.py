@@ -315,7 +315,7 @@ def _collective_order(g: fx.Graph) -> list[str]:
 
 @pytest.mark.parametrize("late_operand", [False, True], ids=["operands-early", "operand-made-late"])
 def test_pointwise_ops_between_split_matmuls_run_per_chunk(late_operand: bool) -> None:
-    """[Note: chunks through pointwise ops]: with the batch cut, the activation between the gathered
+    """[Note: ops per chunk between split matmuls]: with the batch cut, the activation between the gathered
     matmul and the scattered one runs per chunk, so chunk 0's scatter is issued before chunk 1's
     gather is waited for; the activation (an output) is the cat of the chunks' values; a tensor the
     activation reads that was made after the first matmul is made before it. Values bitwise."""
@@ -521,6 +521,15 @@ def compiled_blocks() -> list[dict[str, Any]]:
     return run_distributed(_blocks, 2, timeout=400)
 
 
+def _assert_per_chunk(orders: list[list[str]], where: str, expected: bool = True) -> None:
+    """[Note: ops per chunk between split matmuls]: whether each graph (forward, backward) issues its
+    first scatter chunk before it waits for its last gather chunk, as when the ops between its split
+    matmuls run chunk by chunk (with the batch cut)."""
+    for order in orders:
+        last_gather_wait = len(order) - 1 - order[::-1].index("wait AG")
+        assert (order.index("RS") < last_gather_wait) == expected, f"{where}: {order}"
+
+
 def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: list[dict[str, Any]]) -> None:
     names = ["out", "x.grad", "up.weight.grad", "up.bias.grad", "down.weight.grad", "down.bias.grad"]
     for rank, by_dim in enumerate(r["sp_mlp"] for r in compiled_blocks):
@@ -530,12 +539,10 @@ def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: 
             # gradient -> down's input gradient, up's input gradient -> scatter).
             split = [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2
             assert r["graphs"] == split, f"{where}: {r['graphs']}"
-            # [Note: chunks through pointwise ops]: batch first (the batch cut), the relu (forward)
+            # [Note: ops per chunk between split matmuls]: batch first (the batch cut), the relu (forward)
             # and its backward run per chunk, so each graph issues its first scatter chunk before
             # it waits for its last gather chunk; sequence first, the chunks' rows interleave.
-            for order in r["orders"]:
-                last_gather_wait = len(order) - 1 - order[::-1].index("wait AG")
-                assert (order.index("RS") < last_gather_wait) == (dim == 1), f"{where}: {order}"
+            _assert_per_chunk(r["orders"], where, dim == 1)
             for name, a, c, e in zip(names, r["hook"], r["compiled"], r["eager"]):
                 assert torch.equal(a, c), f"{where}: {name}: split under the hook differs from plain compile"
                 # Eager DTensor sums the bias gradients in another order: ~1 ulp apart.
@@ -545,13 +552,15 @@ def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: 
 def test_torchtitan_attention_compiled_with_split_collectives(compiled_blocks: list[dict[str, Any]]) -> None:
     """torchtitan's plan compiled under the hook: forward, the gather before q, k, v (one, shared)
     and the output projection's scatter; backward, the output gradient's gather and the scatter of
-    q, k and v's summed input gradients (pattern (c)), each in 2 chunks; values bitwise plain compile."""
+    q, k and v's summed input gradients (pattern (c)), each in 2 chunks, and the attention between
+    them run per chunk ([Note: ops per chunk between split matmuls]); values bitwise plain compile."""
     names = ["out", "x.grad", *(f"{p}.grad" for p in ("norm.weight", "norm.bias", "wq.weight", "wq.bias",
                                                       "wk.weight", "wk.bias", "wv.weight", "wv.bias",
                                                       "wo.weight", "wo.bias"))]
     for rank, r in enumerate(r["titan"] for r in compiled_blocks):
         split = [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2
         assert r["graphs"] == split, f"rank {rank}: {r['graphs']}"
+        _assert_per_chunk(r["orders"], f"rank {rank}")
         assert len(r["hook"]) == len(names)
         for name, a, c, e in zip(names, r["hook"], r["compiled"], r["eager"]):
             assert torch.equal(a, c), f"rank {rank}: {name}: split under the hook differs from plain compile"
@@ -572,6 +581,7 @@ def test_sequence_parallel_attention_compiled_with_one_summed_scatter(compiled_b
     for rank, r in enumerate(r["sp_attention"] for r in compiled_blocks):
         split = [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2
         assert r["graphs"] == split, f"rank {rank}: {r['graphs']}"
+        _assert_per_chunk(r["orders"], f"rank {rank}")
         assert len(r["hook"]) == len(names)
         for name, a, c, e in zip(names, r["hook"], r["compiled"], r["eager"]):
             if name in downstream:

@@ -16,7 +16,7 @@ collectives' semantics). Properties:
   1e-5 relative, 1e-4 absolute on values of order 10-100), then split like any sum of matmuls;
 * the whole hook pass on a gathered linear -> relu * scale -> scattered linear: bitwise the graph
   split alone, and the activation runs once per chunk exactly where the batch is cut
-  (``scheduler.chunked_pointwise``), the first chunk's scatter then issued before the last gather
+  (``scheduler.per_chunk_ops``), the first chunk's scatter then issued before the last gather
   chunk is waited for. (Its reference is the split graph, not the unsplit one: the split's matmuls
   have fewer rows, and this CPU's BLAS does not give every row the same bits at every row count
   for some small inner dims, e.g. 6 or 7 at 72 vs 18 rows; the sizes drawn above avoid those.)
