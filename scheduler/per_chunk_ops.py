@@ -21,7 +21,8 @@ apart:
   either broadcast over dim 0 (fewer dims, or size 1 there) or have the result's shape (those are
   sliced per chunk);
 * ops that treat each row of dim 0 (each sequence) alone, on inputs and outputs whose dim 0 is
-  those rows: CPU flash attention, forward and backward (``_BATCH_OPS``), and ``getitem`` of their
+  those rows: CPU flash attention, forward and backward, without dropout (``_BATCH_OPS``: with
+  dropout a chunk would draw other random numbers than the whole), and ``getitem`` of their
   results; their other tensor operands are sliced on dim 0 or broadcast over it (size 1).
 
 Chunk 0's parts (q's, k's and v's first matmul chunks) and the outside operands, where made after
@@ -55,7 +56,7 @@ import torch.fx
 
 from scheduler.bucketing import _Emitter, _fake_mode
 from scheduler.collective_matmul import _shape
-from scheduler.fx_nodes import WAIT_TENSOR
+from scheduler.fx_nodes import BARRIER, COLLECTIVE, COMPUTE, OUTPUT, classify
 
 __all__ = ["run_ops_per_chunk"]
 
@@ -65,15 +66,27 @@ _ATEN = torch.ops.aten
 _VIEWS = frozenset({_ATEN.view.default, _ATEN.reshape.default, _ATEN._unsafe_view.default})
 
 
-def _pure(target: Any) -> bool:
-    """An op that writes nothing it reads (a functional aten op, or ``getitem``)."""
-    if target is operator.getitem:
-        return True
-    return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+def _dropout_free(node: torch.fx.Node) -> bool:
+    """Whether the attention ``node`` runs with ``dropout_p`` 0 (draws no random numbers)."""
+    names = [a.name for a in node.target._schema.arguments]
+    i = names.index("dropout_p")
+    p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+    return p == 0
 
 
-def _pointwise(target: Any) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags and _pure(target)
+def _kind(node: torch.fx.Node) -> str:
+    """The overlap pass's kind of ``node`` (``scheduler.fx_nodes.classify``): only ``COMPUTE`` may
+    move or be copied per chunk; a ``BARRIER`` (a write, a seeded random op, a side effect) may not
+    be passed. ``classify`` takes the attention forward for a seeded random op (its dropout); with
+    ``dropout_p`` 0 it draws nothing and is compute."""
+    if node.target in _BATCH_OPS and _dropout_free(node):
+        return COMPUTE
+    return classify(node, {})
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags and _kind(node) == COMPUTE
 
 
 def _view_bounds(bounds: list[int], src: tuple[int, ...], dst: tuple[int, ...]) -> Optional[list[int]]:
@@ -163,6 +176,8 @@ def _row_bounds(node: torch.fx.Node, bounds: dict[torch.fx.Node, list[int]]
             return (b, set()) if node.args[1][0] % len(out) == 0 else None
         return (b, set()) if isinstance(src.meta.get("val"), (tuple, list)) and out[0] == b[-1] else None
     if target in _BATCH_OPS:
+        if not _dropout_free(node):  # a chunk's copy would draw other random numbers than the whole
+            return None
         items = val if isinstance(val, (tuple, list)) else ()
         if not items or any(not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != b[-1] for t in items):
             return None
@@ -176,7 +191,7 @@ def _row_bounds(node: torch.fx.Node, bounds: dict[torch.fx.Node, list[int]]
             if shape[0] == b[-1] and b[-1] != 1:
                 per_chunk.add(a)
         return b, per_chunk
-    if not (_pointwise(target) or target is _ATEN.clone.default) or not out:
+    if not (_pointwise(node) or target is _ATEN.clone.default) or not out:
         return None
     if any(_shape(a) != out for a in inside):
         return None
@@ -262,15 +277,11 @@ def _ready(graph: torch.fx.Graph, r: _Region) -> bool:
     return True
 
 
-def _writes(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and not _pure(node.target)
-
-
 def _writes_between(first: torch.fx.Node, last: torch.fx.Node) -> bool:
-    """Whether an op from ``first`` to ``last`` (graph order) may write a tensor (not a pure op)."""
+    """Whether an op from ``first`` to ``last`` (graph order) is a barrier (may write a tensor)."""
     node = first
     while True:
-        if _writes(node):
+        if _kind(node) == BARRIER:
             return True
         if node is last:
             return False
@@ -280,15 +291,14 @@ def _writes_between(first: torch.fx.Node, last: torch.fx.Node) -> bool:
 def _late_ancestors(nodes: list[torch.fx.Node], ready: Callable[[torch.fx.Node], bool]
                     ) -> Optional[set[torch.fx.Node]]:
     """``nodes`` and their ancestors that are not ``ready``, or None when one of them cannot move up
-    (not a pure op, a wait, a collective)."""
+    (not ``COMPUTE``: a wait, a collective, a barrier)."""
     late: set[torch.fx.Node] = set()
     stack = list(nodes)
     while stack:
         n = stack.pop()
         if n in late or ready(n):
             continue
-        if (n.op != "call_function" or n.target is WAIT_TENSOR or not _pure(n.target)
-                or getattr(n.target, "namespace", None) == "_c10d_functional"):
+        if _kind(n) != COMPUTE:
             return None
         late.add(n)
         stack.extend(n.all_input_nodes)
@@ -325,19 +335,19 @@ def _emit_chunk(graph: torch.fx.Graph, r: _Region, k: int, position: dict[torch.
 
 
 def _hoist_after(graph: torch.fx.Graph, last: torch.fx.Node, seeds: set[torch.fx.Node]) -> int:
-    """Move the nodes after ``last`` that read ``seeds`` (or moved nodes), with the pure ops they
-    also need from after ``last``, up to follow ``last``, in their order; never a wait, and nothing
-    from the first op that may write a tensor on (a read moved above a write could see old data).
-    Returns how many."""
+    """Move the nodes after ``last`` that read ``seeds`` (or moved nodes), with the ``COMPUTE`` ops
+    they also need from after ``last``, up to follow ``last``, in their order; never a wait, and
+    nothing from the first barrier on (a read moved above a write could see old data). Returns how
+    many."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     ready = set(seeds) | {n for n in graph.nodes if position[n] <= position[last]}
     moved = 0
     anchor = last
     node = last.next
-    while node.op != "output" and not _writes(node):
+    while _kind(node) not in (OUTPUT, BARRIER):
         following = node.next
         inputs = node.all_input_nodes
-        if node.op == "call_function" and node.target is not WAIT_TENSOR and any(a in seeds for a in inputs):
+        if _kind(node) in (COMPUTE, COLLECTIVE) and any(a in seeds for a in inputs):
             needed = _late_ancestors([a for a in inputs if a not in ready], ready.__contains__)
             if needed is not None:
                 for n in [*sorted(needed, key=position.__getitem__), node]:
