@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["AG", "ATEN", "RS", "WAIT", "call", "run"]
+__all__ = ["AG", "ATEN", "RS", "WAIT", "call", "collective_order", "run", "scatter_before_last_gather_wait"]
 
 C10D = torch.ops._c10d_functional
 ATEN = torch.ops.aten
@@ -53,3 +53,18 @@ def run(g: fx.Graph, inputs: dict[str, torch.Tensor], w: int, meta: bool = False
         if meta:
             n.meta["val"] = env[n]
     raise AssertionError("no output")
+
+
+def collective_order(g: fx.Graph) -> list[str]:
+    """Issues and waits of all-gathers and reduce-scatters in graph order: "AG", "RS", "wait AG",
+    "wait RS"."""
+    names = {AG: "AG", RS: "RS"}
+    return [names[n.target] if n.target in names else f"wait {names[n.args[0].target]}"
+            for n in g.nodes if n.target in names or n.target is WAIT]
+
+
+def scatter_before_last_gather_wait(order: list[str]) -> bool:
+    """Whether a :func:`collective_order` issues its first reduce-scatter before its last gather
+    wait (chunks flow from the gather to the scatter one by one)."""
+    last_gather_wait = len(order) - 1 - order[::-1].index("wait AG")
+    return order.index("RS") < last_gather_wait

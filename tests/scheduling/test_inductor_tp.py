@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from fake_collectives import AG, ATEN, RS, WAIT, call as _call, run
+from fake_collectives import AG, ATEN, RS, WAIT, call as _call, collective_order, run, scatter_before_last_gather_wait
 from scheduler import overlap_graph
 from scheduler.collective_matmul import decompose_collective_matmuls
 from scheduler.inductor_hook import OverlapGraphPass
@@ -306,13 +306,6 @@ def _mlp_graph(gather_dim: int = 1, late_operand: bool = False, mix_rows: bool =
     return g, inputs
 
 
-def _collective_order(g: fx.Graph) -> list[str]:
-    """Issues and waits in graph order: "AG", "RS", "wait AG", "wait RS"."""
-    names = {AG: "AG", RS: "RS"}
-    return [names[n.target] if n.target in names else f"wait {names[n.args[0].target]}"
-            for n in g.nodes if n.target in names or n.target is WAIT]
-
-
 @pytest.mark.parametrize("late_operand", [False, True], ids=["operands-early", "operand-made-late"])
 def test_pointwise_ops_between_split_matmuls_run_per_chunk(late_operand: bool) -> None:
     """[Note: ops per chunk between split matmuls]: with the batch cut, the activation between the gathered
@@ -324,7 +317,7 @@ def test_pointwise_ops_between_split_matmuls_run_per_chunk(late_operand: bool) -
     assert overlap_graph(g, collective_matmul_chunks=2)
     assert _targets(g).count(ATEN.relu.default) == 2
     assert _targets(g).count(ATEN.tanh.default) == int(late_operand)  # made once, sliced per chunk
-    assert _collective_order(g) == ["AG", "AG", "wait AG", "RS", "wait AG", "RS", "wait RS", "wait RS"]
+    assert collective_order(g) == ["AG", "AG", "wait AG", "RS", "wait AG", "RS", "wait RS", "wait RS"]
     _check_same_values(g, inputs, before)
 
 
@@ -341,8 +334,57 @@ def test_pointwise_ops_stay_whole_where_chunk_rows_are_not_apart(make) -> None:
     assert overlap_graph(g, collective_matmul_chunks=2)
     assert _targets(g).count(ATEN.relu.default) == 1
     assert _targets(g).count(AG) == 2 and _targets(g).count(RS) == 2
-    assert _collective_order(g) == ["AG", "AG", "wait AG", "wait AG", "RS", "RS", "wait RS", "wait RS"]
+    assert collective_order(g) == ["AG", "AG", "wait AG", "wait AG", "RS", "RS", "wait RS", "wait RS"]
     _check_same_values(g, inputs, before)
+
+
+def _attention_graph(dropout: float) -> tuple[fx.Graph, dict]:
+    """An attention block's forward as compiled with the batch cut in view: x [2, seq/W, 8] gathered
+    (``Shard(1)``) -> q, k, v (addmm each) -> heads -> CPU flash attention (``dropout``) -> output
+    projection -> reduce-scatter. The attention's output is also an output (saved for backward)."""
+    seq, heads = 32, 2
+    g = fx.Graph()
+    x = g.placeholder("x")
+    weights = {p: (g.placeholder(f"w{p}"), g.placeholder(f"b{p}")) for p in "qkvo"}
+    wait = _call(g, WAIT, _call(g, AG, x, W, "0"))
+    split = _call(g, ATEN.split.Tensor, wait, 2)
+    rows = _call(g, ATEN.reshape.default,
+                 _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)], 1), [2 * seq, 8])
+
+    def projected(p: str) -> fx.Node:
+        wt, b = weights[p]
+        y = _call(g, ATEN.addmm.default, b, rows, _call(g, ATEN.permute.default, wt, [1, 0]))
+        return _call(g, ATEN.permute.default, _call(g, ATEN.reshape.default, y, [2, seq, heads, 4]), [0, 2, 1, 3])
+
+    flash = _call(g, ATEN._scaled_dot_product_flash_attention_for_cpu.default, *map(projected, "qkv"), dropout, True)
+    out = _call(g, operator.getitem, flash, 0)
+    merged = _call(g, ATEN.reshape.default, _call(g, ATEN.permute.default, out, [0, 2, 1, 3]), [2 * seq, 8])
+    wt, b = weights["o"]
+    y = _call(g, ATEN.addmm.default, b, merged, _call(g, ATEN.permute.default, wt, [1, 0]))
+    g.output((_scattered(g, _call(g, ATEN.reshape.default, y, [2, seq, 8]), seq, 1), out))
+    inputs = {"x": torch.randn(2, seq // W, 8)}
+    inputs.update({f"{k}{p}": torch.randn(8, 8) if k == "w" else torch.randn(8) for p in "qkvo" for k in "wb"})
+    _set_vals(g, inputs)
+    return g, inputs
+
+
+def test_attention_between_split_matmuls_runs_per_chunk_without_dropout() -> None:
+    """[Note: ops per chunk between split matmuls] through attention: q's, k's and v's chunk results
+    (three seeds) -> heads -> flash attention -> output projection, per chunk; chunk 0's scatter is
+    issued before chunk 1's gather is waited for. Values bitwise. With dropout the attention stays
+    whole (a chunk's copy would draw other random numbers than the whole); meta values only, as
+    CPU flash attention runs no dropout."""
+    flash = ATEN._scaled_dot_product_flash_attention_for_cpu.default
+    g, inputs = _attention_graph(0.0)
+    before = _run(g, inputs)
+    assert overlap_graph(g, collective_matmul_chunks=2)
+    assert _targets(g).count(flash) == 2
+    assert collective_order(g) == ["AG", "AG", "wait AG", "RS", "wait AG", "RS", "wait RS", "wait RS"]
+    _check_same_values(g, inputs, before)
+    g, _ = _attention_graph(0.5)
+    assert overlap_graph(g, collective_matmul_chunks=2)
+    assert _targets(g).count(flash) == 1
+    assert collective_order(g) == ["AG", "AG", "wait AG", "wait AG", "RS", "RS", "wait RS", "wait RS"]
 
 
 def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
@@ -418,7 +460,7 @@ def _three_ways(build: Callable[[], Any], x0: torch.Tensor) -> dict[str, Any]:
     def recording(graph: fx.Graph, *args: Any) -> bool:
         changed = original(graph, *args)
         graphs.append(str(graph))
-        orders.append(_collective_order(graph))
+        orders.append(collective_order(graph))
         return changed
 
     result: dict[str, Any] = {"eager": step(build())}
@@ -526,8 +568,7 @@ def _assert_per_chunk(orders: list[list[str]], where: str, expected: bool = True
     first scatter chunk before it waits for its last gather chunk, as when the ops between its split
     matmuls run chunk by chunk (with the batch cut)."""
     for order in orders:
-        last_gather_wait = len(order) - 1 - order[::-1].index("wait AG")
-        assert (order.index("RS") < last_gather_wait) == expected, f"{where}: {order}"
+        assert scatter_before_last_gather_wait(order) == expected, f"{where}: {order}"
 
 
 def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: list[dict[str, Any]]) -> None:
@@ -549,22 +590,35 @@ def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: 
                 torch.testing.assert_close(a, e, msg=lambda m: f"{where}: {name} vs eager: {m}")
 
 
+_ATTENTION_GRADS = ["out", "x.grad", *(f"{p}.grad" for p in ("norm.weight", "norm.bias", "wq.weight", "wq.bias",
+                                                              "wk.weight", "wk.bias", "wv.weight", "wv.bias",
+                                                              "wo.weight", "wo.bias"))]
+
+
+def _check_compiled_attention(blocks: list[dict[str, Any]], key: str, downstream: frozenset = frozenset()) -> None:
+    """Each rank's ``key`` block (:func:`_three_ways`): forward and backward each one gather and one
+    scatter split in 2 chunks, the ops between them per chunk; the output and gradients
+    (:data:`_ATTENTION_GRADS`) bitwise plain compile, those in ``downstream`` within 1e-5 (fp32), all
+    close to eager."""
+    for rank, r in enumerate(r[key] for r in blocks):
+        split = [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2
+        assert r["graphs"] == split, f"rank {rank}: {r['graphs']}"
+        _assert_per_chunk(r["orders"], f"rank {rank}")
+        assert len(r["hook"]) == len(_ATTENTION_GRADS)
+        for name, a, c, e in zip(_ATTENTION_GRADS, r["hook"], r["compiled"], r["eager"]):
+            if name in downstream:
+                torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {name}: {m}")
+            else:
+                assert torch.equal(a, c), f"rank {rank}: {name}: the hook differs from plain compile"
+            torch.testing.assert_close(a, e, msg=lambda m: f"rank {rank}: {name} vs eager: {m}")
+
+
 def test_torchtitan_attention_compiled_with_split_collectives(compiled_blocks: list[dict[str, Any]]) -> None:
     """torchtitan's plan compiled under the hook: forward, the gather before q, k, v (one, shared)
     and the output projection's scatter; backward, the output gradient's gather and the scatter of
     q, k and v's summed input gradients (pattern (c)), each in 2 chunks, and the attention between
     them run per chunk ([Note: ops per chunk between split matmuls]); values bitwise plain compile."""
-    names = ["out", "x.grad", *(f"{p}.grad" for p in ("norm.weight", "norm.bias", "wq.weight", "wq.bias",
-                                                      "wk.weight", "wk.bias", "wv.weight", "wv.bias",
-                                                      "wo.weight", "wo.bias"))]
-    for rank, r in enumerate(r["titan"] for r in compiled_blocks):
-        split = [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2
-        assert r["graphs"] == split, f"rank {rank}: {r['graphs']}"
-        _assert_per_chunk(r["orders"], f"rank {rank}")
-        assert len(r["hook"]) == len(names)
-        for name, a, c, e in zip(names, r["hook"], r["compiled"], r["eager"]):
-            assert torch.equal(a, c), f"rank {rank}: {name}: split under the hook differs from plain compile"
-            torch.testing.assert_close(a, e, msg=lambda m: f"rank {rank}: {name} vs eager: {m}")
+    _check_compiled_attention(compiled_blocks, "titan")
 
 
 def test_sequence_parallel_attention_compiled_with_one_summed_scatter(compiled_blocks: list[dict[str, Any]]) -> None:
@@ -574,18 +628,5 @@ def test_sequence_parallel_attention_compiled_with_one_summed_scatter(compiled_b
     output projection's pair. Everything upstream of that sum (the output, every projection's
     gradients) is bitwise plain compile; the input's and the norm's gradients, downstream of it,
     agree up to the changed rounding order (fp32, 1e-5 relative)."""
-    names = ["out", "x.grad", *(f"{p}.grad" for p in ("norm.weight", "norm.bias", "wq.weight", "wq.bias",
-                                                      "wk.weight", "wk.bias", "wv.weight", "wv.bias",
-                                                      "wo.weight", "wo.bias"))]
-    downstream = {"x.grad", "norm.weight.grad", "norm.bias.grad"}
-    for rank, r in enumerate(r["sp_attention"] for r in compiled_blocks):
-        split = [{"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}] * 2
-        assert r["graphs"] == split, f"rank {rank}: {r['graphs']}"
-        _assert_per_chunk(r["orders"], f"rank {rank}")
-        assert len(r["hook"]) == len(names)
-        for name, a, c, e in zip(names, r["hook"], r["compiled"], r["eager"]):
-            if name in downstream:
-                torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {name}: {m}")
-            else:
-                assert torch.equal(a, c), f"rank {rank}: {name}: the hook differs from plain compile"
-            torch.testing.assert_close(a, e, msg=lambda m: f"rank {rank}: {name} vs eager: {m}")
+    _check_compiled_attention(compiled_blocks, "sp_attention",
+                              downstream=frozenset({"x.grad", "norm.weight.grad", "norm.bias.grad"}))

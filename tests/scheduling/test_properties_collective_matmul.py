@@ -37,7 +37,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fake_collectives import AG, ATEN, RS, WAIT, call as _call, run  # noqa: E402
+from fake_collectives import (  # noqa: E402
+    AG, ATEN, RS, WAIT, call as _call, collective_order, run, scatter_before_last_gather_wait,
+)
 from scheduler import overlap_graph  # noqa: E402
 from scheduler.collective_matmul import MIN_ROWS, decompose_collective_matmuls  # noqa: E402
 from scheduler.summed_scatters import merge_summed_reduce_scatters  # noqa: E402
@@ -183,9 +185,6 @@ def test_pointwise_between_split_matmuls_runs_per_chunk_where_the_batch_is_cut(
     c = _count(g, AG)
     batch_cut = c > 1 and dim > 0 and batch % c == 0
     assert _count(g, ATEN.relu.default) == (c if batch_cut else 1)
-    order = [n for n in g.nodes if n.target in (RS, WAIT)]
-    first_scatter = next(i for i, n in enumerate(order) if n.target is RS)
-    last_gather_wait = max(i for i, n in enumerate(order) if n.target is WAIT and n.args[0].target is AG)
-    assert (first_scatter < last_gather_wait) == batch_cut
+    assert scatter_before_last_gather_wait(collective_order(g)) == batch_cut
     for a, b in zip(run(g, inputs, w), before):
         assert torch.equal(a, b)
