@@ -41,6 +41,7 @@ from torch import nn
 from _common import (INDUCTOR_COMM_PASSES, add_link, add_mlp, add_steps, add_world_size, over_ranks,  # first: sys.path
                      parse, parser, rank_input)
 import scheduler
+from scheduler.torch_versions import funcol_all_gather
 from compiled_step import ShardedMLP, captured_code, collective_gaps, compiled_step
 from overlap.demo.training import calibrated_gbps
 from overlap.testing import EmulatedLink, run_distributed
@@ -180,7 +181,6 @@ def eager(args: argparse.Namespace) -> None:
 
 
 def _eager_rank(rank: int, world: int, args: argparse.Namespace) -> None:
-    import torch.distributed._functional_collectives as funcol
 
     import overlap
     from scheduler import Scheduler
@@ -193,7 +193,7 @@ def _eager_rank(rank: int, world: int, args: argparse.Namespace) -> None:
     def gather_ours(w: torch.Tensor) -> torch.Tensor:
         return overlap.all_gather(w)
 
-    gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    gather_single = funcol_all_gather
 
     def gather_torch(w: torch.Tensor) -> torch.Tensor:
         return gather_single(w, 0, dist.group.WORLD)

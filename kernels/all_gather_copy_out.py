@@ -96,6 +96,7 @@ def all_gather_copy_out(
     _check(ag_output, layout, outs, dtype)
     outs = _allocate(ag_output, layout, dtype) if outs is None else list(outs)
     if library.use_dispatcher([ag_output, *outs]):
+        library.check_compiled_views(OP, "outs", outs)
         torch.ops.overlap.all_gather_copy_out(ag_output, list(layout.spec), outs)
     else:
         _all_gather_copy_out(ag_output, layout, outs)

@@ -12,16 +12,19 @@ the dims before ``d`` and ``inner`` of those after, and walk the buffer's elemen
 Contract: :func:`check` validates the arguments of either op (``TypeError`` / ``ValueError`` naming
 the op and the argument, before anything is written) and returns the three extents;
 :func:`pieces_tensor` is the ``(2, w)`` int64 table ``[starts; lengths]`` the kernels read, built
-once per (device, pieces) and cached (its contents are a function of the key).
+once per (device, pieces) and cached (its contents are a function of the key); :func:`launch`
+launches either op's kernel so that tracing sees it, on every supported torch.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from kernels._checks import check_dtype
 from kernels._jit import INTERPRET
@@ -103,6 +106,20 @@ def use_triton(tensors: Sequence[torch.Tensor]) -> bool:
     if not triton_enabled(tensors[0].device):
         return False
     return not (INTERPRET and use_dispatcher(tensors))
+
+
+def launch(kernel: Any, grid: tuple[int, ...], args: Sequence[object], kwargs: dict[str, object]) -> None:
+    """Launch ``kernel[grid](*args, **kwargs)`` from inside a ``triton_op``, through
+    ``torch.library.wrap_triton`` so that tracing records the kernel itself.
+
+    Under ``TRITON_INTERPRET=1``, ``triton.jit`` makes an ``InterpretedFunction``, not a
+    ``JITFunction``: torch 2.13+ hands it back unwrapped, torch 2.11 refuses it ("wrap_triton only
+    works on functions annotated with triton.jit"). It is launched as it is on every version (an
+    interpreted kernel is never traced: see :func:`use_triton`).
+    """
+    if isinstance(kernel, JITFunction):
+        kernel = torch.library.wrap_triton(kernel)
+    kernel[grid](*args, **kwargs)
 
 
 @triton.jit

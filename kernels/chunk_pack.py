@@ -113,8 +113,7 @@ def _chunk_pack_op(buf: torch.Tensor, src: torch.Tensor, starts: list[int], leng
         return
     if _use_triton([buf, src]):
         call = _KernelCall(buf, src, starts, lengths, dim, bias, scale, extents)
-        args, kwargs = call.arguments()
-        torch.library.wrap_triton(call.kernel)[call.grid](*args, **kwargs)
+        chunk_layout.launch(call.kernel, call.grid, *call.arguments())
     else:
         _pack_torch(buf, src, starts, lengths, dim, bias, scale)
 

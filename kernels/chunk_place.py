@@ -66,7 +66,7 @@ def _chunk_place_op(full: torch.Tensor, buf: torch.Tensor, starts: list[int], le
         return
     if _use_triton([full, buf]):
         call = _KernelCall(full, buf, starts, lengths, dim, skip, extents)
-        torch.library.wrap_triton(call.kernel)[call.grid](*call.args, **call.kwargs)
+        chunk_layout.launch(call.kernel, call.grid, *call.arguments())
     else:
         _place_torch(full, buf, starts, lengths, dim, skip)
 

@@ -53,6 +53,32 @@ def layout(spec: Sequence[int]) -> ShardLayout:
     return ShardLayout.from_spec(tuple(spec))
 
 
+_LOSES_VIEW_WRITES = torch.__version__ < (2, 13)
+
+
+def check_compiled_views(op: str, name: str, tensors: Sequence[torch.Tensor]) -> None:
+    """Raise ``RuntimeError`` naming ``op``, ``name`` and the torch needed when Dynamo traces a call
+    that writes two views of one tensor on torch < 2.13.
+
+    Torch 2.11's Inductor writes a custom op's mutations of several views of one base back wrong
+    (later views come back unwritten or as uninitialized memory; reproduced with a one-line
+    ``torch.library.custom_op``). Separate tensors, or views of different tensors, are fine.
+    """
+    if not _LOSES_VIEW_WRITES or not torch.compiler.is_compiling():
+        return
+    bases: list[torch.Tensor] = []
+    for t in tensors:
+        base = t._base
+        if base is None:
+            continue
+        if any(base is b for b in bases):
+            raise RuntimeError(
+                f"{op}: {name} holds several views of one tensor; under torch.compile, torch "
+                f"{torch.__version__} loses an op's writes to such views (fixed in torch 2.13). Pass separate "
+                f"tensors, or call {op} outside the compiled region, or use torch >= 2.13")
+        bases.append(base)
+
+
 def use_dispatcher(tensors: Sequence[torch.Tensor]) -> bool:
     """Route through ``torch.ops.overlap.*`` (traceable) instead of launching directly (fast eager).
 

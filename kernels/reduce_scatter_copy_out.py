@@ -113,6 +113,7 @@ def reduce_scatter_copy_out(
     """Write (or add) this rank's reduced slot, scaled and cast, into ``shard_grads`` in place."""
     _check(rs_output, shard_grads, layout, rank, post_scale, accumulate)
     if library.use_dispatcher([rs_output, *shard_grads]):
+        library.check_compiled_views(OP, "shard_grads", shard_grads)
         torch.ops.overlap.reduce_scatter_copy_out(
             rs_output, list(shard_grads), list(layout.spec), rank, post_scale, accumulate
         )

@@ -42,6 +42,7 @@ from overlap.inflight_work import InflightWork, ResultCompletion, make_room, tra
 from overlap.streams import check_device, check_not_capturing, collective_stream
 from overlap.regions import region
 from scheduler.async_tensor import AsyncTensor, wait_tensor
+from scheduler.torch_versions import DIST_ALL_GATHER, DIST_REDUCE_SCATTER
 
 __all__ = [
     "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
@@ -91,15 +92,12 @@ def _check_list(xs: object, name: str) -> list[torch.Tensor]:
 
 
 def _dist_all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
-    # Looked up at call time: torch 2.13 renamed it all_gather_single, and overlap.testing.emulated_link
-    # patches the module attribute.
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+    # Looked up at call time: overlap.testing.emulated_link patches the module attribute.
+    return getattr(dist, DIST_ALL_GATHER)(out, inp, group=group, async_op=async_op)
 
 
 def _dist_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup, async_op: bool):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, op=op, group=group, async_op=async_op)
+    return getattr(dist, DIST_REDUCE_SCATTER)(out, inp, op=op, group=group, async_op=async_op)
 
 
 def _bound_device(group: str) -> Optional[torch.device]:

@@ -81,11 +81,17 @@ def _process_group(group: GroupArg, arg_name: str) -> dist.ProcessGroup:
 def resolve_group(group: GroupArg, arg_name: str = "group") -> GroupInfo:
     """Resolve ``group`` to a :class:`GroupInfo`; cached per ProcessGroup."""
     pg = _process_group(group, arg_name)
+    if torch.compiler.is_compiling():  # Dynamo on torch 2.11 cannot trace id() of a ProcessGroup
+        return _group_info(pg)
     info = _info_cache.get(id(pg))
     if info is None or info.pg is not pg:
-        info = GroupInfo(pg=pg, rank=dist.get_rank(pg), size=dist.get_world_size(pg), backend=str(dist.get_backend(pg)))
+        info = _group_info(pg)
         _info_cache[id(pg)] = info
     return info
+
+
+def _group_info(pg: dist.ProcessGroup) -> GroupInfo:
+    return GroupInfo(pg=pg, rank=dist.get_rank(pg), size=dist.get_world_size(pg), backend=str(dist.get_backend(pg)))
 
 
 _mesh_cache: dict[tuple[int, str], Any] = {}

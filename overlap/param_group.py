@@ -305,7 +305,11 @@ class ParamGroup:
                 tp_spec = self.tp_specs[i]
                 if tp_spec is not None:  # the module sees the DTensor tensor parallelism made
                     data = tp_dtensor(data, tp_spec)
-                self.unsharded.append(nn.Parameter(data, requires_grad=self.sharded[i].requires_grad))
+                param = nn.Parameter(data, requires_grad=self.sharded[i].requires_grad)
+                wide = self._tp_reduced_grad_dtype(i)
+                if wide is not None:
+                    param.grad_dtype = wide
+                self.unsharded.append(param)
             self._unsharded_sources = sources
             self._hooked: set[int] = set()
         for i, (u, s) in enumerate(zip(self.unsharded, self.sharded)):
@@ -315,6 +319,20 @@ class ParamGroup:
                 u.register_post_accumulate_grad_hook(self._grad_hook(i))
                 self._hooked.add(i)
         return self.unsharded
+
+    def _tp_reduced_grad_dtype(self, index: int) -> Optional[torch.dtype]:
+        """The dtype autograd accumulates parameter ``index``'s unsharded gradient in when that is
+        wider than the parameter's, else None: ``reduce_dtype`` for a tensor-parallel parameter
+        replicated over a TP dim, whose ``Partial()`` gradient is all-reduced over that dim before
+        the data-parallel reduce-scatter ([Note: sharding tensor-parallel parameters]), so that this
+        reduction too runs in ``reduce_dtype`` (as FSDP2 does from torch 2.15)."""
+        spec, reduce_dtype = self.tp_specs[index], self.mp.effective_reduce_dtype
+        dtype = self._unsharded_dtype(index)
+        if (spec is None or reduce_dtype is None or not dtype.is_floating_point
+                or reduce_dtype.itemsize <= dtype.itemsize
+                or not any(isinstance(p, Replicate) for p in spec.placements)):
+            return None
+        return reduce_dtype
 
     def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:

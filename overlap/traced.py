@@ -13,12 +13,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from overlap.groups import GroupInfo
+from scheduler.torch_versions import funcol_all_gather, funcol_reduce_scatter
 
 __all__ = ["is_tracing", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"]
-
-# torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single (same signature); 2.11 has only the old names.
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def is_tracing(x: torch.Tensor) -> bool:
@@ -37,7 +34,7 @@ def _finish_avg(y: torch.Tensor, op: str, info: GroupInfo) -> torch.Tensor:
 
 
 def all_gather(x: torch.Tensor, info: GroupInfo, dim: int) -> torch.Tensor:
-    y = funcol.wait_tensor(_all_gather(x.contiguous(), 0, info.pg))
+    y = funcol.wait_tensor(funcol_all_gather(x.contiguous(), 0, info.pg))
     if dim == 0:
         return y
     return torch.cat(torch.chunk(y, info.size, dim=0), dim=dim)
@@ -46,7 +43,7 @@ def all_gather(x: torch.Tensor, info: GroupInfo, dim: int) -> torch.Tensor:
 def reduce_scatter(x: torch.Tensor, op: str, info: GroupInfo, dim: int) -> torch.Tensor:
     if dim != 0:
         x = torch.cat(torch.chunk(x, info.size, dim=dim), dim=0)
-    y = funcol.wait_tensor(_reduce_scatter(x.contiguous(), _functional_op(op, info), 0, info.pg))
+    y = funcol.wait_tensor(funcol_reduce_scatter(x.contiguous(), _functional_op(op, info), 0, info.pg))
     return _finish_avg(y, op, info)
 
 

@@ -65,6 +65,7 @@ import torch
 import torch.fx
 
 from scheduler.bucketing import bucket_collectives, check_bucket_bytes
+from scheduler.canonical_waits import canonicalize_waits
 from scheduler.collective_matmul import check_chunks, decompose_collective_matmuls
 from scheduler.fx_nodes import (
     BARRIER, COLLECTIVE, COLLECTIVE_OPS, COMPUTE, MEMBER, OUTPUT, WAIT, BadGraph, classify, group_of, is_coalesced,
@@ -374,6 +375,8 @@ def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = Non
 
     The core of :func:`overlap_pass`, working on a bare ``torch.fx.Graph`` (what Inductor's
     ``post_grad_custom_post_pass`` receives). Same contract; the caller recompiles the module.
+    First, the waits are put in the one form every pass here reads (``scheduler.canonical_waits``:
+    torch 2.15 traces others).
     With ``collective_matmul_chunks`` (> 1), sums of reduce-scatters are first merged into one
     reduce-scatter of the sum (``scheduler.summed_scatters``: equal up to float rounding, not
     bitwise), then all-gather -> mm and mm -> reduce-scatter are split into that many chunks
@@ -387,11 +390,13 @@ def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = Non
     check_bucket_bytes(bucket_bytes)
     check_chunks(collective_matmul_chunks)
     splitting = collective_matmul_chunks is not None and collective_matmul_chunks > 1
+    unpacked = canonicalize_waits(graph)
     summed = merge_summed_reduce_scatters(graph) if splitting else 0
     merged = bucket_collectives(graph, bucket_bytes) if bucket_bytes is not None else 0
     split = decompose_collective_matmuls(graph, collective_matmul_chunks)
     chained = run_ops_per_chunk(graph) if split else 0
-    return _reorder(graph, max_inflight_bytes) or summed > 0 or merged > 0 or split > 0 or chained > 0
+    return (_reorder(graph, max_inflight_bytes) or unpacked > 0 or summed > 0 or merged > 0 or split > 0
+            or chained > 0)
 
 
 def _reorder(graph: torch.fx.Graph, max_inflight_bytes: Optional[int]) -> bool:

@@ -10,7 +10,8 @@ gloo's coalesced all-gather cannot have two in flight).
 manager. Installs nest: each ``uninstall`` undoes the latest ``install``.
 
 FX graph cache: ``OverlapGraphPass.uuid()`` hashes this package's pass sources (``graph_pass``,
-``bucketing``, ``collective_matmul``, ``summed_scatters``, ``cpu_all_gather``, ``fx_nodes`` and
+``bucketing``, ``collective_matmul``, ``summed_scatters``, ``per_chunk_ops``, ``canonical_waits``,
+``cpu_all_gather``, ``fx_nodes`` and
 this module), the options and the composed user passes' own uuids, so a cached graph is reused
 only when all of those are the same, and a different ``max_inflight_bytes`` gives a different key.
 A user pass that is a plain callable (no uuid) makes ``uuid()`` return None, which tells Inductor
@@ -59,6 +60,7 @@ from torch._inductor import custom_graph_pass as _cgp
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from scheduler import bucketing as _bucketing
+from scheduler import canonical_waits as _canonical_waits
 from scheduler import collective_matmul as _collective_matmul
 from scheduler import cpu_all_gather as _cpu_all_gather
 from scheduler import fx_nodes as _fx_nodes
@@ -80,6 +82,10 @@ DEFAULT_COLLECTIVE_MATMUL_CHUNKS = 2
 # has it; the overlap pass takes it so that it can hand it on to inference-aware user passes.
 _InferenceAware: Optional[type] = getattr(_cgp, "CustomInferenceAwareGraphPass", None)
 _PassBase: type = _InferenceAware if _InferenceAware is not None else CustomGraphPass
+# The pass types whose uuid() Inductor's cache uses: every CustomGraphPass, and on torch >= 2.13 any
+# subclass of their common base CustomPassBase (2.11 has no such base).
+_HASHABLE_PASSES: tuple[type, ...] = tuple(
+    t for t in (getattr(_cgp, "CustomPassBase", None), CustomGraphPass) if t is not None)
 
 
 def _flatten(passes: Any) -> tuple[Any, ...]:
@@ -132,13 +138,14 @@ class OverlapGraphPass(_PassBase):  # type: ignore[valid-type,misc]
         """
         previous_ids = []
         for p in _flatten(self.previous):
-            pid = p.uuid() if isinstance(p, _cgp.CustomPassBase) else None
+            pid = p.uuid() if isinstance(p, _HASHABLE_PASSES) else None
             if pid is None:
                 return None
             previous_ids.append(pid)
         sources = _cgp.get_hash_for_files((_graph_pass.__file__, _bucketing.__file__, _fx_nodes.__file__,
                                            _collective_matmul.__file__, _summed_scatters.__file__,
-                                           _per_chunk_ops.__file__, _cpu_all_gather.__file__, __file__))
+                                           _per_chunk_ops.__file__, _canonical_waits.__file__, _cpu_all_gather.__file__,
+                                           __file__))
         h = hashlib.sha256(sources)
         h.update(repr((PASS_VERSION, self.max_inflight_bytes, self.bucket_bytes,
                        self.collective_matmul_chunks)).encode())

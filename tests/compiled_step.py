@@ -50,11 +50,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import overlap
+from scheduler.torch_versions import funcol_reduce_scatter
 
 __all__ = ["CollectiveGap", "ShardedBlock", "ShardedMLP", "captured_code", "collective_gaps", "compiled_step"]
 
-# torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (same signature).
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+_reduce_scatter = funcol_reduce_scatter
 
 
 class _GatherShard(torch.autograd.Function):

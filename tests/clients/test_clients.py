@@ -55,7 +55,7 @@ from client_zoo import (
     CLIENTS, CLIP_NORM, RESUME_STEPS, SAVE_AFTER, Client, named_optimizer_state, reference, reference_f64_logits,
 )
 from models import (
-    BF16_LOSS_RTOL, BF16_MIN_DEV, LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, STEP_RTOL, global_mean, make_optimizer,
+    BF16_LOSS_RTOL, BF16_MIN_DEV, LOSS_RTOL, LR, PARAM_ATOL, PARAM_RTOL, STEP_RTOL, global_mean, make_optimizer,
     max_rel_dev, shard_rows,
 )
 from side_by_side import (
@@ -73,11 +73,14 @@ pytestmark = pytest.mark.torch_kernels
 # parameters), measured there on TinyLM. On these clients FSDP2 measured (torch 2.13, gloo): max
 # relative loss deviation 2.0e-7 over the 5 steps, at world 1, 2 and 3; parameters after 3 steps
 # 5.2e-6.
-# Parameters after all 5 steps: FINAL_PARAM_ATOL = 2e-4, 2% of one AdamW step (lr 1e-2). AdamW
-# moves an element by ~lr * g / sqrt(v) whatever |g|, so an element whose gradient is at rounding-
-# noise level takes a step that depends on that noise: FSDP2 measured 1.43e-4 on one of hf_llama's
-# embed_tokens elements (1 of 4064), <= 2.2e-5 everywhere else (both runtimes).
+# Parameters after all 5 steps: FINAL_PARAM_ATOL = 2e-4, 2% of one AdamW step (lr 1e-2), for every
+# element but at most NOISE_ELEMENTS per tensor, which must stay within one step (LR). AdamW moves
+# an element by ~lr * g / sqrt(v) whatever |g|, so an element whose gradient is at rounding-noise
+# level takes a step whose size and sign are that noise: on hf_llama's embed_tokens one element of
+# 4064 measured 1.43e-4 in one process and 3.23e-4 in another (FSDP2 and overlap alike, torch 2.11,
+# 2.13 and 2.15: the noise depends on what else the process ran), <= 2.2e-5 everywhere else.
 FINAL_PARAM_ATOL = 2e-4
+NOISE_ELEMENTS = 2
 # Global gradient norm: a float32 sum of squares over ~30k elements in another order (per-shard
 # partial sums, then across ranks): a few ulps; FSDP2 measured <= 1.5e-7 relative. NORM_RTOL = 1e-6.
 NORM_RTOL = 1e-6
@@ -460,6 +463,17 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: st
         torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=a, msg=lambda m: f"{what} {k}: {m}")
 
 
+def _close_but_noise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """Final parameters: within PARAM_RTOL / FINAL_PARAM_ATOL, but for at most NOISE_ELEMENTS elements
+    per tensor, which must be within one AdamW step (LR) (see FINAL_PARAM_ATOL)."""
+    assert set(got) == set(want), f"{what}: keys differ: extra {set(got) - set(want)}, missing {set(want) - set(got)}"
+    for k in want:
+        diff = (got[k] - want[k]).abs()
+        outside = diff > FINAL_PARAM_ATOL + PARAM_RTOL * want[k].abs()
+        assert int(outside.sum()) <= NOISE_ELEMENTS, f"{what} {k}: {int(outside.sum())} elements beyond the tolerance"
+        assert not outside.any() or diff[outside].max().item() <= LR, f"{what} {k}: {diff.max().item()} > one step"
+
+
 def _same_as_fsdp2(results: list[dict[str, Any]], check: str, runtime: str, key: str) -> None:
     """Overlap's value of ``check`` is bitwise FSDP2's ([Note: client tolerances])."""
     if runtime != "overlap":
@@ -530,15 +544,14 @@ def test_dcp_resume_at_another_world_size(client: Client, runtime: str, runs) ->
         _check_shards(r["shards"], _full_shapes(client), rank, world)
     losses = resumed[0]["losses"]
     assert max_rel_dev(losses, ref["losses"][SAVE_AFTER:]) <= LOSS_RTOL, (losses, ref["losses"][SAVE_AFTER:])
-    _close(resumed[0]["params"], ref["final_params"], "final parameter", PARAM_RTOL, FINAL_PARAM_ATOL)
+    _close_but_noise(resumed[0]["params"], ref["final_params"], "final parameter")
     uninterrupted = outcome(runs["w2"], f"{runtime}/continued")[0]
     assert max_rel_dev(losses, uninterrupted["losses"]) <= LOSS_RTOL, (losses, uninterrupted["losses"])
-    _close(uninterrupted["params"], ref["final_params"], "final parameter (world 2, uninterrupted)", PARAM_RTOL,
-           FINAL_PARAM_ATOL)
+    _close_but_noise(uninterrupted["params"], ref["final_params"], "final parameter (world 2, uninterrupted)")
     if runtime == "overlap":  # not bitwise at world 3: see [Note: client tolerances]
         fsdp2 = outcome(runs["resume"], "fsdp2/resume")[0]
         assert max_rel_dev(losses, fsdp2["losses"]) <= LOSS_RTOL, (losses, fsdp2["losses"])
-        _close(resumed[0]["params"], fsdp2["params"], "final parameter vs FSDP2", PARAM_RTOL, FINAL_PARAM_ATOL)
+        _close_but_noise(resumed[0]["params"], fsdp2["params"], "final parameter vs FSDP2")
 
 
 def test_full_state_dicts(client: Client, runtime: str, runs) -> None:

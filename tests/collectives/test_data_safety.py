@@ -24,6 +24,7 @@ from conftest import requires_cuda
 from overlap.groups import resolve_group
 from overlap.collectives import all_gather_into, reduce_scatter_into
 from overlap.testing import run_distributed
+from scheduler.torch_versions import DIST_REDUCE_SCATTER
 
 ROUNDS = 3
 # 0.1 Gbit/s + 20 ms: a collective is in flight >= 20 ms, even on a loaded machine (a 64 KiB one ~25 ms).
@@ -67,7 +68,7 @@ def _cases(rank: int, world: int, device: torch.device) -> dict[str, tuple[Calla
 
     def rs_ref(x: torch.Tensor, avg: bool = False) -> torch.Tensor:
         out = torch.empty(x.shape[0] // world, *x.shape[1:], dtype=x.dtype, device=x.device)
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
+        reduce_scatter = getattr(dist, DIST_REDUCE_SCATTER)
         reduce_scatter(out, x.contiguous(), op=dist.ReduceOp.AVG if avg and nccl else dist.ReduceOp.SUM)
         return out / world if avg and not nccl else out
 

@@ -17,7 +17,8 @@ the same weights and stepped twice with SGD (momentum) on the same data:
 
 Checks: ``torch_tp+shard`` has FSDP2's parameters (state-dict keys, placements on the joined
 ``(dp, tp)`` mesh, local shapes) and its gradients and updated parameters bitwise (the same TP ops
-and the same two-rank sums; with mixed precision too); the other sharded runs are within 1e-5 (abs + rel to the largest value)
+and the same two-rank sums; with mixed precision too, on torch 2.11-2.13 up to ``BF16_TOL`` where
+FSDP2 reduces over tp in bf16); the other sharded runs are within 1e-5 (abs + rel to the largest value)
 of the unsharded model (the rowwise matmuls' inner sums are split over tp ranks, and the chunked
 variant runs one GEMM per chunk); ``clip_grad_norm_`` gives FSDP2's total norm; ``get_state_dict``
 gives full tensors equal to the unsharded model's, ``overlap.full_state_dict`` the same full tensors,
@@ -38,12 +39,21 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import overlap
+from scheduler.torch_versions import TORCH_VERSION
 from tp_blocks import make_block, plan_for
 
 pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
 
 BATCH, SEQ, DIM, HIDDEN, HEADS = 4, 8, 16, 32, 4
 TOL = (1e-5, 1e-5)  # (atol, rtol): see the module docstring
+# With bf16 parameters and fp32 reduction, a norm replicated over tp gets a Partial() gradient that is
+# all-reduced over tp before the dp reduce-scatter. Since torch 2.15 FSDP2 accumulates it in fp32
+# first (the unsharded parameter's grad_dtype), as overlap.shard does on every torch; before, FSDP2
+# all-reduced it in bf16. There the two runs differ by that bf16 rounding, in the norms' first-step
+# gradients and through them in every parameter after the steps: at most a few bf16 ulps, 2**-6 of
+# the tensor's largest magnitude (measured on torch 2.13: <= 0.0031, head.weight).
+FSDP2_TP_GRADS_IN_REDUCE_DTYPE = TORCH_VERSION >= (2, 15)
+BF16_TOL = (0.0, 2.0**-6)
 STEPS = 2
 
 
@@ -170,8 +180,12 @@ def _fsdp_tp_rank(rank: int, world: int, path: str) -> list[str]:
         for n, value in results["torch_tp+shard"][what].items():
             problems += _close(f"torch_tp+shard {what} {n} vs FSDP2", value, want[what][n], None)
     problems += _close("torch_tp+shard clip_grad_norm_ vs FSDP2", results["torch_tp+shard"]["norm"], want["norm"], None)
-    for n, value in results["torch_tp+shard:bf16"]["params"].items():
-        problems += _close(f"torch_tp+shard bf16 params {n} vs FSDP2 bf16", value, results["fsdp2:bf16"]["params"][n], None)
+    ours_bf16, theirs_bf16 = results["torch_tp+shard:bf16"], results["fsdp2:bf16"]
+    for what in ("grads", "params"):
+        for n, value in ours_bf16[what].items():
+            # bitwise, but for what FSDP2 before torch 2.15 reduces over tp in bf16 (BF16_TOL)
+            tol = None if FSDP2_TP_GRADS_IN_REDUCE_DTYPE or (what == "grads" and "norm" not in n) else BF16_TOL
+            problems += _close(f"torch_tp+shard bf16 {what} {n} vs FSDP2 bf16", value, theirs_bf16[what][n], tol)
     for variant in ("fsdp2", "tp+shard"):
         for what in ("grads", "params"):
             for n, value in results[variant][what].items():

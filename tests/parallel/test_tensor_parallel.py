@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import overlap
 from overlap.tensor_parallelism.layers import TensorParallelLinear
+from scheduler.torch_versions import DIST_ALL_GATHER
 from tp_blocks import SP_BLOCKS, make_block, plan_for, sizes_for
 
 BATCH = 2
@@ -567,7 +568,7 @@ def test_prepared_input_is_gathered_by_the_layers_that_read_it(two_ranks: list[d
         got = results["prepared"]
         torch_whole = {"_c10d_functional.all_gather_into_tensor": 1, "_c10d_functional.reduce_scatter_tensor": 1}
         assert got.pop("torch") == (torch_whole, torch_whole), rank
-        ours = {"all_gather_single": 2, "all_to_all_single": 2}
+        ours = {DIST_ALL_GATHER: 2, "all_to_all_single": 2}
         assert got.pop("ours") == (ours, ours), rank
         # (our forward gathers, torch's, problems): between the projections the op reuses wq's 2 chunks
         assert got == {"plain op between": (2, 1, []), "plain op before": (1, 1, []),

@@ -19,7 +19,8 @@ How live memory is measured, after every step, on each rank:
   own allocations, allocator caches filling up), so it is compared with a margin, between the
   baseline step and the last steps. torch's c10d flight recorder keeps the last 2000 collectives (a
   ring buffer that grows the heap by ~2 MB before it is full); it is turned off here
-  (``TORCH_FR_BUFFER_SIZE=0``) so that the heap of a run that leaks nothing stays flat.
+  (``TORCH_FR_BUFFER_SIZE=0``) so that the heap of a run that leaks nothing stays flat. Torch 2.11's
+  own DTensor caches grow the heap at every AdamW step (FSDP2 alike), so there the heap check skips.
 
 Bytes in flight: a recorder (``overlap.inflight_work.set_recorder``) sees every collective as it is
 issued and samples ``overlap.inflight_bytes()`` plus the new collective's bytes: what is in flight
@@ -48,6 +49,7 @@ from torch import nn
 import overlap
 from kernels import ShardLayout
 from models import SMALL_SIZES, TinyLM, single_threaded, small_step
+from scheduler.torch_versions import TORCH_VERSION
 
 STEPS = 200
 WARMUP = 10  # steps before the live-tensor baseline
@@ -192,26 +194,44 @@ def _memory_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     return out
 
 
-def test_long_run_leaks_nothing_and_keeps_the_inflight_budget(distributed, monkeypatch: pytest.MonkeyPatch) -> None:
-    """200 steps: live tensor bytes never rise above the baseline, the heap stays flat, and bytes in
-    flight stay within ``max_inflight_bytes`` at every issue."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch fallback packs (see the module docstring)
-    monkeypatch.setenv("OVERLAP_TEST_START_METHOD", "spawn")  # fork-server ranks keep the first call's mode
-    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")  # no flight-recorder ring buffer filling the heap
-    for rank, r in enumerate(distributed(_memory_rank, 2, STEPS, timeout=240)):
+@pytest.fixture(scope="module")
+def long_run() -> list[dict[str, Any]]:
+    """Each rank's record of the 200 steps (:func:`_memory_rank`)."""
+    from overlap.testing import run_distributed
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")  # the torch fallback packs (see the module docstring)
+        mp.setenv("OVERLAP_TEST_START_METHOD", "spawn")  # fork-server ranks keep the first call's mode
+        mp.setenv("TORCH_FR_BUFFER_SIZE", "0")  # no flight-recorder ring buffer filling the heap
+        return run_distributed(_memory_rank, 2, STEPS, timeout=240)
+
+
+def test_long_run_leaks_nothing_and_keeps_the_inflight_budget(long_run: list[dict[str, Any]]) -> None:
+    """200 steps: live tensor bytes never rise above the baseline, and bytes in flight stay within
+    ``max_inflight_bytes`` at every issue."""
+    for rank, r in enumerate(long_run):
         where = f"rank {rank}"
         assert len(r["losses"]) == STEPS and all(math.isfinite(x) for x in r["losses"]), where
         base = r["live_bytes"][WARMUP]
         assert base > 0, where
         grew = [(step, b) for step, b in enumerate(r["live_bytes"]) if step > WARMUP and b > base]
         assert grew == [], f"{where}: live tensor bytes above the baseline {base} at (step, bytes) {grew[:5]}"
-        if r["heap"][0] is not None:
-            late = max(r["heap"][-50:])
-            assert late - r["heap"][HEAP_BASELINE] <= HEAP_MARGIN, (
-                f"{where}: heap grew by {late - r['heap'][HEAP_BASELINE]} bytes from step {HEAP_BASELINE}")
         budget = r["budget"]
         assert r["unbudgeted_peak"] > budget, f"{where}: the budget does not bind ({r['unbudgeted_peak']} <= {budget})"
         assert len(r["samples"]) >= STEPS * 4, where  # gathers and reduce-scatters of 3 groups per step
         assert max(r["samples"]) <= budget, f"{where}: {max(r['samples'])} bytes in flight, budget {budget}"
         assert 0 < r["max_inflight_seen"] <= budget, where
         assert r["inflight_after"] == 0, where
+
+
+@pytest.mark.skipif(TORCH_VERSION < (2, 13), reason=(
+    f"torch {torch.__version__} grows its own heap by ~10 KB per AdamW step over DTensor parameters (DTensor "
+    "sharding propagation caches keyed on the step size, a new float each step; FSDP2 alike; not on 2.13 or 2.15)"))
+def test_long_run_heap_stays_flat(long_run: list[dict[str, Any]]) -> None:
+    """200 steps: the process heap after step 50 stays within ``HEAP_MARGIN`` (memory held by C++ only)."""
+    for rank, r in enumerate(long_run):
+        if r["heap"][0] is None:
+            pytest.skip("mallinfo2 is not available (not glibc)")
+        late = max(r["heap"][-50:])
+        assert late - r["heap"][HEAP_BASELINE] <= HEAP_MARGIN, (
+            f"rank {rank}: heap grew by {late - r['heap'][HEAP_BASELINE]} bytes from step {HEAP_BASELINE}")

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from scheduler import overlap_graph, overlap_pass
 from scheduler.bucketing import bucket_collectives
+from scheduler.torch_versions import funcol_all_gather, funcol_reduce_scatter
 
 C10D = torch.ops._c10d_functional
 ATEN = torch.ops.aten
@@ -121,10 +122,8 @@ def test_bad_arguments() -> None:
 # -- values, on 2 gloo ranks -------------------------------------------------------------------
 
 def _program(xs: list[torch.Tensor], grads: list[torch.Tensor], w: torch.Tensor, group: Any) -> tuple:
-    import torch.distributed._functional_collectives as funcol
 
-    all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    all_gather, reduce_scatter = funcol_all_gather, funcol_reduce_scatter
     gathered = [all_gather(x, 0, group) for x in xs]
     reduced = [reduce_scatter(g, "sum", 0, group) for g in grads]
     h = torch.tanh(w @ w)

@@ -89,6 +89,9 @@ def _train_both(rank: int, world_size: int) -> dict[str, Any]:
     losses[0].append(without())
     losses[1].append(with_hook())
     return {
+        # torch >= 2.15: Inductor's scheduler moves waits after independent compute by itself
+        "inductor_overlaps": bool(getattr(getattr(inductor_config, "aten_distributed_optimizations", None),
+                                          "enable_simple_overlap", False)),
         "orders": orders,
         "gaps": [[collective_gaps(c) for c in codes] for codes in (codes_without, codes_with)],
         "losses": [torch.stack(ls) for ls in losses],
@@ -117,8 +120,9 @@ def test_compiled_step_with_hook_same_losses_and_waits_after_compute(distributed
             scatters = [g.compute_before_wait for g in gaps if g.op == "reduce_scatter_tensor"]
             assert len(gathers) == len(scatters) == BLOCKS and len(gaps) == 2 * BLOCKS, (variant, gaps)
             if variant == "without":
-                # Inductor's default: each wait right after its collective, nothing overlaps.
-                assert gathers == scatters == [0] * BLOCKS, gaps
+                if not r["inductor_overlaps"]:
+                    # Inductor's default before torch 2.15: each wait right after its collective.
+                    assert gathers == scatters == [0] * BLOCKS, gaps
             else:
                 assert all(n > 0 for n in gathers[1:]), f"forward: a wait before independent compute: {gaps}"
                 assert all(n > 0 for n in scatters[:-1]), f"backward: a wait before independent compute: {gaps}"

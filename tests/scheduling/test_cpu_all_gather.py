@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from scheduler.cpu_all_gather import ALL_GATHER_OUT, use_out_variant_on_cpu
+from scheduler.torch_versions import funcol_all_gather
 
 C10D = torch.ops._c10d_functional
 AG, WAIT = C10D.all_gather_into_tensor.default, C10D.wait_tensor.default
@@ -79,7 +80,6 @@ def test_symbolic_sizes_come_from_the_input() -> None:
 
 def _three_in_flight(rank: int, world: int, steps: int, dynamic: bool = False) -> dict[str, object]:
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
     from torch._inductor.utils import run_and_get_code
 
     import scheduler
@@ -89,7 +89,7 @@ def _three_in_flight(rank: int, world: int, steps: int, dynamic: bool = False) -
     w = torch.randn(32, 32, generator=torch.Generator().manual_seed(7))
 
     def program(xs: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
-        gathered = [funcol.all_gather_single(x, 0, group) for x in xs]  # the hook issues all three first
+        gathered = [funcol_all_gather(x, 0, group) for x in xs]  # the hook issues all three first
         return sum((g @ w).sin() for g in gathered)
 
     torch._dynamo.reset()

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from scheduler import overlap_graph, overlap_pass
+from scheduler.torch_versions import funcol_all_gather, funcol_reduce_scatter
 
 from fx_graphs import ATEN, C10D, SHAPE, WAIT  # shared with test_properties_graph_pass
 from fx_graphs import acceptance_graph as _acceptance_graph
@@ -301,8 +302,7 @@ def test_wrong_argument_types_raise() -> None:
 def _traced_program(x: torch.Tensor, w: torch.Tensor, group: Any) -> tuple[torch.Tensor, ...]:
     import torch.distributed._functional_collectives as funcol
 
-    all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    all_gather, reduce_scatter = funcol_all_gather, funcol_reduce_scatter
     gathered = funcol.wait_tensor(all_gather(x, 0, group))  # (4, 4); waited twice when traced
     h = torch.tanh(w @ w)
     reduced = funcol.all_reduce(h, "sum", group)

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from scheduler import OverlapGraphPass, inductor_overlap, install, uninstall
+from scheduler.torch_versions import funcol_all_gather
 
 C10D = torch.ops._c10d_functional
 ATEN = torch.ops.aten
@@ -180,12 +181,10 @@ def _first(lines: list[str], *needles: str) -> int:
 
 def _compile_with_and_without_hook(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
     from torch._inductor.utils import run_and_get_code
 
     group = dist.group.WORLD
-    # torch 2.13 renamed all_gather_tensor to all_gather_single (same signature).
-    all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    all_gather = funcol_all_gather
 
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         y = all_gather(x, 0, group)
@@ -269,9 +268,8 @@ def _gather_then_mm(group: Any) -> Any:
     Each call returns a copy with a code object of its own, so Dynamo's per-code-object cache never
     serves one compile to another (see [Note: one code object per step] in
     ``tests/compiled_step.py``)."""
-    import torch.distributed._functional_collectives as funcol
 
-    all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    all_gather = funcol_all_gather
 
     def train_step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         y = all_gather(x, 0, group)

@@ -27,6 +27,7 @@ from overlap import inflight_work, regions
 from overlap.inflight_work import InflightWork
 from overlap.profiler import ProfileResult, RankProfile, Report, merge
 from overlap.profiler.records import covered, union
+from scheduler.torch_versions import DIST_ALL_GATHER
 
 # One all-gather of 2 x 128 Ki float32 (1 MiB out, 512 KiB on the wire per rank) over a 0.02 Gbit/s
 # link: 10 µs + 524288 B / 2.5e6 B/s = 209.7 ms; long, so that a loaded machine's few ms of jitter
@@ -185,7 +186,7 @@ def test_sharded_runtime_collectives_are_recorded(distributed, tmp_path) -> None
         records = res["collectives"]
         kinds = [c.kind for c in records]
         # Every gather and reduce-scatter the link carried was recorded, and only those.
-        assert kinds.count("all_gather") == res["carried"].get("all_gather_single", 0) > 0
+        assert kinds.count("all_gather") == res["carried"].get(DIST_ALL_GATHER, 0) > 0
         # On gloo the runtime's reduce-scatters travel as all-to-alls ([Note: gloo's reduce-scatter
         # cannot say it is done] in overlap/collectives.py).
         assert kinds.count("reduce_scatter") == res["carried"].get("all_to_all_single", 0) > 0

@@ -2,7 +2,8 @@
 
 Contract. :func:`install` replaces each collective function of the table below on both
 ``torch.distributed`` and ``torch.distributed.distributed_c10d`` (both names are used, by users and by
-torch itself, e.g. FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``) with a
+torch itself, e.g. FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``, on torch 2.11
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``) with a
 wrapper; :func:`uninstall` puts the originals back (warning about, and leaving, a function someone
 else replaced meanwhile). Both run under ``active.state_lock``, called by the package's activation.
 A wrapper books the innermost active link (``timing.LinkModel.book``) for the call, with the bytes of
