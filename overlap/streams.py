@@ -26,6 +26,20 @@ rank's device is known (``init_process_group(device_id=...)``, or torchrun's ``L
 several devices visible), that device too. Without it, ranks that forgot ``set_device`` all use
 ``cuda:0`` and NCCL hangs or fails far from the cause.
 
+[Note: first launches synchronize]
+CUDA loads a kernel's module at its first launch (lazy loading, ``CUDA_MODULE_LOADING=LAZY``, the
+default since CUDA 11.7), and the load waits for the device to go idle: a kernel launched for the
+first time right after a collective blocks the host until the communication stream has drained
+(seen on an H100 / H200 machine, torch 2.11: an ``x.fill_`` after ``overlap.all_gather`` blocked for the whole
+250 ms a sleep had queued on the comm stream; the same sequence later in the process did not). So
+the first step of a process overlaps less than the rest, with this runtime as with FSDP2 (Triton's
+own first compile of each packing kernel is slower still). The runtime does not warm kernels up
+ahead of time: the kernels of a step (the model's, torch's, the packing kernels' variants per
+dtype and block size) are only known by running it, and the cost is one step's worth per process.
+Timings skip the first steps; tests that need a race on the device run their sequence once before
+timing it (tests/collectives/test_collectives_cuda.py); ``CUDA_MODULE_LOADING=EAGER`` loads every
+module at start-up instead, at a cost in start-up time and memory.
+
 Concurrency: call from the thread that issues and waits (the caller's, or autograd's for hooks);
 the stream table is filled once per (device, purpose).
 """

@@ -1,7 +1,7 @@
-"""``python -m overlap``: the command line (``demo``).
+"""``python -m overlap``: the command line (``demo``, ``check-gpu``).
 
-Exit codes: 0 success; 1 the demo ran but its losses disagree; 2 bad input (argparse's usage and a
-message, before any training starts).
+Exit codes: 0 success; 1 the demo ran but its losses disagree, or a GPU check failed; 2 bad input
+(argparse's usage and a message, before any training starts), or no GPU for ``check-gpu``.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def max_world_size() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m overlap`` parser (sub-command ``demo``)."""
+    """The ``python -m overlap`` parser (sub-commands ``demo`` and ``check-gpu``)."""
     from overlap.demo.run import COMPARABLE, FSDP2_LOSS_RTOL, MODEL_SIZES
 
     parser = argparse.ArgumentParser(prog="python -m overlap", description="triton-overlap command line.")
@@ -131,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
                            "else cpu (gloo)")
     demo.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                       help=f"folder for trace-<mode>.json and timeline-<mode>.png (created; default ./{DEFAULT_OUT})")
+    check = commands.add_parser(
+        "check-gpu",
+        help="prove this machine's GPU: the GPU tests, the packing ops, training, streams, CUDA graphs; one table",
+        description=(
+            "Runs, on the current CUDA device with the installed torch and Triton (no network): pytest -m gpu, "
+            "the six packing/chunk ops against their references over drawn cases, world-size-1 NCCL training "
+            "against the unsharded model and FSDP2, a collective beside compute, a CUDA-graph capture and "
+            "replay of the packing ops, and benchmarks/bench_kernels.py --device cuda --quick (appended to "
+            "benchmarks/RESULTS.md). Prints one table. Exit codes: 0 every check that ran passed, 1 a check "
+            "failed, 2 no CUDA device."),
+    )
+    check.add_argument("--skip-bench", action="store_true",
+                       help="leave out bench_kernels (and RESULTS.md untouched)")
     return parser
 
 
@@ -262,5 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args, parser)
+    if args.command == "check-gpu":
+        from overlap.testing import gpu_check
+
+        return gpu_check.main(skip_bench=args.skip_bench)
     parser.error(f"unknown command {args.command!r}")  # unreachable: argparse checks choices
     return 2

@@ -135,21 +135,31 @@ def _consume_on_another_stream(rank: int, world: int, case: str, slow: str) -> d
     ``slow="consumer"``: the collective has finished (the host synchronized its stream, so torch's
     own stream bookkeeping for NCCL's tensors is satisfied) but the consumer's copy-out is still
     queued: only the runtime's deferred release keeps the buffer from the scribbles.
+
+    The round runs twice, the first time without the sleep: CUDA loads a kernel's module at its
+    first launch (lazy loading, the default), and that load waits for the device, so a first
+    launch of a kernel behind the sleep would block the host until the slow stream had drained
+    and the race would not be exercised ([Note: first launches synchronize] in overlap/streams.py).
     """
+    dev = torch.device("cuda", torch.cuda.current_device())
+    consumer = torch.cuda.Stream(dev)
+    _consume_round(dev, consumer, case, slow, sleep=False)  # warm-up: every kernel of the round loaded
+    return _consume_round(dev, consumer, case, slow, sleep=True)
+
+
+def _consume_round(dev: torch.device, consumer: torch.cuda.Stream, case: str, slow: str, sleep: bool) -> dict:
     from overlap import inflight_work
     from overlap.collectives import reduce_scatter_into
     from overlap.groups import resolve_group
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    consumer = torch.cuda.Stream(dev)
     x = torch.randn(64, 1024, device=dev)  # 256 KiB blocks: the caching allocator reuses them at once
     want = x.clone()  # world size 1: every case's result is the input
     purpose = "all_gather" if case.startswith("all_gather") else "reduce_scatter"
-    overlap.wait([overlap.all_gather(x[:2]), overlap.reduce_scatter(x[:2])])  # warm-up: NCCL kernels loaded
     torch.cuda.synchronize()
     slow_stream = comm_stream(dev, purpose) if slow == "comm" else consumer
-    with torch.cuda.stream(slow_stream):
-        torch.cuda._sleep(_SLOW_COMM_CYCLES)
+    if sleep:
+        with torch.cuda.stream(slow_stream):
+            torch.cuda._sleep(_SLOW_COMM_CYCLES)
     if case == "all_gather dim 1":
         result = overlap.all_gather(x, dim=1)  # a temporary output, copied out at first use
     elif case == "all_gather_coalesced":

@@ -12,7 +12,11 @@ The real thing (NCCL, streams, the caching allocator) is in tests/collectives/te
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
@@ -22,6 +26,8 @@ import overlap
 from overlap import inflight_work, streams
 from overlap.inflight_work import InflightWork, ResultCompletion
 from overlap.streams import StreamCaptureError
+
+REPO = Path(__file__).resolve().parents[2]
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -269,12 +275,16 @@ def test_issuing_during_capture_raises_before_any_collective(single_rank_group, 
     assert torch.equal(overlap.wait(overlap.all_gather(x)), x), "after capture, collectives work again"
 
 
-def test_capture_check_is_free_without_cuda() -> None:
-    """On a CPU-only build CUDA is never initialized: ``capturing`` answers without calling into CUDA
-    (which would raise here)."""
-    assert not torch.cuda.is_initialized()
-    assert streams.capturing() is False
-    streams.check_not_capturing("anything")
+def test_capture_check_does_not_initialize_cuda() -> None:
+    """While CUDA is not initialized, ``capturing`` answers without calling into CUDA (which would
+    initialize it, or raise on a CPU-only build). In a fresh process, so that it holds on a machine
+    with a GPU too (where another test of this process may have initialized CUDA)."""
+    script = ("import torch\nfrom overlap import streams\nassert not torch.cuda.is_initialized()\n"
+              "assert streams.capturing() is False\nstreams.check_not_capturing('anything')\n"
+              "assert not torch.cuda.is_initialized()\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- one device per rank

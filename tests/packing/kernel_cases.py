@@ -2,7 +2,7 @@
 bitwise comparisons, first-principles expectations and the per-op checks, and the fixture that
 fills uninitialized memory (NaN / max int) so unwritten padding is caught.
 
-Used by ``test_kernels_ops.py`` (which documents the tolerances), ``test_kernels_alignment.py``,
+Used by ``test_kernels_ops.py``, ``test_kernels_library.py``, ``test_kernels_layout.py`` (which documents the tolerances), ``test_kernels_alignment.py``,
 ``test_kernels_torch_fallback.py`` and ``test_properties_kernels.py``; a module that uses the
 fixture imports it (pytest then applies it to every test of that module).
 """
@@ -27,8 +27,24 @@ from kernels import (
     reduce_scatter_copy_out_ref,
 )
 
+from kernels import _jit
+
 f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 i64, i32, i16, i8, u8 = torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8
+
+def kernel_device() -> torch.device | None:
+    """Where the packing ops launch their Triton kernels in this process: the CPU under
+    ``TRITON_INTERPRET=1`` (conftest sets it without a GPU), else a GPU if one is visible, else
+    nowhere (CPU tensors then take the torch fallback)."""
+    if _jit.INTERPRET:
+        return torch.device("cpu")
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
+requires_kernels = pytest.mark.skipif(
+    kernel_device() is None, reason="the Triton kernels run under TRITON_INTERPRET=1 (CPU) or on a CUDA device")
+"""For tests of the kernel launch path itself (launch counts, device tables): they run on
+:func:`kernel_device`."""
 
 WORLD_SIZES = (1, 2, 3, 4, 8)
 ALIGN = 16

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel_cases import kernel_device, requires_kernels
 from kernels import ShardLayout
 from kernels import _jit, _launch
 
@@ -217,20 +218,14 @@ def _block_run_probe_kernel(blocks_ptr, runs_ptr, pointers_ptr, out_ptr, BLOCK: 
     tl.store(row + 3, n_total)
 
 
-def _probe_device() -> torch.device | None:
-    if torch.cuda.is_available() and not _jit.INTERPRET:
-        return torch.device("cuda")
-    return torch.device("cpu") if _jit.INTERPRET else None
-
-
-@pytest.mark.skipif(_probe_device() is None, reason="needs TRITON_INTERPRET=1 on CPU or a CUDA device")
+@requires_kernels
 def test_device_side_block_offsets_beyond_int32() -> None:
     """The kernels' per-block offsets (``_jit.block_run``) for runs that start past 2**32 elements.
 
     On rank 1 the huge parameters hold no rows, so only the two small parameters have blocks, but
     they sit behind 2**32 and 2**32 + 3 * 2**31 elements of other parameters' regions.
     """
-    device = _probe_device()
+    device = kernel_device()
     layout = ShardLayout([(1, HUGE), (16, 3), (1, 3 * 2**31), (16, 5)], world_size=8)
     table = _launch.block_table(layout, 1, pad=False, device=device)
     assert table.num_blocks == 2

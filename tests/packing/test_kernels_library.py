@@ -24,8 +24,9 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 import torch._dynamo.testing
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
+from kernel_cases import kernel_device, requires_kernels
 from kernels import (
     ShardLayout,
     _jit,
@@ -44,10 +45,6 @@ REPO = Path(__file__).resolve().parents[2]
 # torch's own Inductor internals warn about torch.jit.script_method on 2.13
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
-requires_kernels = pytest.mark.skipif(
-    not (_jit.INTERPRET or torch.cuda.is_available()),
-    reason="the Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device",
-)
 
 
 def data(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -248,7 +245,7 @@ def test_one_launch_per_op_without_the_dispatcher(num_params: int, monkeypatch: 
     monkeypatch.setattr(_launch, "launch", counting_launch)
     shapes = [(3 + i % 5, 2) for i in range(num_params)]
     layout = ShardLayout(shapes, 2)
-    fulls = [data(s, torch.float32, i) for i, s in enumerate(shapes)]
+    fulls = [data(s, torch.float32, i).to(kernel_device()) for i, s in enumerate(shapes)]
     assert not library.use_dispatcher(fulls)
     _, ag_output = all_gather_copy_in(layout.shards(fulls, 0), layout, 0)
     all_gather_copy_out(ag_output, layout)
@@ -307,7 +304,8 @@ def run_fallback_ops(inputs: dict) -> dict[str, object]:
     reduce_scatter_copy_out(inputs["rs_output"], accumulated, layout, rank, 1 / 3, True)
     copied = [torch.empty_like(g, dtype=bf16) for g in inputs["shard_grads"]]
     reduce_scatter_copy_out(inputs["rs_output"], copied, layout, rank)
-    mixed_outs = [torch.empty(s, dtype=d) for s, d in zip(layout.shapes, [f32, bf16, f16, f64, f32])]
+    device = inputs["ag_output"].device
+    mixed_outs = [torch.empty(s, dtype=d, device=device) for s, d in zip(layout.shapes, [f32, bf16, f16, f64, f32])]
     all_gather_copy_out(inputs["ag_output"], layout, mixed_outs)
     return {
         "ag_input": all_gather_copy_in(inputs["shards"], layout, rank, bf16)[0],
@@ -341,7 +339,17 @@ _FALLBACK_SCRIPT = textwrap.dedent(
 )
 
 
-@requires_kernels
+def on_kernel_device(tree: object) -> object:
+    """``tree`` with its tensors moved to :func:`kernel_device` (where the kernels launch)."""
+    return tree_map(lambda t: t.to(kernel_device()) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def on_cpu(tree: object) -> object:
+    return tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)
+
+
+@pytest.mark.skipif(not _jit.INTERPRET, reason="switches CPU tensors between the interpreted kernels and the "
+                                               "fallback: needs TRITON_INTERPRET=1")
 def test_torch_fallback_on_cpu_switches_this_process_and_back() -> None:
     """``kernels._launch.torch_fallback_on_cpu`` (what the suite's ``torch_kernels`` marker uses):
     inside it CPU tensors take the torch fallback even under the interpreter, with the kernels'
@@ -363,7 +371,7 @@ def test_torch_fallback_on_cpu_switches_this_process_and_back() -> None:
 def test_torch_fallback_without_the_interpreter_equals_the_kernels(tmp_path: Path) -> None:
     """A fresh process with ``TRITON_INTERPRET=0`` (no GPU visible) computes the four ops with torch
     alone (the batched fallbacks, see ``test_kernels_torch_fallback``) over world sizes 1 to 8,
-    first and last ranks; the results equal the kernels' here, bitwise."""
+    first and last ranks; the results equal the kernels' here (interpreted, or on the GPU), bitwise."""
     cases = [fallback_inputs(w, r) for w, r in FALLBACK_CASES]
     torch.save(cases, tmp_path / "inputs.pt")
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
@@ -375,6 +383,6 @@ def test_torch_fallback_without_the_interpreter_equals_the_kernels(tmp_path: Pat
     fallback = torch.load(tmp_path / "outputs.pt")
     assert len(fallback) == len(cases)
     for (w, r), inputs, got in zip(FALLBACK_CASES, cases, fallback):
-        kernel = run_fallback_ops(inputs)
+        kernel = on_cpu(run_fallback_ops(on_kernel_device(inputs)))
         for key in kernel:
             assert same(got[key], kernel[key]), (w, r, key)

@@ -48,6 +48,8 @@ from kernels import (
 )
 
 from kernel_cases import (  # the shared cases, data, expectations and checks
+    kernel_device,
+    requires_kernels,
     DTYPE_CASES,
     FLOAT_CASES,
     MODES,
@@ -340,6 +342,7 @@ def test_bfloat16_subnormals_widen_exactly() -> None:
 
 
 # ------------------------------------------------------------------------- device metadata caching
+@requires_kernels
 def test_device_tables_are_built_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Steady state (same layout, same tensors): no host -> device metadata copy, no new table."""
     copies: list[tuple[tuple[int, ...], ...]] = []
@@ -352,7 +355,7 @@ def test_device_tables_are_built_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_launch, "to_device", counting_to_device)
     shapes = ODD_SHAPES[:8]
     layout = ShardLayout(shapes, 3)
-    fulls = make_tensors(shapes, (f32,), seed=1)
+    fulls = [t.to(kernel_device()) for t in make_tensors(shapes, (f32,), seed=1)]
     shards = layout.shards(fulls, 1)
     shard_grads = [s.clone() for s in shards]
     outs = [torch.empty_like(f) for f in fulls]
@@ -379,13 +382,15 @@ def test_device_tables_are_built_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert copies == [((len(shapes), 2),)]
 
 
+@requires_kernels
 def test_pointer_table_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_launch, "POINTER_CACHE_SIZE", 2)
     layout = ShardLayout([(10, 3), (7,)], 2)
     for seed in range(5):
         fulls = make_tensors(layout.shapes, (f32,), seed=seed)
-        ag_input, _ = all_gather_copy_in(layout.shards(fulls, 0), layout, 0)
-        assert_bitwise(ag_input, expected_slot(fulls, 2, 0, f32))
+        shards = [s.to(kernel_device()) for s in layout.shards(fulls, 0)]
+        ag_input, _ = all_gather_copy_in(shards, layout, 0)
+        assert_bitwise(ag_input.cpu(), expected_slot(fulls, 2, 0, f32))
     assert sum(1 for k in layout._device_cache if k[0] == "pointers") == 2
 
 

@@ -1,0 +1,84 @@
+"""``python -m overlap check-gpu`` (``overlap.testing.gpu_check``), on the CPU: its packing and
+training checks run here on the interpreted kernels and gloo, catch a kernel that skips an output,
+and the command without a GPU exits 2 with a message.
+
+The rows that need a GPU (streams, CUDA graphs, the GPU tests, bench_kernels) run when the command
+runs on a GPU machine.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import _jit
+from overlap.testing import gpu_check
+from overlap.testing.gpu_check import CheckRow, PackingCase, check_packing_case, draw_packing_cases, format_table
+
+REPO = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
+interpreted = pytest.mark.skipif(not _jit.INTERPRET, reason="the check runs the Triton kernels: needs "
+                                                            "TRITON_INTERPRET=1 on the CPU (conftest sets it without a GPU)")
+
+
+@interpreted
+def test_drawn_packing_cases_match_the_references() -> None:
+    cases = draw_packing_cases(8, seed=3)
+    assert {c.world_size for c in cases} >= {1, 8} and any(c.accumulate for c in cases)
+    assert [p for case in cases for p in check_packing_case(case, CPU)] == []
+
+
+def test_draws_are_reproducible_and_the_big_case_is_multi_gib() -> None:
+    assert draw_packing_cases(20, seed=5) == draw_packing_cases(20, seed=5)
+    big = draw_packing_cases(3, seed=5, big=True)[-1]
+    assert max(math.prod(s) for s in big.shapes) * 4 > 2**31
+
+
+@interpreted
+def test_an_output_the_kernel_skips_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs start as NaN: a copy-out that leaves the last parameter unwritten is reported."""
+    module = importlib.import_module("kernels.all_gather_copy_out")  # the package exports the function by that name
+    real = module._all_gather_copy_out
+
+    def skips_the_last(ag_output: torch.Tensor, layout: object, outs: list[torch.Tensor]) -> None:
+        kept = outs[-1].clone()
+        real(ag_output, layout, outs)
+        outs[-1].copy_(kept)
+
+    monkeypatch.setattr(module, "_all_gather_copy_out", skips_the_last)
+    case = PackingCase(seed=7, shapes=((5, 3), (7,)), param_dtypes=(torch.float32,), buffer_dtype=None,
+                       world_size=2, rank=1, scale=None, accumulate=False)
+    problems = check_packing_case(case, CPU)
+    assert len(problems) == 1 and "all_gather_copy_out differs" in problems[0], problems
+
+
+@pytest.mark.torch_kernels
+def test_training_checks_pass_on_one_gloo_rank(distributed) -> None:
+    """The training row's comparisons, on a 1-rank gloo group: every one holds (bitwise where the
+    check says so)."""
+    (results,) = distributed(gpu_check.training_checks, 1, "cpu", timeout=300)
+    assert [name for name, _, _ in results] == [
+        "fp32 vs unsharded", "fp32 vs FSDP2", "bf16 vs FSDP2", "optimizer in backward vs plain step",
+        "1x1 HSDP vs FSDP2", "compiled blocks vs eager"]
+    assert all(ok for _, ok, _ in results), results
+
+
+def test_table_names_the_failed_rows() -> None:
+    rows = [CheckRow("a", True, 1.0, "fine"), CheckRow("b", False, 2.0, "wrong"), CheckRow("c", None, 0.0, "why")]
+    table = format_table(rows, "title")
+    assert table.splitlines()[0] == "title"
+    assert "PASS" in table and "FAIL" in table and "SKIP" in table
+    assert table.splitlines()[-1] == "FAILED: b"
+    assert format_table(rows[::2], "t").splitlines()[-1] == "all checks that ran passed"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the command without a GPU")
+def test_command_without_a_gpu_exits_2() -> None:
+    proc = subprocess.run([sys.executable, "-m", "overlap", "check-gpu"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "no CUDA device" in proc.stderr, (proc.returncode, proc.stderr)
