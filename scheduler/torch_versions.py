@@ -2,8 +2,8 @@
 
 Supported: torch ``SUPPORTED_TORCH[0]`` through ``SUPPORTED_TORCH[1]`` (2.11 through 2.15), with the
 Triton each pins (3.6 through 3.9); CI runs the suite on both ends (``.ci/run``) and pyproject
-declares the same range. Code that depends on a name or behaviour one of them lacks asks here
-instead of testing ``torch.__version__`` itself:
+declares the same range. Code that depends on a name one of them lacks asks here instead of testing
+``torch.__version__`` itself (the behaviours that differ: docs/DESIGN.md, "Torch versions"):
 
 =====================================  ==========================  ==========================
 what                                   torch 2.11                  torch 2.13 and later
@@ -33,10 +33,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 __all__ = ["SUPPORTED_TORCH", "TORCH_VERSION", "DIST_ALL_GATHER", "DIST_REDUCE_SCATTER", "funcol_all_gather",
-           "funcol_reduce_scatter", "require_torch"]
+           "funcol_reduce_scatter"]
 
 SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 15))
-"""The oldest and the newest torch (major, minor) the suite runs on in CI."""
+"""The oldest and the newest torch (major, minor) the suite runs on in CI (``.ci/run``) and
+pyproject admits (tests/tools/test_torch_versions.py keeps the three the same)."""
 
 
 def _major_minor(version: str) -> tuple[int, int]:
@@ -59,8 +60,3 @@ funcol_reduce_scatter: Callable[..., Any] = (getattr(funcol, "reduce_scatter_sin
                                              or funcol.reduce_scatter_tensor)
 """The functional reduce-scatter, ``(tensor, reduceOp, scatter_dim, group)`` -> AsyncCollectiveTensor."""
 
-
-def require_torch(version: tuple[int, int], feature: str) -> None:
-    """Raise ``RuntimeError`` naming ``feature``, the torch it needs and this one, if this torch is older."""
-    if TORCH_VERSION < version:
-        raise RuntimeError(f"{feature} needs torch >= {version[0]}.{version[1]}; this is torch {torch.__version__}")

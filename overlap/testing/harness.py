@@ -92,6 +92,12 @@ _BACKENDS = ("gloo", "nccl")
 # are ordered by that time, peers' reports of a closed connection last: the headline is the cause,
 # not whichever report arrived first.
 
+# [Note: connected before fn]
+# ``init_process_group`` can return on one rank before gloo has connected every pair (seen on torch
+# 2.15): a rank whose ``fn`` returned at once then exited, and a peer still connecting failed with
+# "Connection closed by peer" in its own ``init_process_group``, hiding its real result (an exception
+# the caller expected). A barrier right after the initialization makes every rank connected first.
+
 
 _SIGNAL_HINT = (
     "A rank killed by a signal while others wait in a collective (e.g. SIGABRT from gloo's "
@@ -259,6 +265,8 @@ def _child_main(
             timeout=datetime.timedelta(seconds=pg_timeout),
             **init_kwargs,
         )
+        # Every rank connected before any runs ``fn`` ([Note: connected before fn]).
+        dist.barrier(**({"device_ids": [torch.cuda.current_device()]} if backend == "nccl" else {}))
         if link is None:
             result = fn(rank, world_size, *args, **kwargs)
         else:
