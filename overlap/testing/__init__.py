@@ -6,6 +6,7 @@
 - :func:`paired_steps` — a step timed without and with the link delay: its exposed communication
   (:func:`interleaved_steps`: behind any number of links, interleaved).
 - :func:`over_ranks` — a figure reduced over every rank (by default the slowest rank's).
+- ``overlap.testing.gpu_check`` — ``python -m overlap check-gpu``: prove a GPU machine (imported on use).
 """
 from overlap.testing.emulated_link import EmulatedLink, EmulatedWork, LinkStats, current_link, emulated_link
 from overlap.testing.exposed import PairedTimes, interleaved_steps, over_ranks, paired_steps
