@@ -181,7 +181,6 @@ def eager(args: argparse.Namespace) -> None:
 
 
 def _eager_rank(rank: int, world: int, args: argparse.Namespace) -> None:
-
     import overlap
     from scheduler import Scheduler
 
@@ -193,10 +192,8 @@ def _eager_rank(rank: int, world: int, args: argparse.Namespace) -> None:
     def gather_ours(w: torch.Tensor) -> torch.Tensor:
         return overlap.all_gather(w)
 
-    gather_single = funcol_all_gather
-
     def gather_torch(w: torch.Tensor) -> torch.Tensor:
-        return gather_single(w, 0, dist.group.WORLD)
+        return funcol_all_gather(w, 0, dist.group.WORLD)
 
     sched = Scheduler(model)
 

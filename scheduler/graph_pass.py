@@ -390,12 +390,12 @@ def overlap_graph(graph: torch.fx.Graph, max_inflight_bytes: Optional[int] = Non
     check_bucket_bytes(bucket_bytes)
     check_chunks(collective_matmul_chunks)
     splitting = collective_matmul_chunks is not None and collective_matmul_chunks > 1
-    unpacked = canonicalize_waits(graph)
+    canonical = canonicalize_waits(graph)
     summed = merge_summed_reduce_scatters(graph) if splitting else 0
     merged = bucket_collectives(graph, bucket_bytes) if bucket_bytes is not None else 0
     split = decompose_collective_matmuls(graph, collective_matmul_chunks)
     chained = run_ops_per_chunk(graph) if split else 0
-    return (_reorder(graph, max_inflight_bytes) or unpacked > 0 or summed > 0 or merged > 0 or split > 0
+    return (_reorder(graph, max_inflight_bytes) or canonical > 0 or summed > 0 or merged > 0 or split > 0
             or chained > 0)
 
 

@@ -54,7 +54,6 @@ from scheduler.torch_versions import funcol_reduce_scatter
 
 __all__ = ["CollectiveGap", "ShardedBlock", "ShardedMLP", "captured_code", "collective_gaps", "compiled_step"]
 
-_reduce_scatter = funcol_reduce_scatter
 
 
 class _GatherShard(torch.autograd.Function):
@@ -73,7 +72,7 @@ class _GatherShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         group = ctx.group if ctx.group is not None else dist.group.WORLD
-        reduced = funcol.wait_tensor(_reduce_scatter(grad.contiguous(), "sum", 0, group))
+        reduced = funcol.wait_tensor(funcol_reduce_scatter(grad.contiguous(), "sum", 0, group))
         return reduced / dist.get_world_size(group), None
 
 

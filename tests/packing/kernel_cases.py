@@ -2,7 +2,8 @@
 bitwise comparisons, first-principles expectations and the per-op checks, and the fixture that
 fills uninitialized memory (NaN / max int) so unwritten padding is caught.
 
-Used by ``test_kernels_ops.py``, ``test_kernels_library.py``, ``test_kernels_layout.py`` (which documents the tolerances), ``test_kernels_alignment.py``,
+Used by ``test_kernels_ops.py`` (which documents the tolerances), ``test_kernels_library.py``,
+``test_kernels_layout.py``, ``test_kernels_alignment.py``,
 ``test_kernels_torch_fallback.py`` and ``test_properties_kernels.py``; a module that uses the
 fixture imports it (pytest then applies it to every test of that module).
 """

@@ -123,9 +123,8 @@ def test_bad_arguments() -> None:
 
 def _program(xs: list[torch.Tensor], grads: list[torch.Tensor], w: torch.Tensor, group: Any) -> tuple:
 
-    all_gather, reduce_scatter = funcol_all_gather, funcol_reduce_scatter
-    gathered = [all_gather(x, 0, group) for x in xs]
-    reduced = [reduce_scatter(g, "sum", 0, group) for g in grads]
+    gathered = [funcol_all_gather(x, 0, group) for x in xs]
+    reduced = [funcol_reduce_scatter(g, "sum", 0, group) for g in grads]
     h = torch.tanh(w @ w)
     return tuple(t * 1 for t in gathered) + tuple(r + 0 for r in reduced) + (h,)
 

@@ -302,12 +302,11 @@ def test_wrong_argument_types_raise() -> None:
 def _traced_program(x: torch.Tensor, w: torch.Tensor, group: Any) -> tuple[torch.Tensor, ...]:
     import torch.distributed._functional_collectives as funcol
 
-    all_gather, reduce_scatter = funcol_all_gather, funcol_reduce_scatter
-    gathered = funcol.wait_tensor(all_gather(x, 0, group))  # (4, 4); waited twice when traced
+    gathered = funcol.wait_tensor(funcol_all_gather(x, 0, group))  # (4, 4); waited twice when traced
     h = torch.tanh(w @ w)
     reduced = funcol.all_reduce(h, "sum", group)
     h2 = torch.sin(h) @ w
-    scattered = reduce_scatter(h2, "sum", 0, group)          # (2, 4)
+    scattered = funcol_reduce_scatter(h2, "sum", 0, group)   # (2, 4)
     sent = funcol.broadcast(x * 2, 0, group)
     swapped = funcol.all_to_all_single(h2, [2, 2], [2, 2], group)
     pair = funcol.all_reduce_coalesced([x + 1, h[:2]], "sum", group)

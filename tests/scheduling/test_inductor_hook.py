@@ -185,10 +185,9 @@ def _compile_with_and_without_hook(rank: int, world_size: int) -> dict[str, Any]
     from torch._inductor.utils import run_and_get_code
 
     group = dist.group.WORLD
-    all_gather = funcol_all_gather
 
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        y = all_gather(x, 0, group)
+        y = funcol_all_gather(x, 0, group)
         z = w @ w
         return y.sum() + z.sum()
 
@@ -270,10 +269,8 @@ def _gather_then_mm(group: Any) -> Any:
     serves one compile to another (see [Note: one code object per step] in
     ``tests/compiled_step.py``)."""
 
-    all_gather = funcol_all_gather
-
     def train_step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        y = all_gather(x, 0, group)
+        y = funcol_all_gather(x, 0, group)
         z = w @ w
         return y.sum() + z.sum()
 
