@@ -17,8 +17,16 @@ CUDA timings are ``triton.testing.do_bench`` medians (quantiles 0.5, 0.2, 0.8). 
 (``--device cpu``) the ops take their torch fallback path (no Triton), workloads are scaled down and
 timed with a median of repeats: the table says so, and its figures are not GPU results.
 
+A second table gives the *host* µs per call of each op's Triton path, full-size shapes (the host
+side does not depend on the bytes), for the public op (``kernels.*``, argument checks included)
+and for the launcher the runtime calls (``_all_gather_copy_in`` ..., no checks), beside the target
+of issue 28 (15 µs + 0.05 µs per parameter, [Note: host cost of a launch] in ``kernels._launch``).
+On CUDA: wall time of back-to-back calls, nothing synchronized, and the torch path's the same way.
+On CPU: the same calls with the kernel launch stubbed out (``kernels._launch.launches_stubbed``):
+everything the host does up to the launch, which on a GPU is followed by Triton's own launch cost.
+
     python benchmarks/bench_kernels.py [--device cuda|cpu] [--world-size 8] [--quick]
-                                       [--workload NAME ...] [--markdown benchmarks/RESULTS.md]
+                                       [--workload NAME ...] [--skip-gbps] [--markdown benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
@@ -33,6 +41,10 @@ import torch
 from _common import add_world_size, parse, parser  # first: sys.path
 import kernels
 from kernels import ShardLayout, _launch
+from kernels.all_gather_copy_in import _all_gather_copy_in
+from kernels.all_gather_copy_out import _all_gather_copy_out
+from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
+from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
 from report import emit
 
 QUANTILES = [0.5, 0.2, 0.8]
@@ -94,6 +106,7 @@ class Case:
     param_dtype: torch.dtype
     comm_dtype: torch.dtype
     fused: dict[str, Callable[[], object]]
+    runtime: dict[str, Callable[[], object]]  # the launchers the runtime calls (no argument checks)
     torch_path: dict[str, Callable[[], object]]
     nbytes: dict[str, int]
 
@@ -119,6 +132,12 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
         "all_gather_copy_out": lambda: kernels.all_gather_copy_out(ag_output, layout, outs),
         "reduce_scatter_copy_in": lambda: kernels.reduce_scatter_copy_in(fulls, layout, scale, comm_dtype),
         "reduce_scatter_copy_out": lambda: kernels.reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
+    }
+    runtime = {
+        "all_gather_copy_in": lambda: _all_gather_copy_in(shards, layout, rank, comm_dtype),
+        "all_gather_copy_out": lambda: _all_gather_copy_out(ag_output, layout, outs),
+        "reduce_scatter_copy_in": lambda: _reduce_scatter_copy_in(fulls, layout, scale, comm_dtype),
+        "reduce_scatter_copy_out": lambda: _reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
     }
 
     # FSDP2's unsharded parameters live in padded (world_size, padded shard) storages; with a cast, the
@@ -165,7 +184,7 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
         "reduce_scatter_copy_in": full_numel * (p_size + c_size),
         "reduce_scatter_copy_out": shard_numel * (c_size + 2 * p_size),
     }
-    return Case(layout, rank, param_dtype, comm_dtype, fused, torch_path, nbytes)
+    return Case(layout, rank, param_dtype, comm_dtype, fused, runtime, torch_path, nbytes)
 
 
 def plain_copy(nbytes: int, device: torch.device) -> Callable[[], object]:
@@ -187,6 +206,56 @@ def path_label(device: torch.device) -> str:
     return "CPU, torch fallback path (no Triton; not GPU results)"
 
 
+# ------------------------------------------------------------------------------------- host table
+HOST_CALLS = 100  # back-to-back calls per sample
+HOST_SAMPLES = 7
+
+
+def host_us(fn: Callable[[], object], device: torch.device) -> float:
+    """Median over ``HOST_SAMPLES`` of the host µs per call of ``HOST_CALLS`` back-to-back calls
+    (after a warm-up call; on CUDA the device is synchronized between samples, never inside one)."""
+    fn()
+    samples = []
+    for _ in range(HOST_SAMPLES):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        samples.append((time.perf_counter() - start) / HOST_CALLS * 1e6)
+    return statistics.median(samples)
+
+
+def host_target_us(num_params: int) -> float:
+    """Issue 28's target for the host side of one op over ``num_params`` parameters."""
+    return 15 + 0.05 * num_params
+
+
+def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> list[list[object]]:
+    """Host µs per call of each op (public, runtime launcher; torch path on CUDA), full-size shapes
+    on the first dtype pair; on CPU the kernel launch is stubbed out."""
+    rows: list[list[object]] = []
+    param_dtype, comm_dtype = DTYPE_PAIRS[0]
+    for name in names:
+        # on CPU the kernel never runs, so the shapes only need to exist: scaled down for memory
+        workload = workloads(1 if device.type == "cuda" else 64)[name]
+        case = build_case(workload, world_size, 0, param_dtype, comm_dtype, device)
+        target = host_target_us(case.layout.num_params)
+        for op in OPS:
+            if device.type == "cuda":
+                public, runtime = host_us(case.fused[op], device), host_us(case.runtime[op], device)
+                torch_us: object = host_us(case.torch_path[op], device)
+            else:
+                with _launch.launches_stubbed() as launched:
+                    public, runtime = host_us(case.fused[op], device), host_us(case.runtime[op], device)
+                assert launched[0] > 0, "the Triton path was not taken"
+                torch_us = "-"
+            rows.append([workload.name, case.layout.num_params, op, public, runtime, torch_us, target,
+                         runtime / target])
+        del case
+    return rows
+
+
 # --------------------------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     p = parser(__doc__)
@@ -198,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     p.add_argument("--workload", action="append", choices=sorted(workloads(1)),
                    help="run only this workload (repeatable; default: all)")
     p.add_argument("--repeats", type=int, default=None, help="CPU timing repeats (default 30, 10 with --quick)")
+    p.add_argument("--skip-gbps", action="store_true", help="only the host table")
     args = parse(p, argv)
     if args.world_size < 1:
         p.error("--world-size must be >= 1")
@@ -213,6 +283,15 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
 
     chosen = workloads(scale)
     names = args.workload or list(chosen)
+    host = host_rows(names, args.world_size, device)
+    host_where = ("CUDA, back-to-back calls, no sync" if device.type == "cuda"
+                  else "CPU, Triton path with the kernel launch stubbed out (host preparation only)")
+    emit(f"Packing ops, host µs per call — {host_where}; world size {args.world_size}, rank 0, "
+         f"{short(DTYPE_PAIRS[0][0])} params / {short(DTYPE_PAIRS[0][1])} comm; median of {HOST_SAMPLES} x {HOST_CALLS} calls",
+         ["workload", "params", "op", "public µs", "runtime launcher µs", "torch path µs", "target µs (15 + 0.05/param)",
+          "runtime / target"], host, args.markdown)
+    if args.skip_gbps:
+        return host
     header = ["workload", "params/comm", "op", "MB", "fused ms (p20-p80)", "fused GB/s", "torch GB/s",
               "copy GB/s", "fused/copy", "fused speed-up vs torch"]
     rows: list[list[object]] = []

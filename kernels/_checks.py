@@ -5,9 +5,18 @@ value) with a message that names the op, the argument and what is allowed, and r
 established (the tensors' device, a dtype). An op runs all its checks before it allocates or
 launches anything, so bad input changes nothing. The torch.library ops' fake implementations run the
 same checks, so traced code fails as eager code does.
+
+[Note: checks at C speed]
+A group has hundreds of parameters, and on a GPU the host time of an op is what it costs
+([Note: host cost of a launch] in ``kernels._launch``). So a list of tensors is checked by a few
+passes of ``map`` over the list (types, devices, dtypes, shapes, contiguity), each calling a C
+accessor per tensor with no Python bytecode in between; only when one of them fails does the
+per-tensor loop run, to name the first bad tensor and what is wrong with it. Both paths accept and
+refuse the same lists (tests/packing/test_launch_host_cost.py).
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +42,43 @@ def check_layout(op: str, layout: object) -> None:
         raise TypeError(f"{op}: layout must be a kernels.ShardLayout, got {type(layout).__name__}")
 
 
+PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_SUPPORTED_DTYPES = frozenset(TRITON_DTYPES)
+
+
+def plain_tensors(tensors: Sequence[object]) -> bool:
+    """Every item is a ``torch.Tensor`` or ``nn.Parameter`` exactly (no subclass, no other object)."""
+    return set(map(type, tensors)) <= PLAIN_TENSOR_TYPES
+
+
+def dtypes_of(tensors: Sequence[torch.Tensor]) -> set[torch.dtype]:
+    """The distinct dtypes of ``tensors`` (one C-level pass; a loop Dynamo can trace while it traces)."""
+    if torch.compiler.is_compiling():
+        return {t.dtype for t in tensors}
+    return set(map(_DTYPE, tensors))
+
+
+def _all_fine(
+    tensors: Sequence[torch.Tensor], shapes: Sequence[torch.Size], device: torch.device | None, writable: bool
+) -> torch.device | None:
+    """The one device of ``tensors`` when they pass ``check_tensors``' rules, by C-level passes
+    ([Note: checks at C speed]); ``None`` when any rule fails or cannot be decided that way (also
+    while Dynamo traces: it cannot trace ``attrgetter``, and traced checks cost nothing per call)."""
+    if not tensors or torch.compiler.is_compiling() or not plain_tensors(tensors):
+        return None
+    devices = set(map(_DEVICE, tensors))
+    if len(devices) != 1 or (device is not None and device not in devices):
+        return None
+    if not dtypes_of(tensors) <= _SUPPORTED_DTYPES or not all(map(operator.eq, map(_SHAPE, tensors), shapes)):
+        return None
+    if writable and not all(map(torch.Tensor.is_contiguous, tensors)):
+        return None
+    return devices.pop()
+
+
 def check_tensors(
     op: str,
     name: str,
@@ -50,6 +96,9 @@ def check_tensors(
         raise TypeError(f"{op}: {name} must be a list of tensors, got {type(tensors).__name__}")
     if len(tensors) != len(shapes):
         raise ValueError(f"{op}: {name} has {len(tensors)} tensors, the layout has {len(shapes)} parameters")
+    fine = _all_fine(tensors, shapes, device, writable)
+    if fine is not None:
+        return fine
     for i, (t, shape) in enumerate(zip(tensors, shapes)):
         where = f"{op}: {name}[{i}]"
         if not isinstance(t, torch.Tensor):
@@ -80,20 +129,21 @@ def check_flat(op: str, name: str, tensor: object, numel: int, device: torch.dev
     return tensor.device
 
 
-def common_dtype(op: str, name: str, tensors: Sequence[torch.Tensor]) -> torch.dtype:
-    """The one dtype of ``tensors``; mixed lists need an explicit ``dtype``."""
-    dtypes = {t.dtype for t in tensors}
+def common_dtype(op: str, name: str, dtypes: set[torch.dtype]) -> torch.dtype:
+    """The one dtype of a list (``dtypes``: its distinct dtypes); mixed lists need an explicit ``dtype``."""
     if len(dtypes) != 1:
         raise ValueError(f"{op}: {name} mixes dtypes {sorted(map(str, dtypes))}; pass dtype= to choose the buffer's")
-    return dtypes.pop()
+    return next(iter(dtypes))
 
 
-def check_dtype_groups(op: str, name: str, tensors: Sequence[torch.Tensor]) -> None:
-    dtypes = {t.dtype for t in tensors}
+def check_dtype_groups(op: str, name: str, tensors: Sequence[torch.Tensor]) -> set[torch.dtype]:
+    """At most ``MAX_DTYPE_GROUPS`` dtypes in ``tensors``; returns the distinct dtypes."""
+    dtypes = dtypes_of(tensors)
     if len(dtypes) > MAX_DTYPE_GROUPS:
         raise ValueError(
             f"{op}: {name} mixes {len(dtypes)} dtypes, at most {MAX_DTYPE_GROUPS} per call are supported"
         )
+    return dtypes
 
 
 def check_scale(op: str, name: str, value: object) -> None:
@@ -101,7 +151,7 @@ def check_scale(op: str, name: str, value: object) -> None:
         raise TypeError(f"{op}: {name} must be None or a float, got {type(value).__name__}")
 
 
-def check_floating(op: str, what: str, dtypes: Sequence[torch.dtype]) -> None:
+def check_floating(op: str, what: str, dtypes: set[torch.dtype] | Sequence[torch.dtype]) -> None:
     """Scaling and accumulation need floating-point tensors; integer ones can only be copied."""
     bad = sorted({str(d) for d in dtypes if not d.is_floating_point})
     if bad:

@@ -77,10 +77,10 @@ def _check(
 ) -> tuple[torch.device, torch.dtype]:
     _checks.check_layout(OP, layout)
     _checks.check_rank(OP, rank, layout)
-    device = _checks.check_tensors(OP, "shards", shards, layout.shard_shapes(rank))
-    _checks.check_dtype_groups(OP, "shards", shards)
+    device = _checks.check_tensors(OP, "shards", shards, layout.shard_shape_tuple(rank))
+    dtypes = _checks.check_dtype_groups(OP, "shards", shards)
     if dtype is None:
-        dtype = _checks.common_dtype(OP, "shards", shards)
+        dtype = _checks.common_dtype(OP, "shards", dtypes)
     _checks.check_dtype(OP, "dtype", dtype)
     return device, dtype
 
@@ -123,14 +123,14 @@ def _all_gather_copy_in(
             return _all_gather_copy_in_torch(shards, layout, rank, dtype, device)
     ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]
-    _kernel_call([s.contiguous() for s in shards], layout, rank, ag_input).launch()
+    _kernel_call(list(map(torch.Tensor.contiguous, shards)), layout, rank, ag_input).launch()
     return ag_input, ag_output
 
 
 def _kernel_call(shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, ag_input: torch.Tensor) -> _launch.KernelCall:
     """The launch that fills ``ag_input`` (this rank's slot) from contiguous ``shards``."""
-    return _launch.kernel_call(_all_gather_copy_in_kernel, layout, rank, True, shards, (ag_input,),
-                               dict(VEC=_launch.vector_width([ag_input.dtype])))
+    return _launch.kernel_call(_all_gather_copy_in_kernel, layout, rank, True, shards, (ag_input,), {},
+                               destinations=(ag_input.dtype,))
 
 
 # ------------------------------------------------------------------------------ fallback, reference

@@ -75,10 +75,10 @@ def _check(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Te
         _checks.check_dtype(OP, "dtype", dtype)
     if outs is not None:
         _checks.check_tensors(OP, "outs", outs, layout.shapes, device, writable=True)
-        _checks.check_dtype_groups(OP, "outs", outs)
-        for i, out in enumerate(outs):
-            if dtype is not None and out.dtype != dtype:
-                raise TypeError(f"{OP}: outs[{i}] has dtype {out.dtype}, expected dtype={dtype}")
+        dtypes = _checks.check_dtype_groups(OP, "outs", outs)
+        if dtype is not None and dtypes != {dtype}:
+            i = next(i for i, out in enumerate(outs) if out.dtype != dtype)
+            raise TypeError(f"{OP}: outs[{i}] has dtype {outs[i].dtype}, expected dtype={dtype}")
 
 
 def _allocate(ag_output: torch.Tensor, layout: ShardLayout, dtype: torch.dtype | None) -> list[torch.Tensor]:
@@ -128,8 +128,7 @@ def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: Seq
 
 def _kernel_call(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor]) -> _launch.KernelCall:
     """The launch that scatters ``ag_output`` into ``outs`` (contiguous)."""
-    return _launch.kernel_call(_all_gather_copy_out_kernel, layout, None, False, outs, (ag_output,),
-                               dict(VEC=_launch.vector_width([o.dtype for o in outs])))
+    return _launch.kernel_call(_all_gather_copy_out_kernel, layout, None, False, outs, (ag_output,), {})
 
 
 # ------------------------------------------------------------------------------ fallback, reference

@@ -163,7 +163,16 @@ class ShardLayout:
         return (end - start) * self.row_numels[index]
 
     def shard_shapes(self, rank: int) -> list[torch.Size]:
-        return [self.shard_shape(i, rank) for i in range(self.num_params)]
+        return list(self.shard_shape_tuple(rank))
+
+    def shard_shape_tuple(self, rank: int) -> tuple[torch.Size, ...]:
+        """``shard_shapes(rank)`` as a tuple, computed once per rank (the ops' checks read it at
+        every call)."""
+        key = ("shard_shapes", rank)
+        shapes = self._device_cache.get(key)
+        if shapes is None:
+            shapes = self._device_cache[key] = tuple(self.shard_shape(i, rank) for i in range(self.num_params))
+        return shapes
 
     def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """``rank``'s rows of a full tensor, as a view (a 0-dim tensor is viewed as shape ``(1,)``)."""

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels._checks import plain_tensors
 from kernels._jit import INTERPRET
 from kernels.layout import ShardLayout
 
@@ -88,4 +89,4 @@ def use_dispatcher(tensors: Sequence[torch.Tensor]) -> bool:
     """
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return True
-    return any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+    return not plain_tensors(tensors)

@@ -85,13 +85,13 @@ def _check(
 ) -> tuple[torch.device, torch.dtype]:
     _checks.check_layout(OP, layout)
     device = _checks.check_tensors(OP, "grads", grads, layout.shapes)
-    _checks.check_dtype_groups(OP, "grads", grads)
+    dtypes = _checks.check_dtype_groups(OP, "grads", grads)
     if dtype is None:
-        dtype = _checks.common_dtype(OP, "grads", grads)
+        dtype = _checks.common_dtype(OP, "grads", dtypes)
     _checks.check_dtype(OP, "dtype", dtype)
     _checks.check_scale(OP, "pre_scale", pre_scale)
     if pre_scale is not None:
-        _checks.check_floating(OP, "pre_scale", [dtype, *(g.dtype for g in grads)])
+        _checks.check_floating(OP, "pre_scale", {dtype} | dtypes)
     return device, dtype
 
 
@@ -134,7 +134,7 @@ def _reduce_scatter_copy_in(
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
             return _reduce_scatter_copy_in_torch(grads, layout, pre_scale, dtype, device)
     rs_input = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
-    _kernel_call([g.contiguous() for g in grads], layout, pre_scale, rs_input).launch()
+    _kernel_call(list(map(torch.Tensor.contiguous, grads)), layout, pre_scale, rs_input).launch()
     return rs_input
 
 
@@ -143,7 +143,7 @@ def _kernel_call(
 ) -> _launch.KernelCall:
     """The launch that packs contiguous ``grads`` into ``rs_input``."""
     return _launch.scaled_kernel_call(_reduce_scatter_copy_in_kernel, layout, None, True, grads, rs_input, pre_scale,
-                                      [rs_input.dtype])
+                                      (rs_input.dtype,))
 
 
 # ------------------------------------------------------------------------------ fallback, reference

@@ -92,14 +92,14 @@ def _check(
     _checks.check_layout(OP, layout)
     _checks.check_rank(OP, rank, layout)
     device = _checks.check_flat(OP, "rs_output", rs_output, layout.slot_numel, None)
-    _checks.check_tensors(OP, "shard_grads", shard_grads, layout.shard_shapes(rank), device, writable=True)
-    _checks.check_dtype_groups(OP, "shard_grads", shard_grads)
+    _checks.check_tensors(OP, "shard_grads", shard_grads, layout.shard_shape_tuple(rank), device, writable=True)
+    dtypes = _checks.check_dtype_groups(OP, "shard_grads", shard_grads)
     _checks.check_scale(OP, "post_scale", post_scale)
     if not isinstance(accumulate, bool):
         raise TypeError(f"{OP}: accumulate must be a bool, got {type(accumulate).__name__}")
     if post_scale is not None or accumulate:
         what = "post_scale" if post_scale is not None else "accumulate=True"
-        _checks.check_floating(OP, what, [rs_output.dtype, *(g.dtype for g in shard_grads)])
+        _checks.check_floating(OP, what, {rs_output.dtype} | dtypes)
 
 
 def reduce_scatter_copy_out(
@@ -171,7 +171,7 @@ def _kernel_call(
 ) -> _launch.KernelCall:
     """The launch that writes (or adds) ``rs_output`` into ``shard_grads`` (contiguous)."""
     return _launch.scaled_kernel_call(_reduce_scatter_copy_out_kernel, layout, rank, False, shard_grads, rs_output,
-                                      post_scale, [g.dtype for g in shard_grads], ACCUMULATE=accumulate)
+                                      post_scale, None, ACCUMULATE=accumulate)
 
 
 # ------------------------------------------------------------------------------ fallback, reference

@@ -1,0 +1,179 @@
+"""A host-bound training step: plain vs ``overlap.shard`` vs torch FSDP2 at world size 1, and where
+the host time goes.
+
+On a GPU, a step is host-bound when Python issues kernels more slowly than the GPU runs them; then
+no overlap can help, and every microsecond of runtime bookkeeping lengthens the step. The configs:
+
+* ``small``: ``--blocks`` (48) blocks of LayerNorm + Linear(d, 4d) + GELU + Linear(4d, d), d = 256,
+  a batch of 4 x 128 tokens: host-bound on a GPU (the figure of issue 28: plain 22-24 ms,
+  overlap.shard 51-56 ms, FSDP2 103-105 ms on one H200);
+* ``gpu-bound``: 8 such blocks at d = 2048: the GPU is the bottleneck (CUDA only; on CPU a step
+  takes seconds and says nothing about host cost).
+
+On CPU the small config shrinks to d = 32 and 32 tokens, so that its step is the host's
+bookkeeping and dispatch rather than arithmetic (at d = 256 a 2-core box spends seconds per step in
+the matmuls, in every mode alike): there the table reports host costs only.
+
+Each step is ``zero_grad(set_to_none=True)``, forward, ``sum()``, backward and AdamW's step (the
+default implementation: foreach on CUDA, per-tensor on CPU), fp32, over a 1-rank process group
+(NCCL on CUDA, gloo on CPU). The modes are timed interleaved (A B C A B C ..., order rotated each
+round), ``--steps`` steps per sample, medians over ``--repeats`` rounds:
+
+* CUDA: "step ms" is the wall time of the steps with one device synchronize at the end; "host ms"
+  the time until the host had issued them (before that synchronize). Where host ms ~ step ms, the
+  GPU waited for the host;
+* CPU: the CPU computes as well, so step ms is host ms; the table says so.
+
+Then ``torch.profiler`` (CPU activity) records ``--profile-steps`` steps of each sharded mode of the
+``small`` config and prints its top host costs: self CPU µs per step of the top ``--top`` ops.
+
+    python benchmarks/bench_host_bound.py [--blocks 48] [--steps 5] [--repeats 7] [--top 12]
+                                          [--markdown benchmarks/RESULTS.md]
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from _common import parse, parser  # first: sys.path
+from report import emit
+from torch import nn
+
+from overlap.demo.training import shard_for_mode
+
+MODES = {"plain": None, "overlap.shard": "overlap", "torch FSDP2": "fsdp2"}  # label -> shard_for_mode's mode
+CONFIGS = {"small": (256, 4 * 128), "gpu-bound": (2048, 4 * 128)}  # name -> (d, tokens) on CUDA
+CPU_SMALL = (32, 32)  # (d, tokens) of the small config on CPU: host work, not arithmetic
+GPU_BOUND_BLOCKS = 8
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+@contextlib.contextmanager
+def single_rank_group(device: torch.device) -> Iterator[None]:
+    """A 1-rank default process group (NCCL on CUDA, gloo on CPU) over an in-memory store."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def make_step(mode: str, blocks: int, d: int, tokens: int, device: torch.device) -> Callable[[], None]:
+    """One training step of ``mode`` on a freshly built model (same seed in every mode)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(d) for _ in range(blocks)]).to(device)
+    if MODES[mode] is not None:
+        shard_for_mode(MODES[mode], model, list(model))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(tokens, d, device=device, generator=torch.Generator(device).manual_seed(1))
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        opt.step()
+
+    return step
+
+
+def timed(step: Callable[[], None], steps: int, device: torch.device) -> tuple[float, float]:
+    """(host s, wall s) per step of ``steps`` steps: until the host returned, until the device did."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return host / steps, (time.perf_counter() - start) / steps
+
+
+def interleaved(fns: dict[str, Callable[[], None]], steps: int, repeats: int,
+                device: torch.device) -> dict[str, list[tuple[float, float]]]:
+    for fn in fns.values():
+        timed(fn, 2, device)  # warm-up: the first step records schedules, compiles kernels
+    names = list(fns)
+    samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples[name].append(timed(fns[name], steps, device))
+    return samples
+
+
+def top_host_costs(step: Callable[[], None], steps: int, top: int) -> list[tuple[str, float, float]]:
+    """(op, self CPU µs per step, calls per step) of the ``top`` ops by self CPU time over ``steps``
+    profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [(e.key, e.self_cpu_time_total / steps, e.count / steps) for e in events]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser(__doc__)
+    p.add_argument("--blocks", type=int, default=48, help="blocks of the small config (default 48)")
+    p.add_argument("--steps", type=int, default=5, help="steps per sample (default 5)")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds; medians (default 7)")
+    p.add_argument("--profile-steps", type=int, default=3, help="profiled steps per sharded mode (default 3)")
+    p.add_argument("--top", type=int, default=12, help="ops in the profile table (default 12)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parse(p, argv)
+    for name in ("blocks", "steps", "repeats", "profile_steps", "top"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here (use --device cpu)")
+    configs = ["small", "gpu-bound"] if device.type == "cuda" else ["small"]
+
+    rows, profiles = [], {}
+    with single_rank_group(device):
+        for config in configs:
+            d, tokens = CONFIGS[config] if device.type == "cuda" else CPU_SMALL
+            blocks = args.blocks if config == "small" else GPU_BOUND_BLOCKS
+            fns = {mode: make_step(mode, blocks, d, tokens, device) for mode in MODES}
+            samples = interleaved(fns, args.steps, args.repeats, device)
+            plain = statistics.median(w for _, w in samples["plain"])
+            for mode in MODES:
+                host = statistics.median(h for h, _ in samples[mode])
+                wall = statistics.median(w for _, w in samples[mode])
+                rows.append([f"{config}: {blocks} x d={d}", mode, f"{1e3 * wall:.2f}", f"{1e3 * host:.2f}",
+                             f"{wall / plain:.2f}x"])
+            if config == "small":
+                profiles = {mode: top_host_costs(fns[mode], args.profile_steps, args.top) for mode in MODES}
+            del fns
+
+    where = ("CUDA, NCCL 1-rank group; step = wall with one sync per sample, host = until issued"
+             if device.type == "cuda" else "CPU, gloo 1-rank group; the CPU computes too: step ms = host ms")
+    tokens = CONFIGS["small"][1] if device.type == "cuda" else CPU_SMALL[1]
+    emit(f"Host-bound training step (LayerNorm + Linear d->4d->d blocks, AdamW, fp32, batch {tokens} "
+         f"tokens), world size 1 — {where}; medians of {args.repeats} interleaved rounds of {args.steps} steps",
+         ["config", "mode", "step ms", "host ms", "step vs plain"], rows, args.markdown)
+    prof_rows = [[mode, name, f"{us:.0f}", f"{calls:g}"] for mode, ops in profiles.items() for name, us, calls in ops]
+    emit(f"Top host costs of the small config ({args.blocks} blocks): torch.profiler self CPU µs per step, "
+         f"{args.profile_steps} profiled steps per mode", ["mode", "op", "self CPU µs per step", "calls per step"],
+         prof_rows, args.markdown)
+
+
+if __name__ == "__main__":
+    main()
