@@ -138,12 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
             "Runs, on the current CUDA device with the installed torch and Triton (no network): pytest -m gpu, "
             "the six packing/chunk ops against their references over drawn cases, world-size-1 NCCL training "
             "against the unsharded model and FSDP2, a collective beside compute, a CUDA-graph capture and "
-            "replay of the packing ops, and benchmarks/bench_kernels.py --device cuda --quick (appended to "
-            "benchmarks/RESULTS.md). Prints one table. Exit codes: 0 every check that ran passed, 1 a check "
+            "replay of the packing ops, and benchmarks/bench_kernels.py --device cuda --quick and "
+            "benchmarks/bench_host_bound.py (appended to benchmarks/RESULTS.md). Prints one table. Exit codes: 0 every check that ran passed, 1 a check "
             "failed, 2 no CUDA device."),
     )
     check.add_argument("--skip-bench", action="store_true",
-                       help="leave out bench_kernels (and RESULTS.md untouched)")
+                       help="leave out the benchmarks (and RESULTS.md untouched)")
     return parser
 
 

@@ -23,8 +23,10 @@ streams            a collective beside compute: a sleep queued on the all-gather
                    events)
 cuda graphs        the four packing ops captured in one CUDA graph and replayed on new data, against
                    the references
-bench_kernels      ``benchmarks/bench_kernels.py --device cuda --quick``, its table appended to
-                   ``benchmarks/RESULTS.md`` (timings are reported, never checked)
+bench_kernels      ``benchmarks/bench_kernels.py --device cuda --quick``, its tables (GB/s, and host µs
+                   per call) appended to ``benchmarks/RESULTS.md`` (timings are reported, never checked)
+bench_host_bound   ``benchmarks/bench_host_bound.py``: plain vs overlap.shard vs FSDP2 on a host-bound
+                   and a GPU-bound step, with the profiler's top host costs, appended the same way
 =================  ==================================================================================
 
 The packing and training checks take a device / backend, so the CPU suite runs them too (Triton's
@@ -412,6 +414,10 @@ def _cuda_graph_row(device: torch.device) -> CheckRow:
 
 
 # ---------------------------------------------------------------------------- subprocess rows
+BENCHMARKS = {"bench_kernels": ["--device", "cuda", "--quick"], "bench_host_bound": []}
+"""The benchmark rows: script under ``benchmarks/`` -> its options (``--markdown`` is added)."""
+
+
 def _subprocess_row(name: str, argv: list[str], needs: Path, timeout: float,
                     summary: Callable[[str], str]) -> CheckRow:
     if not needs.exists():
@@ -472,13 +478,14 @@ def main(skip_bench: bool = False) -> int:
         _guarded("streams", _streams_row),
         _guarded("cuda graphs", lambda: _cuda_graph_row(device)),
     ]
-    if skip_bench:
-        rows.append(CheckRow("bench_kernels", None, 0.0, "--skip-bench"))
-    else:
+    for bench, options in BENCHMARKS.items():
+        if skip_bench:
+            rows.append(CheckRow(bench, None, 0.0, "--skip-bench"))
+            continue
+        script = f"benchmarks/{bench}.py"
         rows.append(_subprocess_row(
-            "bench_kernels", [python, "benchmarks/bench_kernels.py", "--device", "cuda", "--quick", "--markdown",
-                              "benchmarks/RESULTS.md"], REPO / "benchmarks" / "bench_kernels.py", 240,
-            lambda out: "table appended to benchmarks/RESULTS.md"))
+            bench, [python, script, *options, "--markdown", "benchmarks/RESULTS.md"], REPO / script, 240,
+            lambda out: "tables appended to benchmarks/RESULTS.md"))
     title = (f"overlap check-gpu: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
              f"Triton {triton.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}")
     print(format_table(rows, title), flush=True)
