@@ -129,6 +129,11 @@ class _Signature:
     created_list: int | None
     """Position of the list whose ``None`` entries the function fills (SGD's momentum buffers)."""
 
+    @property
+    def positional(self) -> int:
+        """How many leading positional arguments a call must pass to be checked (else: torch's path)."""
+        return max(self.dtensor_lists, (self.steps_list if self.steps_list is not None else -1) + 1)
+
 
 _ADAM = _Signature(dtensor_lists=5, steps_list=5, created_list=None)  # params grads exp_avgs exp_avg_sqs max_exp_avg_sqs
 _SGD = _Signature(dtensor_lists=3, steps_list=None, created_list=2)  # params grads momentum_buffer_list
@@ -180,7 +185,7 @@ def _wrap(original: Callable[..., Any], signature: _Signature) -> Callable[..., 
     @functools.wraps(original)
     def step_on_local_tensors(*args: Any, **kwargs: Any) -> Any:
         global engaged, fell_back
-        if not _enabled or len(args) < signature.dtensor_lists or not args[0] \
+        if not _enabled or len(args) < signature.positional or not args[0] \
                 or getattr(args[0][0], MARK, None) is None or torch.compiler.is_compiling():
             return original(*args, **kwargs)
         local_args = _local_arguments(args, kwargs, signature)
