@@ -21,11 +21,15 @@ skips its all-gather and copies (casts) each shard into its unsharded parameter;
 ``param_dtype`` overlap runs its full pack / unpack path (all-gather copy-in and copy-out in forward
 and again in backward, reduce-scatter copy-in and epilogue), so that row prices its packing too.
 
-Table 2, optimizer step: ``torch.optim.AdamW`` over each model's parameters (plain tensors, or the
+Table 2, optimizer step: a torch optimizer over each model's parameters (plain tensors, or the
 sharded DTensors of overlap and FSDP2), timed on ``opt.step()`` alone after one backward has left
-gradients in place; ratio overlap / FSDP2. Twice: with the default ``foreach=None`` (on CPU torch
-then picks the per-tensor loop: its foreach default covers CUDA-like devices only) and with
-``foreach=True`` (what the default gives on GPUs).
+gradients in place; ratio overlap / FSDP2. Optimizers (``OPTIMIZERS``): AdamW with the default
+``foreach=None`` (on CPU torch then picks the per-tensor loop: its foreach default covers CUDA-like
+devices only), ``foreach=False``, ``foreach=True`` (what the default gives on GPUs) and
+``fused=True``; SGD with momentum 0.9, default and ``foreach=True`` (fused SGD is left out: torch has
+no DTensor strategy for it, FSDP2's step raises). overlap.shard runs twice: as shipped (its steps run
+on the local tensors, ``overlap/local_optimizer_step.py``) and with that turned off
+(``overlap.set_local_optimizer_step(False)`` around the step: torch's DTensor path, what FSDP2 runs).
 
 How it is timed. All models are built first; then each round times every mode once for ``--steps``
 calls (``timing.seconds_per_call``), the modes interleaved (A B C A B C ..., the order rotated each
@@ -39,12 +43,13 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from _common import parse, parser, single_rank_group  # first: sys.path
+import overlap
 from overlap.demo.training import shard_for_mode
 from report import emit
 from timing import seconds_per_call
@@ -55,8 +60,17 @@ SETUPS = {"fp32": (torch.float32, None), "bf16 params": (torch.bfloat16, None),
           "fp32 + MP bf16": (torch.float32, torch.bfloat16)}
 MODES = ("plain", "overlap.shard", "torch FSDP2")
 _TRAINING_MODES = {"overlap.shard": "overlap", "torch FSDP2": "fsdp2"}  # overlap.demo.training's names
-# AdamW's foreach argument: the default (per-tensor on CPU) and foreach=True
-OPTIMIZERS = {"AdamW default (per-tensor on CPU)": None, "AdamW foreach=True": True}
+DTENSOR_PATH = "overlap.shard, DTensor path"  # the optimizer table's extra mode: the local step turned off
+OPT_MODES = ("plain", "overlap.shard", DTENSOR_PATH, "torch FSDP2")
+# label -> (optimizer class, its arguments besides the parameters)
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "AdamW default (per-tensor on CPU)": (torch.optim.AdamW, {"lr": 1e-4}),
+    "AdamW foreach=False": (torch.optim.AdamW, {"lr": 1e-4, "foreach": False}),
+    "AdamW foreach=True": (torch.optim.AdamW, {"lr": 1e-4, "foreach": True}),
+    "AdamW fused=True": (torch.optim.AdamW, {"lr": 1e-4, "fused": True}),
+    "SGD momentum default (per-tensor on CPU)": (torch.optim.SGD, {"lr": 1e-4, "momentum": 0.9}),
+    "SGD momentum foreach=True": (torch.optim.SGD, {"lr": 1e-4, "momentum": 0.9, "foreach": True}),
+}
 
 
 class Block(nn.Module):
@@ -89,10 +103,22 @@ def _fwd_bwd(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-def _opt_step(model: nn.Module, x: torch.Tensor, foreach: Optional[bool]) -> Callable[[], None]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
+def _opt_step(model: nn.Module, x: torch.Tensor, optimizer: type[torch.optim.Optimizer], kwargs: dict[str, Any],
+              local_step: bool = True) -> Callable[[], None]:
+    """``opt.step`` of a new ``optimizer`` over ``model``'s parameters after one backward; with
+    ``local_step=False`` the step runs with overlap's local optimizer step turned off."""
+    opt = optimizer(model.parameters(), **kwargs)
     model(x).sum().backward()
-    return opt.step
+    if local_step:
+        return opt.step
+
+    def dtensor_step() -> None:
+        previous = overlap.set_local_optimizer_step(False)
+        try:
+            opt.step()
+        finally:
+            overlap.set_local_optimizer_step(previous)
+    return dtensor_step
 
 
 def _interleaved(fns: dict[str, Callable[[], None]], steps: int, repeats: int, warmup: int) -> dict[str, list[float]]:
@@ -134,9 +160,13 @@ def main(argv: list[str] | None = None) -> None:
                 xin = x.to(model_dtype)
                 fwd[f"{setup}|{mode}"] = _fwd_bwd(_shard(mode, _model(args.blocks, model_dtype), mp_dtype), xin)
                 if mp_dtype is None:  # under MP the optimizer sees the same fp32 shards as "fp32"
-                    for impl, foreach in OPTIMIZERS.items():
+                    for impl, (optimizer, kwargs) in OPTIMIZERS.items():
                         model = _shard(mode, _model(args.blocks, dtype), None)
-                        opt[f"{setup}, {impl}|{mode}"] = _opt_step(model, xin, foreach)
+                        opt[f"{setup}, {impl}|{mode}"] = _opt_step(model, xin, optimizer, kwargs)
+                        if mode == "overlap.shard":
+                            model = _shard(mode, _model(args.blocks, dtype), None)
+                            opt[f"{setup}, {impl}|{DTENSOR_PATH}"] = _opt_step(model, xin, optimizer, kwargs,
+                                                                                local_step=False)
         warmup = max(3, args.steps // 2)
         fwd_s = _interleaved(fwd, args.steps, args.repeats, warmup)
         opt_s = _interleaved(opt, args.steps, args.repeats, warmup)
@@ -158,11 +188,11 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for setup in dict.fromkeys(key.split("|")[0] for key in opt_s):
-        t = {mode: med(opt_s[f"{setup}|{mode}"]) for mode in MODES}
-        for mode in MODES:
-            ratio = f"{t['overlap.shard'] / t['torch FSDP2']:.2f}x" if mode == "overlap.shard" else "-"
+        t = {mode: med(opt_s[f"{setup}|{mode}"]) for mode in OPT_MODES}
+        for mode in OPT_MODES:
+            ratio = f"{t[mode] / t['torch FSDP2']:.2f}x" if mode.startswith("overlap.shard") else "-"
             rows.append([setup, mode, f"{1e6 * t[mode]:.0f}", f"{t[mode] / t['plain']:.2f}x", ratio])
-    emit(f"Optimizer step: torch.optim.AdamW over the {2 * n} parameters of {n} Linear({WIDTH}, {WIDTH}) "
+    emit(f"Optimizer step: torch.optim.AdamW and SGD over the {2 * n} parameters of {n} Linear({WIDTH}, {WIDTH}) "
          f"blocks (plain tensors vs sharded DTensors), world size 1; medians of {args.repeats} interleaved rounds "
          f"of {args.steps} steps", ["params, optimizer", "mode", "µs per step", "vs plain", "overlap / FSDP2"],
          rows, args.markdown)

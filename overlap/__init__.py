@@ -24,6 +24,7 @@ from overlap.inflight_work import (
     set_max_inflight_bytes,
     wait_all,
 )
+from overlap.local_optimizer_step import local_optimizer_step_enabled, set_local_optimizer_step
 from overlap.mixed_precision import MixedPrecision
 from overlap.optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
 from overlap.profiler import Profiler, profile
@@ -46,6 +47,7 @@ __all__ = [
     "Wrapped",
     "full_state_dict",
     "load_full_state_dict",
+    "local_optimizer_step_enabled",
     "no_overlap",
     "no_sync",
     "optimizer_in_backward",
@@ -69,6 +71,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_coalesced",
     "set_debug",
+    "set_local_optimizer_step",
     "set_max_inflight_bytes",
     "set_wait_timeout",
     "wait",

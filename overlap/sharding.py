@@ -83,7 +83,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
-from overlap import desync
+from overlap import desync, local_optimizer_step
 from overlap.class_swap import swapped_class
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
 from overlap.inflight_work import InflightWork
@@ -666,6 +666,7 @@ def shard(
         if state.root is not None:  # `state` is bound below, before any backward can run
             state.root.on_grad_ready(state)
 
+    local_optimizer_step.install()  # steps over the DTensors made below run on their local tensors
     if replicate is not None:
         dtensor_mesh = mesh
     else:

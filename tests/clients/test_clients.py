@@ -191,10 +191,14 @@ def _training_state_dicts_and_dcp(checks: Checks, runtime: str, client: Client, 
     name = f"{runtime}/train"
 
     def trained() -> dict[str, Any]:
+        from overlap import local_optimizer_step
+
         model = build_sharded(runtime, client, env)
+        engaged = local_optimizer_step.engaged
         opt, losses, norms = train(model, client, env, SAVE_AFTER)
         live.update(model=model, opt=opt)
         return {"losses": losses, "norms": norms, "shards": shard_info(model),
+                "local_steps": local_optimizer_step.engaged - engaged,
                 "params": env.rank0(full_parameters(model)), "grads": env.rank0(full_parameters(model, grads=True))}
 
     def state_after(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -494,6 +498,10 @@ def test_training_matches_unsharded(client: Client, runtime: str, runs) -> None:
     _close(got[0]["params"], ref["saved_params"], "parameter", PARAM_RTOL, PARAM_ATOL)
     _same_as_fsdp2(results, "train", runtime, "losses")
     _same_as_fsdp2(results, "train", runtime, "params")
+    # overlap's AdamW steps ran on the local tensors (overlap/local_optimizer_step.py); FSDP2's did not
+    local_steps = [r["local_steps"] for r in got]
+    assert all(n == SAVE_AFTER for n in local_steps) if runtime == "overlap" else local_steps == [0] * len(got), \
+        (runtime, local_steps)
 
 
 def test_clip_grad_norm_is_global(client: Client, runtime: str, runs) -> None:
@@ -568,6 +576,10 @@ def test_full_state_dicts(client: Client, runtime: str, runs) -> None:
         _close(optim[name], want, f"full optimizer state of {name}", STEP_RTOL, STEP_RTOL, scale_atol=True)
     if runtime == "overlap":
         _zero(max_abs_diff(got[0]["overlap_full"], model), "overlap.full_state_dict vs the state-dict API")
+        fsdp2_optim = outcome(runs["w2"], "fsdp2/full_state_dicts")[0]["optim"]
+        assert set(optim) == set(fsdp2_optim), (set(optim), set(fsdp2_optim))
+        for name, want in fsdp2_optim.items():
+            _zero(max_abs_diff(optim[name], want), f"overlap vs FSDP2 full optimizer state of {name}")
     _same_as_fsdp2(runs["w2"], "full_state_dicts", runtime, "model")
 
 
@@ -583,6 +595,9 @@ def test_sharded_state_dicts(client: Client, runtime: str, runs) -> None:
     _zero(got[0]["diff"]["params"], "parameters after a sharded set_state_dict round trip")
     for name, d in got[0]["diff"]["optim"].items():
         _zero(d, f"optimizer state of {name} after a sharded round trip")
+    if runtime == "overlap":  # types, placements and shapes of every sharded state-dict entry: FSDP2's
+        fsdp2 = outcome(runs["w2"], "fsdp2/sharded_state_dicts")
+        assert [r["info"] for r in got] == [r["info"] for r in fsdp2]
 
 
 def test_set_state_dict_from_full(client: Client, runtime: str, runs) -> None:

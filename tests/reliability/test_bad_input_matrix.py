@@ -323,6 +323,8 @@ MATRIX: dict[str, Bad] = {
                                         "takes 0 positional arguments"),
     "profile enabled not a bool": Bad(lambda e: overlap.profile(enabled=1), TypeError, "enabled", "bool"),
     "set_debug on not a bool": Bad(lambda e: overlap.set_debug("yes"), TypeError, "on", "True, False or None"),
+    "set_local_optimizer_step on not a bool": Bad(lambda e: overlap.set_local_optimizer_step(1), TypeError, "on",
+                                                  "True, False or None"),
     "debug on not a bool": Bad(lambda e: _enter(overlap.debug(1)), TypeError, "on", "True, False or None"),
     "set_wait_timeout negative": Bad(lambda e: overlap.set_wait_timeout(-1.0), ValueError, "timeout",
                                      "a number of seconds or a datetime.timedelta, from 0.001 s (1 ms) to 1e+09 s"),
@@ -512,6 +514,7 @@ def test_bad_input_one_rank(single_rank_group: dist.ProcessGroup, row: str) -> N
 def test_every_public_name_has_a_row() -> None:
     """The table covers every public callable that takes arguments (kept in sync with ``__all__``)."""
     no_arguments = {"inflight", "inflight_bytes", "max_inflight_bytes", "wait_all", "debug_enabled", "uninstall",  # none
+                    "local_optimizer_step_enabled",
                     "wait", "wait_tensor", "is_pending",  # take any object (non-tensors pass through)
                     "AsyncTensor", "Completion", "Schedule", "ShardedModule", "OptimizerInBackward", "DeviceInfo", "Profiler",
                     "CollectiveError", "CollectiveTimeoutError", "DesyncError", "ScheduleMismatchError"}

@@ -1,0 +1,329 @@
+"""The local optimizer step (``overlap/local_optimizer_step.py``): torch's Adam, AdamW and SGD over
+``overlap.shard``'s DTensor parameters run on the local tensors, bitwise as torch's DTensor path.
+
+Reference: the same model, batches and optimizer with the local step turned off
+(``overlap.set_local_optimizer_step(False)``: torch's DTensor path), side by side in one process:
+parameters and every optimizer state entry (type, spec, local values) bitwise equal after several
+steps, at world size 1 (in this process) and 2 (gloo ranks, also HSDP on a 2x1 mesh). Fused SGD has no
+DTensor path (torch raises); its reference is fused SGD over plain tensors holding the same rows.
+Engagement is read from the module's counters: the local path ran where expected, and fell back
+where a precondition fails (mixed placements at one index, a plain parameter in the group,
+``Partial``); FSDP2's parameters are never touched. The comparison with FSDP2's state dicts is in
+``tests/clients/test_clients.py`` (full optimizer state bitwise FSDP2's, sharded entries alike).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+import overlap
+from overlap import local_optimizer_step as los
+
+pytestmark = pytest.mark.torch_kernels  # packing by the torch fallback (conftest): many short loops
+
+STEPS = 3  # the first step creates state (SGD's momentum buffers inside the step); later ones update it
+FUSED_CPU = "cpu" in _get_fused_kernels_supported_devices()
+
+# id -> (optimizer class, arguments)
+CONFIGS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw-default": (torch.optim.AdamW, {"lr": 1e-2}),
+    "adamw-foreach": (torch.optim.AdamW, {"lr": 1e-2, "foreach": True}),
+    "adamw-single": (torch.optim.AdamW, {"lr": 1e-2, "foreach": False}),
+    "adamw-amsgrad-maximize-foreach": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True,
+                                                           "maximize": True, "foreach": True}),
+    "adamw-amsgrad-maximize-single": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True,
+                                                          "maximize": True, "foreach": False}),
+    "adam-wd-foreach": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.1, "foreach": True}),
+    "adam-wd-single": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.1, "foreach": False}),
+    "sgd-momentum-foreach": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "foreach": True}),
+    "sgd-momentum-single": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "foreach": False}),
+    "sgd-nesterov-wd-maximize-foreach": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True,
+                                                           "weight_decay": 0.01, "maximize": True, "foreach": True}),
+    "sgd-nesterov-wd-single": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True,
+                                                 "weight_decay": 0.01, "foreach": False}),
+    "sgd-dampening-foreach": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.5, "dampening": 0.3, "foreach": True}),
+    "sgd-plain-foreach": (torch.optim.SGD, {"lr": 0.1, "foreach": True}),
+    "sgd-plain-single": (torch.optim.SGD, {"lr": 0.1, "foreach": False}),
+}
+if FUSED_CPU:
+    CONFIGS["adamw-fused"] = (torch.optim.AdamW, {"lr": 1e-2, "fused": True})
+    CONFIGS["adamw-fused-amsgrad"] = (torch.optim.AdamW, {"lr": 1e-2, "amsgrad": True, "fused": True})
+
+
+class Net(nn.Module):
+    """Two odd-sized blocks (dim 0 of 7, 3 and 5: uneven rows on 2 ranks) and a 0-dim scale (a
+    ``Replicate()`` parameter: another placement in the same optimizer group)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(5, 7), nn.Tanh()), nn.Linear(7, 3))
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x) * self.scale
+
+
+def _sharded_net(mesh: Any = None) -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    overlap.shard(net.blocks[0], mesh=mesh)
+    overlap.shard(net, mesh=mesh)
+    return net
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _train(config: str, local_step: bool, rank: int, mesh: Any = None) -> dict[str, Any]:
+    """``STEPS`` steps of ``config`` over a sharded :class:`Net`: the parameters' and the optimizer
+    state's local tensors, the state's types and specs, and how many inner calls ran locally."""
+    optimizer, kwargs = CONFIGS[config]
+    previous = overlap.set_local_optimizer_step(local_step)
+    try:
+        net = _sharded_net(mesh)
+        opt = optimizer(net.parameters(), **kwargs)
+        engaged, fell_back = los.engaged, los.fell_back
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            net(_batch(step, rank)).square().sum().backward()
+            opt.step()
+        return {"params": {n: p._local_tensor.clone() for n, p in net.named_parameters()},
+                "state": _describe_state(opt), "engaged": los.engaged - engaged, "fell_back": los.fell_back - fell_back}
+    finally:
+        overlap.set_local_optimizer_step(previous)
+
+
+def _describe_state(opt: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """Per parameter index and state key: (type name, spec or None, local tensor)."""
+    out: dict[int, dict[str, Any]] = {}
+    for index, per in opt.state_dict()["state"].items():
+        out[index] = {k: (type(v).__name__, v._spec if isinstance(v, DTensor) else None,
+                          v._local_tensor.clone() if isinstance(v, DTensor) else v)
+                      for k, v in per.items()}
+    return out
+
+
+def _differences(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """What differs between two :func:`_train` results (bitwise), as readable lines."""
+    problems = [f"param {n}" for n in want["params"] if not torch.equal(got["params"][n], want["params"][n])]
+    if got["state"].keys() != want["state"].keys():
+        return [*problems, f"state indices {sorted(got['state'])} != {sorted(want['state'])}"]
+    for index, per in want["state"].items():
+        if per.keys() != got["state"][index].keys():
+            problems.append(f"state {index} keys {sorted(got['state'][index])} != {sorted(per)}")
+            continue
+        for key, (kind, spec, value) in per.items():
+            g_kind, g_spec, g_value = got["state"][index][key]
+            if (g_kind, g_spec) != (kind, spec) or not isinstance(g_value, type(value)):
+                problems.append(f"state {index}.{key}: {g_kind} {g_spec} != {kind} {spec}")
+            elif isinstance(value, torch.Tensor) and not (g_value.dtype == value.dtype and torch.equal(g_value, value)):
+                problems.append(f"state {index}.{key} values")
+            elif not isinstance(value, torch.Tensor) and g_value != value:
+                problems.append(f"state {index}.{key}: {g_value} != {value}")
+    return problems
+
+
+def _local_vs_dtensor_path(rank: int, mesh: Any = None,
+                           configs: Sequence[str] = tuple(CONFIGS)) -> dict[str, tuple[list[str], int, int, int]]:
+    """Per config: the differences, and the local run's engaged / fell-back counts and the DTensor
+    run's engaged count."""
+    out = {}
+    for config in configs:
+        local, reference = _train(config, True, rank, mesh), _train(config, False, rank, mesh)
+        out[config] = (_differences(local, reference), local["engaged"], local["fell_back"], reference["engaged"])
+    return out
+
+
+def _check_local_vs_dtensor_path(results: dict[str, tuple[list[str], int, int, int]], where: str) -> None:
+    for config, (problems, engaged, fell_back, reference_engaged) in results.items():
+        assert problems == [], f"{where} {config}: local step differs from the DTensor path: {problems}"
+        assert (engaged, fell_back, reference_engaged) == (STEPS, 0, 0), (where, config, engaged, fell_back)
+
+
+# ------------------------------------------------------------------------------------ world size 1
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_local_step_is_the_dtensor_path_bitwise(single_rank_group: dist.ProcessGroup, config: str) -> None:
+    """Parameters and optimizer state (types, specs, values) after ``STEPS`` steps; SGD's momentum
+    buffers, created inside the first step, come back as DTensors with the DTensor path's spec."""
+    _check_local_vs_dtensor_path(_local_vs_dtensor_path(0, configs=[config]), "world size 1")
+
+
+def test_fused_sgd_runs_as_on_plain_tensors(single_rank_group: dist.ProcessGroup) -> None:
+    """torch has no DTensor strategy for ``_fused_sgd_`` (the DTensor path raises); the local step
+    runs it on the shards, bitwise fused SGD over plain tensors holding the same rows."""
+    kwargs = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01, "fused": True}
+    net = _sharded_net()
+    named = list(net.named_parameters())
+    shadow = [nn.Parameter(p._local_tensor.detach().clone()) for _, p in named]
+    opt, shadow_opt = torch.optim.SGD(net.parameters(), **kwargs), torch.optim.SGD(shadow, **kwargs)
+    engaged = los.engaged
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        net(_batch(step, 0)).square().sum().backward()
+        for s, (_, p) in zip(shadow, named):
+            s.grad = p.grad._local_tensor.clone()
+        opt.step()
+        shadow_opt.step()
+    assert los.engaged - engaged == STEPS
+    for s, (name, p) in zip(shadow, named):
+        assert torch.equal(p._local_tensor, s), name
+        buf = opt.state[p]["momentum_buffer"]
+        assert type(buf) is DTensor and buf._spec == p._spec, (name, type(buf))
+        assert torch.equal(buf._local_tensor, shadow_opt.state[s]["momentum_buffer"]), name
+    previous = overlap.set_local_optimizer_step(False)
+    try:
+        net(_batch(0, 0)).sum().backward()
+        with pytest.raises(NotImplementedError, match="_fused_sgd_"):
+            torch.optim.SGD(net.parameters(), **kwargs).step()
+    finally:
+        overlap.set_local_optimizer_step(previous)
+
+
+def _mixed_run(local_step: bool, change: str) -> dict[str, Any]:
+    """Two foreach=False AdamW steps over a sharded :class:`Net`, where ``change`` is applied before
+    the second: ``"replicated state"`` swaps one exp_avg for a ``Replicate()`` DTensor of the same
+    values (at world size 1 the same local rows: the DTensor path redistributes it as a no-op),
+    ``"plain param"`` steps a plain parameter in the same group, ``"partial"`` steps a marked
+    ``Partial()`` DTensor parameter with its gradient."""
+    previous = overlap.set_local_optimizer_step(local_step)
+    try:
+        net = _sharded_net()
+        params: list[torch.Tensor] = list(net.parameters())
+        extra: list[torch.Tensor] = []
+        mesh = params[0].device_mesh
+        if change == "plain param":
+            extra = [nn.Parameter(torch.arange(6.0).reshape(2, 3))]
+        elif change == "partial":
+            p = nn.Parameter(DTensor.from_local(torch.arange(6.0).reshape(2, 3), mesh, [Partial()]))
+            setattr(p, los.MARK, object())  # as if the runtime had made it
+            extra = [p]
+        opt = torch.optim.AdamW(params + extra, lr=1e-2, foreach=False)
+        counts = []
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            net(_batch(step, 0)).square().sum().backward()
+            for e in extra:  # a gradient laid out like its parameter
+                local = e._local_tensor if isinstance(e, DTensor) else e
+                grad = local.detach() * 0.5 + 0.25
+                e.grad = DTensor.from_local(grad, mesh, e.placements) if isinstance(e, DTensor) else grad
+            if step == 1 and change == "replicated state":
+                state = opt.state[next(p for p in params if p.dim() > 0)]  # a Shard(0) parameter
+                state["exp_avg"] = DTensor.from_local(state["exp_avg"]._local_tensor.clone(), mesh, [Replicate()])
+            engaged, fell_back = los.engaged, los.fell_back
+            try:
+                opt.step()
+            except RuntimeError as e:  # torch's DTensor path refuses in-place updates of a Partial()
+                counts.append((los.engaged - engaged, los.fell_back - fell_back))
+                return {"values": [], "counts": counts, "error": str(e)}
+            counts.append((los.engaged - engaged, los.fell_back - fell_back))
+        values = [(p._local_tensor if isinstance(p, DTensor) else p).detach().clone() for p in params + extra]
+        return {"values": values, "counts": counts, "error": None}
+    finally:
+        overlap.set_local_optimizer_step(previous)
+
+
+@pytest.mark.parametrize("change, counts", [("replicated state", [(1, 0), (0, 1)]),
+                                            ("plain param", [(0, 1), (0, 1)]),
+                                            ("partial", [(0, 1)])])
+def test_mixed_specs_fall_back_to_the_dtensor_path(single_rank_group: dist.ProcessGroup, change: str,
+                                                   counts: list[tuple[int, int]]) -> None:
+    """(engaged, fell back) per step, and the outcome of the DTensor path: the same values bitwise,
+    or the same error (torch refuses to update a ``Partial()`` parameter in place)."""
+    local, reference = _mixed_run(True, change), _mixed_run(False, change)
+    assert local["counts"] == counts, local["counts"]
+    assert reference["counts"] == [(0, 0)] * len(counts)
+    assert local["error"] == reference["error"]
+    assert (local["error"] is not None) == (change == "partial"), local["error"]
+    assert len(local["values"]) == len(reference["values"])
+    assert all(torch.equal(a, b) for a, b in zip(local["values"], reference["values"]))
+
+
+def test_fsdp2_parameters_are_not_touched(single_rank_group: dist.ProcessGroup) -> None:
+    """FSDP2's DTensor parameters (unmarked) run torch's code: neither counter moves, whether they
+    come first in the group or after the runtime's parameters (then the call falls back)."""
+    from torch.distributed.fsdp import fully_shard
+
+    overlap.shard(nn.Linear(2, 2))  # the wrappers are installed
+    torch.manual_seed(0)
+    fsdp2 = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    fully_shard(fsdp2)
+    ours = _sharded_net()
+    for params, expected in (([*fsdp2.parameters()], (0, 0)), ([*ours.parameters(), *fsdp2.parameters()], (0, 1))):
+        for foreach in (False, True):
+            opt = torch.optim.AdamW(params, lr=1e-2, foreach=foreach)
+            opt.zero_grad(set_to_none=True)
+            fsdp2(_batch(0, 0)).sum().backward()
+            ours(_batch(0, 0)).sum().backward()
+            engaged, fell_back = los.engaged, los.fell_back
+            opt.step()
+            assert (los.engaged - engaged, los.fell_back - fell_back) == expected, (foreach, expected)
+
+
+def test_install_is_idempotent_and_chains() -> None:
+    """Every wrapped function is ours exactly once, chained to torch's function of that name."""
+    los.install()
+    los.install()
+    for module_name, name, _ in los._TARGETS:
+        module = __import__(module_name, fromlist=[name])
+        fn = getattr(module, name)
+        original = getattr(fn, los._WRAPPED)
+        assert getattr(original, los._WRAPPED, None) is None, f"{name} wrapped twice"
+        assert original.__module__ == module_name and original.__name__ == name
+
+
+def test_set_local_optimizer_step_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Explicit settings win; ``None`` follows ``OVERLAP_LOCAL_OPTIMIZER_STEP`` (default on)."""
+    previous = overlap.set_local_optimizer_step(False)
+    try:
+        assert not overlap.local_optimizer_step_enabled()
+        monkeypatch.setenv(los.ENV, "off")
+        assert overlap.set_local_optimizer_step(None) is False
+        assert not overlap.local_optimizer_step_enabled()
+        monkeypatch.delenv(los.ENV)
+        overlap.set_local_optimizer_step(None)
+        assert overlap.local_optimizer_step_enabled()
+        with pytest.raises(TypeError, match="on must be True, False or None"):
+            overlap.set_local_optimizer_step("no")  # type: ignore[arg-type]
+    finally:
+        overlap.set_local_optimizer_step(previous)
+
+
+# ------------------------------------------------------------------------------------ world size 2
+def _rank_world2(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    hsdp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    results = {"sharded": _local_vs_dtensor_path(rank)}
+    results["hsdp"] = _local_vs_dtensor_path(rank, hsdp, ("adamw-foreach", "adamw-single", "sgd-momentum-foreach"))
+    results["hsdp_placements"] = sorted({str(p.placements) for p in _sharded_net(hsdp).parameters()})
+    return results
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict[str, Any]]:
+    """Both 2-rank checks from one pair of gloo ranks."""
+    from overlap.testing import run_distributed
+
+    return run_distributed(_rank_world2, 2, timeout=300.0)
+
+
+def test_local_step_is_the_dtensor_path_bitwise_on_2_ranks(world2: list[dict[str, Any]]) -> None:
+    """Every config on uneven ``Shard(0)`` shards (and a ``Replicate()`` 0-dim parameter)."""
+    for rank, result in enumerate(world2):
+        _check_local_vs_dtensor_path(result["sharded"], f"rank {rank}")
+
+
+def test_hsdp_local_step_is_the_dtensor_path_bitwise(world2: list[dict[str, Any]]) -> None:
+    """HSDP parameters ``(Replicate(), Shard(0))`` on a 2x1 mesh."""
+    for rank, result in enumerate(world2):
+        assert result["hsdp_placements"] == ["(Replicate(), Replicate())", "(Replicate(), Shard(dim=0))"]
+        _check_local_vs_dtensor_path(result["hsdp"], f"HSDP rank {rank}")
