@@ -17,6 +17,8 @@ from overlap.collectives import (
 from overlap.desync import DesyncError, debug, debug_enabled, set_debug
 from overlap.device_info import DeviceInfo, device_info
 from overlap.errors import CollectiveError, CollectiveTimeoutError, set_wait_timeout, wait_timeout
+from overlap.fsdp_module import UnshardHandle
+from overlap.fsdp2_api import fully_shard
 from overlap.inflight_work import (
     inflight,
     inflight_bytes,
@@ -34,18 +36,25 @@ from overlap.tensor_parallelism import tensor_parallel
 from overlap.wrap import Wrapped, exclude_from_ddp, wrap
 from scheduler.async_tensor import AsyncTensor
 
+FSDPModule = ShardedModule
+"""The class every module sharded by ``fully_shard`` / ``shard`` is an instance of, under FSDP2's name
+(not torch's ``FSDPModule``: see [Note: not a subclass of torch's FSDPModule] in ``overlap/fsdp_module.py``)."""
+
 __all__ = [
     "AsyncTensor",
     "CollectiveError",
     "CollectiveTimeoutError",
     "DesyncError",
     "DeviceInfo",
+    "FSDPModule",
     "MixedPrecision",
     "OptimizerInBackward",
     "Profiler",
     "ShardedModule",
+    "UnshardHandle",
     "Wrapped",
     "full_state_dict",
+    "fully_shard",
     "load_full_state_dict",
     "local_optimizer_step_enabled",
     "no_overlap",

@@ -19,14 +19,21 @@ class MixedPrecision:
     * ``reduce_dtype``: the reduce-scatter of gradients (defaults to ``param_dtype``); the reduced
       shard is cast back to the sharded parameter's dtype on the way out.
     * ``output_dtype``: floating-point outputs of the root module are cast to it.
+    * ``cast_forward_inputs``: cast floating-point forward inputs to ``param_dtype`` (FSDP2's
+      ``MixedPrecisionPolicy.cast_forward_inputs``); off, the module gets its inputs as they are.
     """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(f"MixedPrecision.cast_forward_inputs must be a bool, got {self.cast_forward_inputs!r}")
         for field in dataclasses.fields(self):
+            if field.name == "cast_forward_inputs":
+                continue
             value = getattr(self, field.name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(

@@ -368,6 +368,12 @@ class ParamGroup:
         gather packed it? Then its data is old (see [Note: prefetching across the step boundary])."""
         return self.pending_gather is not None and self._shard_versions() != self._gathered_versions
 
+    def stale_unsharded(self) -> bool:
+        """Are the unsharded parameters held from an earlier gather (``unshard()``,
+        ``set_reshard_after_backward(False)``) older than the shards (changed in place since)?"""
+        return (self.is_unsharded and not self.aliases_shards
+                and self._shard_versions() != self._gathered_versions)
+
     def finish_gather(self) -> None:
         """Wait for the all-gather (issuing it first if needed) and unpack into the unsharded params."""
         if self.is_unsharded:

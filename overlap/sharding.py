@@ -85,6 +85,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from overlap import desync, local_optimizer_step
 from overlap.class_swap import swapped_class
+from overlap.fsdp_module import FSDPModuleMethods
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
@@ -94,8 +95,9 @@ from overlap.regions import ModuleRegions, region
 __all__ = ["shard", "no_sync", "no_overlap", "prefetch_next_step", "ShardedModule", "sharded_states"]
 
 
-class ShardedModule(nn.Module):
-    """Mixed into the class of every module passed to ``shard`` (like FSDP2's ``FSDPModule``)."""
+class ShardedModule(FSDPModuleMethods, nn.Module):
+    """Mixed into the class of every module passed to ``shard`` (like FSDP2's ``FSDPModule``, whose
+    methods it carries: ``overlap/fsdp_module.py``)."""
 
     _overlap_state: "ShardState"
 
@@ -125,8 +127,9 @@ class ShardedModule(nn.Module):
 
 
 def sharded_states(module: nn.Module) -> list["ShardState"]:
-    """The shard states in ``module``'s subtree, in ``module.modules()`` order."""
-    return [m._overlap_state for m in module.modules() if isinstance(m, ShardedModule)]
+    """The shard states in ``module``'s subtree, in ``module.modules()`` order, each once (the
+    modules of one ``fully_shard([a, b])`` call share one state)."""
+    return list(dict.fromkeys(m._overlap_state for m in module.modules() if isinstance(m, ShardedModule)))
 
 
 class ShardState:
@@ -143,6 +146,15 @@ class ShardState:
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.max_inflight_bytes = max_inflight_bytes
+        self.modules: list[nn.Module] = [module]  # several for fully_shard([a, b]): one group, see _shard
+        self.members_to_run: set[int] = set()  # ids of the members not yet run in this forward pass
+        # FSDPModule settings (overlap/fsdp_module.py): explicit prefetch lists (None: the agreed
+        # order), keeping the unsharded parameters after backward, an unshard() by the user.
+        self.forward_prefetch: Optional[list[ShardState]] = None
+        self.backward_prefetch: Optional[list[ShardState]] = None
+        self.reshard_after_backward = True
+        self.is_last_backward = True  # recorded only (see set_is_last_backward)
+        self.user_unsharded = False
         self.root: Optional[_Root] = None
         self.index = -1  # position in the root's state list
         self.sync_grads = True
@@ -180,12 +192,37 @@ class ShardState:
             with region(self.regions.pre_forward):
                 root.on_pre_forward(self)
                 if self.group is not None and torch.is_grad_enabled():
-                    self._watch_inputs((args, kwargs))
-        if self.mp.param_dtype is not None:
+                    if len(self.modules) == 1:
+                        self._watch_inputs((args, kwargs))
+                    else:  # one member's inputs do not say when the others' backward is done
+                        self.untracked = True
+        return self.cast_inputs(args, kwargs)
+
+    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Floating-point forward inputs cast to ``param_dtype`` (unless ``cast_forward_inputs`` is off)."""
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args = _cast_floating(args, self.mp.param_dtype)
             if kwargs:
                 kwargs = _cast_floating(kwargs, self.mp.param_dtype)
         return args, kwargs
+
+    def member_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Pre-forward hook of each member of a ``fully_shard([a, b])`` group: the group's pre-forward
+        runs when the first member of a pass starts (as FSDP2's grouped hooks do); the others only
+        cast their inputs."""
+        if not self.members_to_run:
+            self.members_to_run = {id(m) for m in self.modules}
+            return self.pre_forward(module, args, kwargs)
+        return self.cast_inputs(args, kwargs)
+
+    def member_post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """Post-forward hook of each member: the group's post-forward runs when the last member of the
+        pass has run."""
+        if id(module) in self.members_to_run:
+            self.members_to_run.discard(id(module))
+            if not self.members_to_run:
+                return self.post_forward(module, args, output)
+        return output
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         root = self.root
@@ -315,6 +352,14 @@ class _Root:
                 wanted -= 1
         return True
 
+    def _prefetch_explicit(self, states: list[ShardState]) -> None:
+        """Gather ``states`` now, in the given order (an FSDPModule prefetch list; program order,
+        so the same on every rank)."""
+        if self.owner.serialize_comm:
+            return
+        for other in states:
+            self._gather(other)
+
     def _prefetch(self, state: ShardState, upcoming: list[int]) -> None:
         if self.owner.serialize_comm:
             return
@@ -326,11 +371,13 @@ class _Root:
     def begin_forward(self) -> None:
         for i, state in enumerate(self.states):  # re-claim states a sub-module run alone took over
             state.root, state.index = self, i
-        if self.in_backward or any(s.group is not None and s.group.is_unsharded for s in self.states if s is not self.owner):
+        if self.in_backward or any(s.group is not None and s.group.is_unsharded and not _keeps_unsharded(s)
+                                   for s in self.states if s is not self.owner):
             self._finish_step()  # the last forward had no backward (or it was cut short)
         self.in_forward = True
         for state in self.states:
             state.reset_backward_tracking()
+            state.members_to_run = set()  # a member that did not run last pass does not hold this one
         self.forward_seq = []
         self.post_forward_seq = []
         self._on_script = True
@@ -341,10 +388,13 @@ class _Root:
         order = self.agreed_order
         # Prefetch only while this step follows the agreed order (see [Note: same collectives, ...]).
         self._on_script = self._on_script and order is not None and position < len(order) and order[position] == state.index
-        if state.group is not None and state.group.stale_gather():
-            state.group.reshard()  # prefetched before its shards changed: gather again, in order
+        if state.group is not None and (state.group.stale_gather() or state.group.stale_unsharded()):
+            state.group.reshard()  # gathered before its shards changed: gather again, in order
+        state.user_unsharded = False
         self._gather(state)  # no-op when prefetched
-        if self._on_script:
+        if state.forward_prefetch is not None:  # set_modules_to_forward_prefetch: the user's list
+            self._prefetch_explicit(state.forward_prefetch)
+        elif self._on_script:
             assert order is not None
             self._prefetch(state, order[position + 1 :])
         if state.group is not None:
@@ -420,6 +470,9 @@ class _Root:
         except ValueError:  # not in this step's forward order (e.g. run only inside a checkpoint)
             return
         self._backward_cursor = pos
+        if state.backward_prefetch is not None:  # set_modules_to_backward_prefetch: the user's list
+            self._prefetch_explicit([s for s in state.backward_prefetch if s.index not in self._done])
+            return
         upcoming = [i for i in reverse[pos + 1 :] if i not in self._done]
         self._prefetch(state, list(dict.fromkeys(upcoming)))
 
@@ -487,8 +540,9 @@ class _Root:
                         self._pending_reduces.append((state, pending))
         self._finish_completed_reduces()
         group.grads_ready.clear()
-        group.reshard()
-        group.to_sharded()
+        if state.reshard_after_backward:  # else the unsharded parameters stay registered, as in FSDP2
+            group.reshard()
+            group.to_sharded()
 
     def _all_reduce(self, state: ShardState, pending: PendingReduce) -> None:
         """HSDP: issue the cross-replica all-reduce of a reduce-scatter's output."""
@@ -544,12 +598,19 @@ class _Root:
         for state in self.states:
             if state.group is not None:
                 state.group.grads_ready.clear()
-                state.group.reshard()
-                state.group.to_sharded()
+                if not (self.in_backward and not state.reshard_after_backward):
+                    state.group.reshard()
+                    state.group.to_sharded()
         self._pending_reduces = []
         self._reduce_events = []
         self.in_backward = False
         self._outstanding = [w for w in self._outstanding if w.pending]
+
+
+def _keeps_unsharded(state: ShardState) -> bool:
+    """Does ``state`` hold its unsharded parameters into the next forward on purpose (an
+    ``unshard()`` by the user, ``set_reshard_after_backward(False)``)?"""
+    return state.user_unsharded or not state.reshard_after_backward
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
@@ -586,15 +647,17 @@ def _check_options(module: object, mp: object, reshard_after_forward: object, pr
         raise ValueError(f"shard: max_inflight_bytes must be None or an int >= 1, got {max_inflight_bytes!r}")
 
 
-def _owned_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[list[ParamLocation]]]:
+def _owned_parameters(module: nn.Module, ignored: frozenset[int] = frozenset(), prefix: str = "",
+                      ) -> tuple[list[nn.Parameter], list[list[ParamLocation]]]:
     """Parameters in ``module``'s subtree outside sharded descendants, each with every place it is
-    registered (tied parameters have several)."""
+    registered (tied parameters have several); parameters whose id is in ``ignored`` are left out.
+    Each fqn starts with ``prefix``."""
     params: list[nn.Parameter] = []
     locations: dict[int, list[ParamLocation]] = {}
 
     def visit(m: nn.Module, prefix: str) -> None:
         for name, p in m._parameters.items():
-            if p is None:
+            if p is None or id(p) in ignored:
                 continue
             fqn = prefix + name
             if getattr(p, "_overlap_sharded_by", None) is not None:
@@ -610,7 +673,7 @@ def _owned_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[list[
             if child is not None and not isinstance(child, ShardedModule):
                 visit(child, f"{prefix}{child_name}.")
 
-    visit(module, "")
+    visit(module, prefix)
     return params, [locations[id(p)] for p in params]
 
 
@@ -640,9 +703,33 @@ def shard(
     relative to it: ``overlap::pre_forward (blocks.3)``; ``module``'s own regions carry no name.
     """
     _check_options(module, mp, reshard_after_forward, prefetch, max_inflight_bytes)
+    return _shard([module], group=group, mesh=mesh, mp=mp, reshard_after_forward=reshard_after_forward,
+                  prefetch=prefetch, max_inflight_bytes=max_inflight_bytes)
+
+
+def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[MixedPrecision],
+           reshard_after_forward: bool, prefetch: int, max_inflight_bytes: Optional[int],
+           ignored_params: frozenset[int] = frozenset(), caller: str = "shard") -> nn.Module:
+    """``shard``'s body, for one module or for the modules of one ``fully_shard([a, b])`` call
+    (options checked by the caller): their parameters, outside ``ignored_params`` (ids), become one
+    group, all-gathered when the first of them runs and resharded after the last (see
+    ``ShardState.member_pre_forward``). Returns ``modules[0]``."""
+    module = modules[0]
     if group is not None and mesh is not None:
-        raise ValueError("shard: pass group or mesh, not both")
-    params, locations = _owned_parameters(module)
+        raise ValueError(f"{caller}: pass group or mesh, not both")
+    params: list[nn.Parameter] = []
+    locations: list[list[ParamLocation]] = []
+    position: dict[int, int] = {}
+    for i, member in enumerate(modules):
+        member_params, member_locations = _owned_parameters(member, ignored_params,
+                                                            f"{i}." if len(modules) > 1 else "")
+        for p, locs in zip(member_params, member_locations):
+            if id(p) in position:  # a parameter tied across members is one parameter of the group
+                locations[position[id(p)]].extend(locs)
+            else:
+                position[id(p)] = len(params)
+                params.append(p)
+                locations.append(locs)
     devices = {p.device for p in params}
     if len(devices) > 1:
         where = {str(p.device): locs[0].fqn for p, locs in zip(params, locations)}
@@ -679,11 +766,16 @@ def shard(
             sharded._overlap_sharded_by = param_group  # type: ignore[attr-defined]
     state = ShardState(module, param_group, info, mp, reshard_after_forward, prefetch, max_inflight_bytes,
                        replicate)
-    module.__class__ = swapped_class(ShardedModule, type(module), "Sharded")
-    module._overlap_state = state  # type: ignore[assignment]
-    # Hooks run eagerly under torch.compile too (see [Note: hooks stay eager under torch.compile]).
-    module.register_forward_pre_hook(torch._dynamo.disable(state.pre_forward, recursive=True), with_kwargs=True)
-    module.register_forward_hook(torch._dynamo.disable(state.post_forward, recursive=True))
+    state.modules = list(modules)
+    grouped = len(modules) > 1
+    pre_hook = state.member_pre_forward if grouped else state.pre_forward
+    post_hook = state.member_post_forward if grouped else state.post_forward
+    for member in modules:
+        member.__class__ = swapped_class(ShardedModule, type(member), "Sharded")
+        member._overlap_state = state  # type: ignore[assignment]
+        # Hooks run eagerly under torch.compile too (see [Note: hooks stay eager under torch.compile]).
+        member.register_forward_pre_hook(torch._dynamo.disable(pre_hook, recursive=True), with_kwargs=True)
+        member.register_forward_hook(torch._dynamo.disable(post_hook, recursive=True))
     # Region names carry each sharded module's fqn relative to this one, the latest root (once here,
     # not per call): ``overlap::pre_forward (blocks.3)``; see ``overlap.regions``.
     for fqn, m in module.named_modules():

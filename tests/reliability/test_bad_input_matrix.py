@@ -178,6 +178,12 @@ class Bad:
     allowed: str  # the allowed values (or, for a state error, what to do instead)
 
 
+def _cpu_offload() -> object:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy()
+
+
 def _sd(env: Env, **changes: Any) -> dict[str, Any]:
     """The sharded module's full state dict with ``changes`` (a value ``None`` drops the key)."""
     sd = overlap.full_state_dict(env.sharded, rank0_only=False)
@@ -272,6 +278,58 @@ MATRIX: dict[str, Bad] = {
     "shard DTensor params on a 2-D mesh": Bad(
         lambda e: overlap.shard(_tp_linear(_two_dim_mesh(e)), mesh=_two_dim_mesh(e)["dp"]), ValueError, "'weight'",
         "Shard or Replicate on a 1-D mesh"),
+    # fully_shard (FSDP2's signature) and the FSDPModule methods -----------------------------------
+    "fully_shard module not a module": Bad(lambda e: overlap.fully_shard("linear"), TypeError, "module",
+                                           "torch.nn.Module or a non-empty list of them"),
+    "fully_shard empty list": Bad(lambda e: overlap.fully_shard([]), TypeError, "module",
+                                  "torch.nn.Module or a non-empty list of them"),
+    "fully_shard list repeats a module": Bad(lambda e: overlap.fully_shard([e.model[0], e.model[0]]), ValueError,
+                                             "module", "a module twice"),
+    "fully_shard list with a sharded module": Bad(lambda e: overlap.fully_shard([e.model[0], e.sharded[0]]),
+                                                  ValueError, "Linear", "already sharded"),
+    "fully_shard CPU offload": Bad(lambda e: overlap.fully_shard(e.model, offload_policy=_cpu_offload()),
+                                   NotImplementedError, "offload_policy", "use torch.distributed.fsdp.fully_shard"),
+    "fully_shard offload not a policy": Bad(lambda e: overlap.fully_shard(e.model, offload_policy="cpu"), TypeError,
+                                            "offload_policy", "OffloadPolicy() (no offload)"),
+    "fully_shard placement not dim 0": Bad(lambda e: overlap.fully_shard(e.model, shard_placement_fn=lambda p: Shard(1)),
+                                           NotImplementedError, "shard_placement_fn", "return None or Shard(0)"),
+    "fully_shard placement fn not callable": Bad(lambda e: overlap.fully_shard(e.model, shard_placement_fn=0),
+                                                 TypeError, "shard_placement_fn", "None or a callable"),
+    "fully_shard dp_mesh_dims": Bad(lambda e: overlap.fully_shard(e.model, dp_mesh_dims=object()),
+                                    NotImplementedError, "dp_mesh_dims", "pass the data-parallel sub-mesh"),
+    "fully_shard mp_policy a dtype": Bad(lambda e: overlap.fully_shard(e.model, mp_policy=bf16), TypeError,
+                                         "mp_policy", "MixedPrecisionPolicy or an overlap.MixedPrecision"),
+    "fully_shard reshard a str": Bad(lambda e: overlap.fully_shard(e.model, reshard_after_forward="yes"), ValueError,
+                                     "reshard_after_forward", "a bool, None or an int"),
+    "fully_shard reshard int not a divisor": Bad(lambda e: overlap.fully_shard(e.model, reshard_after_forward=2),
+                                                 ValueError, "reshard_after_forward", "divide the shard size 1"),
+    "fully_shard mesh a str": Bad(lambda e: overlap.fully_shard(e.model, mesh="cpu"), TypeError, "mesh",
+                                  "DeviceMesh or None"),
+    "fully_shard ignored_params not params": Bad(lambda e: overlap.fully_shard(e.model, ignored_params=3), TypeError,
+                                                 "ignored_params", "None or a set of parameters"),
+    "fully_shard prefetch negative": Bad(lambda e: overlap.fully_shard(e.model, prefetch=-1), ValueError, "prefetch",
+                                         "int >= 0"),
+    "FSDPModule set_requires_gradient_sync not a bool": Bad(
+        lambda e: e.sharded.set_requires_gradient_sync(0), ValueError, "requires_gradient_sync", "bool"),
+    "FSDPModule set_reshard_after_backward not a bool": Bad(
+        lambda e: e.sharded.set_reshard_after_backward("no"), ValueError, "reshard_after_backward", "bool"),
+    "FSDPModule set_reshard_after_forward not a bool": Bad(
+        lambda e: e.sharded.set_reshard_after_forward(1), ValueError, "reshard_after_forward", "bool"),
+    "FSDPModule set_is_last_backward not a bool": Bad(
+        lambda e: e.sharded.set_is_last_backward(None), ValueError, "is_last_backward", "bool"),
+    "FSDPModule unshard async_op not a bool": Bad(
+        lambda e: e.sharded.unshard(async_op="yes"), ValueError, "async_op", "bool"),
+    "FSDPModule forward prefetch of a plain module": Bad(
+        lambda e: e.sharded.set_modules_to_forward_prefetch([e.model]), ValueError, "set_modules_to_forward_prefetch",
+        "sharded by overlap.fully_shard / overlap.shard"),
+    "FSDPModule backward prefetch not a list": Bad(
+        lambda e: e.sharded.set_modules_to_backward_prefetch(e.sharded[0]), ValueError, "modules",
+        "a list of sharded modules"),
+    "FSDPModule post-optimizer event not an event": Bad(
+        lambda e: e.sharded.set_post_optim_event(1), ValueError, "event", "torch.Event"),
+    "FSDPModule set_gradient_divide_factor": Bad(
+        lambda e: e.sharded.set_gradient_divide_factor(1.0), NotImplementedError, "set_gradient_divide_factor",
+        "scale the loss instead"),
     "wrap layer not a module": Bad(lambda e: overlap.wrap("linear"), TypeError, "layer", "torch.nn.Module"),
     "wrap bad option": Bad(lambda e: overlap.wrap(e.model, prefetch=-1), ValueError, "prefetch", "int >= 0"),
     "exclude_from_ddp model not a module": Bad(lambda e: overlap.exclude_from_ddp([e.model]), TypeError, "model",
@@ -516,7 +574,7 @@ def test_every_public_name_has_a_row() -> None:
     no_arguments = {"inflight", "inflight_bytes", "max_inflight_bytes", "wait_all", "debug_enabled", "uninstall",  # none
                     "local_optimizer_step_enabled",
                     "wait", "wait_tensor", "is_pending",  # take any object (non-tensors pass through)
-                    "AsyncTensor", "Completion", "Schedule", "ShardedModule", "OptimizerInBackward", "DeviceInfo", "Profiler",
+                    "AsyncTensor", "Completion", "Schedule", "ShardedModule", "FSDPModule", "UnshardHandle", "OptimizerInBackward", "DeviceInfo", "Profiler",
                     "CollectiveError", "CollectiveTimeoutError", "DesyncError", "ScheduleMismatchError"}
     # The types are built (or raised) by the library itself, and ``*_ref`` are the plain-torch
     # references.

@@ -1,0 +1,183 @@
+"""``overlap.fully_shard`` (this module is ``overlap.fsdp2_api``: the package attribute is the function): torch FSDP2's ``fully_shard`` signature over this runtime.
+
+``from overlap import fully_shard`` in place of ``from torch.distributed.fsdp import fully_shard``
+runs code written for FSDP2 (torchtitan's ``apply_fsdp``, HF's FSDP2 path) on ``overlap.shard``'s
+runtime: one implementation (``overlap.sharding._shard``), two spellings. The module(s) come back
+with FSDP2's ``FSDPModule`` methods (``overlap/fsdp_module.py``).
+
+===========================  =======================================================================
+argument                     here
+===========================  =======================================================================
+``module``                   a module, or a list of modules sharded as one group: gathered when the
+                             first of them runs, resharded after the last (FSDP2's grouping)
+``mesh``                     1-D DeviceMesh (full sharding) or 2-D (HSDP); None: every rank
+``reshard_after_forward``    bool; None = True (the root never reshards after forward here); an
+                             int equal to the shard size = True, 1 = False (as FSDP2 maps them);
+                             any other divisor raises NotImplementedError (resharding to a smaller
+                             group: use True or False)
+``shard_placement_fn``       called per parameter; ``None`` or ``Shard(0)`` is honoured, any other
+                             placement raises NotImplementedError naming the parameter
+``mp_policy``                torch's ``MixedPrecisionPolicy`` (or ``overlap.MixedPrecision``);
+                             ``output_dtype`` casts every sharded module's output, as in FSDP2;
+                             torch 2.15's ``param_dtype_override_fn`` raises NotImplementedError
+``offload_policy``           the default ``OffloadPolicy()`` only; ``CPUOffloadPolicy`` raises
+                             NotImplementedError (use torch's fully_shard for CPU offload)
+``ignored_params``           not sharded, not moved, gradients not reduced (as FSDP2)
+``dp_mesh_dims`` (2.13+)     raises NotImplementedError unless None (pass the data-parallel sub-mesh)
+``prefetch``,                this runtime's own options (``overlap.shard``'s), keyword-only
+``max_inflight_bytes``
+===========================  =======================================================================
+
+Every argument is checked before anything changes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from overlap.mixed_precision import MixedPrecision
+from overlap.sharding import ShardedModule, _cast_floating, _check_options, _shard
+
+__all__ = ["fully_shard"]
+
+
+def _mixed_precision(mp_policy: object) -> Optional[MixedPrecision]:
+    """torch's ``MixedPrecisionPolicy`` (any supported torch) as an ``overlap.MixedPrecision``."""
+    if mp_policy is None or isinstance(mp_policy, MixedPrecision):
+        return mp_policy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or an "
+                        f"overlap.MixedPrecision, got {type(mp_policy).__name__}")
+    if getattr(mp_policy, "param_dtype_override_fn", None) is not None:
+        raise NotImplementedError("fully_shard: mp_policy.param_dtype_override_fn is not supported by overlap (one "
+                                  "param_dtype per group); shard the parameters that need another dtype as their "
+                                  "own group with their own mp_policy")
+    return MixedPrecision(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+                          output_dtype=mp_policy.output_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs)
+
+
+def _check_offload(offload_policy: object) -> None:
+    if offload_policy is None:
+        return
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("fully_shard: offload_policy=CPUOffloadPolicy() is not supported by overlap (its "
+                                  "shards live on the parameters' device); leave offload_policy at its default, or use "
+                                  "torch.distributed.fsdp.fully_shard for CPU offload")
+    if type(offload_policy) is not OffloadPolicy:
+        raise TypeError(f"fully_shard: offload_policy must be torch.distributed.fsdp.OffloadPolicy() (no offload), "
+                        f"got {type(offload_policy).__name__}")
+
+
+def _shard_size(mesh: Optional[DeviceMesh]) -> int:
+    """The number of ranks a parameter is sharded over: the mesh's shard dim (dim 1 of a 2-D mesh)."""
+    if mesh is None:
+        return dist.get_world_size()
+    return mesh.size(mesh.ndim - 1)
+
+
+def _reshard_after_forward(value: object, mesh: Optional[DeviceMesh]) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(f"fully_shard: reshard_after_forward must be a bool, None or an int (a group size to "
+                         f"reshard to), got {value!r}")
+    size = _shard_size(mesh)
+    if value < 1 or value > size or size % value != 0:
+        raise ValueError(f"fully_shard: reshard_after_forward as an int must divide the shard size {size}, "
+                         f"got {value}")
+    if value == size:
+        return True
+    if value == 1:
+        return False
+    raise NotImplementedError(f"fully_shard: reshard_after_forward={value} (reshard to groups of {value} ranks "
+                              f"after forward) is not supported by overlap; use True (reshard to all {size} "
+                              f"ranks) or False (keep the parameters unsharded until backward)")
+
+
+def _check_placements(modules: list[nn.Module], shard_placement_fn: object, ignored: frozenset[int]) -> None:
+    if shard_placement_fn is None:
+        return
+    if not callable(shard_placement_fn):
+        raise TypeError(f"fully_shard: shard_placement_fn must be None or a callable, got "
+                        f"{type(shard_placement_fn).__name__}")
+    for member in modules:
+        for name, p in member.named_parameters():
+            if id(p) in ignored or getattr(p, "_overlap_sharded_by", None) is not None:
+                continue
+            placement = shard_placement_fn(p)
+            if placement is None or (type(placement) is Shard and placement.dim == 0):
+                continue
+            raise NotImplementedError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter "
+                                      f"{name!r}; overlap shards every parameter on dim 0 (return None or "
+                                      f"Shard(0), or use torch's fully_shard for other placements)")
+
+
+def _modules(module: object) -> list[nn.Module]:
+    if isinstance(module, nn.Module):
+        return [module]
+    if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
+        if len({id(m) for m in module}) != len(module):
+            raise ValueError("fully_shard: module lists a module twice")
+        return list(module)
+    raise TypeError(f"fully_shard: module must be a torch.nn.Module or a non-empty list of them, got "
+                    f"{type(module).__name__}")
+
+
+def fully_shard(
+    module: Union[nn.Module, list[nn.Module]],
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: Union[bool, int, None] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
+    mp_policy: Any = None,
+    offload_policy: Any = None,
+    ignored_params: Optional[set[nn.Parameter]] = None,
+    dp_mesh_dims: Any = None,
+    prefetch: int = 1,
+    max_inflight_bytes: Optional[int] = None,
+) -> Any:
+    """Shard ``module`` (or the list ``module``, as one group) in place, FSDP2's way, on this runtime.
+
+    The arguments are FSDP2's (table in the module docstring); those this runtime cannot honour
+    raise an error naming the option and what to use instead, before anything changes. Returns
+    ``module`` as passed (a list stays the list); each module's class becomes ``Sharded<cls>``, a
+    ``ShardedModule`` carrying FSDP2's ``FSDPModule`` methods. Call it on each block, then on the
+    root, as with FSDP2; ``overlap.shard`` is the same runtime under this project's own options.
+    """
+    modules = _modules(module)
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fully_shard: dp_mesh_dims is not supported by overlap; pass the data-parallel "
+                                  "sub-mesh as mesh= (e.g. mesh['dp'], or mesh['replicate', 'shard'] for HSDP)")
+    mp = _mixed_precision(mp_policy)
+    _check_offload(offload_policy)
+    if ignored_params is not None and not (isinstance(ignored_params, (set, frozenset, list, tuple))
+                                           and all(isinstance(p, torch.Tensor) for p in ignored_params)):
+        raise TypeError(f"fully_shard: ignored_params must be None or a set of parameters, got "
+                        f"{type(ignored_params).__name__}")
+    ignored = frozenset(id(p) for p in ignored_params or ())
+    reshard = _reshard_after_forward(reshard_after_forward, mesh)
+    for member in modules:
+        _check_options(member, mp, reshard, prefetch, max_inflight_bytes)
+    _check_placements(modules, shard_placement_fn, ignored)
+    _shard(modules, group=None, mesh=mesh, mp=mp, reshard_after_forward=reshard, prefetch=prefetch,
+           max_inflight_bytes=max_inflight_bytes, ignored_params=ignored, caller="fully_shard")
+    if mp is not None and mp.output_dtype is not None:
+        # FSDP2 casts every sharded module's output (overlap.shard: the root's only).
+        output_dtype = mp.output_dtype
+        for member in modules:
+            member.register_forward_hook(lambda _m, _a, out: _cast_floating(out, output_dtype))
+    assert all(isinstance(m, ShardedModule) for m in modules)
+    return module

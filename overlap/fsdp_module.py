@@ -1,0 +1,208 @@
+"""FSDP2's ``FSDPModule`` methods on this runtime's sharded modules.
+
+Every module sharded by ``overlap.shard`` or ``overlap.fully_shard`` is a ``ShardedModule``
+(``overlap/sharding.py``), which mixes in :class:`FSDPModuleMethods`: the methods code written for
+torch's FSDP2 calls on the modules ``fully_shard`` returns, with FSDP2's signatures, mapped onto the
+runtime's per-module state (``ShardState``):
+
+================================  ==================================================================
+method                            what it does here
+================================  ==================================================================
+``set_requires_gradient_sync``    ``False``: backward keeps accumulating unsharded gradients and
+                                  issues no reduce-scatter (HSDP: no all-reduce either); the next
+                                  backward with ``True`` reduces the sum (``overlap.no_sync``)
+``set_reshard_after_backward``    ``False``: the unsharded parameters stay after backward and the
+                                  next forward uses them without gathering; they are gathered
+                                  again if the shards changed in place since (an optimizer step)
+``set_reshard_after_forward``     as ``shard(..., reshard_after_forward=)`` (bool only, as FSDP2)
+``set_modules_to_forward_prefetch``  this module's pre-forward gathers those modules' groups, in
+``set_modules_to_backward_prefetch`` that order, instead of the next ``prefetch`` groups of the
+                                  agreed order (the lists are program order: same on every rank)
+``unshard(async_op)``             issue this module's all-gather now; the returned
+                                  :class:`UnshardHandle`'s ``wait()`` unpacks it; its pre-forward then
+                                  uses it. Every rank must call it at the same point.
+``reshard()``                     free this module's unsharded parameters (``ShardedModule``)
+``set_is_last_backward``          recorded; every backward here already completes its reductions
+                                  before it returns, which is what ``True`` asks for
+``set_post_optim_event``          the current stream waits for the event now, so the next
+                                  all-gathers are ordered after it (also ``set_post_optimizer_event``)
+================================  ==================================================================
+
+FSDPModule methods with no counterpart here raise ``NotImplementedError`` naming what to use
+instead (:data:`UNSUPPORTED`); nothing is silently ignored.
+
+[Note: not a subclass of torch's FSDPModule]
+``isinstance(m, torch.distributed.fsdp.FSDPModule)`` is False for these modules, on purpose. In
+torch 2.11-2.15 the code that checks it then reaches into FSDP2's own state: pipelining's stage and
+schedule call ``fully_shard.state(module)`` and read its param groups, Dynamo's compile-package
+pickler asserts the class is in FSDP2's class map, ``FSDP2MemTracker`` reads FSDP2 internals, and
+``FSDPModule.__new__`` takes ``__mro__[2]`` as the original class. Inheriting would also hand our
+modules every FSDPModule method we do not override, each calling ``_get_fsdp_state()``, and future
+torch releases add more. The utilities that matter for training (DCP, ``get_state_dict`` /
+``set_state_dict``, ``clip_grad_norm_``, optimizers) do not check ``FSDPModule`` at all: they see
+the DTensor parameters. HF's Trainer checks it only to call ``reshard()`` before building the
+optimizer, which our modules do not need (they are sharded between steps). ``overlap.FSDPModule``
+(an alias of ``ShardedModule``) is the class to check against.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+__all__ = ["FSDPModuleMethods", "UNSUPPORTED", "UnshardHandle"]
+
+
+class UnshardHandle:
+    """What ``unshard()`` returns: ``wait()`` completes the all-gather and unpacks the unsharded
+    parameters (idempotent; the module's next pre-forward waits anyway if nobody called it)."""
+
+    def __init__(self, states: list[Any]) -> None:
+        self._states = states
+
+    def wait(self) -> None:
+        for state in self._states:
+            group = state.group
+            if group is not None and (group.pending_gather is not None or group.single_rank):
+                group.finish_gather()
+        self._states = []
+
+
+def _check_bool(method: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{method}: {name} must be a bool, got {value!r}")
+
+
+class FSDPModuleMethods:
+    """FSDP2's ``FSDPModule`` methods (see the module docstring). Mixed into ``ShardedModule``; reads
+    ``self._overlap_state``."""
+
+    _overlap_state: Any
+
+    def _fsdp_states(self, recurse: bool) -> list[Any]:
+        """This module's shard state, or with ``recurse`` every shard state in its subtree, each once."""
+        if not recurse:
+            return [self._overlap_state]
+        assert isinstance(self, nn.Module)
+        return list(dict.fromkeys(m._overlap_state for m in self.modules() if isinstance(m, FSDPModuleMethods)))
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Reduce gradients in the following backwards (``True``) or accumulate them unsharded and
+        reduce nothing (``False``: gradient accumulation's micro-batches); for this module's subtree
+        (``recurse``) or this module alone."""
+        _check_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
+        for state in self._fsdp_states(recurse):
+            state.sync_grads = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Free the unsharded parameters after backward (``True``, the default) or keep them for the
+        next forward (``False``: no all-gather between accumulation micro-batches; memory stays
+        held). Kept parameters are gathered again if their shards changed in place since."""
+        _check_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        for state in self._fsdp_states(recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free the unsharded parameters after forward (``True``) or keep them for backward."""
+        _check_bool("set_reshard_after_forward", "reshard_after_forward", reshard_after_forward)
+        for state in self._fsdp_states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2: whether the next backward is the last before the optimizer step, so it must wait for
+        its reductions. Every backward here waits for its reductions before it returns, so ``False``
+        only records the setting (``state.is_last_backward``); numerics and order are unchanged."""
+        _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
+        for state in self._fsdp_states(recurse=True):
+            state.is_last_backward = is_last_backward
+
+    def _prefetch_states(self, method: str, modules: object) -> list[Any]:
+        if not isinstance(modules, (list, tuple)):
+            raise ValueError(f"{method}: modules must be a list of sharded modules, got {type(modules).__name__}")
+        bad = [type(m).__name__ for m in modules if not isinstance(m, FSDPModuleMethods)]
+        if bad:
+            raise ValueError(f"{method}: every module must be sharded by overlap.fully_shard / overlap.shard; "
+                             f"got {bad}")
+        return [m._overlap_state for m in modules]  # type: ignore[union-attr]
+
+    def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
+        """In this module's pre-forward, gather ``modules``' parameters (in this order) instead of the
+        next groups of the agreed forward order. ``[]`` prefetches nothing."""
+        self._overlap_state.forward_prefetch = self._prefetch_states("set_modules_to_forward_prefetch", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
+        """In this module's pre-backward, gather ``modules``' parameters (in this order) instead of
+        the next groups of the reversed forward order."""
+        self._overlap_state.backward_prefetch = self._prefetch_states("set_modules_to_backward_prefetch", modules)
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle:
+        """All-gather this module's own parameters now (not its sharded descendants'). With
+        ``async_op`` the gather is in flight on return and the handle's ``wait()`` completes it;
+        without, it is complete. The module's next pre-forward uses it. Every rank must call it at
+        the same point (it issues a collective). Unlike FSDP2, a handle is returned in both cases
+        (its ``wait()`` then does nothing)."""
+        _check_bool("unshard", "async_op", async_op)
+        state = self._overlap_state
+        if state.group is not None:
+            if state.group.stale_gather() or state.group.stale_unsharded():
+                state.group.reshard()
+            state.group.issue_gather()
+            state.user_unsharded = True
+        handle = UnshardHandle([state])
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """FSDP2: the next forward's all-gathers wait for ``event`` (recorded after the optimizer step)
+        rather than for the whole current stream. Here the current stream waits for it now, so the
+        gathers, which are ordered after the current stream, are ordered after the event."""
+        if not (hasattr(event, "wait") and hasattr(event, "record")):
+            raise ValueError(f"set_post_optim_event: event must be a torch.Event (or torch.cuda.Event), "
+                             f"got {type(event).__name__}")
+        event.wait()  # the current stream of the event's device waits (no host wait)
+
+    set_post_optimizer_event = set_post_optim_event
+
+
+# FSDPModule methods (torch 2.11-2.15) with no counterpart in this runtime: name -> what to use instead.
+UNSUPPORTED: dict[str, str] = {
+    "set_requires_all_reduce": "HSDP's cross-replica all-reduce follows the reduce-scatter; "
+                               "set_requires_gradient_sync(False) skips both",
+    "set_unshard_in_backward": "a group resharded after forward is always gathered again in backward; "
+                               "pass reshard_after_forward=False to keep it",
+    "set_custom_all_gather": "the runtime packs and issues its own all-gathers (kernels/)",
+    "set_custom_reduce_scatter": "the runtime packs and issues its own reduce-scatters (kernels/)",
+    "set_all_reduce_hook": "register_post_accumulate_grad_hook on the sharded parameters runs after "
+                           "each reduction",
+    "set_reduce_scatter_divide_factor": "gradients are always averaged over the data-parallel ranks; "
+                                        "scale the loss instead",
+    "set_gradient_divide_factor": "gradients are always averaged over the data-parallel ranks; scale "
+                                  "the loss instead",
+    "set_force_sum_reduction_for_comms": "gradients are always averaged over the data-parallel ranks; "
+                                         "scale the loss instead",
+    "set_allocate_memory_from_process_group_for_comm": "the runtime allocates its own buffers",
+    "set_symm_mem_for_comm": "the runtime allocates its own buffers",
+    "set_reduce_scatter_unused_params": "unused parameters are always reduce-scattered (as zeros)",
+    "set_reduce_scatter_max_input_buffers": "bound the bytes in flight with "
+                                            "fully_shard(..., max_inflight_bytes=)",
+    "set_separate_reduce_scatter_group": "reduce-scatters run on the runtime's own stream and group",
+    "set_keep_unsharded_storage": "use set_reshard_after_backward(False) or reshard_after_forward=False",
+    "set_manual_backward_finalization": "every backward finalizes its reductions before it returns",
+    "finalize_backward": "every backward finalizes its reductions before it returns",
+    "reset_iter_state": "the root's next forward clears a step cut short by an exception",
+}
+
+
+def _unsupported(name: str, instead: str) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Optional[Any]:
+        raise NotImplementedError(f"{name}() is not supported by overlap's sharded modules: {instead}")
+
+    method.__name__ = name
+    method.__doc__ = f"Not supported: raises NotImplementedError ({instead})."
+    return method
+
+
+for _name, _instead in UNSUPPORTED.items():
+    setattr(FSDPModuleMethods, _name, _unsupported(_name, _instead))
+

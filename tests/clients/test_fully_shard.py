@@ -1,0 +1,328 @@
+"""``overlap.fully_shard`` (issue 32): FSDP2's signature and ``FSDPModule`` methods, run with only the
+import swapped, side by side with torch's FSDP2 from the same weights on the same batches.
+
+One 2-rank call (``_rank_checks``) runs every check for both runtimes (see [Note: recorded checks] in
+``side_by_side.py``); a second one (``_rank_hf``) the HF ``save_pretrained`` / ``from_pretrained``
+round trip. Bad input is checked in this process, without ranks.
+
+===============================================  ====================================================
+test                                             checks
+===============================================  ====================================================
+test_apply_fsdp_matches_fsdp2                    torchtitan's ``apply_fsdp`` calls (below), fp32 and
+                                                 bf16 ``MixedPrecisionPolicy``: losses, clip norms,
+                                                 parameters after 3 AdamW steps bitwise FSDP2's
+test_gradient_accumulation_matches_fsdp2         ``set_requires_gradient_sync(False)`` +
+                                                 ``set_reshard_after_backward(False)`` micro-batches,
+                                                 then True, ``set_is_last_backward``: what is
+                                                 registered after each micro-batch, parameters: bitwise
+test_manual_prefetch_matches_fsdp2               ``set_modules_to_forward/backward_prefetch``,
+                                                 ``model.unshard()``, ``unshard(async_op=True)`` then
+                                                 ``wait()``: bitwise; the prefetch list is followed
+test_ignored_params_match_fsdp2                  ``ignored_params``: left plain, gradients not reduced
+test_unsupported_methods_raise                   every FSDPModule method without a counterpart
+test_reshard_to_a_smaller_group_raises           an int reshard_after_forward we cannot honour
+                                                 (other bad input: test_bad_input_matrix.py)
+test_not_torchs_fsdp_module                      the documented isinstance choice
+test_hf_save_pretrained_round_trip               rank 0 writes ``save_pretrained(state_dict=
+                                                 overlap.full_state_dict(model))``; from_pretrained
+                                                 gives the sharded model's logits, bitwise
+===============================================  ====================================================
+
+Tolerances: none. Every comparison is bitwise: both runtimes run the same kernels on the same
+shards and average over 2 ranks the same way (``test_clients.py`` [Note: client tolerances]), and
+the HF logits come from the same weights in the same order of operations.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+from client_zoo import CLIENTS, Client
+from models import make_optimizer
+from side_by_side import RUNTIMES, Checks, Env, build, full_parameters, max_abs_diff, outcome, train
+
+pytestmark = pytest.mark.torch_kernels  # see test_clients.py [Note: packing at the client level]
+
+TIMEOUT_S = 240
+PG_TIMEOUT_S = 30
+STEPS = 3
+MICRO_BATCHES = 2
+
+
+def fully_shard_of(runtime: str) -> Callable[..., Any]:
+    """The ``fully_shard`` a training script imports: torch's, or overlap's (the one-line swap)."""
+    if runtime == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from overlap import fully_shard
+    return fully_shard
+
+
+def apply_fsdp(fully_shard: Callable[..., Any], model: nn.Module, dp_mesh: Any, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype, pp_enabled: bool = False,
+               reshard_after_forward_policy: str = "default") -> None:
+    """The ``fully_shard`` calls torchtitan 0.3's ``apply_fsdp`` makes on a Llama 3 (written here):
+    the embedding and each block with the policy's ``reshard_after_forward``, ``[norm, output]`` as
+    one group kept unsharded after forward unless the policy is "always", then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    config = {"mesh": dp_mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    reshard = {"always": True, "never": False, "default": not pp_enabled}[reshard_after_forward_policy]
+    fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
+    for block in model.layers.values():
+        fully_shard(block, **config, reshard_after_forward=reshard)
+    fully_shard([model.norm, model.output], **config, reshard_after_forward=reshard_after_forward_policy == "always")
+    fully_shard(model, **config)
+
+
+def _titan(runtime: str, client: Client, env: Env, dtype: torch.dtype) -> dict[str, Any]:
+    model = build(client)
+    apply_fsdp(fully_shard_of(runtime), model, env.mesh, dtype, torch.float32)
+    _, losses, norms = train(model, client, env, STEPS)
+    return {"losses": losses, "norms": norms, "params": full_parameters(model)}
+
+
+def _accumulation(runtime: str, client: Client, env: Env) -> dict[str, Any]:
+    """Two optimizer steps of MICRO_BATCHES micro-batches each, FSDP2's accumulation pattern."""
+    model = build(client)
+    apply_fsdp(fully_shard_of(runtime), model, env.mesh, torch.float32, torch.float32)
+    opt = make_optimizer(model.parameters())
+    grads_present = []
+    for step in range(2):
+        for micro in range(MICRO_BATCHES):
+            last = micro == MICRO_BATCHES - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            model.set_is_last_backward(last)
+            client.loss(model, env.local(client, 2 * step + micro)).backward()
+            grads_present.append([(p.grad is not None, type(p).__name__) for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"grads_present": grads_present, "params": full_parameters(model)}
+
+
+def _manual_prefetch(runtime: str, client: Client, env: Env) -> dict[str, Any]:
+    """FSDP2's explicit-prefetch recipe: each module prefetches the next two in forward and the
+    previous two in backward, the root is unsharded before forward, and one block is gathered by
+    hand (``unshard(async_op=True)``, ``wait()``) before the step."""
+    model = build(client)
+    apply_fsdp(fully_shard_of(runtime), model, env.mesh, torch.float32, torch.float32)
+    order = [model.tok_embeddings, *model.layers.values(), model.norm]
+    for i, module in enumerate(order):
+        module.set_modules_to_forward_prefetch(order[i + 1 : i + 3])
+        module.set_modules_to_backward_prefetch(order[max(0, i - 2) : i][::-1])
+    in_flight: list[bool] = []
+    if runtime == "overlap":  # runs after the runtime's own pre-forward hook: what it prefetched
+        last_block = list(model.layers.values())[-1]
+        model.tok_embeddings.register_forward_pre_hook(lambda *_: in_flight.append(
+            last_block._overlap_state.group.pending_gather is not None))
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        model.unshard()
+        handle = model.layers["0"].unshard(async_op=True)
+        handle.wait()
+        loss = client.loss(model, env.local(client, step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"losses": losses, "params": full_parameters(model), "in_flight": in_flight,
+            "handle": type(handle).__name__}
+
+
+def _ignored(runtime: str, client: Client, env: Env) -> dict[str, Any]:
+    model = build(client)
+    fully_shard = fully_shard_of(runtime)
+    for block in model.layers.values():
+        fully_shard(block, mesh=env.mesh)
+    fully_shard(model, mesh=env.mesh, ignored_params={model.norm.weight})
+    client.loss(model, env.local(client, 0)).backward()
+    return {"type": type(model.norm.weight).__name__, "norm_grad": model.norm.weight.grad.clone(),
+            "grads": full_parameters(model, grads=True)}
+
+
+def _unsupported(runtime: str, client: Client, env: Env) -> dict[str, str]:
+    from overlap.fsdp_module import UNSUPPORTED
+
+    model = build(client)
+    fully_shard_of(runtime)(model, mesh=env.mesh)
+    raised = {}
+    for name in UNSUPPORTED:
+        try:
+            getattr(model, name)(True)
+        except NotImplementedError as e:
+            raised[name] = str(e)
+    shard_int = {}
+    for value in (1, 2):  # at 2 ranks: 1 keeps the parameters (False), 2 reshards (True), as FSDP2
+        m = build(client)
+        fully_shard_of(runtime)(m, mesh=env.mesh, reshard_after_forward=value)
+        shard_int[value] = m._overlap_state.reshard_after_forward
+    return {"raised": raised, "int": shard_int}
+
+
+def _rank_checks(rank: int, world: int) -> dict[str, Any]:
+    client = CLIENTS["llama3"]
+    env = Env(rank, world)
+    checks = Checks(env)
+    for runtime in RUNTIMES:
+        for dtype in (torch.float32, torch.bfloat16):
+            checks.run(f"{runtime}/titan/{dtype}", _titan, runtime, client, env, dtype)
+        checks.run(f"{runtime}/accumulation", _accumulation, runtime, client, env)
+        checks.run(f"{runtime}/prefetch", _manual_prefetch, runtime, client, env)
+        checks.run(f"{runtime}/ignored", _ignored, runtime, client, env)
+    checks.run("overlap/unsupported", _unsupported, "overlap", client, env)
+    return checks.result()
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    from overlap.testing import run_distributed
+
+    return run_distributed(_rank_checks, 2, timeout=TIMEOUT_S, pg_timeout=PG_TIMEOUT_S)
+
+
+def _side_by_side(runs: list[dict[str, Any]], name: str) -> tuple[list[Any], list[Any]]:
+    return outcome(runs, f"fsdp2/{name}"), outcome(runs, f"overlap/{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_apply_fsdp_matches_fsdp2(runs, dtype: torch.dtype) -> None:
+    fsdp2, ours = _side_by_side(runs, f"titan/{dtype}")
+    for want, got in zip(fsdp2, ours):
+        assert got["losses"] == want["losses"]
+        assert got["norms"] == want["norms"]
+        assert set(max_abs_diff(got["params"], want["params"]).values()) == {0.0}
+    assert ours[0]["losses"][-1] < ours[0]["losses"][0]  # it trains
+
+
+def test_gradient_accumulation_matches_fsdp2(runs) -> None:
+    fsdp2, ours = _side_by_side(runs, "accumulation")
+    for want, got in zip(fsdp2, ours):
+        assert got["grads_present"] == want["grads_present"]
+        assert set(max_abs_diff(got["params"], want["params"]).values()) == {0.0}
+    # Between micro-batches the unsharded parameters stay registered, holding the accumulated
+    # unsharded gradients (FSDP2 and here); after the synced one, the sharded DTensors and theirs.
+    assert {t for _, t in ours[0]["grads_present"][0]} == {"Parameter"}
+    assert {t for _, t in ours[0]["grads_present"][MICRO_BATCHES - 1]} == {"DTensor"}
+    assert all(g for step in ours[0]["grads_present"] for g, _ in step)
+
+
+def test_manual_prefetch_matches_fsdp2(runs) -> None:
+    fsdp2, ours = _side_by_side(runs, "prefetch")
+    for want, got in zip(fsdp2, ours):
+        assert got["losses"] == want["losses"]
+        assert set(max_abs_diff(got["params"], want["params"]).values()) == {0.0}
+        # The embedding's list names the last block two ahead: its gather is in flight once the
+        # embedding's pre-forward ran (the default, prefetch=1, issues only the next block's).
+        assert got["in_flight"] == [True] * STEPS
+        assert got["handle"] == "UnshardHandle"
+
+
+def test_ignored_params_match_fsdp2(runs) -> None:
+    fsdp2, ours = _side_by_side(runs, "ignored")
+    for want, got in zip(fsdp2, ours):
+        assert got["type"] == want["type"] == "Parameter"  # not a DTensor
+        assert torch.equal(got["norm_grad"], want["norm_grad"])  # this rank's own, not reduced
+        assert set(max_abs_diff(got["grads"], want["grads"]).values()) == {0.0}
+    assert not torch.equal(ours[0]["norm_grad"], ours[1]["norm_grad"])
+
+
+def test_unsupported_methods_raise(runs) -> None:
+    from overlap.fsdp_module import UNSUPPORTED
+
+    got = outcome(runs, "overlap/unsupported")[0]
+    assert sorted(got["raised"]) == sorted(UNSUPPORTED)
+    for name, message in got["raised"].items():
+        assert name in message and UNSUPPORTED[name] in message
+    assert got["int"] == {1: False, 2: True}
+
+
+def test_reshard_to_a_smaller_group_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int ``reshard_after_forward`` other than 1 or the shard size (FSDP2: reshard to groups of
+    that many ranks) names itself and the alternatives, before the module changes. The other bad
+    arguments are rows of ``tests/reliability/test_bad_input_matrix.py``."""
+    import overlap
+    import overlap.fsdp2_api as fs
+
+    layer = nn.Linear(4, 4)
+    monkeypatch.setattr(fs, "_shard_size", lambda mesh: 8)  # no process group needed: fails before one is
+    with pytest.raises(NotImplementedError, match=r"reshard_after_forward=4 .*use True .* or False"):
+        overlap.fully_shard(layer, reshard_after_forward=4)
+    with pytest.raises(ValueError, match="divide the shard size 8"):
+        overlap.fully_shard(layer, reshard_after_forward=3)
+    assert type(layer) is nn.Linear and not isinstance(layer.weight, torch.distributed.tensor.DTensor)
+
+
+def test_not_torchs_fsdp_module() -> None:
+    """[Note: not a subclass of torch's FSDPModule]: sharded modules are ``overlap.FSDPModule``s, not
+    torch's, and carry FSDP2's methods."""
+    import overlap
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    assert overlap.FSDPModule is overlap.ShardedModule
+    assert not issubclass(overlap.FSDPModule, TorchFSDPModule)
+    for name in ("set_requires_gradient_sync", "set_reshard_after_backward", "set_reshard_after_forward",
+                 "set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch", "unshard", "reshard",
+                 "set_is_last_backward", "set_post_optim_event", "set_post_optimizer_event"):
+        assert callable(getattr(overlap.FSDPModule, name)), name
+
+
+# --------------------------------------------------------------------------------- HF round trip
+def _rank_hf(rank: int, world: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import overlap
+    from hf_models import gpt2, hf_blocks, hf_loss, llama
+
+    env = Env(rank, world)
+    out: dict[str, Any] = {}
+    tokens = CLIENTS["hf_gpt2"].batch(0)[:, :-1]
+    for name, make in (("gpt2", gpt2), ("llama", llama)):
+        torch.manual_seed(0)
+        model = make()
+        for block in hf_blocks(model):
+            overlap.fully_shard(block, mesh=env.mesh)
+        overlap.fully_shard(model, mesh=env.mesh)
+        opt = make_optimizer(model.parameters())
+        hf_loss(model, tokens[rank::world]).backward()  # one step, so the saved weights are trained ones
+        opt.step()
+        path = os.path.join(root, name)
+        model.save_pretrained(path, state_dict=overlap.full_state_dict(model), is_main_process=rank == 0)
+        dist.barrier()
+        with torch.no_grad():
+            out[name] = model(input_ids=tokens).logits
+        # And back: from_pretrained on every rank, then shard: the same logits.
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+        for block in hf_blocks(loaded):
+            overlap.fully_shard(block, mesh=env.mesh)
+        overlap.fully_shard(loaded, mesh=env.mesh)
+        with torch.no_grad():
+            out[f"{name}/resharded"] = loaded(input_ids=tokens).logits
+    return out
+
+
+def test_hf_save_pretrained_round_trip(tmp_path) -> None:
+    """The documented recipe: ``model.save_pretrained(path, state_dict=overlap.full_state_dict(model),
+    is_main_process=rank == 0)``. The files load into an unsharded HF model that gives the sharded
+    model's logits, and sharding the loaded model gives them too."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from overlap.testing import run_distributed
+
+    results = run_distributed(_rank_hf, 2, str(tmp_path), timeout=TIMEOUT_S, pg_timeout=PG_TIMEOUT_S)
+    tokens = CLIENTS["hf_gpt2"].batch(0)[:, :-1]
+    for name in ("gpt2", "llama"):
+        unsharded = AutoModelForCausalLM.from_pretrained(tmp_path / name, attn_implementation="sdpa")
+        with torch.no_grad():
+            logits = unsharded(input_ids=tokens).logits
+        for rank_out in results:
+            assert torch.equal(rank_out[name], logits), name
+            assert torch.equal(rank_out[f"{name}/resharded"], logits), name
