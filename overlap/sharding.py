@@ -74,7 +74,7 @@ is packed (or across micro-batches under ``no_sync``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -180,7 +180,7 @@ class ShardState:
             with region(self.regions.pre_forward):
                 root.on_pre_forward(self)
                 if self.group is not None and torch.is_grad_enabled():
-                    self._watch_inputs((args, kwargs))
+                    self._watch_inputs((args, kwargs) if kwargs else args)
         if self.mp.param_dtype is not None:
             args = _cast_floating(args, self.mp.param_dtype)
             if kwargs:
@@ -212,7 +212,7 @@ class ShardState:
         """Learn when backward has passed this call: when the gradients of all its inputs that need
         one are complete. Leaf inputs cannot tell (their hooks run among the parameters' gradient
         accumulations), nor can a call without such inputs: the step is then ``untracked``."""
-        tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in _leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors or any(t.grad_fn is None for t in tensors):
             self.untracked = True
             return
@@ -231,18 +231,18 @@ class ShardState:
             t.register_hook(on_input_grad)
 
     def _hook_outputs(self, output: Any) -> None:
-        def pre_backward(*_: Any) -> None:
-            self.pre_backward()
-
-        for t in tree_flatten(output)[0]:
+        for t in _leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 if t.grad_fn is not None:
                     # A node pre-hook runs after the tensor hooks of the same gradient, so a group
                     # whose backward ends here is reduced before the next prefetch is issued
                     # (see [Note: a group is reduced when its backward is done]).
-                    t.grad_fn.register_prehook(pre_backward)
+                    t.grad_fn.register_prehook(self._pre_backward_hook)
                 else:
-                    t.register_hook(pre_backward)
+                    t.register_hook(self._pre_backward_hook)
+
+    def _pre_backward_hook(self, *_: Any) -> None:
+        self.pre_backward()
 
     def pre_backward(self) -> None:
         root = self.root
@@ -346,7 +346,7 @@ class _Root:
         self._gather(state)  # no-op when prefetched
         if self._on_script:
             assert order is not None
-            self._prefetch(state, order[position + 1 :])
+            self._prefetch(state, order[position + 1 : position + 1 + state.prefetch])
         if state.group is not None:
             self.gather_now(state)
 
@@ -420,8 +420,17 @@ class _Root:
         except ValueError:  # not in this step's forward order (e.g. run only inside a checkpoint)
             return
         self._backward_cursor = pos
-        upcoming = [i for i in reverse[pos + 1 :] if i not in self._done]
-        self._prefetch(state, list(dict.fromkeys(upcoming)))
+        # The next `prefetch` distinct groups not yet reduced (a scan that stops there: this runs
+        # once per block, so a copy of the rest of the order would make a step quadratic in blocks).
+        upcoming: list[int] = []
+        done = self._done
+        for i in range(pos + 1, len(reverse) if state.prefetch else 0):
+            index = reverse[i]
+            if index not in done and index not in upcoming:
+                upcoming.append(index)
+                if len(upcoming) == state.prefetch:
+                    break
+        self._prefetch(state, upcoming)
 
     def _begin_backward(self) -> None:
         self.in_backward = True
@@ -449,7 +458,7 @@ class _Root:
         group = state.group
         if not self.in_backward or group is None:
             return  # e.g. a backward through a module outside this root's step
-        if set(group.requires_grad_indices) <= group.grads_ready:
+        if group.grads_complete():
             self._ready.add(state.index)
             self._flush_reduces(final=False)
         elif self._pending_reduces:
@@ -550,6 +559,16 @@ class _Root:
         self._reduce_events = []
         self.in_backward = False
         self._outstanding = [w for w in self._outstanding if w.pending]
+
+
+def _leaves(tree: Any) -> Sequence[Any]:
+    """pytree's leaves of ``tree``, without pytree's traversal for the usual forms (a tensor, a
+    tuple of tensors), whose leaves are themselves."""
+    if isinstance(tree, torch.Tensor):
+        return (tree,)
+    if type(tree) is tuple and all(isinstance(x, torch.Tensor) for x in tree):
+        return tree
+    return tree_flatten(tree)[0]
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
