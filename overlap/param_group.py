@@ -193,7 +193,7 @@ class ParamGroup:
             self.sharded: list[nn.Parameter] = [self._to_dtensor_param(t, spec, p.requires_grad)
                                                 for t, spec, p in zip(data, self.tp_specs, params)]
         self.unsharded: Optional[list[nn.Parameter]] = None  # created at the first gather (device known then)
-        self._unsharded_sources: list[int] = []  # ids of the shards the unsharded params were made for
+        self._unsharded_data: tuple[torch.Tensor, ...] = ()  # their tensors (a TP one's local tensor)
         self._read_dtypes()
         self.is_unsharded = False
         self.pending_gather: Optional[PendingGather] = None
@@ -302,8 +302,9 @@ class ParamGroup:
         return self.mp.param_dtype if dtype.is_floating_point and self.mp.param_dtype else dtype
 
     def _unsharded_params(self) -> list[nn.Parameter]:
-        sources = [id(p) for p in self.sharded]
-        if self.unsharded is None or self._unsharded_sources != sources:  # new, or the shards were replaced
+        # Made once per set of shards: ``rebind_sharded``, the only place that replaces a shard,
+        # drops them (see [Note: unsharded parameters keep their identity]).
+        if self.unsharded is None:
             self.unsharded = []
             for i, shape in enumerate(self.layout.shapes):
                 if self.aliases_shards:
@@ -319,14 +320,16 @@ class ParamGroup:
                 if wide is not None:
                     param.grad_dtype = wide
                 self.unsharded.append(param)
-            self._unsharded_sources = sources
+            self._unsharded_data = tuple(_local(u) for u in self.unsharded)
             self._hooked: set[int] = set()
-        for i, (u, s) in enumerate(zip(self.unsharded, self.sharded)):
-            if u.requires_grad != s.requires_grad:  # frozen or unfrozen since the last step
-                u.requires_grad_(s.requires_grad)
-            if u.requires_grad and i not in self._hooked:
+        sharded, hooked = self.sharded, self._hooked
+        for i, u in enumerate(self.unsharded):
+            requires_grad = sharded[i].requires_grad
+            if u.requires_grad != requires_grad:  # frozen or unfrozen since the last step
+                u.requires_grad_(requires_grad)
+            if requires_grad and i not in hooked:
                 u.register_post_accumulate_grad_hook(self._grad_hook(i))
-                self._hooked.add(i)
+                hooked.add(i)
         return self.unsharded
 
     def _tp_reduced_grad_dtype(self, index: int) -> Optional[torch.dtype]:
@@ -411,7 +414,8 @@ class ParamGroup:
     def _cast_into_unsharded(self) -> None:
         """World size 1 with a cast: one ``_foreach_copy_`` (cast) of the shards into the unsharded
         parameters, which is what packing then unpacking would give, without the flat buffer."""
-        outs = [_local(u) for u in self._unsharded_params()]
+        self._unsharded_params()
+        outs = self._unsharded_data
         with region(self.regions.all_gather_copy_in), _NoGrad():
             for u in outs:
                 u.untyped_storage().resize_(u.numel() * u.element_size())
@@ -419,7 +423,7 @@ class ParamGroup:
             try:
                 torch._foreach_copy_(outs, [s._local_tensor for s in self.sharded])  # type: ignore[attr-defined]
             finally:  # what torch.autograd._unsafe_preserve_version_counter does on exit
-                _set_versions(tuple(outs), versions)
+                _set_versions(outs, versions)
         self.is_unsharded = True
 
     def reshard(self) -> None:

@@ -270,6 +270,9 @@ class _Root:
         self.post_forward_seq: list[int] = []  # post-forward order: reversed, when backward needs each
         self._outstanding: list[InflightWork] = []  # runtime collectives not yet waited, issue order
         self.max_inflight_seen = 0
+        self.communicates = any(s.group is not None and not s.group.single_rank for s in self.states)
+        """False when every group has one data-parallel rank: then nothing is ever gathered, prefetched
+        or stale, and the per-block hooks skip asking (see [Note: world size 1] in param_group.py)."""
         self._reset_backward()
 
     # ------------------------------------------------------------------ in-flight budget
@@ -341,10 +344,11 @@ class _Root:
         order = self.agreed_order
         # Prefetch only while this step follows the agreed order (see [Note: same collectives, ...]).
         self._on_script = self._on_script and order is not None and position < len(order) and order[position] == state.index
-        if state.group is not None and state.group.stale_gather():
-            state.group.reshard()  # prefetched before its shards changed: gather again, in order
-        self._gather(state)  # no-op when prefetched
-        if self._on_script:
+        if state.group is not None and self.communicates:
+            if state.group.stale_gather():
+                state.group.reshard()  # prefetched before its shards changed: gather again, in order
+            self._gather(state)  # no-op when prefetched
+        if self._on_script and self.communicates:
             assert order is not None
             self._prefetch(state, order[position + 1 : position + 1 + state.prefetch])
         if state.group is not None:
@@ -424,7 +428,7 @@ class _Root:
         # once per block, so a copy of the rest of the order would make a step quadratic in blocks).
         upcoming: list[int] = []
         done = self._done
-        for i in range(pos + 1, len(reverse) if state.prefetch else 0):
+        for i in range(pos + 1, len(reverse) if state.prefetch and self.communicates else 0):
             index = reverse[i]
             if index not in done and index not in upcoming:
                 upcoming.append(index)
@@ -514,6 +518,8 @@ class _Root:
         where the collective ran]). Each pass stops at the first one still in flight, so all-reduces
         and epilogues run in issue order; a group whose epilogue communicates waits for the end of
         backward."""
+        if not self._pending_reduces:
+            return
         for state, pending in self._pending_reduces:
             if not pending.needs_all_reduce:
                 continue
@@ -579,8 +585,10 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 
     if isinstance(tree, torch.Tensor):
         return cast(tree)
-    if type(tree) is tuple and all(isinstance(x, torch.Tensor) for x in tree):
-        return tuple(cast(x) for x in tree)  # the usual forward's arguments, without pytree's traversal
+    if type(tree) is tuple and all(isinstance(x, torch.Tensor) for x in tree):  # the usual arguments
+        if all(x.dtype == dtype or not x.is_floating_point() for x in tree):
+            return tree  # nothing to cast: every block's input but the first's, in param_dtype already
+        return tuple(cast(x) for x in tree)
     return tree_map(cast, tree)
 
 
