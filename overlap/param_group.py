@@ -178,6 +178,9 @@ class ParamGroup:
         self.single_rank = self.data_parallel_size == 1
         """One data-parallel rank: nothing travels (see [Note: world size 1])."""
         self.locations = locations
+        self._slots = [(loc.module._parameters, loc.name, i) for i, locs in enumerate(locations) for loc in locs]
+        """Per location, ``(module._parameters, name, parameter index)``: a module keeps its
+        ``_parameters`` dict for life (registering and assigning parameters write into it)."""
         self.fqns = [locs[0].fqn for locs in locations]
         self.tp_specs: list[Optional[DTensorSpec]] = [p._spec if isinstance(p, DTensor) else None for p in params]
         """Per parameter, its tensor-parallel DTensor spec (None: a plain parameter); see [Note:
@@ -261,9 +264,8 @@ class ParamGroup:
         self._register(self.unsharded)
 
     def _register(self, params: list[nn.Parameter]) -> None:
-        for p, locs in zip(params, self.locations):
-            for loc in locs:
-                loc.module._parameters[loc.name] = p
+        for parameters, name, i in self._slots:
+            parameters[name] = params[i]
 
     def rebind_sharded(self) -> None:
         """Re-read the sharded parameters from the modules after ``module._apply`` changed them
