@@ -36,8 +36,8 @@ one sharded tensor (resharding on load at another world size), ``get_state_dict`
 (``reset_parameters``, ``nn.init.*``) sees full shapes. Its gradient is a DTensor with the same spec.
 The runtime never dispatches through DTensor in a step: it packs and unpacks the local tensors
 (``_local_tensor``) with the fused kernels (into flat buffers: [Note: flat buffers] in
-``kernels/layout.py``) and builds gradient DTensors with the constructor, not
-``from_local`` (no autograd, no checks). A 0-dim parameter cannot be ``Shard(0)``: it is a
+``kernels/layout.py``) and builds gradient DTensors from their spec, not with
+``from_local`` (no autograd, no checks; see [Note: building a DTensor without its __init__]). A 0-dim parameter cannot be ``Shard(0)``: it is a
 ``Replicate()`` DTensor; in the flat buffers rank 0 holds it as a 1-row shard (the layout's rule), and
 after the reduce-scatter rank 0 broadcasts its reduced gradient so every replica holds it.
 
@@ -78,8 +78,9 @@ backward; it also accumulates their gradients through one ``AccumulateGrad`` nod
 object. Keeping one object per parameter for the life of the group, and only freeing
 (``storage.resize_(0)``) and re-filling its storage, means the tensors autograd saved in forward see
 the re-gathered data in backward, and a block called twice in one forward accumulates one gradient.
-The refill happens under ``torch.autograd._unsafe_preserve_version_counter`` so autograd does not
-mistake the re-gather for an in-place change of a saved tensor. torch's FSDP2 does the same.
+The refill restores the version counters it bumped (what
+``torch.autograd._unsafe_preserve_version_counter`` does) so autograd does not mistake the re-gather
+for an in-place change of a saved tensor. torch's FSDP2 does the same.
 
 [Note: world size 1]
 With one rank and no dtype cast the shard *is* the full parameter (the sharding rule gives rank 0
