@@ -31,6 +31,36 @@ no DTensor strategy for it, FSDP2's step raises). overlap.shard runs twice: as s
 on the local tensors, ``overlap/local_optimizer_step.py``) and with that turned off
 (``overlap.set_local_optimizer_step(False)`` around the step: torch's DTensor path, what FSDP2 runs).
 
+Where the time goes (issue 28, part 2). Each runtime entry point wrapped in ``time.perf_counter``
+(inclusive µs per block, median step; the wrappers add about 0.4 µs per call), 2026-11-26, before
+(a6653c1) and after (84d015a), run back to back:
+
+==============================================  ============  ============
+item                                            fp32          fp32 + MP
+==============================================  ============  ============
+pre-forward hook                                28.7 -> 16.3  46.6 -> 20.8
+  of it, hooks on the inputs' gradients         16.6 ->  7.2  16.6 ->  5.4
+gathers, forward and backward (MP: a cast)      10.3 ->  7.6  39.3 -> 19.6
+post-forward hook                                9.2 ->  8.8  10.5 ->  7.7
+pre-backward hook                               16.4 ->  9.5  31.7 -> 13.8
+gradient hooks and the reduction                40.1 -> 22.8  49.5 -> 25.7
+  of it, gradients to the sharded DTensors      29.3 -> 14.8  37.1 -> 17.6
+end of backward (per block)                      3.1 ->  2.4   2.9 ->  1.6
+zero_grad over the plain model's                 4.7 ->  3.3   3.0 ->  1.6
+==============================================  ============  ============
+
+What the DTensor switch (5a16e24) had added was spread thin rather than one dispatch: a gradient
+DTensor built through ``DTensor.__init__``'s Dynamo and export wrappers (3.4 µs, now 1.0 with
+``__new__`` alone), a no-op ``view`` of each moved gradient, ``torch.no_grad()`` and
+``_unsafe_preserve_version_counter`` objects per call (1.8 µs each, now the switches they wrap),
+pytree traversals of every block's arguments and outputs (6.7 µs), and a copy of the rest of the
+forward order per block (quadratic in blocks). No step dispatches through DTensor: autograd
+accumulates into the plain unsharded parameters. What is left beyond these entry points is torch's
+own hook dispatch (hooks of the same kinds that do nothing cost about 14 µs per block) and, with
+mixed precision, the two casts and frees per step that ``reshard_after_forward`` asks for
+(``_cast_into_unsharded``: a resize, a version-preserving ``_foreach_copy_`` cast) and the fp32
+gradient each reduction allocates.
+
 How it is timed. All models are built first; then each round times every mode once for ``--steps``
 calls (``timing.seconds_per_call``), the modes interleaved (A B C A B C ..., the order rotated each
 round), so that load from other processes on the box hits all modes alike; figures are medians over

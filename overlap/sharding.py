@@ -74,7 +74,7 @@ is packed (or across micro-batches under ``no_sync``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -193,7 +193,7 @@ class ShardState:
                 root.on_pre_forward(self)
                 if self.group is not None and torch.is_grad_enabled():
                     if len(self.modules) == 1:
-                        self._watch_inputs((args, kwargs))
+                        self._watch_inputs((args, kwargs) if kwargs else args)
                     else:  # one member's inputs do not say when the others' backward is done
                         self.untracked = True
         return self.cast_inputs(args, kwargs)
@@ -249,7 +249,7 @@ class ShardState:
         """Learn when backward has passed this call: when the gradients of all its inputs that need
         one are complete. Leaf inputs cannot tell (their hooks run among the parameters' gradient
         accumulations), nor can a call without such inputs: the step is then ``untracked``."""
-        tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in _leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors or any(t.grad_fn is None for t in tensors):
             self.untracked = True
             return
@@ -268,18 +268,18 @@ class ShardState:
             t.register_hook(on_input_grad)
 
     def _hook_outputs(self, output: Any) -> None:
-        def pre_backward(*_: Any) -> None:
-            self.pre_backward()
-
-        for t in tree_flatten(output)[0]:
+        for t in _leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 if t.grad_fn is not None:
                     # A node pre-hook runs after the tensor hooks of the same gradient, so a group
                     # whose backward ends here is reduced before the next prefetch is issued
                     # (see [Note: a group is reduced when its backward is done]).
-                    t.grad_fn.register_prehook(pre_backward)
+                    t.grad_fn.register_prehook(self._pre_backward_hook)
                 else:
-                    t.register_hook(pre_backward)
+                    t.register_hook(self._pre_backward_hook)
+
+    def _pre_backward_hook(self, *_: Any) -> None:
+        self.pre_backward()
 
     def pre_backward(self) -> None:
         root = self.root
@@ -307,6 +307,9 @@ class _Root:
         self.post_forward_seq: list[int] = []  # post-forward order: reversed, when backward needs each
         self._outstanding: list[InflightWork] = []  # runtime collectives not yet waited, issue order
         self.max_inflight_seen = 0
+        self.communicates = any(s.group is not None and not s.group.single_rank for s in self.states)
+        """False when every group has one data-parallel rank: then nothing is ever gathered, prefetched
+        or stale, and the per-block hooks skip asking (see [Note: world size 1] in param_group.py)."""
         self._reset_backward()
 
     # ------------------------------------------------------------------ in-flight budget
@@ -388,15 +391,18 @@ class _Root:
         order = self.agreed_order
         # Prefetch only while this step follows the agreed order (see [Note: same collectives, ...]).
         self._on_script = self._on_script and order is not None and position < len(order) and order[position] == state.index
-        if state.group is not None and (state.group.stale_gather() or state.group.stale_unsharded()):
-            state.group.reshard()  # gathered before its shards changed: gather again, in order
+        if state.group is not None:
+            # gathered (or kept unsharded) before its shards changed: gather again, in order
+            if (self.communicates and state.group.stale_gather()) or state.group.stale_unsharded():
+                state.group.reshard()
+            if self.communicates:
+                self._gather(state)  # no-op when prefetched
         state.user_unsharded = False
-        self._gather(state)  # no-op when prefetched
         if state.forward_prefetch is not None:  # set_modules_to_forward_prefetch: the user's list
             self._prefetch_explicit(state.forward_prefetch)
-        elif self._on_script:
+        elif self._on_script and self.communicates:
             assert order is not None
-            self._prefetch(state, order[position + 1 :])
+            self._prefetch(state, order[position + 1 : position + 1 + state.prefetch])
         if state.group is not None:
             self.gather_now(state)
 
@@ -473,8 +479,17 @@ class _Root:
         if state.backward_prefetch is not None:  # set_modules_to_backward_prefetch: the user's list
             self._prefetch_explicit([s for s in state.backward_prefetch if s.index not in self._done])
             return
-        upcoming = [i for i in reverse[pos + 1 :] if i not in self._done]
-        self._prefetch(state, list(dict.fromkeys(upcoming)))
+        # The next `prefetch` distinct groups not yet reduced (a scan that stops there: this runs
+        # once per block, so a copy of the rest of the order would make a step quadratic in blocks).
+        upcoming: list[int] = []
+        done = self._done
+        for i in range(pos + 1, len(reverse) if state.prefetch and self.communicates else 0):
+            index = reverse[i]
+            if index not in done and index not in upcoming:
+                upcoming.append(index)
+                if len(upcoming) == state.prefetch:
+                    break
+        self._prefetch(state, upcoming)
 
     def _begin_backward(self) -> None:
         self.in_backward = True
@@ -502,7 +517,7 @@ class _Root:
         group = state.group
         if not self.in_backward or group is None:
             return  # e.g. a backward through a module outside this root's step
-        if set(group.requires_grad_indices) <= group.grads_ready:
+        if group.grads_complete():
             self._ready.add(state.index)
             self._flush_reduces(final=False)
         elif self._pending_reduces:
@@ -559,6 +574,8 @@ class _Root:
         where the collective ran]). Each pass stops at the first one still in flight, so all-reduces
         and epilogues run in issue order; a group whose epilogue communicates waits for the end of
         backward."""
+        if not self._pending_reduces:
+            return
         for state, pending in self._pending_reduces:
             if not pending.needs_all_reduce:
                 continue
@@ -613,6 +630,16 @@ def _keeps_unsharded(state: ShardState) -> bool:
     return state.user_unsharded or not state.reshard_after_backward
 
 
+def _leaves(tree: Any) -> Sequence[Any]:
+    """pytree's leaves of ``tree``, without pytree's traversal for the usual forms (a tensor, a
+    tuple of tensors), whose leaves are themselves."""
+    if isinstance(tree, torch.Tensor):
+        return (tree,)
+    if type(tree) is tuple and all(isinstance(x, torch.Tensor) for x in tree):
+        return tree
+    return tree_flatten(tree)[0]
+
+
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     def cast(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
@@ -621,8 +648,10 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 
     if isinstance(tree, torch.Tensor):
         return cast(tree)
-    if type(tree) is tuple and all(isinstance(x, torch.Tensor) for x in tree):
-        return tuple(cast(x) for x in tree)  # the usual forward's arguments, without pytree's traversal
+    if type(tree) is tuple and all(isinstance(x, torch.Tensor) for x in tree):  # the usual arguments
+        if all(x.dtype == dtype or not x.is_floating_point() for x in tree):
+            return tree  # nothing to cast: every block's input but the first's, in param_dtype already
+        return tuple(cast(x) for x in tree)
     return tree_map(cast, tree)
 
 
