@@ -107,7 +107,8 @@ _enabled = True
 _installed = False
 _WRAPPED = "_overlap_local_optimizer_step_original"  # on our wrappers: the function each chains to
 _DTENSOR_ONLY = {DTensor}
-_DTENSOR_OR_NONE = {DTensor, type(None)}
+_NONE_TYPE = type(None)
+_DTENSOR_OR_NONE = {DTensor, _NONE_TYPE}
 _SPEC, _LOCAL = attrgetter("_spec"), attrgetter("_local_tensor")
 _MESH, _PLACEMENTS = attrgetter("mesh"), attrgetter("placements")
 
@@ -192,8 +193,9 @@ def _wrap(original: Callable[..., Any], signature: _Signature) -> Callable[..., 
         if local_args is None:
             fell_back += 1
             return original(*args, **kwargs)
+        creates = signature.created_list is not None and _NONE_TYPE in set(map(type, args[signature.created_list]))
         result = original(*local_args, **kwargs)
-        if signature.created_list is not None:
+        if creates:  # the first step only: later steps find every buffer in place
             _return_created(args[signature.created_list], local_args[signature.created_list], args[1])
         engaged += 1
         return result
