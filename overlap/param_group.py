@@ -239,7 +239,9 @@ class ParamGroup:
         return mesh
 
     def _read_dtypes(self) -> None:
-        """(Re)derive everything that depends on the sharded parameters' dtypes."""
+        """(Re)derive everything that depends on the sharded parameters' dtypes (and which of them
+        are on the meta device: ``on_meta``, refused at the next forward)."""
+        self.on_meta = tuple(fqn for fqn, p in zip(self.fqns, self.sharded) if p.is_meta)
         self.orig_dtypes = [p.dtype for p in self.sharded]
         self.gather_dtype = self.mp.param_dtype or widest_dtype(self.orig_dtypes)
         self.aliases_shards = self.single_rank and all(

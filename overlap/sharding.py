@@ -83,7 +83,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
-from overlap import desync, local_optimizer_step
+from overlap import desync, local_optimizer_step, optimizer_check
 from overlap.class_swap import swapped_class
 from overlap.fsdp_module import FSDPModuleMethods
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
@@ -178,6 +178,8 @@ class ShardState:
 
     # ------------------------------------------------------------------ hooks
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.group is not None and self.group.on_meta:
+            _refuse_meta(module, self.group.on_meta)
         root = self.root
         if root is not None and root.in_backward:
             # Activation-checkpoint recompute inside backward: gather, run, keep it for the backward.
@@ -624,6 +626,14 @@ class _Root:
         self._outstanding = [w for w in self._outstanding if w.pending]
 
 
+def _refuse_meta(module: nn.Module, fqns: Sequence[str]) -> None:
+    shown = ", ".join(repr(f) for f in fqns[:8]) + (f" and {len(fqns) - 8} more" if len(fqns) > 8 else "")
+    raise RuntimeError(
+        f"overlap.shard: {type(module).__name__}'s sharded parameters {shown} are on the meta device (no data), "
+        f"so it cannot run forward. Materialize them first: module.to_empty(device=...) (every rank), then "
+        f"initialize them (e.g. reset_parameters() on each submodule, or load a checkpoint)")
+
+
 def _keeps_unsharded(state: ShardState) -> bool:
     """Does ``state`` hold its unsharded parameters into the next forward on purpose (an
     ``unshard()`` by the user, ``set_reshard_after_backward(False)``)?"""
@@ -783,6 +793,7 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
             state.root.on_grad_ready(state)
 
     local_optimizer_step.install()  # steps over the DTensors made below run on their local tensors
+    optimizer_check.install()  # an optimizer built before this call fails loudly at its first step
     if replicate is not None:
         dtensor_mesh = mesh
     else:
@@ -790,8 +801,9 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
     param_group = ParamGroup(params, locations, info, dtensor_mesh, mp, on_grad_ready,
                              replicate) if params else None
     if param_group is not None:
-        for original, sharded in zip(params, param_group.sharded):
+        for original, sharded, fqn in zip(params, param_group.sharded, param_group.fqns):
             original._overlap_sharded_by = param_group  # type: ignore[attr-defined]
+            original._overlap_sharded_fqn = fqn  # type: ignore[attr-defined]
             sharded._overlap_sharded_by = param_group  # type: ignore[attr-defined]
     state = ShardState(module, param_group, info, mp, reshard_after_forward, prefetch, max_inflight_bytes,
                        replicate)
