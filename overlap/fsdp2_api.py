@@ -170,7 +170,7 @@ def fully_shard(
     ignored = frozenset(id(p) for p in ignored_params or ())
     reshard = _reshard_after_forward(reshard_after_forward, mesh)
     for member in modules:
-        _check_options(member, mp, reshard, prefetch, max_inflight_bytes)
+        _check_options(member, mp, reshard, prefetch, max_inflight_bytes, caller="fully_shard")
     _check_placements(modules, shard_placement_fn, ignored)
     _shard(modules, group=None, mesh=mesh, mp=mp, reshard_after_forward=reshard, prefetch=prefetch,
            max_inflight_bytes=max_inflight_bytes, ignored_params=ignored, caller="fully_shard")

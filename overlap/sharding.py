@@ -667,23 +667,24 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 
 # ---------------------------------------------------------------------------------------- shard()
 def _check_options(module: object, mp: object, reshard_after_forward: object, prefetch: object,
-                   max_inflight_bytes: object) -> None:
+                   max_inflight_bytes: object, caller: str = "shard") -> None:
+    """Raise naming ``caller`` (the public function the user called) and the argument, before anything changes."""
     if not isinstance(module, nn.Module):
-        raise TypeError(f"shard: module must be a torch.nn.Module, got {type(module).__name__}")
+        raise TypeError(f"{caller}: module must be a torch.nn.Module, got {type(module).__name__}")
     if isinstance(module, ShardedModule):
-        raise ValueError(f"shard: {type(module).__name__} is already sharded (shard() was called on it before)")
+        raise ValueError(f"{caller}: {type(module).__name__} is already sharded (shard() was called on it before)")
     if mp is not None and not isinstance(mp, MixedPrecision):
-        raise TypeError(f"shard: mp must be None or an overlap.MixedPrecision, got {type(mp).__name__}")
+        raise TypeError(f"{caller}: mp must be None or an overlap.MixedPrecision, got {type(mp).__name__}")
     if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"shard: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        raise TypeError(f"{caller}: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int):
-        raise TypeError(f"shard: prefetch must be an int >= 0 (groups gathered ahead), got {type(prefetch).__name__}")
+        raise TypeError(f"{caller}: prefetch must be an int >= 0 (groups gathered ahead), got {type(prefetch).__name__}")
     if prefetch < 0:
-        raise ValueError(f"shard: prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
+        raise ValueError(f"{caller}: prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
     if max_inflight_bytes is not None and (isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int)):
-        raise TypeError(f"shard: max_inflight_bytes must be None or an int >= 1, got {type(max_inflight_bytes).__name__}")
+        raise TypeError(f"{caller}: max_inflight_bytes must be None or an int >= 1, got {type(max_inflight_bytes).__name__}")
     if max_inflight_bytes is not None and max_inflight_bytes < 1:
-        raise ValueError(f"shard: max_inflight_bytes must be None or an int >= 1, got {max_inflight_bytes!r}")
+        raise ValueError(f"{caller}: max_inflight_bytes must be None or an int >= 1, got {max_inflight_bytes!r}")
 
 
 def _owned_parameters(module: nn.Module, ignored: frozenset[int] = frozenset(), prefix: str = "",

@@ -308,7 +308,7 @@ MATRIX: dict[str, Bad] = {
     "fully_shard ignored_params not params": Bad(lambda e: overlap.fully_shard(e.model, ignored_params=3), TypeError,
                                                  "ignored_params", "None or a set of parameters"),
     "fully_shard prefetch negative": Bad(lambda e: overlap.fully_shard(e.model, prefetch=-1), ValueError, "prefetch",
-                                         "int >= 0"),
+                                         "fully_shard: prefetch must be an int >= 0"),
     "FSDPModule set_requires_gradient_sync not a bool": Bad(
         lambda e: e.sharded.set_requires_gradient_sync(0), ValueError, "requires_gradient_sync", "bool"),
     "FSDPModule set_reshard_after_backward not a bool": Bad(
