@@ -354,21 +354,36 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
-def _profiled(profile: Any) -> tuple[str, str]:
-    """(exposed ms per step, hidden share) over every rank's profiled steps, or ("-", "-")."""
+def _profiled(profile: Any) -> tuple[str, str, str]:
+    """(exposed ms per step, hidden share, link idle ms per step) over every rank's profiled steps,
+    or dashes."""
     if profile is None:
-        return "-", "-"
+        return "-", "-", "-"
     steps = profile.summary().steps
     if not steps:
-        return "-", "-"
+        return "-", "-", "-"
     comm = sum(s.comm_ms for s in steps)
     exposed = sum(s.exposed_ms for s in steps)
     hidden = f"{100 * max(0.0, comm - exposed) / comm:.0f}%" if comm > 0 else "-"
-    return f"{exposed / len(steps):.1f}", hidden
+    return f"{exposed / len(steps):.1f}", hidden, f"{sum(s.link_idle_ms for s in steps) / len(steps):.1f}"
+
+
+def _idle_lines(result: DemoResult) -> list[str]:
+    """Per profiled step and rank of the main mode: the link idle while compute ran, and why
+    ([Note: link idle while compute ran] in ``overlap/profiler/records.py``)."""
+    profile = result.modes[result.config.main_mode].profile
+    if profile is None or not profile.summary().steps:
+        return []
+    lines = [f"link idle while compute ran ({MODE_NAMES[result.config.main_mode]}, profiled steps):"]
+    for s in profile.summary().steps:
+        causes = ", ".join(f"{cause} {ms:.1f} ms" for cause, ms in s.link_idle_causes) or "none"
+        lines.append(f"  step {s.step} rank {s.rank}: {s.link_idle_ms:.1f} ms of {s.wall_ms:.1f} "
+                     f"({100 * s.link_idle_share:.0f}%): {causes}")
+    return lines + [""]
 
 
 HEADER: tuple[str, ...] = ("mode", "step ms", "tokens/s", "compute ms", "comm ms", "exposed comm ms",
-                           "comm hidden", "profiled exposed ms", "profiled hidden")
+                           "comm hidden", "profiled exposed ms", "profiled hidden", "profiled link idle ms")
 """The columns of the table :func:`format_report` prints."""
 
 
@@ -383,7 +398,7 @@ def format_report(result: DemoResult) -> str:
     ours = result.modes[cfg.main_mode].times
     ideal = max(ours.unlinked, ours.comm)
     rows.append(("ideal max(compute, comm)", _ms(ideal), f"{result.tokens_per_step / ideal:,.0f}", _ms(ours.unlinked),
-                 _ms(ours.comm), _ms(max(0.0, ours.comm - ours.unlinked)), "100%", "", ""))
+                 _ms(ours.comm), _ms(max(0.0, ours.comm - ours.unlinked)), "100%", "", "", ""))
     how = (f"calibrated so one step's comm ~ {MODE_NAMES[cfg.main_mode]}'s compute" if result.calibrated
            else "from --link-gbps")
     size = MODEL_SIZES[cfg.model]
@@ -408,9 +423,10 @@ def format_report(result: DemoResult) -> str:
         "link's busy time per step; exposed: step - compute; comm hidden: share of the hideable comm (at most",
         "compute) that was hidden. These count waiting for gloo's own transfer as compute, which flatters no",
         "overlap. profiled: overlap.profile() over the profiled steps, per step (exposed: time a rank stalled",
-        "in a wait while its collective ran, whatever it waited for); torch's own collectives (FSDP2, torch TP)",
-        "are not profiled.",
+        "in a wait while its collective ran, whatever it waited for; link idle: nothing of the rank on the link",
+        "while it computed); torch's own collectives (FSDP2, torch TP) are not profiled.",
         "",
+        *_idle_lines(result),
         _loss_line(result),
     ]
     return "\n".join(lines)

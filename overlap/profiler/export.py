@@ -14,11 +14,13 @@ import json
 import os
 from typing import Any, Sequence, Union
 
-from overlap.profiler.records import RankProfile, covered_pieces
+from overlap.profiler.records import IDLE_CAUSES, RankProfile, covered_pieces, link_idle
 
 __all__ = ["PathArg", "export_chrome_trace", "plot", "timeline_origin", "trace_events"]
 
 PathArg = Union[str, "os.PathLike[str]"]
+
+_IDLE_COLORS = ("#bdbdbd", "#fdae6b", "#9e9ac8")  # per IDLE_CAUSES entry, on the comm row of plot()
 
 
 def timeline_origin(ranks: Sequence[RankProfile]) -> float:
@@ -84,7 +86,7 @@ def export_chrome_trace(ranks: Sequence[RankProfile], path: PathArg) -> str:
 
 def plot(ranks: Sequence[RankProfile], path: PathArg) -> str:
     """Write a PNG timeline: per rank, compute (host busy, stalls marked) under comm bars (exposed
-    parts marked). Needs matplotlib (``pip install 'triton-overlap[plot]'``); returns the path."""
+    parts marked, and the link's idle time while compute ran, coloured by cause). Needs matplotlib (``pip install 'triton-overlap[plot]'``); returns the path."""
     target = _check_path(path, "plot")
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -111,14 +113,20 @@ def plot(ranks: Sequence[RankProfile], path: PathArg) -> str:
         exposed = [(1e3 * (shift + a), 1e3 * (b - a)) for c in rp.collectives
                    for a, b in covered_pieces(stalls, c.start, c.end)]
         ax.broken_barh(exposed, (base + 1.1, 0.8), facecolors="#d62728", hatch="//", alpha=0.8)
+        idle = [piece for s in rp.steps for piece in link_idle(rp, s.start, s.end)]
+        for cause, color in zip(IDLE_CAUSES, _IDLE_COLORS):
+            ax.broken_barh([(1e3 * (shift + a), 1e3 * (b - a)) for a, b, c in idle if c == cause],
+                           (base + 1.1, 0.8), facecolors=color, alpha=0.5)
         ticks += [base + 0.5, base + 1.5]
         names += [f"rank {rp.rank} compute", f"rank {rp.rank} comm"]
     ax.set_yticks(ticks)
     ax.set_yticklabels(names)
     ax.set_xlabel("ms")
-    ax.set_title("overlap.profile timeline: comm over compute; red = exposed (host stalled in a wait)")
+    ax.set_title("overlap.profile timeline: comm over compute; red = exposed (host stalled in a wait); "
+                 "light = link idle while compute ran")
     ax.legend(handles=[Patch(color="#9ecae1", label="compute (step)"), Patch(color="#74c476", label="comm"),
-                       Patch(color="#d62728", label="exposed / stalled")],
+                       Patch(color="#d62728", label="exposed / stalled")]
+              + [Patch(color=c, alpha=0.5, label=f"link idle: {cause}") for cause, c in zip(IDLE_CAUSES, _IDLE_COLORS)],
               loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
     _write(target, "plot", lambda f: fig.savefig(f, format="png"), "wb")

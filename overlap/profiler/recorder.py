@@ -23,7 +23,11 @@ Timing model.
   ``max(issue, end of the previous collective on its group)``. A collective still in flight when the
   records are read ends "now" (``end_measured`` False). A watcher needs the GIL to timestamp, so
   its times can be late while the main thread runs Python code without releasing it (torch ops
-  release it); the cap by the wait's end bounds that for exposed time.
+  release it); the cap by the wait's end bounds that for exposed time. A work that says when a
+  link carried it (``link_start`` and ``deadline`` on ``time.monotonic()``: the emulated link's
+  :class:`~overlap.testing.EmulatedWork`) is placed there instead, as a NIC's timestamps would
+  place it: the watcher's GIL delay does not then blur the idle-link report (see
+  [Note: link idle while compute ran] in ``overlap.profiler.records``).
 * **CUDA** (written, not yet exercised by tests). Timing events: one on the issuing stream at issue,
   one on the communication stream after the collective (its end; the stream is
   ``overlap.streams.collective_stream``, the one the collective ran on), and one on the waiting
@@ -70,13 +74,15 @@ _active: Optional["Profiler"] = None
 class _Record:
     """The mutable record of one collective while it is in flight (``inflight_work.WaitRecord``)."""
 
-    __slots__ = ("kind", "nbytes", "group", "step", "label", "issued", "done", "wait_start", "wait_end",
-                 "wait_label", "_waiting", "cuda")
+    __slots__ = ("kind", "nbytes", "group", "step", "label", "issued", "done", "link_start", "link_end",
+                 "wait_start", "wait_end", "wait_label", "_waiting", "cuda")
 
     def __init__(self, kind: str, nbytes: int, group: str, step: int, label: str, issued: float) -> None:
         self.kind, self.nbytes, self.group, self.step, self.label = kind, nbytes, group, step, label
         self.issued = issued
         self.done: Optional[float] = None
+        self.link_start: Optional[float] = None  # when a modelled link carried it (see _link_span)
+        self.link_end: Optional[float] = None
         self.wait_start: Optional[float] = None
         self.wait_end: Optional[float] = None
         self.wait_label = ""
@@ -119,6 +125,16 @@ class _Watcher:
                 pass
             record.done = _clock()
             del work, record
+
+
+def _link_span(work: dist.Work) -> Optional[tuple[float, float]]:
+    """``(start, end)`` on this profiler's clock of a work that says when a link carried it
+    (``link_start`` / ``deadline`` attributes on ``time.monotonic()``), else None."""
+    start, end = getattr(work, "link_start", None), getattr(work, "deadline", None)
+    if not isinstance(start, float) or not isinstance(end, float):
+        return None
+    offset = _clock() - time.monotonic()
+    return start + offset, end + offset
 
 
 _watchers: dict[str, _Watcher] = {}
@@ -259,6 +275,9 @@ class Profiler:
         elif work is None:
             record.done = now  # completed at issue
         else:
+            span = _link_span(work)
+            if span is not None:
+                record.link_start, record.link_end = span
             _watcher(group).watch(work, record)
         self._records.append(record)
         return record
@@ -288,7 +307,7 @@ class Profiler:
         busy_until: dict[str, float] = {}
         collectives = []
         for r, (issued, end, measured, w0, w1) in zip(raw, timed):
-            start = max(issued, busy_until.get(r.group, issued))
+            start = max(issued, busy_until.get(r.group, issued)) if r.link_start is None else r.link_start
             end = max(end, start)
             if measured:
                 busy_until[r.group] = end
@@ -307,6 +326,8 @@ class Profiler:
         if r.cuda is not None:
             return self._cuda_times(r)
         w0, w1 = r.wait_start, r.wait_end
+        if r.link_end is not None and (w1 is not None or r.done is not None or r.link_end <= _clock()):
+            return r.issued, r.link_end, True, w0, w1  # the link's own delivery time (see _link_span)
         if r.done is not None:
             return r.issued, (min(r.done, w1) if w1 is not None else r.done), True, w0, w1
         if w1 is not None:  # the wait returned, so it had completed (the watcher has not said when yet)

@@ -25,7 +25,8 @@ import bisect
 import dataclasses
 from typing import Any, Iterable, Optional, Sequence
 
-__all__ = ["CollectiveRecord", "RankProfile", "StepRecord", "covered", "covered_pieces", "hidden_fraction", "union"]
+__all__ = ["CollectiveRecord", "IDLE_CAUSES", "RankProfile", "StepRecord", "covered", "covered_pieces",
+           "hidden_fraction", "link_idle", "union"]
 
 
 def hidden_fraction(comm: float, exposed: float) -> float:
@@ -115,6 +116,60 @@ class RankProfile:
         """This rank's stall intervals (first waits), merged and sorted."""
         return union((c.wait_start, c.wait_end) for c in self.collectives
                      if c.wait_start is not None and c.wait_end is not None)
+
+
+# -------------------------------------------------------------------------------------- idle link
+IDLE_CAUSES = ("nothing issued yet", "waiting on the byte budget", "waiting on gradients")
+"""The causes :func:`link_idle` names, in the order reports list them."""
+
+BUDGET_LABEL = "overlap::held_for_budget"
+"""The region a collective is issued in after the runtime held it back for ``max_inflight_bytes``."""
+
+_GRADIENT_KINDS = ("reduce_scatter", "all_reduce")
+
+
+def link_idle(rank: RankProfile, start: float, end: float) -> list[tuple[float, float, str]]:
+    """The pieces of ``[start, end]`` during which no collective of ``rank`` was on the link and the
+    rank was not stalled in a wait, each with its cause (one of :data:`IDLE_CAUSES`).
+
+    [Note: link idle while compute ran]
+    At comm >= compute every millisecond the link sits idle while compute runs is a millisecond
+    added to the step, so the report says where and why. The link is busy during the union of the
+    collectives' ``[start, end]`` (every group's: one rank, one NIC); a stall means the rank waits
+    for something in flight, so stalls are not counted either. An idle piece ends when the next
+    collective starts (or the window ends), and that collective says why it was not on the link
+    sooner: a reduce-scatter (or HSDP's all-reduce) goes out when its gradients are complete, so
+    the link was *waiting on gradients*; a collective issued in the ``overlap::held_for_budget``
+    region had been held back by ``max_inflight_bytes`` (*waiting on the byte budget*); anything
+    else, or no collective before the window's end, had simply *not been issued yet* (a prefetch
+    too shallow or too late, the step boundary's optimizer step). Collectives of every step count,
+    so a gather issued by ``prefetch_next_step`` in one step fills the link in the next.
+    """
+    busy = union([(c.start, c.end) for c in rank.collectives] + rank.stalls)
+    ordered = sorted((c for c in rank.collectives if c.start >= start - 1e-9), key=lambda c: c.start)
+    starts = [c.start for c in ordered]
+    pieces: list[tuple[float, float, str]] = []
+    cursor = start
+    for lo, hi in busy + [(end, end)]:
+        lo, hi = min(max(lo, start), end), min(hi, end)
+        if lo > cursor:
+            pieces.append((cursor, lo, _idle_cause(starts, ordered, lo)))
+        cursor = max(cursor, hi)
+        if cursor >= end:
+            break
+    return pieces
+
+
+def _idle_cause(starts: Sequence[float], ordered: Sequence[CollectiveRecord], at: float) -> str:
+    """Why the link was idle until ``at``: from the collective that started there (``ordered`` by
+    ``starts``; see [Note: link idle while compute ran])."""
+    i = bisect.bisect_left(starts, at - 1e-9)
+    if i == len(starts) or starts[i] > at + 1e-9:
+        return IDLE_CAUSES[0]
+    c = ordered[i]
+    if BUDGET_LABEL in c.label:
+        return IDLE_CAUSES[1]
+    return IDLE_CAUSES[2] if c.kind in _GRADIENT_KINDS else IDLE_CAUSES[0]
 
 
 # ---------------------------------------------------------------------------------------- intervals

@@ -9,7 +9,8 @@ also prints its table; ``export_chrome_trace`` / ``plot`` hand the records to
 Per collective kind and label, figures are sums over the collectives. Per step, communication time
 and exposed time are measured on the union of the step's collectives' intervals (collectives on
 different groups may run at the same time), so a step's figure can be below the sum of its
-collectives'. Exposed, hidden and efficiency are defined in ``overlap.profiler.records``.
+collectives'. Exposed, hidden and efficiency are defined in ``overlap.profiler.records``, and so is
+the idle link per step (``link_idle``, [Note: link idle while compute ran]).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import sys
 from typing import Any, Optional, Sequence, TextIO
 
 from overlap.profiler import export
-from overlap.profiler.records import CollectiveRecord, RankProfile, StepRecord, covered, hidden_fraction, union
+from overlap.profiler.records import (IDLE_CAUSES, CollectiveRecord, RankProfile, StepRecord, covered,
+                                      hidden_fraction, link_idle, union)
 
 __all__ = ["CommSummary", "ProfileResult", "Report", "StepSummary"]
 
@@ -61,7 +63,10 @@ class CommSummary(_CommEfficiency):
 class StepSummary(_CommEfficiency):
     """One step of one rank. ``comm_ms`` / ``exposed_ms``: union of the step's collectives' intervals,
     and the part of it this rank was stalled for; ``stalled_ms``: all stalls inside the step window;
-    ``compute_ms``: the step's wall time minus its stalls."""
+    ``compute_ms``: the step's wall time minus its stalls; ``link_idle_ms``: the part of the step
+    window with nothing of this rank on the link while it computed, and ``link_idle_causes`` its
+    split by cause (``(cause, ms)`` in ``IDLE_CAUSES`` order, causes with time only; see [Note:
+    link idle while compute ran] in ``overlap.profiler.records``)."""
 
     rank: int
     step: int
@@ -72,6 +77,13 @@ class StepSummary(_CommEfficiency):
     stalled_ms: float
     count: int
     nbytes: int
+    link_idle_ms: float = 0.0
+    link_idle_causes: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def link_idle_share(self) -> float:
+        """``link_idle_ms`` over the step's wall time, 0..1."""
+        return self.link_idle_ms / self.wall_ms if self.wall_ms > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +103,8 @@ class Report:
             d.update(hidden_ms=s.hidden_ms, efficiency=s.efficiency)
             if isinstance(s, CommSummary):
                 d["gbps"] = s.gbps
+            else:
+                d["link_idle_causes"] = dict(s.link_idle_causes)
             return d
 
         return {"rows": [row(r) for r in self.rows], "kinds": [row(r) for r in self.kinds],
@@ -112,9 +126,10 @@ class Report:
         out.append(line(self.total, "total", ""))
         out += ["", "per step:",
                 f"{'rank':>4}  {'step':>4} {'wall ms':>9} {'compute ms':>10} {'comm ms':>9} {'exposed ms':>10} "
-                f"{'hidden':>7} {'count':>6}"]
+                f"{'hidden':>7} {'count':>6} {'link idle ms':>12}  link idle while compute ran, by cause"]
         out += [f"{s.rank:>4}  {s.step:>4} {s.wall_ms:>9.2f} {s.compute_ms:>10.2f} {s.comm_ms:>9.2f} "
-                f"{s.exposed_ms:>10.2f} {100 * s.efficiency:>6.0f}% {s.count:>6}" for s in self.steps]
+                f"{s.exposed_ms:>10.2f} {100 * s.efficiency:>6.0f}% {s.count:>6} {s.link_idle_ms:>12.2f}  "
+                + (", ".join(f"{cause} {ms:.2f}" for cause, ms in s.link_idle_causes) or "-") for s in self.steps]
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -165,12 +180,16 @@ class ProfileResult:
                 mine = [c for c in rp.collectives if c.step == s.step]
                 busy = union((c.start, c.end) for c in mine)
                 stalled = covered(stalls, s.start, s.end)
+                idle = link_idle(rp, s.start, s.end)
+                by_cause = {cause: 1e3 * sum(b - a for a, b, c in idle if c == cause) for cause in IDLE_CAUSES}
                 steps.append(StepSummary(
                     rank=rp.rank, step=s.step, wall_ms=1e3 * (s.end - s.start),
                     compute_ms=1e3 * (s.end - s.start - stalled),
                     comm_ms=1e3 * sum(b - a for a, b in busy),
                     exposed_ms=1e3 * sum(covered(stalls, a, b) for a, b in busy),
-                    stalled_ms=1e3 * stalled, count=len(mine), nbytes=sum(c.nbytes for c in mine)))
+                    stalled_ms=1e3 * stalled, count=len(mine), nbytes=sum(c.nbytes for c in mine),
+                    link_idle_ms=1e3 * sum(b - a for a, b, _ in idle),
+                    link_idle_causes=tuple((c, ms) for c, ms in by_cause.items() if ms > 0)))
         everything = self.collectives
         total = CommSummary(self.ranks[0].rank if len(self.ranks) == 1 else -1, "total", "", len(everything),
                             sum(c.nbytes for c in everything), 1e3 * sum(c.duration for c in everything),
@@ -199,5 +218,6 @@ class ProfileResult:
 
     def plot(self, path: export.PathArg) -> str:
         """Write a PNG timeline: per rank, compute (host busy, stalls marked) under comm bars (exposed
-        parts marked). Needs matplotlib (``pip install 'triton-overlap[plot]'``); returns the path."""
+        parts marked; the link idle while compute ran, coloured by cause). Needs matplotlib (``pip install
+        'triton-overlap[plot]'``); returns the path."""
         return export.plot(self.ranks, path)

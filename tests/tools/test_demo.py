@@ -60,6 +60,8 @@ def _check_report(out: str, folder: str, modes: tuple[str, ...]) -> None:
         assert _number(cells[0]) > 0 and _number(cells[1]) > 0, cells  # step ms, tokens/s
         assert 0 <= _number(cells[5]) <= 100, cells  # comm hidden
     assert rows["ideal max(compute, comm)"], out
+    idle = [line for line in out.splitlines() if line.startswith("  step ") and " rank " in line]
+    assert "link idle while compute ran" in out and len(idle) == 2, out  # 1 profiled step x 2 ranks
     assert "overlap.shard vs no overlap: bitwise identical" in out, out
     assert "vs torch FSDP2: agree" in out, out
     with open(os.path.join(folder, "trace-overlap.json")) as f:

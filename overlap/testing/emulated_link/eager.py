@@ -129,7 +129,8 @@ def _wrap(name: str, original: Callable[..., Any], arg: str, kind: str) -> Calla
         with passing_through():
             work = original(*bound.args, **bound.kwargs)
         booking = link.book(group, name, kind, payload, issued)
-        emulated = EmulatedWork(work, booking.deadline, wait_timeout(group.group_name))
+        emulated = EmulatedWork(work, booking.deadline, wait_timeout(group.group_name),
+                                link_start=booking.deadline - booking.seconds)
         if async_op:
             return emulated
         emulated.wait()

@@ -120,6 +120,7 @@ class Booking:
 class _GroupLink:
     busy_until: float = 0.0
     stats: LinkStats = field(default_factory=LinkStats)
+    busy: list[tuple[float, float]] = field(default_factory=list)  # (start, end) per booking, in order
 
 
 def _check_tier(value: object, name: str) -> tuple[float, float]:
@@ -222,9 +223,12 @@ class LinkModel:
             if state is None:
                 state = self._groups[group] = _GroupLink()
                 self._names[group] = getattr(group, "group_name", "") or str(len(self._names))
-            done = max(issued, state.busy_until) + seconds
+            start = max(issued, state.busy_until)
+            done = start + seconds
             state.busy_until = done
             state.stats = state.stats + LinkStats(1, wire_bytes, seconds, {op: 1})
+            if seconds > 0:
+                state.busy.append((start, done))
         return Booking(wire_bytes, seconds, done)
 
     def stats(self) -> LinkStats:
@@ -237,7 +241,17 @@ class LinkModel:
         with self._lock:
             return {self._names[g]: s.stats for g, s in self._groups.items()}
 
+    def busy_intervals(self) -> dict[str, list[tuple[float, float]]]:
+        """When each process group's link carried something: ``(start, end)`` (``time.monotonic()``)
+        of every booking with link time since the link was created or :meth:`reset_stats`, in
+        booking order, keyed by group name. The link's own record of its busy time (the profiler's
+        idle-link report is checked against it)."""
+        with self._lock:
+            return {self._names[g]: list(s.busy) for g, s in self._groups.items()}
+
     def reset_stats(self) -> None:
+        """Forget the statistics and the busy intervals (the FIFO state is kept)."""
         with self._lock:
             for state in self._groups.values():
                 state.stats = LinkStats()
+                state.busy = []

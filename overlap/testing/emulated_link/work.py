@@ -61,18 +61,21 @@ def sleep_within(deadline: float, timeout: datetime.timedelta, what: str) -> Non
 class EmulatedWork(dist.Work):
     """A CPU collective's work that completes no sooner than ``deadline`` (``time.monotonic()``).
 
+    ``link_start``: when the link began carrying it (``deadline`` minus its link time; None if not
+    given), so that a profiler can place it on the link as the link did (``overlap.profiler``).
     ``default_timeout`` bounds a wait given no timeout (see [Note: timeouts behind the link]); None:
     ``overlap.wait_timeout()`` of the default group at the time of the wait.
     """
 
     def __init__(self, work: dist.Work, deadline: float,
-                 default_timeout: datetime.timedelta | None = None) -> None:
+                 default_timeout: datetime.timedelta | None = None, link_start: float | None = None) -> None:
         super().__init__()
         if default_timeout is not None and not (
                 isinstance(default_timeout, datetime.timedelta) and default_timeout > datetime.timedelta(0)):
             raise ValueError(f"default_timeout must be None or a datetime.timedelta > 0, got {default_timeout!r}")
         self._work = work
         self.deadline = deadline
+        self.link_start = link_start
         self.default_timeout = default_timeout
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
