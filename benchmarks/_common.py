@@ -106,16 +106,20 @@ def rank_input(rows: int, dim: int, rank: int) -> torch.Tensor:
     return torch.randn(rows, dim, generator=torch.Generator().manual_seed(rank))
 
 
-def mlp_step(mode: str, blocks: int, dim: int, x: torch.Tensor, optimizer_in_backward: bool = False) -> TrainStep:
+def mlp_step(mode: str, blocks: int, dim: int, x: torch.Tensor, optimizer_in_backward: bool = False,
+             prefetch: int | str = 1) -> TrainStep:
     """A fresh :func:`mlp` sharded block by block, then the root, for ``mode``
-    (``overlap.demo.training.MODES``), and its training step: loss ``mean(model(x) ** 2)``, AdamW
-    (stepped per group in backward with ``optimizer_in_backward``, an ``overlap`` mode only)."""
+    (``overlap.demo.training.MODES``; ``prefetch`` for ``overlap.shard``), and its training step: loss
+    ``mean(model(x) ** 2)``, AdamW (stepped per group in backward with ``optimizer_in_backward``, an
+    ``overlap`` mode only). The step's ``model`` attribute is the sharded model."""
     from overlap.demo.training import TrainStep, make_optimizer, shard_for_mode
 
     model = mlp(blocks, dim)
-    context = shard_for_mode(mode, model, list(model))
+    context = shard_for_mode(mode, model, list(model), prefetch=prefetch)
     optimizer = make_optimizer(model, 1e-3, optimizer_in_backward)
-    return TrainStep(lambda _: model(x).square().mean(), optimizer, context)
+    step = TrainStep(lambda _: model(x).square().mean(), optimizer, context)
+    step.model = model  # type: ignore[attr-defined]
+    return step
 
 
 # ------------------------------------------------------------------------------------ paired steps

@@ -1,7 +1,8 @@
 """Sharded training step, side by side in one run: overlap.shard vs torch FSDP2 vs overlap off vs ideal.
 
 On ``--world-size`` gloo ranks, an MLP of ``--blocks`` blocks, each sharded, trained with AdamW.
-Modes: ``overlap.shard``; ``overlap.shard`` with each group's AdamW stepped in backward as soon as
+Modes: ``overlap.shard``; ``overlap.shard`` with ``prefetch="auto"`` (the depth chosen from the first
+step's measured costs, printed under the table); ``overlap.shard`` with each group's AdamW stepped in backward as soon as
 its gradients are reduced (``overlap.optimizer_in_backward``); ``overlap.shard`` under ``overlap.no_overlap`` (every collective completes
 before anything else runs); torch FSDP2 ``fully_shard`` with default settings, and with explicit
 forward/backward prefetch of one module. Each mode alternates steps without and with the emulated
@@ -28,11 +29,12 @@ from typing import Any
 
 from _common import PAIRED_HEADER, mlp_parser, mlp_step, paired_cells, parse, rank_input  # first: sys.path
 from overlap.demo.training import calibrate_link
-from overlap.testing import PairedTimes, paired_steps, run_distributed
+from overlap.testing import EmulatedLink, PairedTimes, paired_steps, run_distributed
 from report import emit
 
 # Display name -> overlap.demo.training mode.
-MODES = {"overlap.shard": "overlap", "overlap.shard, optimizer in backward": "overlap",
+MODES = {"overlap.shard": "overlap", "overlap.shard, prefetch auto": "overlap",
+         "overlap.shard, optimizer in backward": "overlap",
          "overlap.shard, overlap off": "no-overlap",
          "torch FSDP2 (default)": "fsdp2", "torch FSDP2 (explicit prefetch)": "fsdp2-prefetch"}
 
@@ -44,8 +46,14 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
         gbps = calibrate_link(mlp_step("overlap", args.blocks, args.dim, x), args.latency_us)
     out: dict[str, Any] = {"gbps": gbps}
     for name, mode in MODES.items():
-        step = mlp_step(mode, args.blocks, args.dim, x, optimizer_in_backward="optimizer in backward" in name)
+        step = mlp_step(mode, args.blocks, args.dim, x, optimizer_in_backward="optimizer in backward" in name,
+                        prefetch="auto" if "prefetch auto" in name else 1)
+        if "prefetch auto" in name:
+            with EmulatedLink(gbps, args.latency_us):
+                step()  # the step that measures the costs sees the link, as it would in training
         out[name] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=2)
+        if "prefetch auto" in name:
+            out["depth"] = step.model.prefetch_depth
     return out
 
 
@@ -57,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in MODES:
         m: PairedTimes = r[name]
-        rows.append([name, *paired_cells(m), f"{100 * m.hidden_share:.0f}%",
+        shown = f"{name} (depth {r['depth']})" if "prefetch auto" in name else name
+        rows.append([shown, *paired_cells(m), f"{100 * m.hidden_share:.0f}%",
                      f"{1e3 * max(m.unlinked, m.comm):.1f}", f"{m.linked / fsdp2:.2f}x"])
     emit(f"Training step, {args.world_size} CPU ranks (gloo), {args.blocks} MLP blocks of width {args.dim}, "
          f"AdamW; emulated link {r['gbps']:.3g} Gbit/s + {args.latency_us:g} µs; medians of {args.steps} "

@@ -144,7 +144,7 @@ def fully_shard(
     offload_policy: Any = None,
     ignored_params: Optional[set[nn.Parameter]] = None,
     dp_mesh_dims: Any = None,
-    prefetch: int = 1,
+    prefetch: Union[int, str] = 1,
     max_inflight_bytes: Optional[int] = None,
 ) -> Any:
     """Shard ``module`` (or the list ``module``, as one group) in place, FSDP2's way, on this runtime.

@@ -74,7 +74,8 @@ is packed (or across micro-batches under ``no_sync``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+import time
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -118,6 +119,19 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         root = self._overlap_state.root
         return root.max_inflight_seen if root is not None and root.owner is self._overlap_state else 0
 
+    @property
+    def prefetch_depth(self) -> Optional[int]:
+        """Groups gathered ahead of the running one: the ``prefetch`` passed to ``shard``, or with
+        ``prefetch="auto"`` the depth chosen in the first step (see [Note: prefetch="auto"]; None
+        before it)."""
+        state = self._overlap_state
+        if not state.auto_prefetch:
+            return state.prefetch
+        root = state.root
+        if root is None or root.chosen_depth is not None:
+            return None if root is None else root.chosen_depth
+        return None if root.auto_prefetch else 1  # a root that communicates nothing never prefetches
+
     def reshard(self) -> None:
         """Free this module's unsharded parameters (no-op if sharded)."""
         if self._overlap_state.group is not None:
@@ -136,7 +150,7 @@ class ShardState:
     """What ``shard`` attaches to one module: its parameter group (or None), options and hooks."""
 
     def __init__(self, module: nn.Module, group: Optional[ParamGroup], info: GroupInfo, mp: MixedPrecision,
-                 reshard_after_forward: bool, prefetch: int, max_inflight_bytes: Optional[int],
+                 reshard_after_forward: bool, prefetch: Union[int, str], max_inflight_bytes: Optional[int],
                  replicate: Optional[GroupInfo] = None) -> None:
         self.module = module
         self.group = group
@@ -144,8 +158,11 @@ class ShardState:
         self.replicate = replicate  # HSDP: the replicas' group (see [Note: hybrid sharding] in param_group.py)
         self.mp = mp
         self.reshard_after_forward = reshard_after_forward
-        self.prefetch = prefetch
+        # prefetch="auto": 1 until the root chooses the depth (see [Note: prefetch="auto"])
+        self.auto_prefetch = prefetch == "auto"
+        self.prefetch: int = 1 if self.auto_prefetch else prefetch  # type: ignore[assignment]
         self.max_inflight_bytes = max_inflight_bytes
+
         self.modules: list[nn.Module] = [module]  # several for fully_shard([a, b]): one group, see _shard
         self.members_to_run: set[int] = set()  # ids of the members not yet run in this forward pass
         # FSDPModule settings (overlap/fsdp_module.py): explicit prefetch lists (None: the agreed
@@ -233,6 +250,8 @@ class ShardState:
             if self.group is not None:
                 self.group.to_sharded()
             return output
+        if root.recording_costs:
+            root.record_post_forward()
         with region(self.regions.post_forward):
             root.post_forward_seq.append(self.index)
             if self.group is not None:
@@ -312,6 +331,12 @@ class _Root:
         self.communicates = any(s.group is not None and not s.group.single_rank for s in self.states)
         """False when every group has one data-parallel rank: then nothing is ever gathered, prefetched
         or stale, and the per-block hooks skip asking (see [Note: world size 1] in param_group.py)."""
+        self.auto_prefetch = self.communicates and any(s.auto_prefetch for s in self.states)
+        self.chosen_depth: Optional[int] = None  # prefetch="auto": the depth chosen and agreed
+        self.recording_costs = False  # this forward measures per-position costs (auto, order not agreed yet)
+        self._costs: list[list[float]] = []  # per forward position: [compute seconds, gather seconds]
+        self._running: list[int] = []  # positions whose forward is running, innermost last
+        self._mark = 0.0
         self._reset_backward()
 
     # ------------------------------------------------------------------ in-flight budget
@@ -386,10 +411,16 @@ class _Root:
         self.forward_seq = []
         self.post_forward_seq = []
         self._on_script = True
+        self.recording_costs = self.auto_prefetch and self.chosen_depth is None and self.agreed_order is None
+        self._costs, self._running = [], []
 
     def on_pre_forward(self, state: ShardState) -> None:
         position = len(self.forward_seq)
         self.forward_seq.append(state.index)
+        if self.recording_costs:
+            self._on_script = False
+            self._record_pre_forward(state, position)
+            return
         order = self.agreed_order
         # Prefetch only while this step follows the agreed order (see [Note: same collectives, ...]).
         self._on_script = self._on_script and order is not None and position < len(order) and order[position] == state.index
@@ -407,6 +438,53 @@ class _Root:
             self._prefetch(state, order[position + 1 : position + 1 + state.prefetch])
         if state.group is not None:
             self.gather_now(state)
+
+    # ------------------------------------------------------------------ prefetch="auto"
+    def _record_pre_forward(self, state: ShardState, position: int) -> None:
+        """The pre-forward of the step that records costs (nothing is prefetched: the order is not
+        agreed yet): gather and wait at once, timing it, and start timing this position's compute."""
+        now = time.perf_counter()
+        if self._running:
+            self._costs[self._running[-1]][0] += now - self._mark
+        self._costs.append([0.0, 0.0])
+        self._running.append(position)
+        if state.group is not None:
+            if state.group.stale_gather() or state.group.stale_unsharded():
+                state.group.reshard()
+            self.gather_now(state)
+            self._costs[position][1] = time.perf_counter() - now
+        state.user_unsharded = False
+        self._mark = time.perf_counter()
+
+    def record_post_forward(self) -> None:
+        """A post-forward in the step that records costs: the running position's compute ends."""
+        now = time.perf_counter()
+        if self._running:
+            self._costs[self._running.pop()][0] += now - self._mark
+        self._mark = now
+
+    def _choose_depth(self) -> None:
+        """Choose the prefetch depth from this step's costs and agree it across ranks (see [Note:
+        prefetch="auto"])."""
+        from scheduler.prefetch_depth import choose_prefetch_depth
+
+        self.recording_costs = False
+        groups = [self.states[i].group for i in self.forward_seq]
+        budget = self.owner.max_inflight_bytes
+        if budget is None:
+            device = next((g.sharded[0]._local_tensor.device for g in groups if g is not None), torch.device("cpu"))
+            budget = default_prefetch_budget(device)
+        depth = choose_prefetch_depth([c for c, _ in self._costs], [g for _, g in self._costs],
+                                      [g.all_gather_bytes() if g is not None else 0 for g in groups], budget)
+        for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
+            if info is not None and info.size > 1:
+                depths: list[Any] = [None] * info.size
+                dist.all_gather_object(depths, depth, group=info.pg)
+                depth = max(depths)
+        self.chosen_depth = depth
+        for state in self.states:
+            if state.auto_prefetch:
+                state.prefetch = depth
 
     def gather_now(self, state: ShardState) -> None:
         """Gather ``state``'s group now (waiting for a prefetch in flight) and register it unsharded."""
@@ -426,6 +504,8 @@ class _Root:
         self.in_forward = False
         if self.agreed_order != self.forward_seq:
             self.agreed_order = self._agree(self.forward_seq)
+        if self.recording_costs:
+            self._choose_depth()
         for state in self.states:  # prefetched for a block that did not run this step
             if state.group is not None and state.group.pending_gather is not None:
                 state.group.reshard()
@@ -626,6 +706,26 @@ class _Root:
         self._outstanding = [w for w in self._outstanding if w.pending]
 
 
+PREFETCH_BUDGET_SHARE = 4
+"""``prefetch="auto"`` without ``max_inflight_bytes``: prefetches may hold 1/this of the free memory."""
+
+
+def default_prefetch_budget(device: torch.device) -> int:
+    """The byte budget of ``prefetch="auto"`` when ``max_inflight_bytes`` is not given: a quarter of
+    the memory free now, on the device (``torch.cuda.mem_get_info``) or, on CPU, of the host's
+    ``MemAvailable`` (``/proc/meminfo``; 0 where that is unknown, which leaves depth 1)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0]) // PREFETCH_BUDGET_SHARE
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // PREFETCH_BUDGET_SHARE
+    except OSError:
+        pass
+    return 0
+
+
 def _refuse_meta(module: nn.Module, fqns: Sequence[str]) -> None:
     shown = ", ".join(repr(f) for f in fqns[:8]) + (f" and {len(fqns) - 8} more" if len(fqns) > 8 else "")
     raise RuntimeError(
@@ -677,10 +777,13 @@ def _check_options(module: object, mp: object, reshard_after_forward: object, pr
         raise TypeError(f"{caller}: mp must be None or an overlap.MixedPrecision, got {type(mp).__name__}")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"{caller}: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
-        raise TypeError(f"{caller}: prefetch must be an int >= 0 (groups gathered ahead), got {type(prefetch).__name__}")
-    if prefetch < 0:
-        raise ValueError(f"{caller}: prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
+    if prefetch == "auto" and isinstance(prefetch, str):
+        pass
+    elif isinstance(prefetch, bool) or not isinstance(prefetch, int):
+        raise TypeError(f"{caller}: prefetch must be an int >= 0 (groups gathered ahead) or 'auto', "
+                        f"got {type(prefetch).__name__} {prefetch!r}")
+    elif prefetch < 0:
+        raise ValueError(f"{caller}: prefetch must be an int >= 0 (groups gathered ahead) or 'auto', got {prefetch!r}")
     if max_inflight_bytes is not None and (isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int)):
         raise TypeError(f"{caller}: max_inflight_bytes must be None or an int >= 1, got {type(max_inflight_bytes).__name__}")
     if max_inflight_bytes is not None and max_inflight_bytes < 1:
@@ -724,7 +827,7 @@ def shard(
     mesh: Any = None,
     mp: Optional[MixedPrecision] = None,
     reshard_after_forward: bool = True,
-    prefetch: int = 1,
+    prefetch: Union[int, str] = 1,
     max_inflight_bytes: Optional[int] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``group`` or ``mesh`` (default WORLD), in place.
@@ -735,6 +838,24 @@ def shard(
     (``overlap.tensor_parallel`` or torch's ``parallelize_module`` over another dim of the same
     DeviceMesh: ``mesh=mesh["dp"]`` here, ``mesh["tp"]`` there) are sharded as FSDP2 shards them
     (see [Note: sharding tensor-parallel parameters] there).
+
+    ``prefetch``: groups whose all-gathers are issued ahead of the one running, in forward and in
+    backward (an int >= 0), or ``"auto"``: the depth chosen from this model's measured costs and a
+    byte budget, ``max_inflight_bytes`` or by default a quarter of the free memory.
+
+    [Note: prefetch="auto"]
+    The first step records the forward order with nothing prefetched, so it also measures, per
+    position of that order, the host time of the group's gather (issued and waited at once:
+    packing, link, unpacking) and the compute between its hooks (nested modules' own positions
+    taken out). When forward ends, the order is agreed and the depth chosen from those costs, the
+    groups' gather bytes and the budget (``scheduler/prefetch_depth.py``, [Note: choosing the
+    prefetch depth]); the ranks then take the largest of their choices (``all_gather_object``),
+    because the depth decides where gathers fall between reduce-scatters, and that sequence must
+    be the same on every rank. The depth then holds for every step, on the recorded order: a step
+    that leaves the order (a skipped block, another branch) prefetches nothing from there on, as
+    with a fixed depth ([Note: same collectives, same order, on every rank]). ``prefetch_depth``
+    on the module says what was chosen. The costs are host times: right on CPU; on CUDA the host
+    does not wait for the device, so the gathers look cheap and the depth stays shallow.
 
     Returns ``module``, whose class becomes a subclass of :class:`ShardedModule`. Its parameters are
     replaced by DTensor parameters holding this rank's dim-0 shard; buffers stay replicated and are
@@ -748,7 +869,7 @@ def shard(
 
 
 def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[MixedPrecision],
-           reshard_after_forward: bool, prefetch: int, max_inflight_bytes: Optional[int],
+           reshard_after_forward: bool, prefetch: Union[int, str], max_inflight_bytes: Optional[int],
            ignored_params: frozenset[int] = frozenset(), caller: str = "shard") -> nn.Module:
     """``shard``'s body, for one module or for the modules of one ``fully_shard([a, b])`` call
     (options checked by the caller): their parameters, outside ``ignored_params`` (ids), become one

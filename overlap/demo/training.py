@@ -22,7 +22,7 @@ All ranks must call these functions alike (same modes, same order): they issue c
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,14 @@ __all__ = ["MODES", "TrainStep", "calibrate_link", "calibrated_gbps", "measure_t
 MODES: tuple[str, ...] = ("overlap", "no-overlap", "fsdp2", "fsdp2-prefetch")
 
 
-def _shard_overlap(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool, mesh: object) -> None:
+def _shard_overlap(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool, mesh: object,
+                   prefetch: Union[int, str]) -> None:
     import overlap
 
     mp = overlap.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     for block in blocks:
-        overlap.shard(block, mp=mp, mesh=mesh)
-    overlap.shard(model, mp=mp, mesh=mesh)
+        overlap.shard(block, mp=mp, mesh=mesh, prefetch=prefetch)
+    overlap.shard(model, mp=mp, mesh=mesh, prefetch=prefetch)
 
 
 def _shard_fsdp2(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool, explicit_prefetch: bool,
@@ -63,12 +64,14 @@ def _shard_fsdp2(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool, expl
 
 
 def shard_for_mode(mode: str, model: nn.Module, blocks: Sequence[nn.Module], *,
-                   bf16: bool = False, mesh: object = None) -> Callable[[], ContextManager[object]]:
+                   bf16: bool = False, mesh: object = None,
+                   prefetch: Union[int, str] = 1) -> Callable[[], ContextManager[object]]:
     """Shard ``model`` in place for ``mode`` (one of :data:`MODES`): each of ``blocks``, then the root.
 
     ``model`` must already be on its device, with a default process group initialized. ``bf16``
     computes with bfloat16 parameters. ``mesh``: a DeviceMesh to shard over (2-D: hybrid sharding,
-    dim 0 replicates, dim 1 shards); default every rank. Returns the factory of the context every forward + backward of
+    dim 0 replicates, dim 1 shards); default every rank. ``prefetch``: ``overlap.shard``'s (the
+    ``overlap`` modes only). Returns the factory of the context every forward + backward of
     this mode must run in (``overlap.no_overlap`` for ``no-overlap``, a no-op otherwise).
     """
     if mode not in MODES:
@@ -76,7 +79,7 @@ def shard_for_mode(mode: str, model: nn.Module, blocks: Sequence[nn.Module], *,
     if mode.startswith("fsdp2"):
         _shard_fsdp2(model, blocks, bf16, explicit_prefetch=mode == "fsdp2-prefetch", mesh=mesh)
         return contextlib.nullcontext
-    _shard_overlap(model, blocks, bf16, mesh)
+    _shard_overlap(model, blocks, bf16, mesh, prefetch)
     if mode == "no-overlap":
         import overlap
 
