@@ -91,6 +91,7 @@ from overlap.groups import GroupInfo, device_mesh_for, resolve_group
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
+from overlap.profiler.records import BUDGET_LABEL
 from overlap.regions import ModuleRegions, region
 
 __all__ = ["shard", "no_sync", "no_overlap", "prefetch_next_step", "ShardedModule", "sharded_states"]
@@ -340,12 +341,18 @@ class _Root:
         self._reset_backward()
 
     # ------------------------------------------------------------------ in-flight budget
-    def _admit(self, nbytes: int, cap: int) -> None:
-        """Before issuing ``nbytes``: wait for the oldest runtime collectives until they fit ``cap``."""
+    def _admit(self, nbytes: int, cap: int) -> contextlib.AbstractContextManager[Any]:
+        """Before issuing ``nbytes``: wait for the oldest runtime collectives until they fit ``cap``.
+        Returns the context to issue it in: the ``overlap::held_for_budget`` region if it had to
+        wait (the profiler names the link's idle time before it so, see [Note: link idle while
+        compute ran] in ``overlap/profiler/records.py``)."""
         self._outstanding = [w for w in self._outstanding if w.pending]
+        held = False
         while self._outstanding and sum(w.nbytes for w in self._outstanding) + nbytes > cap:
             self._outstanding.pop(0).synchronize()
+            held = True
         self.max_inflight_seen = max(self.max_inflight_seen, sum(w.nbytes for w in self._outstanding) + nbytes)
+        return region(BUDGET_LABEL) if held else contextlib.nullcontext()
 
     def _track(self, work: Optional[InflightWork]) -> None:
         if work is None:
@@ -359,9 +366,11 @@ class _Root:
         group = state.group
         if group is None or group.is_unsharded or group.pending_gather is not None or group.single_rank:
             return
+        held = contextlib.nullcontext()
         if state.max_inflight_bytes is not None:
-            self._admit(group.all_gather_bytes(), state.max_inflight_bytes)
-        group.issue_gather()
+            held = self._admit(group.all_gather_bytes(), state.max_inflight_bytes)
+        with held:
+            group.issue_gather()
         assert group.pending_gather is not None
         self._track(group.pending_gather.work)
 
@@ -622,9 +631,11 @@ class _Root:
             return
         if state.sync_grads:
             with region(state.regions.reduce_scatter):
+                held = contextlib.nullcontext()
                 if state.max_inflight_bytes is not None:
-                    self._admit(group.reduce_bytes(), state.max_inflight_bytes)
-                pending = group.issue_reduce()
+                    held = self._admit(group.reduce_bytes(), state.max_inflight_bytes)
+                with held:
+                    pending = group.issue_reduce()
                 if pending is not None:
                     self._track(pending.work)
                     if pending.needs_all_reduce and (pending.work is None or pending.rs_output.is_cuda
