@@ -138,12 +138,15 @@ def link_idle(rank: RankProfile, start: float, end: float) -> list[tuple[float, 
     collectives' ``[start, end]`` (every group's: one rank, one NIC); a stall means the rank waits
     for something in flight, so stalls are not counted either. An idle piece ends when the next
     collective starts (or the window ends), and that collective says why it was not on the link
-    sooner: a reduce-scatter (or HSDP's all-reduce) goes out when its gradients are complete, so
-    the link was *waiting on gradients*; a collective issued in the ``overlap::held_for_budget``
-    region had been held back by ``max_inflight_bytes`` (*waiting on the byte budget*); anything
-    else, or no collective before the window's end, had simply *not been issued yet* (a prefetch
-    too shallow or too late, the step boundary's optimizer step). Collectives of every step count,
-    so a gather issued by ``prefetch_next_step`` in one step fills the link in the next.
+    sooner: a collective issued in the ``overlap::held_for_budget`` region had been held back by
+    ``max_inflight_bytes`` (*waiting on the byte budget*); a reduce-scatter (or HSDP's all-reduce)
+    goes out when its gradients are complete, so if no all-gather was left to run in the window
+    the link was *waiting on gradients*; anything else, or no collective before the window's end,
+    had simply *not been issued yet*: a gap before a reduce-scatter while a later all-gather of
+    the window was still to come is one a deeper prefetch would have filled, and so is one before
+    an all-gather (a prefetch too shallow or too late, the step boundary's optimizer step).
+    Collectives of every step count, so a gather issued by ``prefetch_next_step`` in one step
+    fills the link in the next.
     """
     busy = union([(c.start, c.end) for c in rank.collectives] + rank.stalls)
     ordered = sorted((c for c in rank.collectives if c.start >= start - 1e-9), key=lambda c: c.start)
@@ -153,23 +156,26 @@ def link_idle(rank: RankProfile, start: float, end: float) -> list[tuple[float, 
     for lo, hi in busy + [(end, end)]:
         lo, hi = min(max(lo, start), end), min(hi, end)
         if lo > cursor:
-            pieces.append((cursor, lo, _idle_cause(starts, ordered, lo)))
+            pieces.append((cursor, lo, _idle_cause(starts, ordered, lo, end)))
         cursor = max(cursor, hi)
         if cursor >= end:
             break
     return pieces
 
 
-def _idle_cause(starts: Sequence[float], ordered: Sequence[CollectiveRecord], at: float) -> str:
-    """Why the link was idle until ``at``: from the collective that started there (``ordered`` by
-    ``starts``; see [Note: link idle while compute ran])."""
+def _idle_cause(starts: Sequence[float], ordered: Sequence[CollectiveRecord], at: float, end: float) -> str:
+    """Why the link was idle until ``at`` (in a window ending at ``end``): from the collective that
+    started there (``ordered`` by ``starts``; see [Note: link idle while compute ran])."""
     i = bisect.bisect_left(starts, at - 1e-9)
     if i == len(starts) or starts[i] > at + 1e-9:
         return IDLE_CAUSES[0]
     c = ordered[i]
     if BUDGET_LABEL in c.label:
         return IDLE_CAUSES[1]
-    return IDLE_CAUSES[2] if c.kind in _GRADIENT_KINDS else IDLE_CAUSES[0]
+    if c.kind not in _GRADIENT_KINDS:
+        return IDLE_CAUSES[0]
+    gathers_left = any(o.kind not in _GRADIENT_KINDS and o.start < end for o in ordered[i + 1:])
+    return IDLE_CAUSES[0] if gathers_left else IDLE_CAUSES[2]
 
 
 # ---------------------------------------------------------------------------------------- intervals

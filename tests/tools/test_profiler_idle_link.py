@@ -7,7 +7,7 @@ Checked against the emulated link's own record of when it carried something
 link's busy time and the rank's stalls, within 1 ms (the issue's bound; the slack is the few µs
 between the test's step mark and the profiler's, which put the two clocks on one timeline). The causes are checked
 on hand-made records, where they are known exactly, and in the runs where one must appear: without
-prefetch a block's reduce-scatter waits on its gradients; under a one-gather byte budget each
+prefetch the last reduce-scatters wait on gradients with no gather left to run; under a one-gather byte budget each
 next gather is held back (``overlap::held_for_budget``).
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ def test_idle_link_matches_the_emulated_links_busy_record(distributed, prefetch:
             else:  # one block's gather at a time: each next one is held until the last landed, then packed
                 assert causes.get("waiting on the byte budget", 0) > 0, (where, causes)
             assert sum(causes.values()) == pytest.approx(idle_ms), where
-            if prefetch == 0:  # a block's backward: its gather lands, its reduce-scatter waits for its gradients
+            if prefetch == 0:  # the first block's backward: no gather left, its reduce-scatter waits on gradients
                 assert causes.get("waiting on gradients", 0) > 0, (where, causes)
 
 
@@ -105,24 +105,28 @@ def _record(kind: str, start: float, end: float, label: str = "", wait: tuple[fl
 
 def test_idle_pieces_and_causes_by_hand() -> None:
     # window [0, 10]: idle [0, 1) before the first gather; gather [1, 3]; idle [3, 4) before a
-    # reduce-scatter [4, 5]; idle [5, 6) before a gather held for the budget [6, 7]; a stall [7, 7.5]
-    # on something off this link (counts as not idle); idle [7.5, 10] to the window's end.
+    # reduce-scatter [4, 5] while a gather is still to come (a deeper prefetch would fill it: not
+    # issued yet); idle [5, 6) before that gather, held for the budget [6, 7]; a stall [7, 7.5] on
+    # something off this link (not idle); idle [7.5, 8) before a reduce-scatter [8, 9] with no gather
+    # left in the window (waiting on gradients); idle [9, 10] to the window's end.
     records = (
         _record("all_gather", 1.0, 3.0),
         _record("reduce_scatter", 4.0, 5.0),
-        _record("all_gather", 6.0, 7.0, label=f"overlap::pre_forward/{BUDGET_LABEL}"),
+        _record("all_gather", 6.0, 7.0, label=f"overlap::pre_backward/{BUDGET_LABEL}"),
+        _record("reduce_scatter", 8.0, 9.0),
         _record("all_gather", 20.0, 21.0, wait=(7.0, 7.5), step=1),  # issued in the next step
     )
     rank = RankProfile(rank=0, world_size=2, epoch=0.0, device="cpu",
                        steps=(StepRecord(0, 0, 0.0, 10.0), StepRecord(0, 1, 10.0, 22.0)), collectives=records)
     pieces = link_idle(rank, 0.0, 10.0)
-    assert pieces == [(0.0, 1.0, "nothing issued yet"), (3.0, 4.0, "waiting on gradients"),
-                      (5.0, 6.0, "waiting on the byte budget"), (7.5, 10.0, "nothing issued yet")]
+    assert pieces == [(0.0, 1.0, "nothing issued yet"), (3.0, 4.0, "nothing issued yet"),
+                      (5.0, 6.0, "waiting on the byte budget"), (7.5, 8.0, "waiting on gradients"),
+                      (9.0, 10.0, "nothing issued yet")]
     # the next step's window: idle until its gather starts, busy to 21, idle to the end
     assert link_idle(rank, 10.0, 22.0) == [(10.0, 20.0, "nothing issued yet"), (21.0, 22.0, "nothing issued yet")]
     steps = merge(rank).summary().steps
-    assert [s.link_idle_ms for s in steps] == pytest.approx([1e3 * 5.5, 1e3 * 11.0])
+    assert [s.link_idle_ms for s in steps] == pytest.approx([1e3 * 4.5, 1e3 * 11.0])
     assert dict(steps[0].link_idle_causes) == pytest.approx(
-        {"nothing issued yet": 3.5e3, "waiting on gradients": 1e3, "waiting on the byte budget": 1e3})
-    assert steps[0].link_idle_share == pytest.approx(0.55)
+        {"nothing issued yet": 3e3, "waiting on gradients": 0.5e3, "waiting on the byte budget": 1e3})
+    assert steps[0].link_idle_share == pytest.approx(0.45)
     assert "link idle" in merge(rank).summary().table()
