@@ -3,8 +3,9 @@ costs and a byte budget, agreed across ranks ([Note: prefetch="auto"] in ``overl
 
 Every run is compared bitwise with the same loop at ``prefetch=0`` (nothing gathered ahead): a
 schedule may only move when a gather happens, never what it gathers or what the step computes.
-Covered: the chosen depth is one number on every rank, within the budget, and a forward that skips
-a block (the order changes after the depth was chosen) falls back without a hang, on 2 and 3 ranks.
+Covered: the chosen depth is one number on every rank (the deepest rank's choice), within the
+budget, and a forward that skips a block (the order changes after the depth was chosen) falls back
+without a hang, on 2 and 3 ranks.
 The depth model itself is ``tests/scheduling/test_prefetch_depth.py``'s.
 """
 from __future__ import annotations
@@ -84,3 +85,18 @@ def test_auto_depth_falls_back_when_a_block_is_skipped(distributed, world: int) 
     for plain, auto in distributed(_runs, world, option_sets, skip_first_on_odd_steps=True, timeout=300):
         _assert_same(auto, plain)
         assert auto["depths"][0] is not None and auto["depths"][0] >= 1
+
+
+def _rank_dependent_choice(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """Each rank's model picks ``rank + 1``: the ranks must agree on the largest."""
+    import scheduler.prefetch_depth
+
+    scheduler.prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: rank + 1
+    return [_train(rank, world_size, prefetch=0), _train(rank, world_size, prefetch="auto")]
+
+
+def test_ranks_agree_on_the_deepest_choice(distributed) -> None:
+    per_rank = distributed(_rank_dependent_choice, 3, timeout=300)
+    for plain, auto in per_rank:
+        assert auto["depths"] == [3] * 4, auto["depths"]  # the deepest of 1, 2, 3 (all the groups ahead)
+        _assert_same(auto, plain)
