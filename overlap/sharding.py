@@ -163,7 +163,6 @@ class ShardState:
         self.auto_prefetch = prefetch == "auto"
         self.prefetch: int = 1 if self.auto_prefetch else prefetch  # type: ignore[assignment]
         self.max_inflight_bytes = max_inflight_bytes
-
         self.modules: list[nn.Module] = [module]  # several for fully_shard([a, b]): one group, see _shard
         self.members_to_run: set[int] = set()  # ids of the members not yet run in this forward pass
         # FSDPModule settings (overlap/fsdp_module.py): explicit prefetch lists (None: the agreed
@@ -788,13 +787,13 @@ def _check_options(module: object, mp: object, reshard_after_forward: object, pr
         raise TypeError(f"{caller}: mp must be None or an overlap.MixedPrecision, got {type(mp).__name__}")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"{caller}: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-    if prefetch == "auto" and isinstance(prefetch, str):
-        pass
-    elif isinstance(prefetch, bool) or not isinstance(prefetch, int):
-        raise TypeError(f"{caller}: prefetch must be an int >= 0 (groups gathered ahead) or 'auto', "
-                        f"got {type(prefetch).__name__} {prefetch!r}")
-    elif prefetch < 0:
-        raise ValueError(f"{caller}: prefetch must be an int >= 0 (groups gathered ahead) or 'auto', got {prefetch!r}")
+    if not (isinstance(prefetch, str) and prefetch == "auto"):
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+            raise TypeError(f"{caller}: prefetch must be an int >= 0 (groups gathered ahead) or 'auto', "
+                            f"got {type(prefetch).__name__} {prefetch!r}")
+        if prefetch < 0:
+            raise ValueError(f"{caller}: prefetch must be an int >= 0 (groups gathered ahead) or 'auto', "
+                             f"got {prefetch!r}")
     if max_inflight_bytes is not None and (isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int)):
         raise TypeError(f"{caller}: max_inflight_bytes must be None or an int >= 1, got {type(max_inflight_bytes).__name__}")
     if max_inflight_bytes is not None and max_inflight_bytes < 1:

@@ -249,6 +249,8 @@ MATRIX: dict[str, Bad] = {
     "shard prefetch negative": Bad(lambda e: overlap.shard(e.model, prefetch=-1), ValueError, "prefetch", "int >= 0"),
     "shard prefetch a str": Bad(lambda e: overlap.shard(e.model, prefetch="1"), TypeError, "prefetch", "int >= 0"),
     "shard prefetch a bool": Bad(lambda e: overlap.shard(e.model, prefetch=True), TypeError, "prefetch", "int >= 0"),
+    "shard prefetch another str": Bad(lambda e: overlap.shard(e.model, prefetch="deep"), TypeError, "prefetch",
+                                      "or 'auto'"),
     "shard budget zero": Bad(lambda e: overlap.shard(e.model, max_inflight_bytes=0), ValueError,
                              "max_inflight_bytes", "None or an int >= 1"),
     "shard budget a float": Bad(lambda e: overlap.shard(e.model, max_inflight_bytes=1.5e6), TypeError,
