@@ -3,7 +3,8 @@
 Contract
 --------
 * :func:`exchange` is the one path by which the runtime agrees on something learned at run time
-  (the forward order of ``overlap.shard``'s modules; the profiler's records): each rank of the group
+  (the forward order of ``overlap.shard``'s modules, the recorded schedules of ``scheduler.replay``
+  (installed there by this module), the profiler's records): each rank of the group
   passes a picklable value at an agreement *point* (a short name, e.g. ``forward order``) and gets
   every rank's value back, by group rank.
 * An agreement is itself a collective on the group, issued through ``overlap.collectives._issue``:
@@ -51,10 +52,11 @@ from typing import Any
 import torch
 
 from overlap import collectives
-from overlap.groups import GroupInfo
+from overlap.groups import GroupInfo, resolve_group
 from overlap.regions import region
+from scheduler import replay
 
-__all__ = ["exchange", "HEADER_BYTES"]
+__all__ = ["exchange", "exchange_on_group", "HEADER_BYTES"]
 
 _DIGEST_BYTES = 16
 HEADER_BYTES = _DIGEST_BYTES + 8  # digest of the pickled value, then its length (little-endian int64)
@@ -104,3 +106,11 @@ def exchange(info: GroupInfo, point: str, value: Any, where: str = "") -> list[A
         padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         rows = _gather(info, f"{point}: values", padded, where)
     return [pickle.loads(rows[r, : lengths[r]].numpy().tobytes()) for r in range(info.size)]
+
+
+def exchange_on_group(group: "torch.distributed.ProcessGroup", point: str, value: Any) -> list[Any]:
+    """:func:`exchange` over a process group: what ``scheduler.replay`` agrees through (installed below)."""
+    return exchange(resolve_group(group), point, value)
+
+
+replay.set_exchange(exchange_on_group)
