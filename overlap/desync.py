@@ -41,7 +41,8 @@ behind every collective already in flight on it (debug mode must keep the overla
 on NCCL it would need a device tensor and a host sync. The side channel costs one host round trip per
 collective, and it synchronizes the ranks' hosts at each collective (a slow rank is waited for at
 the check instead of at the collective's first use): about one more small gloo collective, 0.3-0.8
-ms per collective with 2 gloo ranks on a 2-core CPU box (``benchmarks/bench_desync.py``).
+ms per collective with 2 gloo ranks on a quiet 2-core CPU box, 0.8-1.6 ms on a loaded one
+(``benchmarks/bench_desync.py``, ``benchmarks/RESULTS.md``).
 Groups of one rank are numbered but not checked.
 
 Fingerprint text (what the errors show), for ``w`` ranks; shapes are those of the collective's
