@@ -63,18 +63,30 @@ def start(counts: dict[str, int]) -> bool:
 
 
 def _publish(counts: dict[str, int], rank: int) -> None:
-    seen: Optional[dict[str, int]] = None
-    published: Optional[dict[str, int]] = None
+    looks = _Looks()
     while True:
         time.sleep(INTERVAL_S)
-        now = dict(counts)  # one C-level copy under the GIL: consistent while the issuing thread adds
-        if now == seen and now != published:
+        now = looks.due(dict(counts))  # one C-level copy under the GIL: consistent while the issuer adds
+        if now is not None:
             try:
                 _store().set(str(rank), json.dumps(now))
-                published = now
+                looks.published = now
             except Exception:  # no default store now (destroyed, being rebuilt): try at the next look
                 pass
-        seen = now
+
+
+class _Looks:
+    """What the publishing thread has seen and written (see [Note: publishing where a rank stopped])."""
+
+    def __init__(self) -> None:
+        self.seen: Optional[dict[str, int]] = None
+        self.published: Optional[dict[str, int]] = None
+
+    def due(self, now: dict[str, int]) -> Optional[dict[str, int]]:
+        """``now`` if it should be written (the same as at the last look, and not written yet), else None."""
+        stopped = now == self.seen
+        self.seen = now
+        return now if stopped and now != self.published else None
 
 
 def missing(group: str, seq: int, mine: dict[str, int]) -> Optional[dict[int, Optional[int]]]:

@@ -254,3 +254,17 @@ def test_rank_that_stops_issuing_makes_the_others_time_out_by_default(monkeypatc
     assert f"timed out after {r0['timeout']:g} s" in r0["message"], r0["message"]
     assert (f"ranks that have not issued #{r0['seq']} on group '0': 1 (last #{r1['issued'] - 1})"
             in r0["message"]), r0["message"]
+
+
+def test_arrivals_publish_only_counts_that_stopped_changing() -> None:
+    """[Note: publishing where a rank stopped]: nothing is written while a rank issues, its counts are
+    written once they are the same at two looks, and not again until they change and stop again."""
+    from overlap.arrivals import _Looks
+
+    looks = _Looks()
+    assert looks.due({"0": 1}) is None, "first look: nothing to compare with"
+    assert looks.due({"0": 5}) is None and looks.due({"0": 9, "1": 2}) is None, "still issuing"
+    assert looks.due({"0": 9, "1": 2}) == {"0": 9, "1": 2}, "stopped: written"
+    looks.published = {"0": 9, "1": 2}
+    assert looks.due({"0": 9, "1": 2}) is None, "written once"
+    assert looks.due({"0": 10, "1": 2}) is None and looks.due({"0": 10, "1": 2}) == {"0": 10, "1": 2}
