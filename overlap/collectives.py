@@ -109,12 +109,13 @@ def _bound_device(group: str) -> Optional[torch.device]:
 
 
 def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[torch.Tensor], nbytes: int,
-           group: str = "", op: str = "", finish: Optional[Callable[[], None]] = None) -> InflightWork:
+           group: str = "", op: str = "", finish: Optional[Callable[[], None]] = None, where: str = "") -> InflightWork:
     """Start ``launch`` without blocking the caller: on a comm stream (CUDA) or as an async work.
 
     ``group`` is the process group's name, kept on the work (for the profiler and errors) with the
     collective's per-group sequence number. ``op`` (the reduce op, or ``src=<rank>`` of a broadcast)
-    is part of the fingerprint that debug mode checks across ranks first (``overlap.desync``).
+    is part of the fingerprint that debug mode checks across ranks first (``overlap.desync``), and
+    so is ``where``, the sharded module the collective is for (its fqn), when there is one.
     ``finish`` (CPU only) completes the output once the work is waited, before any reader.
     Raises before issuing during CUDA graph capture, and on CUDA unless ``device`` is the current
     device and this rank's (``overlap.streams``: [Note: no collectives in CUDA graph capture],
@@ -125,7 +126,7 @@ def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[to
         check_device(device, f"overlap.{kind}", _bound_device(group))
     seq = desync.next_seq(group)
     if desync.enabled:  # debug mode (one check when off): every rank is about to issue the same collective
-        desync.check(kind, seq, group, buffers, op)
+        desync.check(kind, seq, group, buffers, op, where)
     make_room(nbytes)  # the process-wide budget, if set (one check when not): [Note: the process-wide in-flight budget]
     with region(f"overlap::{kind}"):
         if device.type == "cuda":
@@ -487,17 +488,18 @@ def reduce_scatter_coalesced(xs: Sequence[torch.Tensor], op: str = "sum", group:
 # ----------------------------------------------------------------------------- in-place building blocks
 
 
-def all_gather_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo) -> InflightWork:
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo, where: str = "") -> InflightWork:
     """Issue an all-gather of ``input`` into ``output`` (rank-major, ``w * input.numel()`` elements).
 
     For the sharded runtime, which packs ``input`` as a view of its own slot in ``output`` (in place).
     Returns the in-flight work; the caller waits it (``InflightWork.wait``) before reading ``output``.
+    ``where`` (here and in the two below): the sharded module's fqn, part of the debug-mode fingerprint.
     """
     return _issue("all_gather", output.device, lambda a: _dist_all_gather(output, input, info.pg, a),
-                  (output,), output.numel() * output.element_size(), info.pg.group_name)
+                  (output,), output.numel() * output.element_size(), info.pg.group_name, where=where)
 
 
-def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo) -> InflightWork:
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo, where: str = "") -> InflightWork:
     """Issue a sum reduce-scatter of the rank-major ``input`` into ``output`` (``1/w`` of its elements).
 
     For the sharded runtime. Returns the in-flight work; wait it before reading ``output``.
@@ -520,13 +522,13 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupIn
 
         return _issue("reduce_scatter", output.device, launch, (input, received, output),
                       input.numel() * input.element_size(), pg.group_name, "sum",
-                      finish=lambda: torch.sum(received, dim=0, out=output.view(-1)))
+                      finish=lambda: torch.sum(received, dim=0, out=output.view(-1)), where=where)
     op = dist_reduce_op("sum", info)
     return _issue("reduce_scatter", output.device, lambda a: _dist_reduce_scatter(output, input, op, info.pg, a),
-                  (input, output), input.numel() * input.element_size(), info.pg.group_name, "sum")
+                  (input, output), input.numel() * input.element_size(), info.pg.group_name, "sum", where=where)
 
 
-def all_reduce_into(buffer: torch.Tensor, info: GroupInfo) -> InflightWork:
+def all_reduce_into(buffer: torch.Tensor, info: GroupInfo, where: str = "") -> InflightWork:
     """Issue a sum all-reduce of ``buffer`` over ``info``'s group, in place.
 
     For the sharded runtime (HSDP: a reduce-scatter's output summed over the replicas). On CUDA it
@@ -536,7 +538,7 @@ def all_reduce_into(buffer: torch.Tensor, info: GroupInfo) -> InflightWork:
     """
     op = dist_reduce_op("sum", info)
     return _issue("all_reduce", buffer.device, lambda a: dist.all_reduce(buffer, op=op, group=info.pg, async_op=a),
-                  (buffer,), buffer.numel() * buffer.element_size(), info.pg.group_name, "sum")
+                  (buffer,), buffer.numel() * buffer.element_size(), info.pg.group_name, "sum", where=where)
 
 
 def wait(t):

@@ -11,9 +11,12 @@ Contract
   source), dtypes and shapes (:func:`fingerprint`). If not, *every* rank raises
   :class:`DesyncError` naming the sequence number, the group and what each rank issued, and the
   collective is not issued, so nothing hangs on a mismatched collective and no buffer is filled
-  with the wrong data. A rank that does not reach the check within the wait timeout
-  (``overlap.wait_timeout``: the group's timeout unless overridden) makes the ranks waiting for it
-  raise ``overlap.CollectiveTimeoutError`` naming their own fingerprint (a rank that died makes
+  with the wrong data. Cross-rank agreements (``overlap.agreement``) are collectives of the group
+  too, checked the same way: a rank at an agreement point and a rank at a collective see each
+  other's fingerprints and both raise. A rank that does not reach the check within the check's
+  timeout (``overlap.errors.timeout_for(group, check=True)``: the bounded default with a 30 s floor,
+  see [Note: wait timeouts]) makes the ranks waiting for it raise ``overlap.CollectiveTimeoutError``
+  naming their own fingerprint and the ranks that have not reached it (a rank that died makes
   them raise ``overlap.CollectiveError`` as soon as its connection closes).
 * **Threads**: a group's collectives must come from one thread at a time, in the same order on every
   rank (threads taking turns take them in the same order everywhere). In debug mode a second
@@ -38,7 +41,8 @@ behind every collective already in flight on it (debug mode must keep the overla
 on NCCL it would need a device tensor and a host sync. The side channel costs one host round trip per
 collective, and it synchronizes the ranks' hosts at each collective (a slow rank is waited for at
 the check instead of at the collective's first use): about one more small gloo collective, 0.3-0.8
-ms per collective with 2 gloo ranks on a 2-core CPU box (``benchmarks/bench_desync.py``).
+ms per collective with 2 gloo ranks on a quiet 2-core CPU box, 0.8-1.6 ms on a loaded one
+(``benchmarks/bench_desync.py``, ``benchmarks/RESULTS.md``).
 Groups of one rank are numbered but not checked.
 
 Fingerprint text (what the errors show), for ``w`` ranks; shapes are those of the collective's
@@ -67,7 +71,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from overlap.errors import collective_failure, wait_timeout
+from overlap import arrivals
+from overlap.errors import collective_failure, timeout_for
 from overlap.regions import region
 from scheduler.env_flags import env_flag
 
@@ -84,6 +89,7 @@ enabled: bool = True
 _resolved = False  # enabled reflects OVERLAP_DEBUG or set_debug, not the initial placeholder
 _explicit: Optional[bool] = None  # set_debug's setting; None: follow OVERLAP_DEBUG
 _seqs: dict[str, int] = {}
+_publishing = False  # overlap.arrivals publishes _seqs (started at the first collective)
 
 
 class DesyncError(RuntimeError):
@@ -143,6 +149,9 @@ def debug_enabled() -> bool:
 
 def next_seq(group: str) -> int:
     """The sequence number of the next collective on ``group`` (a process group name) on this rank."""
+    global _publishing
+    if not _publishing:
+        _publishing = arrivals.start(_seqs)
     seq = _seqs.get(group, 0)
     _seqs[group] = seq + 1
     return seq
@@ -155,14 +164,17 @@ def _shape_text(t: torch.Tensor, any_dim0: bool) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}[{', '.join(dims)}]"
 
 
-def fingerprint(seq: int, kind: str, buffers: Sequence[torch.Tensor], op: str = "") -> str:
-    """What must agree across ranks for collective ``seq``: kind, op, each buffer's dtype and shape.
+def fingerprint(seq: int, kind: str, buffers: Sequence[torch.Tensor], op: str = "", where: str = "") -> str:
+    """What must agree across ranks for collective ``seq``: kind, op, each buffer's dtype and shape,
+    and the sharded module it is for.
 
-    Reads metadata only (no device sync). ``op`` is the reduce op or ``src=<rank>`` of a broadcast.
+    Reads metadata only (no device sync). ``op`` is the reduce op, ``src=<rank>`` of a broadcast, or
+    an agreement's point (``overlap.agreement``); ``where`` the module's fqn (``[blocks.2]``), if any.
     """
     any_dim0 = kind.startswith("all_to_all")
     head = f"#{seq} {kind}({op})" if op else f"#{seq} {kind}"
-    return " ".join([head, *(_shape_text(b, any_dim0) for b in buffers)])
+    text = " ".join([head, *(_shape_text(b, any_dim0) for b in buffers)])
+    return f"{text} [{where}]" if where else text
 
 
 def _encode(text: str) -> torch.Tensor:
@@ -222,7 +234,7 @@ def _channel(group: str, timeout: datetime.timedelta) -> Optional[_Channel]:
     return channel
 
 
-def check(kind: str, seq: int, group: str, buffers: Sequence[torch.Tensor], op: str = "") -> None:
+def check(kind: str, seq: int, group: str, buffers: Sequence[torch.Tensor], op: str = "", where: str = "") -> None:
     """Debug mode: all-gather this rank's fingerprint over ``group``'s side channel and compare.
 
     Raises :class:`DesyncError` on every rank if any rank's fingerprint differs, and
@@ -232,7 +244,7 @@ def check(kind: str, seq: int, group: str, buffers: Sequence[torch.Tensor], op: 
     """
     if not _resolve():
         return
-    mine = fingerprint(seq, kind, buffers, op)
+    mine = fingerprint(seq, kind, buffers, op, where)
     with _one_thread(group, seq, mine):
         _check_across_ranks(mine, seq, group)
 
@@ -265,7 +277,7 @@ def _one_thread(group: str, seq: int, mine: str) -> Iterator[None]:
 
 
 def _check_across_ranks(mine: str, seq: int, group: str) -> None:
-    timeout = wait_timeout(group)
+    timeout = timeout_for(group, check=True)
     what = f"debug check before {mine} on group {group!r}"
     with region("overlap::desync_check"):
         try:
@@ -275,19 +287,24 @@ def _check_across_ranks(mine: str, seq: int, group: str) -> None:
             out = torch.empty(channel.size * FINGERPRINT_BYTES, dtype=torch.uint8)
             finished = channel.backend._allgather_base(out, _encode(mine)).wait(timeout)
         except RuntimeError as e:
-            raise collective_failure(what, timeout, e) from e
+            raise collective_failure(what, timeout, e, group, seq, _seqs) from e
         if finished is False:
-            raise collective_failure(what, timeout, None)
+            raise collective_failure(what, timeout, None, group, seq, _seqs)
     rows = out.view(channel.size, FINGERPRINT_BYTES)
     texts = [_decode(rows[r]) for r in range(channel.size)]
     if all(t == texts[0] for t in texts):
         return
     by_rank = {channel.global_ranks[r]: t for r, t in enumerate(texts)}
     listed = "; ".join(f"rank {g}: {t}" for g, t in by_rank.items())
+    hint = ""
+    if any(" agree(" in t for t in texts) and not all(" agree(" in t for t in texts):
+        hint = (" A rank at an agreement point (agree(...): e.g. overlap.shard's forward order, agreed when a "
+                "forward pass ends) while another issues a collective means the ranks ran different sharded "
+                "modules: one more or one fewer block, a branch taken on some ranks only, or an extra forward.")
     raise DesyncError(
         f"overlap: ranks are out of sync on group {group!r} at collective #{seq} (debug check, nothing "
         f"was issued): {listed}. Every rank must issue the same collectives, with the same op, dtypes "
-        f"and shapes, in the same order.",
+        f"and shapes, for the same modules, in the same order.{hint}",
         seq, group, by_rank,
     )
 

@@ -38,7 +38,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-from overlap import errors
+from overlap import desync, errors
 from overlap.errors import (  # noqa: F401 (re-exported: the names' historical home)
     CollectiveError,
     CollectiveTimeoutError,
@@ -328,9 +328,9 @@ def _host_wait(work: InflightWork, handle: dist.Work) -> None:
     try:
         finished = handle.wait(timeout)
     except RuntimeError as e:
-        raise collective_failure(f"wait for {describe(work)}", timeout, e) from e
+        raise collective_failure(f"wait for {describe(work)}", timeout, e, work.group, work.seq, desync._seqs) from e
     if finished is False:
-        raise collective_failure(f"wait for {describe(work)}", timeout, None)
+        raise collective_failure(f"wait for {describe(work)}", timeout, None, work.group, work.seq, desync._seqs)
 
 
 def _event_synchronize(work: InflightWork, event: "torch.cuda.Event") -> None:
@@ -342,6 +342,6 @@ def _event_synchronize(work: InflightWork, event: "torch.cuda.Event") -> None:
     pause = 1e-5
     while not event.query():
         if time.monotonic() > deadline:
-            raise collective_failure(f"wait for {describe(work)}", override, None)
+            raise collective_failure(f"wait for {describe(work)}", override, None, work.group, work.seq, desync._seqs)
         time.sleep(pause)
         pause = min(2 * pause, 1e-3)

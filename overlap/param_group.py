@@ -191,6 +191,7 @@ class ParamGroup:
         self.layout = ShardLayout([tuple(t.shape) for t in data], info.size)
         self.mp = mp
         self.regions = ModuleRegions.named("")  # renamed by overlap.shard once the module's fqn is known
+        self.where = ""  # the module's fqn ("root" for the root), in debug-mode fingerprints (overlap.desync)
         self._on_grad_ready = on_grad_ready
         self.scalar_indices = tuple(i for i, t in enumerate(data) if t.dim() == 0)
         with torch.no_grad():
@@ -371,7 +372,7 @@ class ParamGroup:
                 ag_input, ag_output = _all_gather_copy_in(
                     [self.local_rows(i) for i in range(len(self.sharded))], self.layout, self.rank,
                     self.gather_dtype)
-            work = all_gather_into(ag_output, ag_input, self.info) if self.world_size > 1 else None
+            work = all_gather_into(ag_output, ag_input, self.info, self.where) if self.world_size > 1 else None
         self.pending_gather = PendingGather(work, ag_output)
         self._gathered_versions = self._shard_versions()
 
@@ -509,7 +510,7 @@ class ParamGroup:
         if self.world_size == 1:
             return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp)
         rs_output = torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device)
-        return PendingReduce(reduce_scatter_into(rs_output, rs_input, self.info), rs_output, indices, layout,
+        return PendingReduce(reduce_scatter_into(rs_output, rs_input, self.info, self.where), rs_output, indices, layout,
                              post_scale, needs_all_reduce=hsdp)
 
     def issue_all_reduce(self, pending: PendingReduce) -> InflightWork:
@@ -523,11 +524,11 @@ class ParamGroup:
         if buffer.device.type == "cuda":
             after = comm_stream(buffer.device, "reduce_scatter") if rs_work is not None else torch.cuda.current_stream()
             with torch.cuda.stream(after):
-                work = all_reduce_into(buffer, self.replicate)
+                work = all_reduce_into(buffer, self.replicate, self.where)
         else:
             if rs_work is not None:
                 rs_work.wait()
-            work = all_reduce_into(buffer, self.replicate)
+            work = all_reduce_into(buffer, self.replicate, self.where)
         pending.work, pending.needs_all_reduce = work, False
         return work
 

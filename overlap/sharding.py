@@ -56,7 +56,7 @@ parameters keeps its epilogue at the end of backward, because it broadcasts thei
 collective must not be issued at a time that depends on how fast a collective completed.
 
 [Note: hooks stay eager under torch.compile]
-The hooks issue collectives, agree the forward order with ``all_gather_object`` in the first step,
+The hooks issue collectives, agree the forward order (``overlap.agreement``) in the first step,
 and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
 ``torch._dynamo.disable``, so Dynamo runs them eagerly wherever it meets them: per-block compile
 (``torch.compile(block)`` before or after ``shard``) compiles each block's ``forward`` as one graph
@@ -84,7 +84,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
-from overlap import desync, local_optimizer_step, optimizer_check
+from overlap import agreement, desync, errors, local_optimizer_step, optimizer_check
 from overlap.class_swap import swapped_class
 from overlap.fsdp_module import FSDPModuleMethods
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
@@ -177,6 +177,7 @@ class ShardState:
         self.sync_grads = True
         self.serialize_comm = False  # set by no_overlap() on the root
         self.regions = ModuleRegions.named("")  # see name_regions
+        self.fqn = ""  # relative to the root (see name_regions)
         self._backward_seen = -1  # the backward pass (root counter) whose pre-backward ran here
         self.reset_backward_tracking()
 
@@ -184,8 +185,10 @@ class ShardState:
         """Name this module's runtime regions after its fully-qualified name ``fqn`` relative to the
         root (``""``: the root itself, whose regions carry no name), here and in its group."""
         self.regions = ModuleRegions.named(fqn)
+        self.fqn = fqn
         if self.group is not None:
             self.group.regions = self.regions
+            self.group.where = fqn or "root"
 
     def reset_backward_tracking(self) -> None:
         """Forget this step's forward calls (see [Note: a group is reduced when its backward is done])."""
@@ -328,6 +331,7 @@ class _Root:
         self.post_forward_seq: list[int] = []  # post-forward order: reversed, when backward needs each
         self._outstanding: list[InflightWork] = []  # runtime collectives not yet waited, issue order
         self.max_inflight_seen = 0
+        self._last_begin: Optional[float] = None  # perf_counter at the last begin_forward
         self.communicates = any(s.group is not None and not s.group.single_rank for s in self.states)
         """False when every group has one data-parallel rank: then nothing is ever gathered, prefetched
         or stale, and the per-block hooks skip asking (see [Note: world size 1] in param_group.py)."""
@@ -407,6 +411,10 @@ class _Root:
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self) -> None:
+        now = time.perf_counter()
+        if self._last_begin is not None:  # the step time the default wait timeout follows
+            errors.observe_step(now - self._last_begin)
+        self._last_begin = now
         for i, state in enumerate(self.states):  # re-claim states a sub-module run alone took over
             state.root, state.index = self, i
         if self.in_backward or any(s.group is not None and s.group.is_unsharded and not _keeps_unsharded(s)
@@ -486,9 +494,7 @@ class _Root:
                                       [g.all_gather_bytes() if g is not None else 0 for g in groups], budget)
         for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
             if info is not None and info.size > 1:
-                depths: list[Any] = [None] * info.size
-                dist.all_gather_object(depths, depth, group=info.pg)
-                depth = max(depths)
+                depth = max(agreement.exchange(info, "prefetch depth", depth))
         self.chosen_depth = depth
         for state in self.states:
             if state.auto_prefetch:
@@ -521,20 +527,21 @@ class _Root:
             self._finish_step()  # no backward will follow
 
     def _agree(self, order: list[int]) -> list[int]:
-        """Check that every rank ran the groups in the same order; raise on every rank if not. With
-        HSDP the shard group agrees first, then the replicas (which covers every rank of the mesh)."""
+        """Check that every rank ran the groups in the same order; raise ``DesyncError`` on every rank if
+        not. An agreement of ``overlap.agreement`` (bounded, and in debug mode met by a rank that issues
+        a collective instead: see [Note: agreements are collectives of the group]). With HSDP the shard
+        group agrees first, then the replicas (which covers every rank of the mesh)."""
+        fqns = [s.fqn or "root" for s in self.states]
         for info in (self.owner.info, self.owner.replicate):
             if info is None or info.size == 1:
                 continue
-            orders: list[Any] = [None] * info.size
-            dist.all_gather_object(orders, list(order), group=info.pg)
+            orders = agreement.exchange(info, "forward order", [fqns[i] for i in order], fqns[self.owner.index])
             if any(o != orders[0] for o in orders):
-                names = [type(s.module).__name__ for s in self.states]
-                described = "; ".join(f"rank {info.global_rank(r)}: {[names[i] for i in o]}"
-                                      for r, o in enumerate(orders))
-                raise RuntimeError(
+                described = "; ".join(f"rank {info.global_rank(r)}: {o}" for r, o in enumerate(orders))
+                raise desync.DesyncError(
                     f"overlap.shard: ranks ran the sharded modules in different orders, so their collectives "
-                    f"would not match ({described}). Every rank must run the same modules in the same order."
+                    f"would not match ({described}). Every rank must run the same modules in the same order.",
+                    -1, info.pg.group_name,
                 )
         return list(order)
 
@@ -859,7 +866,7 @@ def shard(
     packing, link, unpacking) and the compute between its hooks (nested modules' own positions
     taken out). When forward ends, the order is agreed and the depth chosen from those costs, the
     groups' gather bytes and the budget (``scheduler/prefetch_depth.py``, [Note: choosing the
-    prefetch depth]); the ranks then take the largest of their choices (``all_gather_object``),
+    prefetch depth]); the ranks then take the largest of their choices (``overlap.agreement.exchange``),
     because the depth decides where gathers fall between reduce-scatters, and that sequence must
     be the same on every rank. The depth then holds for every step, on the recorded order: a step
     that leaves the order (a skipped block, another branch) prefetches nothing from there on, as

@@ -54,7 +54,20 @@ from scheduler.async_tensor import AsyncTensor
 from scheduler.env_flags import env_flag
 from scheduler.schedule import OpRef, Point, Schedule, ScheduledCollective, first_difference
 
-__all__ = ["Scheduler", "ScheduleMismatchError", "VERIFY_ENV", "verify_from_env"]
+__all__ = ["Scheduler", "ScheduleMismatchError", "VERIFY_ENV", "verify_from_env", "Exchange", "set_exchange"]
+
+Exchange = Callable[[dist.ProcessGroup, str, Any], list]
+"""``fn(group, point, value)`` -> every rank's ``value`` by group rank: one agreement at ``point``."""
+_exchange: Optional[Exchange] = None
+
+
+def set_exchange(fn: Optional[Exchange]) -> Optional[Exchange]:
+    """Route the scheduler's cross-rank agreements (the schedule's signature, whether to record again)
+    through ``fn``; returns the previous one. ``overlap`` installs its bounded, debug-checked
+    ``overlap.agreement.exchange`` when imported; ``None``: torch's ``all_gather_object`` / ``all_reduce``."""
+    global _exchange
+    previous, _exchange = _exchange, fn
+    return previous
 
 
 class ScheduleMismatchError(RuntimeError):
@@ -337,8 +350,11 @@ class Scheduler:
         group = self._agreement_group()
         if group is None or dist.get_world_size(group) == 1:
             return
-        signatures: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(signatures, schedule.signature(), group=group)
+        if _exchange is not None:
+            signatures = _exchange(group, "schedule signature", schedule.signature())
+        else:
+            signatures = [None] * dist.get_world_size(group)
+            dist.all_gather_object(signatures, schedule.signature(), group=group)
         difference = first_difference(signatures)
         if difference is not None:
             seq, per_rank = difference
@@ -351,6 +367,8 @@ class Scheduler:
         group = self._agreement_group()
         if group is None or dist.get_world_size(group) == 1:
             return flag
+        if _exchange is not None:
+            return any(_exchange(group, "schedule left on some rank", flag))
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
         t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

@@ -53,12 +53,13 @@ import os
 import queue
 import threading
 import time
-from typing import Any, ContextManager, Optional, TextIO, Union
+from typing import ContextManager, Optional, TextIO, Union
 
 import torch
 import torch.distributed as dist
 
-from overlap import inflight_work, regions
+from overlap import agreement, inflight_work, regions
+from overlap.groups import resolve_group
 from overlap.profiler.export import PathArg
 from overlap.profiler.records import CollectiveRecord, RankProfile, StepRecord, covered, union
 from overlap.profiler.report import ProfileResult, Report
@@ -369,13 +370,13 @@ class Profiler:
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("overlap.profile: gather() needs an initialized torch.distributed process group")
-        world = dist.get_world_size(group)
         if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < dist.get_world_size():
             raise ValueError(f"overlap.profile: gather dst must be a rank in 0..{dist.get_world_size() - 1}, got {dst!r}")
         mine = self.rank_profile()
-        received: Optional[list[Any]] = [None] * world if dist.get_rank() == dst else None
-        dist.gather_object(mine, received, dst=dst, group=group)
-        if received is None:
+        # One bounded, debug-checked exchange (overlap.agreement): every rank receives every rank's
+        # records (``w`` times the largest profile's bytes per rank), only ``dst`` keeps them.
+        received = agreement.exchange(resolve_group(group), "profile records", mine)
+        if dist.get_rank() != dst:
             return None
         self._gathered = merge(*received)
         return self._gathered

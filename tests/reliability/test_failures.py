@@ -25,7 +25,7 @@ PG_TIMEOUT = 3.0
 DESCRIBED = re.compile(r"overlap: .*(all_gather|reduce_scatter)\S* #\d+ on group '0' \(\d+ bytes: \w+\[\d+")
 
 
-ALLOWED_TIMEOUTS = "None, a number of seconds or a datetime.timedelta, from 0.001 s (1 ms) to 1e+09 s"
+ALLOWED_TIMEOUTS = "'default', None, a number of seconds or a datetime.timedelta, from 0.001 s (1 ms) to 1e+09 s"
 
 
 @pytest.mark.parametrize(
@@ -98,7 +98,7 @@ def _unanswered_waits(rank: int, world_size: int) -> dict:
 
 def test_wait_times_out_naming_the_collective() -> None:
     r = run_distributed(_unanswered_waits, 2, timeout=60, pg_timeout=1.0)[0]
-    assert r["default"] == 1.0, "the default is the process group's timeout"
+    assert r["default"] == 1.0, "the default never exceeds the process group's timeout"
     message, seconds = r["group's"]
     assert "wait for all_gather #0 on group '0' (120 bytes: float32[6, 5]) timed out after 1 s" in message, message
     assert seconds < 1.0 + 30
@@ -174,3 +174,97 @@ def test_rank_raising_in_forward_makes_the_others_raise() -> None:
     assert failure.traceback is not None and "ValueError: rank fails in its forward" in failure.traceback
     _assert_survivors_named_the_collective(err, [0, 1])
     assert seconds < PG_TIMEOUT + 30
+
+
+# ----------------------------------------------------------------------------- bounded by default
+
+
+def test_default_timeout_rule() -> None:
+    """min(group's timeout, max(floor, STEP_FACTOR x slowest step)); see [Note: wait timeouts]."""
+    from overlap import errors
+
+    minutes = datetime.timedelta(minutes=30)
+    assert errors.default_timeout(minutes, errors.DEFAULT_FLOOR_S, 0.0) == datetime.timedelta(seconds=300)
+    assert errors.default_timeout(minutes, 300.0, 100.0) == datetime.timedelta(seconds=100 * errors.STEP_FACTOR)
+    assert errors.default_timeout(minutes, 300.0, 1e4) == minutes, "never longer than the group's timeout"
+    assert errors.default_timeout(datetime.timedelta(seconds=60), 300.0, 0.0) == datetime.timedelta(seconds=60)
+
+
+def test_default_follows_the_slowest_step_and_the_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from overlap import errors
+
+    monkeypatch.setattr(errors, "_slowest_step_s", 0.0)
+    monkeypatch.setattr(errors, "_floor_s", None)
+    monkeypatch.setenv(errors.FLOOR_ENV, "7.5")
+    previous = overlap.set_wait_timeout("default")
+    try:
+        group_timeout = errors._group_timeout("", "cpu")
+        assert overlap.wait_timeout() == min(group_timeout, datetime.timedelta(seconds=7.5))
+        errors.observe_step(4.0)
+        errors.observe_step(1.0)  # the slowest one counts
+        assert overlap.wait_timeout() == min(group_timeout, datetime.timedelta(seconds=4.0 * errors.STEP_FACTOR))
+        assert errors.timeout_for("", check=True) == overlap.wait_timeout(), "past both floors: the same"
+        monkeypatch.setattr(errors, "_slowest_step_s", 0.0)
+        monkeypatch.setattr(errors, "_floor_s", None)
+        monkeypatch.delenv(errors.FLOOR_ENV)
+        assert errors.timeout_for("", check=True) == min(group_timeout, datetime.timedelta(seconds=errors.DEBUG_FLOOR_S))
+        assert overlap.set_wait_timeout(None) == "default"
+        assert overlap.wait_timeout() == group_timeout, "None: the group's own timeout"
+        monkeypatch.setattr(errors, "_floor_s", None)
+        monkeypatch.setenv(errors.FLOOR_ENV, "soon")
+        overlap.set_wait_timeout("default")
+        with pytest.raises(ValueError, match="OVERLAP_WAIT_TIMEOUT_FLOOR must be a number of seconds .* got 'soon'"):
+            overlap.wait_timeout()
+    finally:
+        overlap.set_wait_timeout(previous)
+
+
+def _rank_stays_after_its_error(rank: int, world_size: int) -> dict:
+    """Rank 1 raises inside block 1's forward at step 1, catches it and stays alive (its connections
+    open) until rank 0 is done; rank 0 goes on into the step and must time out by the default."""
+    import torch.distributed as dist
+    from overlap import desync, errors
+
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        _train_until_failure(rank, world_size, 1, "raise")
+    except ValueError:
+        issued = desync._seqs["0"]
+        store.wait(["rank0-done"], datetime.timedelta(seconds=100))
+        return {"issued": issued}
+    except overlap.CollectiveTimeoutError as e:
+        store.set("rank0-done", "1")
+        return {"message": str(e), "group": e.group, "seq": e.seq, "missing": e.missing,
+                "timeout": overlap.wait_timeout("0").total_seconds(), "slowest": errors._slowest_step_s}
+    store.set("rank0-done", "1")
+    return {}
+
+
+@pytest.mark.torch_kernels  # the interpreted kernels make a step ~4 s here, and the bound 5 steps
+def test_rank_that_stops_issuing_makes_the_others_time_out_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No set_wait_timeout, a group timeout of 120 s: the default bound (here with a floor of 2 s)
+    ends rank 0's wait, naming the group, the collective and the rank that has not issued it."""
+    monkeypatch.setenv("OVERLAP_WAIT_TIMEOUT_FLOOR", "2")
+    r0, r1 = run_distributed(_rank_stays_after_its_error, 2, timeout=110, pg_timeout=120)
+    assert "message" in r0, r0
+    assert r0["timeout"] == pytest.approx(max(2.0, 5 * r0["slowest"]), abs=1e-5), "the default rule"
+    assert r0["timeout"] < 120, "not the group's timeout"
+    assert r0["group"] == "0" and r0["seq"] >= r1["issued"], (r0, r1)
+    assert r0["missing"] == {1: r1["issued"] - 1}, (r0["missing"], r1)
+    assert f"timed out after {r0['timeout']:g} s" in r0["message"], r0["message"]
+    assert (f"ranks that have not issued #{r0['seq']} on group '0': 1 (last #{r1['issued'] - 1})"
+            in r0["message"]), r0["message"]
+
+
+def test_arrivals_publish_only_counts_that_stopped_changing() -> None:
+    """[Note: publishing where a rank stopped]: nothing is written while a rank issues, its counts are
+    written once they are the same at two looks, and not again until they change and stop again."""
+    from overlap.arrivals import _Looks
+
+    looks = _Looks()
+    assert looks.due({"0": 1}) is None, "first look: nothing to compare with"
+    assert looks.due({"0": 5}) is None and looks.due({"0": 9, "1": 2}) is None, "still issuing"
+    assert looks.due({"0": 9, "1": 2}) == {"0": 9, "1": 2}, "stopped: written"
+    looks.published = {"0": 9, "1": 2}
+    assert looks.due({"0": 9, "1": 2}) is None, "written once"
+    assert looks.due({"0": 10, "1": 2}) is None and looks.due({"0": 10, "1": 2}) == {"0": 10, "1": 2}

@@ -53,8 +53,8 @@ def sleep_within(deadline: float, timeout: datetime.timedelta, what: str) -> Non
 # after 2 s). An explicit timeout (``work.wait(timeout)``, which ``overlap``'s waits always pass:
 # ``overlap.wait_timeout``) covers the sleep and then the real work's wait together. A wait without
 # one (``work.wait()``, a blocking collective, a compiled ``wait_tensor``) is bounded by the group's
-# ``overlap.wait_timeout`` as it was when the collective was issued (the group's own timeout unless
-# ``overlap.set_wait_timeout`` overrides it). Running out raises a RuntimeError saying "Operation
+# ``overlap.wait_timeout`` as it was when the collective was issued (the bounded default of
+# [Note: wait timeouts] unless ``overlap.set_wait_timeout`` changed it). Running out raises a RuntimeError saying "Operation
 # timed out!", like torch's ``Work.wait``; the real collective is left as it is.
 
 
