@@ -11,9 +11,10 @@ the attention's ``PrepareModuleInput``, q/k/v colwise on the replicated DTensor,
 projection rowwise into the sequence-sharded output; ``overlap.tensor_parallel`` leaves that gather
 to q/k/v, decomposed, see ``overlap.tensor_parallelism.deferred_gather``), forward and backward (loss ``mean(y ** 2)``, no optimizer). Modes: torch ``parallelize_module``
 (eager DTensor: each all-gather / reduce-scatter whole, before / after its matmul) and
-``overlap.tensor_parallel`` with the same plan: chunks chosen per call (behind the link from the
-link and the sizes, without it 2, so this mode's compute side and linked steps run different chunk
-counts), ``chunks=1`` (torch's undecomposed order through this runtime's collectives) and
+``overlap.tensor_parallel`` with the same plan: chunks chosen per call from costs measured at the
+first call ([Note: choosing the chunk count]; behind the link from the link's figures, without it
+from a timed calibration collective, so this mode's compute side and linked steps may run
+different chunk counts), ``chunks=1`` (torch's undecomposed order through this runtime's collectives) and
 ``chunks=4`` (the same chunks in both halves of each pair). Compiled: torch's ``parallelize_module``
 model under ``torch.compile`` (Inductor; collectives whole, each waited right after it is issued)
 the same with Inductor's own comm passes (``_common.INDUCTOR_COMM_PASSES``: reordering for
@@ -30,9 +31,15 @@ step's communication takes about as long as torch's compute side. Reported per m
 the slowest rank, the ideal ``max(compute side, link busy time)`` of that mode, torch's linked step
 over this mode's, and this mode's over its ideal.
 
+``--grid``: the sequence-parallel MLP over ``GRID`` (dim 64 x 128 tokens to dim 1024 x 4096
+tokens, hidden 4 dim, fewer blocks where a block is large), eager modes only (torch, the chosen
+count, ``chunks=1``), each point calibrated to comm ~ torch's compute; one table, a row per point,
+with torch's compute side per block and the counts the default chose behind the link.
+
 Not yet built: the GPU comparison against torch's async-TP.
 
     python benchmarks/bench_tp.py [--layers 2] [--steps 8] [--blocks sp_mlp ...] [--markdown benchmarks/RESULTS.md]
+    python benchmarks/bench_tp.py --grid [--steps 4] [--markdown benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
@@ -52,6 +59,9 @@ MODES = ("torch parallelize_module", "overlap.tensor_parallel", "overlap.tensor_
          "torch parallelize_module, compiled, inductor_overlap()")
 COMPILED = {MODES[4]: "plain", MODES[5]: "inductor", MODES[6]: "hook"}  # mode -> what compiles it
 CHUNKS = {MODES[1]: None, MODES[2]: 1, MODES[3]: 4}  # None: --chunks (default: chosen per call)
+EAGER = MODES[:3]  # the modes of --grid
+# --grid: (dim, batch, seq, blocks); hidden is 4 dim, tokens batch x seq
+GRID = ((64, 1, 128, 4), (128, 2, 256, 4), (256, 4, 512, 2), (512, 2, 1024, 2), (1024, 2, 2048, 1))
 
 
 def _model(block: str, mode: str, args: argparse.Namespace, mesh: Any) -> Any:
@@ -97,10 +107,31 @@ def _traffic(step: Any) -> tuple[int, int]:
     return stats.count, stats.wire_bytes
 
 
+def _recording_choices() -> dict[str, set[int]]:
+    """The counts ``overlap.tensor_parallel``'s layers choose from now on (``chunks=None`` only), per
+    layer kind, behind a link."""
+    from overlap.tensor_parallelism import layers
+    from overlap.testing import current_link
+
+    seen: dict[str, set[int]] = {}
+    choose = layers.choose_chunks
+
+    def recording(work: Any, info: Any, override: Any = None, *a: Any, **k: Any) -> int:
+        chunks = choose(work, info, override, *a, **k)
+        if current_link() is not None and override is None:
+            seen.setdefault(work.kind, set()).add(chunks)
+        return chunks
+
+    layers.choose_chunks = recording
+    return seen
+
+
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
+
+    chosen = _recording_choices()
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(args.batch, args.seq // world, args.dim, generator=torch.Generator().manual_seed(rank))
@@ -113,7 +144,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         if block not in args.blocks:
             continue
         torch._dynamo.reset()
-        steps = {mode: _step(_model(block, mode, args, mesh), x) for mode in MODES}
+        steps = {mode: _step(_model(block, mode, args, mesh), x) for mode in args.modes}
         gbps = args.link_gbps
         if gbps is None:  # one torch step's comm ~ torch's compute side
             compute = paired_steps(steps[MODES[0]], 3, 1e6, 0.0, warmup=2).unlinked
@@ -122,7 +153,30 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         for mode, step in steps.items():
             link = EmulatedLink(gbps, args.latency_us, functional=True)
             out[title][mode] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=2, link=link)
+        out[title]["chosen"] = {kind: sorted(counts) for kind, counts in chosen.items()}
+        out[title]["compute per block"] = out[title][MODES[0]].unlinked / args.layers
+        chosen.clear()
     return out
+
+
+def _grid(args: argparse.Namespace) -> None:
+    """One row per ``GRID`` point: the sequence-parallel MLP, eager modes."""
+    rows = []
+    for dim, batch, seq, layers in GRID:
+        point = argparse.Namespace(**{**vars(args), "dim": dim, "hidden": 4 * dim, "batch": batch, "seq": seq,
+                                      "layers": layers, "blocks": ["sp_mlp"], "modes": EAGER})
+        res = run_distributed(_rank, args.world_size, point, timeout=1200)[0]["sequence-parallel MLP"]
+        t, chosen, one = (res[mode] for mode in EAGER)
+        rows.append([f"{dim} x {batch * seq}", layers, f"{1e3 * res['compute per block']:.1f}",
+                     f"{1e3 * t.comm:.1f}", f"{1e3 * t.linked:.1f}", f"{1e3 * chosen.linked:.1f}",
+                     f"{1e3 * one.linked:.1f}", f"{t.linked / chosen.linked:.2f}x", f"{t.linked / one.linked:.2f}x",
+                     ", ".join(f"{kind} {'/'.join(map(str, c))}" for kind, c in sorted(res["chosen"].items()))])
+        print(rows[-1], flush=True)
+    emit(f"Tensor parallelism grid, sequence-parallel MLP (hidden 4 dim) on {args.world_size} CPU ranks (gloo), "
+         f"forward + backward; emulated link per point so that comm ~ torch's compute side, + {args.latency_us:g} µs; "
+         f"medians of {args.steps} steps alternating without/with the link delay, slowest rank",
+         ["dim x tokens", "blocks", "torch compute per block ms", "comm ms", "torch step ms", "chosen step ms",
+          "chunks=1 step ms", "torch / chosen", "torch / chunks=1", "chosen counts (linked)"], rows, args.markdown)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,15 +194,20 @@ def main(argv: list[str] | None = None) -> None:
                    help="chunks of the Inductor hook's all_gather -> mm / mm -> reduce_scatter split (default 2)")
     p.add_argument("--blocks", nargs="+", choices=list(BLOCKS.values()), default=list(BLOCKS.values()),
                    help="which blocks to time (default all)")
+    p.add_argument("--grid", action="store_true",
+                   help="the sequence-parallel MLP over GRID's sizes, eager modes only (one table)")
     add_link(p)
     args = parse(p, argv)
-
+    if args.grid:
+        _grid(args)
+        return
+    args.modes = MODES
     r = run_distributed(_rank, args.world_size, args, timeout=1200)[0]
     for title in r:
         res = r[title]
         torch_linked = res[MODES[0]].linked
         rows = []
-        for mode in MODES:
+        for mode in args.modes:
             m: PairedTimes = res[mode]
             ideal = max(m.unlinked, m.comm)
             rows.append([mode, *paired_cells(m), f"{1e3 * ideal:.1f}", f"{torch_linked / m.linked:.2f}x",
