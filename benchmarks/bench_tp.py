@@ -39,7 +39,7 @@ with torch's compute side per block and the counts the default chose behind the 
 Not yet built: the GPU comparison against torch's async-TP.
 
     python benchmarks/bench_tp.py [--layers 2] [--steps 8] [--blocks sp_mlp ...] [--markdown benchmarks/RESULTS.md]
-    python benchmarks/bench_tp.py --grid [--steps 4] [--markdown benchmarks/RESULTS.md]
+    python benchmarks/bench_tp.py --grid [POINT ...] [--steps 4] [--warmup 1] [--markdown benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
@@ -147,12 +147,12 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         steps = {mode: _step(_model(block, mode, args, mesh), x) for mode in args.modes}
         gbps = args.link_gbps
         if gbps is None:  # one torch step's comm ~ torch's compute side
-            compute = paired_steps(steps[MODES[0]], 3, 1e6, 0.0, warmup=2).unlinked
+            compute = paired_steps(steps[MODES[0]], 3, 1e6, 0.0, warmup=args.warmup).unlinked
             gbps = calibrated_gbps(compute, *_traffic(steps[MODES[0]]), args.latency_us)
         out[title] = {"gbps": gbps}
         for mode, step in steps.items():
             link = EmulatedLink(gbps, args.latency_us, functional=True)
-            out[title][mode] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=2, link=link)
+            out[title][mode] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=args.warmup, link=link)
         out[title]["chosen"] = {kind: sorted(counts) for kind, counts in chosen.items()}
         out[title]["compute per block"] = out[title][MODES[0]].unlinked / args.layers
         chosen.clear()
@@ -162,7 +162,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 def _grid(args: argparse.Namespace) -> None:
     """One row per ``GRID`` point: the sequence-parallel MLP, eager modes."""
     rows = []
-    for dim, batch, seq, layers in GRID:
+    for dim, batch, seq, layers in [GRID[i] for i in args.grid] if args.grid else GRID:
         point = argparse.Namespace(**{**vars(args), "dim": dim, "hidden": 4 * dim, "batch": batch, "seq": seq,
                                       "layers": layers, "blocks": ["sp_mlp"], "modes": EAGER})
         res = run_distributed(_rank, args.world_size, point, timeout=1200)[0]["sequence-parallel MLP"]
@@ -182,7 +182,8 @@ def _grid(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__)
     add_world_size(p)
-    add_steps(p, 8, "timed step pairs per mode")
+    add_steps(p, 8, "timed step pairs per mode", 2, "untimed steps first, per mode (the first compiles, and measures "
+              "the chunk costs)")
     p.add_argument("--layers", type=int, default=2, help="blocks in the stack (default 2)")
     p.add_argument("--dim", type=int, default=256, help="model width (default 256)")
     p.add_argument("--hidden", type=int, default=1024, help="MLP hidden width (default 1024)")
@@ -194,11 +195,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="chunks of the Inductor hook's all_gather -> mm / mm -> reduce_scatter split (default 2)")
     p.add_argument("--blocks", nargs="+", choices=list(BLOCKS.values()), default=list(BLOCKS.values()),
                    help="which blocks to time (default all)")
-    p.add_argument("--grid", action="store_true",
-                   help="the sequence-parallel MLP over GRID's sizes, eager modes only (one table)")
+    p.add_argument("--grid", nargs="*", type=int, default=None, metavar="POINT",
+                   help="the sequence-parallel MLP over GRID's sizes (or the points of these indices, to repeat "
+                        "noisy cells), eager modes only (one table)")
     add_link(p)
     args = parse(p, argv)
-    if args.grid:
+    if args.grid is not None:
         _grid(args)
         return
     args.modes = MODES
