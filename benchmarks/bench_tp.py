@@ -33,8 +33,9 @@ over this mode's, and this mode's over its ideal.
 
 ``--grid``: the sequence-parallel MLP over ``GRID`` (dim 64 x 128 tokens to dim 1024 x 4096
 tokens, hidden 4 dim, fewer blocks where a block is large), eager modes only (torch, the chosen
-count, ``chunks=1``), each point calibrated to comm ~ torch's compute; one table, a row per point,
-with torch's compute side per block and the counts the default chose behind the link.
+count, ``chunks=1``), each point calibrated to comm ~ torch's compute; the modes take turns step
+pair by step pair (a loaded box's drifts fall on all alike); one table, a row per point, with
+torch's compute side per block and the counts the default chose behind the link.
 
 Not yet built: the GPU comparison against torch's async-TP.
 
@@ -46,7 +47,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from _common import INDUCTOR_COMM_PASSES, PAIRED_HEADER, add_link, add_steps, add_world_size, paired_cells, parse, parser  # first: sys.path
+from _common import INDUCTOR_COMM_PASSES, PAIRED_HEADER, add_link, add_steps, add_world_size, over_ranks, paired_cells, parse, parser  # first: sys.path
 from overlap.demo.training import calibrated_gbps
 from overlap.testing import EmulatedLink, PairedTimes, paired_steps, run_distributed
 from report import emit
@@ -126,6 +127,29 @@ def _recording_choices() -> dict[str, set[int]]:
     return seen
 
 
+def _taking_turns(steps: dict[str, Any], rounds: int, gbps: float, latency_us: float,
+                  warmup: int) -> dict[str, PairedTimes]:
+    """Each mode's paired steps (``overlap.testing.paired_steps``' figures), the modes taking turns
+    round by round, one step without and one with the link each, so that a loaded machine's drifts
+    fall on every mode alike; medians over rounds of the slowest rank's figures."""
+    import statistics
+
+    from overlap.testing import interleaved_steps
+
+    links = {mode: EmulatedLink(gbps, latency_us, functional=True) for mode in steps}
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    figures: dict[str, list[list[float]]] = {mode: [[], [], []] for mode in steps}
+    for _ in range(rounds):
+        for mode, step in steps.items():
+            unlinked, linked = interleaved_steps(step, 1, [None, links[mode]], warmup=0)
+            comm = over_ranks(links[mode].stats().emulated_seconds)
+            for out, value in zip(figures[mode], (unlinked, linked, comm)):
+                out.append(value)
+    return {mode: PairedTimes(*map(statistics.median, f)) for mode, f in figures.items()}
+
+
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch._dynamo
@@ -150,7 +174,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             compute = paired_steps(steps[MODES[0]], 3, 1e6, 0.0, warmup=args.warmup).unlinked
             gbps = calibrated_gbps(compute, *_traffic(steps[MODES[0]]), args.latency_us)
         out[title] = {"gbps": gbps}
-        for mode, step in steps.items():
+        if args.grid is not None:
+            out[title].update(_taking_turns(steps, args.steps, gbps, args.latency_us, args.warmup))
+        for mode, step in steps.items() if args.grid is None else ():
             link = EmulatedLink(gbps, args.latency_us, functional=True)
             out[title][mode] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=args.warmup, link=link)
         out[title]["chosen"] = {kind: sorted(counts) for kind, counts in chosen.items()}
