@@ -8,14 +8,16 @@ A layer's collective matmul is modelled, forward and backward, for every count `
   fit ``a + b n`` through two timed GEMMs at the layer's shape, the whole operand and a
   ``MAX_CHUNKS``-th of it, so a small chunk's lower efficiency and its launch cost are in ``a``;
 * ``O``: the host cost of one more chunk (allocating and filling its buffer, issuing its collective,
-  waiting it, placing its pieces), timed as the difference between one and ``MAX_CHUNKS`` chunks
-  of a tiny all-gather through the same code, divided by ``MAX_CHUNKS - 1``;
+  waiting it once it is done, placing its pieces), timed as the difference between one and
+  ``MAX_CHUNKS`` chunks of a tiny all-gather through the same code, divided by ``MAX_CHUNKS - 1``;
+  the time the transfers take is left out (polled until done, untimed): on a loaded machine it
+  holds the other rank's scheduling delays, which a link slower than gloo's loopback hides;
 * ``t(b)``: the link's time for a collective of ``b`` bytes per rank, ``L + b s``. Behind an
   emulated link (``overlap.testing.current_link()``) ``L`` and ``s`` are the link's (its group
-  tier). Without one, ``L = 0`` (the real per-collective round trip is host cost, already in
-  ``O``) and ``s`` is timed: one all-gather of ``CALIBRATION_BYTES`` per rank minus a tiny one, per
-  byte. Timing a calibration collective rather than the first real one keeps the layer's own path
-  untouched and gives the figure before the first choice is made.
+  tier). Without one they are timed: ``L`` the tiny all-gather's wall time less its host time, ``s``
+  one all-gather of ``CALIBRATION_BYTES`` per rank less the tiny one, per byte. Timing calibration
+  collectives rather than the first real one keeps the layer's own path untouched and gives the
+  figures before the first choice is made.
 
 Each collective matmul is a two-stage pipeline of ``c`` chunks, the link one stage and the host's
 GEMMs (plus ``O`` per chunk) the other, all chunks issued in order (FIFO on the group's link):
@@ -84,7 +86,7 @@ import torch.nn.functional as F
 
 from overlap.groups import GroupInfo
 from overlap.regions import region
-from overlap.tensor_parallelism.collective_matmul import SeqLayout, _ChunkedGather, _gather_whole
+from overlap.tensor_parallelism.collective_matmul import SeqLayout, _ChunkedGather
 from scheduler.collective_matmul import MIN_ROWS
 
 __all__ = ["CALIBRATION_BYTES", "KINDS", "MARGIN", "MAX_CHUNKS", "MIN_ROWS", "GemmCost", "HostCost", "Workload",
@@ -129,10 +131,11 @@ class Workload:
 
 @dataclass(frozen=True)
 class HostCost:
-    """A group's agreed figures: ``per_chunk_s`` (``O``), and where no emulated link is active the
-    link's ``seconds_per_byte`` (``s``; ``L`` is 0, see [Note: choosing the chunk count])."""
+    """A group's agreed figures: ``per_chunk_s`` (``O``), and for where no emulated link is active the
+    real link's ``latency_s`` (``L``) and ``seconds_per_byte`` (``s``)."""
 
     per_chunk_s: float
+    latency_s: float
     seconds_per_byte: float
 
 
@@ -249,32 +252,39 @@ def _agreed(values: list[float], info: GroupInfo, device_type: str) -> list[floa
     return t.tolist()
 
 
-def _gathered(n: int, chunks: int, info: GroupInfo, device: torch.device) -> None:
-    """An all-gather of ``n`` elements per rank cut into ``chunks`` chunks, through the same code as
-    a decomposed layer's (buffers filled, issued at once, waited and placed chunk by chunk)."""
+def _gather_seconds(n: int, chunks: int, info: GroupInfo, device: torch.device) -> tuple[float, float]:
+    """``(host seconds, wall seconds)`` of an all-gather of ``n`` elements per rank cut into
+    ``chunks`` chunks, through the same code as a decomposed layer's (buffers filled, all issued,
+    then waited and placed chunk by chunk). The host seconds leave out the time the transfers
+    take: the chunks are polled until done, untimed, before they are waited."""
     x = torch.ones((n, 1), device=device)
-    layout = SeqLayout([n] * info.size, 0, chunks, info.rank)
-    if chunks == 1:
-        _gather_whole(x, layout, info)
-        return
-    gather = _ChunkedGather(x, layout, info)
+    start = time.perf_counter()
+    gather = _ChunkedGather(x, SeqLayout([n] * info.size, 0, chunks, info.rank), info)
+    issued = time.perf_counter()
+    while not all(work.is_done() for _, _, work in gather.inflight):
+        time.sleep(0)
+    landed = time.perf_counter()
     gather.place_all(gather.new_full(x))
+    end = time.perf_counter()
+    return (issued - start) + (end - landed), end - start
 
 
-def measure_host_cost(info: GroupInfo, device: torch.device) -> tuple[float, float]:
-    """This rank's ``(per-chunk host seconds, link seconds per byte)``, unagreed; collectives on
-    ``info``'s group that every rank must make together (see [Note: choosing the chunk count])."""
+def measure_host_cost(info: GroupInfo, device: torch.device) -> tuple[float, float, float]:
+    """This rank's ``(per-chunk host seconds O, the real link's seconds per collective L and per
+    byte s)``, unagreed; collectives on ``info``'s group that every rank must make together (see
+    [Note: choosing the chunk count])."""
     from overlap.testing.emulated_link.active import passing_through
 
-    dev = device.type
+    tiny, big = _TINY * MAX_CHUNKS, CALIBRATION_BYTES // 4
     with passing_through():
-        _gathered(_TINY * MAX_CHUNKS, 1, info, device)  # first use of the path and the group: untimed
-        one = _least_seconds(lambda: _gathered(_TINY * MAX_CHUNKS, 1, info, device), dev)
-        many = _least_seconds(lambda: _gathered(_TINY * MAX_CHUNKS, MAX_CHUNKS, info, device), dev)
-        big = CALIBRATION_BYTES // 4
-        large = _least_seconds(lambda: _gathered(big, 1, info, device), dev, 2)
-    wire = CALIBRATION_BYTES * (info.size - 1)
-    return max(0.0, (many - one) / (MAX_CHUNKS - 1)), max(0.0, large - one) / wire
+        _gather_seconds(tiny, MAX_CHUNKS, info, device)  # first use of the path and the group: untimed
+        one = [_gather_seconds(tiny, 1, info, device) for _ in range(_REPEATS)]
+        many = [_gather_seconds(tiny, MAX_CHUNKS, info, device) for _ in range(_REPEATS)]
+        large = min(_gather_seconds(big, 1, info, device)[1] for _ in range(2))
+    host_one, wall_one = min(h for h, _ in one), min(w for _, w in one)
+    per_chunk = max(0.0, (min(h for h, _ in many) - host_one) / (MAX_CHUNKS - 1))
+    latency = max(0.0, wall_one - host_one)
+    return per_chunk, latency, max(0.0, large - wall_one) / (CALIBRATION_BYTES * (info.size - 1))
 
 
 def measure_gemm(rows: int, in_features: int, out_features: int, dtype: torch.dtype,
@@ -292,8 +302,7 @@ def _host_cost(info: GroupInfo, device: torch.device) -> Optional[HostCost]:
     key = (device.type, info.pg.group_name)
     if key not in _host and _can_measure(device.type):
         with region("overlap::tp_calibrate"):
-            per_chunk, per_byte = _agreed(list(measure_host_cost(info, device)), info, device.type)
-        _host[key] = HostCost(per_chunk, per_byte)
+            _host[key] = HostCost(*_agreed(list(measure_host_cost(info, device)), info, device.type))
     return _host.get(key)
 
 
@@ -313,12 +322,12 @@ def _gemm_cost(work: Workload, info: GroupInfo, device: torch.device) -> Optiona
 
 
 def _link_figures(info: GroupInfo, host: HostCost) -> tuple[float, float]:
-    """``(L, s)``: the active emulated link's for ``info``'s group, else ``(0, measured s)``."""
+    """``(L, s)``: the active emulated link's for ``info``'s group, else the measured ones."""
     from overlap.testing.emulated_link.active import current_link  # light: no torch patching on import
 
     link = current_link()
     if link is None:
-        return 0.0, host.seconds_per_byte
+        return host.latency_s, host.seconds_per_byte
     gbps, latency_us = link.tier(info.pg)
     return latency_us * 1e-6, 8.0 / (gbps * 1e9)
 

@@ -677,9 +677,9 @@ def test_chunk_count_follows_the_costs(kind: str) -> None:
     assert best_chunks(work(2e7), gemm, hi, 20e-6, per_byte, 2) == 1
 
 
-# per rank: (per-chunk host s, link s per byte) and (GEMM s on the whole operand, on an 8th of it):
-# rank 0 sees cheap chunks and a slow GEMM, rank 1 dear chunks and a fast one
-INJECTED_HOST = ((2e-5, 1e-9), (3e-3, 2e-9))
+# per rank: (per-chunk host s, real link s per collective and per byte) and (GEMM s on the whole
+# operand, on an 8th of it): rank 0 sees cheap chunks and a slow GEMM, rank 1 dear chunks and a fast one
+INJECTED_HOST = ((2e-5, 1e-4, 1e-9), (3e-3, 5e-5, 2e-9))
 INJECTED_GEMM = ((8e-3, 1e-3), (4e-3, 0.5e-3))
 CHOSEN_DIMS, CHOSEN_SEQ, CHOSEN_GBPS = (32, 128), 128, 0.016  # dim, hidden; global rows; a link of T ~ G
 
@@ -725,7 +725,12 @@ def _chosen_rank(rank: int, world: int) -> dict[str, Any]:
     finally:
         tp_chunks.measure_host_cost, tp_chunks.measure_gemm, layers.choose_chunks = saved
         tp_chunks.reset_measurements()
-    return {"chosen": chosen, "counts": counts, "measured": measured, "few rows": few}
+    # measured for real, no link: each rank times its own, the figures are agreed
+    info = resolve_group(mesh, "mesh")
+    real = tp_chunks.choose_chunks(tp_chunks.Workload("gather", 256, 512, 64, 64, 1e6), info)
+    figures = (tp_chunks._host[("cpu", info.pg.group_name)], *tp_chunks._gemm.values())
+    tp_chunks.reset_measurements()
+    return {"chosen": chosen, "counts": counts, "measured": measured, "few rows": few, "real": (real, figures)}
 
 
 def _alone_and_agreed(kind: str, world: int) -> tuple[list[int], int]:
@@ -740,7 +745,7 @@ def _alone_and_agreed(kind: str, world: int) -> tuple[list[int], int]:
     work = Workload(kind, CHOSEN_SEQ // world, rows, inf, outf, rows * cols * 4 * (world - 1) / world)
     per_byte = 8.0 / (CHOSEN_GBPS * 1e9)
 
-    def choice(host: tuple[float, float], gemm: tuple[float, float]) -> int:
+    def choice(host: tuple[float, float, float], gemm: tuple[float, float]) -> int:
         return best_chunks(work, GemmCost.fit(_bucket(rows), *gemm), host[0], 20e-6, per_byte, world)
 
     alone = [choice(INJECTED_HOST[r], INJECTED_GEMM[r]) for r in range(world)]
@@ -767,6 +772,19 @@ def test_chosen_count_is_the_same_on_every_rank(two_ranks: list[dict[str, Any]])
         assert got["counts"] == [step, step], rank
         assert got["measured"] == ["host", "gemm", "gemm"], rank
         assert got["few rows"] == 1, rank
+
+
+def test_measured_costs_are_agreed(two_ranks: list[dict[str, Any]]) -> None:
+    """Measured for real (no injection): one host figure set and one GEMM fit, finite, not negative,
+    and the same on every rank (agreed), hence the same count."""
+    import dataclasses
+    import math
+
+    (count, figures), other = two_ranks[0]["chosen"]["real"], two_ranks[1]["chosen"]["real"]
+    assert (count, figures) == other
+    assert len(figures) == 2 and 1 <= count <= 8, figures
+    values = [v for f in figures for v in dataclasses.astuple(f)]
+    assert all(math.isfinite(v) and v >= 0 for v in values) and figures[1].per_row_s > 0, figures
 
 
 def test_chunks_override_on_one_rank(single_rank_group: dist.ProcessGroup) -> None:
