@@ -90,7 +90,8 @@ from overlap.tensor_parallelism.collective_matmul import SeqLayout, _ChunkedGath
 from scheduler.collective_matmul import MIN_ROWS
 
 __all__ = ["CALIBRATION_BYTES", "KINDS", "MARGIN", "MAX_CHUNKS", "MIN_ROWS", "GemmCost", "HostCost", "Workload",
-           "check_chunks", "choose_chunks", "modelled_seconds", "best_chunks", "reset_measurements"]
+           "best_chunks", "check_chunks", "choose_chunks", "measure_gemm", "measure_host_cost", "modelled_seconds",
+           "reset_measurements"]
 
 MAX_CHUNKS = 8
 MARGIN = 0.1  # the share of c = 1's modelled time a count must save to be chosen
@@ -98,6 +99,7 @@ CALIBRATION_BYTES = 1 << 20  # per rank, for the link's seconds per byte where n
 KINDS = ("gather", "scatter", "all_reduce", "all_reduce_grad")
 _TINY = 64  # elements per rank of the all-gathers that time the per-chunk host cost
 _REPEATS = 3  # timings per figure; the least is kept (a loaded machine only adds time)
+_POLL_S = 1.0  # the longest a calibration all-gather is polled for completion
 
 
 def check_chunks(chunks: object, arg: str = "chunks") -> Optional[int]:
@@ -261,7 +263,9 @@ def _gather_seconds(n: int, chunks: int, info: GroupInfo, device: torch.device) 
     start = time.perf_counter()
     gather = _ChunkedGather(x, SeqLayout([n] * info.size, 0, chunks, info.rank), info)
     issued = time.perf_counter()
-    while not all(work.is_done() for _, _, work in gather.inflight):
+    # a backend whose works report completion only once waited (gloo's reduce-scatter does) stops
+    # the polling at the deadline: the transfer's remainder then counts as host time (more, not less)
+    while time.perf_counter() - issued < _POLL_S and not all(work.is_done() for _, _, work in gather.inflight):
         time.sleep(0)
     landed = time.perf_counter()
     gather.place_all(gather.new_full(x))
