@@ -11,9 +11,10 @@ the attention's ``PrepareModuleInput``, q/k/v colwise on the replicated DTensor,
 projection rowwise into the sequence-sharded output; ``overlap.tensor_parallel`` leaves that gather
 to q/k/v, decomposed, see ``overlap.tensor_parallelism.deferred_gather``), forward and backward (loss ``mean(y ** 2)``, no optimizer). Modes: torch ``parallelize_module``
 (eager DTensor: each all-gather / reduce-scatter whole, before / after its matmul) and
-``overlap.tensor_parallel`` with the same plan: chunks chosen per call (behind the link from the
-link and the sizes, without it 2, so this mode's compute side and linked steps run different chunk
-counts), ``chunks=1`` (torch's undecomposed order through this runtime's collectives) and
+``overlap.tensor_parallel`` with the same plan: chunks chosen per call from costs measured at the
+first call ([Note: choosing the chunk count]; behind the link from the link's figures, without it
+from a timed calibration collective, so this mode's compute side and linked steps may run
+different chunk counts), ``chunks=1`` (torch's undecomposed order through this runtime's collectives) and
 ``chunks=4`` (the same chunks in both halves of each pair). Compiled: torch's ``parallelize_module``
 model under ``torch.compile`` (Inductor; collectives whole, each waited right after it is issued)
 the same with Inductor's own comm passes (``_common.INDUCTOR_COMM_PASSES``: reordering for
@@ -30,16 +31,23 @@ step's communication takes about as long as torch's compute side. Reported per m
 the slowest rank, the ideal ``max(compute side, link busy time)`` of that mode, torch's linked step
 over this mode's, and this mode's over its ideal.
 
+``--grid``: the sequence-parallel MLP over ``GRID`` (dim 64 x 128 tokens to dim 1024 x 4096
+tokens, hidden 4 dim, fewer blocks where a block is large), eager modes only (torch, the chosen
+count, ``chunks=1``), each point calibrated to comm ~ torch's compute; the modes take turns step
+pair by step pair (a loaded box's drifts fall on all alike); one table, a row per point, with
+torch's compute side per block and the counts the default chose behind the link.
+
 Not yet built: the GPU comparison against torch's async-TP.
 
     python benchmarks/bench_tp.py [--layers 2] [--steps 8] [--blocks sp_mlp ...] [--markdown benchmarks/RESULTS.md]
+    python benchmarks/bench_tp.py --grid [POINT ...] [--steps 4] [--warmup 1] [--markdown benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from _common import INDUCTOR_COMM_PASSES, PAIRED_HEADER, add_link, add_steps, add_world_size, paired_cells, parse, parser  # first: sys.path
+from _common import INDUCTOR_COMM_PASSES, PAIRED_HEADER, add_link, add_steps, add_world_size, over_ranks, paired_cells, parse, parser  # first: sys.path
 from overlap.demo.training import calibrated_gbps
 from overlap.testing import EmulatedLink, PairedTimes, paired_steps, run_distributed
 from report import emit
@@ -52,6 +60,9 @@ MODES = ("torch parallelize_module", "overlap.tensor_parallel", "overlap.tensor_
          "torch parallelize_module, compiled, inductor_overlap()")
 COMPILED = {MODES[4]: "plain", MODES[5]: "inductor", MODES[6]: "hook"}  # mode -> what compiles it
 CHUNKS = {MODES[1]: None, MODES[2]: 1, MODES[3]: 4}  # None: --chunks (default: chosen per call)
+EAGER = MODES[:3]  # the modes of --grid
+# --grid: (dim, batch, seq, blocks); hidden is 4 dim, tokens batch x seq
+GRID = ((64, 1, 128, 4), (128, 2, 256, 4), (256, 4, 512, 2), (512, 2, 1024, 2), (1024, 2, 2048, 1))
 
 
 def _model(block: str, mode: str, args: argparse.Namespace, mesh: Any) -> Any:
@@ -97,10 +108,54 @@ def _traffic(step: Any) -> tuple[int, int]:
     return stats.count, stats.wire_bytes
 
 
+def _recording_choices() -> dict[str, set[int]]:
+    """The counts ``overlap.tensor_parallel``'s layers choose from now on (``chunks=None`` only), per
+    layer kind, behind a link."""
+    from overlap.tensor_parallelism import layers
+    from overlap.testing import current_link
+
+    seen: dict[str, set[int]] = {}
+    choose = layers.choose_chunks
+
+    def recording(work: Any, info: Any, override: Any = None, *a: Any, **k: Any) -> int:
+        chunks = choose(work, info, override, *a, **k)
+        if current_link() is not None and override is None:
+            seen.setdefault(work.kind, set()).add(chunks)
+        return chunks
+
+    layers.choose_chunks = recording
+    return seen
+
+
+def _taking_turns(steps: dict[str, Any], rounds: int, gbps: float, latency_us: float,
+                  warmup: int) -> dict[str, PairedTimes]:
+    """Each mode's paired steps (``overlap.testing.paired_steps``' figures), the modes taking turns
+    round by round, one step without and one with the link each, so that a loaded machine's drifts
+    fall on every mode alike; medians over rounds of the slowest rank's figures."""
+    import statistics
+
+    from overlap.testing import interleaved_steps
+
+    links = {mode: EmulatedLink(gbps, latency_us, functional=True) for mode in steps}
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    figures: dict[str, list[list[float]]] = {mode: [[], [], []] for mode in steps}
+    for _ in range(rounds):
+        for mode, step in steps.items():
+            unlinked, linked = interleaved_steps(step, 1, [None, links[mode]], warmup=0)
+            comm = over_ranks(links[mode].stats().emulated_seconds)
+            for out, value in zip(figures[mode], (unlinked, linked, comm)):
+                out.append(value)
+    return {mode: PairedTimes(*map(statistics.median, f)) for mode, f in figures.items()}
+
+
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
+
+    chosen = _recording_choices()
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(args.batch, args.seq // world, args.dim, generator=torch.Generator().manual_seed(rank))
@@ -113,22 +168,48 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         if block not in args.blocks:
             continue
         torch._dynamo.reset()
-        steps = {mode: _step(_model(block, mode, args, mesh), x) for mode in MODES}
+        steps = {mode: _step(_model(block, mode, args, mesh), x) for mode in args.modes}
         gbps = args.link_gbps
         if gbps is None:  # one torch step's comm ~ torch's compute side
-            compute = paired_steps(steps[MODES[0]], 3, 1e6, 0.0, warmup=2).unlinked
+            compute = paired_steps(steps[MODES[0]], 3, 1e6, 0.0, warmup=args.warmup).unlinked
             gbps = calibrated_gbps(compute, *_traffic(steps[MODES[0]]), args.latency_us)
         out[title] = {"gbps": gbps}
-        for mode, step in steps.items():
+        if args.grid is not None:
+            out[title].update(_taking_turns(steps, args.steps, gbps, args.latency_us, args.warmup))
+        for mode, step in steps.items() if args.grid is None else ():
             link = EmulatedLink(gbps, args.latency_us, functional=True)
-            out[title][mode] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=2, link=link)
+            out[title][mode] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=args.warmup, link=link)
+        out[title]["chosen"] = {kind: sorted(counts) for kind, counts in chosen.items()}
+        out[title]["compute per block"] = out[title][MODES[0]].unlinked / args.layers
+        chosen.clear()
     return out
+
+
+def _grid(args: argparse.Namespace) -> None:
+    """One row per ``GRID`` point: the sequence-parallel MLP, eager modes."""
+    rows = []
+    for dim, batch, seq, layers in [GRID[i] for i in args.grid] if args.grid else GRID:
+        point = argparse.Namespace(**{**vars(args), "dim": dim, "hidden": 4 * dim, "batch": batch, "seq": seq,
+                                      "layers": layers, "blocks": ["sp_mlp"], "modes": EAGER})
+        res = run_distributed(_rank, args.world_size, point, timeout=1200)[0]["sequence-parallel MLP"]
+        t, chosen, one = (res[mode] for mode in EAGER)
+        rows.append([f"{dim} x {batch * seq}", layers, f"{1e3 * res['compute per block']:.1f}",
+                     f"{1e3 * t.comm:.1f}", f"{1e3 * t.linked:.1f}", f"{1e3 * chosen.linked:.1f}",
+                     f"{1e3 * one.linked:.1f}", f"{t.linked / chosen.linked:.2f}x", f"{t.linked / one.linked:.2f}x",
+                     ", ".join(f"{kind} {'/'.join(map(str, c))}" for kind, c in sorted(res["chosen"].items()))])
+        print(rows[-1], flush=True)
+    emit(f"Tensor parallelism grid, sequence-parallel MLP (hidden 4 dim) on {args.world_size} CPU ranks (gloo), "
+         f"forward + backward; emulated link per point so that comm ~ torch's compute side, + {args.latency_us:g} µs; "
+         f"medians of {args.steps} steps alternating without/with the link delay, slowest rank",
+         ["dim x tokens", "blocks", "torch compute per block ms", "comm ms", "torch step ms", "chosen step ms",
+          "chunks=1 step ms", "torch / chosen", "torch / chunks=1", "chosen counts (linked)"], rows, args.markdown)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__)
     add_world_size(p)
-    add_steps(p, 8, "timed step pairs per mode")
+    add_steps(p, 8, "timed step pairs per mode", 2, "untimed steps first, per mode (the first compiles, and measures "
+              "the chunk costs)")
     p.add_argument("--layers", type=int, default=2, help="blocks in the stack (default 2)")
     p.add_argument("--dim", type=int, default=256, help="model width (default 256)")
     p.add_argument("--hidden", type=int, default=1024, help="MLP hidden width (default 1024)")
@@ -140,15 +221,21 @@ def main(argv: list[str] | None = None) -> None:
                    help="chunks of the Inductor hook's all_gather -> mm / mm -> reduce_scatter split (default 2)")
     p.add_argument("--blocks", nargs="+", choices=list(BLOCKS.values()), default=list(BLOCKS.values()),
                    help="which blocks to time (default all)")
+    p.add_argument("--grid", nargs="*", type=int, default=None, metavar="POINT",
+                   help="the sequence-parallel MLP over GRID's sizes (or the points of these indices, to repeat "
+                        "noisy cells), eager modes only (one table)")
     add_link(p)
     args = parse(p, argv)
-
+    if args.grid is not None:
+        _grid(args)
+        return
+    args.modes = MODES
     r = run_distributed(_rank, args.world_size, args, timeout=1200)[0]
     for title in r:
         res = r[title]
         torch_linked = res[MODES[0]].linked
         rows = []
-        for mode in MODES:
+        for mode in args.modes:
             m: PairedTimes = res[mode]
             ideal = max(m.unlinked, m.comm)
             rows.append([mode, *paired_cells(m), f"{1e3 * ideal:.1f}", f"{torch_linked / m.linked:.2f}x",

@@ -44,7 +44,7 @@ from overlap.class_swap import swapped_class
 from overlap.groups import GroupInfo, resolve_group
 from overlap.regions import with_fqn
 from overlap.tensor_parallelism import collective_matmul as cm
-from overlap.tensor_parallelism.chunks import choose_chunks
+from overlap.tensor_parallelism.chunks import Workload, choose_chunks
 from overlap.tensor_parallelism.deferred_gather import deferred_input
 from overlap.tensor_parallelism.plan import LinearPlan
 
@@ -60,24 +60,31 @@ class _State:
         self.forward_region = with_fqn("overlap::tp_forward", plan.fqn)
         self.backward_region = with_fqn("overlap::tp_backward", plan.fqn)
 
-    def _call(self, rows: int, wire_bytes: float, layout: Optional[tuple[list[int], int]] = None) -> cm.Call:
-        chunks = choose_chunks(rows, wire_bytes, self.info.pg, self.plan.chunks, self.mesh.device_type)
+    def _call(self, kind: str, rows: int, gemm_rows: int, weight: torch.Tensor, like: torch.Tensor,
+              wire_bytes: float, layout: Optional[tuple[list[int], int]] = None) -> cm.Call:
+        work = Workload(kind, rows, gemm_rows, weight.shape[1], weight.shape[0], wire_bytes, like.dtype,
+                        self.mesh.device_type)
+        chunks = choose_chunks(work, self.info, self.plan.chunks, like.device)
         seq = cm.SeqLayout(layout[0], layout[1], chunks, self.info.rank) if layout is not None else None
         return cm.Call(self.info, chunks, self.forward_region, self.backward_region, seq)
 
-    def rows_call(self, x: torch.Tensor, cols: int) -> cm.Call:
-        """An all-reduce of ``x``'s rows times ``cols`` columns, cut into row blocks."""
+    def rows_call(self, x: torch.Tensor, weight: torch.Tensor, kind: str) -> cm.Call:
+        """An all-reduce (``kind`` ``all_reduce``: of the output, ``all_reduce_grad``: of the input's
+        gradient) of ``x``'s rows, cut into row blocks."""
         rows = x.numel() // max(x.shape[-1], 1)
         w = self.info.size
-        return self._call(rows, 2 * rows * cols * x.element_size() * (w - 1) / w)
+        cols = weight.shape[0] if kind == "all_reduce" else weight.shape[1]
+        return self._call(kind, rows, rows, weight, x, 2 * rows * cols * x.element_size() * (w - 1) / w)
 
-    def seq_call(self, x: torch.Tensor, sizes: list[int], dim: int, cols: int) -> cm.Call:
-        """A gather / reduce-scatter along ``dim`` (every rank's extent ``sizes``) of ``x``'s shape with
-        ``cols`` columns, cut into sub-slices of every rank's shard."""
+    def seq_call(self, x: torch.Tensor, sizes: list[int], dim: int, weight: torch.Tensor, kind: str) -> cm.Call:
+        """A gather (``kind`` ``gather``: of the input) / reduce-scatter (``scatter``: of the output)
+        along ``dim`` (every rank's extent ``sizes``) of ``x``'s shape, cut into sub-slices of every
+        rank's shard."""
         w = self.info.size
         lead = math.prod(x.shape[:dim]) * math.prod(x.shape[dim + 1:-1])  # global sizes only: same on every rank
-        full = lead * sum(sizes) * cols
-        return self._call(max(sizes), full * x.element_size() * (w - 1) / w, (sizes, dim))
+        cols = weight.shape[1] if kind == "gather" else weight.shape[0]
+        rows = lead * sum(sizes)
+        return self._call(kind, max(sizes), rows, weight, x, rows * cols * x.element_size() * (w - 1) / w, (sizes, dim))
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -134,7 +141,7 @@ class TensorParallelLinear(nn.Module):
             elif w == 1:
                 y = F.linear(x, weight, bias)
             else:
-                y = cm.LinearAllReduceGrad.apply(x, weight, bias, state.rows_call(x, weight.shape[1]))
+                y = cm.LinearAllReduceGrad.apply(x, weight, bias, state.rows_call(x, weight, "all_reduce_grad"))
         else:
             d = _seq_dim(placement, x, plan.fqn)
             if isinstance(x, DTensor):
@@ -145,7 +152,7 @@ class TensorParallelLinear(nn.Module):
             if w == 1:
                 y = F.linear(x, weight, bias)
             else:
-                y = cm.AllGatherMatmul.apply(x, weight, bias, state.seq_call(x, sizes, d, x.shape[-1]))
+                y = cm.AllGatherMatmul.apply(x, weight, bias, state.seq_call(x, sizes, d, weight, "gather"))
         return self._colwise_output(y, state)
 
     @staticmethod
@@ -158,7 +165,7 @@ class TensorParallelLinear(nn.Module):
         if deferred is None:
             return None
         shard = deferred.shard
-        call = state.seq_call(shard, deferred.sizes, deferred.dim, shard.shape[-1])
+        call = state.seq_call(shard, deferred.sizes, deferred.dim, weight, "gather")
         return cm.AllGatherMatmul.apply(shard, weight, bias, call) if call.chunks > 1 else None
 
     def _colwise_output(self, y: torch.Tensor, state: _State) -> torch.Tensor:
@@ -185,10 +192,10 @@ class TensorParallelLinear(nn.Module):
         if w == 1:
             y = F.linear(x, weight, bias)
         elif isinstance(out, Replicate):
-            y = cm.MatmulAllReduce.apply(x, weight, bias, state.rows_call(x, weight.shape[0]))
+            y = cm.MatmulAllReduce.apply(x, weight, bias, state.rows_call(x, weight, "all_reduce"))
         else:
             d = _seq_dim(out, x, plan.fqn)
-            call = state.seq_call(x, cm.shard_sizes(x.shape[d], w), d, weight.shape[0])
+            call = state.seq_call(x, cm.shard_sizes(x.shape[d], w), d, weight, "scatter")
             y = cm.MatmulReduceScatter.apply(x, weight, bias, call)
         shape = (*x.shape[:-1], weight.shape[0])
         if plan.use_local_output:

@@ -9,7 +9,8 @@ through all three (the sharded ones on their local slices) and compares full ten
 Tolerances (max abs difference <= atol + rtol * max abs of the reference):
 
 * ``chunks=1`` against torch TP: bitwise. It is torch's order: one collective, one matmul on the
-  whole operand, the same two-rank sums.
+  whole operand, the same two-rank sums. So is ``chunks=None`` where the rows allow no two chunks
+  of ``MIN_ROWS`` (the chosen count is then 1; every count above 1 is covered by 2, 3 and 8).
 * ``chunks > 1`` against torch TP, fp32: 1e-5 / 1e-5. Each chunk is its own GEMM (row blocks of
   one GEMM are not guaranteed to be summed in the same order when split), and the rowwise weight
   and bias gradients are summed chunk by chunk. bf16: 2e-2 / 2e-2 (bf16 has 8 significant bits,
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import overlap
+from overlap.tensor_parallelism.chunks import MIN_ROWS
 from overlap.tensor_parallelism.layers import TensorParallelLinear
 from scheduler.torch_versions import DIST_ALL_GATHER, TORCH_VERSION
 from tp_blocks import SP_BLOCKS, make_block, plan_for, sizes_for
@@ -144,7 +146,9 @@ def _check_case(case: Case, mesh: Any, rank: int, world: int, bitwise_chunks1: b
         if not case.dtensor_input:
             gx_ref = _seq_slice(gx_ref, world, rank)
     low = case.dtype != torch.float32
-    vs_torch = (None if case.chunks == 1 and bitwise_chunks1 else (BF16_TOL if low else FP32_TOL))
+    # chunks=None on fewer than 2 MIN_ROWS rows per rank is 1 without measuring: torch's order too
+    one = case.chunks == 1 or (case.chunks is None and -(-case.seq // world) < 2 * MIN_ROWS)
+    vs_torch = (None if one and bitwise_chunks1 else (BF16_TOL if low else FP32_TOL))
     vs_ref = BF16_REF_TOL if low else FP32_TOL
     problems = []
     problems += _replicas_differ(ours)
@@ -190,6 +194,7 @@ DEFAULT_CASES = [
     Case("sp_mlp", chunks=1), Case("sp_mlp", chunks=2), Case("sp_mlp", chunks=3, bias=False),
     Case("sp_mlp", chunks=None),
     Case("sp_mlp", chunks=1, seq=7, dtensor_input=True), Case("sp_mlp", chunks=3, seq=7, dtensor_input=True),
+    Case("sp_mlp", chunks=8, seq=33, dtensor_input=True),  # MAX_CHUNKS, uneven (17 and 16 rows)
     # Megatron MLP and attention: replicated input (grad all-reduce), matmul -> all-reduce
     Case("mlp", chunks=1), Case("mlp", chunks=2, bias=False), Case("mlp", chunks=3),
     Case("attention", chunks=1), Case("attention", chunks=2),
@@ -211,7 +216,8 @@ def _two_rank_suite(rank: int, world: int, path: str) -> dict[str, Any]:
             "collectives": {chunks: _collectives_rank(rank, world, chunks) for chunks in (1, 3)},
             "order": _event_order_rank(rank, world),
             "siblings": _siblings_rank(rank, world),
-            "prepared": _prepared_input_rank(rank, world)}
+            "prepared": _prepared_input_rank(rank, world),
+            "chosen": _chosen_rank(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -614,24 +620,182 @@ def test_one_rank_is_the_plain_module(single_rank_group: dist.ProcessGroup) -> N
         assert isinstance(ours.wo if block == "attention" else ours.w2, TensorParallelLinear)
 
 
-def test_chunk_count_choice() -> None:
-    """[Note: choosing the chunk count], worked by hand: behind a 8 Gbit/s link (1e9 bytes/s) a
-    10 MB transfer takes T = 10 ms; with L = 125 µs and the CPU's O = 500 µs, sqrt(T / (L + O)) = 4;
-    with L = 0 it is 4.47 -> 4; a 100 MB one (T = 100 ms) wants 13, capped at 8; 32 rows allow 2
-    chunks of 16; on CUDA (O = 20 µs) with L = 5 µs, T = 1 ms gives sqrt(40) -> 6; no link: 2;
-    ``chunks=`` wins, capped at the rows."""
-    from overlap.tensor_parallelism.chunks import DEFAULT_CHUNKS, MAX_CHUNKS, choose_chunks
+def test_chunk_count_model_worked_by_hand() -> None:
+    """[Note: choosing the chunk count]'s pipeline, by hand, for a gather on 2 ranks: G(n) = 1 ms per
+    100 rows (N = 400 rows: 4 ms), O = 0.1 ms, L = 0, T = 8 ms (wire 8e6 bytes at 1e-9 s/byte).
+    c = 1: forward T + G(N) + O = 12.1; backward G(N) + O = 4.1, then the reduce-scatter (8) beside
+    the weight gradient (4): max(12.1, 8.1) = 12.1; 24.2 ms in all.
+    c = 2: forward: own rows G(200) = 2 (no wait), chunk 0 lands at 4 -> 4 + G(100) + O = 5.1, chunk
+    1 lands at 8 -> 9.1; backward: chunk GEMMs G(200) + O = 2.1 each, the link 2.1 -> 6.1 -> 10.1,
+    beside the host's 4.2 + 4 = 8.2: 10.1; 19.2 ms in all."""
+    from overlap.tensor_parallelism.chunks import GemmCost, Workload, modelled_seconds
+
+    work = Workload("gather", rows=200, gemm_rows=400, in_features=64, out_features=64, wire_bytes=8e6)
+    gemm = GemmCost(0.0, 1e-5)
+    assert modelled_seconds(work, 1, gemm, 1e-4, 0.0, 1e-9, 2) == pytest.approx(24.2e-3)
+    assert modelled_seconds(work, 2, gemm, 1e-4, 0.0, 1e-9, 2) == pytest.approx(19.2e-3)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        modelled_seconds(Workload("gathr", 200, 400, 64, 64, 8e6), 2, gemm, 1e-4, 0.0, 1e-9, 2)
+
+
+@pytest.mark.parametrize("kind", ["gather", "scatter", "all_reduce", "all_reduce_grad"])
+def test_chunk_count_follows_the_costs(kind: str) -> None:
+    """One collective matmul (1024 rows, 10 ms of GEMM) under [Note: choosing the chunk count]:
+
+    * a transfer that is tiny beside the per-chunk host cost (10 µs vs 0.5 ms): 1 (undecomposed);
+    * a transfer about the GEMM's (20 ms) with a small per-chunk cost (50 µs): more than 1, and not
+      fewer than with a dearer chunk (0.5 ms);
+    * the same transfer with next to no compute to hide behind (10 µs of GEMM): 1;
+    * a count that saves less than ``MARGIN`` of c = 1's time is not taken;
+    * never more than ``MAX_CHUNKS``, nor than ``MIN_ROWS`` rows per chunk allow."""
+    from overlap.tensor_parallelism.chunks import (MARGIN, MAX_CHUNKS, MIN_ROWS, GemmCost, Workload, best_chunks,
+                                                   modelled_seconds)
+
+    def work(wire: float, rows: int = 512) -> Workload:
+        return Workload(kind, rows=rows, gemm_rows=1024, in_features=256, out_features=512, wire_bytes=wire)
+
+    gemm, idle = GemmCost(0.0, 10e-3 / 1024), GemmCost(0.0, 10e-6 / 1024)
+    per_byte = 1e-9  # a 20 ms transfer is 2e7 bytes
+    assert best_chunks(work(1e4), gemm, 5e-4, 0.0, per_byte, 2) == 1
+    dear = best_chunks(work(2e7), gemm, 5e-4, 20e-6, per_byte, 2)
+    busy = best_chunks(work(2e7), gemm, 5e-5, 20e-6, per_byte, 2)
+    assert 1 < busy <= MAX_CHUNKS and dear <= busy, (dear, busy)
+    assert best_chunks(work(2e7), idle, 5e-5, 20e-6, per_byte, 2) == 1
+    assert best_chunks(work(6e7, rows=3 * MIN_ROWS), gemm, 5e-5, 20e-6, per_byte, 2) <= 3
+    # the margin: the per-chunk cost at which the best count saves MARGIN / 2 of c = 1's time (bisected)
+
+    def saves(per_chunk: float) -> float:
+        times = [modelled_seconds(work(2e7), c, gemm, per_chunk, 20e-6, per_byte, 2) for c in range(1, MAX_CHUNKS + 1)]
+        return 1 - min(times) / times[0]
+
+    lo, hi = 5e-5, 1e-1
+    assert saves(lo) > MARGIN and saves(hi) == 0.0
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if saves(mid) > MARGIN / 2 else (lo, mid)
+    assert 0 < saves(hi) < MARGIN
+    assert best_chunks(work(2e7), gemm, hi, 20e-6, per_byte, 2) == 1
+
+
+# per rank: (per-chunk host s, real link s per collective and per byte) and (GEMM s on the whole
+# operand, on an 8th of it): rank 0 sees cheap chunks and a slow GEMM, rank 1 dear chunks and a fast one
+INJECTED_HOST = ((2e-5, 1e-4, 1e-9), (3e-3, 5e-5, 2e-9))
+INJECTED_GEMM = ((8e-3, 1e-3), (4e-3, 0.5e-3))
+CHOSEN_DIMS, CHOSEN_SEQ, CHOSEN_GBPS = (32, 128), 128, 0.016  # dim, hidden; global rows; a link of T ~ G
+
+
+def _chosen_rank(rank: int, world: int) -> dict[str, Any]:
+    """The sequence-parallel MLP with ``chunks=None`` behind a link, each rank's measurements replaced
+    by :data:`INJECTED_HOST` / :data:`INJECTED_GEMM` (different per rank): the counts its layers
+    chose, the collectives they issued, what was measured, and a choice at too few rows."""
+    from overlap.groups import resolve_group
+    from overlap.tensor_parallelism import chunks as tp_chunks
+    from overlap.tensor_parallelism import layers
     from overlap.testing import emulated_link
 
-    with emulated_link(8.0, 125.0):
-        assert choose_chunks(1024, 1e7) == 4
-        assert choose_chunks(1024, 1e8) == MAX_CHUNKS == 8
-        assert choose_chunks(32, 1e7) == 2
-    with emulated_link(8.0, 0.0):
-        assert choose_chunks(1024, 1e7) == 4
-    with emulated_link(8.0, 5.0):
-        assert choose_chunks(1024, 1e6, device_type="cuda") == 6
-    assert choose_chunks(1024, 1e6) == DEFAULT_CHUNKS == 2
-    assert choose_chunks(20, 1e6) == 1
-    assert choose_chunks(1024, 1e6, override=3) == 3
-    assert choose_chunks(2, 1e6, override=3) == 2
+    mesh = init_device_mesh("cpu", (world,))
+    measured: list[str] = []
+    chosen: dict[str, list[int]] = {}
+    saved = tp_chunks.measure_host_cost, tp_chunks.measure_gemm, layers.choose_chunks
+
+    def recording(work: Any, *args: Any, **kwargs: Any) -> int:
+        count = saved[2](work, *args, **kwargs)
+        chosen.setdefault(work.kind, []).append(count)
+        return count
+
+    tp_chunks.measure_host_cost = lambda *a: measured.append("host") or INJECTED_HOST[rank]
+    tp_chunks.measure_gemm = lambda *a: measured.append("gemm") or INJECTED_GEMM[rank]
+    layers.choose_chunks = recording
+    tp_chunks.reset_measurements()
+    try:
+        dim, hidden = CHOSEN_DIMS
+        model = overlap.tensor_parallel(make_block("sp_mlp", True, dim=dim, hidden=hidden), mesh, plan_for("sp_mlp"))
+        x = torch.randn(BATCH, CHOSEN_SEQ // world, dim).requires_grad_()
+        counts = []
+        with emulated_link(CHOSEN_GBPS, 20.0) as link:
+            for _ in range(2):  # the second step measures nothing
+                link.reset_stats()
+                y = model(x)
+                forward = _collective_counts(link)
+                link.reset_stats()
+                y.sum().backward()
+                counts.append((forward, _collective_counts(link)))
+        few = tp_chunks.choose_chunks(tp_chunks.Workload("gather", 2 * tp_chunks.MIN_ROWS - 1, 64, 7, 7, 1e9),
+                                      resolve_group(mesh, "mesh"))
+    finally:
+        tp_chunks.measure_host_cost, tp_chunks.measure_gemm, layers.choose_chunks = saved
+        tp_chunks.reset_measurements()
+    # measured for real, no link: each rank times its own, the figures are agreed
+    info = resolve_group(mesh, "mesh")
+    real = tp_chunks.choose_chunks(tp_chunks.Workload("gather", 256, 512, 64, 64, 1e6), info)
+    figures = (tp_chunks._host[("cpu", info.pg.group_name)], *tp_chunks._gemm.values())
+    tp_chunks.reset_measurements()
+    return {"chosen": chosen, "counts": counts, "measured": measured, "few rows": few, "real": (real, figures)}
+
+
+def _alone_and_agreed(kind: str, world: int) -> tuple[list[int], int]:
+    """What each rank of :func:`_chosen_rank` would choose from its own injected figures for ``kind``'s
+    layer, and what the figures maxed over ranks give."""
+    from overlap.tensor_parallelism.chunks import GemmCost, Workload, _bucket, best_chunks
+
+    dim, hidden = CHOSEN_DIMS
+    rows = BATCH * CHOSEN_SEQ
+    inf, outf = (dim, hidden // world) if kind == "gather" else (hidden // world, dim)
+    cols = inf if kind == "gather" else outf
+    work = Workload(kind, CHOSEN_SEQ // world, rows, inf, outf, rows * cols * 4 * (world - 1) / world)
+    per_byte = 8.0 / (CHOSEN_GBPS * 1e9)
+
+    def choice(host: tuple[float, float, float], gemm: tuple[float, float]) -> int:
+        return best_chunks(work, GemmCost.fit(_bucket(rows), *gemm), host[0], 20e-6, per_byte, world)
+
+    alone = [choice(INJECTED_HOST[r], INJECTED_GEMM[r]) for r in range(world)]
+    agreed = choice(*(tuple(map(max, zip(*figures))) for figures in (INJECTED_HOST, INJECTED_GEMM)))
+    return alone, agreed
+
+
+def test_chosen_count_is_the_same_on_every_rank(two_ranks: list[dict[str, Any]]) -> None:
+    """With each rank measuring different costs (injected), every rank's layers choose the count the
+    figures maxed over ranks give (not any one rank's own choice, which differ here), issue that
+    many collectives per decomposed collective in both directions, measure once per group and GEMM
+    shape (two shapes: w1 32 -> 64, w2 64 -> 32 per rank), and take 1 without measuring where the rows allow no 2 chunks."""
+    want = {}
+    for kind in ("gather", "scatter"):
+        alone, agreed = _alone_and_agreed(kind, 2)
+        assert len(set(alone)) > 1, (kind, alone)  # the injection makes the ranks disagree on their own
+        want[kind] = agreed
+    assert max(want.values()) > 1, want  # a decomposed count is exercised
+    for rank, results in enumerate(two_ranks):
+        got = results["chosen"]
+        assert got["chosen"] == {kind: [want[kind]] * 2 for kind in want}, rank
+        # (all-gathers, reduce-scatters): forward w1's gather, w2's scatter; backward the other way round
+        step = ((want["gather"], want["scatter"]), (want["scatter"], want["gather"]))
+        assert got["counts"] == [step, step], rank
+        assert got["measured"] == ["host", "gemm", "gemm"], rank
+        assert got["few rows"] == 1, rank
+
+
+def test_measured_costs_are_agreed(two_ranks: list[dict[str, Any]]) -> None:
+    """Measured for real (no injection): one host figure set and one GEMM fit, finite, not negative,
+    and the same on every rank (agreed), hence the same count."""
+    import dataclasses
+    import math
+
+    (count, figures), other = two_ranks[0]["chosen"]["real"], two_ranks[1]["chosen"]["real"]
+    assert (count, figures) == other
+    assert len(figures) == 2 and 1 <= count <= 8, figures
+    values = [v for f in figures for v in dataclasses.astuple(f)]
+    assert all(math.isfinite(v) and v >= 0 for v in values) and figures[1].per_row_s > 0, figures
+
+
+def test_chunks_override_on_one_rank(single_rank_group: dist.ProcessGroup) -> None:
+    """``chunks=`` wins, capped at the rows; on a 1-rank group the choice is 1 without measuring."""
+    from overlap.groups import resolve_group
+    from overlap.tensor_parallelism import chunks as tp_chunks
+
+    info = resolve_group(None, "group")
+    work = tp_chunks.Workload("gather", 1024, 2048, 16, 16, 1e9)
+    assert tp_chunks.choose_chunks(work, info, override=3) == 3
+    assert tp_chunks.choose_chunks(tp_chunks.Workload("gather", 2, 4, 16, 16, 1e9), info, override=3) == 2
+    tp_chunks.reset_measurements()
+    assert tp_chunks.choose_chunks(work, info) == 1
+    assert not tp_chunks._host and not tp_chunks._gemm

@@ -532,9 +532,9 @@ MATRIX: dict[str, Bad] = {
         lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {"0": ColwiseParallel(), "*": RowwiseParallel()}),
         ValueError, "'0'", "one ColwiseParallel or RowwiseParallel"),
     "tensor_parallel chunks zero": Bad(lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {}, chunks=0),
-                                       ValueError, "chunks", "None (chosen from the sizes) or an int >= 1"),
+                                       ValueError, "chunks", "None (chosen from measured costs) or an int >= 1"),
     "tensor_parallel chunks a str": Bad(lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {}, chunks="2"),
-                                        TypeError, "chunks", "None (chosen from the sizes) or an int >= 1"),
+                                        TypeError, "chunks", "None (chosen from measured costs) or an int >= 1"),
     "compile_options keep_peak_memory_reorder not a bool": Bad(
         lambda e: _inductor_hook().compile_options(keep_peak_memory_reorder=1), TypeError, "keep_peak_memory_reorder",
         "bool"),

@@ -155,5 +155,8 @@ def test_demo_tensor_parallel_compares_with_torch_tp(tmp_path: object, capsys: p
     for mode in ("tp", "tp-chunks1"):
         with open(os.path.join(folder, f"trace-{mode}.json")) as f:
             collectives[mode] = sum(e.get("cat") == "comm" for e in json.load(f)["traceEvents"])
-    # the timeline shows each chunk's collective: more of them than undecomposed
-    assert collectives["tp"] > collectives["tp-chunks1"] > 0, collectives
+    # the timeline shows each chunk's collective: never fewer than undecomposed. The count is chosen
+    # from measured costs ([Note: choosing the chunk count]): on the tiny model it is 1 (no two
+    # chunks' worth of compute to hide behind), so no more are required here; tests/parallel checks
+    # the decomposed collectives
+    assert collectives["tp"] >= collectives["tp-chunks1"] > 0, collectives
