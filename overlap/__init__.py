@@ -14,6 +14,7 @@ from overlap.collectives import (
     reduce_scatter_coalesced,
     wait,
 )
+from overlap.checkpoint import CheckpointLoadError, load_checkpoint
 from overlap.desync import DesyncError, debug, debug_enabled, set_debug
 from overlap.device_info import DeviceInfo, device_info
 from overlap.errors import CollectiveError, CollectiveTimeoutError, set_wait_timeout, wait_timeout
@@ -42,6 +43,7 @@ FSDPModule = ShardedModule
 
 __all__ = [
     "AsyncTensor",
+    "CheckpointLoadError",
     "CollectiveError",
     "CollectiveTimeoutError",
     "DesyncError",
@@ -55,6 +57,7 @@ __all__ = [
     "Wrapped",
     "full_state_dict",
     "fully_shard",
+    "load_checkpoint",
     "load_full_state_dict",
     "local_optimizer_step_enabled",
     "no_overlap",
