@@ -84,6 +84,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
 from overlap import desync, local_optimizer_step, optimizer_check
+from overlap.finite_check import NonFiniteError
 from overlap.class_swap import swapped_class
 from overlap.fsdp_module import FSDPModuleMethods
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
@@ -169,6 +170,7 @@ class ShardState:
         self.regions = ModuleRegions.named(fqn)
         if self.group is not None:
             self.group.regions = self.regions
+            self.group.module_fqn = fqn
 
     def reset_backward_tracking(self) -> None:
         """Forget this step's forward calls (see [Note: a group is reduced when its backward is done])."""
@@ -544,7 +546,8 @@ class _Root:
             with region(state.regions.reduce_scatter):
                 if state.max_inflight_bytes is not None:
                     self._admit(group.reduce_bytes(), state.max_inflight_bytes)
-                pending = group.issue_reduce()
+                with self._abandon_step_on_non_finite():
+                    pending = group.issue_reduce()
                 if pending is not None:
                     self._track(pending.work)
                     if pending.needs_all_reduce and (pending.work is None or pending.rs_output.is_cuda
@@ -597,15 +600,26 @@ class _Root:
         if done:
             del self._pending_reduces[:done]
 
+    @contextlib.contextmanager
+    def _abandon_step_on_non_finite(self) -> Iterator[None]:
+        """A ``NonFiniteError`` (``overlap.finite_check``) ends the step: the sharded parameters are
+        registered again, as between steps, before it propagates out of backward."""
+        try:
+            yield
+        except NonFiniteError:
+            self._finish_step()
+            raise
+
     def _end_backward(self) -> None:
         with region(self.owner.regions.end_backward), torch.no_grad():
             self._flush_reduces(final=True)
             for state, pending in self._pending_reduces:
                 if pending.needs_all_reduce:
                     self._all_reduce(state, pending)
-            for state, pending in self._pending_reduces:
-                assert state.group is not None
-                state.group.finish_reduce(pending)
+            with self._abandon_step_on_non_finite():
+                for state, pending in self._pending_reduces:
+                    assert state.group is not None
+                    state.group.finish_reduce(pending)
             if self._reduce_events:
                 current = torch.cuda.current_stream()
                 for event in self._reduce_events:  # the gradients were written on the reduce-scatter stream

@@ -391,6 +391,9 @@ MATRIX: dict[str, Bad] = {
     "set_debug on not a bool": Bad(lambda e: overlap.set_debug("yes"), TypeError, "on", "True, False or None"),
     "set_local_optimizer_step on not a bool": Bad(lambda e: overlap.set_local_optimizer_step(1), TypeError, "on",
                                                   "True, False or None"),
+    "set_check_finite on not a bool": Bad(lambda e: overlap.set_check_finite(1), TypeError, "on",
+                                          "True, False or None"),
+    "check_finite on not a bool": Bad(lambda e: _enter(overlap.check_finite("yes")), TypeError, "on", "True or False"),
     "debug on not a bool": Bad(lambda e: _enter(overlap.debug(1)), TypeError, "on", "True, False or None"),
     "set_wait_timeout negative": Bad(lambda e: overlap.set_wait_timeout(-1.0), ValueError, "timeout",
                                      "a number of seconds or a datetime.timedelta, from 0.001 s (1 ms) to 1e+09 s"),
@@ -583,7 +586,7 @@ def test_every_public_name_has_a_row() -> None:
                     "local_optimizer_step_enabled",
                     "wait", "wait_tensor", "is_pending",  # take any object (non-tensors pass through)
                     "AsyncTensor", "Completion", "Schedule", "ShardedModule", "FSDPModule", "UnshardHandle", "OptimizerInBackward", "DeviceInfo", "Profiler",
-                    "CollectiveError", "CollectiveTimeoutError", "DesyncError", "CheckpointLoadError", "ScheduleMismatchError"}
+                    "CollectiveError", "CollectiveTimeoutError", "DesyncError", "CheckpointLoadError", "NonFiniteError", "check_finite_enabled", "ScheduleMismatchError"}
     # The types are built (or raised) by the library itself, and ``*_ref`` are the plain-torch
     # references.
     covered = " ".join(MATRIX) + " " + " ".join(MATRIX_2_RANKS)
