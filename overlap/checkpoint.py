@@ -143,9 +143,11 @@ def load_checkpoint(
                 _local(value).copy_(_local(new))
             else:
                 _set_path(resolved, paths[key], new)
-    for key, value in state_dict.items():
+    for key, value in state_dict.items():  # as dcp.load does
         if isinstance(value, Stateful):
             value.load_state_dict(resolved[key])
+        else:
+            state_dict[key] = resolved[key]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -515,17 +515,17 @@ class ParamGroup:
         hsdp = self.replicas > 1
         if self.world_size == 1:
             return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp,
-                                 finite=self._start_finite_check(rs_input, False))
+                                 finite=self._start_finite_check(rs_input, False) if finite_check.SWITCH.on else None)
         rs_output = torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device)
         work = reduce_scatter_into(rs_output, rs_input, self.info)
         return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp,
-                             finite=self._start_finite_check(rs_input, True))
+                             finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None)
 
     def _start_finite_check(self, rs_input: torch.Tensor, over_shards: bool) -> Optional[finite_check.FiniteCheck]:
-        """The finite check, if on (one flag read when off): this rank's largest |gradient| in its
-        slot of the flags, all-reduced over the shard group right behind the reduce-scatter
-        (``over_shards``); see ``overlap.finite_check``."""
-        if not (finite_check.SWITCH.on and finite_check.SWITCH.resolve()):
+        """The finite check (called when ``SWITCH.on``: None if it turns out off): this rank's largest
+        |gradient| in its slot of the flags, all-reduced over the shard group right behind the
+        reduce-scatter (``over_shards``); see ``overlap.finite_check``."""
+        if not finite_check.SWITCH.resolve():
             return None
         self.checked_reductions += 1
         replica = self.replicate.rank if self.replicate is not None else 0
@@ -542,8 +542,7 @@ class ParamGroup:
         """Wait for the finite check's flags; raise ``NonFiniteError`` on every rank if any rank's
         gradients were not finite, naming this rank's parameters when it is among them."""
         check = pending.finite
-        if check is None:
-            return
+        assert check is not None
         pending.finite = None
         if check.work is not None:
             check.work.wait()
@@ -634,7 +633,8 @@ class ParamGroup:
     def finish_reduce(self, pending: PendingReduce) -> None:
         """Wait for the reduce-scatter; average, cast and add the result into the sharded ``.grad``s.
         With the finite check on, raise ``NonFiniteError`` first if a rank's gradients were not finite."""
-        self._raise_if_non_finite(pending)
+        if pending.finite is not None:
+            self._raise_if_non_finite(pending)
         targets, accumulate = self._grads_for(pending)
         self._copy_out_reduced(pending, targets, accumulate)
         with _NoGrad():

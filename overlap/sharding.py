@@ -546,8 +546,11 @@ class _Root:
             with region(state.regions.reduce_scatter):
                 if state.max_inflight_bytes is not None:
                     self._admit(group.reduce_bytes(), state.max_inflight_bytes)
-                with self._abandon_step_on_non_finite():
+                try:  # (no cost when nothing is raised)
                     pending = group.issue_reduce()
+                except NonFiniteError:  # the step ends here: sharded parameters registered again, as between steps
+                    self._finish_step()
+                    raise
                 if pending is not None:
                     self._track(pending.work)
                     if pending.needs_all_reduce and (pending.work is None or pending.rs_output.is_cuda
@@ -600,26 +603,19 @@ class _Root:
         if done:
             del self._pending_reduces[:done]
 
-    @contextlib.contextmanager
-    def _abandon_step_on_non_finite(self) -> Iterator[None]:
-        """A ``NonFiniteError`` (``overlap.finite_check``) ends the step: the sharded parameters are
-        registered again, as between steps, before it propagates out of backward."""
-        try:
-            yield
-        except NonFiniteError:
-            self._finish_step()
-            raise
-
     def _end_backward(self) -> None:
         with region(self.owner.regions.end_backward), torch.no_grad():
             self._flush_reduces(final=True)
             for state, pending in self._pending_reduces:
                 if pending.needs_all_reduce:
                     self._all_reduce(state, pending)
-            with self._abandon_step_on_non_finite():
+            try:
                 for state, pending in self._pending_reduces:
                     assert state.group is not None
                     state.group.finish_reduce(pending)
+            except NonFiniteError:  # as in _reduce
+                self._finish_step()
+                raise
             if self._reduce_events:
                 current = torch.cuda.current_stream()
                 for event in self._reduce_events:  # the gradients were written on the reduce-scatter stream

@@ -40,11 +40,11 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     opt.zero_grad()
 
 
-def _state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def _state_dict(model: nn.Module, opt: torch.optim.Optimizer, step: int = 0) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, opt)
-    return {"model": model_sd, "optim": optim_sd}
+    return {"model": model_sd, "optim": optim_sd, "step": step}  # a non-tensor value too
 
 
 def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -106,7 +106,7 @@ def _rank(rank: int, world: int, root: str) -> dict[str, Any]:
 
     good = os.path.join(root, "good")
     saved_model, saved_opt = _trained()
-    dcp.save(_state_dict(saved_model, saved_opt), checkpoint_id=good)
+    dcp.save(_state_dict(saved_model, saved_opt, step=7), checkpoint_id=good)
     saved = _snapshot(saved_model, saved_opt)
 
     model, opt = _trained()
@@ -155,6 +155,7 @@ def _rank(rank: int, world: int, root: str) -> dict[str, Any]:
 
     ours = _state_dict(model, opt)
     overlap.load_checkpoint(ours, checkpoint_id=good)
+    out["step_loaded"] = ours["step"]
     set_state_dict(model, opt, model_state_dict=ours["model"], optim_state_dict=ours["optim"])
     theirs = _state_dict(twin, twin_opt)
     dcp.load(theirs, checkpoint_id=good)
@@ -196,6 +197,7 @@ def _check(results: list[dict[str, Any]], world: int) -> None:
             if rank in failed:  # the failing rank says why; the others name it
                 assert why in got["error"], (rank, name, got)
         assert not r["dcp_flipped_raises"], (rank, r)
+        assert r["step_loaded"] == 7, (rank, r["step_loaded"])  # a top-level non-tensor value, as dcp.load
         assert r["good_equals_dcp"] and r["good_equals_saved"] and r["trains_on_equal"], (rank, r)
         assert r["unstaged_flipped"]["error"] is None, (rank, r)  # staged=False is dcp.load: no check
 
