@@ -118,9 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         for world in (1, args.world_size):
             samples: dict[str, list[float]] = {mode: [] for mode in trees}
-            for _ in range(args.rounds):
-                for mode, tree in trees.items():
-                    samples[mode].append(_run(tree, mode, world, args))
+            order = list(trees)
+            for round_ in range(args.rounds):
+                for mode in order[round_ % len(order):] + order[:round_ % len(order)]:  # rotated: no order bias
+                    samples[mode].append(_run(trees[mode], mode, world, args))
             low = {mode: min(v) for mode, v in samples.items()}
             med = {mode: statistics.median(v) for mode, v in samples.items()}
             cells = [f"{low[m]:.0f} ({med[m]:.0f})" for m in trees]
