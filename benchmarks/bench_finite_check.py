@@ -5,10 +5,11 @@ batch of 8 rows; a step is ``zero_grad``, forward, ``sum()``, backward (no optim
 times each step with ``time.perf_counter`` (host time: on CPU that is all of it) and reports the
 median over ``--steps`` steps after ``--warmup``; a run's figure is the slowest rank's median, and a
 row shows the minimum over rounds (the least disturbed run: on a shared box other processes only
-add time) and the median. Three variants run side by side in each round, each in its own processes:
+add time) and the median. Three variants run side by side in each round, in an order rotated from round
+to round, each in its own processes:
 
-* ``before``: the tree at ``--before`` (a git revision, extracted with ``git archive``; default
-  ``HEAD~`` is wrong once more commits land, so name it), without the check;
+* ``before``: the tree at ``--before`` (a git revision without the check, extracted with ``git
+  archive``; omitted: no such column);
 * ``off``: this tree, check off (the default: one flag read per group per reduction);
 * ``on``: this tree, check on (one ``vector_norm`` over the packed gradients and one small all-reduce
   per group, epilogues at the end of backward, one host read of the flags per group).
