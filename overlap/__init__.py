@@ -14,9 +14,11 @@ from overlap.collectives import (
     reduce_scatter_coalesced,
     wait,
 )
+from overlap.checkpoint import CheckpointLoadError, load_checkpoint
 from overlap.desync import DesyncError, debug, debug_enabled, set_debug
 from overlap.device_info import DeviceInfo, device_info
 from overlap.errors import CollectiveError, CollectiveTimeoutError, set_wait_timeout, wait_timeout
+from overlap.finite_check import NonFiniteError, check_finite, check_finite_enabled, set_check_finite
 from overlap.fsdp_module import UnshardHandle
 from overlap.fsdp2_api import fully_shard
 from overlap.inflight_work import (
@@ -42,12 +44,14 @@ FSDPModule = ShardedModule
 
 __all__ = [
     "AsyncTensor",
+    "CheckpointLoadError",
     "CollectiveError",
     "CollectiveTimeoutError",
     "DesyncError",
     "DeviceInfo",
     "FSDPModule",
     "MixedPrecision",
+    "NonFiniteError",
     "OptimizerInBackward",
     "Profiler",
     "ShardedModule",
@@ -55,6 +59,7 @@ __all__ = [
     "Wrapped",
     "full_state_dict",
     "fully_shard",
+    "load_checkpoint",
     "load_full_state_dict",
     "local_optimizer_step_enabled",
     "no_overlap",
@@ -69,6 +74,8 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "check_finite",
+    "check_finite_enabled",
     "debug",
     "debug_enabled",
     "exclude_from_ddp",
@@ -79,6 +86,7 @@ __all__ = [
     "profile",
     "reduce_scatter",
     "reduce_scatter_coalesced",
+    "set_check_finite",
     "set_debug",
     "set_local_optimizer_step",
     "set_max_inflight_bytes",

@@ -100,6 +100,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Callable, Optional
 
 import torch
@@ -117,6 +118,7 @@ from kernels.all_gather_copy_in import _all_gather_copy_in
 from kernels.all_gather_copy_out import _all_gather_copy_out
 from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
 from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
+from overlap import finite_check
 from overlap.collectives import all_gather_into, all_reduce_into, reduce_scatter_into
 from overlap.groups import GroupInfo
 from overlap.inflight_work import InflightWork
@@ -154,6 +156,7 @@ class PendingReduce:
     layout: ShardLayout
     post_scale: Optional[float]  # applied by the copy-out (None: the average is already taken)
     needs_all_reduce: bool = False  # HSDP: the cross-replica all-reduce is still to be issued
+    finite: Optional[finite_check.FiniteCheck] = None  # the finite check's flags (overlap.finite_check), if on
 
 
 class ParamGroup:
@@ -183,6 +186,8 @@ class ParamGroup:
         """Per location, ``(module._parameters, name, parameter index)``: a module keeps its
         ``_parameters`` dict for life (registering and assigning parameters write into it)."""
         self.fqns = [locs[0].fqn for locs in locations]
+        self.module_fqn = ""  # the group's module, from the root (set with its regions' names)
+        self.checked_reductions = 0  # reductions while the finite check was on (its errors' step)
         self.tp_specs: list[Optional[DTensorSpec]] = [p._spec if isinstance(p, DTensor) else None for p in params]
         """Per parameter, its tensor-parallel DTensor spec (None: a plain parameter); see [Note:
         sharding tensor-parallel parameters]."""
@@ -493,6 +498,8 @@ class ParamGroup:
         if not indices or self.unsharded is None:
             return None
         if self.single_rank:
+            if finite_check.SWITCH.on and finite_check.SWITCH.resolve():
+                self._check_unsharded_grads(indices)
             self._move_grads_to_shards(indices)
             return None
         grads = []
@@ -508,10 +515,71 @@ class ParamGroup:
             rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype)
         hsdp = self.replicas > 1
         if self.world_size == 1:
-            return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp)
+            return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp,
+                                 finite=self._start_finite_check(rs_input, False) if finite_check.SWITCH.on else None)
         rs_output = torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device)
-        return PendingReduce(reduce_scatter_into(rs_output, rs_input, self.info, self.where), rs_output, indices, layout,
-                             post_scale, needs_all_reduce=hsdp)
+        work = reduce_scatter_into(rs_output, rs_input, self.info, self.where)
+        return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp,
+                             finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None)
+
+    def _start_finite_check(self, rs_input: torch.Tensor, over_shards: bool) -> Optional[finite_check.FiniteCheck]:
+        """The finite check (called when ``SWITCH.on``: None if it turns out off): this rank's largest
+        |gradient| in its slot of the flags, all-reduced over the shard group right behind the
+        reduce-scatter (``over_shards``); see ``overlap.finite_check``."""
+        if not finite_check.SWITCH.resolve():
+            return None
+        self.checked_reductions += 1
+        replica = self.replicate.rank if self.replicate is not None else 0
+        slot = replica * self.world_size + self.rank
+        if self.replicate is not None:  # the mesh is (replicate, shard): slots in row-major order
+            ranks = tuple(int(r) for r in self.mesh.mesh.flatten().tolist())
+        else:
+            ranks = tuple(self.info.global_rank(r) for r in range(self.world_size))
+        flags = finite_check.local_flags(rs_input, slot, self.data_parallel_size)
+        work = all_reduce_into(flags, self.info, self.where) if over_shards else None
+        return finite_check.FiniteCheck(flags, work, rs_input, slot, ranks, self.checked_reductions)
+
+    def _raise_if_non_finite(self, pending: PendingReduce) -> None:
+        """Wait for the finite check's flags; raise ``NonFiniteError`` on every rank if any rank's
+        gradients were not finite, naming this rank's parameters when it is among them."""
+        check = pending.finite
+        assert check is not None
+        pending.finite = None
+        if check.work is not None:
+            check.work.wait()
+        bad = finite_check.bad_slots(check.flags)
+        if not bad:
+            return
+        fqns: list[str] = []
+        if check.slot in bad:  # the slow path: which of this rank's parameters (any slot of the input)
+            layout, slots = pending.layout, check.packed.view(pending.layout.world_size, -1)
+            for j, i in enumerate(pending.indices):
+                values = [slots[r].narrow(0, layout.slot_offsets[j], layout.shard_numel(j, r))
+                          for r in range(layout.world_size)]
+                if not all(bool(torch.isfinite(v).all()) for v in values):
+                    fqns.append(self._full_fqn(i))
+        if check.slot in bad and not fqns:
+            fqns.append("(a padding element?)")  # cannot happen: the copy-in writes zeros there
+        finite_check.raise_non_finite(check, bad, fqns, self.module_fqn)
+
+    def _check_unsharded_grads(self, indices: tuple[int, ...]) -> None:
+        """World size 1: raise ``NonFiniteError`` before moving non-finite gradients to the shards."""
+        assert self.unsharded is not None
+        self.checked_reductions += 1
+        present = [(i, self.unsharded[i].grad) for i in indices if self.unsharded[i].grad is not None]
+        grads = [_local(g) for _, g in present if g.numel()]
+        if not grads:
+            return
+        norms = torch.stack(torch._foreach_norm(grads, math.inf))
+        if bool(torch.isfinite(norms).all()):
+            return
+        fqns = [self._full_fqn(i) for (i, _), n in zip([p for p in present if p[1].numel()], norms.tolist())
+                if not math.isfinite(n)]
+        check = finite_check.FiniteCheck(norms, None, norms, 0, (self.info.global_rank(0),), self.checked_reductions)
+        finite_check.raise_non_finite(check, [0], fqns, self.module_fqn)
+
+    def _full_fqn(self, index: int) -> str:
+        return f"{self.module_fqn}.{self.fqns[index]}" if self.module_fqn else self.fqns[index]
 
     def issue_all_reduce(self, pending: PendingReduce) -> InflightWork:
         """HSDP: sum the reduced shard over the replicas, in place in the reduce-scatter's output,
@@ -529,14 +597,22 @@ class ParamGroup:
             if rs_work is not None:
                 rs_work.wait()
             work = all_reduce_into(buffer, self.replicate, self.where)
+        check = pending.finite
+        if check is not None:  # the flags over the replicas too, right behind (same stream on CUDA)
+            if check.work is not None and buffer.device.type != "cuda":
+                check.work.wait()
+            with torch.cuda.stream(after) if buffer.device.type == "cuda" else contextlib.nullcontext():
+                check.work = all_reduce_into(check.flags, self.replicate, self.where)
         pending.work, pending.needs_all_reduce = work, False
         return work
 
     @property
     def finishes_early(self) -> bool:
         """May this group's reduce-scatter epilogue run before the end of backward? Not with 0-dim
-        parameters: their gradients are broadcast, a collective that must stay at a fixed place."""
-        return not self.scalar_indices
+        parameters: their gradients are broadcast, a collective that must stay at a fixed place; nor
+        with the finite check on, so every rank has issued the step's collectives when it raises
+        (``overlap.finite_check``)."""
+        return not self.scalar_indices and not finite_check.SWITCH.on
 
     def finish_reduce_on_stream(self, pending: PendingReduce) -> Optional["torch.cuda.Event"]:
         """CUDA: queue the epilogue (copy-out, scale, accumulate) on the reduce-scatter's own stream,
@@ -556,7 +632,10 @@ class ParamGroup:
             return stream.record_event()
 
     def finish_reduce(self, pending: PendingReduce) -> None:
-        """Wait for the reduce-scatter; average, cast and add the result into the sharded ``.grad``s."""
+        """Wait for the reduce-scatter; average, cast and add the result into the sharded ``.grad``s.
+        With the finite check on, raise ``NonFiniteError`` first if a rank's gradients were not finite."""
+        if pending.finite is not None:
+            self._raise_if_non_finite(pending)
         targets, accumulate = self._grads_for(pending)
         self._copy_out_reduced(pending, targets, accumulate)
         with _NoGrad():

@@ -86,6 +86,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from overlap import agreement, desync, errors, local_optimizer_step, optimizer_check
 from overlap.class_swap import swapped_class
+from overlap.finite_check import NonFiniteError
 from overlap.fsdp_module import FSDPModuleMethods
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
 from overlap.inflight_work import InflightWork
@@ -189,6 +190,7 @@ class ShardState:
         if self.group is not None:
             self.group.regions = self.regions
             self.group.where = fqn or "root"
+            self.group.module_fqn = fqn
 
     def reset_backward_tracking(self) -> None:
         """Forget this step's forward calls (see [Note: a group is reduced when its backward is done])."""
@@ -641,7 +643,11 @@ class _Root:
                 if state.max_inflight_bytes is not None:
                     held = self._admit(group.reduce_bytes(), state.max_inflight_bytes)
                 with held:
-                    pending = group.issue_reduce()
+                    try:  # (no cost when nothing is raised)
+                        pending = group.issue_reduce()
+                    except NonFiniteError:  # the step ends here: sharded parameters registered again, as between steps
+                        self._finish_step()
+                        raise
                 if pending is not None:
                     self._track(pending.work)
                     if pending.needs_all_reduce and (pending.work is None or pending.rs_output.is_cuda
@@ -700,9 +706,13 @@ class _Root:
             for state, pending in self._pending_reduces:
                 if pending.needs_all_reduce:
                     self._all_reduce(state, pending)
-            for state, pending in self._pending_reduces:
-                assert state.group is not None
-                state.group.finish_reduce(pending)
+            try:
+                for state, pending in self._pending_reduces:
+                    assert state.group is not None
+                    state.group.finish_reduce(pending)
+            except NonFiniteError:  # as in _reduce
+                self._finish_step()
+                raise
             if self._reduce_events:
                 current = torch.cuda.current_stream()
                 for event in self._reduce_events:  # the gradients were written on the reduce-scatter stream

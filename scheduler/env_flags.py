@@ -13,10 +13,11 @@ It lives in ``scheduler`` because ``scheduler`` must not import ``overlap`` and 
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
-__all__ = ["ON_VALUES", "OFF_VALUES", "EnvFlagError", "env_flag", "parse_flag"]
+__all__ = ["ON_VALUES", "OFF_VALUES", "EnvFlagError", "Switch", "env_flag", "parse_flag"]
 
 ON_VALUES: tuple[str, ...] = ("1", "true", "yes", "on")
 OFF_VALUES: tuple[str, ...] = ("0", "false", "no", "off", "")
@@ -63,3 +64,42 @@ def env_flag(name: str, default: bool = False, environ: Optional[Mapping[str, st
     if value is None:
         return default
     return parse_flag(name, value)
+
+
+class Switch:
+    """A process-wide on/off setting: set explicitly, or read from environment variable ``env`` when
+    first needed (not at import) and again after ``set(None)``.
+
+    Hot paths read ``switch.on`` (one attribute) and call :meth:`resolve` only when it is True:
+    ``on`` is True until the variable is read, then the setting (``if s.on and s.resolve(): ...``).
+    ``name`` is the public setter's name, used in its error messages.
+    """
+
+    def __init__(self, env: str, name: str, default: bool = False) -> None:
+        self.env, self.name, self.default = env, name, default
+        self.on = True
+        self._resolved = False
+        self._explicit: Optional[bool] = None
+
+    def resolve(self) -> bool:
+        """The setting; reads the variable if nothing has yet (raises :class:`EnvFlagError` for a bad value)."""
+        if not self._resolved:
+            self.on, self._resolved = env_flag(self.env, self.default), True
+        return self.on
+
+    def set(self, on: Optional[bool]) -> Optional[bool]:
+        """Set it (``None``: follow the variable again); returns the previous explicit setting."""
+        if on is not None and not isinstance(on, bool):
+            raise TypeError(f"{self.name}: on must be True, False or None, got {on!r}")
+        previous, self._explicit = self._explicit, on
+        self.on, self._resolved = (True, False) if on is None else (on, True)
+        return previous
+
+    @contextlib.contextmanager
+    def scoped(self, on: bool) -> Iterator[None]:
+        """On (or off) inside the block; the previous explicit setting is restored on exit."""
+        previous = self.set(on)
+        try:
+            yield
+        finally:
+            self.set(previous)

@@ -379,12 +379,23 @@ MATRIX: dict[str, Bad] = {
     "load_full_state_dict wrong shape": Bad(
         lambda e: overlap.load_full_state_dict(e.sharded, _sd(e, **{"0__weight": torch.zeros(3, 4)})),
         ValueError, "'0.weight' has shape (3, 4)", "the model expects (4, 3)"),
+    "load_checkpoint state_dict not a dict": Bad(lambda e: overlap.load_checkpoint([], checkpoint_id="c"), TypeError,
+                                                 "state_dict", "a dict (as dcp.load takes)"),
+    "load_checkpoint no checkpoint": Bad(lambda e: overlap.load_checkpoint(e.sharded.state_dict()), ValueError,
+                                         "checkpoint_id", "or storage_reader"),
+    "load_checkpoint reader not a reader": Bad(lambda e: overlap.load_checkpoint({}, storage_reader="c"), TypeError,
+                                               "storage_reader", "torch.distributed.checkpoint.StorageReader"),
+    "load_checkpoint staged not a bool": Bad(lambda e: overlap.load_checkpoint({}, checkpoint_id="c", staged=1),
+                                             TypeError, "staged", "bool"),
     "device_info with an argument": Bad(lambda e: overlap.device_info("cuda"), TypeError, "device_info()",
                                         "takes 0 positional arguments"),
     "profile enabled not a bool": Bad(lambda e: overlap.profile(enabled=1), TypeError, "enabled", "bool"),
     "set_debug on not a bool": Bad(lambda e: overlap.set_debug("yes"), TypeError, "on", "True, False or None"),
     "set_local_optimizer_step on not a bool": Bad(lambda e: overlap.set_local_optimizer_step(1), TypeError, "on",
                                                   "True, False or None"),
+    "set_check_finite on not a bool": Bad(lambda e: overlap.set_check_finite(1), TypeError, "on",
+                                          "True, False or None"),
+    "check_finite on not a bool": Bad(lambda e: _enter(overlap.check_finite("yes")), TypeError, "on", "True or False"),
     "debug on not a bool": Bad(lambda e: _enter(overlap.debug(1)), TypeError, "on", "True, False or None"),
     "set_wait_timeout negative": Bad(lambda e: overlap.set_wait_timeout(-1.0), ValueError, "timeout",
                                      "a number of seconds or a datetime.timedelta, from 0.001 s (1 ms) to 1e+09 s"),
@@ -577,7 +588,7 @@ def test_every_public_name_has_a_row() -> None:
                     "local_optimizer_step_enabled",
                     "wait", "wait_tensor", "is_pending",  # take any object (non-tensors pass through)
                     "AsyncTensor", "Completion", "Schedule", "ShardedModule", "FSDPModule", "UnshardHandle", "OptimizerInBackward", "DeviceInfo", "Profiler",
-                    "CollectiveError", "CollectiveTimeoutError", "DesyncError", "ScheduleMismatchError"}
+                    "CollectiveError", "CollectiveTimeoutError", "DesyncError", "CheckpointLoadError", "NonFiniteError", "check_finite_enabled", "ScheduleMismatchError"}
     # The types are built (or raised) by the library itself, and ``*_ref`` are the plain-torch
     # references.
     covered = " ".join(MATRIX) + " " + " ".join(MATRIX_2_RANKS)

@@ -75,3 +75,26 @@ def test_overlap_debug_uses_the_same_parser(text: str, expected: bool, monkeypat
     finally:
         monkeypatch.delenv(desync.DEBUG_ENV)
         overlap.set_debug(previous)
+
+
+def test_a_switch_reads_its_variable_when_first_needed_and_after_set_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    from scheduler.env_flags import Switch
+
+    switch = Switch("OVERLAP_TEST_SWITCH", "set_test_switch")
+    monkeypatch.setenv("OVERLAP_TEST_SWITCH", "yes")
+    assert switch.on  # not read yet: on, so that hot paths call resolve()
+    monkeypatch.setenv("OVERLAP_TEST_SWITCH", "off")
+    assert switch.resolve() is False and switch.on is False  # read now, not at construction
+    monkeypatch.setenv("OVERLAP_TEST_SWITCH", "on")
+    assert switch.resolve() is False  # read once
+    assert switch.set(True) is None and switch.on is True
+    with switch.scoped(False):
+        assert switch.resolve() is False
+    assert switch.resolve() is True  # the explicit setting restored
+    assert switch.set(None) is True and switch.resolve() is True  # follows the variable again: on
+    monkeypatch.setenv("OVERLAP_TEST_SWITCH", "of")
+    switch.set(None)
+    with pytest.raises(EnvFlagError, match="OVERLAP_TEST_SWITCH must be one of .*got 'of'"):
+        switch.resolve()
+    with pytest.raises(TypeError, match="set_test_switch: on must be True, False or None, got 1"):
+        switch.set(1)  # type: ignore[arg-type]
