@@ -35,8 +35,10 @@ the gather is issued. gloo reads the input later, on its worker thread (``_allga
 attention split in 2 chunks, ``buf17 = reinterpret_tensor(buf4, ...); del buf4  # reuse`` came right
 after the first chunk's wait, and the kernel writing ``buf17`` overwrote the rows the second chunk's
 gather was still sending; that chunk's rows of q, k, v and every gradient behind them came out
-wrong in 60-64 of 200 compiled steps (2 ranks; none on torch 2.13, whose code only dropped the
-reference). A ``del`` alone is harmless (the work holds a reference); an in-place reuse is not.
+wrong in 19-64 of 200 compiled steps (2 ranks, the rate varying with the box's load; none on torch
+2.13, whose code only dropped the reference). Rank 0's output could still be right (causal
+attention: its sequence block reads no later rows) while its gradients were not, as in the CI
+failure (``x.grad`` wrong, the output checked before it right). A ``del`` alone is harmless (the work holds a reference); an in-place reuse is not.
 Hence :data:`SNAPSHOT_ALL_GATHER_OUT`: it copies the input at issue, on the caller's thread, and
 gathers the copy, which only the work holds (contract 2 of the design: a collective's input may be
 changed right after issue). It costs one copy of the shard (1/group size of the gathered bytes).
