@@ -44,7 +44,8 @@ def check_layout(op: str, layout: object) -> None:
 
 PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _DEVICE = operator.attrgetter("device")
-_DTYPE = operator.attrgetter("dtype")
+DTYPE = operator.attrgetter("dtype")
+"""A tensor's dtype, read at C speed by ``map`` (also the pointer-table key's reader in ``kernels._launch``)."""
 _SHAPE = operator.attrgetter("shape")
 _SUPPORTED_DTYPES = frozenset(TRITON_DTYPES)
 
@@ -58,7 +59,14 @@ def dtypes_of(tensors: Sequence[torch.Tensor]) -> set[torch.dtype]:
     """The distinct dtypes of ``tensors`` (one C-level pass; a loop Dynamo can trace while it traces)."""
     if torch.compiler.is_compiling():
         return {t.dtype for t in tensors}
-    return set(map(_DTYPE, tensors))
+    return set(map(DTYPE, tensors))
+
+
+def dtypes_in_order(tensors: Sequence[torch.Tensor]) -> tuple[torch.dtype, ...]:
+    """Each tensor's dtype, in order (one C-level pass; a loop Dynamo can trace while it traces)."""
+    if torch.compiler.is_compiling():
+        return tuple(t.dtype for t in tensors)
+    return tuple(map(DTYPE, tensors))
 
 
 def _all_fine(
@@ -136,14 +144,19 @@ def common_dtype(op: str, name: str, dtypes: set[torch.dtype]) -> torch.dtype:
     return next(iter(dtypes))
 
 
-def check_dtype_groups(op: str, name: str, tensors: Sequence[torch.Tensor]) -> set[torch.dtype]:
-    """At most ``MAX_DTYPE_GROUPS`` dtypes in ``tensors``; returns the distinct dtypes."""
-    dtypes = dtypes_of(tensors)
+def check_dtype_groups(
+    op: str, name: str, tensors: Sequence[torch.Tensor]
+) -> tuple[tuple[torch.dtype, ...], set[torch.dtype]]:
+    """At most ``MAX_DTYPE_GROUPS`` dtypes in ``tensors``; returns each tensor's dtype in order (what
+    the launch keys its pointer table on: an op hands it to its launcher, which then does not read
+    the dtypes again) and the distinct dtypes."""
+    ordered = dtypes_in_order(tensors)
+    dtypes = set(ordered)
     if len(dtypes) > MAX_DTYPE_GROUPS:
         raise ValueError(
             f"{op}: {name} mixes {len(dtypes)} dtypes, at most {MAX_DTYPE_GROUPS} per call are supported"
         )
-    return dtypes
+    return ordered, dtypes
 
 
 def check_scale(op: str, name: str, value: object) -> None:

@@ -37,7 +37,8 @@ Launches pass ``enable_fp_fusion=False`` so that scale-then-accumulate rounds li
 On a GPU the host time of an op is what the overlap must hide behind, and a group has hundreds of
 small parameters. Per call, a launch reads each tensor twice, by C-level ``map`` passes with no
 Python bytecode per tensor: its data address and its dtype (the pointer-table key; the public ops'
-checks add one pass per rule, [Note: checks at C speed] in ``kernels._checks``). Everything else
+checks add one pass per rule, [Note: checks at C speed] in ``kernels._checks``, and hand the
+dtypes they read to the launch, which then reads only the addresses). Everything else
 is per layout or per key: the block table, the shapes the checks compare against, the pointer
 table of an address set seen before (its device copy included), the dtype groups and the vector
 width. A cached pointer table is a pure function of its key, so a stale entry cannot exist: a
@@ -50,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 import os
 from collections.abc import Iterator, Sequence
 
@@ -60,13 +60,13 @@ import triton
 import triton.language as tl
 
 from kernels import table_memory
+from kernels._checks import DTYPE
 from kernels._dtypes import MAX_DTYPE_GROUPS, TRITON_DTYPES, as_float32, compute_dtype
 from kernels._jit import INTERPRET
 from kernels.layout import ShardLayout
 
 POINTER_CACHE_SIZE = 64
 _DATA_PTR = torch.Tensor.data_ptr
-_DTYPE = operator.attrgetter("dtype")
 GPU_MAX_BLOCK = 4096
 INTERPRET_MAX_BLOCK = 1 << 16  # the interpreter pays per program, not per element
 
@@ -195,11 +195,14 @@ def block_table(layout: ShardLayout, rank: int | None, pad: bool, device: torch.
     return table
 
 
-def pointer_table(layout: ShardLayout, tensors: Sequence[torch.Tensor], device: torch.device) -> PointerTable:
+def pointer_table(layout: ShardLayout, tensors: Sequence[torch.Tensor], device: torch.device,
+                  dtypes: tuple[torch.dtype, ...] | None = None) -> PointerTable:
     """Addresses and dtype groups of ``tensors`` (contiguous, checked); the key is read by two
-    C-level passes over the list ([Note: host cost of a launch])."""
+    C-level passes over the list ([Note: host cost of a launch]), one when the caller's checks
+    hand over ``dtypes`` (each tensor's, in order)."""
     addresses = tuple(map(_DATA_PTR, tensors))
-    dtypes = tuple(map(_DTYPE, tensors))
+    if dtypes is None:
+        dtypes = tuple(map(DTYPE, tensors))
     key = ("pointers", device, addresses, dtypes)
     table = layout._device_cache.get(key)
     if table is not None:
@@ -261,13 +264,15 @@ def kernel_call(
     args: Sequence[object],
     constexprs: dict[str, object],
     destinations: Sequence[torch.dtype] | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> KernelCall:
     """``kernel`` over ``layout``'s runs for ``rank`` (``None``: all ranks; ``pad``: blocks cover the
     padding too) with the parameter-side ``tensors`` (contiguous), on the device of ``args[0]`` (the
     flat buffer). ``VEC`` is set from ``destinations``, the dtypes the kernel writes (``None``: the
-    ``tensors``' own)."""
+    ``tensors``' own). ``dtypes``: the ``tensors``' dtypes in order when the caller's checks read them
+    (``None``: read here)."""
     device = args[0].device
-    pointers = pointer_table(layout, tensors, device)
+    pointers = pointer_table(layout, tensors, device, dtypes)
     vec = vector_width(pointers.torch_dtypes if destinations is None else destinations)
     return KernelCall(kernel, block_table(layout, rank, pad, device), pointers, tuple(tensors), tuple(args),
                       {**constexprs, "VEC": vec})
@@ -282,13 +287,14 @@ def scaled_kernel_call(
     flat: torch.Tensor,
     scale: float | None,
     destinations: Sequence[torch.dtype] | None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
     **constexprs: object,
 ) -> KernelCall:
     """``kernel_call`` for a kernel taking ``(flat, scale)``: the scale (``None``: none) rounded to
     float32 and applied in the compute dtype of ``flat`` and ``tensors``; ``destinations``: the
-    dtypes it writes (``None``: the ``tensors``' own)."""
+    dtypes it writes (``None``: the ``tensors``' own); ``dtypes`` as for ``kernel_call``."""
     call = kernel_call(kernel, layout, rank, pad, tensors, (flat, 1.0 if scale is None else as_float32(scale)),
-                       constexprs, destinations)
+                       constexprs, destinations, dtypes)
     compute = compute_dtype([flat.dtype, *call.pointers.torch_dtypes])
     call.constexprs.update(COMPUTE=TRITON_DTYPES[compute], HAS_SCALE=scale is not None)
     return call

@@ -74,26 +74,27 @@ def _all_gather_copy_in_kernel(
 # -------------------------------------------------------------------- checks, API, torch.library op
 def _check(
     shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype | None
-) -> tuple[torch.device, torch.dtype]:
+) -> tuple[torch.device, torch.dtype, tuple[torch.dtype, ...]]:
+    """(device, buffer dtype, each shard's dtype in order: the launch's pointer-table key)."""
     _checks.check_layout(OP, layout)
     _checks.check_rank(OP, rank, layout)
     device = _checks.check_tensors(OP, "shards", shards, layout.shard_shape_tuple(rank))
-    dtypes = _checks.check_dtype_groups(OP, "shards", shards)
+    ordered, dtypes = _checks.check_dtype_groups(OP, "shards", shards)
     if dtype is None:
         dtype = _checks.common_dtype(OP, "shards", dtypes)
     _checks.check_dtype(OP, "dtype", dtype)
-    return device, dtype
+    return device, dtype, ordered
 
 
 def all_gather_copy_in(
     shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack ``shards`` (this rank's) into a new all-gather buffer; returns ``(ag_input, ag_output)``."""
-    _, dtype = _check(shards, layout, rank, dtype)
+    _, dtype, ordered = _check(shards, layout, rank, dtype)
     if library.use_dispatcher(shards):
         ag_output = torch.ops.overlap.all_gather_copy_in(list(shards), list(layout.spec), rank, dtype)
         return ag_output.view(layout.world_size, layout.slot_numel)[rank], ag_output
-    return _all_gather_copy_in(shards, layout, rank, dtype)
+    return _all_gather_copy_in(shards, layout, rank, dtype, ordered)
 
 
 @torch.library.custom_op("overlap::all_gather_copy_in", mutates_args=(), tags=library.CUDAGRAPH_UNSAFE_TAGS)
@@ -101,36 +102,39 @@ def _all_gather_copy_in_op(
     shards: list[torch.Tensor], layout_spec: list[int], rank: int, dtype: Optional[torch.dtype]
 ) -> torch.Tensor:
     layout = library.layout(layout_spec)
-    _, dtype = _check(shards, layout, rank, dtype)
-    return _all_gather_copy_in(shards, layout, rank, dtype)[1]
+    _, dtype, ordered = _check(shards, layout, rank, dtype)
+    return _all_gather_copy_in(shards, layout, rank, dtype, ordered)[1]
 
 
 @_all_gather_copy_in_op.register_fake
 def _(shards, layout_spec, rank, dtype):
     layout = library.layout(layout_spec)
-    device, dtype = _check(shards, layout, rank, dtype)
+    device, dtype, _ = _check(shards, layout, rank, dtype)
     return torch.empty(layout.buffer_numel, dtype=dtype, device=device)
 
 
 # ------------------------------------------------------------------------------------------- launch
 def _all_gather_copy_in(
-    shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype
+    shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype,
+    dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op on checked arguments (``dtype`` given): the kernel, or the torch fallback."""
+    """The op on checked arguments (``dtype`` given; ``dtypes``: the shards' own, in order, when the
+    checks read them): the kernel, or the torch fallback."""
     device = shards[0].device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
             return _all_gather_copy_in_torch(shards, layout, rank, dtype, device)
     ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]
-    _kernel_call(list(map(torch.Tensor.contiguous, shards)), layout, rank, ag_input).launch()
+    _kernel_call(list(map(torch.Tensor.contiguous, shards)), layout, rank, ag_input, dtypes).launch()
     return ag_input, ag_output
 
 
-def _kernel_call(shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, ag_input: torch.Tensor) -> _launch.KernelCall:
+def _kernel_call(shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, ag_input: torch.Tensor,
+                 dtypes: tuple[torch.dtype, ...] | None = None) -> _launch.KernelCall:
     """The launch that fills ``ag_input`` (this rank's slot) from contiguous ``shards``."""
     return _launch.kernel_call(_all_gather_copy_in_kernel, layout, rank, True, shards, (ag_input,), {},
-                               destinations=(ag_input.dtype,))
+                               destinations=(ag_input.dtype,), dtypes=dtypes)
 
 
 # ------------------------------------------------------------------------------ fallback, reference

@@ -68,17 +68,21 @@ def _all_gather_copy_out_kernel(
 
 
 # -------------------------------------------------------------------- checks, API, torch.library op
-def _check(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor] | None, dtype: torch.dtype | None) -> None:
+def _check(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor] | None,
+           dtype: torch.dtype | None) -> tuple[torch.dtype, ...] | None:
+    """Each of ``outs``' dtypes in order (the launch's pointer-table key), None without ``outs``."""
     _checks.check_layout(OP, layout)
     device = _checks.check_flat(OP, "ag_output", ag_output, layout.buffer_numel, None)
     if dtype is not None:
         _checks.check_dtype(OP, "dtype", dtype)
     if outs is not None:
         _checks.check_tensors(OP, "outs", outs, layout.shapes, device, writable=True)
-        dtypes = _checks.check_dtype_groups(OP, "outs", outs)
+        ordered, dtypes = _checks.check_dtype_groups(OP, "outs", outs)
         if dtype is not None and dtypes != {dtype}:
             i = next(i for i, out in enumerate(outs) if out.dtype != dtype)
             raise TypeError(f"{OP}: outs[{i}] has dtype {outs[i].dtype}, expected dtype={dtype}")
+        return ordered
+    return None
 
 
 def _allocate(ag_output: torch.Tensor, layout: ShardLayout, dtype: torch.dtype | None) -> list[torch.Tensor]:
@@ -93,21 +97,20 @@ def all_gather_copy_out(
     dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """Scatter the gathered ``ag_output`` into full parameters (``outs``, or new tensors); returns them."""
-    _check(ag_output, layout, outs, dtype)
+    ordered = _check(ag_output, layout, outs, dtype)
     outs = _allocate(ag_output, layout, dtype) if outs is None else list(outs)
     if library.use_dispatcher([ag_output, *outs]):
         library.check_compiled_views(OP, "outs", outs)
         torch.ops.overlap.all_gather_copy_out(ag_output, list(layout.spec), outs)
     else:
-        _all_gather_copy_out(ag_output, layout, outs)
+        _all_gather_copy_out(ag_output, layout, outs, ordered)
     return outs
 
 
 @torch.library.custom_op("overlap::all_gather_copy_out", mutates_args=("outs",), tags=library.CUDAGRAPH_UNSAFE_TAGS)
 def _all_gather_copy_out_op(ag_output: torch.Tensor, layout_spec: list[int], outs: list[torch.Tensor]) -> None:
     layout = library.layout(layout_spec)
-    _check(ag_output, layout, outs, None)
-    _all_gather_copy_out(ag_output, layout, outs)
+    _all_gather_copy_out(ag_output, layout, outs, _check(ag_output, layout, outs, None))
 
 
 @_all_gather_copy_out_op.register_fake
@@ -116,19 +119,23 @@ def _(ag_output, layout_spec, outs):
 
 
 # ------------------------------------------------------------------------------------------- launch
-def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor]) -> None:
-    """The op on checked arguments (``outs`` given): the kernel, or the torch fallback."""
+def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor],
+                         dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """The op on checked arguments (``outs`` given; ``dtypes``: their own, in order, when the checks
+    read them): the kernel, or the torch fallback."""
     if not _launch.triton_enabled(ag_output.device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
             _all_gather_copy_out_torch(ag_output, layout, outs)
         return
-    _kernel_call(ag_output, layout, outs).launch()
+    _kernel_call(ag_output, layout, outs, dtypes).launch()
     _launch.increment_version(outs)
 
 
-def _kernel_call(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor]) -> _launch.KernelCall:
+def _kernel_call(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor],
+                 dtypes: tuple[torch.dtype, ...] | None = None) -> _launch.KernelCall:
     """The launch that scatters ``ag_output`` into ``outs`` (contiguous)."""
-    return _launch.kernel_call(_all_gather_copy_out_kernel, layout, None, False, outs, (ag_output,), {})
+    return _launch.kernel_call(_all_gather_copy_out_kernel, layout, None, False, outs, (ag_output,), {},
+                               dtypes=dtypes)
 
 
 # ------------------------------------------------------------------------------ fallback, reference

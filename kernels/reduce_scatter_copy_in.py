@@ -82,17 +82,18 @@ def _reduce_scatter_copy_in_kernel(
 # -------------------------------------------------------------------- checks, API, torch.library op
 def _check(
     grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype | None
-) -> tuple[torch.device, torch.dtype]:
+) -> tuple[torch.device, torch.dtype, tuple[torch.dtype, ...]]:
+    """(device, buffer dtype, each grad's dtype in order: the launch's pointer-table key)."""
     _checks.check_layout(OP, layout)
     device = _checks.check_tensors(OP, "grads", grads, layout.shapes)
-    dtypes = _checks.check_dtype_groups(OP, "grads", grads)
+    ordered, dtypes = _checks.check_dtype_groups(OP, "grads", grads)
     if dtype is None:
         dtype = _checks.common_dtype(OP, "grads", dtypes)
     _checks.check_dtype(OP, "dtype", dtype)
     _checks.check_scale(OP, "pre_scale", pre_scale)
     if pre_scale is not None:
         _checks.check_floating(OP, "pre_scale", {dtype} | dtypes)
-    return device, dtype
+    return device, dtype, ordered
 
 
 def reduce_scatter_copy_in(
@@ -102,10 +103,10 @@ def reduce_scatter_copy_in(
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Pack full ``grads`` rank-major into a new reduce-scatter input (scaled, cast); returns it."""
-    _, dtype = _check(grads, layout, pre_scale, dtype)
+    _, dtype, ordered = _check(grads, layout, pre_scale, dtype)
     if library.use_dispatcher(grads):
         return torch.ops.overlap.reduce_scatter_copy_in(list(grads), list(layout.spec), pre_scale, dtype)
-    return _reduce_scatter_copy_in(grads, layout, pre_scale, dtype)
+    return _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, ordered)
 
 
 @torch.library.custom_op("overlap::reduce_scatter_copy_in", mutates_args=(), tags=library.CUDAGRAPH_UNSAFE_TAGS)
@@ -113,37 +114,40 @@ def _reduce_scatter_copy_in_op(
     grads: list[torch.Tensor], layout_spec: list[int], pre_scale: Optional[float], dtype: Optional[torch.dtype]
 ) -> torch.Tensor:
     layout = library.layout(layout_spec)
-    _, dtype = _check(grads, layout, pre_scale, dtype)
-    return _reduce_scatter_copy_in(grads, layout, pre_scale, dtype)
+    _, dtype, ordered = _check(grads, layout, pre_scale, dtype)
+    return _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, ordered)
 
 
 @_reduce_scatter_copy_in_op.register_fake
 def _(grads, layout_spec, pre_scale, dtype):
     layout = library.layout(layout_spec)
-    device, dtype = _check(grads, layout, pre_scale, dtype)
+    device, dtype, _ = _check(grads, layout, pre_scale, dtype)
     return torch.empty(layout.buffer_numel, dtype=dtype, device=device)
 
 
 # ------------------------------------------------------------------------------------------- launch
 def _reduce_scatter_copy_in(
-    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype
+    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype,
+    dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> torch.Tensor:
-    """The op on checked arguments (``dtype`` given): the kernel, or the torch fallback."""
+    """The op on checked arguments (``dtype`` given; ``dtypes``: the grads' own, in order, when the
+    checks read them): the kernel, or the torch fallback."""
     device = grads[0].device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
             return _reduce_scatter_copy_in_torch(grads, layout, pre_scale, dtype, device)
     rs_input = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
-    _kernel_call(list(map(torch.Tensor.contiguous, grads)), layout, pre_scale, rs_input).launch()
+    _kernel_call(list(map(torch.Tensor.contiguous, grads)), layout, pre_scale, rs_input, dtypes).launch()
     return rs_input
 
 
 def _kernel_call(
-    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, rs_input: torch.Tensor
+    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, rs_input: torch.Tensor,
+    dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> _launch.KernelCall:
     """The launch that packs contiguous ``grads`` into ``rs_input``."""
     return _launch.scaled_kernel_call(_reduce_scatter_copy_in_kernel, layout, None, True, grads, rs_input, pre_scale,
-                                      (rs_input.dtype,))
+                                      (rs_input.dtype,), dtypes)
 
 
 # ------------------------------------------------------------------------------ fallback, reference

@@ -88,18 +88,20 @@ def _check(
     rank: int,
     post_scale: float | None,
     accumulate: bool,
-) -> None:
+) -> tuple[torch.dtype, ...]:
+    """Each of ``shard_grads``' dtypes in order (the launch's pointer-table key)."""
     _checks.check_layout(OP, layout)
     _checks.check_rank(OP, rank, layout)
     device = _checks.check_flat(OP, "rs_output", rs_output, layout.slot_numel, None)
     _checks.check_tensors(OP, "shard_grads", shard_grads, layout.shard_shape_tuple(rank), device, writable=True)
-    dtypes = _checks.check_dtype_groups(OP, "shard_grads", shard_grads)
+    ordered, dtypes = _checks.check_dtype_groups(OP, "shard_grads", shard_grads)
     _checks.check_scale(OP, "post_scale", post_scale)
     if not isinstance(accumulate, bool):
         raise TypeError(f"{OP}: accumulate must be a bool, got {type(accumulate).__name__}")
     if post_scale is not None or accumulate:
         what = "post_scale" if post_scale is not None else "accumulate=True"
         _checks.check_floating(OP, what, {rs_output.dtype} | dtypes)
+    return ordered
 
 
 def reduce_scatter_copy_out(
@@ -111,14 +113,14 @@ def reduce_scatter_copy_out(
     accumulate: bool = False,
 ) -> None:
     """Write (or add) this rank's reduced slot, scaled and cast, into ``shard_grads`` in place."""
-    _check(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+    ordered = _check(rs_output, shard_grads, layout, rank, post_scale, accumulate)
     if library.use_dispatcher([rs_output, *shard_grads]):
         library.check_compiled_views(OP, "shard_grads", shard_grads)
         torch.ops.overlap.reduce_scatter_copy_out(
             rs_output, list(shard_grads), list(layout.spec), rank, post_scale, accumulate
         )
     else:
-        _reduce_scatter_copy_out(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+        _reduce_scatter_copy_out(rs_output, shard_grads, layout, rank, post_scale, accumulate, ordered)
 
 
 @torch.library.custom_op(
@@ -133,8 +135,8 @@ def _reduce_scatter_copy_out_op(
     accumulate: bool,
 ) -> None:
     layout = library.layout(layout_spec)
-    _check(rs_output, shard_grads, layout, rank, post_scale, accumulate)
-    _reduce_scatter_copy_out(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+    ordered = _check(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+    _reduce_scatter_copy_out(rs_output, shard_grads, layout, rank, post_scale, accumulate, ordered)
 
 
 @_reduce_scatter_copy_out_op.register_fake
@@ -150,14 +152,16 @@ def _reduce_scatter_copy_out(
     rank: int,
     post_scale: float | None,
     accumulate: bool,
+    dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> None:
-    """The op on checked arguments: the kernel, or the torch fallback."""
+    """The op on checked arguments (``dtypes``: the shard grads' own, in order, when the checks read
+    them): the kernel, or the torch fallback."""
     device = rs_output.device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
             _reduce_scatter_copy_out_torch(rs_output, shard_grads, layout, rank, post_scale, accumulate)
         return
-    _kernel_call(rs_output, shard_grads, layout, rank, post_scale, accumulate).launch()
+    _kernel_call(rs_output, shard_grads, layout, rank, post_scale, accumulate, dtypes).launch()
     _launch.increment_version(shard_grads)
 
 
@@ -168,10 +172,11 @@ def _kernel_call(
     rank: int,
     post_scale: float | None,
     accumulate: bool,
+    dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> _launch.KernelCall:
     """The launch that writes (or adds) ``rs_output`` into ``shard_grads`` (contiguous)."""
     return _launch.scaled_kernel_call(_reduce_scatter_copy_out_kernel, layout, rank, False, shard_grads, rs_output,
-                                      post_scale, None, ACCUMULATE=accumulate)
+                                      post_scale, None, dtypes, ACCUMULATE=accumulate)
 
 
 # ------------------------------------------------------------------------------ fallback, reference

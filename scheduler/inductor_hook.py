@@ -4,8 +4,9 @@ Inductor calls ``torch._inductor.config.post_grad_custom_post_pass`` on the post
 ``torch.fx.Graph`` (a Graph, not a GraphModule; Inductor recompiles afterwards) of every graph it
 compiles, forward and backward. :func:`install` puts an :class:`OverlapGraphPass` there; a pass the
 user had set runs first, then the overlap pass (scheduling goes last, after any rewrite), then the
-CPU all-gathers are routed through ``all_gather_into_tensor_out`` (``scheduler.cpu_all_gather``:
-gloo's coalesced all-gather cannot have two in flight).
+CPU all-gathers are routed through ``all_gather_into_tensor_out`` on a copy of their input
+(``scheduler.cpu_all_gather``: gloo's coalesced all-gather cannot have two in flight, and Inductor
+may reuse the out variant's input buffer before gloo has read it).
 :func:`uninstall` puts the previous value back. :func:`inductor_overlap` is the pair as a context
 manager. Installs nest: each ``uninstall`` undoes the latest ``install``.
 

@@ -166,9 +166,14 @@ class CollectiveGap:
     compute_before_wait: int
 
 
-_COLLECTIVE_LINE = re.compile(r"^(?:(\w+) = )?torch\.ops\._c10d_functional\.(\w+)\.default\((\w+)")
+# torch's functional collectives, and the CPU all-gather the hook emits (scheduler.cpu_all_gather:
+# torch's out variant on a snapshot of the input, its out buffer the last argument)
+_COLLECTIVE_LINE = re.compile(r"^(?:(\w+) = )?torch\.ops\."
+                              r"(?:_c10d_functional\.(\w+)|overlap\.(snapshot_all_gather_into_tensor_out))"
+                              r"\.default\((\w+)")
 _WAIT = "wait_tensor"
 _OUT_ARG = re.compile(r"\bout=(\w+)")
+_LAST_ARG = re.compile(r"(\w+)\)$")
 _COMPUTE_LINE = re.compile(r"^(?:\w+ = )?(?:extern_kernels\.\w+|cpp_fused_\w+|triton_\w+\.run|aten\.\w+)")
 
 
@@ -184,10 +189,10 @@ def collective_gaps(code: str) -> list[CollectiveGap]:
             break
         m = _COLLECTIVE_LINE.match(line)
         if m is not None:
-            assigned, op, first_arg = m.groups()
-            out = _OUT_ARG.search(line)
-            if op.endswith("_out") and out is not None:  # writes its out= buffer, which the wait reads
-                op, assigned = op.removesuffix("_out"), out.group(1)
+            assigned, op, snapshot, first_arg = m.groups()
+            out = _OUT_ARG.search(line) if snapshot is None else _LAST_ARG.search(line)
+            if (snapshot or op).endswith("_out") and out is not None:  # writes its out buffer, which the wait reads
+                op, assigned = "all_gather_into_tensor" if snapshot else op.removesuffix("_out"), out.group(1)
             if op == _WAIT:
                 if first_arg in pending:
                     issued_op, compute = pending.pop(first_arg)

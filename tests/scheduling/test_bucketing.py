@@ -179,7 +179,8 @@ def _compiled_values(rank: int, world: int) -> list[int]:
     for g, want in zip(got, program(xs, grads, w)):
         assert torch.equal(g, want)
     code = "\n".join(codes)
-    gathers = code.count("all_gather_into_tensor.default(") + code.count("all_gather_into_tensor_out.default(")
+    # CPU all-gathers compile to the snapshot gather (scheduler.cpu_all_gather)
+    gathers = code.count("all_gather_into_tensor.default(") + code.count("snapshot_all_gather_into_tensor_out.default(")
     return [gathers, code.count("reduce_scatter_tensor.default(")]
 
 

@@ -1,8 +1,12 @@
 """scheduler.cpu_all_gather: CPU all-gathers compiled under the hook go through
-``all_gather_into_tensor_out`` ([Note: gloo's coalesced all-gather with two in flight]).
+``all_gather_into_tensor_out`` ([Note: gloo's coalesced all-gather with two in flight]) on a copy of
+the input taken at issue ([Note: the out variant's input is snapshotted]).
 
 Hand-written graphs check the rewrite (structure; CPU values only; a symbolic size read from the
-input). A program compiled by Inductor with the hook on 2 gloo ranks, with three all-gathers in
+input). On 2 gloo ranks, an input overwritten right after issue, while gloo's worker threads are
+busy so that the gather reads its input late: torch's out variant sends the overwritten rows (the
+race this file's snapshot closes, shown so that the test is known to exercise it), the snapshot the
+original ones. A program compiled by Inductor with the hook on 2 gloo ranks, with three all-gathers in
 flight at once, static and dynamic shapes, checks the generated code and that the values are bit
 for bit the program compiled without the hook (and within 1e-5 of eager: Inductor's fused kernels
 round differently from ATen's); the ``slow`` test runs it for enough steps that the functional path
@@ -16,7 +20,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from scheduler.cpu_all_gather import ALL_GATHER_OUT, use_out_variant_on_cpu
+from scheduler.cpu_all_gather import ALL_GATHER_OUT, SNAPSHOT_ALL_GATHER_OUT, use_out_variant_on_cpu
 from scheduler.torch_versions import funcol_all_gather
 
 C10D = torch.ops._c10d_functional
@@ -39,12 +43,12 @@ def test_cpu_gathers_become_the_out_variant_in_place() -> None:
     g = _gather_graph("cpu")
     assert use_out_variant_on_cpu(g) == 1
     calls = [n for n in g.nodes if n.op == "call_function"]
-    assert [n.target for n in calls] == [torch.ops.aten.empty.memory_format, ALL_GATHER_OUT, WAIT]
+    assert [n.target for n in calls] == [torch.ops.aten.empty.memory_format, SNAPSHOT_ALL_GATHER_OUT, WAIT]
     empty, gather, wait = calls
-    assert gather.args[1:] == (2, "0") and gather.args[0].name == "x" and gather.kwargs == {"out": empty}
+    assert gather.args == (g.find_nodes(op="placeholder")[0], 2, "0", empty) and gather.kwargs == {}
     assert empty.args == ([8, 8],) and empty.kwargs["dtype"] == torch.float32
     assert empty.kwargs["device"] == torch.device("cpu")
-    assert wait.args == (gather,) and gather.meta["val"].shape == (8, 8)
+    assert wait.args == (empty,) and empty.meta["val"].shape == (8, 8)
     g.lint()
 
 
@@ -72,7 +76,7 @@ def test_symbolic_sizes_come_from_the_input() -> None:
     assert use_out_variant_on_cpu(g) == 1
     calls = [n for n in g.nodes if n.op == "call_function"]
     assert [n.target for n in calls] == [torch.ops.aten.sym_size.int, operator.mul,
-                                         torch.ops.aten.empty.memory_format, ALL_GATHER_OUT, WAIT]
+                                         torch.ops.aten.empty.memory_format, SNAPSHOT_ALL_GATHER_OUT, WAIT]
     size, times, empty = calls[:3]
     assert size.args == (x, 0) and times.args == (size, 2) and empty.args == ([times, 8],)
     g.lint()
@@ -108,7 +112,7 @@ def _three_in_flight(rank: int, world: int, steps: int, dynamic: bool = False) -
             same = same and torch.equal(compiled(short, w), plain(short, w))
     code = "\n".join(set(codes))
     return {"same": same, "close to eager": torch.allclose(got, program(xs, w), rtol=1e-5, atol=1e-5),
-            "out": code.count("all_gather_into_tensor_out.default("),
+            "out": code.count("snapshot_all_gather_into_tensor_out.default("),
             "functional": code.count("all_gather_into_tensor.default(")}
 
 
@@ -117,6 +121,44 @@ def _check(results: list[dict[str, object]]) -> None:
         assert r["same"], f"rank {rank}: values differ from the same program compiled without the hook"
         assert r["close to eager"], f"rank {rank}: compiled values not within 1e-5 of eager"
         assert (r["out"], r["functional"]) == (3, 0), f"rank {rank}: {r}"
+
+
+def _input_changed_after_issue(rank: int, world: int) -> dict[str, bool]:
+    """Per op: whether the gathered result holds every rank's input as it was at issue, when the caller
+    overwrites its input right after issue (what Inductor's buffer reuse did on torch 2.15) and rank 1
+    is late, so that rank 0's earlier all-reduces hold gloo's worker threads (2 by default) and its
+    gather waits in gloo's queue, input unread, until rank 1 comes."""
+    import time
+
+    import torch.distributed as dist
+
+    name = dist.group.WORLD.group_name
+    results = {}
+    for label, op in (("torch out variant", ALL_GATHER_OUT), ("snapshot", SNAPSHOT_ALL_GATHER_OUT)):
+        if rank == 1:
+            time.sleep(0.5)
+        blockers = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(8)]
+        x = torch.full((3, 5), float(rank + 1))
+        out = torch.empty(3 * world, 5)
+        if op is ALL_GATHER_OUT:
+            op(x, world, name, out=out)
+        else:
+            op(x, world, name, out)
+        x.fill_(-1.0)
+        for b in blockers:
+            b.wait()
+        C10D.wait_tensor.default(out)
+        results[label] = torch.equal(out, torch.arange(1.0, world + 1).repeat_interleave(3)[:, None].expand(-1, 5))
+    return results
+
+
+def test_input_overwritten_right_after_issue_does_not_change_the_gather(distributed) -> None:
+    """Contract 2 (a collective's input may be changed right after issue) for the gather the hook
+    emits; torch's out variant alone breaks it when gloo reads late, which this setup forces."""
+    for rank, r in enumerate(distributed(_input_changed_after_issue, 2, timeout=60)):
+        assert not r["torch out variant"], (
+            f"rank {rank}: race not exercised: torch's out variant read its input before the overwrite")
+        assert r["snapshot"], f"rank {rank}: the snapshot gather returned the overwritten input"
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

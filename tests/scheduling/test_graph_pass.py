@@ -238,6 +238,33 @@ def test_overlap_graph_works_on_a_bare_graph() -> None:
     assert [n.name for n in gm.graph.nodes].index("mm") < [n.name for n in gm.graph.nodes].index("wait")
 
 
+def _wait_that_feeds_a_collective() -> fx.GraphModule:
+    """Hypothesis' shrunk counterexample (torch 2.11 CI): two waits forced together, the later one
+    read by compute *and* by a collective that the trace put after that compute."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    ar0 = _call(g, C10D.all_reduce.default, x, "sum", "g0", name="ar0", val=_meta((4, 4)))
+    wait0 = _call(g, WAIT, ar0, name="wait0")
+    ar1 = _call(g, C10D.all_reduce.default, x, "sum", "g0", name="ar1", val=_meta((4, 4)))
+    wait1 = _call(g, WAIT, ar1, name="wait1")
+    add = _call(g, ATEN.add.Tensor, wait0, wait1, name="add")
+    ar2 = _call(g, C10D.all_reduce.default, wait1, "sum", "g1", name="ar2", val=_meta((4, 4)))
+    g.output((add, _call(g, ATEN.neg.default, _call(g, WAIT, ar2, name="wait2"), name="neg")))
+    return _module(g)
+
+
+def test_wait_that_feeds_a_collective_goes_first_and_the_order_is_a_fixed_point() -> None:
+    """The pass used to rank a wait by the original place of its first user; a collective user
+    is raised by the pass, so a second run ranked the waits differently (not a fixed point), and
+    the first run issued ``ar2`` only after waiting for ``ar0`` too, which ``ar2`` does not need."""
+    gm = _wait_that_feeds_a_collective()
+    overlap_pass(gm)
+    order = _names(gm)
+    assert order == ["x", "ar0", "ar1", "wait1", "ar2", "wait0", "add", "wait2", "neg", "output"]
+    overlap_pass(gm)
+    assert _names(gm) == order
+
+
 # -- bad input: unchanged, with the reason logged ---------------------------------------------
 
 def _bad_wait_on_compute(g: fx.Graph, x: fx.Node) -> Any:
