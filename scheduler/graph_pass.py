@@ -96,11 +96,14 @@ logger = logging.getLogger("scheduler")
 # A wait is emitted only when no compute is ready, and then the ready waits go one at a time. A
 # wait that a collective reads goes before those only compute reads: the collective is then
 # issued at once (collectives rise as soon as they are ready) and more compute can hide it.
-# Among the rest, the wait whose first user comes first in the input goes first. Ranking a wait
-# by the input place of a *collective* user alone made the pass depend on the place it moves
-# collectives away from: run again on its own output, where the collective sits right after the
-# wait, it ranked the waits differently (Hypothesis found it; pinned in test_graph_pass.py).
-# Whether a wait feeds a collective does not depend on the order, so a second run ranks them alike.
+# Among the rest, the oldest collective's result goes first (then a coalesced collective's results
+# in member order): collectives finish about in the order they were issued, so waiting for the
+# oldest costs least. Two earlier rankings made the pass depend on the order it produces, so that
+# run again on its own output it ranked the waits differently (Hypothesis found both; pinned in
+# test_graph_pass.py and test_properties_graph_pass.py): by the input place of a wait's collective
+# user (the pass moves collectives up), and by its first user's input place (the pass defers
+# compute that needs a pending wait behind compute that does not). Whether a wait feeds a
+# collective, and the order the collectives are issued in, come out the same on a second run.
 
 # A collective's result tensor, as waited on: (collective, None) or (coalesced collective, index).
 _ResultKey = tuple[torch.fx.Node, Optional[int]]
@@ -206,6 +209,7 @@ class _OrderBuilder:
         self.a = a
         self.budget = max_inflight_bytes
         self.order: list[torch.fx.Node] = []
+        self.issued_at: dict[torch.fx.Node, int] = {}  # a collective's place in ``order``
         self.emitted: set[torch.fx.Node] = set()
         # Results issued but not yet waited, in issue order, with their size (None: unknown).
         self.outstanding: dict[_ResultKey, Optional[int]] = {}
@@ -268,12 +272,11 @@ class _OrderBuilder:
         missing = [n.name for n in segment if n not in self.emitted]
         assert not missing, f"scheduler left nodes unscheduled: {missing}"
 
-    def _wait_priority(self, w: torch.fx.Node) -> tuple[int, int]:
+    def _wait_priority(self, w: torch.fx.Node) -> tuple[int, int, int]:
         """Which of the ready waits goes first (smallest first); see [Note: wait priority]."""
-        users = self.dependents[w]
-        feeds_collective = any(self.a.kind[u] == COLLECTIVE for u in users)
-        first_user = min((self.a.index[u] for u in users), default=len(self.a.nodes))
-        return (0 if feeds_collective else 1, first_user)
+        feeds_collective = any(self.a.kind[u] == COLLECTIVE for u in self.dependents[w])
+        collective, member = self.a.wait_key[w]
+        return (0 if feeds_collective else 1, self.issued_at[collective], member if member is not None else 0)
 
     def _push_ready(self, n: torch.fx.Node) -> None:
         kind, i = self.a.kind[n], self.a.index[n]
@@ -343,6 +346,8 @@ class _OrderBuilder:
             size = a.collective_bytes(n)
             if self.budget is not None and size is not None:
                 self._make_room(size)
+        if kind == COLLECTIVE:
+            self.issued_at[n] = len(self.order)
         self.order.append(n)
         self.emitted.add(n)
         if kind == COLLECTIVE:

@@ -60,9 +60,10 @@ def test_collective_rises_to_just_after_its_inputs() -> None:
     gm = _module(g)
     overlap_pass(gm)
     order = _names(gm)
-    # ar_x needs only a placeholder: first; ar_a right after mm, above the independent sin/cos.
+    # ar_x needs only a placeholder: first; ar_a right after mm, above the independent sin/cos;
+    # the older collective's wait first ([Note: wait priority]).
     assert order[:5] == ["x", "w", "ar_x", "a", "ar_a"]
-    assert order[5:] == ["b", "c", "wait_a", "wait_x", "out", "output"]
+    assert order[5:] == ["b", "c", "wait_x", "wait_a", "out", "output"]
     _check_topological(gm)
 
 
@@ -263,6 +264,31 @@ def test_wait_that_feeds_a_collective_goes_first_and_the_order_is_a_fixed_point(
     assert order == ["x", "ar0", "ar1", "wait1", "ar2", "wait0", "add", "wait2", "neg", "output"]
     overlap_pass(gm)
     assert _names(gm) == order
+
+
+def test_waits_of_a_deferred_reader_keep_their_order_on_a_second_run() -> None:
+    """Hypothesis' second counterexample (budget 0): ``add5`` reads ``w0`` and a later collective's
+    ``w2``, ``add6`` only ``w1``. The pass defers ``add5`` behind ``add6``, so ranking the waits by
+    their first user's place swapped ``w0`` and ``w1`` on a second run; the oldest result first
+    ([Note: wait priority]) keeps member order, a fixed point."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    pair = [_meta((4, 4)), _meta((4, 4))]
+    results = []
+    for k in range(3):
+        co = _call(g, C10D.all_reduce_coalesced.default, [x, x], "sum", "g0", name=f"co{k}", val=pair)
+        results.append([_call(g, WAIT, _call(g, operator.getitem, co, i, name=f"i{k}{i}"), name=f"w{2 * k + i}")
+                        for i in range(2)])
+    _call(g, ATEN.add.Tensor, results[0][0], results[1][0], name="add5")
+    add6 = _call(g, ATEN.add.Tensor, results[0][1], x, name="add6")
+    g.output((x, add6))
+    gm = _module(g)
+    overlap_pass(gm, max_inflight_bytes=0)
+    order = _names(gm)
+    assert order.index("w0") < order.index("w1")
+    overlap_pass(gm, max_inflight_bytes=0)
+    assert _names(gm) == order
+    _check_topological(gm)
 
 
 # -- bad input: unchanged, with the reason logged ---------------------------------------------
