@@ -125,7 +125,7 @@ def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[to
     if device.type == "cuda":
         check_device(device, f"overlap.{kind}", _bound_device(group))
     seq = desync.next_seq(group)
-    if desync.enabled:  # debug mode (one check when off): every rank is about to issue the same collective
+    if desync.SWITCH.on:  # debug mode (one check when off): every rank is about to issue the same collective
         desync.check(kind, seq, group, buffers, op, where)
     make_room(nbytes)  # the process-wide budget, if set (one check when not): [Note: the process-wide in-flight budget]
     with region(f"overlap::{kind}"):

@@ -74,7 +74,7 @@ import torch.distributed.distributed_c10d as c10d
 from overlap import arrivals
 from overlap.errors import collective_failure, timeout_for
 from overlap.regions import region
-from scheduler.env_flags import env_flag
+from scheduler.env_flags import Switch
 
 __all__ = ["DesyncError", "check", "debug", "debug_enabled", "fingerprint", "next_seq", "set_debug",
            "FINGERPRINT_BYTES", "DEBUG_ENV"]
@@ -83,11 +83,10 @@ DEBUG_ENV = "OVERLAP_DEBUG"
 FINGERPRINT_BYTES = 256  # the fixed size of one rank's encoded fingerprint in the check
 _HASH_HEX = 16
 
-enabled: bool = True
-"""Read by ``_issue`` (one check). True until the first collective resolves ``OVERLAP_DEBUG``
-(:func:`check` does that and returns at once when the variable says off); after that, the mode."""
-_resolved = False  # enabled reflects OVERLAP_DEBUG or set_debug, not the initial placeholder
-_explicit: Optional[bool] = None  # set_debug's setting; None: follow OVERLAP_DEBUG
+SWITCH = Switch(DEBUG_ENV, "set_debug")
+"""Debug mode. ``_issue`` reads ``SWITCH.on`` (one attribute): True until the first collective
+resolves ``OVERLAP_DEBUG`` (:func:`check` does that and returns at once when the variable says
+off); after that, the mode."""
 _seqs: dict[str, int] = {}
 _publishing = False  # overlap.arrivals publishes _seqs (started at the first collective)
 
@@ -107,44 +106,23 @@ class DesyncError(RuntimeError):
         self.fingerprints: dict[int, str] = dict(fingerprints or {})
 
 
-def _resolve() -> bool:
-    global enabled, _resolved
-    if not _resolved:
-        enabled, _resolved = env_flag(DEBUG_ENV), True
-    return enabled
-
-
 def set_debug(on: Optional[bool]) -> Optional[bool]:
     """Turn debug mode on or off for this process (``None``: follow ``OVERLAP_DEBUG`` again).
 
     Returns the previous explicit setting, or ``None`` if it followed the environment. Every rank
     must use the same mode (the check is itself a collective).
     """
-    global enabled, _resolved, _explicit
-    if on is not None and not isinstance(on, bool):
-        raise TypeError(f"set_debug: on must be True, False or None, got {on!r}")
-    previous = _explicit
-    _explicit = on
-    if on is None:
-        enabled, _resolved = True, False  # re-read at the next collective
-    else:
-        enabled, _resolved = on, True
-    return previous
+    return SWITCH.set(on)
 
 
-@contextlib.contextmanager
-def debug(on: bool = True) -> Iterator[None]:
+def debug(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Debug mode on (or off) inside the block; the previous mode is restored on exit."""
-    previous = set_debug(on)
-    try:
-        yield
-    finally:
-        set_debug(previous)
+    return SWITCH.scoped(on)
 
 
 def debug_enabled() -> bool:
     """Is debug mode on (explicitly, or through ``OVERLAP_DEBUG``)?"""
-    return _resolve()
+    return SWITCH.resolve()
 
 
 def next_seq(group: str) -> int:
@@ -242,7 +220,7 @@ def check(kind: str, seq: int, group: str, buffers: Sequence[torch.Tensor], op: 
     if the check cannot complete (a rank died, or did not reach it within the wait timeout).
     Returns at once when debug mode turns out to be off (the first call resolves ``OVERLAP_DEBUG``).
     """
-    if not _resolve():
+    if not SWITCH.resolve():
         return
     mine = fingerprint(seq, kind, buffers, op, where)
     with _one_thread(group, seq, mine):

@@ -57,7 +57,7 @@ def test_debug_mode_switches(monkeypatch: pytest.MonkeyPatch) -> None:
         overlap.set_debug(None)
         assert overlap.debug_enabled() is True, "set_debug(None) follows the environment again"
         with overlap.debug(False):
-            assert overlap.debug_enabled() is False and desync.enabled is False
+            assert overlap.debug_enabled() is False and desync.SWITCH.on is False
         assert overlap.debug_enabled() is True
         monkeypatch.setenv(desync.DEBUG_ENV, "sometimes")
         overlap.set_debug(None)
