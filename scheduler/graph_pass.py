@@ -30,8 +30,8 @@ collective        as soon as its inputs are ready and the previous collective on
                   been issued, and, with ``max_inflight_bytes``, only while it fits in the
                   budget; never later than its original place among the compute nodes
 wait_tensor       as late as possible: only when no compute node that does not need a pending
-                  wait is ready (one that a collective reads first, then the wait whose first
-                  user comes first; [Note: wait priority]); before the barrier / output if
+                  wait is ready (one that a collective reads first, then the oldest
+                  collective's result; [Note: wait priority]); before the barrier / output if
                   nothing in the stretch uses it
 compute           in original order among the ready ones; a node that needs a pending wait is
                   deferred behind independent compute (this is what makes room for overlap)
