@@ -62,6 +62,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from overlap import agreement
 from overlap.groups import resolve_group
+from overlap.param_group import _local
 
 __all__ = ["CheckpointLoadError", "load_checkpoint"]
 
@@ -151,10 +152,6 @@ def load_checkpoint(
             value.load_state_dict(resolved[key])
         else:
             state_dict[key] = resolved[key]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined]
 
 
 def _staging_copy(value: Any) -> Any:

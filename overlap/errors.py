@@ -75,8 +75,6 @@ FLOOR_ENV = "OVERLAP_WAIT_TIMEOUT_FLOOR"
 _floor_s: Optional[float] = None  # DEFAULT_FLOOR_S or OVERLAP_WAIT_TIMEOUT_FLOOR, read at the first wait
 _slowest_step_s = 0.0
 _group_timeouts: dict[str, tuple[object, datetime.timedelta]] = {}  # name -> (process group, its timeout)
-# (name, check) -> (group timeout, floor, slowest step, the default they give)
-_defaults: dict[tuple[str, bool], tuple[datetime.timedelta, float, float, datetime.timedelta]] = {}
 
 
 # torch's waits take whole milliseconds (less reaches them as 0: "no timeout"); the upper end keeps the
@@ -159,13 +157,7 @@ def timeout_for(group: str, device_type: str = "cpu", check: bool = False) -> da
     floor = _floor_s if _floor_s is not None else _read_floor()
     if check:
         floor = min(floor, DEBUG_FLOOR_S)
-    group_timeout = _group_timeout(group, device_type)
-    cached = _defaults.get((group, check))  # every CPU wait asks: skip rebuilding the timedelta
-    if cached is not None and cached[0] is group_timeout and cached[1] == floor and cached[2] == _slowest_step_s:
-        return cached[3]
-    timeout = default_timeout(group_timeout, floor, _slowest_step_s)
-    _defaults[(group, check)] = (group_timeout, floor, _slowest_step_s, timeout)
-    return timeout
+    return default_timeout(_group_timeout(group, device_type), floor, _slowest_step_s)
 
 
 def _group_timeout(group: str, device_type: str) -> datetime.timedelta:

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from overlap.mixed_precision import MixedPrecision
+from overlap.optimizer_check import MARK
 from overlap.sharding import ShardedModule, _cast_floating, _check_options, _shard
 
 __all__ = ["fully_shard"]
@@ -113,7 +114,7 @@ def _check_placements(modules: list[nn.Module], shard_placement_fn: object, igno
                         f"{type(shard_placement_fn).__name__}")
     for member in modules:
         for name, p in member.named_parameters():
-            if id(p) in ignored or getattr(p, "_overlap_sharded_by", None) is not None:
+            if id(p) in ignored or getattr(p, MARK, None) is not None:
                 continue
             placement = shard_placement_fn(p)
             if placement is None or (type(placement) is Shard and placement.dim == 0):

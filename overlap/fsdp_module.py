@@ -83,8 +83,10 @@ class FSDPModuleMethods:
         """This module's shard state, or with ``recurse`` every shard state in its subtree, each once."""
         if not recurse:
             return [self._overlap_state]
+        from overlap.sharding import sharded_states  # sharding imports this module
+
         assert isinstance(self, nn.Module)
-        return list(dict.fromkeys(m._overlap_state for m in self.modules() if isinstance(m, FSDPModuleMethods)))
+        return sharded_states(self)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Reduce gradients in the following backwards (``True``) or accumulate them unsharded and

@@ -87,6 +87,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from overlap.optimizer_check import MARK
+from overlap.param_group import _contiguous_strides
 from scheduler.env_flags import env_flag
 
 __all__ = ["ENV", "engaged", "fell_back", "install", "local_optimizer_step_enabled", "set_local_optimizer_step"]
@@ -94,8 +96,6 @@ __all__ = ["ENV", "engaged", "fell_back", "install", "local_optimizer_step_enabl
 ENV = "OVERLAP_LOCAL_OPTIMIZER_STEP"
 """Boolean flag (``scheduler.env_flags`` syntax); unset: on. Read when :func:`install` first runs."""
 
-MARK = "_overlap_sharded_by"
-"""The attribute ``overlap.shard`` sets on the DTensor parameters it makes (``overlap/sharding.py``)."""
 
 engaged: int = 0
 """Calls of a wrapped inner function that ran on local tensors."""
@@ -305,13 +305,7 @@ def _same_layout(a: DTensorSpec, b: DTensorSpec) -> bool:
 
 def _contiguous(spec: DTensorSpec) -> bool:
     meta = spec.tensor_meta
-    if meta is None:
-        return False
-    expected, stride = [], 1
-    for size in reversed(meta.shape):
-        expected.append(stride)
-        stride *= max(size, 1)
-    return tuple(meta.stride) == tuple(reversed(expected))
+    return meta is not None and tuple(meta.stride) == _contiguous_strides(meta.shape)
 
 
 def _created_slots_allowed(params: Sequence[DTensor], grads: Sequence[Any], created: Sequence[Any],

@@ -196,7 +196,6 @@ class ParamGroup:
         self.layout = ShardLayout([tuple(t.shape) for t in data], info.size)
         self.mp = mp
         self.regions = ModuleRegions.named("")  # renamed by overlap.shard once the module's fqn is known
-        self.where = ""  # the module's fqn ("root" for the root), in debug-mode fingerprints (overlap.desync)
         self._on_grad_ready = on_grad_ready
         self.scalar_indices = tuple(i for i, t in enumerate(data) if t.dim() == 0)
         with torch.no_grad():
@@ -296,6 +295,11 @@ class ParamGroup:
         self.to_sharded()
 
     # ------------------------------------------------------------------ all-gather
+    @property
+    def where(self) -> str:
+        """The module's fqn ("root" for the root), shown in debug-mode fingerprints (overlap.desync)."""
+        return self.module_fqn or "root"
+
     @property
     def requires_grad_indices(self) -> tuple[int, ...]:
         return tuple([i for i, p in enumerate(self.sharded) if p.requires_grad])
@@ -522,6 +526,16 @@ class ParamGroup:
         return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp,
                              finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None)
 
+    @functools.cached_property
+    def _finite_slots(self) -> tuple[int, tuple[int, ...]]:
+        """This rank's slot in the finite check's flags, and the global rank of every slot."""
+        replica = self.replicate.rank if self.replicate is not None else 0
+        if self.replicate is not None:  # the mesh is (replicate, shard): slots in row-major order
+            ranks = tuple(int(r) for r in self.mesh.mesh.flatten().tolist())
+        else:
+            ranks = tuple(self.info.global_rank(r) for r in range(self.world_size))
+        return replica * self.world_size + self.rank, ranks
+
     def _start_finite_check(self, rs_input: torch.Tensor, over_shards: bool) -> Optional[finite_check.FiniteCheck]:
         """The finite check (called when ``SWITCH.on``: None if it turns out off): this rank's largest
         |gradient| in its slot of the flags, all-reduced over the shard group right behind the
@@ -529,12 +543,7 @@ class ParamGroup:
         if not finite_check.SWITCH.resolve():
             return None
         self.checked_reductions += 1
-        replica = self.replicate.rank if self.replicate is not None else 0
-        slot = replica * self.world_size + self.rank
-        if self.replicate is not None:  # the mesh is (replicate, shard): slots in row-major order
-            ranks = tuple(int(r) for r in self.mesh.mesh.flatten().tolist())
-        else:
-            ranks = tuple(self.info.global_rank(r) for r in range(self.world_size))
+        slot, ranks = self._finite_slots
         flags = finite_check.local_flags(rs_input, slot, self.data_parallel_size)
         work = all_reduce_into(flags, self.info, self.where) if over_shards else None
         return finite_check.FiniteCheck(flags, work, rs_input, slot, ranks, self.checked_reductions)

@@ -189,7 +189,6 @@ class ShardState:
         self.fqn = fqn
         if self.group is not None:
             self.group.regions = self.regions
-            self.group.where = fqn or "root"
             self.group.module_fqn = fqn
 
     def reset_backward_tracking(self) -> None:

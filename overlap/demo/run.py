@@ -372,10 +372,11 @@ def _idle_lines(result: DemoResult) -> list[str]:
     """Per profiled step and rank of the main mode: the link idle while compute ran, and why
     ([Note: link idle while compute ran] in ``overlap/profiler/records.py``)."""
     profile = result.modes[result.config.main_mode].profile
-    if profile is None or not profile.summary().steps:
+    steps = profile.summary().steps if profile is not None else []
+    if not steps:
         return []
     lines = [f"link idle while compute ran ({MODE_NAMES[result.config.main_mode]}, profiled steps):"]
-    for s in profile.summary().steps:
+    for s in steps:
         causes = ", ".join(f"{cause} {ms:.1f} ms" for cause, ms in s.link_idle_causes) or "none"
         lines.append(f"  step {s.step} rank {s.rank}: {s.link_idle_ms:.1f} ms of {s.wall_ms:.1f} "
                      f"({100 * s.link_idle_share:.0f}%): {causes}")

@@ -242,7 +242,7 @@ def _least_seconds(fn: Callable[[], object], device_type: str, repeats: int = _R
     return best
 
 
-def _agreed(values: list[float], info: GroupInfo, device_type: str) -> list[float]:
+def _agreed(values: "tuple[float, ...]", info: GroupInfo) -> list[float]:
     """``values`` maxed elementwise over ``info``'s group: an agreement of ``overlap.agreement``
     (bounded, numbered, checked in debug mode like every other), never delayed by an emulated link."""
     from overlap import agreement
@@ -305,7 +305,7 @@ def _host_cost(info: GroupInfo, device: torch.device) -> Optional[HostCost]:
     key = (device.type, info.pg.group_name)
     if key not in _host and _can_measure(device.type):
         with region("overlap::tp_calibrate"):
-            _host[key] = HostCost(*_agreed(list(measure_host_cost(info, device)), info, device.type))
+            _host[key] = HostCost(*_agreed(measure_host_cost(info, device), info))
     return _host.get(key)
 
 
@@ -318,8 +318,7 @@ def _gemm_cost(work: Workload, info: GroupInfo, device: torch.device) -> Optiona
     key = (work.device_type, work.dtype, rows, work.in_features, work.out_features)
     if key not in _gemm and _can_measure(device.type):
         with region("overlap::tp_calibrate"):
-            whole, part = _agreed(list(measure_gemm(rows, work.in_features, work.out_features, work.dtype, device)),
-                                  info, device.type)
+            whole, part = _agreed(measure_gemm(rows, work.in_features, work.out_features, work.dtype, device), info)
         _gemm[key] = GemmCost.fit(rows, whole, part)
     return _gemm.get(key)
 
