@@ -174,7 +174,8 @@ def _idle_cause(starts: Sequence[float], ordered: Sequence[CollectiveRecord], at
         return IDLE_CAUSES[1]
     if c.kind not in _GRADIENT_KINDS:
         return IDLE_CAUSES[0]
-    gathers_left = any(o.kind not in _GRADIENT_KINDS and o.start < end for o in ordered[i + 1:])
+    stop = bisect.bisect_left(starts, end, lo=i + 1)  # ``ordered`` is by start: only those before ``end``
+    gathers_left = any(o.kind not in _GRADIENT_KINDS for o in ordered[i + 1:stop])
     return IDLE_CAUSES[0] if gathers_left else IDLE_CAUSES[2]
 
 
