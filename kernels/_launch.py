@@ -22,8 +22,8 @@ parameter tensor and the flat buffer). Two tables tell a program what to do:
   ``TRITON_INTERPRET=1`` on CPU tensors (the interpreter dereferences host addresses); the
   interpreter cannot follow CUDA addresses, so CUDA tensors under the interpreter take the torch path.
   Pointer tables are cached per layout keyed by (addresses, dtypes) — their content is a function of
-  that key — up to ``POINTER_CACHE_SIZE`` entries; further address sets get a per-call table copied on
-  the current stream.
+  that key — the ``POINTER_CACHE_SIZE`` newest of them: a new address set evicts the oldest, whose
+  device copy ``kernels.table_memory`` releases only after the kernels that may read it.
 
 Device copies of the tables, their use from several streams, their release and CUDA graph capture
 are ``kernels.table_memory``'s ([Note: table memory]): copies are stream-ordered (no host sync), a
@@ -63,6 +63,7 @@ views (the runtime made them; the public ops never take this path).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -284,13 +285,13 @@ def packed_pointer_table(layout: ShardLayout, storage: torch.UntypedStorage, pla
 def _new_pointer_table(layout: ShardLayout, key: tuple, addresses: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
                        device: torch.device) -> PointerTable:
     """The table of ``addresses`` and ``dtypes``, cached on ``layout`` under ``key`` (whose value it
-    is a function of) while the layout holds fewer than ``POINTER_CACHE_SIZE`` of them."""
+    is a function of); the layout keeps the ``POINTER_CACHE_SIZE`` newest, and drops the oldest
+    (its device copy is released once the kernels that may read it have run: [Note: table
+    lifetime] in ``kernels.table_memory``)."""
     groups: dict[torch.dtype, int] = {}
     codes = [groups.setdefault(d, len(groups)) for d in dtypes]
     group_dtypes = [TRITON_DTYPES[d] for d in groups]
-    num_cached = layout._device_cache.setdefault("num_pointer_tables", [0])
-    cached = num_cached[0] < POINTER_CACHE_SIZE
-    memory = to_device([np.array([addresses, codes], dtype=np.int64).T.copy()], device, cached=cached)
+    memory = to_device([np.array([addresses, codes], dtype=np.int64).T.copy()], device, cached=True)
     table = PointerTable(
         pointers=memory.tensors[0],
         memory=memory,
@@ -298,9 +299,12 @@ def _new_pointer_table(layout: ShardLayout, key: tuple, addresses: tuple[int, ..
         num_groups=len(group_dtypes),
         torch_dtypes=tuple(groups),
     )
-    if cached and not memory.in_graph:
+    if not memory.in_graph:
+        keys = layout._device_cache.setdefault("pointer table keys", collections.deque())
+        if len(keys) >= POINTER_CACHE_SIZE:
+            del layout._device_cache[keys.popleft()]
         layout._device_cache[key] = table
-        num_cached[0] += 1
+        keys.append(key)
     return table
 
 

@@ -332,8 +332,10 @@ class ParamGroup:
         # drops them (see [Note: unsharded parameters keep their identity]).
         if self.unsharded is None:
             self.unsharded = []
+            self._unsharded_storage = None
             if not self.aliases_shards:  # views of one storage: [Note: unsharded parameters share one storage]
-                placement = PackedPlacement.of(self.layout.shapes, [self._unsharded_dtype(i) for i in range(len(self.sharded))])
+                dtypes = [self._unsharded_dtype(i) for i in range(len(self.sharded))]
+                placement = PackedPlacement.of(self.layout.shapes, dtypes)
                 storage = torch.UntypedStorage(placement.nbytes, device=self.sharded[0]._local_tensor.device)
                 views = placement.views(storage)
                 storage.resize_(0)

@@ -140,6 +140,20 @@ def test_packed_copy_out_is_bitwise_across_reallocations() -> None:
         assert all(bool((k == 7.0).all()) for k in keep), "a launch wrote into memory the views no longer own"
 
 
+def test_the_oldest_pointer_table_is_dropped_and_rebuilt_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_launch, "POINTER_CACHE_SIZE", 2)
+    layout = ShardLayout(SHAPES, 2)
+    lists = [[torch.empty(s) for s in SHAPES] for _ in range(3)]
+    first = _launch.pointer_table(layout, lists[0], CPU)
+    assert _launch.pointer_table(layout, lists[1], CPU) is not first
+    assert _launch.pointer_table(layout, lists[0], CPU) is first  # still cached
+    _launch.pointer_table(layout, lists[2], CPU)  # evicts the oldest: lists[0]'s
+    assert len(_tables_of(layout)) == 2
+    again = _launch.pointer_table(layout, lists[0], CPU)
+    assert again is not first and _rows(again) == _own_rows(lists[0])
+    assert len(_tables_of(layout)) == 2
+
+
 # ------------------------------------------------------------------------ tensors changed in place
 def _set_to_other_storage(t: torch.Tensor) -> None:
     t.set_(torch.empty(t.shape))
