@@ -19,7 +19,8 @@ timed with a median of repeats: the table says so, and its figures are not GPU r
 
 A second table gives the *host* µs per call of each op's Triton path, full-size shapes (the host
 side does not depend on the bytes), for the public op (``kernels.*``, argument checks included)
-and for the launcher the runtime calls (``_all_gather_copy_in`` ..., no checks), beside the target
+and for the launcher the runtime calls (``_all_gather_copy_in`` ..., no checks, with what the
+runtime hands it: the shards' dtypes, and the unsharded parameters' packed storage), beside the target
 of issue 28 (15 µs + 0.05 µs per parameter, [Note: host cost of a launch] in ``kernels._launch``).
 On CUDA: wall time of back-to-back calls, nothing synchronized, and the torch path's the same way.
 On CPU: the same calls with the kernel launch stubbed out (``kernels._launch.launches_stubbed``):
@@ -122,7 +123,11 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
     flat_shards = [s.view(-1) for s in shards]
     shard_numels = [s.numel() for s in shards]
     ag_output = torch.randn(layout.buffer_numel, device=device).to(comm_dtype)
-    outs = [torch.empty(s, device=device, dtype=param_dtype) for s in workload.shapes]
+    # the unsharded parameters as the runtime holds them: views of one storage ([Note: packed placements])
+    placement = _launch.PackedPlacement.of(workload.shapes, [param_dtype] * len(workload.shapes))
+    out_storage = torch.UntypedStorage(placement.nbytes, device=device)
+    outs = placement.views(out_storage)
+    shard_dtypes = (param_dtype,) * len(shards)
     slot = torch.randn(layout.slot_numel, device=device).to(comm_dtype)
     shard_grads = [torch.zeros(s, device=device, dtype=param_dtype) for s in layout.shard_shapes(rank)]
     torch_shard_grads = [g.clone() for g in shard_grads]
@@ -134,8 +139,8 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
         "reduce_scatter_copy_out": lambda: kernels.reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
     }
     runtime = {
-        "all_gather_copy_in": lambda: _all_gather_copy_in(shards, layout, rank, comm_dtype),
-        "all_gather_copy_out": lambda: _all_gather_copy_out(ag_output, layout, outs),
+        "all_gather_copy_in": lambda: _all_gather_copy_in(shards, layout, rank, comm_dtype, shard_dtypes),
+        "all_gather_copy_out": lambda: _all_gather_copy_out(ag_output, layout, outs, packed=(out_storage, placement)),
         "reduce_scatter_copy_in": lambda: _reduce_scatter_copy_in(fulls, layout, scale, comm_dtype),
         "reduce_scatter_copy_out": lambda: _reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
     }

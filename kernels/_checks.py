@@ -12,12 +12,18 @@ A group has hundreds of parameters, and on a GPU the host time of an op is what 
 passes of ``map`` over the list (types, devices, dtypes, shapes, contiguity), each calling a C
 accessor per tensor with no Python bytecode in between; only when one of them fails does the
 per-tensor loop run, to name the first bad tensor and what is wrong with it. Both paths accept and
-refuse the same lists (tests/packing/test_launch_host_cost.py).
+refuse the same lists (tests/packing/test_launch_host_cost.py). Each property is read once per call
+(``check_tensors`` hands the dtypes it read to the launch), and none is cached across calls: a
+tensor object keeps its identity through ``resize_``, ``set_`` and ``.data =``, so nothing short
+of reading its metadata tells that it still is what was checked (the type pass is the cheap one:
+``type`` is no tensor accessor). That is four accessor passes for a read-only list, five for a
+written one, plus the launch's address pass: the public ops' floor without a C extension.
 """
 from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -55,13 +61,6 @@ def plain_tensors(tensors: Sequence[object]) -> bool:
     return set(map(type, tensors)) <= PLAIN_TENSOR_TYPES
 
 
-def dtypes_of(tensors: Sequence[torch.Tensor]) -> set[torch.dtype]:
-    """The distinct dtypes of ``tensors`` (one C-level pass; a loop Dynamo can trace while it traces)."""
-    if torch.compiler.is_compiling():
-        return {t.dtype for t in tensors}
-    return set(map(DTYPE, tensors))
-
-
 def dtypes_in_order(tensors: Sequence[torch.Tensor]) -> tuple[torch.dtype, ...]:
     """Each tensor's dtype, in order (one C-level pass; a loop Dynamo can trace while it traces)."""
     if torch.compiler.is_compiling():
@@ -71,20 +70,32 @@ def dtypes_in_order(tensors: Sequence[torch.Tensor]) -> tuple[torch.dtype, ...]:
 
 def _all_fine(
     tensors: Sequence[torch.Tensor], shapes: Sequence[torch.Size], device: torch.device | None, writable: bool
-) -> torch.device | None:
-    """The one device of ``tensors`` when they pass ``check_tensors``' rules, by C-level passes
-    ([Note: checks at C speed]); ``None`` when any rule fails or cannot be decided that way (also
-    while Dynamo traces: it cannot trace ``attrgetter``, and traced checks cost nothing per call)."""
+) -> tuple[torch.device, tuple[torch.dtype, ...]] | None:
+    """The one device of ``tensors`` and each tensor's dtype, in order, when they pass
+    ``check_tensors``' rules, by C-level passes ([Note: checks at C speed]); ``None`` when any rule
+    fails or cannot be decided that way (also while Dynamo traces: it cannot trace ``attrgetter``,
+    and traced checks cost nothing per call)."""
     if not tensors or torch.compiler.is_compiling() or not plain_tensors(tensors):
         return None
     devices = set(map(_DEVICE, tensors))
     if len(devices) != 1 or (device is not None and device not in devices):
         return None
-    if not dtypes_of(tensors) <= _SUPPORTED_DTYPES or not all(map(operator.eq, map(_SHAPE, tensors), shapes)):
+    ordered = tuple(map(DTYPE, tensors))
+    if not set(ordered) <= _SUPPORTED_DTYPES or tuple(map(_SHAPE, tensors)) != tuple(shapes):
         return None
     if writable and not all(map(torch.Tensor.is_contiguous, tensors)):
         return None
-    return devices.pop()
+    return devices.pop(), ordered
+
+
+class CheckedTensors(NamedTuple):
+    """What ``check_tensors`` established about a list."""
+
+    device: torch.device
+    dtypes: tuple[torch.dtype, ...]
+    """Each tensor's dtype, in order: what the launch keys its pointer table on (an op hands it to
+    its launcher, which then does not read the dtypes again)."""
+    distinct: set[torch.dtype]
 
 
 def check_tensors(
@@ -95,32 +106,40 @@ def check_tensors(
     device: torch.device | None = None,
     *,
     writable: bool = False,
-) -> torch.device:
-    """A list of ``len(shapes)`` tensors of those shapes, supported dtypes, one device; returns it.
+) -> CheckedTensors:
+    """A list of ``len(shapes)`` tensors of those shapes, supported dtypes (at most
+    ``MAX_DTYPE_GROUPS`` distinct ones), one device; returns the device and the dtypes.
 
-    ``writable`` tensors (outputs) must also be contiguous: the kernel writes them in place.
+    ``writable`` tensors (outputs) must also be contiguous: the kernel writes them in place. Every
+    tensor's type, device, dtype and shape (and strides, if ``writable``) is read at every call: a
+    tensor may have been resized, re-pointed (``set_``, ``.data =``) or replaced since the last one.
     """
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise TypeError(f"{op}: {name} must be a list of tensors, got {type(tensors).__name__}")
     if len(tensors) != len(shapes):
         raise ValueError(f"{op}: {name} has {len(tensors)} tensors, the layout has {len(shapes)} parameters")
     fine = _all_fine(tensors, shapes, device, writable)
-    if fine is not None:
-        return fine
-    for i, (t, shape) in enumerate(zip(tensors, shapes)):
-        where = f"{op}: {name}[{i}]"
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
-        device = t.device if device is None else device
-        if t.device != device:
-            raise ValueError(f"{where} is on {t.device}, expected {device} (all tensors on one device)")
-        check_dtype(op, f"{name}[{i}].dtype", t.dtype)
-        if t.shape != shape:
-            raise ValueError(f"{where} has shape {tuple(t.shape)}, the layout expects {tuple(shape)}")
-        if writable and not t.is_contiguous():
-            raise ValueError(f"{where} must be contiguous (it is written in place)")
-    assert device is not None
-    return device
+    if fine is None:
+        for i, (t, shape) in enumerate(zip(tensors, shapes)):
+            where = f"{op}: {name}[{i}]"
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+            device = t.device if device is None else device
+            if t.device != device:
+                raise ValueError(f"{where} is on {t.device}, expected {device} (all tensors on one device)")
+            check_dtype(op, f"{name}[{i}].dtype", t.dtype)
+            if t.shape != shape:
+                raise ValueError(f"{where} has shape {tuple(t.shape)}, the layout expects {tuple(shape)}")
+            if writable and not t.is_contiguous():
+                raise ValueError(f"{where} must be contiguous (it is written in place)")
+        assert device is not None
+        fine = device, dtypes_in_order(tensors)
+    distinct = set(fine[1])
+    if len(distinct) > MAX_DTYPE_GROUPS:
+        raise ValueError(
+            f"{op}: {name} mixes {len(distinct)} dtypes, at most {MAX_DTYPE_GROUPS} per call are supported"
+        )
+    return CheckedTensors(fine[0], fine[1], distinct)
 
 
 def check_flat(op: str, name: str, tensor: object, numel: int, device: torch.device | None) -> torch.device:
@@ -142,21 +161,6 @@ def common_dtype(op: str, name: str, dtypes: set[torch.dtype]) -> torch.dtype:
     if len(dtypes) != 1:
         raise ValueError(f"{op}: {name} mixes dtypes {sorted(map(str, dtypes))}; pass dtype= to choose the buffer's")
     return next(iter(dtypes))
-
-
-def check_dtype_groups(
-    op: str, name: str, tensors: Sequence[torch.Tensor]
-) -> tuple[tuple[torch.dtype, ...], set[torch.dtype]]:
-    """At most ``MAX_DTYPE_GROUPS`` dtypes in ``tensors``; returns each tensor's dtype in order (what
-    the launch keys its pointer table on: an op hands it to its launcher, which then does not read
-    the dtypes again) and the distinct dtypes."""
-    ordered = dtypes_in_order(tensors)
-    dtypes = set(ordered)
-    if len(dtypes) > MAX_DTYPE_GROUPS:
-        raise ValueError(
-            f"{op}: {name} mixes {len(dtypes)} dtypes, at most {MAX_DTYPE_GROUPS} per call are supported"
-        )
-    return ordered, dtypes
 
 
 def check_scale(op: str, name: str, value: object) -> None:

@@ -22,8 +22,8 @@ parameter tensor and the flat buffer). Two tables tell a program what to do:
   ``TRITON_INTERPRET=1`` on CPU tensors (the interpreter dereferences host addresses); the
   interpreter cannot follow CUDA addresses, so CUDA tensors under the interpreter take the torch path.
   Pointer tables are cached per layout keyed by (addresses, dtypes) — their content is a function of
-  that key — up to ``POINTER_CACHE_SIZE`` entries; further address sets get a per-call table copied on
-  the current stream.
+  that key — the ``POINTER_CACHE_SIZE`` newest of them: a new address set evicts the oldest, whose
+  device copy ``kernels.table_memory`` releases only after the kernels that may read it.
 
 Device copies of the tables, their use from several streams, their release and CUDA graph capture
 are ``kernels.table_memory``'s ([Note: table memory]): copies are stream-ordered (no host sync), a
@@ -46,9 +46,24 @@ tensor freed and another allocated at the same address with the same dtype gets 
 correct, table, and a change of address or dtype misses the cache. The reads that remain are the
 floor of a Python launcher that must not trust its caller: about 0.05 µs per tensor per pass on
 the 2-core CI box (``benchmarks/bench_kernels.py``'s host table, with the kernel launch stubbed).
+No cheaper fingerprint exists for a list the caller hands in: a tensor object keeps its identity
+and often its address through ``set_``, ``resize_``, ``as_strided_`` and ``.data =``, none of which
+need bump a counter, so a key that skipped reading a tensor could launch on memory it no longer
+owns. What *can* be O(1) is a list whose placement the caller owns ([Note: packed placements]).
+
+[Note: packed placements]
+When ``N`` tensors are views of one storage at fixed byte offsets (``PackedPlacement.views``: the
+runtime's unsharded parameters, as FSDP2's all-gather output holds them), their pointer table is
+``storage address + offsets``: ``packed_pointer_table`` keys it on the storage's *current* address
+and the placement object (immutable, hashed by identity), reads no tensor, and checks that the
+storage holds the placement's bytes (a storage freed by ``resize_(0)`` is refused before any launch;
+one re-allocated elsewhere is another key). As with address keys, the table is a pure function of
+its key, so it cannot be stale. The caller vouches that the tensors it passes are the placement's
+views (the runtime made them; the public ops never take this path).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -205,14 +220,78 @@ def pointer_table(layout: ShardLayout, tensors: Sequence[torch.Tensor], device: 
         dtypes = tuple(map(DTYPE, tensors))
     key = ("pointers", device, addresses, dtypes)
     table = layout._device_cache.get(key)
-    if table is not None:
-        return table
+    if table is None:
+        table = _new_pointer_table(layout, key, addresses, dtypes, device)
+    return table
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedPlacement:
+    """Where ``N`` tensors sit inside one storage: each one's byte offset and dtype, fixed for as long
+    as the placement lives ([Note: packed placements]). Immutable, equal and hashed by identity.
+
+    ``packed_pointer_table`` keys on ``(the storage's address, placement)``; ``views`` makes the
+    tensors. The runtime places a group's unsharded parameters this way.
+    """
+
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    byte_offsets: tuple[int, ...]
+    nbytes: int  # the storage's size: the last tensor's end, rounded up to ``ALIGN_BYTES``
+
+    ALIGN_BYTES = 16  # every tensor starts 16-byte aligned (the kernels' vector loads and stores)
+
+    @staticmethod
+    def of(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> PackedPlacement:
+        """Tensors of ``shapes`` and ``dtypes`` back to back, each ``ALIGN_BYTES``-aligned."""
+        if len(shapes) != len(dtypes):
+            raise ValueError(f"PackedPlacement.of: {len(shapes)} shapes but {len(dtypes)} dtypes")
+        offsets, end, align = [], 0, PackedPlacement.ALIGN_BYTES
+        sizes = tuple(torch.Size(s) for s in shapes)
+        for shape, dtype in zip(sizes, dtypes):
+            offsets.append(end)
+            end += -(-shape.numel() * dtype.itemsize // align) * align
+        return PackedPlacement(sizes, tuple(dtypes), tuple(offsets), max(end, align))
+
+    def views(self, storage: torch.UntypedStorage) -> list[torch.Tensor]:
+        """The placed tensors over ``storage`` (at least ``nbytes`` now, or resized to that before
+        use): contiguous, sharing ``storage`` (a ``resize_`` of it frees or re-allocates them all),
+        each with its own version counter."""
+        out = []
+        for shape, dtype, offset in zip(self.shapes, self.dtypes, self.byte_offsets):
+            t = torch.empty(0, dtype=dtype, device=storage.device)
+            t.set_(storage, offset // dtype.itemsize, shape)
+            out.append(t)
+        return out
+
+
+def packed_pointer_table(layout: ShardLayout, storage: torch.UntypedStorage, placement: PackedPlacement,
+                         device: torch.device) -> PointerTable:
+    """``pointer_table`` of ``placement.views(storage)`` without reading a tensor: keyed on the
+    storage's current address and the placement, O(1) per call ([Note: packed placements])."""
+    if storage.nbytes() < placement.nbytes:  # freed (resized to 0) or too small: never launch on it
+        raise ValueError(f"packed_pointer_table: the storage holds {storage.nbytes()} bytes, the placement "
+                         f"needs {placement.nbytes}; resize it before the launch")
+    address = storage.data_ptr()
+    key = ("packed pointers", device, address, placement)
+    table = layout._device_cache.get(key)
+    if table is None:  # an empty tensor's address is 0, as ``data_ptr`` says
+        addresses = tuple(address + offset if shape.numel() else 0
+                          for offset, shape in zip(placement.byte_offsets, placement.shapes))
+        table = _new_pointer_table(layout, key, addresses, placement.dtypes, device)
+    return table
+
+
+def _new_pointer_table(layout: ShardLayout, key: tuple, addresses: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
+                       device: torch.device) -> PointerTable:
+    """The table of ``addresses`` and ``dtypes``, cached on ``layout`` under ``key`` (whose value it
+    is a function of); the layout keeps the ``POINTER_CACHE_SIZE`` newest, and drops the oldest
+    (its device copy is released once the kernels that may read it have run: [Note: table
+    lifetime] in ``kernels.table_memory``)."""
     groups: dict[torch.dtype, int] = {}
     codes = [groups.setdefault(d, len(groups)) for d in dtypes]
     group_dtypes = [TRITON_DTYPES[d] for d in groups]
-    num_cached = layout._device_cache.setdefault("num_pointer_tables", [0])
-    cached = num_cached[0] < POINTER_CACHE_SIZE
-    memory = to_device([np.array([addresses, codes], dtype=np.int64).T.copy()], device, cached=cached)
+    memory = to_device([np.array([addresses, codes], dtype=np.int64).T.copy()], device, cached=True)
     table = PointerTable(
         pointers=memory.tensors[0],
         memory=memory,
@@ -220,9 +299,12 @@ def pointer_table(layout: ShardLayout, tensors: Sequence[torch.Tensor], device: 
         num_groups=len(group_dtypes),
         torch_dtypes=tuple(groups),
     )
-    if cached and not memory.in_graph:
+    if not memory.in_graph:
+        keys = layout._device_cache.setdefault("pointer table keys", collections.deque())
+        if len(keys) >= POINTER_CACHE_SIZE:
+            del layout._device_cache[keys.popleft()]
         layout._device_cache[key] = table
-        num_cached[0] += 1
+        keys.append(key)
     return table
 
 
@@ -265,14 +347,17 @@ def kernel_call(
     constexprs: dict[str, object],
     destinations: Sequence[torch.dtype] | None = None,
     dtypes: tuple[torch.dtype, ...] | None = None,
+    packed: tuple[torch.UntypedStorage, PackedPlacement] | None = None,
 ) -> KernelCall:
     """``kernel`` over ``layout``'s runs for ``rank`` (``None``: all ranks; ``pad``: blocks cover the
     padding too) with the parameter-side ``tensors`` (contiguous), on the device of ``args[0]`` (the
     flat buffer). ``VEC`` is set from ``destinations``, the dtypes the kernel writes (``None``: the
     ``tensors``' own). ``dtypes``: the ``tensors``' dtypes in order when the caller's checks read them
-    (``None``: read here)."""
+    (``None``: read here). ``packed``: ``tensors`` are ``placement.views(storage)``, so the pointer
+    table is keyed on the storage without reading them (``packed_pointer_table``)."""
     device = args[0].device
-    pointers = pointer_table(layout, tensors, device, dtypes)
+    pointers = pointer_table(layout, tensors, device, dtypes) if packed is None else packed_pointer_table(
+        layout, packed[0], packed[1], device)
     vec = vector_width(pointers.torch_dtypes if destinations is None else destinations)
     return KernelCall(kernel, block_table(layout, rank, pad, device), pointers, tuple(tensors), tuple(args),
                       {**constexprs, "VEC": vec})

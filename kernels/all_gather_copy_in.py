@@ -78,8 +78,7 @@ def _check(
     """(device, buffer dtype, each shard's dtype in order: the launch's pointer-table key)."""
     _checks.check_layout(OP, layout)
     _checks.check_rank(OP, rank, layout)
-    device = _checks.check_tensors(OP, "shards", shards, layout.shard_shape_tuple(rank))
-    ordered, dtypes = _checks.check_dtype_groups(OP, "shards", shards)
+    device, ordered, dtypes = _checks.check_tensors(OP, "shards", shards, layout.shard_shape_tuple(rank))
     if dtype is None:
         dtype = _checks.common_dtype(OP, "shards", dtypes)
     _checks.check_dtype(OP, "dtype", dtype)

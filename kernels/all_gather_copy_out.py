@@ -76,8 +76,7 @@ def _check(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Te
     if dtype is not None:
         _checks.check_dtype(OP, "dtype", dtype)
     if outs is not None:
-        _checks.check_tensors(OP, "outs", outs, layout.shapes, device, writable=True)
-        ordered, dtypes = _checks.check_dtype_groups(OP, "outs", outs)
+        _, ordered, dtypes = _checks.check_tensors(OP, "outs", outs, layout.shapes, device, writable=True)
         if dtype is not None and dtypes != {dtype}:
             i = next(i for i, out in enumerate(outs) if out.dtype != dtype)
             raise TypeError(f"{OP}: outs[{i}] has dtype {outs[i].dtype}, expected dtype={dtype}")
@@ -120,22 +119,26 @@ def _(ag_output, layout_spec, outs):
 
 # ------------------------------------------------------------------------------------------- launch
 def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor],
-                         dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+                         dtypes: tuple[torch.dtype, ...] | None = None,
+                         packed: tuple[torch.UntypedStorage, _launch.PackedPlacement] | None = None) -> None:
     """The op on checked arguments (``outs`` given; ``dtypes``: their own, in order, when the checks
-    read them): the kernel, or the torch fallback."""
+    read them; ``packed``: ``(storage, placement)`` when ``outs`` are ``placement.views(storage)``,
+    which keys the launch on the storage, O(1): [Note: packed placements] in ``kernels._launch``):
+    the kernel, or the torch fallback."""
     if not _launch.triton_enabled(ag_output.device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
             _all_gather_copy_out_torch(ag_output, layout, outs)
         return
-    _kernel_call(ag_output, layout, outs, dtypes).launch()
+    _kernel_call(ag_output, layout, outs, dtypes, packed).launch()
     _launch.increment_version(outs)
 
 
 def _kernel_call(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor],
-                 dtypes: tuple[torch.dtype, ...] | None = None) -> _launch.KernelCall:
+                 dtypes: tuple[torch.dtype, ...] | None = None,
+                 packed: tuple[torch.UntypedStorage, _launch.PackedPlacement] | None = None) -> _launch.KernelCall:
     """The launch that scatters ``ag_output`` into ``outs`` (contiguous)."""
     return _launch.kernel_call(_all_gather_copy_out_kernel, layout, None, False, outs, (ag_output,), {},
-                               dtypes=dtypes)
+                               dtypes=dtypes, packed=packed)
 
 
 # ------------------------------------------------------------------------------ fallback, reference

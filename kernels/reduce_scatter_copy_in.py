@@ -85,8 +85,7 @@ def _check(
 ) -> tuple[torch.device, torch.dtype, tuple[torch.dtype, ...]]:
     """(device, buffer dtype, each grad's dtype in order: the launch's pointer-table key)."""
     _checks.check_layout(OP, layout)
-    device = _checks.check_tensors(OP, "grads", grads, layout.shapes)
-    ordered, dtypes = _checks.check_dtype_groups(OP, "grads", grads)
+    device, ordered, dtypes = _checks.check_tensors(OP, "grads", grads, layout.shapes)
     if dtype is None:
         dtype = _checks.common_dtype(OP, "grads", dtypes)
     _checks.check_dtype(OP, "dtype", dtype)

@@ -93,8 +93,8 @@ def _check(
     _checks.check_layout(OP, layout)
     _checks.check_rank(OP, rank, layout)
     device = _checks.check_flat(OP, "rs_output", rs_output, layout.slot_numel, None)
-    _checks.check_tensors(OP, "shard_grads", shard_grads, layout.shard_shape_tuple(rank), device, writable=True)
-    ordered, dtypes = _checks.check_dtype_groups(OP, "shard_grads", shard_grads)
+    _, ordered, dtypes = _checks.check_tensors(OP, "shard_grads", shard_grads, layout.shard_shape_tuple(rank), device,
+                                               writable=True)
     _checks.check_scale(OP, "post_scale", post_scale)
     if not isinstance(accumulate, bool):
         raise TypeError(f"{OP}: accumulate must be a bool, got {type(accumulate).__name__}")

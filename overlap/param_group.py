@@ -82,6 +82,13 @@ The refill restores the version counters it bumped (what
 ``torch.autograd._unsafe_preserve_version_counter`` does) so autograd does not mistake the re-gather
 for an in-place change of a saved tensor. torch's FSDP2 does the same.
 
+[Note: unsharded parameters share one storage]
+The unsharded parameters (unless they alias the shards) are views of one storage per group, laid
+out by a ``kernels._launch.PackedPlacement`` (each 16-byte aligned; a parameter keeps its own
+version counter). Freeing and re-allocating them is one ``resize_`` of that storage, and the
+copy-out's pointer table is keyed on the storage's address and the placement: O(1) per gather
+instead of a read of every parameter ([Note: packed placements] in ``kernels._launch``).
+
 [Note: world size 1]
 With one rank and no dtype cast the shard *is* the full parameter (the sharding rule gives rank 0
 every row), so each unsharded parameter is a view of its shard's storage: gathering and resharding
@@ -113,6 +120,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from kernels import ShardLayout
+from kernels._launch import PackedPlacement
 # The ops without argument checks (the runtime builds every argument from the layout):
 from kernels.all_gather_copy_in import _all_gather_copy_in
 from kernels.all_gather_copy_out import _all_gather_copy_out
@@ -203,6 +211,9 @@ class ParamGroup:
                                                 for t, spec, p in zip(data, self.tp_specs, params)]
         self.unsharded: Optional[list[nn.Parameter]] = None  # created at the first gather (device known then)
         self._unsharded_data: tuple[torch.Tensor, ...] = ()  # their tensors (a TP one's local tensor)
+        self._unsharded_storage: Optional[tuple[torch.UntypedStorage, PackedPlacement]] = None
+        """The one storage the unsharded parameters are views of, and where ([Note: unsharded
+        parameters share one storage]); None while they alias the shards or are not made yet."""
         self._read_dtypes()
         self.is_unsharded = False
         self.pending_gather: Optional[PendingGather] = None
@@ -321,12 +332,16 @@ class ParamGroup:
         # drops them (see [Note: unsharded parameters keep their identity]).
         if self.unsharded is None:
             self.unsharded = []
+            self._unsharded_storage = None
+            if not self.aliases_shards:  # views of one storage: [Note: unsharded parameters share one storage]
+                dtypes = [self._unsharded_dtype(i) for i in range(len(self.sharded))]
+                placement = PackedPlacement.of(self.layout.shapes, dtypes)
+                storage = torch.UntypedStorage(placement.nbytes, device=self.sharded[0]._local_tensor.device)
+                views = placement.views(storage)
+                storage.resize_(0)
+                self._unsharded_storage = (storage, placement)
             for i, shape in enumerate(self.layout.shapes):
-                if self.aliases_shards:
-                    data = self.local_rows(i).detach().view(shape)
-                else:
-                    data = torch.empty(shape, dtype=self._unsharded_dtype(i), device=self.sharded[i]._local_tensor.device)
-                    data.untyped_storage().resize_(0)
+                data = self.local_rows(i).detach().view(shape) if self.aliases_shards else views[i]
                 tp_spec = self.tp_specs[i]
                 if tp_spec is not None:  # the module sees the DTensor tensor parallelism made
                     data = tp_dtensor(data, tp_spec)
@@ -380,7 +395,7 @@ class ParamGroup:
             with region(self.regions.all_gather_copy_in), _NoGrad():
                 ag_input, ag_output = _all_gather_copy_in(
                     [self.local_rows(i) for i in range(len(self.sharded))], self.layout, self.rank,
-                    self.gather_dtype)
+                    self.gather_dtype, tuple(self.orig_dtypes))  # the shards' own: no read per shard
             work = all_gather_into(ag_output, ag_input, self.info, self.where) if self.world_size > 1 else None
         self.pending_gather = PendingGather(work, ag_output)
         self._gathered_versions = self._shard_versions()
@@ -421,11 +436,11 @@ class ParamGroup:
 
         def copy_out() -> None:
             with region(self.regions.all_gather_copy_out), _NoGrad():
-                for u in outs:
-                    u.untyped_storage().resize_(u.numel() * u.element_size())
+                storage, placement = self._unsharded_storage
+                storage.resize_(placement.nbytes)
                 versions = tuple([u._version for u in outs])
                 try:
-                    _all_gather_copy_out(pending.ag_output, self.layout, outs)
+                    _all_gather_copy_out(pending.ag_output, self.layout, outs, packed=self._unsharded_storage)
                 finally:  # what torch.autograd._unsafe_preserve_version_counter does on exit
                     _set_versions(tuple(outs), versions)
 
@@ -438,8 +453,8 @@ class ParamGroup:
         self._unsharded_params()
         outs = self._unsharded_data
         with region(self.regions.all_gather_copy_in), _NoGrad():
-            for u in outs:
-                u.untyped_storage().resize_(u.numel() * u.element_size())
+            storage, placement = self._unsharded_storage
+            storage.resize_(placement.nbytes)
             versions = tuple([u._version for u in outs])
             try:
                 torch._foreach_copy_(outs, [s._local_tensor for s in self.sharded])  # type: ignore[attr-defined]
@@ -455,8 +470,7 @@ class ParamGroup:
         if self.is_unsharded:
             assert self.unsharded is not None
             if not self.aliases_shards:  # aliased storage belongs to the shards
-                for u in self.unsharded:
-                    _local(u).untyped_storage().resize_(0)
+                self._unsharded_storage[0].resize_(0)
             self.is_unsharded = False
 
     # ------------------------------------------------------------------ reduce-scatter

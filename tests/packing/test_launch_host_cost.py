@@ -146,13 +146,14 @@ def test_fast_checks_refuse_what_the_per_tensor_checks_refuse(rule: str, where: 
 
 def test_fast_checks_accept_good_lists_and_name_their_device() -> None:
     tensors, shapes = _good()
-    assert _checks._all_fine(tensors, shapes, None, True) == torch.device("cpu")
-    assert _checks.check_tensors("op", "outs", tensors, shapes, torch.device("cpu"), writable=True) == torch.device("cpu")
+    assert _checks._all_fine(tensors, shapes, None, True) == (torch.device("cpu"), (f32,) * len(tensors))
+    checked = _checks.check_tensors("op", "outs", tensors, shapes, torch.device("cpu"), writable=True)
+    assert checked == (torch.device("cpu"), (f32,) * len(tensors), {f32})
     with pytest.raises(ValueError, match=r"outs\[0\] is on cpu, expected meta"):
         _checks.check_tensors("op", "outs", tensors, shapes, torch.device("meta"))
     # parameters are plain tensors too; a read-only list may be strided
     params = [torch.nn.Parameter(t) for t in tensors]
-    assert _checks._all_fine(params, shapes, None, False) == torch.device("cpu")
+    assert _checks._all_fine(params, shapes, None, False) == (torch.device("cpu"), (f32,) * len(tensors))
     strided = [torch.zeros(3, s[0]).t() for s in shapes]
     assert _checks._all_fine(strided, tuple(torch.Size((s[0], 3)) for s in shapes), None, False) is not None
 
@@ -164,7 +165,7 @@ def test_tensor_subclasses_take_the_per_tensor_checks() -> None:
     tensors, shapes = _good(3)
     tensors[1] = tensors[1].as_subclass(Marked)
     assert _checks._all_fine(tensors, shapes, None, False) is None
-    assert _checks.check_tensors("op", "outs", tensors, shapes) == torch.device("cpu")
+    assert _checks.check_tensors("op", "outs", tensors, shapes).device == torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------------- stubbed launch
