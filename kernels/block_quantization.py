@@ -1,0 +1,81 @@
+"""Block quantization to int8: the arithmetic, once in Triton and once in torch, bit for bit alike.
+
+Contract: a *block* is ``Q`` consecutive float32 values ``x``. Quantizing it gives ``Q`` int8 codes
+``q`` and one float32 ``scale``; dequantizing gives ``q * scale`` in float32:
+
+===========================  =============================================================
+``absmax``                   ``max |x|`` over the block; ``inf`` if any value is NaN or inf
+``scale``                    ``absmax / 127`` (IEEE division, round to nearest even); NaN for a
+                             non-finite block
+``q``                        ``clamp(round_half_even(x / scale), -127, 127)``; 0 where
+                             ``scale`` is 0 (an all-zero block) or the block is non-finite
+dequantized                  ``q * scale`` (float32): 0 for a zero block, NaN in every element
+                             of a non-finite block (never a finite value)
+===========================  =============================================================
+
+[Note: the per-block error bound]
+For a finite block, ``|x - q * scale| <= absmax / 254 * (1 + 2**-20) + 2**-149``: ``x / scale``
+is off by at most 2**-24 relative and ``127 * 2**-24`` absolute, rounding adds 1/2 a step, and the
+product ``q * scale`` one more rounding (relative 2**-24 of ``absmax``); the last term covers
+subnormal scales. tests/packing/test_quantized_kernels.py checks it on every block it draws.
+Casting the dequantized value to a 16-bit ``param_dtype`` adds that cast's own rounding.
+
+[Note: why the arithmetic is bitwise portable]
+Every step is a correctly rounded IEEE float32 operation or exact: the absolute maximum and the
+comparisons are exact; the two divisions are ``tl.math.div_rn`` in Triton (Triton's plain ``/``
+may be an approximate division on a GPU) and torch's float32 division on CPU; the rounding to an
+integer is ``(y + 1.5 * 2**23) - 1.5 * 2**23`` in Triton, exact round-half-even for ``|y| < 2**22``
+(here ``|y| <= 127.5``), and ``torch.round`` (round-half-even) in torch; the product is one
+multiplication (kernels are compiled with ``enable_fp_fusion=False``: no FMA contracts it into a
+neighbour). Hence the kernels and the torch fallbacks agree bit for bit, on a GPU as under the
+interpreter.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QMAX = 127
+"""The largest int8 code used: symmetric, so -128 never appears and negation is exact."""
+
+_ROUNDER = 12582912.0  # 1.5 * 2**23
+
+
+@triton.jit
+def quantize_block(x):
+    """``(q int8[Q], scale float32)`` of the float32 block ``x`` (see the module's table)."""
+    finite = x == x
+    finite = finite & (tl.abs(x) != float("inf"))
+    absmax = tl.max(tl.where(finite, tl.abs(x), float("inf")), axis=0)
+    scale = tl.math.div_rn(absmax, 127.0)
+    usable = (absmax != float("inf")) & (scale > 0.0)
+    y = tl.math.div_rn(x, tl.where(usable, scale, 1.0))
+    y = (y + 12582912.0) - 12582912.0
+    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+    q = tl.where(usable, y, 0.0).to(tl.int8)
+    scale = tl.where(absmax != float("inf"), scale, float("nan"))
+    return q, scale
+
+
+@triton.jit
+def dequantize_block(q, scale):
+    """float32 ``q * scale`` of int8 codes ``q`` and their block's float32 ``scale``."""
+    return q.to(tl.float32) * scale
+
+
+def quantize_blocks_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q int8[B, Q], scale float32[B])`` of the float32 blocks ``x`` (shape ``(B, Q)``), bitwise
+    as ``quantize_block`` computes them."""
+    magnitude = x.abs()
+    absmax = torch.where(torch.isfinite(x), magnitude, torch.inf).amax(dim=1) if x.shape[1] else x.new_zeros(len(x))
+    scale = absmax / QMAX
+    usable = (absmax != torch.inf) & (scale > 0)
+    y = torch.round(x / torch.where(usable, scale, 1.0)[:, None]).clamp_(-QMAX, QMAX)
+    q = torch.where(usable[:, None], y, 0.0).to(torch.int8)
+    return q, torch.where(absmax != torch.inf, scale, torch.nan)
+
+
+def dequantize_blocks_torch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``q * scale`` of int8 codes ``q`` (``(..., B, Q)``) and their scales (``(..., B)``)."""
+    return q.to(torch.float32) * scale.unsqueeze(-1)
