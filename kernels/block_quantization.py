@@ -76,6 +76,6 @@ def quantize_blocks_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, torch.where(absmax != torch.inf, scale, torch.nan)
 
 
-def dequantize_blocks_torch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 ``q * scale`` of int8 codes ``q`` (``(..., B, Q)``) and their scales (``(..., B)``)."""
-    return q.to(torch.float32) * scale.unsqueeze(-1)
+def dequantize_elements_torch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``q * scale`` of int8 codes ``q`` and each code's block scale ``scale`` (same shape)."""
+    return q.to(torch.float32) * scale

@@ -27,29 +27,27 @@ import triton.language as tl
 
 from kernels import _checks, _launch
 from kernels._jit import store_as
-from kernels.block_quantization import dequantize_block, dequantize_blocks_torch
+from kernels.block_quantization import dequantize_block, dequantize_elements_torch
 from kernels.quantized_copy_in import QUANTIZED_DTYPES
-from kernels.quantized_layout import QuantizedLayout, launch, segment, segment_range
+from kernels.quantized_layout import QuantizedLayout, launch, program_block
 
 OP = "quantized_all_gather_copy_out"
 
 
 @triton.jit
 def _quantized_all_gather_copy_out_kernel(
-    first_ptr, segments_ptr, pointers_ptr, codes_ptr, scales_ptr, num_blocks, slot_bytes,
+    blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, num_blocks, slot_bytes, slot_numel,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     slot = g // num_blocks
-    b = g % num_blocks
+    flat_start, _, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, g)
     offs = tl.arange(0, BLOCK)
-    q = tl.load(codes_ptr + slot * slot_bytes + b * BLOCK + offs)
-    x = dequantize_block(q, tl.load(scales_ptr + slot * (slot_bytes // 4) + num_blocks * (BLOCK // 4) + b))
-    start, end = segment_range(first_ptr, g)
-    for s in range(start, end):
-        addr, group, tensor_start, mask = segment(segments_ptr, pointers_ptr, s, offs)
-        store_as(addr, group, tensor_start, offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
+    mask = offs < n_valid
+    q = tl.load(codes_ptr + slot * slot_bytes + flat_start + offs, mask=mask)
+    x = dequantize_block(q, tl.load(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks))
+    store_as(addr, group, tensor_start, offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
 
 
 def quantized_all_gather_copy_out(
@@ -101,7 +99,8 @@ def _quantized_all_gather_copy_out(q_output: torch.Tensor, qlayout: QuantizedLay
     table = qlayout.segment_table(None, device)
     pointers = _launch.pointer_table(qlayout.layout, outs, device)
     launch(_quantized_all_gather_copy_out_kernel, table, pointers, q_output.view(torch.int8),
-           q_output.view(torch.float32), qlayout.num_blocks, qlayout.slot_bytes, BLOCK=qlayout.block)
+           q_output.view(torch.float32), qlayout.num_blocks, qlayout.slot_bytes, qlayout.layout.slot_numel,
+           BLOCK=qlayout.block)
 
 
 def _quantized_all_gather_copy_out_torch(q_output: torch.Tensor, qlayout: QuantizedLayout,
@@ -109,8 +108,7 @@ def _quantized_all_gather_copy_out_torch(q_output: torch.Tensor, qlayout: Quanti
     """The op without Triton: dequantize every slot (float32), then one ``_foreach_copy_`` of each
     rank's shard views into the rows of ``outs`` (the cast as torch does it, as the kernel's)."""
     layout = qlayout.layout
-    flat = dequantize_blocks_torch(qlayout.payloads(q_output), qlayout.scales(q_output))
-    flat = flat.view(layout.world_size, -1)
+    flat = dequantized(q_output, qlayout)
     dsts, srcs = [], []
     for r in range(layout.world_size):
         for out, view in zip(outs, layout.shard_views(flat[r, : layout.slot_numel], r)):
@@ -119,3 +117,10 @@ def _quantized_all_gather_copy_out_torch(q_output: torch.Tensor, qlayout: Quanti
                 srcs.append(view)
     if dsts:
         torch._foreach_copy_(dsts, srcs)
+
+
+def dequantized(buffer: torch.Tensor, qlayout: QuantizedLayout) -> torch.Tensor:
+    """float32 ``(world_size, slot_numel)``: every slot of a quantized buffer dequantized (codes
+    times their block's scale, as the kernels compute them)."""
+    _, _, element_block = qlayout.block_lanes(buffer.device)
+    return dequantize_elements_torch(qlayout.codes(buffer), qlayout.scales(buffer)[:, element_block])

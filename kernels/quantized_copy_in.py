@@ -36,7 +36,7 @@ from kernels import _checks, _launch
 from kernels._jit import load_as
 from kernels.block_quantization import quantize_block, quantize_blocks_torch
 from kernels.layout import ShardLayout
-from kernels.quantized_layout import QuantizedLayout, launch, segment, segment_range
+from kernels.quantized_layout import QuantizedLayout, launch, program_block
 
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The parameter-side dtypes the quantized ops take."""
@@ -45,23 +45,19 @@ QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ------------------------------------------------------------------------------------------- kernel
 @triton.jit
 def _quantized_copy_in_kernel(
-    first_ptr, segments_ptr, pointers_ptr, codes_ptr, scales_ptr, first_slot, num_blocks, slot_bytes,
+    blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, first_slot, num_blocks, slot_bytes, slot_numel,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     slot = first_slot + g // num_blocks
-    b = g % num_blocks
+    flat_start, length, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, g)
     offs = tl.arange(0, BLOCK)
-    x = tl.zeros([BLOCK], dtype=tl.float32)
-    start, end = segment_range(first_ptr, g)
-    for s in range(start, end):
-        addr, group, tensor_start, mask = segment(segments_ptr, pointers_ptr, s, offs)
-        v = load_as(addr, group, tensor_start, offs, mask, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32, False)
-        x = tl.where(mask, v, x)
+    x = load_as(addr, group, tensor_start, offs, offs < n_valid, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
+                False)
     q, scale = quantize_block(x)
-    tl.store(codes_ptr + slot * slot_bytes + b * BLOCK + offs, q)
-    tl.store(scales_ptr + slot * (slot_bytes // 4) + num_blocks * (BLOCK // 4) + b, scale)
+    tl.store(codes_ptr + slot * slot_bytes + flat_start + offs, q, mask=offs < length)
+    tl.store(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks, scale)
 
 
 # -------------------------------------------------------------------------------------- public API
@@ -125,20 +121,20 @@ def _quantized_copy_in(tensors: Sequence[torch.Tensor], qlayout: QuantizedLayout
     table = qlayout.segment_table(rank, device)
     pointers = _launch.pointer_table(qlayout.layout, tensors, device, dtypes)
     launch(_quantized_copy_in_kernel, table, pointers, q_output.view(torch.int8), q_output.view(torch.float32),
-           0 if rank is None else rank, qlayout.num_blocks, qlayout.slot_bytes, BLOCK=qlayout.block)
+           0 if rank is None else rank, qlayout.num_blocks, qlayout.slot_bytes, qlayout.layout.slot_numel,
+           BLOCK=qlayout.block)
     return q_input, q_output
 
 
-def packed_float32(tensors: Sequence[torch.Tensor], layout: ShardLayout, rank: int | None, blocks: int,
-                   block: int) -> torch.Tensor:
-    """float32 ``(slots, blocks * block)``: the flat slots of ``rank`` (``None``: every rank, from
-    full tensors) zero-padded to whole blocks: what the kernel quantizes (exact: the tensors'
-    dtypes widen to float32 exactly)."""
+def packed_float32(tensors: Sequence[torch.Tensor], layout: ShardLayout, rank: int | None) -> torch.Tensor:
+    """float32 ``(slots, slot_numel)``: the flat slot of ``rank`` (``None``: every rank's, from full
+    tensors), zeros in the padding: what the kernel quantizes (exact: float32, bfloat16 and float16
+    widen to float32 exactly)."""
     ranks = range(layout.world_size) if rank is None else (rank,)
-    flat = torch.zeros(len(ranks), blocks * block, dtype=torch.float32, device=tensors[0].device)
+    flat = torch.zeros(len(ranks), layout.slot_numel, dtype=torch.float32, device=tensors[0].device)
     dsts, srcs = [], []
     for j, r in enumerate(ranks):
-        for view, t in zip(layout.shard_views(flat[j, : layout.slot_numel], r), tensors):
+        for view, t in zip(layout.shard_views(flat[j], r), tensors):
             if view.numel():
                 dsts.append(view)
                 srcs.append(t if rank is not None else layout.shard(t, r))
@@ -149,9 +145,12 @@ def packed_float32(tensors: Sequence[torch.Tensor], layout: ShardLayout, rank: i
 
 def _quantized_copy_in_torch(tensors: Sequence[torch.Tensor], qlayout: QuantizedLayout, rank: int | None,
                              q_output: torch.Tensor) -> None:
-    """The op without Triton, bitwise equal to the kernel: pack in float32, quantize every block."""
-    flat = packed_float32(tensors, qlayout.layout, rank, qlayout.num_blocks, qlayout.block)
-    q, scale = quantize_blocks_torch(flat.view(-1, qlayout.block))
+    """The op without Triton, bitwise equal to the kernel: pack in float32, cut the blocks out (zeros
+    past each block's end, as the kernel's masked lanes), quantize, scatter the codes back."""
+    flat = packed_float32(tensors, qlayout.layout, rank)
+    index, valid, _ = qlayout.block_lanes(flat.device)
+    blocks = torch.where(valid, flat[:, index], 0.0)  # (slots, num_blocks, block)
+    q, scale = quantize_blocks_torch(blocks.view(-1, qlayout.block))
     slots = slice(None) if rank is None else slice(rank, rank + 1)
-    qlayout.payloads(q_output)[slots] = q.view(-1, qlayout.num_blocks, qlayout.block)
-    qlayout.scales(q_output)[slots] = scale.view(-1, qlayout.num_blocks)
+    qlayout.codes(q_output)[slots, index[valid]] = q.view(len(flat), -1, qlayout.block)[:, valid]
+    qlayout.scales(q_output)[slots] = scale.view(len(flat), -1)

@@ -29,36 +29,34 @@ import triton.language as tl
 from kernels import _checks, _launch
 from kernels._dtypes import as_float32
 from kernels._jit import load_as, store_as
-from kernels.block_quantization import dequantize_block, dequantize_blocks_torch
-from kernels.quantized_all_gather_copy_out import _check_buffer
+from kernels.block_quantization import dequantize_block
+from kernels.quantized_all_gather_copy_out import _check_buffer, dequantized
 from kernels.quantized_copy_in import QUANTIZED_DTYPES
-from kernels.quantized_layout import QuantizedLayout, launch, segment, segment_range
+from kernels.quantized_layout import QuantizedLayout, launch, program_block
 
 OP = "quantized_reduce_scatter_copy_out"
 
 
 @triton.jit
 def _quantized_reduce_scatter_copy_out_kernel(
-    first_ptr, segments_ptr, pointers_ptr, codes_ptr, scales_ptr, num_blocks, slot_bytes, world_size, scale,
+    blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, num_blocks, slot_bytes, slot_numel, world_size, scale,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
     BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
+    flat_start, _, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, b)
     offs = tl.arange(0, BLOCK)
+    mask = offs < n_valid
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in range(0, world_size):
-        q = tl.load(codes_ptr + s * slot_bytes + b * BLOCK + offs)
-        acc += dequantize_block(q, tl.load(scales_ptr + s * (slot_bytes // 4) + num_blocks * (BLOCK // 4) + b))
+        q = tl.load(codes_ptr + s * slot_bytes + flat_start + offs, mask=mask)
+        acc += dequantize_block(q, tl.load(scales_ptr + (s * slot_bytes + slot_numel) // 4 + b))
     if HAS_SCALE:
         acc = acc * scale
-    start, end = segment_range(first_ptr, b)
-    for s in range(start, end):
-        addr, group, tensor_start, mask = segment(segments_ptr, pointers_ptr, s, offs)
-        x = acc
-        if ACCUMULATE:
-            x = load_as(addr, group, tensor_start, offs, mask, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
-                        False) + acc
-        store_as(addr, group, tensor_start, offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
+    if ACCUMULATE:
+        acc = load_as(addr, group, tensor_start, offs, mask, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
+                      False) + acc
+    store_as(addr, group, tensor_start, offs, acc, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
 
 
 def quantized_reduce_scatter_copy_out(
@@ -92,7 +90,8 @@ def _quantized_reduce_scatter_copy_out(received: torch.Tensor, outs: Sequence[to
     table = qlayout.segment_table(rank, device)
     pointers = _launch.pointer_table(qlayout.layout, outs, device)
     launch(_quantized_reduce_scatter_copy_out_kernel, table, pointers, received.view(torch.int8),
-           received.view(torch.float32), qlayout.num_blocks, qlayout.slot_bytes, qlayout.world_size,
+           received.view(torch.float32), qlayout.num_blocks, qlayout.slot_bytes, qlayout.layout.slot_numel,
+           qlayout.world_size,
            1.0 if scale is None else as_float32(scale), BLOCK=qlayout.block, HAS_SCALE=scale is not None,
            ACCUMULATE=accumulate)
 
@@ -103,7 +102,7 @@ def _quantized_reduce_scatter_copy_out_torch(received: torch.Tensor, outs: Seque
     """The op without Triton, bitwise equal to the kernel: dequantize, sum in rank order, scale, then
     one ``_foreach_copy_`` (or float32 add and copy) into the shards."""
     layout = qlayout.layout
-    deq = dequantize_blocks_torch(qlayout.payloads(received), qlayout.scales(received)).view(layout.world_size, -1)
+    deq = dequantized(received, qlayout)
     acc = torch.zeros_like(deq[0])
     for s in range(layout.world_size):
         acc += deq[s]
