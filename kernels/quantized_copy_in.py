@@ -78,8 +78,9 @@ def _check(op: str, name: str, tensors: Sequence[torch.Tensor], qlayout: Quantiz
 
 
 def _raise_if_non_finite(op: str, name: str, tensors: Sequence[torch.Tensor], qlayout: QuantizedLayout,
-                         q_output: torch.Tensor) -> None:
-    if bool(torch.isfinite(qlayout.scales(q_output)).all()):
+                         q_output: torch.Tensor, rank: int | None) -> None:
+    scales = qlayout.scales(q_output)
+    if bool(torch.isfinite(scales if rank is None else scales[rank]).all()):
         return
     bad = [i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all())]
     raise ValueError(f"{op}: {name}{bad} hold NaN or inf; int8 block quantization needs finite values "
@@ -92,7 +93,7 @@ def quantized_all_gather_copy_in(shards: Sequence[torch.Tensor], qlayout: Quanti
     op = "quantized_all_gather_copy_in"
     dtypes = _check(op, "shards", shards, qlayout, rank)
     q_input, q_output = _quantized_copy_in(shards, qlayout, rank, dtypes)
-    _raise_if_non_finite(op, "shards", shards, qlayout, q_output)
+    _raise_if_non_finite(op, "shards", shards, qlayout, q_output, rank)
     return q_input, q_output
 
 
@@ -101,7 +102,7 @@ def quantized_reduce_scatter_copy_in(grads: Sequence[torch.Tensor], qlayout: Qua
     op = "quantized_reduce_scatter_copy_in"
     dtypes = _check(op, "grads", grads, qlayout, None)
     q_input, _ = _quantized_copy_in(grads, qlayout, None, dtypes)
-    _raise_if_non_finite(op, "grads", grads, qlayout, q_input)
+    _raise_if_non_finite(op, "grads", grads, qlayout, q_input, None)
     return q_input
 
 
