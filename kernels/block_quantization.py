@@ -64,15 +64,21 @@ def dequantize_block(q, scale):
     return q.to(tl.float32) * scale
 
 
-def quantize_blocks_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q int8[B, Q], scale float32[B])`` of the float32 blocks ``x`` (shape ``(B, Q)``), bitwise
-    as ``quantize_block`` computes them."""
-    magnitude = x.abs()
-    absmax = torch.where(torch.isfinite(x), magnitude, torch.inf).amax(dim=1) if x.shape[1] else x.new_zeros(len(x))
+def quantize_blocks_torch(x: torch.Tensor, lengths: torch.Tensor, element_block: torch.Tensor,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q int8, scale float32[rows, B])`` of float32 rows ``x`` cut into ``B`` consecutive blocks
+    of ``lengths`` elements (``element_block[k]``: the block of element ``k``), bitwise as
+    ``quantize_block`` computes them on the same blocks (no gather into padded blocks: one
+    ``segment_reduce`` for the absolute maxima, then elementwise ops on ``x`` as it lies)."""
+    if lengths.numel() == 0:  # no blocks (only empty parameters)
+        return x.to(torch.int8), x.new_zeros(x.shape[0], 0)
+    magnitude = torch.where(torch.isfinite(x), x.abs(), torch.inf)
+    absmax = torch.segment_reduce(magnitude, "max", lengths=lengths.expand(x.shape[0], -1), axis=1)
     scale = absmax / QMAX
     usable = (absmax != torch.inf) & (scale > 0)
-    y = torch.round(x / torch.where(usable, scale, 1.0)[:, None]).clamp_(-QMAX, QMAX)
-    q = torch.where(usable[:, None], y, 0.0).to(torch.int8)
+    divisor = torch.where(usable, scale, 1.0).index_select(1, element_block)
+    y = torch.round(x / divisor).clamp_(-QMAX, QMAX)
+    q = torch.where(usable.index_select(1, element_block), y, 0.0).to(torch.int8)
     return q, torch.where(absmax != torch.inf, scale, torch.nan)
 
 

@@ -122,5 +122,5 @@ def _quantized_all_gather_copy_out_torch(q_output: torch.Tensor, qlayout: Quanti
 def dequantized(buffer: torch.Tensor, qlayout: QuantizedLayout) -> torch.Tensor:
     """float32 ``(world_size, slot_numel)``: every slot of a quantized buffer dequantized (codes
     times their block's scale, as the kernels compute them)."""
-    _, _, element_block = qlayout.block_lanes(buffer.device)
-    return dequantize_elements_torch(qlayout.codes(buffer), qlayout.scales(buffer)[:, element_block])
+    _, element_block = qlayout.block_index(buffer.device)
+    return dequantize_elements_torch(qlayout.codes(buffer), qlayout.scales(buffer).index_select(1, element_block))

@@ -146,12 +146,10 @@ def packed_float32(tensors: Sequence[torch.Tensor], layout: ShardLayout, rank: i
 
 def _quantized_copy_in_torch(tensors: Sequence[torch.Tensor], qlayout: QuantizedLayout, rank: int | None,
                              q_output: torch.Tensor) -> None:
-    """The op without Triton, bitwise equal to the kernel: pack in float32, cut the blocks out (zeros
-    past each block's end, as the kernel's masked lanes), quantize, scatter the codes back."""
+    """The op without Triton, bitwise equal to the kernel: pack in float32, quantize each block where
+    it lies (``quantize_blocks_torch``)."""
     flat = packed_float32(tensors, qlayout.layout, rank)
-    index, valid, _ = qlayout.block_lanes(flat.device)
-    blocks = torch.where(valid, flat[:, index], 0.0)  # (slots, num_blocks, block)
-    q, scale = quantize_blocks_torch(blocks.view(-1, qlayout.block))
+    q, scale = quantize_blocks_torch(flat, *qlayout.block_index(flat.device))
     slots = slice(None) if rank is None else slice(rank, rank + 1)
-    qlayout.codes(q_output)[slots, index[valid]] = q.view(len(flat), -1, qlayout.block)[:, valid]
-    qlayout.scales(q_output)[slots] = scale.view(len(flat), -1)
+    qlayout.codes(q_output)[slots] = q
+    qlayout.scales(q_output)[slots] = scale

@@ -106,21 +106,17 @@ class QuantizedLayout:
         floats = buffer.view(torch.float32).view(self.world_size, self.slot_bytes // 4)
         return floats[:, self.layout.slot_numel // 4 :]
 
-    def block_lanes(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(index, valid, element_block)``: ``(num_blocks, block)`` the slot element of each lane of
-        each block (0 past its end) and whether the lane is in the block, ``(slot_numel,)`` the block
-        of each slot element: what the torch fallbacks gather and scatter by, to quantize the same
-        blocks as the kernels (cached per device)."""
-        key = ("quantized_lanes", self.block, device)
+    def block_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lengths (num_blocks,), element_block (slot_numel,))``: each block's length and the block
+        of each slot element, on ``device`` (cached): how the torch fallbacks find the kernels'
+        blocks in a flat slot."""
+        key = ("quantized_blocks", self.block, device)
         cache = self.layout._device_cache
-        lanes = cache.get(key)
-        if lanes is None:
-            lane = np.arange(self.block, dtype=np.int64)
-            valid = lane[None, :] < self.block_lengths[:, None]
-            index = np.where(valid, self.block_starts[:, None] + lane[None, :], 0)
+        index = cache.get(key)
+        if index is None:
             element_block = np.repeat(np.arange(self.num_blocks, dtype=np.int64), self.block_lengths)
-            lanes = cache[key] = tuple(torch.from_numpy(a).to(device) for a in (index, valid, element_block))
-        return lanes
+            index = cache[key] = tuple(torch.from_numpy(a).to(device) for a in (self.block_lengths, element_block))
+        return index
 
     def segment_table(self, rank: int | None, device: torch.device) -> SegmentTable:
         """The table of ``rank`` (``None``: every slot, full tensors) on ``device``, cached."""
