@@ -116,7 +116,7 @@ def test_gather_carries_the_quantized_shards_and_reduce_stays_within_its_bound(d
         for i, got in enumerate(r["got"]):
             shards = [layout.shard(g[i], rank) for g in r["per_rank"]]
             exact = sum(shards) / world
-            bound = sum(_block_absmax(s, INT8.block) / 254 * (1 + 2**-20) for s in shards) / world
+            bound = sum(_block_absmax(s, INT8.block) / 254 * (1 + 2**-14) for s in shards) / world
             slack = sum(s.abs() for s in shards) * 2**-22 + 1e-30
             assert ((got - exact).abs() <= bound + slack).all(), i
             assert not torch.equal(got, exact)  # it was quantized (a test that can fail)
