@@ -76,14 +76,15 @@ def quantize_blocks_torch(x: torch.Tensor, lengths: torch.Tensor, element_block:
     ``segment_reduce`` for the absolute maxima, then elementwise ops on ``x`` as it lies)."""
     if lengths.numel() == 0:  # no blocks (only empty parameters)
         return x.to(torch.int8), x.new_zeros(x.shape[0], 0)
-    magnitude = torch.where(torch.isfinite(x), x.abs(), torch.inf)
-    absmax = torch.segment_reduce(magnitude, "max", lengths=lengths.expand(x.shape[0], -1), axis=1)
+    # segment_reduce's max propagates NaN: a non-finite block's absmax is NaN or inf (the kernel's inf)
+    absmax = torch.segment_reduce(x.abs(), "max", lengths=lengths.expand(x.shape[0], -1), axis=1)
+    finite = torch.isfinite(absmax)
     scale = absmax / QMAX
-    usable = (absmax != torch.inf) & (scale > 0)
-    divisor = torch.where(usable, scale, 1.0).index_select(1, element_block)
-    y = torch.round(x / divisor).clamp_(-QMAX, QMAX)
-    q = torch.where(usable.index_select(1, element_block), y, 0.0).to(torch.int8)
-    return q, torch.where(absmax != torch.inf, scale, torch.nan)
+    divisor = torch.where(finite & (scale > 0), scale, 1.0).index_select(1, element_block)
+    y = torch.round(x.div(divisor)).clamp_(-QMAX, QMAX)  # 0 in a zero block (or one whose scale underflows)
+    if not bool(finite.all()):  # rare: zero the codes of non-finite blocks (one more pass)
+        y = torch.where(finite.index_select(1, element_block), y, 0.0)
+    return y.to(torch.int8), torch.where(finite, scale, torch.nan)
 
 
 def dequantize_elements_torch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
