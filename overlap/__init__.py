@@ -15,6 +15,7 @@ from overlap.collectives import (
     wait,
 )
 from overlap.checkpoint import CheckpointLoadError, load_checkpoint
+from overlap.compression import Compression
 from overlap.desync import DesyncError, debug, debug_enabled, set_debug
 from overlap.device_info import DeviceInfo, device_info
 from overlap.errors import CollectiveError, CollectiveTimeoutError, set_wait_timeout, wait_timeout
@@ -47,6 +48,7 @@ __all__ = [
     "CheckpointLoadError",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "Compression",
     "DesyncError",
     "DeviceInfo",
     "FSDPModule",

@@ -528,6 +528,19 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupIn
                   (input, output), input.numel() * input.element_size(), info.pg.group_name, "sum", where=where)
 
 
+def quantized_reduce_into(received: torch.Tensor, input: torch.Tensor, info: GroupInfo, fmt: str,
+                          where: str = "") -> InflightWork:
+    """Issue the all-to-all of a compressed reduction: ``input`` holds one quantized slot per rank
+    (rank-major bytes), ``received`` gets every rank's quantized version of this rank's slot; the
+    caller's copy-out sums them ([Note: compressed collectives] in ``overlap/compression.py``).
+    Profiled and fingerprinted as a ``reduce_scatter`` whose op is ``sum:<fmt>``; wait the work
+    before reading ``received``."""
+    pg = info.pg
+    return _issue("reduce_scatter", input.device,
+                  lambda a: dist.all_to_all_single(received, input, group=pg, async_op=a), (input, received),
+                  input.numel() * input.element_size(), pg.group_name, f"sum:{fmt}", where=where)
+
+
 def all_reduce_into(buffer: torch.Tensor, info: GroupInfo, where: str = "") -> InflightWork:
     """Issue a sum all-reduce of ``buffer`` over ``info``'s group, in place.
 

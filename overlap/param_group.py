@@ -126,8 +126,13 @@ from kernels.all_gather_copy_in import _all_gather_copy_in
 from kernels.all_gather_copy_out import _all_gather_copy_out
 from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
 from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
+from kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out
+from kernels.quantized_copy_in import _quantized_copy_in
+from kernels.quantized_layout import QuantizedLayout, quantized_layout
+from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out
 from overlap import finite_check
-from overlap.collectives import all_gather_into, all_reduce_into, reduce_scatter_into
+from overlap.collectives import all_gather_into, all_reduce_into, quantized_reduce_into, reduce_scatter_into
+from overlap.compression import Compression
 from overlap.groups import GroupInfo
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
@@ -165,6 +170,7 @@ class PendingReduce:
     post_scale: Optional[float]  # applied by the copy-out (None: the average is already taken)
     needs_all_reduce: bool = False  # HSDP: the cross-replica all-reduce is still to be issued
     finite: Optional[finite_check.FiniteCheck] = None  # the finite check's flags (overlap.finite_check), if on
+    quantized: Optional[QuantizedLayout] = None  # compressed: rs_output is the received quantized slots
 
 
 class ParamGroup:
@@ -179,8 +185,12 @@ class ParamGroup:
         mp: MixedPrecision,
         on_grad_ready: Callable[["ParamGroup", int], None],
         replicate: Optional[GroupInfo] = None,
+        compression: Optional[Compression] = None,
     ) -> None:
         self.info = info
+        self.compression = compression if compression is not None and compression.any else None
+        """Compressed collectives (``overlap.shard(compress=...)``, [Note: compressed collectives] in
+        ``overlap/compression.py``); None: exact."""
         self.mesh = mesh
         self.rank, self.world_size = info.rank, info.size
         self.replicate = replicate
@@ -384,6 +394,8 @@ class ParamGroup:
         return hook
 
     def all_gather_bytes(self) -> int:
+        if self.compression is not None and self.compression.gather is not None:
+            return quantized_layout(self.layout, self.compression.block).buffer_bytes
         return self.layout.buffer_numel * self.gather_dtype.itemsize
 
     def issue_gather(self) -> None:
@@ -393,9 +405,13 @@ class ParamGroup:
             return
         with _copy_in_stream(self.sharded[0]._local_tensor.device):  # type: ignore[attr-defined]
             with region(self.regions.all_gather_copy_in), _NoGrad():
-                ag_input, ag_output = _all_gather_copy_in(
-                    [self.local_rows(i) for i in range(len(self.sharded))], self.layout, self.rank,
-                    self.gather_dtype, tuple(self.orig_dtypes))  # the shards' own: no read per shard
+                shards = [self.local_rows(i) for i in range(len(self.sharded))]
+                if self.compression is not None and self.compression.gather is not None:
+                    ag_input, ag_output = _quantized_copy_in(
+                        shards, quantized_layout(self.layout, self.compression.block), self.rank)
+                else:  # the shards' own dtypes handed over: no read per shard
+                    ag_input, ag_output = _all_gather_copy_in(
+                        shards, self.layout, self.rank, self.gather_dtype, tuple(self.orig_dtypes))
             work = all_gather_into(ag_output, ag_input, self.info, self.where) if self.world_size > 1 else None
         self.pending_gather = PendingGather(work, ag_output)
         self._gathered_versions = self._shard_versions()
@@ -440,12 +456,31 @@ class ParamGroup:
                 storage.resize_(placement.nbytes)
                 versions = tuple([u._version for u in outs])
                 try:
-                    _all_gather_copy_out(pending.ag_output, self.layout, outs, packed=self._unsharded_storage)
+                    if pending.ag_output.dtype == torch.uint8 and self.compression is not None:  # quantized
+                        self._quantized_copy_out(pending.ag_output, outs)
+                    else:
+                        _all_gather_copy_out(pending.ag_output, self.layout, outs, packed=self._unsharded_storage)
                 finally:  # what torch.autograd._unsafe_preserve_version_counter does on exit
                     _set_versions(tuple(outs), versions)
 
         _wait_then(pending.work, copy_out)
         self.is_unsharded = True
+
+    def _quantized_copy_out(self, ag_output: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        """Dequantize a compressed all-gather into the unsharded parameters. Off CUDA (the host has
+        waited anyway) a non-finite block first raises, on every rank alike (each received every
+        slot); on CUDA it arrives as NaN (no host sync)."""
+        assert self.compression is not None
+        qlayout = quantized_layout(self.layout, self.compression.block)
+        if ag_output.device.type != "cuda":
+            scales = qlayout.scales(ag_output)
+            if not bool(torch.isfinite(scales).all()):
+                ranks = torch.nonzero(~torch.isfinite(scales).all(dim=1)).flatten().tolist()
+                raise ValueError(
+                    f"overlap.shard: the compressed (int8) all-gather of module {self.where!r} got NaN or inf "
+                    f"from the shards of ranks {ranks}: a non-finite parameter cannot be block-quantized "
+                    f"(compress=overlap.Compression(gather=None) sends it exactly)")
+        _quantized_all_gather_copy_out(ag_output, qlayout, outs)
 
     def _cast_into_unsharded(self) -> None:
         """World size 1 with a cast: one ``_foreach_copy_`` (cast) of the shards into the unsharded
@@ -503,6 +538,8 @@ class ParamGroup:
         indices = self.requires_grad_indices
         if not indices or self.unsharded is None:
             return 0
+        if self.compression is not None and self.compression.reduce is not None:
+            return quantized_layout(self._reduce_layout(indices), self.compression.block).buffer_bytes
         dtype = self.mp.effective_reduce_dtype or widest_dtype([self.unsharded[i].dtype for i in indices])
         return self._reduce_layout(indices).buffer_numel * dtype.itemsize
 
@@ -527,6 +564,8 @@ class ParamGroup:
             grads.append(grad if grad is not None else torch.zeros(data.shape, dtype=data.dtype, device=data.device))
             u.grad = None
         layout = self._reduce_layout(indices)
+        if self.compression is not None and self.compression.reduce is not None:
+            return self._issue_quantized_reduce(grads, indices, layout)
         dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads])
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             pre_scale, post_scale = _average_scales(dtype, self.data_parallel_size)
@@ -539,6 +578,23 @@ class ParamGroup:
         work = reduce_scatter_into(rs_output, rs_input, self.info, self.where)
         return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp,
                              finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None)
+
+    def _issue_quantized_reduce(self, grads: list[torch.Tensor], indices: tuple[int, ...],
+                                layout: ShardLayout) -> PendingReduce:
+        """Compressed reduction ([Note: compressed collectives] in ``overlap/compression.py``): quantize
+        the gradients into one quantized slot per rank, all-to-all them to their owners; the copy-out
+        sums in float32 and averages (``1/w`` after the sum, whatever the reduce dtype)."""
+        assert self.compression is not None and self.replicate is None
+        qlayout = quantized_layout(layout, self.compression.block)
+        with region(self.regions.reduce_scatter_copy_in), _NoGrad():
+            q_input, _ = _quantized_copy_in(grads, qlayout, None)
+            exact = None
+            if finite_check.SWITCH.on:  # the check reads exact float32 gradients (an extra packing, debug only)
+                exact = _reduce_scatter_copy_in(grads, layout, None, torch.float32)
+        received = torch.empty_like(q_input)
+        work = quantized_reduce_into(received, q_input, self.info, self.compression.reduce or "", self.where)
+        finite = self._start_finite_check(exact, True) if exact is not None else None
+        return PendingReduce(work, received, indices, layout, 1.0 / self.world_size, finite=finite, quantized=qlayout)
 
     @functools.cached_property
     def _finite_slots(self) -> tuple[int, tuple[int, ...]]:
@@ -703,10 +759,13 @@ class ParamGroup:
     def _copy_out_reduced(self, pending: PendingReduce, targets: list[nn.Parameter], accumulate: bool) -> None:
         def copy_out() -> None:
             with region(self.regions.reduce_scatter_copy_out), _NoGrad():
-                _reduce_scatter_copy_out(
-                    pending.rs_output, [_layout_rows(p.grad._local_tensor, self.rank) for p in targets], pending.layout,
-                    self.rank, pending.post_scale, accumulate
-                )
+                grads = [_layout_rows(p.grad._local_tensor, self.rank) for p in targets]
+                if pending.quantized is not None:
+                    _quantized_reduce_scatter_copy_out(pending.rs_output, grads, pending.quantized, self.rank,
+                                                       pending.post_scale, accumulate)
+                else:
+                    _reduce_scatter_copy_out(pending.rs_output, grads, pending.layout, self.rank,
+                                             pending.post_scale, accumulate)
 
         _wait_then(pending.work, copy_out)
 

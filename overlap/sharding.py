@@ -90,6 +90,7 @@ from overlap.finite_check import NonFiniteError
 from overlap.fsdp_module import FSDPModuleMethods
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
 from overlap.inflight_work import InflightWork
+from overlap.compression import Compression
 from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
 from overlap.profiler.records import BUDGET_LABEL
@@ -855,6 +856,7 @@ def shard(
     reshard_after_forward: bool = True,
     prefetch: Union[int, str] = 1,
     max_inflight_bytes: Optional[int] = None,
+    compress: Optional[Compression] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``group`` or ``mesh`` (default WORLD), in place.
 
@@ -888,15 +890,22 @@ def shard(
     not touched. Call it on each block first, then on the root. Each call names the runtime regions
     (torch.profiler, ``overlap.profile``) of the sharded modules under ``module`` after their fqn
     relative to it: ``overlap::pre_forward (blocks.3)``; ``module``'s own regions carry no name.
+
+    ``compress``: an ``overlap.Compression`` to send the all-gathers and/or the gradient reductions
+    block-quantized to int8 (ZeRO++'s qwZ / qgZ; shards, state dicts and checkpoints stay exact), see
+    [Note: compressed collectives] in ``overlap/compression.py``; None (default): exact.
     """
     _check_options(module, mp, reshard_after_forward, prefetch, max_inflight_bytes)
+    if compress is not None and not isinstance(compress, Compression):
+        raise TypeError(f"shard: compress must be None or an overlap.Compression, got {type(compress).__name__}")
     return _shard([module], group=group, mesh=mesh, mp=mp, reshard_after_forward=reshard_after_forward,
-                  prefetch=prefetch, max_inflight_bytes=max_inflight_bytes)
+                  prefetch=prefetch, max_inflight_bytes=max_inflight_bytes, compress=compress)
 
 
 def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[MixedPrecision],
            reshard_after_forward: bool, prefetch: Union[int, str], max_inflight_bytes: Optional[int],
-           ignored_params: frozenset[int] = frozenset(), caller: str = "shard") -> nn.Module:
+           ignored_params: frozenset[int] = frozenset(), caller: str = "shard",
+           compress: Optional[Compression] = None) -> nn.Module:
     """``shard``'s body, for one module or for the modules of one ``fully_shard([a, b])`` call
     (options checked by the caller): their parameters, outside ``ignored_params`` (ids), become one
     group, all-gathered when the first of them runs and resharded after the last (see
@@ -935,6 +944,8 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
     if mp.param_dtype is not None and not floating:
         bad = [locs[0].fqn for p, locs in zip(params, locations) if not p.is_floating_point()]
         raise TypeError(f"shard: MixedPrecision.param_dtype needs floating-point parameters; {bad} are not")
+    if compress is not None and compress.any:
+        _check_compressible(module, params, locations, replicate)
 
     def on_grad_ready(g: ParamGroup, index: int) -> None:
         if state.root is not None:  # `state` is bound below, before any backward can run
@@ -947,7 +958,7 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
     else:
         dtensor_mesh = device_mesh_for(mesh if mesh is not None else group, info, _mesh_device_type(device, info))
     param_group = ParamGroup(params, locations, info, dtensor_mesh, mp, on_grad_ready,
-                             replicate) if params else None
+                             replicate, compress) if params else None
     if param_group is not None:
         for original, sharded, fqn in zip(params, param_group.sharded, param_group.fqns):
             original._overlap_sharded_by = param_group  # type: ignore[attr-defined]
@@ -971,6 +982,23 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
         if isinstance(m, ShardedModule):
             m._overlap_state.name_regions(fqn)
     return module
+
+
+def _check_compressible(module: nn.Module, params: list[nn.Parameter], locations: list[list[ParamLocation]],
+                        replicate: Optional[GroupInfo]) -> None:
+    """What compressed collectives do not cover yet ([Note: compressed collectives]), refused before
+    anything changes."""
+    name = type(module).__name__
+    if replicate is not None:
+        raise ValueError(f"shard: compress is not supported with a 2-D mesh (HSDP) yet; shard {name} over a "
+                         f"1-D mesh or group, or pass compress=None")
+    for p, locs in zip(params, locations):
+        if isinstance(p, DTensor):
+            raise ValueError(f"shard: compress is not supported with tensor-parallel (DTensor) parameters yet "
+                             f"({locs[0].fqn!r} of {name}); pass compress=None")
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"shard: compress needs float32, bfloat16 or float16 parameters; {locs[0].fqn!r} of "
+                            f"{name} is {p.dtype} (pass compress=None)")
 
 
 def _check_tensor_parallel_params(module: nn.Module, params: list[nn.Parameter],

@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(Megatron's plan on the same model, q/k/v split): overlap.tensor_parallel with its "
                            "collective matmuls decomposed, the same with chunks=1, and torch's parallelize_module, "
                            "side by side behind the link (--compare and --mesh choose FSDP modes: not with tp)")
+    demo.add_argument("--compress", choices=("int8",), default=None,
+                      help="also run overlap.shard with int8 compressed all-gathers and reductions "
+                           "(overlap.Compression) beside the exact run; its final loss must be within 1%% of exact")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                       help="auto (default): cuda (NCCL, one GPU per rank) when there are enough GPUs for the ranks, "
                            "else cpu (gloo)")
@@ -180,6 +183,8 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.parallel == "tp" and (args.compare is not None or args.mesh is not None):
         parser.error("--parallel tp runs its own modes (overlap.tensor_parallel, chunks=1, torch TP): "
                      "--compare and --mesh choose FSDP modes; leave them out")
+    if args.compress is not None and (args.parallel == "tp" or args.mesh is not None):
+        parser.error("--compress runs a fully sharded FSDP mode: not with --parallel tp or --mesh")
     if args.compare is None:
         from overlap.demo.run import COMPARABLE
 
@@ -222,7 +227,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--out {args.out!r} cannot be written: {problem}")
     cfg = DemoConfig(world_size=world_size, steps=args.steps, model=args.model, compare=args.compare,
                      link_gbps=args.link_gbps, latency_us=args.latency_us, profile_steps=args.profile_steps,
-                     device=device, mesh=args.mesh, parallel=args.parallel)
+                     device=device, mesh=args.mesh, parallel=args.parallel, compress=args.compress)
     if rank == 0:
         backend = "NCCL, one GPU per rank" if device == "cuda" else "gloo"
         how = "torchrun" if launched is not None else "spawned"

@@ -53,10 +53,15 @@ __all__ = [
 # The tolerance allows float32 rounding of the reduction order: a few ulps (~1e-7) per step, grown by
 # AdamW over the demo's few steps, with a wide margin.
 FSDP2_LOSS_RTOL = 1e-4
+COMPRESSED_MODE = "overlap-int8"
+COMPRESSED_LOSS_RTOL = 0.01
+"""``--compress int8``: the compressed run's final global loss within 1% of the exact run's (the goal
+of issue 30; tests/shard/test_compression.py measures 0.07% after 100 TinyLM steps)."""
 
 MODE_NAMES: dict[str, str] = {
     "overlap": "overlap.shard",
     "overlap-hsdp": "overlap.shard, HSDP",
+    "overlap-int8": "overlap.shard, int8 compressed",
     "no-overlap": "no overlap (overlap.no_overlap)",
     "fsdp2": "torch FSDP2 (fully_shard)",
     "fsdp2-hsdp": "torch FSDP2, HSDP",
@@ -96,8 +101,15 @@ class DemoConfig:
     progress: bool = True
     mesh: Optional[tuple[int, int]] = None
     parallel: str = "fsdp"
+    compress: Optional[str] = None
+    """``"int8"``: also run ``overlap.shard`` with ``compress=overlap.Compression()`` (int8 gathers and
+    reductions) right after the exact run, and check its final loss."""
 
     def __post_init__(self) -> None:
+        if self.compress not in (None, "int8"):
+            raise ValueError(f"compress must be None or 'int8'; got {self.compress!r}")
+        if self.compress is not None and (self.parallel == "tp" or self.mesh is not None):
+            raise ValueError("compress runs a fully sharded FSDP mode: not with parallel='tp' or a mesh")
         if self.parallel not in ("fsdp", "tp"):
             raise ValueError(f"parallel must be 'fsdp' or 'tp'; got {self.parallel!r}")
         if self.parallel == "tp" and (self.mesh is not None or tuple(self.compare) != COMPARABLE):
@@ -128,7 +140,8 @@ class DemoConfig:
         ``parallel='tp'``: :data:`TP_MODES`."""
         if self.parallel == "tp":
             return TP_MODES
-        modes = ("overlap", *(m for m in COMPARABLE if m in self.compare))
+        modes = ("overlap", *((COMPRESSED_MODE,) if self.compress else ()),
+                 *(m for m in COMPARABLE if m in self.compare))
         if self.mesh is None:
             return modes
         return tuple(x for m in modes for x in ((m, m + HSDP_SUFFIX) if m in ("overlap", "fsdp2") else (m,)))
@@ -166,6 +179,8 @@ class DemoResult:
     bitwise: Optional[bool]
     fsdp2_dev: Optional[float]
     hsdp_dev: Optional[float] = None
+    compressed_dev: Optional[float] = None
+    """``--compress``: relative deviation of the compressed run's final global loss from the exact run's."""
 
     @property
     def losses_agree(self) -> bool:
@@ -173,7 +188,8 @@ class DemoResult:
         (those that ran)."""
         bitwise_required = self.config.parallel == "fsdp"
         return (self.bitwise is not False or not bitwise_required) and all(
-            dev is None or dev <= FSDP2_LOSS_RTOL for dev in (self.fsdp2_dev, self.hsdp_dev))
+            dev is None or dev <= FSDP2_LOSS_RTOL for dev in (self.fsdp2_dev, self.hsdp_dev)) and (
+            self.compressed_dev is None or self.compressed_dev <= COMPRESSED_LOSS_RTOL)
 
 
 class _Progress:
@@ -251,7 +267,12 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
 
             mesh = init_device_mesh(device.type, cfg.mesh, mesh_dim_names=("replicate", "shard"))
             mode = mode.removesuffix(HSDP_SUFFIX)
-        context = shard_for_mode(mode, model, model.shard_units(), mesh=mesh)
+        compress = None
+        if mode == COMPRESSED_MODE:
+            import overlap
+
+            mode, compress = "overlap", overlap.Compression()
+        context = shard_for_mode(mode, model, model.shard_units(), mesh=mesh, compress=compress)
         # overlap.shard steps each group in backward as its gradients land (the plain step's numerics).
         optimizer = make_optimizer(model, 1e-3, in_backward=mode == "overlap")
         return TrainStep(lambda i: model.loss(token_batch(size, i, rank).to(device)), optimizer, context,
@@ -301,11 +322,15 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         fsdp2_dev = max(_max_rel_dev(modes[m].losses, modes["tp-torch"].losses) for m in ("tp", "tp-chunks1"))
     hsdp = [m for m in modes if m.endswith(HSDP_SUFFIX)]
     hsdp_dev = max((_max_rel_dev(modes["overlap"].losses, modes[m].losses) for m in hsdp), default=None)
+    compressed_dev = None
+    if COMPRESSED_MODE in modes:
+        exact, compressed = modes["overlap"].losses[-1], modes[COMPRESSED_MODE].losses[-1]
+        compressed_dev = abs(compressed - exact) / abs(exact)
     if rank != 0:
         return None
     batches = 1 if cfg.parallel == "tp" else world_size  # tensor-parallel ranks share one batch
     return DemoResult(cfg, world_size, dist.get_backend(), gbps, calibrate, parameters,
-                      batches * size.tokens_per_rank, modes, bitwise, fsdp2_dev, hsdp_dev)
+                      batches * size.tokens_per_rank, modes, bitwise, fsdp2_dev, hsdp_dev, compressed_dev)
 
 
 def _tensor_parallel_step(mode: str, model: TransformerLM, device: torch.device, on_step: Any) -> TrainStep:
@@ -455,6 +480,11 @@ def _loss_line(result: DemoResult) -> str:
         verdict = "agree" if result.hsdp_dev <= FSDP2_LOSS_RTOL else "DISAGREE"
         lines.append(f"  HSDP vs full sharding: {verdict}, max relative deviation {result.hsdp_dev:.2g} "
                      f"(tolerance {FSDP2_LOSS_RTOL:g})")
+    if result.compressed_dev is not None:
+        verdict = "within" if result.compressed_dev <= COMPRESSED_LOSS_RTOL else "NOT within"
+        lines.append(f"  int8 compressed vs exact overlap.shard: final loss "
+                     f"{result.modes[COMPRESSED_MODE].losses[-1]:.4f} vs {losses[-1]:.4f}, relative deviation "
+                     f"{result.compressed_dev:.2g}, {verdict} {COMPRESSED_LOSS_RTOL:g}")
     if len(lines) == 1:
         lines.append("  no other mode to compare with")
     return "\n".join(lines)

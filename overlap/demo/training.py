@@ -35,13 +35,13 @@ MODES: tuple[str, ...] = ("overlap", "no-overlap", "fsdp2", "fsdp2-prefetch")
 
 
 def _shard_overlap(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool, mesh: object,
-                   prefetch: Union[int, str]) -> None:
+                   prefetch: Union[int, str], compress: object = None) -> None:
     import overlap
 
     mp = overlap.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     for block in blocks:
-        overlap.shard(block, mp=mp, mesh=mesh, prefetch=prefetch)
-    overlap.shard(model, mp=mp, mesh=mesh, prefetch=prefetch)
+        overlap.shard(block, mp=mp, mesh=mesh, prefetch=prefetch, compress=compress)
+    overlap.shard(model, mp=mp, mesh=mesh, prefetch=prefetch, compress=compress)
 
 
 def _shard_fsdp2(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool, explicit_prefetch: bool,
@@ -65,12 +65,13 @@ def _shard_fsdp2(model: nn.Module, blocks: Sequence[nn.Module], bf16: bool, expl
 
 def shard_for_mode(mode: str, model: nn.Module, blocks: Sequence[nn.Module], *,
                    bf16: bool = False, mesh: object = None,
-                   prefetch: Union[int, str] = 1) -> Callable[[], ContextManager[object]]:
+                   prefetch: Union[int, str] = 1, compress: object = None) -> Callable[[], ContextManager[object]]:
     """Shard ``model`` in place for ``mode`` (one of :data:`MODES`): each of ``blocks``, then the root.
 
     ``model`` must already be on its device, with a default process group initialized. ``bf16``
     computes with bfloat16 parameters. ``mesh``: a DeviceMesh to shard over (2-D: hybrid sharding,
     dim 0 replicates, dim 1 shards); default every rank. ``prefetch``: ``overlap.shard``'s (the
+    ``overlap`` modes only); ``compress``: ``overlap.shard``'s (an ``overlap.Compression``, the
     ``overlap`` modes only). Returns the factory of the context every forward + backward of
     this mode must run in (``overlap.no_overlap`` for ``no-overlap``, a no-op otherwise).
     """
@@ -79,7 +80,7 @@ def shard_for_mode(mode: str, model: nn.Module, blocks: Sequence[nn.Module], *,
     if mode.startswith("fsdp2"):
         _shard_fsdp2(model, blocks, bf16, explicit_prefetch=mode == "fsdp2-prefetch", mesh=mesh)
         return contextlib.nullcontext
-    _shard_overlap(model, blocks, bf16, mesh, prefetch)
+    _shard_overlap(model, blocks, bf16, mesh, prefetch, compress)
     if mode == "no-overlap":
         import overlap
 

@@ -12,7 +12,7 @@ import overlap.demo.run
 from overlap.demo.cli import main, max_world_size
 
 DEMO_OPTIONS = ("--world-size", "--steps", "--model", "--compare", "--link-gbps", "--latency-us", "--profile-steps",
-                "--device", "--out")
+                "--device", "--out", "--compress")
 
 
 def test_module_entry_point_help_explains_every_option() -> None:
@@ -56,6 +56,9 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
         (["demo", "--parallel", "pp"], "--parallel: invalid choice: 'pp'"),
         (["demo", "--parallel", "tp", "--compare", "fsdp2"], "--parallel tp runs its own modes"),
         (["demo", "--parallel", "tp", "--mesh", "1x2"], "--compare and --mesh choose FSDP modes"),
+        (["demo", "--compress", "fp8"], "--compress: invalid choice: 'fp8'"),
+        (["demo", "--compress", "int8", "--mesh", "1x2"], "--compress runs a fully sharded FSDP mode"),
+        (["demo", "--compress", "int8", "--parallel", "tp"], "--compress runs a fully sharded FSDP mode"),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
         (["launch"], "invalid choice: 'launch'"),
         ([], "the following arguments are required: COMMAND"),

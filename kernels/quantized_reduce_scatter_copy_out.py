@@ -1,0 +1,116 @@
+"""quantized_reduce_scatter_copy_out: sum the quantized slots this rank received, into its sharded gradients (one launch).
+
+Contract: ``quantized_reduce_scatter_copy_out(received, outs, qlayout, rank, scale, accumulate)``
+reads ``received``, the ``world_size`` quantized versions of this rank's slot that the all-to-all
+delivered (rank ``s``'s at quantized slot ``s``), dequantizes each block in float32 and sums them in
+rank order (``((0 + d_0) + d_1) + ...``: the same order on every rank and in both paths), multiplies
+by ``scale`` (rounded to float32; ``None``: no scale), then writes the result cast to each out's dtype
+into ``outs`` (``rank``'s shards), or with ``accumulate`` adds it to them (``float32(out) + sum``, then
+the cast). The sum over ranks is float32 whatever the gradients' dtype: quantization error does not
+compound over a ring (qgZ). A block that held a NaN or inf on some rank comes out NaN.
+
+======================  =====================================  =================================
+argument                shape                                  dtype
+======================  =====================================  =================================
+``received``            ``(qlayout.buffer_bytes,)``            uint8
+``outs[i]`` (in/out)    ``layout.shard_shape(i, rank)``, contiguous  float32, bfloat16, float16, mixed
+======================  =====================================  =================================
+
+The Triton kernel and the torch fallback are bitwise equal.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _checks, _launch
+from kernels._dtypes import as_float32
+from kernels._jit import load_as, store_as
+from kernels.block_quantization import dequantize_block
+from kernels.quantized_all_gather_copy_out import _check_buffer, dequantized
+from kernels.quantized_copy_in import QUANTIZED_DTYPES
+from kernels.quantized_layout import QuantizedLayout, launch, program_block
+
+OP = "quantized_reduce_scatter_copy_out"
+
+
+@triton.jit
+def _quantized_reduce_scatter_copy_out_kernel(
+    blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, num_blocks, slot_bytes, slot_numel, scale,
+    DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, WORLD_SIZE: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    flat_start, _, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, b)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_valid
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(WORLD_SIZE):  # a constexpr: Triton 3.6's interpreter cannot loop to a runtime int
+        q = tl.load(codes_ptr + s * slot_bytes + flat_start + offs, mask=mask)
+        acc += dequantize_block(q, tl.load(scales_ptr + (s * slot_bytes + slot_numel) // 4 + b))
+    if HAS_SCALE:
+        acc = acc * scale
+    if ACCUMULATE:
+        acc = load_as(addr, group, tensor_start, offs, mask, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
+                      False) + acc
+    store_as(addr, group, tensor_start, offs, acc, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
+
+
+def quantized_reduce_scatter_copy_out(
+    received: torch.Tensor, outs: Sequence[torch.Tensor], qlayout: QuantizedLayout, rank: int,
+    scale: float | None = None, accumulate: bool = False,
+) -> None:
+    """Sum the received quantized slots into ``outs`` (``rank``'s shards), scaled, written or added."""
+    if not isinstance(qlayout, QuantizedLayout):
+        raise TypeError(f"{OP}: qlayout must be a kernels.quantized_layout.QuantizedLayout, got {type(qlayout).__name__}")
+    device = _check_buffer(received, qlayout, "received")
+    _checks.check_rank(OP, rank, qlayout.layout)
+    _checks.check_tensors(OP, "outs", outs, qlayout.layout.shard_shape_tuple(rank), device, writable=True)
+    bad = sorted(str(o.dtype) for o in outs if o.dtype not in QUANTIZED_DTYPES)
+    if bad:
+        raise TypeError(f"{OP}: outs must be float32, bfloat16 or float16 tensors, got {bad}")
+    _checks.check_scale(OP, "scale", scale)
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"{OP}: accumulate must be a bool, got {type(accumulate).__name__}")
+    _quantized_reduce_scatter_copy_out(received, list(outs), qlayout, rank, scale, accumulate)
+
+
+def _quantized_reduce_scatter_copy_out(received: torch.Tensor, outs: Sequence[torch.Tensor],
+                                       qlayout: QuantizedLayout, rank: int, scale: float | None,
+                                       accumulate: bool) -> None:
+    """The op on checked arguments (``outs`` contiguous): the kernel, or the torch fallback."""
+    device = received.device
+    if not _launch.triton_enabled(device):
+        with torch.no_grad():
+            _quantized_reduce_scatter_copy_out_torch(received, outs, qlayout, rank, scale, accumulate)
+        return
+    table = qlayout.segment_table(rank, device)
+    pointers = _launch.pointer_table(qlayout.layout, outs, device)
+    launch(_quantized_reduce_scatter_copy_out_kernel, table, pointers, received.view(torch.int8),
+           received.view(torch.float32), qlayout.num_blocks, qlayout.slot_bytes, qlayout.layout.slot_numel,
+           1.0 if scale is None else as_float32(scale), BLOCK=qlayout.block, HAS_SCALE=scale is not None,
+           ACCUMULATE=accumulate, WORLD_SIZE=qlayout.world_size)
+
+
+def _quantized_reduce_scatter_copy_out_torch(received: torch.Tensor, outs: Sequence[torch.Tensor],
+                                             qlayout: QuantizedLayout, rank: int, scale: float | None,
+                                             accumulate: bool) -> None:
+    """The op without Triton, bitwise equal to the kernel: dequantize, sum in rank order, scale, then
+    one ``_foreach_copy_`` (or float32 add and copy) into the shards."""
+    layout = qlayout.layout
+    deq = dequantized(received, qlayout)
+    acc = torch.zeros_like(deq[0])
+    for s in range(layout.world_size):
+        acc += deq[s]
+    if scale is not None:
+        acc *= as_float32(scale)
+    pairs = [(o, v) for o, v in zip(outs, layout.shard_views(acc[: layout.slot_numel], rank)) if v.numel()]
+    if not pairs:
+        return
+    dsts, srcs = [o for o, _ in pairs], [v for _, v in pairs]
+    if accumulate:
+        srcs = torch._foreach_add([d.float() for d in dsts], srcs)
+    torch._foreach_copy_(dsts, srcs)

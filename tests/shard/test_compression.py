@@ -1,0 +1,297 @@
+"""Compressed collectives in ``overlap.shard`` (``compress=overlap.Compression(...)``, [Note: compressed
+collectives] in ``overlap/compression.py``) on 2 gloo ranks.
+
+Levels, as elsewhere: the gathered parameters are exactly what the kernels' public ops make of the
+unsharded model's parameters (bitwise); reduced gradients are within the stated per-block bound of
+the exact average; training tracks exact training (the bound below, measured); the bytes on the
+emulated link meet the issue's goals; checkpoints, ``no_sync`` and optimizer-in-backward work and
+stay exact where they should; unsupported combinations fail naming ``compress``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import overlap
+from kernels import ShardLayout
+from kernels.quantized_all_gather_copy_out import quantized_all_gather_copy_out
+from kernels.quantized_copy_in import quantized_all_gather_copy_in
+from kernels.quantized_layout import QuantizedLayout
+from models import COUNTING_LINK, SEED, LR, TinyLM, local_batch, make_batch, make_optimizer, train_ranks
+
+INT8 = overlap.Compression()  # gather and reduce int8, block 256
+
+# [Note: compressed training tolerance] TinyLM, 2 ranks, AdamW lr 1e-2, 100 steps, fp32, measured at
+# block 256: the final global loss differs from exact training's by 0.07% (gather and reduce),
+# 0.14% (reduce only), 0.5% (gather only), 0.2% at block 32; single steps differ by up to 2.3%
+# (training noise: the runs diverge and re-converge). The issue's goal is 1% at the end.
+FINAL_LOSS_RTOL = 0.01
+TRAIN_STEPS = 100
+
+
+def _tiny_lm(compress: overlap.Compression | None) -> TinyLM:
+    torch.manual_seed(SEED)
+    model = TinyLM()
+    for block in model.blocks:
+        overlap.shard(block, compress=compress)
+    overlap.shard(model, compress=compress)
+    return model
+
+
+def _mlp(compress: overlap.Compression | None, **kw: Any) -> nn.Module:
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(33, 70), nn.Tanh(), nn.Linear(70, 5))
+    return overlap.shard(model, compress=compress, **kw)
+
+
+# ------------------------------------------------------------------------------- training tracks
+def _train_both(rank: int, world: int) -> dict[str, list[float]]:
+    torch.set_num_threads(1)
+    return {"exact": train_ranks(_tiny_lm(None), rank, world, steps=TRAIN_STEPS),
+            "int8": train_ranks(_tiny_lm(INT8), rank, world, steps=TRAIN_STEPS)}
+
+
+@pytest.mark.torch_kernels
+def test_compressed_training_tracks_exact_training(distributed) -> None:
+    """[Note: compressed training tolerance]: the final loss within 1% of exact training's, and the
+    loss falls as much (it learns, it does not merely stay near the start)."""
+    result = distributed(_train_both, 2)[0]
+    exact, int8 = result["exact"], result["int8"]
+    assert abs(int8[-1] - exact[-1]) <= FINAL_LOSS_RTOL * exact[-1], (int8[-1], exact[-1])
+    assert int8[-1] < 0.6 * int8[0] and exact[-1] < 0.6 * exact[0]
+
+
+# ---------------------------------------------------------------------- what the collectives carry
+def _gathered_and_reduced(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    plain = _mlp(None)  # the same initial values, unsharded: its full parameters are the reference
+    full = [p.full_tensor().detach() for p in plain.parameters()]
+    model = _mlp(INT8)
+    model.unshard()
+    gathered = [u.detach().clone() for u in model._overlap_state.group.unsharded]
+    # the reference: each rank's public copy-in, the all-gather simulated, the public copy-out
+    layout = ShardLayout([tuple(t.shape) for t in full], world)
+    qlayout = QuantizedLayout(layout, INT8.block)
+    buffer = torch.cat([quantized_all_gather_copy_in([layout.shard(t, r) for t in full], qlayout, r)[0]
+                        for r in range(world)])
+    expected = quantized_all_gather_copy_out(buffer, qlayout)
+    model.reshard()
+
+    # reduce only: the forward sees exact parameters, so each rank's gradient is the plain model's
+    reduce_only = _mlp(overlap.Compression(gather=None))
+    x = torch.randn(2 * world, 33, generator=torch.Generator().manual_seed(5))
+    reduce_only(x.chunk(world)[rank]).square().sum().backward()
+    got = [p.grad.to_local().clone() for p in reduce_only.parameters()]
+    torch.manual_seed(SEED)
+    reference = nn.Sequential(nn.Linear(33, 70), nn.Tanh(), nn.Linear(70, 5))
+    per_rank = []
+    for r in range(world):
+        reference.zero_grad()
+        reference(x.chunk(world)[r]).square().sum().backward()
+        per_rank.append([p.grad.clone() for p in reference.parameters()])
+    return {"gathered": gathered, "expected": expected, "got": got, "per_rank": per_rank}
+
+
+def _block_absmax(shard: torch.Tensor, block: int) -> torch.Tensor:
+    """Each element's block absmax from the shard alone: its own flat chunks of ``block``."""
+    flat = shard.reshape(-1).abs()
+    padded = torch.zeros(-(-flat.numel() // block) * block)
+    padded[: flat.numel()] = flat
+    return padded.view(-1, block).amax(dim=1).repeat_interleave(block)[: flat.numel()].view(shard.shape)
+
+
+@pytest.mark.torch_kernels
+def test_gather_carries_the_quantized_shards_and_reduce_stays_within_its_bound(distributed) -> None:
+    """The unsharded parameters are bitwise what the public ops make of the full parameters; each
+    reduced gradient element is within ``sum_r absmax_r / 254 / w`` (+ float32 rounding) of the exact
+    average, [Note: the per-block error bound] summed over the ranks."""
+    world = 2
+    for rank, r in enumerate(distributed(_gathered_and_reduced, world)):
+        for got, want in zip(r["gathered"], r["expected"]):
+            assert torch.equal(got, want)
+        layout = ShardLayout([tuple(g.shape) for g in r["per_rank"][0]], world)
+        for i, got in enumerate(r["got"]):
+            shards = [layout.shard(g[i], rank) for g in r["per_rank"]]
+            exact = sum(shards) / world
+            bound = sum(_block_absmax(s, INT8.block) / 254 * (1 + 2**-14) for s in shards) / world
+            slack = sum(s.abs() for s in shards) * 2**-22 + 1e-30
+            assert ((got - exact).abs() <= bound + slack).all(), i
+            assert not torch.equal(got, exact)  # it was quantized (a test that can fail)
+
+
+def _link_bytes(rank: int, world: int, compress: overlap.Compression | None) -> dict[str, int]:
+    from overlap.testing import current_link
+
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+    mp = overlap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2]):
+        overlap.shard(layer, mp=mp, compress=compress, reshard_after_forward=False)
+    overlap.shard(model, mp=mp, compress=compress, reshard_after_forward=False)
+    x = torch.randn(8, 256)
+    link = current_link()
+    link.reset_stats()
+    loss = model(x).float().square().mean()
+    gather = link.stats()
+    link.reset_stats()
+    loss.backward()
+    reduce = link.stats()
+    return {"gather": gather.wire_bytes, "gathers": gather.count, "reduce": reduce.wire_bytes, "reduces": reduce.count}
+
+
+@pytest.mark.torch_kernels
+def test_bytes_on_the_link_meet_the_goals(distributed) -> None:
+    """Emulated link, counted: int8 gathers carry <= 0.53x of bf16 gathers' bytes, int8 reductions
+    <= 0.28x of fp32 reductions' (mixed precision bf16 / fp32 for the exact run), with the same
+    number of collectives."""
+    exact = distributed(_link_bytes, 2, None, link=COUNTING_LINK)[0]
+    int8 = distributed(_link_bytes, 2, INT8, link=COUNTING_LINK)[0]
+    assert exact["gathers"] == int8["gathers"] and exact["reduces"] == int8["reduces"] == 2  # one per layer
+    assert int8["gather"] <= 0.53 * exact["gather"], (int8, exact)
+    assert int8["reduce"] <= 0.28 * exact["reduce"], (int8, exact)
+
+
+# ------------------------------------------------------------------ checkpoints, no_sync, in-backward
+def _checkpoint(rank: int, world: int, path: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_num_threads(1)
+    model = _tiny_lm(INT8)
+    train_ranks(model, rank, world, steps=3)
+    shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    full = overlap.full_state_dict(model, rank0_only=False)
+    exact_full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    fresh = _tiny_lm(INT8)
+    target = fresh.state_dict()
+    dcp.load(target, checkpoint_id=path)
+    fresh.load_state_dict(target)
+    loaded = {k: v.to_local().clone() for k, v in fresh.state_dict().items()}
+    return {"full_exact": all(torch.equal(full[k], exact_full[k]) for k in exact_full),
+            "loaded_exact": all(torch.equal(shards[k], loaded[k]) for k in shards)}
+
+
+@pytest.mark.torch_kernels
+def test_checkpoints_are_exact(distributed, tmp_path) -> None:
+    """State dicts and DCP carry the exact shards: the full state dict is the exact all-gather of them
+    (not the quantized one), and a DCP save / load round trip gives them back bit for bit."""
+    for r in distributed(_checkpoint, 2, str(tmp_path / "ckpt")):
+        assert r["full_exact"] and r["loaded_exact"], r
+
+
+def _no_sync_in_backward(rank: int, world: int) -> dict[str, Any]:
+    from overlap.testing import current_link
+
+    torch.set_num_threads(1)
+    out = {}
+    for mode in ("plain", "in_backward"):
+        model = _tiny_lm(INT8)
+        if mode == "plain":
+            opt = make_optimizer(model.parameters())
+        else:
+            opt = overlap.optimizer_in_backward(model, torch.optim.AdamW, lr=LR, betas=(0.9, 0.95), eps=1e-8,
+                                                weight_decay=0.1, foreach=False)
+        reductions = []
+        for step in range(3):
+            parts = local_batch(make_batch(step), rank, world).chunk(2)
+            current_link().reset_stats()
+            with overlap.no_sync(model):
+                model.loss(parts[0]).backward()
+            reductions.append(current_link().stats().by_op.get("all_to_all", 0))
+            model.loss(parts[1]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[mode] = {"params": {k: v.to_local().clone() for k, v in model.state_dict().items()},
+                     "reductions_under_no_sync": reductions}
+    return out
+
+
+@pytest.mark.torch_kernels
+def test_no_sync_and_optimizer_in_backward(distributed) -> None:
+    """Two micro-batches per step, the first under ``no_sync`` (nothing reduced there), then the
+    compressed reduction: optimizer-in-backward gives bitwise the plain loop's parameters."""
+    for r in distributed(_no_sync_in_backward, 2, link=COUNTING_LINK):
+        plain, in_backward = r["plain"], r["in_backward"]
+        assert plain["reductions_under_no_sync"] == in_backward["reductions_under_no_sync"] == [0, 0, 0]
+        for k, v in plain["params"].items():
+            assert torch.equal(v, in_backward["params"][k]), k
+
+
+# ------------------------------------------------------------------------------ kernels, errors
+def _triton_vs_torch(rank: int, world: int) -> dict[str, Any]:
+    from kernels._launch import torch_fallback_on_cpu
+
+    torch.set_num_threads(1)
+    out = {}
+    for name in ("triton", "torch"):
+        with torch_fallback_on_cpu() if name == "torch" else _nothing():
+            model = _mlp(INT8)
+            opt = make_optimizer(model.parameters())
+            for step in range(2):
+                x = torch.randn(4, 33, generator=torch.Generator().manual_seed(step + 10 * rank))
+                model(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            out[name] = [p.to_local().clone() for p in model.parameters()]
+    return out
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_runtime_on_triton_kernels_equals_the_torch_fallback(distributed) -> None:
+    """Two compressed steps with the Triton kernels (interpreter on CPU) and with the torch fallback:
+    bitwise the same parameters."""
+    from kernels import _launch
+
+    if not _launch.triton_enabled(torch.device("cpu")):
+        pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1 (conftest sets it without a GPU)")
+    for r in distributed(_triton_vs_torch, 2):
+        assert all(torch.equal(a, b) for a, b in zip(r["triton"], r["torch"]))
+
+
+def _nan_parameter(rank: int, world: int) -> str:
+    model = _mlp(INT8)
+    if rank == 1:
+        with torch.no_grad():
+            model[0].weight.to_local()[0, 3] = float("nan")
+    try:
+        model(torch.ones(2, 33))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.torch_kernels
+def test_a_nan_parameter_is_an_error_on_every_rank(distributed) -> None:
+    for message in distributed(_nan_parameter, 2):
+        assert "compressed (int8) all-gather" in message and "ranks [1]" in message, message
+
+
+def test_bad_compress_arguments_name_compress(single_rank_group) -> None:
+    with pytest.raises(TypeError, match="compress must be None or an overlap.Compression, got str"):
+        overlap.shard(nn.Linear(2, 2), compress="int8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Compression.gather must be None or one of \('int8',\), got 'fp8'"):
+        overlap.Compression(gather="fp8")
+    with pytest.raises(ValueError, match=r"Compression.block must be one of \(32, 64"):
+        overlap.Compression(block=100)
+    embedding = nn.Embedding(4, 2).to(torch.float64)
+    with pytest.raises(TypeError, match="compress needs float32, bfloat16 or float16 parameters; 'weight'"):
+        overlap.shard(embedding, compress=INT8)
+    assert not isinstance(embedding, overlap.ShardedModule)  # refused before anything changed
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match=r"compress is not supported with a 2-D mesh \(HSDP\) yet"):
+        overlap.shard(nn.Linear(2, 2), mesh=mesh, compress=INT8)
+    # compression off (both None) is exact sharding, accepted anywhere
+    overlap.shard(nn.Linear(2, 2), mesh=mesh, compress=overlap.Compression(gather=None, reduce=None))
