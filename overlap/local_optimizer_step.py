@@ -258,9 +258,8 @@ def _wrap_init_group(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         params = group["params"]
-        if (_enabled and params and getattr(params[0], MARK, None) is not None
-                and not group.get("differentiable", False) and set(map(type, params)) == _DTENSOR_ONLY
-                and not torch.compiler.is_compiling()):
+        if (_enabled and params and not torch.compiler.is_compiling() and getattr(params[0], MARK, None) is not None
+                and not group.get("differentiable", False) and set(map(type, params)) == _DTENSOR_ONLY):
             with _NO_SUBCLASS_TORCH_FUNCTION():
                 if _DTENSOR_OR_NONE.issuperset(map(type, map(_GRAD, params))):
                     return original(self, group, *args, **kwargs)
