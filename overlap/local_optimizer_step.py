@@ -36,6 +36,12 @@ Contract
 * **Fused SGD**: torch 2.11-2.15 have no DTensor strategy for ``aten._fused_sgd_`` (the DTensor
   path raises ``NotImplementedError``); where this path engages, fused SGD runs on the shards,
   exactly as fused SGD over plain tensors holding the same rows.
+* **Gathering the lists** (``Adam._init_group``, which AdamW inherits, and ``SGD._init_group``):
+  torch's own code, run with torch-function dispatch for tensor subclasses turned off
+  (``torch._C.DisableTorchFunctionSubclass``) when the group's first parameter was sharded by
+  ``overlap.shard``, the fast path is on, nothing is being compiled, ``differentiable`` is not set,
+  every parameter of the group is a DTensor and every gradient a DTensor or ``None``; otherwise
+  unchanged. See [Note: gathering the lists without torch-function lookups].
 * **Installing**: :func:`install` runs at the first ``overlap.shard`` (importing ``overlap``
   changes nothing), once: each wrapper chains to the function that was there, and a function that is
   already one of ours is left alone. ``OVERLAP_LOCAL_OPTIMIZER_STEP`` (a boolean flag, default on)
@@ -52,11 +58,32 @@ is safe:
   themselves, so no other object can take their ids while it lives; the verdict depends only on the
   specs' mesh, placements, shard order and shape, which DTensor treats as immutable once a spec
   belongs to a tensor (it caches the spec's hash and keys its sharding-propagation cache on it).
-  Entries pin small spec objects, never tensors; each cache starts over past 1024 entries.
+  Entries pin small spec objects, never tensors; each cache starts over past 1024 entries. Each
+  parameter entry also keeps, per argument position, the state spec list accepted there last: the
+  next step's list is checked against it by identity (``map(is_, ...)``), without building and
+  hashing its key (about 6 µs less per list of 128 on this box).
+* *not cached*: anything about tensors: their types, the parameters' ``overlap.shard`` mark, the
 * *not cached*: anything about tensors: their types, the parameters' ``overlap.shard`` mark, the
   gradients' specs (the runtime makes new gradient DTensors; they carry the parameter's spec object,
   so one identity test per gradient), the local tensors. Pinning tensors would keep their memory
   alive, and ids of freed tensors are reused.
+
+[Note: gathering the lists without torch-function lookups]
+``_init_group`` reads, per parameter, ``p.grad`` (two or three times), ``p.grad.is_sparse``,
+``torch.is_complex(p)`` (Adam) and ``hash(p)``. For a tensor whose class is not exactly
+``torch.Tensor``, each of these C getters first looks up ``__torch_function__`` on the instance
+(instance dict, then the type), and only then does the read; with 128 DTensor parameters that made
+the gathering 2x its cost over plain parameters (AdamW 183 vs 93 µs, SGD 102 vs 52 µs on this
+project's CPU box). DTensor's (and ``nn.Parameter``'s) ``__torch_function__`` is
+``torch._C._disabled_torch_function_impl``, the marker that means "no override": the lookup finds it
+and dispatch goes on exactly as for a plain tensor. ``DisableTorchFunctionSubclass`` skips the lookup
+for every subclass, so for a group whose parameters and gradients are DTensors (checked, the
+gradients' types read inside the context: that read is itself cheap there) nothing it reads has an
+override to skip, and the results, the state it creates (``zeros_like`` goes through DTensor's
+``__torch_dispatch__``, untouched) and the errors it raises are the same. Torch-function *modes*
+stay active (the context does not disable them). Installed only where DTensor's
+``__torch_function__`` is that marker (:func:`install` checks). With it, AdamW's gathering over the
+same 128 parameters took 118 µs and SGD's 57 µs.
 
 [Note: why the local step is exact]
 Adam, AdamW and SGD are elementwise: every op of their steps reads and writes tensors of one index
@@ -80,7 +107,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -112,7 +139,18 @@ _DTENSOR_OR_NONE = {DTensor, _NONE_TYPE}
 _SPEC, _LOCAL = attrgetter("_spec"), attrgetter("_local_tensor")
 _MESH, _PLACEMENTS = attrgetter("mesh"), attrgetter("placements")
 
-_checked_params: dict[tuple[int, ...], list[DTensorSpec]] = {}
+
+
+@dataclass
+class _AcceptedParams:
+    """A parameter spec list whose meshes and placements were accepted, and per argument position the
+    spec list of the state tensors last accepted beside it (see ``_layouts_match``)."""
+
+    specs: list[DTensorSpec]
+    last_lists: dict[int, list[DTensorSpec]]
+
+
+_checked_params: dict[tuple[int, ...], _AcceptedParams] = {}
 """Parameter spec lists (keyed by their ids) whose meshes and placements were accepted."""
 _checked_lists: dict[tuple[int, ...], tuple[list[DTensorSpec], list[DTensorSpec], tuple[int, ...]]] = {}
 """Spec lists (keyed by their ids) accepted as laid out like a parameter spec list (its ids last)."""
@@ -135,6 +173,12 @@ class _Signature:
         """How many leading positional arguments a call must pass to be checked (else: torch's path)."""
         return max(self.dtensor_lists, (self.steps_list if self.steps_list is not None else -1) + 1)
 
+
+_INIT_GROUP_OWNERS: tuple[tuple[str, str], ...] = (("torch.optim.adam", "Adam"), ("torch.optim.adamw", "AdamW"),
+                                                   ("torch.optim.sgd", "SGD"))
+"""Classes whose own ``_init_group`` is wrapped (AdamW inherits Adam's on torch 2.11-2.15: then skipped)."""
+_NO_SUBCLASS_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+_GRAD = attrgetter("grad")
 
 _ADAM = _Signature(dtensor_lists=5, steps_list=5, created_list=None)  # params grads exp_avgs exp_avg_sqs max_exp_avg_sqs
 _SGD = _Signature(dtensor_lists=3, steps_list=None, created_list=2)  # params grads momentum_buffer_list
@@ -179,6 +223,12 @@ def install() -> None:
         current = getattr(module, name)
         if getattr(current, _WRAPPED, None) is None:
             setattr(module, name, _wrap(current, signature))
+    if DTensor.__torch_function__ is torch._C._disabled_torch_function_impl:  # see [Note: gathering the lists ...]
+        for module_name, class_name in _INIT_GROUP_OWNERS:
+            owner = getattr(importlib.import_module(module_name), class_name)
+            current = owner.__dict__.get("_init_group")
+            if current is not None and getattr(current, _WRAPPED, None) is None:
+                owner._init_group = _wrap_init_group(current)
     _installed = True
 
 
@@ -204,6 +254,21 @@ def _wrap(original: Callable[..., Any], signature: _Signature) -> Callable[..., 
     return step_on_local_tensors
 
 
+def _wrap_init_group(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        params = group["params"]
+        if (_enabled and params and not torch.compiler.is_compiling() and getattr(params[0], MARK, None) is not None
+                and not group.get("differentiable", False) and set(map(type, params)) == _DTENSOR_ONLY):
+            with _NO_SUBCLASS_TORCH_FUNCTION():
+                if _DTENSOR_OR_NONE.issuperset(map(type, map(_GRAD, params))):
+                    return original(self, group, *args, **kwargs)
+        return original(self, group, *args, **kwargs)
+
+    setattr(init_group, _WRAPPED, original)
+    return init_group
+
+
 def _local_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], signature: _Signature) -> list[Any] | None:
     """``args`` with each per-parameter DTensor replaced by its local tensor, or None where the
     module docstring's conditions do not hold. Whole-list passes (``map`` over C getters) keep the
@@ -224,7 +289,8 @@ def _local_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], signature: _
             return None
     specs = list(map(_SPEC, params))
     param_key = tuple(map(id, specs))
-    if not _meshes_and_placements_allowed(specs, param_key):
+    accepted = _meshes_and_placements_allowed(specs, param_key)
+    if accepted is None:
         return None
     local_args = list(args)
     local_args[0] = list(map(_LOCAL, params))
@@ -236,7 +302,7 @@ def _local_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], signature: _
             return None
         types = set(map(type, lst))
         if types == _DTENSOR_ONLY:
-            if not _layouts_match(list(map(_SPEC, lst)), specs, param_key):
+            if not _layouts_match(list(map(_SPEC, lst)), accepted, param_key, j):
                 return None
             local_args[j] = list(map(_LOCAL, lst))
         elif j == signature.created_list and types <= _DTENSOR_OR_NONE:
@@ -248,34 +314,44 @@ def _local_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], signature: _
     return local_args
 
 
-def _meshes_and_placements_allowed(specs: list[DTensorSpec], key: tuple[int, ...]) -> bool:
-    """This rank is in every mesh and no placement is ``Partial``; ``key`` is ``specs``' ids."""
-    if key in _checked_params:
-        return True
+def _meshes_and_placements_allowed(specs: list[DTensorSpec], key: tuple[int, ...]) -> _AcceptedParams | None:
+    """This rank is in every mesh and no placement is ``Partial`` (the cache entry), else None;
+    ``key`` is ``specs``' ids."""
+    accepted = _checked_params.get(key)
+    if accepted is not None:
+        return accepted
     meshes = {id(m): m for m in map(_MESH, specs)}
     placements = set(map(_PLACEMENTS, specs))
     if any(m.get_coordinate() is None for m in meshes.values()) \
             or any(pl.is_partial() for pls in placements for pl in pls):
-        return False
-    _remember(_checked_params, key, specs)
-    return True
+        return None
+    accepted = _AcceptedParams(specs, {})
+    _remember(_checked_params, key, accepted)
+    return accepted
 
 
-def _layouts_match(specs: list[DTensorSpec], param_specs: list[DTensorSpec], param_key: tuple[int, ...]) -> bool:
-    """Does each ``specs[i]`` lay out its tensor as ``param_specs[i]`` (see :func:`_same_layout`)?
-    ``param_key`` is ``param_specs``' ids.
+def _layouts_match(specs: list[DTensorSpec], accepted: _AcceptedParams, param_key: tuple[int, ...],
+                   position: int) -> bool:
+    """Does each ``specs[i]`` (of the list at argument ``position``) lay out its tensor as
+    ``accepted.specs[i]`` (see :func:`_same_layout`)? ``param_key`` is ``accepted.specs``' ids.
 
-    Identity first (the runtime's gradients carry their parameter's spec), then the lists of
-    specs accepted before (state tensors keep their specs from step to step), then the comparison."""
+    Identity first (the runtime's gradients carry their parameter's spec), then the spec objects of
+    the list accepted last at this position (state tensors keep their DTensors, hence their specs,
+    from step to step: one identity pass, no key), then the lists accepted before (keyed by ids),
+    then the comparison."""
+    param_specs = accepted.specs
     if specs[0] is param_specs[0] and specs == param_specs:  # identity per element first, in C
+        return True
+    last = accepted.last_lists.get(position)
+    if last is not None and all(map(is_, specs, last)):
         return True
     key = tuple(map(id, specs))
     seen = _checked_lists.get(key)
-    if seen is not None and seen[2] == param_key:
-        return True
-    if not all(s is ps or _same_layout(s, ps) for s, ps in zip(specs, param_specs)):
-        return False
-    _remember(_checked_lists, key, (specs, param_specs, param_key))
+    if seen is None or seen[2] != param_key:
+        if not all(s is ps or _same_layout(s, ps) for s, ps in zip(specs, param_specs)):
+            return False
+        _remember(_checked_lists, key, (specs, param_specs, param_key))
+    accepted.last_lists[position] = specs  # pins small spec objects only, as the caches do
     return True
 
 

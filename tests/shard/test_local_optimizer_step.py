@@ -279,6 +279,63 @@ def test_install_is_idempotent_and_chains() -> None:
         assert original.__module__ == module_name and original.__name__ == name
 
 
+def test_init_group_wrappers_are_installed_once_and_chain() -> None:
+    """``_init_group`` of Adam (which AdamW inherits) and SGD is ours exactly once, chained to torch's."""
+    los.install()
+    los.install()
+    for module_name, class_name in los._INIT_GROUP_OWNERS:
+        owner = getattr(__import__(module_name, fromlist=[class_name]), class_name)
+        fn = owner.__dict__.get("_init_group")
+        if fn is None:  # inherited (AdamW from Adam): the base class's wrapper serves it
+            continue
+        original = getattr(fn, los._WRAPPED)
+        assert getattr(original, los._WRAPPED, None) is None, f"{class_name}._init_group wrapped twice"
+        assert original.__qualname__ == f"{class_name}._init_group"
+
+
+class _TorchFunctionProbe(dict):  # type: ignore[type-arg]
+    """An optimizer's ``state`` that records, at each lookup ``_init_group`` makes, whether
+    torch-function dispatch was on for tensor subclasses."""
+
+    def __init__(self, state: dict) -> None:  # type: ignore[type-arg]
+        super().__init__(state)
+        self.seen: set[bool] = set()
+
+    def __missing__(self, key: Any) -> dict:  # type: ignore[type-arg]
+        self[key] = {}
+        return self[key]
+
+    def __getitem__(self, key: Any) -> Any:
+        self.seen.add(torch._C._is_torch_function_enabled())
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.SGD])
+def test_init_group_runs_without_torch_function_lookups_only_for_the_runtimes_groups(
+        single_rank_group: dist.ProcessGroup, optimizer: type[torch.optim.Optimizer]) -> None:
+    """Over the runtime's parameters torch-function dispatch for subclasses is off inside
+    ``_init_group`` (see [Note: gathering the lists without torch-function lookups]); with a plain
+    parameter in the group, with the fast path off, or with ``differentiable`` it stays on."""
+    net = _sharded_net()
+    plain = nn.Parameter(torch.ones(3))
+    cases = [(list(net.parameters()), {}, True, False), ([*net.parameters(), plain], {}, True, True),
+             (list(net.parameters()), {}, False, True), (list(net.parameters()), {"differentiable": True}, True, True)]
+    for params, extra, local_step, expect_enabled in cases:
+        kwargs = {"lr": 1e-2, "momentum": 0.9} if optimizer is torch.optim.SGD else {"lr": 1e-2}
+        opt = optimizer(params, **kwargs, **extra)
+        net(_batch(0, 0)).sum().backward()
+        plain.grad = torch.ones(3)
+        opt.state = _TorchFunctionProbe(opt.state)  # type: ignore[assignment]
+        previous = overlap.set_local_optimizer_step(local_step)
+        try:
+            with torch.no_grad():  # differentiable=True steps need grad mode; no_grad keeps them comparable
+                opt._init_group(opt.param_groups[0], *[[] for _ in range(3 if optimizer is torch.optim.SGD else 6)])
+        finally:
+            overlap.set_local_optimizer_step(previous)
+        assert opt.state.seen == {expect_enabled}, (len(params), extra, local_step, opt.state.seen)
+        opt.zero_grad(set_to_none=True)
+
+
 def test_set_local_optimizer_step_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Explicit settings win; ``None`` follows ``OVERLAP_LOCAL_OPTIMIZER_STEP`` (default on)."""
     previous = overlap.set_local_optimizer_step(False)
