@@ -55,6 +55,20 @@ say it is done] in ``overlap/collectives.py``). Epilogues run in issue order. A 
 parameters keeps its epilogue at the end of backward, because it broadcasts their gradients and a
 collective must not be issued at a time that depends on how fast a collective completed.
 
+[Note: prefetching across the forward's end]
+Backward re-gathers the groups in reverse forward order, and the first of them (the one before the
+last, which stays unsharded) used to be issued by the first pre-backward hook: the link sat idle
+while the last group's forward, the loss and the start of backward ran (measured on the demo: the
+largest single idle piece of the step). So the prefetch horizon runs on past the forward's end:
+when fewer than ``prefetch`` groups of the forward remain (the last group's pre-forward, then the
+root's post-forward), the rest of the horizon is filled with backward's first re-gathers, in the
+order backward needs them, as far as their forward is done (a group whose forward is still to
+come stops the lead: everything after it waits for it). Kept groups (the root, the last group,
+``reshard_after_forward=False``) are skipped. This is program order, like every prefetch: only
+while the step follows the agreed order, with grad enabled, and not with the user's explicit
+prefetch lists; at most ``1 + prefetch`` groups stay unsharded, as before. A forward that is not
+followed by backward drops these gathers at the next forward, unwaited, like an unused prefetch.
+
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order (``overlap.agreement``) in the first step,
 and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
@@ -341,6 +355,7 @@ class _Root:
         self.recording_costs = False  # this forward measures per-position costs (auto, order not agreed yet)
         self._costs: list[list[float]] = []  # per forward position: [compute seconds, gather seconds]
         self._running: list[int] = []  # positions whose forward is running, innermost last
+        self._backward_lead: list[int] = []  # gathered in forward for backward (see [Note: prefetching across the forward's end])
         self._mark = 0.0
         self._reset_backward()
 
@@ -418,6 +433,8 @@ class _Root:
         self._last_begin = now
         for i, state in enumerate(self.states):  # re-claim states a sub-module run alone took over
             state.root, state.index = self, i
+        if self._backward_lead:  # the last forward had no backward: its lead's gathers are dropped
+            self._drop_backward_lead()
         if self.in_backward or any(s.group is not None and s.group.is_unsharded and not _keeps_unsharded(s)
                                    for s in self.states if s is not self.owner):
             self._finish_step()  # the last forward had no backward (or it was cut short)
@@ -452,9 +469,36 @@ class _Root:
             self._prefetch_explicit(state.forward_prefetch)
         elif self._on_script and self.communicates:
             assert order is not None
-            self._prefetch(state, order[position + 1 : position + 1 + state.prefetch])
+            upcoming = order[position + 1 : position + 1 + state.prefetch]
+            self._prefetch(state, upcoming)
+            if len(upcoming) < state.prefetch:  # the forward's end is in reach: backward's first groups
+                self._prefetch_backward_lead(state.prefetch - len(upcoming))
         if state.group is not None:
             self.gather_now(state)
+
+    def _prefetch_backward_lead(self, count: int) -> None:
+        """Gather the first ``count`` groups backward will need, in that order, as far as their
+        forward is done (see [Note: prefetching across the forward's end]). Only with grad enabled
+        and on script (the callers check the script)."""
+        order = self.agreed_order
+        if count <= 0 or order is None or not torch.is_grad_enabled():
+            return
+        ran = self.post_forward_seq
+        for index in dict.fromkeys(reversed(order)):  # backward needs the groups in reverse forward order
+            if count == 0:
+                return
+            state = self.states[index]
+            group = state.group
+            if state is self.owner or index == order[-1] or group is None or group.single_rank:
+                continue  # kept unsharded into backward (the root, the last group) or nothing to gather
+            if index not in ran:
+                return  # its forward is still to come: the groups after it must wait for it
+            if group.is_unsharded:
+                continue  # kept (reshard_after_forward=False)
+            if index not in self._backward_lead:
+                self._gather(state)
+                self._backward_lead.append(index)
+            count -= 1
 
     # ------------------------------------------------------------------ prefetch="auto"
     def _record_pre_forward(self, state: ShardState, position: int) -> None:
@@ -521,11 +565,25 @@ class _Root:
             self.agreed_order = self._agree(self.forward_seq)
         if self.recording_costs:
             self._choose_depth()
+        on_script = self._on_script and self.forward_seq == self.agreed_order
+        explicit = any(s.forward_prefetch is not None or s.backward_prefetch is not None for s in self.states)
+        if on_script and self.communicates and not self.owner.serialize_comm and not explicit:
+            self._prefetch_backward_lead(self.owner.prefetch - len(self._backward_lead))
+        elif self._backward_lead:  # off script: nothing is prefetched past here, as in forward
+            self._drop_backward_lead()
         for state in self.states:  # prefetched for a block that did not run this step
-            if state.group is not None and state.group.pending_gather is not None:
+            if (state.group is not None and state.group.pending_gather is not None
+                    and state.index not in self._backward_lead):
                 state.group.reshard()
         if not torch.is_grad_enabled():
             self._finish_step()  # no backward will follow
+
+    def _drop_backward_lead(self) -> None:
+        for index in self._backward_lead:
+            group = self.states[index].group
+            if group is not None and group.pending_gather is not None:
+                group.reshard()
+        self._backward_lead = []
 
     def _agree(self, order: list[int]) -> list[int]:
         """Check that every rank ran the groups in the same order; raise ``DesyncError`` on every rank if
@@ -591,6 +649,7 @@ class _Root:
 
     def _begin_backward(self) -> None:
         self.in_backward = True
+        self._backward_lead = []  # backward consumes them (a pending gather is waited where needed)
         self.backward_count += 1
         self._reset_backward()
         # A module's parameters are first needed in backward where its last forward use ended, and
