@@ -55,19 +55,18 @@ say it is done] in ``overlap/collectives.py``). Epilogues run in issue order. A 
 parameters keeps its epilogue at the end of backward, because it broadcasts their gradients and a
 collective must not be issued at a time that depends on how fast a collective completed.
 
-[Note: prefetching across the forward's end]
-Backward re-gathers the groups in reverse forward order, and the first of them (the one before the
-last, which stays unsharded) used to be issued by the first pre-backward hook: the link sat idle
-while the last group's forward, the loss and the start of backward ran (measured on the demo: the
-largest single idle piece of the step). So the prefetch horizon runs on past the forward's end:
-when fewer than ``prefetch`` groups of the forward remain (the last group's pre-forward, then the
-root's post-forward), the rest of the horizon is filled with backward's first re-gathers, in the
-order backward needs them, as far as their forward is done (a group whose forward is still to
-come stops the lead: everything after it waits for it). Kept groups (the root, the last group,
-``reshard_after_forward=False``) are skipped. This is program order, like every prefetch: only
-while the step follows the agreed order, with grad enabled, and not with the user's explicit
-prefetch lists; at most ``1 + prefetch`` groups stay unsharded, as before. A forward that is not
-followed by backward drops these gathers at the next forward, unwaited, like an unused prefetch.
+[Note: kept for backward]
+Backward re-gathers the groups in reverse forward order, so the first ones it needs are the ones
+whose forward ran last. Resharding those after their forward and gathering them again put the
+re-gathers on the link just where the step needs it most (the forward's end, the loss and the
+start of backward; on the demo the largest idle piece of the step was there, 75-220 ms of about
+1 s). So, running on the agreed order with grad enabled, the last group (as before) and the
+``prefetch`` groups before it stay unsharded from their forward into backward, each after its
+group's last forward call (``_kept_for_backward``). Memory: the same ``1 + prefetch`` groups a
+``prefetch``-deep lead into backward would hold, and ``prefetch`` re-gathers fewer on the link
+per step. Program order only (the agreed order and the depth), so the same on every rank; a step
+that leaves the order keeps nothing from there on; a forward with no backward after it leaves
+them unsharded until the next forward reshards them, as it did for the last group.
 
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order (``overlap.agreement``) in the first step,
@@ -81,8 +80,8 @@ stays. The unsharded parameters the graphs read keep their identity, shape and d
 
 Memory: with ``reshard_after_forward`` at most ``1 + prefetch`` non-root groups are unsharded at
 once in forward (the root group stays unsharded from its pre-forward to the end of backward, as in
-FSDP2, and so does the last group of the forward order when grad is enabled, since backward starts
-with it), and the same in backward; unsharded gradients live only until their group's reduce-scatter
+FSDP2, and so do the last ``1 + prefetch`` groups of the forward order when grad is enabled, since
+backward starts with them: [Note: kept for backward]), and the same in backward; unsharded gradients live only until their group's reduce-scatter
 is packed (or across micro-batches under ``no_sync``).
 """
 from __future__ import annotations
@@ -274,7 +273,7 @@ class ShardState:
             root.post_forward_seq.append(self.index)
             if self.group is not None:
                 self.group.to_sharded()
-                if self.reshard_after_forward and root.owner is not self and not root.runs_last(self):
+                if self.reshard_after_forward and root.owner is not self and not root.kept_for_backward(self):
                     self.group.reshard()
             if torch.is_grad_enabled():
                 self._hook_outputs(output)
@@ -355,7 +354,8 @@ class _Root:
         self.recording_costs = False  # this forward measures per-position costs (auto, order not agreed yet)
         self._costs: list[list[float]] = []  # per forward position: [compute seconds, gather seconds]
         self._running: list[int] = []  # positions whose forward is running, innermost last
-        self._backward_lead: list[int] = []  # gathered in forward for backward (see [Note: prefetching across the forward's end])
+        self._kept: frozenset[int] = frozenset()  # forward positions kept unsharded for backward
+        self._kept_for: Optional[tuple[list[int], int]] = None  # (agreed order, depth) _kept was computed for
         self._mark = 0.0
         self._reset_backward()
 
@@ -433,8 +433,6 @@ class _Root:
         self._last_begin = now
         for i, state in enumerate(self.states):  # re-claim states a sub-module run alone took over
             state.root, state.index = self, i
-        if self._backward_lead:  # the last forward had no backward: its lead's gathers are dropped
-            self._drop_backward_lead()
         if self.in_backward or any(s.group is not None and s.group.is_unsharded and not _keeps_unsharded(s)
                                    for s in self.states if s is not self.owner):
             self._finish_step()  # the last forward had no backward (or it was cut short)
@@ -469,36 +467,9 @@ class _Root:
             self._prefetch_explicit(state.forward_prefetch)
         elif self._on_script and self.communicates:
             assert order is not None
-            upcoming = order[position + 1 : position + 1 + state.prefetch]
-            self._prefetch(state, upcoming)
-            if len(upcoming) < state.prefetch:  # the forward's end is in reach: backward's first groups
-                self._prefetch_backward_lead(state.prefetch - len(upcoming))
+            self._prefetch(state, order[position + 1 : position + 1 + state.prefetch])
         if state.group is not None:
             self.gather_now(state)
-
-    def _prefetch_backward_lead(self, count: int) -> None:
-        """Gather the first ``count`` groups backward will need, in that order, as far as their
-        forward is done (see [Note: prefetching across the forward's end]). Only with grad enabled
-        and on script (the callers check the script)."""
-        order = self.agreed_order
-        if count <= 0 or order is None or not torch.is_grad_enabled():
-            return
-        ran = self.post_forward_seq
-        for index in dict.fromkeys(reversed(order)):  # backward needs the groups in reverse forward order
-            if count == 0:
-                return
-            state = self.states[index]
-            group = state.group
-            if state is self.owner or index == order[-1] or group is None or group.single_rank:
-                continue  # kept unsharded into backward (the root, the last group) or nothing to gather
-            if index not in ran:
-                return  # its forward is still to come: the groups after it must wait for it
-            if group.is_unsharded:
-                continue  # kept (reshard_after_forward=False)
-            if index not in self._backward_lead:
-                self._gather(state)
-                self._backward_lead.append(index)
-            count -= 1
 
     # ------------------------------------------------------------------ prefetch="auto"
     def _record_pre_forward(self, state: ShardState, position: int) -> None:
@@ -552,12 +523,20 @@ class _Root:
         state.group.finish_gather()
         state.group.to_unsharded()
 
-    def runs_last(self, state: ShardState) -> bool:
-        """Is ``state`` the last module of the agreed forward order, running on script? Backward needs
-        it first, so resharding it after forward would only gather it again at once (kept unsharded)."""
+    def kept_for_backward(self, state: ShardState) -> bool:
+        """Does ``state`` stay unsharded after its forward, running on script? Backward needs the
+        last group of the agreed forward order first and the ``prefetch`` groups before it next, so
+        resharding them would only gather them again (see [Note: kept for backward])."""
         order = self.agreed_order
-        return (torch.is_grad_enabled() and self._on_script and order is not None
-                and len(self.forward_seq) == len(order) and order[-1] == state.index)
+        if not (torch.is_grad_enabled() and self._on_script and order is not None):
+            return False
+        position = len(self.forward_seq) - 1
+        if self.forward_seq[position] != state.index or order[position] != state.index:
+            return False  # a nested module's post-forward (its pre-forward was not the last), or off script
+        if self._kept_for is None or self._kept_for[0] is not order or self._kept_for[1] != self.owner.prefetch:
+            self._kept = _kept_for_backward(order, self.owner.prefetch, self.owner.index)
+            self._kept_for = (order, self.owner.prefetch)
+        return position in self._kept
 
     def end_forward(self) -> None:
         self.in_forward = False
@@ -565,25 +544,11 @@ class _Root:
             self.agreed_order = self._agree(self.forward_seq)
         if self.recording_costs:
             self._choose_depth()
-        on_script = self._on_script and self.forward_seq == self.agreed_order
-        explicit = any(s.forward_prefetch is not None or s.backward_prefetch is not None for s in self.states)
-        if on_script and self.communicates and not self.owner.serialize_comm and not explicit:
-            self._prefetch_backward_lead(self.owner.prefetch - len(self._backward_lead))
-        elif self._backward_lead:  # off script: nothing is prefetched past here, as in forward
-            self._drop_backward_lead()
         for state in self.states:  # prefetched for a block that did not run this step
-            if (state.group is not None and state.group.pending_gather is not None
-                    and state.index not in self._backward_lead):
+            if state.group is not None and state.group.pending_gather is not None:
                 state.group.reshard()
         if not torch.is_grad_enabled():
             self._finish_step()  # no backward will follow
-
-    def _drop_backward_lead(self) -> None:
-        for index in self._backward_lead:
-            group = self.states[index].group
-            if group is not None and group.pending_gather is not None:
-                group.reshard()
-        self._backward_lead = []
 
     def _agree(self, order: list[int]) -> list[int]:
         """Check that every rank ran the groups in the same order; raise ``DesyncError`` on every rank if
@@ -649,7 +614,6 @@ class _Root:
 
     def _begin_backward(self) -> None:
         self.in_backward = True
-        self._backward_lead = []  # backward consumes them (a pending gather is waited where needed)
         self.backward_count += 1
         self._reset_backward()
         # A module's parameters are first needed in backward where its last forward use ended, and
@@ -789,6 +753,22 @@ class _Root:
         self._reduce_events = []
         self.in_backward = False
         self._outstanding = [w for w in self._outstanding if w.pending]
+
+
+def _kept_for_backward(order: list[int], depth: int, owner: int) -> frozenset[int]:
+    """The positions of ``order`` (the agreed forward order) whose group stays unsharded from its
+    forward into backward (see [Note: kept for backward]): the last ``1 + depth`` positions that are
+    their group's last forward call, the root's left out (it stays unsharded anyway)."""
+    kept: set[int] = set()
+    later: set[int] = set()
+    for position in range(len(order) - 1, -1, -1):
+        if len(kept) == 1 + depth:
+            break
+        index = order[position]
+        if index != owner and index not in later:
+            kept.add(position)
+        later.add(index)
+    return frozenset(kept)
 
 
 PREFETCH_BUDGET_SHARE = 4

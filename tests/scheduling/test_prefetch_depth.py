@@ -18,23 +18,14 @@ def test_uniform_groups_need_one_ahead() -> None:
     assert choose_prefetch_depth(compute, gather, [1] * 8, BIG) == 1
 
 
-def test_link_bound_uniform_groups_stay_shallow() -> None:
-    # the link is the bottleneck: once it never idles, a FIFO link gains nothing from deeper queues.
-    # Its own time: 8 forward gathers, 7 backward re-gathers (the last group is kept), 8 reduce-scatters.
+def test_link_bound_groups_go_as_deep_as_the_budget_allows() -> None:
+    # the link is the bottleneck: a FIFO link gains nothing from deeper queues, but each unit of
+    # depth keeps one more group unsharded into backward, one re-gather (2 s) less on the link.
     compute, gather = [1.0] * 8, [2.0] * 8
-    link_time = (8 + 7 + 8) * 2.0
-    # depth 1 idles the link once, around the forward's end; two ahead keep it busy throughout
-    assert modelled_step(compute, gather, 1) == link_time + 1.0
-    assert {modelled_step(compute, gather, d) for d in range(2, 8)} == {link_time}
-    assert choose_prefetch_depth(compute, gather, [1] * 8, BIG) == 2
-
-
-def test_backward_lead_is_issued_at_the_forward_end() -> None:
-    # the first group's re-gather (4 s) is queued when the last group's forward starts (at 4), not
-    # when its backward starts (at 5): gather 0 (0..4), re-gather 0 (4..8), the last group forward
-    # (4..5) and backward (5..7), its reduce-scatter (0 s) at 8, group 0's backward at 8, its
-    # reduce-scatter 8..12. Issued at the backward's start instead, everything after it is 1 s later.
-    assert modelled_step([0.0, 1.0], [4.0, 0.0], 1) == 12.0
+    times = [modelled_step(compute, gather, d) for d in range(1, 8)]
+    assert [a - b for a, b in zip(times, times[1:])] == [2.0] * 6, times
+    assert choose_prefetch_depth(compute, gather, [1] * 8, BIG) == 7
+    assert choose_prefetch_depth(compute, gather, [1] * 8, budget=3) == 2  # 3 groups of 1 byte fit
 
 
 def test_a_slow_gather_is_started_several_groups_early() -> None:

@@ -1,7 +1,7 @@
-"""The prefetch horizon past the forward's end ([Note: prefetching across the forward's end] in
-``overlap/sharding.py``): backward's first re-gathers are issued in forward, in the order backward
-needs them, without adding a collective, bitwise the plain loop, on 2 and 3 ranks; a forward with
-no backward after it and a step off the agreed order fall back without a hang.
+"""Groups kept unsharded from their forward into backward ([Note: kept for backward] in
+``overlap/sharding.py``): the last group and the ``prefetch`` groups before it are not re-gathered
+in backward, bitwise the plain loop, never more than ``1 + prefetch`` groups unsharded, on 2 and 3
+ranks; a forward with no backward after it and a step off the agreed order fall back without a hang.
 """
 from __future__ import annotations
 
@@ -38,9 +38,10 @@ class _Net(nn.Module):
 
 
 def _train(rank: int, world: int, prefetch: int, unused_forward_at: int = -1, skip_at: int = -1) -> dict[str, Any]:
-    """4 SGD steps of a 5-block MLP sharded per block. Records each all-gather as (step, phase, block):
-    phase "forward" before backward started, "backward" after. ``unused_forward_at``: before that
-    step a forward with grad enabled and no backward; ``skip_at``: that step runs without block 2."""
+    """4 SGD steps of a 5-block MLP sharded per block. Records each all-gather as (step, phase, state
+    index): phase "forward" before backward started, "backward" after, and the most blocks unsharded
+    at once. ``unused_forward_at``: before that step a forward with grad enabled and no backward;
+    ``skip_at``: that step runs without blocks.2."""
     from overlap.param_group import ParamGroup
 
     torch.set_num_threads(1)
@@ -53,7 +54,8 @@ def _train(rank: int, world: int, prefetch: int, unused_forward_at: int = -1, sk
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gathers: list[tuple[int, str, int]] = []
     step_now = [0]
-    issue = ParamGroup.issue_gather
+    peak = [0]
+    issue, finish = ParamGroup.issue_gather, ParamGroup.finish_gather
 
     def recording_issue(group: ParamGroup) -> None:
         pending = group.pending_gather is not None or group.is_unsharded
@@ -62,7 +64,12 @@ def _train(rank: int, world: int, prefetch: int, unused_forward_at: int = -1, sk
             phase = "backward" if states[0].root.in_backward else "forward"
             gathers.append((step_now[0], phase, index_of[id(group)]))
 
+    def counting_finish(group: ParamGroup) -> None:
+        finish(group)
+        peak[0] = max(peak[0], sum(s.group.is_unsharded for s in states[1:]))
+
     ParamGroup.issue_gather = recording_issue  # type: ignore[method-assign]
+    ParamGroup.finish_gather = counting_finish  # type: ignore[method-assign]
     losses = []
     try:
         for step in range(4):
@@ -77,9 +84,9 @@ def _train(rank: int, world: int, prefetch: int, unused_forward_at: int = -1, sk
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
     finally:
-        ParamGroup.issue_gather = issue  # type: ignore[method-assign]
+        ParamGroup.issue_gather, ParamGroup.finish_gather = issue, finish  # type: ignore[method-assign]
     groups = [s.group for s in states if s.group is not None]
-    return {"losses": torch.stack(losses), "gathers": gathers,
+    return {"losses": torch.stack(losses), "gathers": gathers, "peak": peak[0],
             "params": [p.to_local().clone() for p in model.parameters()],
             "left_unsharded": [s.index for s in states[1:] if s.group.is_unsharded],
             "left_pending": [g.pending_gather is not None for g in groups]}
@@ -95,31 +102,32 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_backward_regathers_are_issued_in_forward_in_backward_order(distributed, world: int) -> None:
+def test_the_last_groups_are_not_gathered_again_in_backward(distributed, world: int) -> None:
     for plain, *deep in distributed(_runs, world, timeout=300):
         for run, depth in zip(deep, (1, 2)):
             _same(run, plain)
-            # no collective added: the same gathers per step as with nothing prefetched
+            assert 1 <= run["peak"] <= 1 + depth, run["peak"]
+            # the root is state 0, blocks.0..4 are states 1..5. The first step records the order and
+            # keeps nothing; then blocks.4 and the `depth` blocks before it are kept (prefetch=0: the last).
             for step in range(4):
-                assert (sorted(g[2] for g in run["gathers"] if g[0] == step)
-                        == sorted(g[2] for g in plain["gathers"] if g[0] == step)), run["gathers"]
-            # after the first step (which records the order): the root is state 0, blocks.0..4 are 1..5;
-            # the root and the last block stay unsharded into backward, which first needs 4, then 3
-            in_forward = [g[2] for g in run["gathers"] if g[0] == 2 and g[1] == "forward"]
-            assert in_forward == [0, 1, 2, 3, 4, 5] + [4, 3][:depth], in_forward
-            assert [g[2] for g in plain["gathers"] if g[0] == 2 and g[1] == "forward"] == [0, 1, 2, 3, 4, 5]
+                backward = [g[2] for g in run["gathers"] if g[0] == step and g[1] == "backward"]
+                plain_backward = [g[2] for g in plain["gathers"] if g[0] == step and g[1] == "backward"]
+                assert plain_backward == ([5, 4, 3, 2, 1] if step == 0 else [4, 3, 2, 1]), plain_backward
+                assert backward == ([5, 4, 3, 2, 1] if step == 0 else [4, 3, 2, 1][depth:]), (step, backward)
+                forward = [g[2] for g in run["gathers"] if g[0] == step and g[1] == "forward"]
+                assert forward == [0, 1, 2, 3, 4, 5], forward
             assert not run["left_unsharded"] and not any(run["left_pending"])
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("off_script", [{"unused_forward_at": 2}, {"skip_at": 2}], ids=["unused-forward", "skipped-block"])
 def test_off_script_steps_fall_back(distributed, world: int, off_script: dict[str, int]) -> None:
-    """A forward with grad and no backward drops the lead unwaited at the next forward; a step that
-    skips blocks.2 leaves the agreed order there and issues no gather for backward in forward."""
+    """A forward with grad and no backward leaves the kept groups to the next forward, which
+    reshards them first; a step that skips blocks.2 leaves the agreed order there and keeps only
+    what it kept before (the last group's rule: nothing)."""
     for plain, *deep in distributed(_runs, world, **off_script, timeout=300):
         for run in deep:
             _same(run, plain)
             assert not run["left_unsharded"] and not any(run["left_pending"])
-            if "skip_at" in off_script:
-                in_forward = [g[2] for g in run["gathers"] if g[0] == 2 and g[1] == "forward"]
-                assert len(in_forward) == len(set(in_forward)), in_forward
+            if "skip_at" in off_script:  # blocks.2 (state 3) did not run: backward re-gathers all others
+                assert [g[2] for g in run["gathers"] if g[0] == 2 and g[1] == "backward"] == [5, 4, 2, 1]
