@@ -531,7 +531,7 @@ class _Root:
         if not (torch.is_grad_enabled() and self._on_script and order is not None):
             return False
         position = len(self.forward_seq) - 1
-        if self.forward_seq[position] != state.index or order[position] != state.index:
+        if position >= len(order) or self.forward_seq[position] != state.index or order[position] != state.index:
             return False  # a nested module's post-forward (its pre-forward was not the last), or off script
         if self._kept_for is None or self._kept_for[0] is not order or self._kept_for[1] != self.owner.prefetch:
             self._kept = _kept_for_backward(order, self.owner.prefetch, self.owner.index)
