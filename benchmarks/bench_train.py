@@ -2,8 +2,8 @@
 
 On ``--world-size`` gloo ranks, an MLP of ``--blocks`` blocks, each sharded, trained with AdamW.
 Modes: ``overlap.shard``; ``overlap.shard`` with ``prefetch="auto"`` (the depth chosen from the first
-step's measured costs, printed under the table); ``overlap.shard`` with each group's AdamW stepped in backward as soon as
-its gradients are reduced (``overlap.optimizer_in_backward``); ``overlap.shard`` under ``overlap.no_overlap`` (every collective completes
+step's measured costs, run behind the link, printed beside the mode); ``overlap.shard`` with each group's AdamW stepped in backward as soon as
+its gradients are reduced (``overlap.optimizer_in_backward``); both together (the demo's settings); ``overlap.shard`` under ``overlap.no_overlap`` (every collective completes
 before anything else runs); torch FSDP2 ``fully_shard`` with default settings, and with explicit
 forward/backward prefetch of one module. Each mode alternates steps without and with the emulated
 link's delay: the unlinked step is the mode's *compute side* (math, packing, gloo's real loopback
@@ -35,6 +35,7 @@ from report import emit
 # Display name -> overlap.demo.training mode.
 MODES = {"overlap.shard": "overlap", "overlap.shard, prefetch auto": "overlap",
          "overlap.shard, optimizer in backward": "overlap",
+         "overlap.shard, prefetch auto + optimizer in backward": "overlap",
          "overlap.shard, overlap off": "no-overlap",
          "torch FSDP2 (default)": "fsdp2", "torch FSDP2 (explicit prefetch)": "fsdp2-prefetch"}
 
@@ -53,7 +54,7 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
                 step()  # the step that measures the costs sees the link, as it would in training
         out[name] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=2)
         if "prefetch auto" in name:
-            out["depth"] = step.model.prefetch_depth
+            out[f"depth {name}"] = step.model.prefetch_depth
     return out
 
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in MODES:
         m: PairedTimes = r[name]
-        shown = f"{name} (depth {r['depth']})" if "prefetch auto" in name else name
+        shown = f"{name} (depth {r[f'depth {name}']})" if "prefetch auto" in name else name
         rows.append([shown, *paired_cells(m), f"{100 * m.hidden_share:.0f}%",
                      f"{1e3 * max(m.unlinked, m.comm):.1f}", f"{m.linked / fsdp2:.2f}x"])
     emit(f"Training step, {args.world_size} CPU ranks (gloo), {args.blocks} MLP blocks of width {args.dim}, "

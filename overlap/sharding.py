@@ -55,6 +55,19 @@ say it is done] in ``overlap/collectives.py``). Epilogues run in issue order. A 
 parameters keeps its epilogue at the end of backward, because it broadcasts their gradients and a
 collective must not be issued at a time that depends on how fast a collective completed.
 
+[Note: kept for backward]
+Backward re-gathers the groups in reverse forward order, so the first ones it needs are the ones
+whose forward ran last. Resharding those after their forward and gathering them again put the
+re-gathers on the link just where the step needs it most (the forward's end, the loss and the
+start of backward; on the demo the largest idle piece of the step was there, 75-220 ms of about
+1 s). So, running on the agreed order with grad enabled, the last group (as before) and the
+``prefetch`` groups before it stay unsharded from their forward into backward, each after its
+group's last forward call (``_kept_for_backward``). Memory: the same ``1 + prefetch`` groups a
+``prefetch``-deep lead into backward would hold, and ``prefetch`` re-gathers fewer on the link
+per step. Program order only (the agreed order and the depth), so the same on every rank; a step
+that leaves the order keeps nothing from there on; a forward with no backward after it leaves
+them unsharded until the next forward reshards them, as it did for the last group.
+
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order (``overlap.agreement``) in the first step,
 and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
@@ -67,8 +80,8 @@ stays. The unsharded parameters the graphs read keep their identity, shape and d
 
 Memory: with ``reshard_after_forward`` at most ``1 + prefetch`` non-root groups are unsharded at
 once in forward (the root group stays unsharded from its pre-forward to the end of backward, as in
-FSDP2, and so does the last group of the forward order when grad is enabled, since backward starts
-with it), and the same in backward; unsharded gradients live only until their group's reduce-scatter
+FSDP2, and so do the last ``1 + prefetch`` groups of the forward order when grad is enabled, since
+backward starts with them: [Note: kept for backward]), and the same in backward; unsharded gradients live only until their group's reduce-scatter
 is packed (or across micro-batches under ``no_sync``).
 """
 from __future__ import annotations
@@ -261,7 +274,7 @@ class ShardState:
             root.post_forward_seq.append(self.index)
             if self.group is not None:
                 self.group.to_sharded()
-                if self.reshard_after_forward and root.owner is not self and not root.runs_last(self):
+                if self.reshard_after_forward and root.owner is not self and not root.kept_for_backward(self):
                     self.group.reshard()
             if torch.is_grad_enabled():
                 self._hook_outputs(output)
@@ -342,6 +355,8 @@ class _Root:
         self.recording_costs = False  # this forward measures per-position costs (auto, order not agreed yet)
         self._costs: list[list[float]] = []  # per forward position: [compute seconds, gather seconds]
         self._running: list[int] = []  # positions whose forward is running, innermost last
+        self._kept: frozenset[int] = frozenset()  # forward positions kept unsharded for backward
+        self._kept_for: Optional[tuple[list[int], int]] = None  # (agreed order, depth) _kept was computed for
         self._mark = 0.0
         self._reset_backward()
 
@@ -509,12 +524,20 @@ class _Root:
         state.group.finish_gather()
         state.group.to_unsharded()
 
-    def runs_last(self, state: ShardState) -> bool:
-        """Is ``state`` the last module of the agreed forward order, running on script? Backward needs
-        it first, so resharding it after forward would only gather it again at once (kept unsharded)."""
+    def kept_for_backward(self, state: ShardState) -> bool:
+        """Does ``state`` stay unsharded after its forward, running on script? Backward needs the
+        last group of the agreed forward order first and the ``prefetch`` groups before it next, so
+        resharding them would only gather them again (see [Note: kept for backward])."""
         order = self.agreed_order
-        return (torch.is_grad_enabled() and self._on_script and order is not None
-                and len(self.forward_seq) == len(order) and order[-1] == state.index)
+        if not (torch.is_grad_enabled() and self._on_script and order is not None):
+            return False
+        position = len(self.forward_seq) - 1
+        if position >= len(order) or self.forward_seq[position] != state.index or order[position] != state.index:
+            return False  # a nested module's post-forward (its pre-forward was not the last), or off script
+        if self._kept_for is None or self._kept_for[0] is not order or self._kept_for[1] != self.owner.prefetch:
+            self._kept = _kept_for_backward(order, self.owner.prefetch, self.owner.index)
+            self._kept_for = (order, self.owner.prefetch)
+        return position in self._kept
 
     def end_forward(self) -> None:
         self.in_forward = False
@@ -731,6 +754,22 @@ class _Root:
         self._reduce_events = []
         self.in_backward = False
         self._outstanding = [w for w in self._outstanding if w.pending]
+
+
+def _kept_for_backward(order: list[int], depth: int, owner: int) -> frozenset[int]:
+    """The positions of ``order`` (the agreed forward order) whose group stays unsharded from its
+    forward into backward (see [Note: kept for backward]): the last ``1 + depth`` positions that are
+    their group's last forward call, the root's left out (it stays unsharded anyway)."""
+    kept: set[int] = set()
+    later: set[int] = set()
+    for position in range(len(order) - 1, -1, -1):
+        if len(kept) == 1 + depth:
+            break
+        index = order[position]
+        if index != owner and index not in later:
+            kept.add(position)
+        later.add(index)
+    return frozenset(kept)
 
 
 PREFETCH_BUDGET_SHARE = 4

@@ -19,12 +19,15 @@ Inputs, per group in the order compute needs them (the agreed forward order):
 The link is a FIFO: a gather issued earlier than the link can start it waits in the queue, so depth
 beyond what keeps the queue non-empty buys nothing and costs one group's unsharded size each. The
 model replays one step: forward runs the groups in order, issuing at the start of group ``j`` the
-gathers of groups ``j+1 .. j+d`` (each once); backward runs them in reverse, re-gathering the same
-way, and each group's reduce-scatter (taken to cost what its gather costs) is queued when its
+gathers of groups ``j+1 .. j+d`` (each once); the last group and the ``d`` before it stay
+unsharded into backward (the runtime's [Note: kept for backward]: backward needs them first, and
+holding them costs what re-gathering them ``d`` ahead would); backward runs the rest in reverse,
+re-gathering the same way, and each group's reduce-scatter (taken to cost what its gather costs) is queued when its
 backward ends. A group starts when the one before it is done and its gather has landed. The depth
 is the smallest ``d`` whose modelled step is within ``tolerance`` of the best over every ``d``
 the budget allows (any group and the ``d`` after it, together, within ``budget``), so ties go to
-the shallower, cheaper depth. Depth 0 is never chosen: one group ahead is always allowed (the
+the shallower, cheaper depth. Where the link is the bottleneck every unit of depth saves one
+re-gather, so the budget alone caps the depth there. Depth 0 is never chosen: one group ahead is always allowed (the
 runtime holds that much with ``prefetch=1`` too), even past the budget.
 """
 from __future__ import annotations
@@ -57,7 +60,8 @@ def modelled_step(compute: Sequence[float], gather: Sequence[float], depth: int)
             issue(k, now)
         now = max(now, landed[j]) + compute[j]
     landed = [math.inf] * n
-    landed[n - 1] = 0.0  # the last group stays unsharded into backward
+    for k in range(max(0, n - 1 - depth), n):  # the last group and the depth before it stay unsharded
+        landed[k] = 0.0
     for j in reversed(range(n)):  # backward
         issue(j, now)
         for k in range(j - 1, max(-1, j - 1 - depth), -1):

@@ -9,7 +9,7 @@ import argparse
 import inspect
 import os
 import tempfile
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 if TYPE_CHECKING:
     from overlap.demo.run import DemoConfig, DemoResult
@@ -72,6 +72,15 @@ def _mesh(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def _prefetch(text: str) -> Union[int, str]:
+    """``auto`` or a whole number >= 0 (``overlap.shard``'s ``prefetch``)."""
+    if text.strip() == "auto":
+        return "auto"
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"must be auto or a whole number >= 0, got {text!r}")
+    return int(text)
+
+
 def max_world_size() -> int:
     """The most CPU ranks the demo spawns on this machine (gloo ranks share the cores)."""
     return 4 * (os.cpu_count() or 1)
@@ -101,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--world-size", type=_int_at_least(2), default=None, metavar="N",
                       help="ranks to spawn, >= 2 (default 2; under torchrun, WORLD_SIZE and this must agree)")
     demo.add_argument("--steps", type=_int_at_least(1), default=5, metavar="S",
-                      help="timed steps per mode: S without and S with the link's delay, after one warm-up "
-                           "step; figures are medians (default 5)")
+                      help="timed steps per mode: S without and S with the link's delay, after one warm-up step "
+                           "behind the link; figures are medians (default 5)")
     demo.add_argument("--model", choices=tuple(MODEL_SIZES), default="small",
                       help=f"model size (default small). {sizes}")
     demo.add_argument("--compare", type=_compare, default=None, metavar="MODES",
@@ -116,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--profile-steps", type=_int_at_least(0), default=2, metavar="P",
                       help="steps of overlap.shard (and no-overlap) run under overlap.profile() after the timed "
                            "ones, for the trace and timeline (default 2; 0: no profile, nothing written)")
+    demo.add_argument("--prefetch", type=_prefetch, default="auto", metavar="D",
+                      help="overlap.shard's prefetch: auto (default: the depth chosen from the first step's "
+                           "measured costs, which runs behind the link) or a fixed depth >= 0; no-overlap "
+                           "runs at the depth overlap.shard used, so both move the same bytes")
     demo.add_argument("--mesh", type=_mesh, default=None, metavar="NxG",
                       help="emulate N nodes of G ranks (N*G ranks; --world-size may be left out): overlap.shard and "
                            "FSDP2 each run fully sharded and as HSDP on the (replicate, shard) mesh (N, G), behind "
@@ -227,7 +240,8 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--out {args.out!r} cannot be written: {problem}")
     cfg = DemoConfig(world_size=world_size, steps=args.steps, model=args.model, compare=args.compare,
                      link_gbps=args.link_gbps, latency_us=args.latency_us, profile_steps=args.profile_steps,
-                     device=device, mesh=args.mesh, parallel=args.parallel, compress=args.compress)
+                     device=device, mesh=args.mesh, parallel=args.parallel, compress=args.compress,
+                     prefetch=args.prefetch)
     if rank == 0:
         backend = "NCCL, one GPU per rank" if device == "cuda" else "gloo"
         how = "torchrun" if launched is not None else "spawned"

@@ -2,11 +2,13 @@
 
 One run, side by side on the same ranks, from the same initial weights and on the same batches:
 
-* ``overlap.shard`` (this runtime: each block's gather in flight while the block before it computes,
-  gradients reduce-scattered while the rest of backward runs, each group's optimizer step run in
-  backward as soon as its gradients land: ``overlap.optimizer_in_backward``);
-* ``overlap.no_overlap`` (the same runtime with every collective completed before anything else
-  runs: what overlap is measured from);
+* ``overlap.shard`` (this runtime: each block's gather in flight while the blocks before it compute,
+  ``prefetch="auto"`` by default, whose depth is chosen in the first step, run behind the link, and
+  which keeps the last groups of forward unsharded for backward; gradients reduce-scattered while
+  the rest of backward runs, each group's optimizer step run in backward as soon as its gradients
+  land: ``overlap.optimizer_in_backward``);
+* ``overlap.no_overlap`` (the same runtime at the same depth, so the same bytes, with every
+  collective completed before anything else runs: what overlap is measured from);
 * torch FSDP2 (``fully_shard``, default settings).
 
 Each mode trains :class:`~overlap.demo.model.TransformerLM` (head untied; embedding, each block and
@@ -32,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -87,7 +89,8 @@ _SEED = 1234
 class DemoConfig:
     """What the demo runs. ``link_gbps=None``: calibrated so comm ~ compute; ``compare``: modes of
     :data:`COMPARABLE` run beside ``overlap``; ``profile_steps``: profiled steps per profiled mode
-    (0: no profile); ``device``: "cpu" or "cuda"."""
+    (0: no profile); ``device``: "cpu" or "cuda"; ``prefetch``: ``overlap.shard``'s (no-overlap runs
+    at the depth it used)."""
 
     world_size: int = 2
     steps: int = 5
@@ -104,6 +107,7 @@ class DemoConfig:
     compress: Optional[str] = None
     """``"int8"``: also run ``overlap.shard`` with ``compress=overlap.Compression()`` (int8 gathers and
     reductions) right after the exact run, and check its final loss."""
+    prefetch: Union[int, str] = "auto"
 
     def __post_init__(self) -> None:
         if self.compress not in (None, "int8"):
@@ -125,6 +129,9 @@ class DemoConfig:
         unknown = [m for m in self.compare if m not in COMPARABLE]
         if unknown:
             raise ValueError(f"compare: unknown mode(s) {unknown}; choose from {', '.join(COMPARABLE)}")
+        if self.prefetch != "auto" and (isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int)
+                                        or self.prefetch < 0):
+            raise ValueError(f"prefetch must be 'auto' or an int >= 0; got {self.prefetch!r}")
         if self.steps < 1 or self.warmup < 0 or self.profile_steps < 0:
             raise ValueError("steps must be >= 1, warmup and profile_steps >= 0")
 
@@ -155,6 +162,8 @@ class ModeResult:
     times: PairedTimes
     losses: tuple[float, ...]
     profile: Any = None
+    depth: Optional[int] = None
+    """``overlap.shard``'s prefetch depth (the one chosen with ``prefetch="auto"``); None for others."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,11 +257,13 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     size = MODEL_SIZES[cfg.model]
     calibrate = cfg.link_gbps is None
-    per_mode = cfg.warmup + 2 * cfg.steps
+    per_mode = max(1, cfg.warmup) + 2 * cfg.steps
     total = (6 if calibrate else 0) + per_mode * len(cfg.modes)
     total += cfg.profile_steps * sum(m in PROFILED for m in cfg.modes)
     progress = _Progress(total, enabled=cfg.progress and rank == 0)
     parameters = 0
+
+    depth: Optional[int] = None  # overlap.shard's depth, once chosen: no-overlap runs at it (the same bytes)
 
     def build(mode: str) -> TrainStep:
         nonlocal parameters
@@ -272,11 +283,15 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
             import overlap
 
             mode, compress = "overlap", overlap.Compression()
-        context = shard_for_mode(mode, model, model.shard_units(), mesh=mesh, compress=compress)
+        prefetch = cfg.prefetch if mode == "overlap" or depth is None else depth
+        context = shard_for_mode(mode, model, model.shard_units(), mesh=mesh, prefetch=prefetch,
+                                 compress=compress)
         # overlap.shard steps each group in backward as its gradients land (the plain step's numerics).
         optimizer = make_optimizer(model, 1e-3, in_backward=mode == "overlap")
-        return TrainStep(lambda i: model.loss(token_batch(size, i, rank).to(device)), optimizer, context,
+        step = TrainStep(lambda i: model.loss(token_batch(size, i, rank).to(device)), optimizer, context,
                          device, progress.advance)
+        step.model = model  # type: ignore[attr-defined]
+        return step
 
     def link() -> EmulatedLink:
         """The link at ``gbps``; with a mesh, that is the inter-node tier (see [Note: two-tier links])."""
@@ -296,7 +311,12 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     for mode in cfg.modes:
         progress.start(MODE_NAMES[mode])
         step = build(mode)
-        times = paired_steps(step, cfg.steps, gbps, cfg.latency_us, warmup=cfg.warmup, link=link())
+        with link():  # the first step behind the link: prefetch="auto" measures its costs in it
+            step()
+        times = paired_steps(step, cfg.steps, gbps, cfg.latency_us, warmup=max(0, cfg.warmup - 1), link=link())
+        mode_depth = getattr(step.model, "prefetch_depth", None) if mode not in TP_MODES else None
+        if mode == "overlap":
+            depth = mode_depth
         local[mode] = list(step.losses)
         merged = None
         if cfg.profile_steps and mode in PROFILED:
@@ -307,7 +327,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
                     step()
                     prof.step()
             merged = prof.gather(dst=0)
-        modes[mode] = ModeResult(times, _global_losses(local[mode]), merged)
+        modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth)
         del step
     progress.finish()
     bitwise = None
@@ -442,6 +462,7 @@ def format_report(result: DemoResult) -> str:
     lines = [
         f"model {cfg.model}: {result.parameters / 1e6:.3g} M parameters, {size.layers} blocks ({layout})",
         f"{link}, {cfg.latency_us:g} µs per collective; medians of {cfg.steps} steps, slowest rank",
+        *_depth_lines(result),
         "",
         _table(HEADER, rows),
         "",
@@ -456,6 +477,15 @@ def format_report(result: DemoResult) -> str:
         _loss_line(result),
     ]
     return "\n".join(lines)
+
+
+def _depth_lines(result: DemoResult) -> list[str]:
+    ours = result.modes.get("overlap")
+    if ours is None or ours.depth is None:
+        return []
+    how = "chosen from the first step's measured costs" if result.config.prefetch == "auto" else "--prefetch"
+    return [f"overlap.shard prefetch depth {ours.depth} ({how}): up to {1 + ours.depth} groups unsharded at once, "
+            f"the last {1 + ours.depth} of forward kept for backward"]
 
 
 def _loss_line(result: DemoResult) -> str:

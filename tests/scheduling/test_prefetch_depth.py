@@ -18,11 +18,14 @@ def test_uniform_groups_need_one_ahead() -> None:
     assert choose_prefetch_depth(compute, gather, [1] * 8, BIG) == 1
 
 
-def test_link_bound_uniform_groups_stay_shallow() -> None:
-    # the link is the bottleneck at any depth: a FIFO link gains nothing from deeper queues
+def test_link_bound_groups_go_as_deep_as_the_budget_allows() -> None:
+    # the link is the bottleneck: a FIFO link gains nothing from deeper queues, but each unit of
+    # depth keeps one more group unsharded into backward, one re-gather (2 s) less on the link.
     compute, gather = [1.0] * 8, [2.0] * 8
-    assert len({modelled_step(compute, gather, d) for d in range(1, 8)}) == 1
-    assert choose_prefetch_depth(compute, gather, [1] * 8, BIG) == 1
+    times = [modelled_step(compute, gather, d) for d in range(1, 8)]
+    assert [a - b for a, b in zip(times, times[1:])] == [2.0] * 6, times
+    assert choose_prefetch_depth(compute, gather, [1] * 8, BIG) == 7
+    assert choose_prefetch_depth(compute, gather, [1] * 8, budget=3) == 2  # 3 groups of 1 byte fit
 
 
 def test_a_slow_gather_is_started_several_groups_early() -> None:

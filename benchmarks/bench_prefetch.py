@@ -1,0 +1,96 @@
+"""``overlap.shard``'s prefetch depths side by side, step by step in one run: a fixed ``prefetch=1``
+against ``prefetch="auto"``, on the demo's transformer (``overlap.demo.model``, embedding, each
+block and head sharded, then the root), AdamW stepped in backward (``overlap.optimizer_in_backward``),
+behind one emulated link.
+
+Each depth is a fresh model from the same weights; the first two steps of each run behind the link
+(``prefetch="auto"`` measures its costs in the first). Then ``--rounds`` rounds of one linked step
+per depth, interleaved, so a shared machine's slow drifts fall on both alike; medians of the
+slowest rank. After the timed rounds, two profiled steps per depth give the link-idle share
+(``overlap.profile()``: the part of each step with nothing of the rank on the link while it
+computed). Losses are checked bitwise between the depths.
+
+    python benchmarks/bench_prefetch.py [--model small] [--link-gbps 0.1] [--rounds 8] [--markdown benchmarks/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import _common  # noqa: F401 (first: sys.path)
+import torch
+import torch.distributed as dist
+from _common import parse
+from overlap.demo.model import MODEL_SIZES
+from overlap.testing import run_distributed
+from report import emit
+
+DEPTHS: dict[str, Any] = {"prefetch=1": 1, 'prefetch="auto"': "auto"}
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    from overlap.demo.model import TransformerLM, token_batch
+    from overlap.demo.training import TrainStep, make_optimizer, shard_for_mode
+    from overlap.profiler import profile
+    from overlap.testing import EmulatedLink, over_ranks
+
+    size = MODEL_SIZES[args.model]
+    runs = {}
+    for name, prefetch in DEPTHS.items():
+        torch.manual_seed(1234)
+        model = TransformerLM(size)
+        context = shard_for_mode("overlap", model, model.shard_units(), prefetch=prefetch)
+        step = TrainStep(lambda i, m=model: m.loss(token_batch(size, i, rank)), make_optimizer(model, 1e-3, True),
+                         context)
+        link = EmulatedLink(args.link_gbps, args.latency_us)
+        with link:
+            step()
+            step()
+        link.reset_stats()
+        runs[name] = (model, step, link, [])
+    for _ in range(args.rounds):
+        for model, step, link, times in runs.values():
+            dist.barrier()
+            with link:
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+    out: dict[str, Any] = {}
+    for name, (model, step, link, times) in runs.items():
+        comm = over_ranks(link.stats().emulated_seconds / args.rounds)
+        with link, profile() as prof:
+            for _ in range(2):
+                step()
+                prof.step()
+        merged = prof.gather(dst=0)
+        out[name] = {"step": over_ranks(statistics.median(times)), "comm": comm, "depth": model.prefetch_depth,
+                     "idle": [s.link_idle_share for s in merged.summary().steps] if merged is not None else [],
+                     "losses": torch.stack(step.losses)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=tuple(MODEL_SIZES), default="small", help="demo model size (default small)")
+    p.add_argument("--link-gbps", type=float, default=0.1, help="emulated link bandwidth in Gbit/s (default 0.1)")
+    p.add_argument("--latency-us", type=float, default=20.0, help="link latency per collective (default 20)")
+    p.add_argument("--rounds", type=int, default=8, help="interleaved timed rounds (default 8)")
+    args = parse(p, argv)
+    per_rank = run_distributed(_rank, 2, args, timeout=1800)
+    r = per_rank[0]
+    base = r["prefetch=1"]["step"]
+    bitwise = all(torch.equal(x["prefetch=1"]["losses"], x['prefetch="auto"']["losses"]) for x in per_rank)
+    rows = [[f"{name} (depth {v['depth']})", f"{1e3 * v['step']:.1f}", f"{1e3 * v['comm']:.1f}",
+             f"{v['step'] / v['comm']:.2f}x", ", ".join(f"{100 * x:.0f}%" for x in v["idle"]),
+             f"{v['step'] / base:.2f}x"] for name, v in r.items()]
+    emit(f"Prefetch depth, demo model {args.model}, 2 CPU ranks (gloo), AdamW in backward; emulated link "
+         f"{args.link_gbps:g} Gbit/s + {args.latency_us:g} µs; medians of {args.rounds} interleaved linked steps, "
+         f"slowest rank; losses bitwise equal across depths: {bitwise}",
+         ["depth", "step ms", "comm ms on the link", "step / comm", "link idle (2 profiled steps x 2 ranks)",
+          "step vs prefetch=1"], rows, args.markdown)
+
+
+if __name__ == "__main__":
+    main()
