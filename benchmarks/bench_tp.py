@@ -88,7 +88,14 @@ def _model(block: str, mode: str, args: argparse.Namespace, mesh: Any) -> Any:
             return torch.compile(model, options=dict(INDUCTOR_COMM_PASSES))
         with scheduler.inductor_overlap(collective_matmul_chunks=args.compiled_chunks):
             return torch.compile(model)  # compiles at the first step, with the hook's pass
-    return overlap.tensor_parallel(model, mesh, plan, chunks=CHUNKS[mode] or args.chunks)
+    return overlap.tensor_parallel(model, mesh, plan, chunks=_chunks_of(mode) or args.chunks)
+
+
+def _chunks_of(mode: str) -> Any:
+    """The ``chunks=`` of an ``overlap.tensor_parallel`` mode (``--counts`` adds ``..., chunks=C``)."""
+    if mode in CHUNKS:
+        return CHUNKS[mode]
+    return int(mode.rsplit("chunks=", 1)[1])
 
 
 def _step(model: Any, x: Any) -> Any:
@@ -108,9 +115,10 @@ def _traffic(step: Any) -> tuple[int, int]:
     return stats.count, stats.wire_bytes
 
 
-def _recording_choices() -> dict[str, set[int]]:
+def _recording_choices(works: dict[Any, Any]) -> dict[str, set[int]]:
     """The counts ``overlap.tensor_parallel``'s layers choose from now on (``chunks=None`` only), per
-    layer kind, behind a link."""
+    layer kind, behind a link; each distinct workload chosen for behind a link goes into ``works``
+    (workload -> group)."""
     from overlap.tensor_parallelism import layers
     from overlap.testing import current_link
 
@@ -121,10 +129,35 @@ def _recording_choices() -> dict[str, set[int]]:
         chunks = choose(work, info, override, *a, **k)
         if current_link() is not None and override is None:
             seen.setdefault(work.kind, set()).add(chunks)
+            works[work] = info
         return chunks
 
     layers.choose_chunks = recording
     return seen
+
+
+def _modelled_per_count(works: dict[Any, Any], gbps: float, latency_us: float, per_step: int) -> dict[int, float]:
+    """The model's seconds per step for each count, behind a link of ``gbps`` / ``latency_us``: every
+    recorded workload's modelled seconds times ``per_step`` (how often each runs in a step)."""
+    from overlap.tensor_parallelism.chunks import explain
+
+    total: dict[int, float] = {}
+    with EmulatedLink(gbps, latency_us, functional=True):
+        for work, info in works.items():
+            table = explain(work, info)
+            if table is None:
+                continue
+            for c, seconds in table["modelled"].items():
+                total[c] = total.get(c, 0.0) + per_step * seconds
+            print(f"rank {info.rank} {work}: {table['host']}, {table['gemm']}, L {table['latency_s']:.2e}, "
+                  f"s {table['seconds_per_byte']:.2e}, modelled ms "
+                  f"{ {c: round(1e3 * t, 2) for c, t in table['modelled'].items()} }", flush=True)
+            if table["trial"] is not None:
+                trial = table["trial"]
+                print(f"rank {info.rank} {work.kind}: trial of {trial['candidate']} vs 1 -> {trial['chosen']}, "
+                      f"rounds ms {[[round(1e3 * t, 2) for t in r] for r in trial['rounds']]}, "
+                      f"cost {trial['cost_s']:.2f} s", flush=True)
+    return total
 
 
 def _taking_turns(steps: dict[str, Any], rounds: int, gbps: float, latency_us: float,
@@ -137,9 +170,11 @@ def _taking_turns(steps: dict[str, Any], rounds: int, gbps: float, latency_us: f
     from overlap.testing import interleaved_steps
 
     links = {mode: EmulatedLink(gbps, latency_us, functional=True) for mode in steps}
-    for step in steps.values():
+    for mode, step in steps.items():  # behind the link too: a choice made behind it (a trial) is made here
         for _ in range(warmup):
             step()
+            with links[mode]:
+                step()
     figures: dict[str, list[list[float]]] = {mode: [[], [], []] for mode in steps}
     for _ in range(rounds):
         for mode, step in steps.items():
@@ -155,7 +190,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
 
-    chosen = _recording_choices()
+    works: dict[Any, Any] = {}
+    chosen = _recording_choices(works)
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(args.batch, args.seq // world, args.dim, generator=torch.Generator().manual_seed(rank))
@@ -180,6 +216,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             link = EmulatedLink(gbps, args.latency_us, functional=True)
             out[title][mode] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=args.warmup, link=link)
         out[title]["chosen"] = {kind: sorted(counts) for kind, counts in chosen.items()}
+        out[title]["modelled"] = _modelled_per_count(works, gbps, args.latency_us, args.layers)
+        works.clear()
         out[title]["compute per block"] = out[title][MODES[0]].unlinked / args.layers
         chosen.clear()
     return out
@@ -190,9 +228,18 @@ def _grid(args: argparse.Namespace) -> None:
     rows = []
     for dim, batch, seq, layers in [GRID[i] for i in args.grid] if args.grid else GRID:
         point = argparse.Namespace(**{**vars(args), "dim": dim, "hidden": 4 * dim, "batch": batch, "seq": seq,
-                                      "layers": layers, "blocks": ["sp_mlp"], "modes": EAGER})
+                                      "layers": layers, "blocks": ["sp_mlp"],
+                                      "modes": EAGER + tuple(f"{MODES[1]}, chunks={c}" for c in args.counts)})
         res = run_distributed(_rank, args.world_size, point, timeout=1200)[0]["sequence-parallel MLP"]
         t, chosen, one = (res[mode] for mode in EAGER)
+        if args.counts:  # measured vs modelled per count (the model covers the collective matmuls only)
+            modelled = res["modelled"]
+            for c in [1, *args.counts]:
+                m = res[EAGER[2] if c == 1 else f"{MODES[1]}, chunks={c}"]
+                print(f"  {dim} x {batch * seq} chunks={c}: linked step {1e3 * m.linked:.1f} ms "
+                      f"(vs chunks=1 {1e3 * (m.linked - one.linked):+.1f}), modelled "
+                      f"{1e3 * modelled.get(c, float('nan')):.1f} ms "
+                      f"(vs 1 {1e3 * (modelled.get(c, float('nan')) - modelled.get(1, float('nan'))):+.1f})", flush=True)
         rows.append([f"{dim} x {batch * seq}", layers, f"{1e3 * res['compute per block']:.1f}",
                      f"{1e3 * t.comm:.1f}", f"{1e3 * t.linked:.1f}", f"{1e3 * chosen.linked:.1f}",
                      f"{1e3 * one.linked:.1f}", f"{t.linked / chosen.linked:.2f}x", f"{t.linked / one.linked:.2f}x",
@@ -224,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grid", nargs="*", type=int, default=None, metavar="POINT",
                    help="the sequence-parallel MLP over GRID's sizes (or the points of these indices, to repeat "
                         "noisy cells), eager modes only (one table)")
+    p.add_argument("--counts", nargs="*", type=int, default=[], metavar="C",
+                   help="with --grid: also time chunks=C for each C, and print each count's measured step beside "
+                        "the chunk model's (diagnosis of the choice)")
     add_link(p)
     args = parse(p, argv)
     if args.grid is not None:
