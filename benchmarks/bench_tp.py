@@ -35,12 +35,16 @@ over this mode's, and this mode's over its ideal.
 tokens, hidden 4 dim, fewer blocks where a block is large), eager modes only (torch, the chosen
 count, ``chunks=1``), each point calibrated to comm ~ torch's compute; the modes take turns step
 pair by step pair (a loaded box's drifts fall on all alike); one table, a row per point, with
-torch's compute side per block and the counts the default chose behind the link.
+torch's compute side per block, the counts the default chose behind the link, and how: tried (the
+trial's least seconds at 1 and at the model's count, and its one-time cost) or taken from the model
+([Note: choosing the chunk count]). ``--counts C ...`` also times ``chunks=C`` at each point and
+prints each count's linked step beside the chunk model's sum over the layers (the model covers
+the collective matmuls only, so compare differences from ``chunks=1``), with the measured figures.
 
 Not yet built: the GPU comparison against torch's async-TP.
 
     python benchmarks/bench_tp.py [--layers 2] [--steps 8] [--blocks sp_mlp ...] [--markdown benchmarks/RESULTS.md]
-    python benchmarks/bench_tp.py --grid [POINT ...] [--steps 4] [--warmup 1] [--markdown benchmarks/RESULTS.md]
+    python benchmarks/bench_tp.py --grid [POINT ...] [--steps 4] [--warmup 1] [--counts C ...] [--markdown benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
@@ -136,12 +140,15 @@ def _recording_choices(works: dict[Any, Any]) -> dict[str, set[int]]:
     return seen
 
 
-def _modelled_per_count(works: dict[Any, Any], gbps: float, latency_us: float, per_step: int) -> dict[int, float]:
+def _modelled_per_count(works: dict[Any, Any], gbps: float, latency_us: float, per_step: int
+                        ) -> tuple[dict[int, float], list[str]]:
     """The model's seconds per step for each count, behind a link of ``gbps`` / ``latency_us``: every
-    recorded workload's modelled seconds times ``per_step`` (how often each runs in a step)."""
+    recorded workload's modelled seconds times ``per_step`` (how often each runs in a step); and per
+    workload how its count was chosen (``tried C: 1 vs C ms (cost s) -> chosen``, or ``model``)."""
     from overlap.tensor_parallelism.chunks import explain
 
     total: dict[int, float] = {}
+    how: list[str] = []
     with EmulatedLink(gbps, latency_us, functional=True):
         for work, info in works.items():
             table = explain(work, info)
@@ -149,15 +156,21 @@ def _modelled_per_count(works: dict[Any, Any], gbps: float, latency_us: float, p
                 continue
             for c, seconds in table["modelled"].items():
                 total[c] = total.get(c, 0.0) + per_step * seconds
-            print(f"rank {info.rank} {work}: {table['host']}, {table['gemm']}, L {table['latency_s']:.2e}, "
-                  f"s {table['seconds_per_byte']:.2e}, modelled ms "
-                  f"{ {c: round(1e3 * t, 2) for c, t in table['modelled'].items()} }", flush=True)
-            if table["trial"] is not None:
-                trial = table["trial"]
-                print(f"rank {info.rank} {work.kind}: trial of {trial['candidate']} vs 1 -> {trial['chosen']}, "
+            if info.rank == 0:
+                print(f"{work}: {table['host']}, {table['gemm']}, L {table['latency_s']:.2e}, "
+                      f"s {table['seconds_per_byte']:.2e}, modelled ms "
+                      f"{ {c: round(1e3 * t, 2) for c, t in table['modelled'].items()} }", flush=True)
+            trial = table["trial"]
+            if trial is None:
+                how.append(f"{work.kind} model")
+            else:
+                least = [min(r[i] for r in trial["rounds"]) for i in (0, 1)]
+                how.append(f"{work.kind} tried {trial['candidate']}: {1e3 * least[0]:.1f} vs {1e3 * least[1]:.1f} ms "
+                           f"({trial['cost_s']:.2f} s)")
+                print(f"{work.kind}: trial of {trial['candidate']} vs 1 -> {trial['chosen']}, "
                       f"rounds ms {[[round(1e3 * t, 2) for t in r] for r in trial['rounds']]}, "
                       f"cost {trial['cost_s']:.2f} s", flush=True)
-    return total
+    return total, how
 
 
 def _taking_turns(steps: dict[str, Any], rounds: int, gbps: float, latency_us: float,
@@ -216,7 +229,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             link = EmulatedLink(gbps, args.latency_us, functional=True)
             out[title][mode] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=args.warmup, link=link)
         out[title]["chosen"] = {kind: sorted(counts) for kind, counts in chosen.items()}
-        out[title]["modelled"] = _modelled_per_count(works, gbps, args.latency_us, args.layers)
+        out[title]["modelled"], out[title]["how"] = _modelled_per_count(works, gbps, args.latency_us, args.layers)
         works.clear()
         out[title]["compute per block"] = out[title][MODES[0]].unlinked / args.layers
         chosen.clear()
@@ -243,13 +256,15 @@ def _grid(args: argparse.Namespace) -> None:
         rows.append([f"{dim} x {batch * seq}", layers, f"{1e3 * res['compute per block']:.1f}",
                      f"{1e3 * t.comm:.1f}", f"{1e3 * t.linked:.1f}", f"{1e3 * chosen.linked:.1f}",
                      f"{1e3 * one.linked:.1f}", f"{t.linked / chosen.linked:.2f}x", f"{t.linked / one.linked:.2f}x",
-                     ", ".join(f"{kind} {'/'.join(map(str, c))}" for kind, c in sorted(res["chosen"].items()))])
+                     ", ".join(f"{kind} {'/'.join(map(str, c))}" for kind, c in sorted(res["chosen"].items())),
+                     "; ".join(res["how"])])
         print(rows[-1], flush=True)
     emit(f"Tensor parallelism grid, sequence-parallel MLP (hidden 4 dim) on {args.world_size} CPU ranks (gloo), "
          f"forward + backward; emulated link per point so that comm ~ torch's compute side, + {args.latency_us:g} µs; "
          f"medians of {args.steps} steps alternating without/with the link delay, slowest rank",
          ["dim x tokens", "blocks", "torch compute per block ms", "comm ms", "torch step ms", "chosen step ms",
-          "chunks=1 step ms", "torch / chosen", "torch / chunks=1", "chosen counts (linked)"], rows, args.markdown)
+          "chunks=1 step ms", "torch / chosen", "torch / chunks=1", "chosen counts (linked)",
+          "how chosen (trial: least ms at 1 vs the model's count, its cost)"], rows, args.markdown)
 
 
 def main(argv: list[str] | None = None) -> None:

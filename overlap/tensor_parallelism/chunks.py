@@ -43,8 +43,9 @@ all_reduce       compute then transfer, ``G(N/c) + O``           ``2 G(N)``, loc
 all_reduce_grad  ``G(N)``, local                                 compute then transfer, tail ``G(N)``
 ===============  ==============================================  ===================================
 
-The model proposes, a trial decides. The model's best count ``c*`` (least modelled time) is
-tried against ``c = 1`` directly: both run the layer's own collective matmul, forward and
+The model proposes, a trial decides where the model is unsure. The model's best count ``c*``
+(least modelled time), where it saves less than ``TRUSTED_SAVING`` (25%) of ``c = 1``'s modelled
+time, is tried against ``c = 1`` directly: both run the layer's own collective matmul, forward and
 backward, on synthetic operands of the layer's shapes, behind the link in force
 (``chunk_trial``), one untimed pass each, then up to ``TRIAL_ROUNDS`` rounds taking turns. Each
 timing is maxed over the group (agreed), and ``c*`` is kept only if its least time beats
@@ -54,9 +55,10 @@ the other rank's scheduling delay at every extra wait, a small chunk's worse GEM
 promises little they decide. At dim 128 x 512 tokens the model promised 3-10% and the decomposed
 layers ran 0.79x in one run and 1.25x in another; a trial measures what the model cannot.
 A trial costs ``(rounds + 1) (T(1) + T(c*))`` of the layer's modelled time ``T``; rounds are cut so
-that stays within ``TRIAL_BUDGET_S``. Where not one round fits, the layer is large enough that
-the per-chunk costs the model misses are small beside what it hides, and the model's count is
-taken if it beats ``c = 1`` by more than ``MARGIN`` of its time. Where the model's best is 1
+that stays within ``TRIAL_BUDGET_S``. Where the model promises ``TRUSTED_SAVING`` or more, or not
+one round fits, the layer hides enough that the per-chunk costs the model misses (a few per cent
+of such a layer) cannot undo it, and a single noisy round on a loaded machine could: the model's
+count is taken if it beats ``c = 1`` by more than ``MARGIN`` of its time. Where the model's best is 1
 nothing is tried. Never more chunks than leave ``MIN_ROWS`` rows of the chunked dimension per
 chunk, nor than the rows there are.
 
@@ -105,12 +107,13 @@ from overlap.tensor_parallelism.collective_matmul import SeqLayout, _ChunkedGath
 from scheduler.collective_matmul import MIN_ROWS
 
 __all__ = ["CALIBRATION_BYTES", "KINDS", "MARGIN", "MAX_CHUNKS", "MIN_ROWS", "GemmCost", "HostCost", "Workload",
-           "TRIAL_BUDGET_S", "TRIAL_MARGIN", "TRIAL_ROUNDS", "best_chunks", "check_chunks", "choose_chunks", "explain", "measure_gemm", "measure_host_cost", "modelled_seconds", "modelled_table",
+           "TRIAL_BUDGET_S", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TRUSTED_SAVING", "best_chunks", "check_chunks", "choose_chunks", "explain", "measure_gemm", "measure_host_cost", "modelled_seconds", "modelled_table",
            "reset_measurements", "settled_chunks", "trial_rounds", "trial_seconds"]
 
 MAX_CHUNKS = 8
 MARGIN = 0.1  # the share of c = 1's modelled time a count must save to be chosen without a trial
 TRIAL_MARGIN = 0.05  # the share of c = 1's timed seconds the tried count must save
+TRUSTED_SAVING = 0.25  # a modelled saving of at least this share is taken without a trial
 TRIAL_ROUNDS = 3  # timed rounds of a trial (after one untimed), at most
 TRIAL_BUDGET_S = 1.0  # a trial's modelled seconds at most; costlier layers take the model's choice
 CALIBRATION_BYTES = 1 << 20  # per rank, for the link's seconds per byte where no emulated link says
@@ -243,9 +246,10 @@ def _least(times: dict[int, float]) -> int:
 def trial_rounds(times: dict[int, float]) -> int:
     """How many timed rounds a trial of ``times``' best count against 1 gets: ``TRIAL_ROUNDS``, fewer
     so that its modelled seconds (one untimed round more) stay within ``TRIAL_BUDGET_S``; 0 where
-    not even one fits, or where the best count is 1 (nothing to try)."""
+    not even one fits, where the best count is 1 (nothing to try), or where it saves at least
+    ``TRUSTED_SAVING`` of 1's time (taken as modelled)."""
     best = _least(times)
-    if best == 1:
+    if best == 1 or times[best] <= (1.0 - TRUSTED_SAVING) * times[1]:
         return 0
     per_round = times[1] + times[best]
     return max(0, min(TRIAL_ROUNDS, int(TRIAL_BUDGET_S / per_round) - 1)) if per_round > 0 else TRIAL_ROUNDS
