@@ -1,12 +1,12 @@
 """Timing a collective matmul's candidate chunk counts directly: the trial that settles a choice the
 chunk-count model is unsure of ([Note: choosing the chunk count] in ``chunks``).
 
-Contract. :func:`trial_seconds` runs, for every count it is given, ``rounds + 1`` forward + backward
-passes of the layer's collective matmul (the same autograd function a parallelized layer runs:
+Contract. :func:`trial_seconds` runs, for every count it is given, up to ``rounds + 1`` forward +
+backward passes of the layer's collective matmul (the same autograd function a parallelized layer runs:
 ``collective_matmul``'s four) on synthetic operands of the workload's shapes, and returns this
 rank's wall seconds of each timed pass, unagreed: the first pass of each count is untimed (a first
 use's one-time costs), then the counts take turns pass by pass, so a loaded machine's drifts fall on
-all alike. It issues the layer's collectives on ``info``'s group, behind whatever emulated link is
+all alike; the caller's ``go_on`` (an agreement) may end it after any round. It issues the layer's collectives on ``info``'s group, behind whatever emulated link is
 active (the link the choice is for), so every rank of the group must call it together with the
 same arguments (the chunk-count choice does: its keys are global sizes and agreed figures).
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -74,11 +74,13 @@ def _one_pass(work: Any, chunks: int, info: GroupInfo, x: torch.Tensor, weight: 
     return time.perf_counter() - start
 
 
-def trial_seconds(work: Any, counts: Sequence[int], info: GroupInfo, device: torch.device,
-                  rounds: int) -> list[list[float]]:
-    """This rank's seconds of each of ``rounds`` timed forward + backward passes of ``work`` (a
+def trial_seconds(work: Any, counts: Sequence[int], info: GroupInfo, device: torch.device, rounds: int,
+                  go_on: Optional[Callable[[float], bool]] = None) -> list[list[float]]:
+    """This rank's seconds of each of up to ``rounds`` timed forward + backward passes of ``work`` (a
     ``chunks.Workload``) at each of ``counts``: ``[round][index in counts]``, unagreed (see the
-    module docstring: collectives every rank of ``info``'s group must make together)."""
+    module docstring: collectives every rank of ``info``'s group must make together). After each
+    timed round but the last, ``go_on(seconds since the start)`` says whether to run another; it
+    runs on the trial's thread and must answer alike on every rank (an agreement)."""
     if work.kind not in _FUNCTIONS:
         raise ValueError(f"work.kind must be one of {tuple(_FUNCTIONS)}, got {work.kind!r}")
     if rounds < 1:
@@ -91,11 +93,14 @@ def trial_seconds(work: Any, counts: Sequence[int], info: GroupInfo, device: tor
             with torch.enable_grad(), cm.shared_gather_kept():
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
+                start = time.perf_counter()
                 x, weight, layout = _operands(work, info, device)
-                for timed in [False] + [True] * rounds:
-                    times = [_one_pass(work, c, info, x, weight, layout, device) for c in counts]
-                    if timed:
-                        out.append(times)
+                for c in counts:  # the first use of each count's path: untimed
+                    _one_pass(work, c, info, x, weight, layout, device)
+                while len(out) < rounds:
+                    out.append([_one_pass(work, c, info, x, weight, layout, device) for c in counts])
+                    if len(out) < rounds and go_on is not None and not go_on(time.perf_counter() - start):
+                        break
         except BaseException as e:  # re-raised on the caller's thread
             failure.append(e)
 
