@@ -227,6 +227,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             out[title].update(_taking_turns(steps, args.steps, gbps, args.latency_us, args.warmup))
         for mode, step in steps.items() if args.grid is None else ():
             link = EmulatedLink(gbps, args.latency_us, functional=True)
+            for _ in range(args.warmup):  # behind the link too: a choice made behind it (a trial) is made here
+                with link:
+                    step()
             out[title][mode] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=args.warmup, link=link)
         out[title]["chosen"] = {kind: sorted(counts) for kind, counts in chosen.items()}
         out[title]["modelled"], out[title]["how"] = _modelled_per_count(works, gbps, args.latency_us, args.layers)

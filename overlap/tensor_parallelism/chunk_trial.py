@@ -87,9 +87,11 @@ def trial_seconds(work: Any, counts: Sequence[int], info: GroupInfo, device: tor
         raise ValueError(f"rounds must be >= 1, got {rounds!r}")
     out: list[list[float]] = []
     failure: list[BaseException] = []
+    intra_op = torch.get_num_threads()  # a new thread's OpenMP team would take every core (and spin)
 
     def run() -> None:
         try:
+            torch.set_num_threads(intra_op)
             with torch.enable_grad(), cm.shared_gather_kept():
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
