@@ -167,9 +167,10 @@ def _modelled_per_count(works: dict[Any, Any], gbps: float, latency_us: float, p
                 least = [min(r[i] for r in trial["rounds"]) for i in (0, 1)]
                 how.append(f"{work.kind} tried {trial['candidate']}: {1e3 * least[0]:.1f} vs {1e3 * least[1]:.1f} ms "
                            f"({trial['cost_s']:.2f} s)")
-                print(f"{work.kind}: trial of {trial['candidate']} vs 1 -> {trial['chosen']}, "
-                      f"rounds ms {[[round(1e3 * t, 2) for t in r] for r in trial['rounds']]}, "
-                      f"cost {trial['cost_s']:.2f} s", flush=True)
+                if info.rank == 0:
+                    print(f"{work.kind}: trial of {trial['candidate']} vs 1 -> {trial['chosen']}, "
+                          f"rounds ms {[[round(1e3 * t, 2) for t in r] for r in trial['rounds']]}, "
+                          f"cost {trial['cost_s']:.2f} s", flush=True)
     return total, how
 
 
