@@ -712,8 +712,10 @@ def test_the_128x512_flip_goes_to_a_trial() -> None:
     0.79x torch at 6 / 5 chunks, 1.03x at 1), with the figures measured there on 2 ranks (the 2-core
     box, 2026-11-26): the model alone takes 5 chunks for the rowwise (scatter) layer, a saving of
     13% that the step did not show; its best count is tried instead (3 rounds: the layer is cheap).
-    The timings a trial measured there (in a run whose figures proposed 4 chunks; one round has 4
-    faster by 4.5%) settle on 1. At dim 256 x 2048 tokens (figures of a run
+    Trials measured there (a run whose figures proposed 4 chunks for both layers, 2026-11-26,
+    loaded box): the colwise layer's timings settle on 1; the rowwise layer's least of 3 rounds
+    is 10.5% faster at 4 chunks, which settles on 4 (that run's step at 4 chunks: 0.87x
+    ``chunks=1``'s time). At dim 256 x 2048 tokens (figures of a run
     there) the model's 8 chunks save 28% and are taken untried, as at a layer 16x as large."""
     from overlap.tensor_parallelism.chunks import (GemmCost, Workload, _least, best_chunks, modelled_table,
                                                    settled_chunks, trial_rounds)
@@ -724,8 +726,9 @@ def test_the_128x512_flip_goes_to_a_trial() -> None:
     assert best_chunks(scatter, gemm, host, latency, per_byte, 2) == 5
     times = modelled_table(scatter, gemm, host, latency, per_byte, 2)
     assert trial_rounds(times) == TRIAL_ROUNDS and _least(times) == 5
-    measured = [[39.99e-3, 54.31e-3], [12.34e-3, 11.78e-3], [12.14e-3, 18.55e-3]]  # (chunks=1, 4) per round
-    assert settled_chunks(4, measured) == 1
+    colwise = [[29.69e-3, 33.07e-3], [27.9e-3, 35.37e-3], [29.43e-3, 32.74e-3]]  # (chunks=1, 4) per round
+    rowwise = [[37.77e-3, 34.98e-3], [30.13e-3, 31.74e-3], [27.49e-3, 24.61e-3]]
+    assert settled_chunks(4, colwise) == 1 and settled_chunks(4, rowwise) == 4
     gather = Workload("gather", 128, 512, 128, 256, 131072.0)
     times = modelled_table(gather, GemmCost(9.643715852040001e-06, 7.248482104062402e-07), host, latency, per_byte, 2)
     assert trial_rounds(times) == TRIAL_ROUNDS and _least(times) > 1
