@@ -36,8 +36,8 @@ tokens, hidden 4 dim, fewer blocks where a block is large), eager modes only (to
 count, ``chunks=1``), each point calibrated to comm ~ torch's compute; the modes take turns step
 pair by step pair (a loaded box's drifts fall on all alike); one table, a row per point, with
 torch's compute side per block, the counts the default chose behind the link, and how: tried (the
-trial's least seconds at 1 and at the model's count, and its one-time cost) or taken from the model
-([Note: choosing the chunk count]). ``--counts C ...`` also times ``chunks=C`` at each point and
+median over the trial's rounds of the model's count's time over 1's, and its one-time cost) or
+taken from the model ([Note: choosing the chunk count]). ``--counts C ...`` also times ``chunks=C`` at each point and
 prints each count's linked step beside the chunk model's sum over the layers (the model covers
 the collective matmuls only, so compare differences from ``chunks=1``), with the measured figures.
 
@@ -144,7 +144,10 @@ def _modelled_per_count(works: dict[Any, Any], gbps: float, latency_us: float, p
                         ) -> tuple[dict[int, float], list[str]]:
     """The model's seconds per step for each count, behind a link of ``gbps`` / ``latency_us``: every
     recorded workload's modelled seconds times ``per_step`` (how often each runs in a step); and per
-    workload how its count was chosen (``tried C: 1 vs C ms (cost s) -> chosen``, or ``model``)."""
+    workload how its count was chosen (``tried C: median ratio of C's time to 1's over rounds (cost)``,
+    or ``model``)."""
+    import statistics
+
     from overlap.tensor_parallelism.chunks import explain
 
     total: dict[int, float] = {}
@@ -164,9 +167,9 @@ def _modelled_per_count(works: dict[Any, Any], gbps: float, latency_us: float, p
             if trial is None:
                 how.append(f"{work.kind} model")
             else:
-                least = [min(r[i] for r in trial["rounds"]) for i in (0, 1)]
-                how.append(f"{work.kind} tried {trial['candidate']}: {1e3 * least[0]:.1f} vs {1e3 * least[1]:.1f} ms "
-                           f"({trial['cost_s']:.2f} s)")
+                ratio = statistics.median(c / one for one, c in trial["rounds"])
+                how.append(f"{work.kind} tried {trial['candidate']}: {ratio:.2f}x of 1's time over "
+                           f"{len(trial['rounds'])} ({trial['cost_s']:.2f} s)")
                 if info.rank == 0:
                     print(f"{work.kind}: trial of {trial['candidate']} vs 1 -> {trial['chosen']}, "
                           f"rounds ms {[[round(1e3 * t, 2) for t in r] for r in trial['rounds']]}, "
@@ -268,7 +271,7 @@ def _grid(args: argparse.Namespace) -> None:
          f"medians of {args.steps} steps alternating without/with the link delay, slowest rank",
          ["dim x tokens", "blocks", "torch compute per block ms", "comm ms", "torch step ms", "chosen step ms",
           "chunks=1 step ms", "torch / chosen", "torch / chunks=1", "chosen counts (linked)",
-          "how chosen (trial: least ms at 1 vs the model's count, its cost)"], rows, args.markdown)
+          "how chosen (trial: median of the model's count's time over 1's, rounds, its cost)"], rows, args.markdown)
 
 
 def main(argv: list[str] | None = None) -> None:
