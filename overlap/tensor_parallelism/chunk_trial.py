@@ -2,31 +2,34 @@
 chunk-count model is unsure of ([Note: choosing the chunk count] in ``chunks``).
 
 Contract. :func:`trial_seconds` runs, for every count it is given, up to ``rounds + 1`` forward +
-backward passes of the layer's collective matmul (the same autograd function a parallelized layer runs:
-``collective_matmul``'s four) on synthetic operands of the workload's shapes, and returns this
-rank's wall seconds of each timed pass, unagreed: the first pass of each count is untimed (a first
-use's one-time costs), then the counts take turns pass by pass, so a loaded machine's drifts fall on
-all alike; the caller's ``go_on`` (an agreement) may end it after any round. It issues the layer's collectives on ``info``'s group, behind whatever emulated link is
-active (the link the choice is for), so every rank of the group must call it together with the
-same arguments (the chunk-count choice does: its keys are global sizes and agreed figures).
+backward passes of the layer's collective matmul (the same autograd function a parallelized layer
+runs: ``collective_matmul``'s four) on synthetic operands of the workload's shapes, and returns
+this rank's wall seconds of each timed pass, unagreed: the first pass of each count is untimed (a
+first use's one-time costs), then the counts take turns pass by pass, so a loaded machine's drifts
+fall on all alike; the caller's ``go_on`` (an agreement) may end it after any round. It issues the
+layer's collectives on ``info``'s group, behind whatever emulated link is active (the link the
+choice is for), so every rank of the group must call it together with the same arguments (the
+chunk-count choice does: its keys are global sizes and agreed figures).
 
 Isolation. The passes run on a helper thread, joined before returning: autograd's thread-local
 state of the caller (grad mode, saved-tensor hooks such as activation checkpointing's, dispatch
-modes) never sees the trial's graph, and the caller's own graph never sees the trial. The sibling
+modes) never sees the trial's graph, and the caller's own graph never sees the trial. The thread
+takes the caller's intra-op thread count (a fresh thread's OpenMP team would take every core and
+spin beside gloo's threads: 100-300 ms passes where the caller's took 11-16 ms). The sibling
 gather a real layer holds ([Note: sibling layers share one gather]) is kept. Nothing the caller
 owns is read or written.
 
 Shapes (``w`` ranks; ``lead = gemm_rows / (w rows)``, at least 1; the weight ``out x in`` as the
 workload's):
 
-===============  ==================================  ===================================
-kind             input                               function
-===============  ==================================  ===================================
-gather           ``(lead, rows, in)``, dim 1 sharded  ``AllGatherMatmul``
-scatter          ``(lead, w rows, in)``              ``MatmulReduceScatter`` (dim 1)
-all_reduce       ``(gemm_rows, in)``                 ``MatmulAllReduce``
-all_reduce_grad  ``(gemm_rows, in)``                 ``LinearAllReduceGrad``
-===============  ==================================  ===================================
+===============  =====================================  ===================================
+kind             input                                  function
+===============  =====================================  ===================================
+gather           ``(lead, rows, in)``, dim 1 sharded    ``AllGatherMatmul``
+scatter          ``(lead, w rows, in)``                 ``MatmulReduceScatter`` (dim 1)
+all_reduce       ``(gemm_rows, in)``                    ``MatmulAllReduce``
+all_reduce_grad  ``(gemm_rows, in)``                    ``LinearAllReduceGrad``
+===============  =====================================  ===================================
 """
 from __future__ import annotations
 

@@ -46,25 +46,28 @@ all_reduce_grad  ``G(N)``, local                                 compute then tr
 The model proposes, a trial decides where the model is unsure. The model's best count ``c*``
 (least modelled time), where it saves less than ``TRUSTED_SAVING`` (25%) of ``c = 1``'s modelled
 time, is tried against ``c = 1`` directly: both run the layer's own collective matmul, forward and
-backward, on synthetic operands of the layer's shapes, behind the link in force
-(``chunk_trial``), one untimed pass each, then up to ``TRIAL_ROUNDS`` rounds taking turns. Each
-timing is maxed over the group (agreed), and ``c*`` is kept only if the median over rounds of
-its time over ``c = 1``'s in the same round is below ``1 - TRIAL_MARGIN`` (5%); else 1. Paired
-rounds, not each count's least time: on a loaded machine a slow spell hits one pass of a round
-(30.8 / 116 / 186 ms at 1 and 116 / 139 / 27.1 ms at 4 chunks in one trial at dim 128 x 512
-tokens: the least of each says 12% faster, the paired median 1.7x slower). Why: the model misses costs that grow with
-the count and that no figure above isolates on a loaded machine (the transfers' own CPU on gloo,
-the other rank's scheduling delay at every extra wait, a small chunk's worse GEMM), and where it
-promises little they decide. At dim 128 x 512 tokens the model promised 3-10% and the decomposed
-layers ran 0.79x in one run and 1.25x in another; a trial measures what the model cannot.
-A trial costs ``(rounds + 1) (T(1) + T(c*))`` of the layer's modelled time ``T``; rounds are cut so
+backward, on synthetic operands of the layer's shapes, behind the link in force (``chunk_trial``),
+one untimed pass each, then up to ``TRIAL_ROUNDS`` rounds taking turns. Each timing is maxed over
+the group (agreed), and ``c*`` is kept only if the median over rounds of its time over ``c = 1``'s
+in the same round is below ``1 - TRIAL_MARGIN`` (5%); else 1. Paired rounds, not each count's
+least time: on a loaded machine a slow spell hits one pass of a round (30.8 / 81 / 186 ms at 1 and
+116 / 139 / 27.1 ms at 4 chunks in one trial at dim 128 x 512 tokens: the least of each says 12%
+faster, the paired median 1.7x slower).
+
+Why a trial: the model misses costs that grow with the count and that no figure above isolates
+(the transfers' own CPU on gloo, the other rank's scheduling delay at every extra wait, a small
+chunk's worse GEMM), and where it promises little they decide. At dim 128 x 512 tokens the model
+promised 2-13%; the decomposed step took 1.33x ``chunks=1``'s time on a quiet box (6 / 5 chunks,
+c446b6e) and 0.58-0.94x of it on a loaded one (2-4 chunks, 2026-11-26).
+
+Its cost: ``(rounds + 1) (T(1) + T(c*))`` of the layer's modelled time ``T``; rounds are cut so
 that stays within ``TRIAL_BUDGET_S``, and a trial whose real time (maxed over the group after each
-round) has passed it stops there (a loaded machine runs slower than modelled). Where the model promises ``TRUSTED_SAVING`` or more, or not
-one round fits, the layer hides enough that the per-chunk costs the model misses (a few per cent
-of such a layer) cannot undo it, and a single noisy round on a loaded machine could: the model's
-count is taken if it beats ``c = 1`` by more than ``MARGIN`` of its time. Where the model's best is 1
-nothing is tried. Never more chunks than leave ``MIN_ROWS`` rows of the chunked dimension per
-chunk, nor than the rows there are.
+round) has passed it stops there (a loaded machine runs slower than modelled). Where the model
+promises ``TRUSTED_SAVING`` or more, or not one round fits, the layer hides enough that the
+per-chunk costs the model misses (a few per cent of such a layer) cannot undo it, while a single
+noisy round could: the model's count is taken if it beats ``c = 1`` by more than ``MARGIN`` of its
+time. Where the model's best is 1 nothing is tried. Never more chunks than leave ``MIN_ROWS`` rows
+of the chunked dimension per chunk, nor than the rows there are.
 
 When. The figures are measured at a layer's first call (under ``torch.no_grad``, inside
 ``overlap::tp_calibrate``) and cached per process: ``O`` and ``s`` per (device type, group), ``G``
@@ -79,12 +82,13 @@ count is 1.
 
 Every rank the same (contract 3). Each rank's measurements differ (a loaded core, another GPU
 clock), so every measured vector is agreed before use: its elementwise max over the layer's
-group (an ``overlap.agreement`` exchange), right after the measurement, which every rank makes at the same call (the cache keys are
-built from global sizes only). The slowest rank's figures are the ones that set the step time.
+group (an ``overlap.agreement`` exchange), right after the measurement, which every rank makes at
+the same call (the cache keys are built from global sizes only). The slowest rank's figures are the ones that set the step time.
 The count is then a pure function of agreed figures, agreed trial timings, global sizes and the
-active link (entered by every rank alike), identical on every rank; whether a trial runs, and its
-collectives, follow from the same, so every rank tries alike; it is recomputed per call, so steps behind and
-outside an emulated link may run different counts.
+active link (entered by every rank alike), identical on every rank; whether a trial runs, how many
+rounds (an agreed elapsed time after each) and its collectives follow from the same, so every rank
+tries alike. It is recomputed per call, so steps behind and outside an emulated link may run
+different counts.
 
 ``chunks=`` of ``overlap.tensor_parallel`` overrides all of this (``chunks=1`` is torch's
 undecomposed collective-then-matmul, bitwise).
@@ -111,8 +115,9 @@ from overlap.tensor_parallelism.chunk_trial import trial_seconds
 from overlap.tensor_parallelism.collective_matmul import SeqLayout, _ChunkedGather
 from scheduler.collective_matmul import MIN_ROWS
 
-__all__ = ["CALIBRATION_BYTES", "KINDS", "MARGIN", "MAX_CHUNKS", "MIN_ROWS", "GemmCost", "HostCost", "Workload",
-           "TRIAL_BUDGET_S", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TRUSTED_SAVING", "best_chunks", "check_chunks", "choose_chunks", "explain", "measure_gemm", "measure_host_cost", "modelled_seconds", "modelled_table",
+__all__ = ["CALIBRATION_BYTES", "KINDS", "MARGIN", "MAX_CHUNKS", "MIN_ROWS", "TRIAL_BUDGET_S", "TRIAL_MARGIN",
+           "TRIAL_ROUNDS", "TRUSTED_SAVING", "GemmCost", "HostCost", "Workload", "best_chunks", "check_chunks",
+           "choose_chunks", "explain", "measure_gemm", "measure_host_cost", "modelled_seconds", "modelled_table",
            "reset_measurements", "settled_chunks", "trial_rounds", "trial_seconds"]
 
 MAX_CHUNKS = 8
@@ -401,7 +406,8 @@ def explain(work: Workload, info: GroupInfo) -> Optional[dict[str, object]]:
     """What the choice of ``work`` on ``info``'s group rests on, from the figures measured so far
     (None where nothing is measured yet): the agreed figures, the link's ``(L, s)`` in force, the
     modelled seconds of every allowed count, and the trial if one was run (its candidate, agreed
-    ``[chunks=1, candidate]`` seconds per round, the count it settled on, its wall seconds). Measures nothing, issues nothing."""
+    ``[chunks=1, candidate]`` seconds per round, the count it settled on, its wall seconds).
+    Measures nothing, issues nothing."""
     host = _host.get((work.device_type, info.pg.group_name))
     gemm = _gemm.get((work.device_type, work.dtype, _bucket(work.gemm_rows), work.in_features, work.out_features))
     if host is None or gemm is None:
