@@ -36,8 +36,8 @@ tokens, hidden 4 dim, fewer blocks where a block is large), eager modes only (to
 count, ``chunks=1``), each point calibrated to comm ~ torch's compute; the modes take turns step
 pair by step pair (a loaded box's drifts fall on all alike); one table, a row per point, with
 torch's compute side per block, the counts the default chose behind the link, and how: tried (the
-median over the trial's rounds of the model's count's time over 1's, and its one-time cost) or
-taken from the model ([Note: choosing the chunk count]). ``--counts C ...`` also times ``chunks=C`` at each point and
+model's count's time over 1's in the trial's quietest round, and its one-time cost) or taken from
+the model ([Note: choosing the chunk count]). ``--counts C ...`` also times ``chunks=C`` at each point and
 prints each count's linked step beside the chunk model's sum over the layers (the model covers
 the collective matmuls only, so compare differences from ``chunks=1``), with the measured figures.
 
@@ -144,10 +144,8 @@ def _modelled_per_count(works: dict[Any, Any], gbps: float, latency_us: float, p
                         ) -> tuple[dict[int, float], list[str]]:
     """The model's seconds per step for each count, behind a link of ``gbps`` / ``latency_us``: every
     recorded workload's modelled seconds times ``per_step`` (how often each runs in a step); and per
-    workload how its count was chosen (``tried C: median ratio of C's time to 1's over rounds (cost)``,
-    or ``model``)."""
-    import statistics
-
+    workload how its count was chosen (``tried C``: C's time over 1's in the quietest round, the
+    rounds, the cost; or ``model``)."""
     from overlap.tensor_parallelism.chunks import explain
 
     total: dict[int, float] = {}
@@ -167,9 +165,9 @@ def _modelled_per_count(works: dict[Any, Any], gbps: float, latency_us: float, p
             if trial is None:
                 how.append(f"{work.kind} model")
             else:
-                ratio = statistics.median(c / one for one, c in trial["rounds"])
-                how.append(f"{work.kind} tried {trial['candidate']}: {ratio:.2f}x of 1's time over "
-                           f"{len(trial['rounds'])} ({trial['cost_s']:.2f} s)")
+                one, tried = min(trial["rounds"], key=sum)
+                how.append(f"{work.kind} tried {trial['candidate']}: {tried / one:.2f}x of 1's time in the quietest "
+                           f"of {len(trial['rounds'])} rounds ({trial['cost_s']:.2f} s)")
                 if info.rank == 0:
                     print(f"{work.kind}: trial of {trial['candidate']} vs 1 -> {trial['chosen']}, "
                           f"rounds ms {[[round(1e3 * t, 2) for t in r] for r in trial['rounds']]}, "
@@ -271,7 +269,7 @@ def _grid(args: argparse.Namespace) -> None:
          f"medians of {args.steps} steps alternating without/with the link delay, slowest rank",
          ["dim x tokens", "blocks", "torch compute per block ms", "comm ms", "torch step ms", "chosen step ms",
           "chunks=1 step ms", "torch / chosen", "torch / chunks=1", "chosen counts (linked)",
-          "how chosen (trial: median of the model's count's time over 1's, rounds, its cost)"], rows, args.markdown)
+          "how chosen (trial: the model's count's time over 1's in the quietest round, rounds, its cost)"], rows, args.markdown)
 
 
 def main(argv: list[str] | None = None) -> None:
