@@ -60,7 +60,7 @@ Why a trial: the model misses costs that grow with the count and that no figure 
 (the transfers' own CPU on gloo, the other rank's scheduling delay at every extra wait, a small
 chunk's worse GEMM), and where it promises little they decide. At dim 128 x 512 tokens the model
 promised 2-13%; the decomposed step took 1.33x ``chunks=1``'s time on a quiet box (6 / 5 chunks,
-c446b6e) and 0.58-0.94x of it on a loaded one (2-4 chunks, 2026-11-26).
+c446b6e) and 0.58-0.96x of it on a loaded one (2-6 chunks, 2026-11-26).
 
 Its cost: ``(rounds + 1) (T(1) + T(c*))`` of the layer's modelled time ``T``; rounds are cut so
 that stays within ``TRIAL_BUDGET_S``, and a trial whose real time (maxed over the group after each
