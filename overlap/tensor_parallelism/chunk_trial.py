@@ -91,13 +91,16 @@ def trial_seconds(work: Any, counts: Sequence[int], info: GroupInfo, device: tor
     out: list[list[float]] = []
     failure: list[BaseException] = []
     intra_op = torch.get_num_threads()  # a new thread's OpenMP team would take every core (and spin)
+    cuda_index = 0
+    if device.type == "cuda":  # the caller's device, where the index leaves it to the current one
+        cuda_index = device.index if device.index is not None else torch.cuda.current_device()
 
     def run() -> None:
         try:
             torch.set_num_threads(intra_op)
             with torch.enable_grad(), cm.shared_gather_kept():
-                if device.type == "cuda":
-                    torch.cuda.set_device(device)
+                if device.type == "cuda":  # a new thread starts on device 0
+                    torch.cuda.set_device(cuda_index)
                 start = time.perf_counter()
                 x, weight, layout = _operands(work, info, device)
                 for c in counts:  # the first use of each count's path: untimed
