@@ -48,13 +48,15 @@ The model proposes, a trial decides where the model is unsure. The model's best 
 time, is tried against ``c = 1`` directly: both run the layer's own collective matmul, forward and
 backward, on synthetic operands of the layer's shapes, behind the link in force (``chunk_trial``),
 one untimed pass each, then up to ``TRIAL_ROUNDS`` rounds taking turns. Each timing is maxed over
-the group (agreed), and ``c*`` is kept only if, in the quietest round (the least time of its two
-passes together), it took less than ``1 - TRIAL_MARGIN`` (95%) of ``c = 1``'s time; else 1. The
-quietest paired round, not each count's least time nor a median: a loaded machine only adds
-time and a slow spell hits one pass of a round (30.8 / 81 / 186 ms at 1 and 116 / 139 / 27.1 ms
-at 4 chunks in one trial at dim 128 x 512 tokens: the least of each says 12% faster, the
-quietest round 3.8x slower; 196 / 195 ms at 1 and 184 / 285 ms at 8 chunks at dim 256 x 2048
-tokens: the quietest round 6% faster, the median of two ratios 20% slower).
+the group (agreed), and ``c*`` is kept only if it was faster than ``c = 1`` in every round and,
+in the quietest round (the least time of its two passes together), took less than
+``1 - TRIAL_MARGIN`` (95%) of ``c = 1``'s time; else 1. The quietest paired round, not each
+count's least time nor a median: a loaded machine only adds time and a slow spell hits one pass
+of a round (30.8 / 81 / 186 ms at 1 and 116 / 139 / 27.1 ms at 4 chunks in one trial at dim 128 x
+512 tokens: the least of each says 12% faster, the quietest round 3.8x slower). Every round:
+at dim 64 x 128 tokens on a quieter box a trial whose quietest round had 2 chunks 11% faster, but
+one round 5% slower, chose a split whose step ran 9% slower than ``c = 1``'s (and 4 chunks 67%
+slower): where the layer is this small, a lost round is the signal to keep torch's order.
 
 Why a trial: the model misses costs that grow with the count and that no figure above isolates
 (the transfers' own CPU on gloo, the other rank's scheduling delay at every extra wait, a small
@@ -267,15 +269,17 @@ def trial_rounds(times: dict[int, float]) -> int:
 
 
 def settled_chunks(candidate: int, trial: "list[list[float]]") -> int:
-    """The count a trial settles on: ``candidate`` if, in the quietest round (the least seconds of
-    its two passes together; each round's ``[chunks=1, candidate]`` already maxed over ranks), its
-    seconds are below ``1 - TRIAL_MARGIN`` of ``chunks=1``'s, else 1. A loaded machine only adds
-    time, and a slow spell mostly falls on one pass: the least disturbed round holds the truest
-    pair, and a pair compares two passes run back to back."""
+    """The count a trial settles on: ``candidate`` if it was faster than ``chunks=1`` in every round
+    and, in the quietest round (the least seconds of its two passes together), took less than
+    ``1 - TRIAL_MARGIN`` of ``chunks=1``'s seconds (each round's ``[chunks=1, candidate]`` already
+    maxed over ranks); else 1. A loaded machine only adds time and a slow spell mostly falls on
+    one pass: the least disturbed round holds the truest pair; a round the candidate lost (noise,
+    or a real per-chunk cost) keeps the undecomposed order, the side that cannot lose to it."""
     if not trial:
         raise ValueError("trial must hold at least one round of [chunks=1, candidate] seconds")
     one, tried = min(trial, key=sum)
-    return candidate if tried < (1.0 - TRIAL_MARGIN) * one else 1
+    every_round = all(t < o for o, t in trial)
+    return candidate if every_round and tried < (1.0 - TRIAL_MARGIN) * one else 1
 
 
 # ------------------------------------------------------------------------ measuring, agreeing
