@@ -77,12 +77,12 @@ When. The figures are measured at a layer's first call (under ``torch.no_grad``,
 ``overlap::tp_calibrate``) and cached per process: ``O`` and ``s`` per (device type, group), ``G``
 per (device type, dtype, rows rounded up to a power of two, in, out), timed at the rounded rows.
 Cost on the 2-core box: about 0.1 s per group (some 30 small all-gathers and two of 1 MiB), and
-per GEMM shape two GEMMs of the whole operand and two of an 8th (1.4 s at 4096 x 1024 -> 2048). A
-trial (``overlap::tp_trial``) runs at the first call of a workload behind a given link (the
-choice is cached per workload, group and link figures): 0.2-0.4 s per layer at dim 128 x 512
-tokens, within ``TRIAL_BUDGET_S`` by its model, more on a loaded box. Under ``torch.compile``
-tracing or CUDA graph capture nothing is measured or tried: a cached choice is used, else the
-count is 1.
+per GEMM shape two GEMMs of the whole operand and six of an 8th (about 1.6 s at 4096 x 1024 ->
+2048). A trial (``overlap::tp_trial``) runs at the first call of a workload behind a given link
+(the choice is cached per workload, group and link figures): 0.05-0.3 s per layer at the two
+small grid points, about 1 s at dim 256 x 2048 tokens (stopped by the agreed elapsed time).
+Under ``torch.compile`` tracing or CUDA graph capture nothing is measured or tried: a cached
+choice is used, else the count is 1.
 
 Every rank the same (contract 3). Each rank's measurements differ (a loaded core, another GPU
 clock), so every measured vector is agreed before use: its elementwise max over the layer's
@@ -371,8 +371,10 @@ def measure_gemm(rows: int, in_features: int, out_features: int, dtype: torch.dt
     w = torch.randn(out_features, in_features, device=device).to(dtype)
     xs = torch.randn(rows, in_features, device=device).to(dtype)
     with torch.no_grad():
+        # the 8th is timed more often: one slow timing of it alone makes the fit's fixed cost
+        # (every chunk's) large (512 x 2048, load 8: 76 ms, and the model kept 1 chunk)
         return (_least_seconds(lambda: F.linear(xs, w), device.type, 2),
-                _least_seconds(lambda: F.linear(xs[:small], w), device.type, 2))
+                _least_seconds(lambda: F.linear(xs[:small], w), device.type, 2 * _REPEATS))
 
 
 def _host_cost(info: GroupInfo, device: torch.device) -> Optional[HostCost]:
