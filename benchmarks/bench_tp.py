@@ -35,12 +35,16 @@ over this mode's, and this mode's over its ideal.
 tokens, hidden 4 dim, fewer blocks where a block is large), eager modes only (torch, the chosen
 count, ``chunks=1``), each point calibrated to comm ~ torch's compute; the modes take turns step
 pair by step pair (a loaded box's drifts fall on all alike); one table, a row per point, with
-torch's compute side per block and the counts the default chose behind the link.
+torch's compute side per block, the counts the default chose behind the link, and how: tried (the
+model's count's time over 1's in the trial's quietest round, and its one-time cost) or taken from
+the model ([Note: choosing the chunk count]). ``--counts C ...`` also times ``chunks=C`` at each point and
+prints each count's linked step beside the chunk model's sum over the layers (the model covers
+the collective matmuls only, so compare differences from ``chunks=1``), with the measured figures.
 
 Not yet built: the GPU comparison against torch's async-TP.
 
     python benchmarks/bench_tp.py [--layers 2] [--steps 8] [--blocks sp_mlp ...] [--markdown benchmarks/RESULTS.md]
-    python benchmarks/bench_tp.py --grid [POINT ...] [--steps 4] [--warmup 1] [--markdown benchmarks/RESULTS.md]
+    python benchmarks/bench_tp.py --grid [POINT ...] [--steps 4] [--warmup 1] [--counts C ...] [--markdown benchmarks/RESULTS.md]
 """
 from __future__ import annotations
 
@@ -88,7 +92,14 @@ def _model(block: str, mode: str, args: argparse.Namespace, mesh: Any) -> Any:
             return torch.compile(model, options=dict(INDUCTOR_COMM_PASSES))
         with scheduler.inductor_overlap(collective_matmul_chunks=args.compiled_chunks):
             return torch.compile(model)  # compiles at the first step, with the hook's pass
-    return overlap.tensor_parallel(model, mesh, plan, chunks=CHUNKS[mode] or args.chunks)
+    return overlap.tensor_parallel(model, mesh, plan, chunks=_chunks_of(mode) or args.chunks)
+
+
+def _chunks_of(mode: str) -> Any:
+    """The ``chunks=`` of an ``overlap.tensor_parallel`` mode (``--counts`` adds ``..., chunks=C``)."""
+    if mode in CHUNKS:
+        return CHUNKS[mode]
+    return int(mode.rsplit("chunks=", 1)[1])
 
 
 def _step(model: Any, x: Any) -> Any:
@@ -108,9 +119,10 @@ def _traffic(step: Any) -> tuple[int, int]:
     return stats.count, stats.wire_bytes
 
 
-def _recording_choices() -> dict[str, set[int]]:
+def _recording_choices(works: dict[Any, Any]) -> dict[str, set[int]]:
     """The counts ``overlap.tensor_parallel``'s layers choose from now on (``chunks=None`` only), per
-    layer kind, behind a link."""
+    layer kind, behind a link; each distinct workload chosen for behind a link goes into ``works``
+    (workload -> group)."""
     from overlap.tensor_parallelism import layers
     from overlap.testing import current_link
 
@@ -121,10 +133,46 @@ def _recording_choices() -> dict[str, set[int]]:
         chunks = choose(work, info, override, *a, **k)
         if current_link() is not None and override is None:
             seen.setdefault(work.kind, set()).add(chunks)
+            works[work] = info
         return chunks
 
     layers.choose_chunks = recording
     return seen
+
+
+def _modelled_per_count(works: dict[Any, Any], gbps: float, latency_us: float, per_step: int
+                        ) -> tuple[dict[int, float], list[str]]:
+    """The model's seconds per step for each count, behind a link of ``gbps`` / ``latency_us``: every
+    recorded workload's modelled seconds times ``per_step`` (how often each runs in a step); and per
+    workload how its count was chosen (``tried C``: C's time over 1's in the quietest round, the
+    rounds, the cost; or ``model``)."""
+    from overlap.tensor_parallelism.chunks import explain
+
+    total: dict[int, float] = {}
+    how: list[str] = []
+    with EmulatedLink(gbps, latency_us, functional=True):
+        for work, info in works.items():
+            table = explain(work, info)
+            if table is None:
+                continue
+            for c, seconds in table["modelled"].items():
+                total[c] = total.get(c, 0.0) + per_step * seconds
+            if info.rank == 0:
+                print(f"{work}: {table['host']}, {table['gemm']}, L {table['latency_s']:.2e}, "
+                      f"s {table['seconds_per_byte']:.2e}, modelled ms "
+                      f"{ {c: round(1e3 * t, 2) for c, t in table['modelled'].items()} }", flush=True)
+            trial = table["trial"]
+            if trial is None:
+                how.append(f"{work.kind} model")
+            else:
+                one, tried = min(trial["rounds"], key=sum)
+                how.append(f"{work.kind} tried {trial['candidate']}: {tried / one:.2f}x of 1's time in the quietest "
+                           f"of {len(trial['rounds'])} rounds ({trial['cost_s']:.2f} s)")
+                if info.rank == 0:
+                    print(f"{work.kind}: trial of {trial['candidate']} vs 1 -> {trial['chosen']}, "
+                          f"rounds ms {[[round(1e3 * t, 2) for t in r] for r in trial['rounds']]}, "
+                          f"cost {trial['cost_s']:.2f} s", flush=True)
+    return total, how
 
 
 def _taking_turns(steps: dict[str, Any], rounds: int, gbps: float, latency_us: float,
@@ -137,9 +185,11 @@ def _taking_turns(steps: dict[str, Any], rounds: int, gbps: float, latency_us: f
     from overlap.testing import interleaved_steps
 
     links = {mode: EmulatedLink(gbps, latency_us, functional=True) for mode in steps}
-    for step in steps.values():
+    for mode, step in steps.items():  # behind the link too: a choice made behind it (a trial) is made here
         for _ in range(warmup):
             step()
+            with links[mode]:
+                step()
     figures: dict[str, list[list[float]]] = {mode: [[], [], []] for mode in steps}
     for _ in range(rounds):
         for mode, step in steps.items():
@@ -155,7 +205,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
 
-    chosen = _recording_choices()
+    works: dict[Any, Any] = {}
+    chosen = _recording_choices(works)
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(args.batch, args.seq // world, args.dim, generator=torch.Generator().manual_seed(rank))
@@ -178,8 +229,13 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             out[title].update(_taking_turns(steps, args.steps, gbps, args.latency_us, args.warmup))
         for mode, step in steps.items() if args.grid is None else ():
             link = EmulatedLink(gbps, args.latency_us, functional=True)
+            for _ in range(args.warmup):  # behind the link too: a choice made behind it (a trial) is made here
+                with link:
+                    step()
             out[title][mode] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=args.warmup, link=link)
         out[title]["chosen"] = {kind: sorted(counts) for kind, counts in chosen.items()}
+        out[title]["modelled"], out[title]["how"] = _modelled_per_count(works, gbps, args.latency_us, args.layers)
+        works.clear()
         out[title]["compute per block"] = out[title][MODES[0]].unlinked / args.layers
         chosen.clear()
     return out
@@ -190,19 +246,30 @@ def _grid(args: argparse.Namespace) -> None:
     rows = []
     for dim, batch, seq, layers in [GRID[i] for i in args.grid] if args.grid else GRID:
         point = argparse.Namespace(**{**vars(args), "dim": dim, "hidden": 4 * dim, "batch": batch, "seq": seq,
-                                      "layers": layers, "blocks": ["sp_mlp"], "modes": EAGER})
+                                      "layers": layers, "blocks": ["sp_mlp"],
+                                      "modes": EAGER + tuple(f"{MODES[1]}, chunks={c}" for c in args.counts)})
         res = run_distributed(_rank, args.world_size, point, timeout=1200)[0]["sequence-parallel MLP"]
         t, chosen, one = (res[mode] for mode in EAGER)
+        if args.counts:  # measured vs modelled per count (the model covers the collective matmuls only)
+            modelled = res["modelled"]
+            for c in [1, *args.counts]:
+                m = res[EAGER[2] if c == 1 else f"{MODES[1]}, chunks={c}"]
+                print(f"  {dim} x {batch * seq} chunks={c}: linked step {1e3 * m.linked:.1f} ms "
+                      f"(vs chunks=1 {1e3 * (m.linked - one.linked):+.1f}), modelled "
+                      f"{1e3 * modelled.get(c, float('nan')):.1f} ms "
+                      f"(vs 1 {1e3 * (modelled.get(c, float('nan')) - modelled.get(1, float('nan'))):+.1f})", flush=True)
         rows.append([f"{dim} x {batch * seq}", layers, f"{1e3 * res['compute per block']:.1f}",
                      f"{1e3 * t.comm:.1f}", f"{1e3 * t.linked:.1f}", f"{1e3 * chosen.linked:.1f}",
                      f"{1e3 * one.linked:.1f}", f"{t.linked / chosen.linked:.2f}x", f"{t.linked / one.linked:.2f}x",
-                     ", ".join(f"{kind} {'/'.join(map(str, c))}" for kind, c in sorted(res["chosen"].items()))])
+                     ", ".join(f"{kind} {'/'.join(map(str, c))}" for kind, c in sorted(res["chosen"].items())),
+                     "; ".join(res["how"])])
         print(rows[-1], flush=True)
     emit(f"Tensor parallelism grid, sequence-parallel MLP (hidden 4 dim) on {args.world_size} CPU ranks (gloo), "
          f"forward + backward; emulated link per point so that comm ~ torch's compute side, + {args.latency_us:g} µs; "
          f"medians of {args.steps} steps alternating without/with the link delay, slowest rank",
          ["dim x tokens", "blocks", "torch compute per block ms", "comm ms", "torch step ms", "chosen step ms",
-          "chunks=1 step ms", "torch / chosen", "torch / chunks=1", "chosen counts (linked)"], rows, args.markdown)
+          "chunks=1 step ms", "torch / chosen", "torch / chunks=1", "chosen counts (linked)",
+          "how chosen (trial: the model's count's time over 1's in the quietest round, rounds, its cost)"], rows, args.markdown)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,6 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grid", nargs="*", type=int, default=None, metavar="POINT",
                    help="the sequence-parallel MLP over GRID's sizes (or the points of these indices, to repeat "
                         "noisy cells), eager modes only (one table)")
+    p.add_argument("--counts", nargs="*", type=int, default=[], metavar="C",
+                   help="with --grid: also time chunks=C for each C, and print each count's measured step beside "
+                        "the chunk model's (diagnosis of the choice)")
     add_link(p)
     args = parse(p, argv)
     if args.grid is not None:

@@ -43,27 +43,56 @@ all_reduce       compute then transfer, ``G(N/c) + O``           ``2 G(N)``, loc
 all_reduce_grad  ``G(N)``, local                                 compute then transfer, tail ``G(N)``
 ===============  ==============================================  ===================================
 
-The count is the ``c`` with the smallest modelled time, kept only if it beats ``c = 1`` by more
-than ``MARGIN`` of ``c = 1``'s time: the model ignores the CPU the transfers themselves burn (gloo),
-cache effects and noise, so where it promises little the undecomposed order (torch's, bitwise) is
-the safer bet. Never more chunks than leave ``MIN_ROWS`` rows of the
-chunked dimension per chunk, nor than the rows there are.
+The model proposes, a trial decides where the model is unsure. The model's best count ``c*``
+(least modelled time), where it saves less than ``TRUSTED_SAVING`` (25%) of ``c = 1``'s modelled
+time, is tried against ``c = 1`` directly: both run the layer's own collective matmul, forward and
+backward, on synthetic operands of the layer's shapes, behind the link in force (``chunk_trial``),
+one untimed pass each, then up to ``TRIAL_ROUNDS`` rounds taking turns. Each timing is maxed over
+the group (agreed), and ``c*`` is kept only if it was faster than ``c = 1`` in every round and,
+in the quietest round (the least time of its two passes together), took less than
+``1 - TRIAL_MARGIN`` (95%) of ``c = 1``'s time; else 1. The quietest paired round, not each
+count's least time nor a median: a loaded machine only adds time and a slow spell hits one pass
+of a round (30.8 / 81 / 186 ms at 1 and 116 / 139 / 27.1 ms at 4 chunks in one trial at dim 128 x
+512 tokens: the least of each says 12% faster, the quietest round 3.8x slower). Every round:
+at dim 64 x 128 tokens on a quieter box a trial whose quietest round had 2 chunks 11% faster, but
+one round 5% slower, chose a split whose step ran 9% slower than ``c = 1``'s (and 4 chunks 67%
+slower): where the layer is this small, a lost round is the signal to keep torch's order.
+
+Why a trial: the model misses costs that grow with the count and that no figure above isolates
+(the transfers' own CPU on gloo, the other rank's scheduling delay at every extra wait, a small
+chunk's worse GEMM), and where it promises little they decide. At dim 128 x 512 tokens the model
+promised 2-13%; the decomposed step took 1.33x ``chunks=1``'s time on a quiet box (6 / 5 chunks,
+c446b6e) and 0.58-0.96x of it on a loaded one (2-6 chunks, 2026-11-26).
+
+Its cost: ``(rounds + 1) (T(1) + T(c*))`` of the layer's modelled time ``T``; rounds are cut so
+that stays within ``TRIAL_BUDGET_S``, and a trial whose real time (maxed over the group after each
+round) has passed it stops there (a loaded machine runs slower than modelled). Where the model
+promises ``TRUSTED_SAVING`` or more, or not one round fits, the layer hides enough that the
+per-chunk costs the model misses (a few per cent of such a layer) cannot undo it, while a single
+noisy round could: the model's count is taken if it beats ``c = 1`` by more than ``MARGIN`` of its
+time. Where the model's best is 1 nothing is tried. Never more chunks than leave ``MIN_ROWS`` rows
+of the chunked dimension per chunk, nor than the rows there are.
 
 When. The figures are measured at a layer's first call (under ``torch.no_grad``, inside
 ``overlap::tp_calibrate``) and cached per process: ``O`` and ``s`` per (device type, group), ``G``
 per (device type, dtype, rows rounded up to a power of two, in, out), timed at the rounded rows.
 Cost on the 2-core box: about 0.1 s per group (some 30 small all-gathers and two of 1 MiB), and
-per GEMM shape two GEMMs of the whole operand and two of an 8th (1.4 s at 4096 x 1024 -> 2048). Under
-``torch.compile`` tracing or CUDA graph capture nothing is measured: a cached figure is used, else
-the count is 1.
+per GEMM shape two GEMMs of the whole operand and six of an 8th (about 1.6 s at 4096 x 1024 ->
+2048). A trial (``overlap::tp_trial``) runs at the first call of a workload behind a given link
+(the choice is cached per workload, group and link figures): 0.05-0.3 s per layer at the two
+small grid points, about 1 s at dim 256 x 2048 tokens (stopped by the agreed elapsed time).
+Under ``torch.compile`` tracing or CUDA graph capture nothing is measured or tried: a cached
+choice is used, else the count is 1.
 
 Every rank the same (contract 3). Each rank's measurements differ (a loaded core, another GPU
 clock), so every measured vector is agreed before use: its elementwise max over the layer's
-group (an ``overlap.agreement`` exchange), right after the measurement, which every rank makes at the same call (the cache keys are
-built from global sizes only). The slowest rank's figures are the ones that set the step time.
-The count is then a pure function of agreed figures, global sizes and the active link (entered
-by every rank alike), identical on every rank; it is recomputed per call, so steps behind and
-outside an emulated link may run different counts.
+group (an ``overlap.agreement`` exchange), right after the measurement, which every rank makes at
+the same call (the cache keys are built from global sizes only). The slowest rank's figures are the ones that set the step time.
+The count is then a pure function of agreed figures, agreed trial timings, global sizes and the
+active link (entered by every rank alike), identical on every rank; whether a trial runs, how many
+rounds (an agreed elapsed time after each) and its collectives follow from the same, so every rank
+tries alike. It is recomputed per call, so steps behind and outside an emulated link may run
+different counts.
 
 ``chunks=`` of ``overlap.tensor_parallel`` overrides all of this (``chunks=1`` is torch's
 undecomposed collective-then-matmul, bitwise).
@@ -85,15 +114,21 @@ import torch.nn.functional as F
 
 from overlap.groups import GroupInfo
 from overlap.regions import region
+from overlap.tensor_parallelism.chunk_trial import trial_seconds
 from overlap.tensor_parallelism.collective_matmul import SeqLayout, _ChunkedGather
 from scheduler.collective_matmul import MIN_ROWS
 
-__all__ = ["CALIBRATION_BYTES", "KINDS", "MARGIN", "MAX_CHUNKS", "MIN_ROWS", "GemmCost", "HostCost", "Workload",
-           "best_chunks", "check_chunks", "choose_chunks", "measure_gemm", "measure_host_cost", "modelled_seconds",
-           "reset_measurements"]
+__all__ = ["CALIBRATION_BYTES", "KINDS", "MARGIN", "MAX_CHUNKS", "MIN_ROWS", "TRIAL_BUDGET_S", "TRIAL_MARGIN",
+           "TRIAL_ROUNDS", "TRUSTED_SAVING", "GemmCost", "HostCost", "Workload", "best_chunks", "check_chunks",
+           "choose_chunks", "explain", "measure_gemm", "measure_host_cost", "modelled_seconds", "modelled_table",
+           "reset_measurements", "settled_chunks", "trial_rounds", "trial_seconds"]
 
 MAX_CHUNKS = 8
-MARGIN = 0.1  # the share of c = 1's modelled time a count must save to be chosen
+MARGIN = 0.1  # the share of c = 1's modelled time a count must save to be chosen without a trial
+TRIAL_MARGIN = 0.05  # the share of c = 1's timed seconds the tried count must save (in the quietest round)
+TRUSTED_SAVING = 0.25  # a modelled saving of at least this share is taken without a trial
+TRIAL_ROUNDS = 3  # timed rounds of a trial (after one untimed), at most
+TRIAL_BUDGET_S = 1.0  # a trial's modelled seconds at most; costlier layers take the model's choice
 CALIBRATION_BYTES = 1 << 20  # per rank, for the link's seconds per byte where no emulated link says
 KINDS = ("gather", "scatter", "all_reduce", "all_reduce_grad")
 _TINY = 64  # elements per rank of the all-gathers that time the per-chunk host cost
@@ -201,19 +236,57 @@ def _cap(work: Workload) -> int:
     return max(1, min(MAX_CHUNKS, work.rows // MIN_ROWS))
 
 
+def modelled_table(work: Workload, gemm: GemmCost, per_chunk_s: float, latency_s: float, seconds_per_byte: float,
+                   world: int) -> dict[int, float]:
+    """Every allowed count of ``work`` -> its modelled seconds (:func:`modelled_seconds`)."""
+    return {c: modelled_seconds(work, c, gemm, per_chunk_s, latency_s, seconds_per_byte, world)
+            for c in range(1, _cap(work) + 1)}
+
+
 def best_chunks(work: Workload, gemm: GemmCost, per_chunk_s: float, latency_s: float, seconds_per_byte: float,
                 world: int) -> int:
-    """The count with the least modelled time if it saves more than ``MARGIN`` of ``c = 1``'s, else 1."""
-    times = {c: modelled_seconds(work, c, gemm, per_chunk_s, latency_s, seconds_per_byte, world)
-             for c in range(1, _cap(work) + 1)}
-    best = min(times, key=lambda c: (times[c], c))
+    """The count with the least modelled time if it saves more than ``MARGIN`` of ``c = 1``'s, else 1
+    (the choice where no trial is affordable)."""
+    times = modelled_table(work, gemm, per_chunk_s, latency_s, seconds_per_byte, world)
+    best = _least(times)
     return best if times[best] < (1.0 - MARGIN) * times[1] else 1
+
+
+def _least(times: dict[int, float]) -> int:
+    return min(times, key=lambda c: (times[c], c))
+
+
+def trial_rounds(times: dict[int, float]) -> int:
+    """How many timed rounds a trial of ``times``' best count against 1 gets: ``TRIAL_ROUNDS``, fewer
+    so that its modelled seconds (one untimed round more) stay within ``TRIAL_BUDGET_S``; 0 where
+    not even one fits, where the best count is 1 (nothing to try), or where it saves at least
+    ``TRUSTED_SAVING`` of 1's time (taken as modelled)."""
+    best = _least(times)
+    if best == 1 or times[best] <= (1.0 - TRUSTED_SAVING) * times[1]:
+        return 0
+    per_round = times[1] + times[best]
+    return max(0, min(TRIAL_ROUNDS, int(TRIAL_BUDGET_S / per_round) - 1)) if per_round > 0 else TRIAL_ROUNDS
+
+
+def settled_chunks(candidate: int, trial: "list[list[float]]") -> int:
+    """The count a trial settles on: ``candidate`` if it was faster than ``chunks=1`` in every round
+    and, in the quietest round (the least seconds of its two passes together), took less than
+    ``1 - TRIAL_MARGIN`` of ``chunks=1``'s seconds (each round's ``[chunks=1, candidate]`` already
+    maxed over ranks); else 1. A loaded machine only adds time and a slow spell mostly falls on
+    one pass: the least disturbed round holds the truest pair; a round the candidate lost (noise,
+    or a real per-chunk cost) keeps the undecomposed order, the side that cannot lose to it."""
+    if not trial:
+        raise ValueError("trial must hold at least one round of [chunks=1, candidate] seconds")
+    one, tried = min(trial, key=sum)
+    every_round = all(t < o for o, t in trial)
+    return candidate if every_round and tried < (1.0 - TRIAL_MARGIN) * one else 1
 
 
 # ------------------------------------------------------------------------ measuring, agreeing
 _host: dict[tuple[str, str], HostCost] = {}
 _gemm: dict[tuple, GemmCost] = {}
 _chosen: dict[tuple, int] = {}
+_trials: dict[tuple, dict[str, object]] = {}
 
 
 def reset_measurements() -> None:
@@ -221,6 +294,7 @@ def reset_measurements() -> None:
     _host.clear()
     _gemm.clear()
     _chosen.clear()
+    _trials.clear()
 
 
 def _can_measure(device_type: str) -> bool:
@@ -297,8 +371,10 @@ def measure_gemm(rows: int, in_features: int, out_features: int, dtype: torch.dt
     w = torch.randn(out_features, in_features, device=device).to(dtype)
     xs = torch.randn(rows, in_features, device=device).to(dtype)
     with torch.no_grad():
+        # the 8th is timed more often: one slow timing of it alone makes the fit's fixed cost
+        # (every chunk's) large (512 x 2048, load 8: 76 ms, and the model kept 1 chunk)
         return (_least_seconds(lambda: F.linear(xs, w), device.type, 2),
-                _least_seconds(lambda: F.linear(xs[:small], w), device.type, 2))
+                _least_seconds(lambda: F.linear(xs[:small], w), device.type, 2 * _REPEATS))
 
 
 def _host_cost(info: GroupInfo, device: torch.device) -> Optional[HostCost]:
@@ -334,6 +410,22 @@ def _link_figures(info: GroupInfo, host: HostCost) -> tuple[float, float]:
     return latency_us * 1e-6, 8.0 / (gbps * 1e9)
 
 
+def explain(work: Workload, info: GroupInfo) -> Optional[dict[str, object]]:
+    """What the choice of ``work`` on ``info``'s group rests on, from the figures measured so far
+    (None where nothing is measured yet): the agreed figures, the link's ``(L, s)`` in force, the
+    modelled seconds of every allowed count, and the trial if one was run (its candidate, agreed
+    ``[chunks=1, candidate]`` seconds per round, the count it settled on, its wall seconds).
+    Measures nothing, issues nothing."""
+    host = _host.get((work.device_type, info.pg.group_name))
+    gemm = _gemm.get((work.device_type, work.dtype, _bucket(work.gemm_rows), work.in_features, work.out_features))
+    if host is None or gemm is None:
+        return None
+    latency, per_byte = _link_figures(info, host)
+    return {"host": host, "gemm": gemm, "latency_s": latency, "seconds_per_byte": per_byte,
+            "modelled": modelled_table(work, gemm, host.per_chunk_s, latency, per_byte, info.size),
+            "trial": _trials.get((work, info.pg.group_name, latency, per_byte))}
+
+
 def choose_chunks(work: Workload, info: GroupInfo, override: Optional[int] = None,
                   device: Optional[torch.device] = None) -> int:
     """The chunk count of ``work`` on ``info``'s group: ``override`` (``chunks=``) capped at the rows,
@@ -350,6 +442,28 @@ def choose_chunks(work: Workload, info: GroupInfo, override: Optional[int] = Non
         return 1  # nothing measured and nothing measurable here (compiling, capturing): torch's order
     latency, per_byte = _link_figures(info, host)
     key = (work, info.pg.group_name, latency, per_byte)
-    if key not in _chosen:  # the model is pure Python (~50 µs): once per workload and link
-        _chosen[key] = best_chunks(work, gemm, host.per_chunk_s, latency, per_byte, info.size)
+    if key not in _chosen:  # the model is pure Python (~50 µs), a trial some passes: once per workload and link
+        times = modelled_table(work, gemm, host.per_chunk_s, latency, per_byte, info.size)
+        rounds = trial_rounds(times)
+        if rounds == 0:
+            _chosen[key] = best_chunks(work, gemm, host.per_chunk_s, latency, per_byte, info.size)
+        elif not _can_measure(device.type):
+            return 1  # a trial is due and cannot run here (compiling, capturing): torch's order, not cached
+        else:
+            _chosen[key] = _tried(work, _least(times), rounds, info, device, key)
     return _chosen[key]
+
+
+def _tried(work: Workload, candidate: int, rounds: int, info: GroupInfo, device: torch.device, key: tuple) -> int:
+    """The count a trial of ``candidate`` against 1 settles on (agreed: each timing maxed over the
+    group); the trial's figures are kept for :func:`explain`."""
+    start = time.perf_counter()
+    with region("overlap::tp_trial"):
+        mine = trial_seconds(work, (1, candidate), info, device, rounds,
+                             lambda elapsed: _agreed((elapsed,), info)[0] < TRIAL_BUDGET_S)
+        flat = _agreed(tuple(t for r in mine for t in r), info)
+    trial = [flat[i:i + 2] for i in range(0, len(flat), 2)]
+    chosen = settled_chunks(candidate, trial)
+    _trials[key] = {"candidate": candidate, "rounds": trial, "chosen": chosen,
+                    "cost_s": time.perf_counter() - start}
+    return chosen

@@ -51,6 +51,7 @@ rank, and the chunk count is computed from global sizes only (contract 3).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ from overlap.inflight_work import InflightWork
 from overlap.regions import region
 
 __all__ = ["AllGatherMatmul", "Call", "LinearAllReduceGrad", "MatmulAllReduce", "MatmulReduceScatter",
-           "SeqLayout", "gathered", "shard_sizes", "split_sizes"]
+           "SeqLayout", "gathered", "shared_gather_kept", "shard_sizes", "split_sizes"]
 
 
 def shard_sizes(n: int, w: int) -> list[int]:
@@ -259,6 +260,17 @@ class _SharedGather:
 
 
 _shared_gather = _SharedGather()
+
+
+@contextlib.contextmanager
+def shared_gather_kept() -> Iterator[None]:
+    """Gathers inside leave the held sibling gather as it was on entry (a chunk-count trial's
+    synthetic gathers must not evict a real layer's)."""
+    saved = dict(vars(_shared_gather))
+    try:
+        yield
+    finally:
+        vars(_shared_gather).update(saved)
 
 
 # ------------------------------------------------------------------------ chunked collectives

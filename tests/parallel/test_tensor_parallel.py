@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import overlap
-from overlap.tensor_parallelism.chunks import MIN_ROWS
+from overlap.tensor_parallelism.chunks import MIN_ROWS, TRIAL_ROUNDS
 from overlap.tensor_parallelism.layers import TensorParallelLinear
 from scheduler.torch_versions import DIST_ALL_GATHER, TORCH_VERSION
 from tp_blocks import SP_BLOCKS, make_block, plan_for, sizes_for
@@ -217,7 +217,8 @@ def _two_rank_suite(rank: int, world: int, path: str) -> dict[str, Any]:
             "order": _event_order_rank(rank, world),
             "siblings": _siblings_rank(rank, world),
             "prepared": _prepared_input_rank(rank, world),
-            "chosen": _chosen_rank(rank, world)}
+            "chosen": _chosen_rank(rank, world),
+            "trial isolation": _trial_isolation_rank(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -677,10 +678,91 @@ def test_chunk_count_follows_the_costs(kind: str) -> None:
     assert best_chunks(work(2e7), gemm, hi, 20e-6, per_byte, 2) == 1
 
 
+def test_a_trial_is_due_where_the_model_proposes_a_split_and_it_fits_the_budget() -> None:
+    """``trial_rounds`` of synthetic modelled tables (seconds per count): none where the model's best
+    is 1, ``TRIAL_ROUNDS`` for a cheap layer, fewer so that (rounds + 1) x (T(1) + T(best)) stays
+    within ``TRIAL_BUDGET_S``, none where not one round fits, none where the model's saving is at
+    least ``TRUSTED_SAVING`` (taken as modelled)."""
+    from overlap.tensor_parallelism.chunks import TRIAL_BUDGET_S, TRUSTED_SAVING, trial_rounds
+
+    assert trial_rounds({1: 0.010, 2: 0.011, 3: 0.012}) == 0
+    assert trial_rounds({1: 0.010, 2: 0.009, 3: 0.0095}) == TRIAL_ROUNDS
+    per_round = TRIAL_BUDGET_S / 2.5  # two passes fit, one untimed: one round
+    assert trial_rounds({1: 0.55 * per_round, 4: 0.45 * per_round}) == 1
+    assert trial_rounds({1: 0.6 * TRIAL_BUDGET_S, 8: 0.5 * TRIAL_BUDGET_S}) == 0
+    assert trial_rounds({1: 0.010, 2: 0.010 * (1 - TRUSTED_SAVING) + 1e-6}) == TRIAL_ROUNDS
+    assert trial_rounds({1: 0.010, 2: 0.010 * (1 - TRUSTED_SAVING) - 1e-6}) == 0
+
+
+def test_a_trial_settles_on_the_count_only_where_it_saves_more_than_the_margin() -> None:
+    """``settled_chunks``: the candidate must be faster than chunks=1 in every round and, in the
+    quietest round (least seconds of its two passes together), take less than ``1 - TRIAL_MARGIN``
+    of chunks=1's seconds; a slow chunks=1 pass does not make the candidate win; a trial without
+    rounds is an error."""
+    from overlap.tensor_parallelism.chunks import TRIAL_MARGIN, settled_chunks
+
+    assert settled_chunks(4, [[10.0, 10.0 * (1 - TRIAL_MARGIN) - 0.1]]) == 4
+    assert settled_chunks(4, [[10.0, 10.0 * (1 - TRIAL_MARGIN) + 0.1]]) == 1
+    assert settled_chunks(4, [[30.0, 5.0], [10.0, 11.0], [10.0, 11.0]]) == 1  # a slow chunks=1 pass
+    assert settled_chunks(4, [[10.0, 9.5], [10.0, 8.0], [10.0, 8.5]]) == 4  # every round won, the quietest by 20%
+    assert settled_chunks(4, [[10.0, 10.5], [10.0, 8.0], [10.0, 8.5]]) == 1  # one round lost
+    assert settled_chunks(8, [[196e-3, 131e-3], [189e-3, 133e-3]]) == 8  # two rounds, both won
+    with pytest.raises(ValueError, match="at least one round"):
+        settled_chunks(4, [])
+
+
+def test_the_128x512_flip_goes_to_a_trial() -> None:
+    """The sequence-parallel MLP at dim 128 x 512 tokens (bench_tp's grid point whose choice flipped:
+    0.79x torch at 6 / 5 chunks, 1.03x at 1), with the figures measured there on 2 ranks (the 2-core
+    box, 2026-11-26): the model alone takes 5 chunks for the rowwise (scatter) layer, a saving of
+    13% that the step did not show; its best count is tried instead (3 rounds: the layer is cheap).
+    Trials measured there (2026-11-26, 4 or 2 chunks proposed) settle on 1: the colwise layer's
+    timings of a loaded run (4 slower in every round), the rowwise layer's of that run (4 faster
+    in the quietest round, slower in another: its step at 4 chunks was 0.87x ``chunks=1``'s time,
+    a gain forgone), a trial with slow spells on both sides, and at dim 64 x 128 tokens on a
+    quieter box a rowwise trial whose quietest round had 2 chunks 11% faster but one round 5%
+    slower (the split that trial chose under the quietest-round rule alone ran 9% slower). A
+    two-round trial at dim 256 x 2048 tokens that won both rounds by 30% settles on 8; with another
+    run's figures there the model's 8 chunks save 28% and are taken untried, as at a layer 16x as
+    large."""
+    from overlap.tensor_parallelism.chunks import (GemmCost, Workload, _least, best_chunks, modelled_table,
+                                                   settled_chunks, trial_rounds)
+
+    host, latency, per_byte = 1.248641440594968e-4, 20e-6, 2.98e-8  # O; the emulated link's L and s
+    scatter = Workload("scatter", 128, 512, 256, 128, 131072.0)
+    gemm = GemmCost(0.0, 1.0751004505696722e-06)
+    assert best_chunks(scatter, gemm, host, latency, per_byte, 2) == 5
+    times = modelled_table(scatter, gemm, host, latency, per_byte, 2)
+    assert trial_rounds(times) == TRIAL_ROUNDS and _least(times) == 5
+    colwise = [[29.69e-3, 33.07e-3], [27.9e-3, 35.37e-3], [29.43e-3, 32.74e-3]]  # (chunks=1, 4) per round
+    rowwise = [[37.77e-3, 34.98e-3], [30.13e-3, 31.74e-3], [27.49e-3, 24.61e-3]]
+    spiky = [[30.76e-3, 116.24e-3], [81.26e-3, 138.74e-3], [186.19e-3, 27.06e-3]]
+    small = [[6.21e-3, 6.54e-3], [6.61e-3, 5.58e-3], [6.38e-3, 5.68e-3]]  # dim 64 x 128 tokens, 2 chunks
+    assert [settled_chunks(4, t) for t in (colwise, rowwise, spiky)] == [1, 1, 1] and settled_chunks(2, small) == 1
+    assert settled_chunks(8, [[195.98e-3, 130.62e-3], [188.56e-3, 132.59e-3]]) == 8
+    gather = Workload("gather", 128, 512, 128, 256, 131072.0)
+    times = modelled_table(gather, GemmCost(9.643715852040001e-06, 7.248482104062402e-07), host, latency, per_byte, 2)
+    assert trial_rounds(times) == TRIAL_ROUNDS and _least(times) > 1
+    # dim 256 x 2048 tokens, the link calibrated there (s 8.1e-8 s/byte): 8 chunks, untried
+    big = Workload("gather", 256, 2048, 256, 512, 1048576.0)
+    times = modelled_table(big, GemmCost(0.0, 1.8329823102395233e-05), 2.5e-4, latency, 8.1e-8, 2)
+    assert _least(times) == 8 and trial_rounds(times) == 0
+    assert best_chunks(big, GemmCost(0.0, 1.8329823102395233e-05), 2.5e-4, latency, 8.1e-8, 2) == 8
+    huge = Workload("gather", 256, 2048, 256, 512, 16 * 1048576.0)
+    huge_gemm = GemmCost(0.0, 16 * 1.8329823102395233e-05)
+    assert trial_rounds(modelled_table(huge, huge_gemm, 2.5e-4, latency, 8.1e-8, 2)) == 0
+    assert best_chunks(huge, huge_gemm, 2.5e-4, latency, 8.1e-8, 2) == 8
+
+
 # per rank: (per-chunk host s, real link s per collective and per byte) and (GEMM s on the whole
 # operand, on an 8th of it): rank 0 sees cheap chunks and a slow GEMM, rank 1 dear chunks and a fast one
 INJECTED_HOST = ((2e-5, 1e-4, 1e-9), (3e-3, 5e-5, 2e-9))
 INJECTED_GEMM = ((8e-3, 1e-3), (4e-3, 0.5e-3))
+# per rank and layer kind: a trial's seconds (chunks=1, the model's count); maxed over ranks the
+# gather's count saves 1% (under TRIAL_MARGIN: 1), the scatter's 30% (taken), while rank 0 alone
+# would take both and rank 1 alone the scatter's only
+INJECTED_TRIAL = ({"gather": (10e-3, 5e-3), "scatter": (10e-3, 5e-3)},
+                  {"gather": (10e-3, 9.9e-3), "scatter": (10e-3, 7e-3)})
 CHOSEN_DIMS, CHOSEN_SEQ, CHOSEN_GBPS = (32, 128), 128, 0.016  # dim, hidden; global rows; a link of T ~ G
 
 
@@ -696,7 +778,7 @@ def _chosen_rank(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     measured: list[str] = []
     chosen: dict[str, list[int]] = {}
-    saved = tp_chunks.measure_host_cost, tp_chunks.measure_gemm, layers.choose_chunks
+    saved = tp_chunks.measure_host_cost, tp_chunks.measure_gemm, layers.choose_chunks, tp_chunks.trial_seconds
 
     def recording(work: Any, *args: Any, **kwargs: Any) -> int:
         count = saved[2](work, *args, **kwargs)
@@ -705,6 +787,14 @@ def _chosen_rank(rank: int, world: int) -> dict[str, Any]:
 
     tp_chunks.measure_host_cost = lambda *a: measured.append("host") or INJECTED_HOST[rank]
     tp_chunks.measure_gemm = lambda *a: measured.append("gemm") or INJECTED_GEMM[rank]
+
+    def trial(work: Any, counts: tuple[int, ...], info: Any, device: Any, rounds: int,
+              go_on: Any = None) -> list[list[float]]:
+        measured.append(f"trial {work.kind} {counts} x{rounds}")
+        assert all(go_on(0.0) for _ in range(rounds - 1))  # an agreement each round, within the budget
+        return [list(INJECTED_TRIAL[rank][work.kind]) for _ in range(rounds)]
+
+    tp_chunks.trial_seconds = trial
     layers.choose_chunks = recording
     tp_chunks.reset_measurements()
     try:
@@ -723,20 +813,29 @@ def _chosen_rank(rank: int, world: int) -> dict[str, Any]:
         few = tp_chunks.choose_chunks(tp_chunks.Workload("gather", 2 * tp_chunks.MIN_ROWS - 1, 64, 7, 7, 1e9),
                                       resolve_group(mesh, "mesh"))
     finally:
-        tp_chunks.measure_host_cost, tp_chunks.measure_gemm, layers.choose_chunks = saved
+        tp_chunks.measure_host_cost, tp_chunks.measure_gemm, layers.choose_chunks, tp_chunks.trial_seconds = saved
         tp_chunks.reset_measurements()
     # measured for real, no link: each rank times its own, the figures are agreed
     info = resolve_group(mesh, "mesh")
     real = tp_chunks.choose_chunks(tp_chunks.Workload("gather", 256, 512, 64, 64, 1e6), info)
     figures = (tp_chunks._host[("cpu", info.pg.group_name)], *tp_chunks._gemm.values())
     tp_chunks.reset_measurements()
-    return {"chosen": chosen, "counts": counts, "measured": measured, "few rows": few, "real": (real, figures)}
+    # a trial for real behind a link whose transfer is about the GEMM's: every rank's agreed timings
+    tried = tp_chunks.Workload("scatter", 64, 256, 64, 32, 256 * 32 * 4 / 2)
+    with emulated_link(0.5, 20.0):
+        tried_count = tp_chunks._tried(tried, 2, 2, info, torch.device("cpu"), ("key",))
+    trial = dict(tp_chunks._trials[("key",)])
+    tp_chunks.reset_measurements()
+    return {"chosen": chosen, "counts": counts, "measured": measured, "few rows": few, "real": (real, figures),
+            "trial": (tried_count, trial["rounds"], trial["chosen"])}
 
 
-def _alone_and_agreed(kind: str, world: int) -> tuple[list[int], int]:
-    """What each rank of :func:`_chosen_rank` would choose from its own injected figures for ``kind``'s
-    layer, and what the figures maxed over ranks give."""
-    from overlap.tensor_parallelism.chunks import GemmCost, Workload, _bucket, best_chunks
+def _alone_and_agreed(kind: str, world: int) -> tuple[list[int], int, int]:
+    """What each rank of :func:`_chosen_rank` would choose from its own injected figures and trial
+    timings for ``kind``'s layer, what the figures and timings maxed over ranks give, and the count
+    the agreed figures' model proposes for a trial."""
+    from overlap.tensor_parallelism.chunks import (GemmCost, Workload, _bucket, _least, best_chunks, modelled_table,
+                                                   settled_chunks, trial_rounds)
 
     dim, hidden = CHOSEN_DIMS
     rows = BATCH * CHOSEN_SEQ
@@ -745,12 +844,18 @@ def _alone_and_agreed(kind: str, world: int) -> tuple[list[int], int]:
     work = Workload(kind, CHOSEN_SEQ // world, rows, inf, outf, rows * cols * 4 * (world - 1) / world)
     per_byte = 8.0 / (CHOSEN_GBPS * 1e9)
 
-    def choice(host: tuple[float, float, float], gemm: tuple[float, float]) -> int:
-        return best_chunks(work, GemmCost.fit(_bucket(rows), *gemm), host[0], 20e-6, per_byte, world)
+    def choice(host: tuple[float, float, float], gemm: tuple[float, float], trial: tuple[float, float]
+               ) -> tuple[int, int]:
+        fit = GemmCost.fit(_bucket(rows), *gemm)
+        times = modelled_table(work, fit, host[0], 20e-6, per_byte, world)
+        if trial_rounds(times) == 0:
+            return best_chunks(work, fit, host[0], 20e-6, per_byte, world), 1
+        return settled_chunks(_least(times), [list(trial)]), _least(times)
 
-    alone = [choice(INJECTED_HOST[r], INJECTED_GEMM[r]) for r in range(world)]
-    agreed = choice(*(tuple(map(max, zip(*figures))) for figures in (INJECTED_HOST, INJECTED_GEMM)))
-    return alone, agreed
+    alone = [choice(INJECTED_HOST[r], INJECTED_GEMM[r], INJECTED_TRIAL[r][kind])[0] for r in range(world)]
+    agreed, candidate = choice(*(tuple(map(max, zip(*figures))) for figures in
+                                 (INJECTED_HOST, INJECTED_GEMM, [t[kind] for t in INJECTED_TRIAL])))
+    return alone, agreed, candidate
 
 
 def test_chosen_count_is_the_same_on_every_rank(two_ranks: list[dict[str, Any]]) -> None:
@@ -758,20 +863,85 @@ def test_chosen_count_is_the_same_on_every_rank(two_ranks: list[dict[str, Any]])
     figures maxed over ranks give (not any one rank's own choice, which differ here), issue that
     many collectives per decomposed collective in both directions, measure once per group and GEMM
     shape (two shapes: w1 32 -> 64, w2 64 -> 32 per rank), and take 1 without measuring where the rows allow no 2 chunks."""
-    want = {}
+    want, tried = {}, {}
     for kind in ("gather", "scatter"):
-        alone, agreed = _alone_and_agreed(kind, 2)
+        alone, agreed, candidate = _alone_and_agreed(kind, 2)
         assert len(set(alone)) > 1, (kind, alone)  # the injection makes the ranks disagree on their own
-        want[kind] = agreed
-    assert max(want.values()) > 1, want  # a decomposed count is exercised
+        want[kind], tried[kind] = agreed, candidate
+    assert want["gather"] == 1 < tried["gather"], (want, tried)  # tried, and the trial said no
+    assert want["scatter"] == tried["scatter"] > 1, (want, tried)  # tried, and the trial said yes
     for rank, results in enumerate(two_ranks):
         got = results["chosen"]
         assert got["chosen"] == {kind: [want[kind]] * 2 for kind in want}, rank
         # (all-gathers, reduce-scatters): forward w1's gather, w2's scatter; backward the other way round
         step = ((want["gather"], want["scatter"]), (want["scatter"], want["gather"]))
         assert got["counts"] == [step, step], rank
-        assert got["measured"] == ["host", "gemm", "gemm"], rank
+        assert got["measured"] == ["host", "gemm", f"trial gather (1, {tried['gather']}) x{TRIAL_ROUNDS}",
+                                   "gemm", f"trial scatter (1, {tried['scatter']}) x{TRIAL_ROUNDS}"], rank
         assert got["few rows"] == 1, rank
+
+
+def _trial_isolation_rank(rank: int, world: int) -> dict[str, Any]:
+    """A trial of every layer kind run from inside a caller's ``torch.no_grad`` and saved-tensor hooks
+    (as activation checkpointing installs), after a real layer's gather is held for its siblings:
+    what the trial returned, whether the caller's hooks saw anything, whether the held gather
+    survived."""
+    from overlap.groups import resolve_group
+    from overlap.tensor_parallelism import chunks as tp_chunks
+    from overlap.tensor_parallelism import collective_matmul as cm
+
+    info = resolve_group(init_device_mesh("cpu", (world,)), "mesh")
+    x = torch.randn(2, 8, 16)
+    call = cm.Call(info, 2, "f", "b", cm.SeqLayout([8] * world, 1, 2, rank))
+    cm.AllGatherMatmul.apply(x, torch.randn(12, 16), None, call)
+    held = cm._shared_gather._full
+    hooked: list[str] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        hooked.append("pack")
+        return t
+
+    returned = {}
+    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for kind in ("gather", "scatter", "all_reduce", "all_reduce_grad"):
+            work = tp_chunks.Workload(kind, 32, 128, 16, 8, 1e3)
+            returned[kind] = tp_chunks.trial_seconds(work, (1, 3), info, torch.device("cpu"), 2)
+        asked: list[float] = []
+        stopped = tp_chunks.trial_seconds(tp_chunks.Workload("gather", 32, 128, 16, 8, 1e3), (1, 3), info,
+                                          torch.device("cpu"), 3, lambda elapsed: asked.append(elapsed) or False)
+    return {"returned": returned, "hooked": hooked, "held kept": cm._shared_gather._full is held,
+            "stopped": (len(stopped), len(asked), all(e > 0 for e in asked))}
+
+
+def test_a_trial_times_each_kind_apart_from_the_caller(two_ranks: list[dict[str, Any]]) -> None:
+    """A trial on 2 ranks returns its rounds of (chunks=1, candidate) seconds for every layer kind,
+    runs its autograd graph apart from the caller's (no_grad and saved-tensor hooks of the caller
+    neither stop it nor see it), leaves a real layer's held sibling gather in place, and stops after
+    the round where ``go_on`` (given the seconds so far) says no; a real trial
+    behind a link is agreed: every rank has the same timings and the same count."""
+    import math
+
+    for results in two_ranks:
+        got = results["trial isolation"]
+        assert got["hooked"] == [] and got["held kept"], got
+        assert got["stopped"] == (1, 1, True), got  # go_on said no after the first of 3 rounds
+        for kind, rounds in got["returned"].items():
+            assert len(rounds) == 2 and all(len(r) == 2 and all(math.isfinite(t) and t > 0 for t in r)
+                                            for r in rounds), (kind, rounds)
+    count, rounds, chosen = two_ranks[0]["chosen"]["trial"]
+    assert (count, rounds, chosen) == two_ranks[1]["chosen"]["trial"]
+    assert count == chosen in (1, 2) and 1 <= len(rounds) <= 2, (count, rounds)  # fewer past the budget
+
+
+def test_trial_rejects_bad_arguments() -> None:
+    """A trial names what it accepts: the four layer kinds, at least one round."""
+    from overlap.tensor_parallelism.chunk_trial import trial_seconds
+    from overlap.tensor_parallelism.chunks import Workload
+
+    with pytest.raises(ValueError, match="kind must be one of"):
+        trial_seconds(Workload("gathr", 32, 64, 8, 8, 1e3), (1, 2), None, torch.device("cpu"), 1)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        trial_seconds(Workload("gather", 32, 64, 8, 8, 1e3), (1, 2), None, torch.device("cpu"), 0)
 
 
 def test_measured_costs_are_agreed(two_ranks: list[dict[str, Any]]) -> None:
