@@ -129,10 +129,12 @@ from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
 from kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out
 from kernels.quantized_copy_in import _quantized_copy_in
 from kernels.quantized_layout import QuantizedLayout, quantized_layout
-from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out
+from kernels._dtypes import as_float32
+from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out, summed_slots
 from overlap import finite_check
 from overlap.collectives import all_gather_into, all_reduce_into, quantized_reduce_into, reduce_scatter_into
 from overlap.compression import Compression
+from overlap import gradient_error
 from overlap.groups import GroupInfo
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
@@ -171,6 +173,7 @@ class PendingReduce:
     needs_all_reduce: bool = False  # HSDP: the cross-replica all-reduce is still to be issued
     finite: Optional[finite_check.FiniteCheck] = None  # the finite check's flags (overlap.finite_check), if on
     quantized: Optional[QuantizedLayout] = None  # compressed: rs_output is the received quantized slots
+    reference: Optional[tuple[InflightWork, torch.Tensor]] = None  # compressed, measuring: the exact reduce-scatter
 
 
 class ParamGroup:
@@ -588,13 +591,21 @@ class ParamGroup:
         qlayout = quantized_layout(layout, self.compression.block)
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             q_input, _ = _quantized_copy_in(grads, qlayout, None)
+            check = finite_check.SWITCH.on and finite_check.SWITCH.resolve()
+            measure = gradient_error.SWITCH.on and gradient_error.SWITCH.resolve()
             exact = None
-            if finite_check.SWITCH.on:  # the check reads exact float32 gradients (an extra packing, debug only)
+            if check or measure:  # exact float32 gradients (an extra packing, debug only)
                 exact = _reduce_scatter_copy_in(grads, layout, None, torch.float32)
         received = torch.empty_like(q_input)
         work = quantized_reduce_into(received, q_input, self.info, self.compression.reduce or "", self.where)
-        finite = self._start_finite_check(exact, True) if exact is not None else None
-        return PendingReduce(work, received, indices, layout, 1.0 / self.world_size, finite=finite, quantized=qlayout)
+        reference = None
+        if measure:  # overlap.gradient_error: the exact reduce-scatter to compare with
+            assert exact is not None
+            exact_slot = torch.empty(layout.slot_numel, dtype=torch.float32, device=exact.device)
+            reference = (reduce_scatter_into(exact_slot, exact, self.info, self.where), exact_slot)
+        finite = self._start_finite_check(exact, True) if check else None
+        return PendingReduce(work, received, indices, layout, 1.0 / self.world_size, finite=finite, quantized=qlayout,
+                             reference=reference)
 
     @functools.cached_property
     def _finite_slots(self) -> tuple[int, tuple[int, ...]]:
@@ -763,11 +774,27 @@ class ParamGroup:
                 if pending.quantized is not None:
                     _quantized_reduce_scatter_copy_out(pending.rs_output, grads, pending.quantized, self.rank,
                                                        pending.post_scale, accumulate)
+                    if pending.reference is not None:
+                        self._record_gradient_error(pending)
                 else:
                     _reduce_scatter_copy_out(pending.rs_output, grads, pending.layout, self.rank,
                                              pending.post_scale, accumulate)
 
         _wait_then(pending.work, copy_out)
+
+    def _record_gradient_error(self, pending: PendingReduce) -> None:
+        """``overlap.gradient_error``: log the compressed average of this rank's slot (the float32 sum of
+        the dequantized slots in rank order, scaled, as the copy-out computes it) against the exact one."""
+        assert pending.reference is not None and pending.quantized is not None
+        work, exact_slot = pending.reference
+        numel = pending.layout.slot_numel
+
+        def compare() -> None:
+            compressed = summed_slots(pending.rs_output, pending.quantized, pending.post_scale)[:numel]
+            exact = exact_slot if pending.post_scale is None else exact_slot * as_float32(pending.post_scale)
+            gradient_error.record(self.where, compressed, exact)
+
+        work.wait(then=compare)
 
     def _broadcast_scalar_grads(self, indices: tuple[int, ...]) -> None:
         """Replicated (0-dim) parameters: rank 0 holds the reduced gradient; give it to every rank."""
