@@ -44,7 +44,7 @@ from typing import Optional
 
 from kernels.quantized_layout import BLOCKS
 
-__all__ = ["Compression"]
+__all__ = ["Compression", "check_compression"]
 
 FORMATS = ("int8",)
 """The wire formats a collective may be compressed to."""
@@ -71,3 +71,9 @@ class Compression:
     def any(self) -> bool:
         """Is any collective compressed?"""
         return self.gather is not None or self.reduce is not None
+
+
+def check_compression(compress: object, caller: str) -> None:
+    """``compress`` is None or a :class:`Compression`; else a TypeError naming ``caller``'s argument."""
+    if compress is not None and not isinstance(compress, Compression):
+        raise TypeError(f"{caller}: compress must be None or an overlap.Compression, got {type(compress).__name__}")

@@ -283,6 +283,8 @@ MATRIX: dict[str, Bad] = {
     # fully_shard (FSDP2's signature) and the FSDPModule methods -----------------------------------
     "fully_shard module not a module": Bad(lambda e: overlap.fully_shard("linear"), TypeError, "module",
                                            "torch.nn.Module or a non-empty list of them"),
+    "fully_shard compress not a Compression": Bad(lambda e: overlap.fully_shard(e.model, compress="int8"), TypeError,
+                                                  "compress", "overlap.Compression"),
     "fully_shard empty list": Bad(lambda e: overlap.fully_shard([]), TypeError, "module",
                                   "torch.nn.Module or a non-empty list of them"),
     "fully_shard list repeats a module": Bad(lambda e: overlap.fully_shard([e.model[0], e.model[0]]), ValueError,
