@@ -27,7 +27,11 @@ a finite value; a gathered NaN block is an error (``ValueError``) on every rank 
 CPU (every rank receives every slot, so every rank raises alike), and a NaN gradient block spreads
 as NaN to its owner (as an exact reduction spreads it), which ``overlap.set_check_finite`` reports.
 
-Not covered yet (``overlap.shard`` raises naming ``compress``): HSDP (2-D meshes), tensor-parallel
+How far a compressed reduction moves the gradients: ``overlap.measure_gradient_error`` (an exact
+reduce-scatter beside each all-to-all, compared by the owner; ``overlap/gradient_error.py``).
+``overlap.fully_shard`` takes ``compress`` as ``overlap.shard`` does (``check_compression``).
+
+Not covered yet (``overlap.shard`` and ``overlap.fully_shard`` raise naming ``compress``): HSDP (2-D meshes), tensor-parallel
 parameters and non-floating-point parameters. At world size 1 nothing travels and nothing is
 quantized.
 
