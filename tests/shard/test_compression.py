@@ -317,12 +317,12 @@ def test_bad_compress_arguments_name_compress(single_rank_group) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
-    with pytest.raises(ValueError, match=r"compress is not supported with a 2-D mesh \(HSDP\) yet"):
+    with pytest.raises(ValueError, match=r"with a 2-D mesh \(HSDP\) compress covers the inter-node tier only"):
         overlap.shard(nn.Linear(2, 2), mesh=mesh, compress=INT8)
     with pytest.raises(TypeError, match="fully_shard: compress must be None or an overlap.Compression, got str"):
         overlap.fully_shard(nn.Linear(2, 2), compress="int8")  # type: ignore[arg-type]
     linear = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=r"fully_shard: compress is not supported with a 2-D mesh \(HSDP\) yet"):
+    with pytest.raises(ValueError, match=r"fully_shard: with a 2-D mesh \(HSDP\) compress covers the inter-node"):
         overlap.fully_shard(linear, mesh=mesh, compress=INT8)
     assert not isinstance(linear, overlap.ShardedModule)
     # compression off (both None) is exact sharding, accepted anywhere
