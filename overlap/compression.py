@@ -31,8 +31,12 @@ How far a compressed reduction moves the gradients: ``overlap.measure_gradient_e
 reduce-scatter beside each all-to-all, compared by the owner; ``overlap/gradient_error.py``).
 ``overlap.fully_shard`` takes ``compress`` as ``overlap.shard`` does (``check_compression``).
 
-Not covered yet (``overlap.shard`` and ``overlap.fully_shard`` raise naming ``compress``): HSDP (2-D meshes), tensor-parallel
-parameters and non-floating-point parameters. At world size 1 nothing travels and nothing is
+HSDP (a 2-D mesh): ``Compression(gather=None, reduce="int8")`` compresses the inter-node tier only,
+the sum over the replicas; the shard group's collectives stay exact ([Note: compressing the
+inter-node tier] in ``overlap/param_group.py``). A compressed gather with a 2-D mesh is refused.
+
+Not covered yet (``overlap.shard`` and ``overlap.fully_shard`` raise naming ``compress``):
+tensor-parallel parameters and non-floating-point parameters. At world size 1 nothing travels and nothing is
 quantized.
 
 Why a separate argument and not a ``MixedPrecision`` field: mixed precision says which dtype each
