@@ -101,12 +101,7 @@ def _quantized_reduce_scatter_copy_out_torch(received: torch.Tensor, outs: Seque
     """The op without Triton, bitwise equal to the kernel: dequantize, sum in rank order, scale, then
     one ``_foreach_copy_`` (or float32 add and copy) into the shards."""
     layout = qlayout.layout
-    deq = dequantized(received, qlayout)
-    acc = torch.zeros_like(deq[0])
-    for s in range(layout.world_size):
-        acc += deq[s]
-    if scale is not None:
-        acc *= as_float32(scale)
+    acc = summed_slots(received, qlayout, scale)
     pairs = [(o, v) for o, v in zip(outs, layout.shard_views(acc[: layout.slot_numel], rank)) if v.numel()]
     if not pairs:
         return
@@ -114,3 +109,15 @@ def _quantized_reduce_scatter_copy_out_torch(received: torch.Tensor, outs: Seque
     if accumulate:
         srcs = torch._foreach_add([d.float() for d in dsts], srcs)
     torch._foreach_copy_(dsts, srcs)
+
+
+def summed_slots(received: torch.Tensor, qlayout: QuantizedLayout, scale: float | None) -> torch.Tensor:
+    """float32 ``(padded slot,)``: the received quantized slots dequantized, summed in rank order and
+    scaled, as the kernel computes them (the slot's padding is zero)."""
+    deq = dequantized(received, qlayout)
+    acc = torch.zeros_like(deq[0])
+    for s in range(qlayout.layout.world_size):
+        acc += deq[s]
+    if scale is not None:
+        acc *= as_float32(scale)
+    return acc

@@ -21,6 +21,13 @@ from overlap.device_info import DeviceInfo, device_info
 from overlap.errors import CollectiveError, CollectiveTimeoutError, set_wait_timeout, wait_timeout
 from overlap.finite_check import NonFiniteError, check_finite, check_finite_enabled, set_check_finite
 from overlap.fsdp_module import UnshardHandle
+from overlap.gradient_error import (
+    GradientError,
+    measure_gradient_error,
+    relative_gradient_error,
+    set_measure_gradient_error,
+    take_gradient_errors,
+)
 from overlap.fsdp2_api import fully_shard
 from overlap.inflight_work import (
     inflight,
@@ -89,6 +96,11 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_coalesced",
     "set_check_finite",
+    "set_measure_gradient_error",
+    "take_gradient_errors",
+    "relative_gradient_error",
+    "measure_gradient_error",
+    "GradientError",
     "set_debug",
     "set_local_optimizer_step",
     "set_max_inflight_bytes",

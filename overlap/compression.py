@@ -27,8 +27,16 @@ a finite value; a gathered NaN block is an error (``ValueError``) on every rank 
 CPU (every rank receives every slot, so every rank raises alike), and a NaN gradient block spreads
 as NaN to its owner (as an exact reduction spreads it), which ``overlap.set_check_finite`` reports.
 
-Not covered yet (``overlap.shard`` raises naming ``compress``): HSDP (2-D meshes), tensor-parallel
-parameters and non-floating-point parameters. At world size 1 nothing travels and nothing is
+How far a compressed reduction moves the gradients: ``overlap.measure_gradient_error`` (an exact
+reduce-scatter beside each all-to-all, compared by the owner; ``overlap/gradient_error.py``).
+``overlap.fully_shard`` takes ``compress`` as ``overlap.shard`` does (``check_compression``).
+
+HSDP (a 2-D mesh): ``Compression(gather=None, reduce="int8")`` compresses the inter-node tier only,
+the sum over the replicas; the shard group's collectives stay exact ([Note: compressing the
+inter-node tier] in ``overlap/param_group.py``). A compressed gather with a 2-D mesh is refused.
+
+Not covered yet (``overlap.shard`` and ``overlap.fully_shard`` raise naming ``compress``):
+tensor-parallel parameters and non-floating-point parameters. At world size 1 nothing travels and nothing is
 quantized.
 
 Why a separate argument and not a ``MixedPrecision`` field: mixed precision says which dtype each
@@ -44,7 +52,7 @@ from typing import Optional
 
 from kernels.quantized_layout import BLOCKS
 
-__all__ = ["Compression"]
+__all__ = ["Compression", "check_compression"]
 
 FORMATS = ("int8",)
 """The wire formats a collective may be compressed to."""
@@ -71,3 +79,9 @@ class Compression:
     def any(self) -> bool:
         """Is any collective compressed?"""
         return self.gather is not None or self.reduce is not None
+
+
+def check_compression(compress: object, caller: str) -> None:
+    """``compress`` is None or a :class:`Compression`; else a TypeError naming ``caller``'s argument."""
+    if compress is not None and not isinstance(compress, Compression):
+        raise TypeError(f"{caller}: compress must be None or an overlap.Compression, got {type(compress).__name__}")

@@ -25,7 +25,9 @@ argument                     here
 ``ignored_params``           not sharded, not moved, gradients not reduced (as FSDP2)
 ``dp_mesh_dims`` (2.13+)     raises NotImplementedError unless None (pass the data-parallel sub-mesh)
 ``prefetch``,                this runtime's own options (``overlap.shard``'s), keyword-only
-``max_inflight_bytes``
+``max_inflight_bytes``,
+``compress``                 (``overlap.Compression``: int8 all-gathers / reductions, [Note:
+                             compressed collectives] in ``overlap/compression.py``)
 ===========================  =======================================================================
 
 Every argument is checked before anything changes.
@@ -40,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from overlap.compression import Compression, check_compression
 from overlap.mixed_precision import MixedPrecision
 from overlap.optimizer_check import MARK
 from overlap.sharding import ShardedModule, _cast_floating, _check_options, _shard
@@ -147,6 +150,7 @@ def fully_shard(
     dp_mesh_dims: Any = None,
     prefetch: Union[int, str] = 1,
     max_inflight_bytes: Optional[int] = None,
+    compress: Optional[Compression] = None,
 ) -> Any:
     """Shard ``module`` (or the list ``module``, as one group) in place, FSDP2's way, on this runtime.
 
@@ -173,8 +177,9 @@ def fully_shard(
     for member in modules:
         _check_options(member, mp, reshard, prefetch, max_inflight_bytes, caller="fully_shard")
     _check_placements(modules, shard_placement_fn, ignored)
+    check_compression(compress, "fully_shard")
     _shard(modules, group=None, mesh=mesh, mp=mp, reshard_after_forward=reshard, prefetch=prefetch,
-           max_inflight_bytes=max_inflight_bytes, ignored_params=ignored, caller="fully_shard")
+           max_inflight_bytes=max_inflight_bytes, ignored_params=ignored, caller="fully_shard", compress=compress)
     if mp is not None and mp.output_dtype is not None:
         # FSDP2 casts every sharded module's output (overlap.shard: the root's only).
         output_dtype = mp.output_dtype

@@ -103,7 +103,7 @@ from overlap.finite_check import NonFiniteError
 from overlap.fsdp_module import FSDPModuleMethods
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
 from overlap.inflight_work import InflightWork
-from overlap.compression import Compression
+from overlap.compression import Compression, check_compression
 from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
 from overlap.profiler.records import BUDGET_LABEL
@@ -935,8 +935,7 @@ def shard(
     [Note: compressed collectives] in ``overlap/compression.py``; None (default): exact.
     """
     _check_options(module, mp, reshard_after_forward, prefetch, max_inflight_bytes)
-    if compress is not None and not isinstance(compress, Compression):
-        raise TypeError(f"shard: compress must be None or an overlap.Compression, got {type(compress).__name__}")
+    check_compression(compress, "shard")
     return _shard([module], group=group, mesh=mesh, mp=mp, reshard_after_forward=reshard_after_forward,
                   prefetch=prefetch, max_inflight_bytes=max_inflight_bytes, compress=compress)
 
@@ -984,7 +983,7 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
         bad = [locs[0].fqn for p, locs in zip(params, locations) if not p.is_floating_point()]
         raise TypeError(f"shard: MixedPrecision.param_dtype needs floating-point parameters; {bad} are not")
     if compress is not None and compress.any:
-        _check_compressible(module, params, locations, replicate)
+        _check_compressible(module, params, locations, replicate, compress, caller)
 
     def on_grad_ready(g: ParamGroup, index: int) -> None:
         if state.root is not None:  # `state` is bound below, before any backward can run
@@ -1024,19 +1023,20 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
 
 
 def _check_compressible(module: nn.Module, params: list[nn.Parameter], locations: list[list[ParamLocation]],
-                        replicate: Optional[GroupInfo]) -> None:
+                        replicate: Optional[GroupInfo], compress: Compression, caller: str = "shard") -> None:
     """What compressed collectives do not cover yet ([Note: compressed collectives]), refused before
     anything changes."""
     name = type(module).__name__
-    if replicate is not None:
-        raise ValueError(f"shard: compress is not supported with a 2-D mesh (HSDP) yet; shard {name} over a "
-                         f"1-D mesh or group, or pass compress=None")
+    if replicate is not None and compress.gather is not None:
+        raise ValueError(f"{caller}: with a 2-D mesh (HSDP) compress covers the inter-node tier only (the sum over "
+                         f"the replicas); pass overlap.Compression(gather=None, reduce='int8') for {name}, or "
+                         f"compress=None")
     for p, locs in zip(params, locations):
         if isinstance(p, DTensor):
-            raise ValueError(f"shard: compress is not supported with tensor-parallel (DTensor) parameters yet "
+            raise ValueError(f"{caller}: compress is not supported with tensor-parallel (DTensor) parameters yet "
                              f"({locs[0].fqn!r} of {name}); pass compress=None")
         if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"shard: compress needs float32, bfloat16 or float16 parameters; {locs[0].fqn!r} of "
+            raise TypeError(f"{caller}: compress needs float32, bfloat16 or float16 parameters; {locs[0].fqn!r} of "
                             f"{name} is {p.dtype} (pass compress=None)")
 
 

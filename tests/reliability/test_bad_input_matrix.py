@@ -283,6 +283,8 @@ MATRIX: dict[str, Bad] = {
     # fully_shard (FSDP2's signature) and the FSDPModule methods -----------------------------------
     "fully_shard module not a module": Bad(lambda e: overlap.fully_shard("linear"), TypeError, "module",
                                            "torch.nn.Module or a non-empty list of them"),
+    "fully_shard compress not a Compression": Bad(lambda e: overlap.fully_shard(e.model, compress="int8"), TypeError,
+                                                  "compress", "overlap.Compression"),
     "fully_shard empty list": Bad(lambda e: overlap.fully_shard([]), TypeError, "module",
                                   "torch.nn.Module or a non-empty list of them"),
     "fully_shard list repeats a module": Bad(lambda e: overlap.fully_shard([e.model[0], e.model[0]]), ValueError,
@@ -363,7 +365,7 @@ MATRIX: dict[str, Bad] = {
     "shard compress a str": Bad(lambda e: overlap.shard(e.model, compress="int8"), TypeError, "compress",
                                 "None or an overlap.Compression"),
     "shard compress with HSDP": Bad(lambda e: overlap.shard(e.model, mesh=_two_dim_mesh(e), compress=overlap.Compression()),
-                                    ValueError, "compress", "1-D mesh or group, or pass compress=None"),
+                                    ValueError, "compress", "inter-node tier only"),
     "MixedPrecision int param_dtype": Bad(lambda e: overlap.MixedPrecision(param_dtype=i32), TypeError,
                                           "param_dtype", "None or a floating-point torch.dtype"),
     "MixedPrecision str reduce_dtype": Bad(lambda e: overlap.MixedPrecision(reduce_dtype="bf16"), TypeError,
@@ -403,6 +405,12 @@ MATRIX: dict[str, Bad] = {
                                                   "True, False or None"),
     "set_check_finite on not a bool": Bad(lambda e: overlap.set_check_finite(1), TypeError, "on",
                                           "True, False or None"),
+    "set_measure_gradient_error on not a bool": Bad(lambda e: overlap.set_measure_gradient_error(1), TypeError,
+                                                    "set_measure_gradient_error", "True, False or None"),
+    "measure_gradient_error on not a bool": Bad(lambda e: _enter(overlap.measure_gradient_error("yes")), TypeError,
+                                                "on", "True or False"),
+    "relative_gradient_error records not GradientError": Bad(lambda e: overlap.relative_gradient_error([0.5]),
+                                                             TypeError, "records", "GradientError"),
     "check_finite on not a bool": Bad(lambda e: _enter(overlap.check_finite("yes")), TypeError, "on", "True or False"),
     "debug on not a bool": Bad(lambda e: _enter(overlap.debug(1)), TypeError, "on", "True, False or None"),
     "set_wait_timeout negative": Bad(lambda e: overlap.set_wait_timeout(-1.0), ValueError, "timeout",
@@ -596,7 +604,7 @@ def test_every_public_name_has_a_row() -> None:
                     "local_optimizer_step_enabled",
                     "wait", "wait_tensor", "is_pending",  # take any object (non-tensors pass through)
                     "AsyncTensor", "Completion", "Schedule", "ShardedModule", "FSDPModule", "UnshardHandle", "OptimizerInBackward", "DeviceInfo", "Profiler",
-                    "CollectiveError", "CollectiveTimeoutError", "DesyncError", "CheckpointLoadError", "NonFiniteError", "check_finite_enabled", "ScheduleMismatchError"}
+                    "CollectiveError", "CollectiveTimeoutError", "DesyncError", "CheckpointLoadError", "NonFiniteError", "check_finite_enabled", "take_gradient_errors", "GradientError", "ScheduleMismatchError"}
     # The types are built (or raised) by the library itself, and ``*_ref`` are the plain-torch
     # references.
     covered = " ".join(MATRIX) + " " + " ".join(MATRIX_2_RANKS)
