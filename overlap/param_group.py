@@ -405,9 +405,17 @@ class ParamGroup:
 
         return hook
 
+    @property
+    def _gather_qlayout(self) -> Optional[QuantizedLayout]:
+        """The compressed all-gather's layout (``compress.gather``); None: the gather is exact."""
+        if self.compression is None or self.compression.gather is None:
+            return None
+        return quantized_layout(self.layout, self.compression.block)
+
     def all_gather_bytes(self) -> int:
-        if self.compression is not None and self.compression.gather is not None:
-            return quantized_layout(self.layout, self.compression.block).buffer_bytes
+        qlayout = self._gather_qlayout
+        if qlayout is not None:
+            return qlayout.buffer_bytes
         return self.layout.buffer_numel * self.gather_dtype.itemsize
 
     def issue_gather(self) -> None:
@@ -418,9 +426,9 @@ class ParamGroup:
         with _copy_in_stream(self.sharded[0]._local_tensor.device):  # type: ignore[attr-defined]
             with region(self.regions.all_gather_copy_in), _NoGrad():
                 shards = [self.local_rows(i) for i in range(len(self.sharded))]
-                if self.compression is not None and self.compression.gather is not None:
-                    ag_input, ag_output = _quantized_copy_in(
-                        shards, quantized_layout(self.layout, self.compression.block), self.rank)
+                qlayout = self._gather_qlayout
+                if qlayout is not None:
+                    ag_input, ag_output = _quantized_copy_in(shards, qlayout, self.rank)
                 else:  # the shards' own dtypes handed over: no read per shard
                     ag_input, ag_output = _all_gather_copy_in(
                         shards, self.layout, self.rank, self.gather_dtype, tuple(self.orig_dtypes))
@@ -468,8 +476,9 @@ class ParamGroup:
                 storage.resize_(placement.nbytes)
                 versions = tuple([u._version for u in outs])
                 try:
-                    if pending.ag_output.dtype == torch.uint8 and self.compression is not None:  # quantized
-                        self._quantized_copy_out(pending.ag_output, outs)
+                    qlayout = self._gather_qlayout
+                    if qlayout is not None:
+                        self._quantized_copy_out(pending.ag_output, qlayout, outs)
                     else:
                         _all_gather_copy_out(pending.ag_output, self.layout, outs, packed=self._unsharded_storage)
                 finally:  # what torch.autograd._unsafe_preserve_version_counter does on exit
@@ -478,12 +487,10 @@ class ParamGroup:
         _wait_then(pending.work, copy_out)
         self.is_unsharded = True
 
-    def _quantized_copy_out(self, ag_output: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    def _quantized_copy_out(self, ag_output: torch.Tensor, qlayout: QuantizedLayout, outs: list[torch.Tensor]) -> None:
         """Dequantize a compressed all-gather into the unsharded parameters. Off CUDA (the host has
         waited anyway) a non-finite block first raises, on every rank alike (each received every
         slot); on CUDA it arrives as NaN (no host sync)."""
-        assert self.compression is not None
-        qlayout = quantized_layout(self.layout, self.compression.block)
         if ag_output.device.type != "cuda":
             scales = qlayout.scales(ag_output)
             if not bool(torch.isfinite(scales).all()):
