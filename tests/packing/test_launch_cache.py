@@ -235,30 +235,29 @@ def _inputs(device: torch.device, seed: int) -> dict[str, list[torch.Tensor]]:
     }.items()}
 
 
-def _call(op: str, t: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The public op on ``t``; returns what it wrote (this rank's slot for the all-gather copy-in)."""
-    layout, rank = CASE_LAYOUT, CASE_RANK
-    if op == "all_gather_copy_in":
-        return [all_gather_copy_in(t["shards"], layout, rank, bf16)[0]]
-    if op == "all_gather_copy_out":
-        return all_gather_copy_out(t["ag_output"][0], layout, t["outs"])
-    if op == "reduce_scatter_copy_in":
-        return [reduce_scatter_copy_in(t["fulls"], layout, 1 / 3, bf16)]
-    reduce_scatter_copy_out(t["slot"][0], t["grads"], layout, rank, 0.5, True)
-    return t["grads"]
+# Each op's public function and its pure-torch reference (the same signature).
+OPS = {
+    "all_gather_copy_in": (all_gather_copy_in, all_gather_copy_in_ref),
+    "all_gather_copy_out": (all_gather_copy_out, all_gather_copy_out_ref),
+    "reduce_scatter_copy_in": (reduce_scatter_copy_in, reduce_scatter_copy_in_ref),
+    "reduce_scatter_copy_out": (reduce_scatter_copy_out, reduce_scatter_copy_out_ref),
+}
 
 
-def _reference(op: str, t: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """``_call``'s result by the pure-torch reference, on CPU copies of ``t``."""
+def _call(op: str, t: dict[str, list[torch.Tensor]], reference: bool = False) -> list[torch.Tensor]:
+    """The public op on ``t`` (or, with ``reference``, its pure-torch reference on CPU copies of
+    ``t``); returns what it wrote (this rank's slot for the all-gather copy-in)."""
     layout, rank = CASE_LAYOUT, CASE_RANK
-    t = {k: [x.cpu().clone() for x in v] for k, v in t.items()}
+    fn = OPS[op][reference]
+    if reference:
+        t = {k: [x.cpu().clone() for x in v] for k, v in t.items()}
     if op == "all_gather_copy_in":
-        return [all_gather_copy_in_ref(t["shards"], layout, rank, bf16)[0]]
+        return [fn(t["shards"], layout, rank, bf16)[0]]
     if op == "all_gather_copy_out":
-        return all_gather_copy_out_ref(t["ag_output"][0], layout, t["outs"])
+        return fn(t["ag_output"][0], layout, t["outs"])
     if op == "reduce_scatter_copy_in":
-        return [reduce_scatter_copy_in_ref(t["fulls"], layout, 1 / 3, bf16)]
-    reduce_scatter_copy_out_ref(t["slot"][0], t["grads"], layout, rank, 0.5, True)
+        return [fn(t["fulls"], layout, 1 / 3, bf16)]
+    fn(t["slot"][0], t["grads"], layout, rank, 0.5, True)
     return t["grads"]
 
 
@@ -300,6 +299,6 @@ def test_results_are_bitwise_across_cache_hits_and_misses(op: str) -> None:
                 for name in ("fulls", "shards", "ag_output", "slot"):
                     for t in tensors[name]:
                         t.copy_(make_tensor(t.shape, t.dtype, seed * 10 + again, specials=False))
-            expected = _reference(op, tensors)
+            expected = _call(op, tensors, reference=True)
             for result, ref in zip(_call(op, tensors), expected, strict=True):
                 assert_bitwise(result.cpu(), ref)
