@@ -97,6 +97,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
+from kernels.quantized_copy_in import QUANTIZED_DTYPES
 from overlap import agreement, desync, errors, local_optimizer_step, optimizer_check
 from overlap.class_swap import swapped_class
 from overlap.finite_check import NonFiniteError
@@ -1035,7 +1036,7 @@ def _check_compressible(module: nn.Module, params: list[nn.Parameter], locations
         if isinstance(p, DTensor):
             raise ValueError(f"{caller}: compress is not supported with tensor-parallel (DTensor) parameters yet "
                              f"({locs[0].fqn!r} of {name}); pass compress=None")
-        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if p.dtype not in QUANTIZED_DTYPES:  # what the quantizing copy-in takes
             raise TypeError(f"{caller}: compress needs float32, bfloat16 or float16 parameters; {locs[0].fqn!r} of "
                             f"{name} is {p.dtype} (pass compress=None)")
 
