@@ -17,7 +17,7 @@ modes) never sees the trial's graph, and the caller's own graph never sees the t
 takes the caller's intra-op thread count (a fresh thread's OpenMP team would take every core and
 spin beside gloo's threads: 100-300 ms passes where the caller's took 11-16 ms). The sibling
 gather a real layer holds ([Note: sibling layers share one gather]) is kept. Nothing the caller
-owns is read or written.
+owns is read or written, torch's default random generators included.
 
 Shapes (``w`` ranks; ``lead = gemm_rows / (w rows)``, at least 1; the weight ``out x in`` as the
 workload's):
@@ -50,15 +50,21 @@ _FUNCTIONS = {"gather": cm.AllGatherMatmul, "scatter": cm.MatmulReduceScatter,
 
 def _operands(work: Any, info: GroupInfo, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """``(input, weight, layout)`` of one synthetic pass of ``work`` (see the module's shape table);
-    the layout is ``(sizes, dim)`` for the sequence kinds, None for row blocks."""
+    the layout is ``(sizes, dim)`` for the sequence kinds, None for row blocks. The values come from
+    a generator of the trial's own: the caller's random streams (dropout, init) are not advanced."""
     w = info.size
-    weight = torch.randn(work.out_features, work.in_features, device=device).to(work.dtype)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=generator).to(work.dtype)
+
+    weight = randn(work.out_features, work.in_features)
     if work.kind in ("gather", "scatter"):
         lead = max(1, round(work.gemm_rows / max(1, w * work.rows)))
         seq = work.rows if work.kind == "gather" else w * work.rows
-        x = torch.randn(lead, seq, work.in_features, device=device).to(work.dtype)
-        return x, weight, ([work.rows] * w, 1)
-    return torch.randn(work.gemm_rows, work.in_features, device=device).to(work.dtype), weight, None
+        return randn(lead, seq, work.in_features), weight, ([work.rows] * w, 1)
+    return randn(work.gemm_rows, work.in_features), weight, None
 
 
 def _one_pass(work: Any, chunks: int, info: GroupInfo, x: torch.Tensor, weight: torch.Tensor, layout: Any,

@@ -902,6 +902,7 @@ def _trial_isolation_rank(rank: int, world: int) -> dict[str, Any]:
         return t
 
     returned = {}
+    rng = torch.random.get_rng_state()
     with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for kind in ("gather", "scatter", "all_reduce", "all_reduce_grad"):
             work = tp_chunks.Workload(kind, 32, 128, 16, 8, 1e3)
@@ -910,20 +911,22 @@ def _trial_isolation_rank(rank: int, world: int) -> dict[str, Any]:
         stopped = tp_chunks.trial_seconds(tp_chunks.Workload("gather", 32, 128, 16, 8, 1e3), (1, 3), info,
                                           torch.device("cpu"), 3, lambda elapsed: asked.append(elapsed) or False)
     return {"returned": returned, "hooked": hooked, "held kept": cm._shared_gather._full is held,
-            "stopped": (len(stopped), len(asked), all(e > 0 for e in asked))}
+            "stopped": (len(stopped), len(asked), all(e > 0 for e in asked)),
+            "rng kept": torch.equal(torch.random.get_rng_state(), rng)}
 
 
 def test_a_trial_times_each_kind_apart_from_the_caller(two_ranks: list[dict[str, Any]]) -> None:
     """A trial on 2 ranks returns its rounds of (chunks=1, candidate) seconds for every layer kind,
     runs its autograd graph apart from the caller's (no_grad and saved-tensor hooks of the caller
-    neither stop it nor see it), leaves a real layer's held sibling gather in place, and stops after
+    neither stop it nor see it), leaves a real layer's held sibling gather and the caller's random
+    stream in place, and stops after
     the round where ``go_on`` (given the seconds so far) says no; a real trial
     behind a link is agreed: every rank has the same timings and the same count."""
     import math
 
     for results in two_ranks:
         got = results["trial isolation"]
-        assert got["hooked"] == [] and got["held kept"], got
+        assert got["hooked"] == [] and got["held kept"] and got["rng kept"], got
         assert got["stopped"] == (1, 1, True), got  # go_on said no after the first of 3 rounds
         for kind, rounds in got["returned"].items():
             assert len(rounds) == 2 and all(len(r) == 2 and all(math.isfinite(t) and t > 0 for t in r)
