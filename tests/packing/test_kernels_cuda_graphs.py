@@ -12,7 +12,10 @@ checks is [Note: table memory] / [Note: tables in CUDA graphs] in ``kernels.tabl
   tables (pointer tables of capture-time addresses, and block tables) must stay valid for as long as
   the graph may replay;
 * tables whose upload copy was not yet seen complete at capture get their own copy in the graph,
-  and tables used first on another stream are waited for (eager).
+  and tables used first on another stream are waited for (eager);
+* the runtime's copy-out into views of one storage (``packed=``, [Note: packed placements] in
+  ``kernels._launch``: its table is keyed on the storage's address) replays the same after that
+  table was evicted from the layout's cache by 2 x ``POINTER_CACHE_SIZE`` other storages.
 
 The same rules are checked with a fake CUDA runtime on CPU in tests/packing/test_kernels_table_memory.py.
 """
@@ -38,6 +41,7 @@ from kernels import (
     reduce_scatter_copy_out_ref,
     table_memory,
 )
+from kernels.all_gather_copy_out import _all_gather_copy_out
 
 pytestmark = [
     pytest.mark.gpu,
@@ -182,3 +186,46 @@ def test_first_use_on_another_stream_waits_for_the_upload() -> None:
         outputs = step()
     torch.cuda.synchronize()
     assert_results(step, outputs, expected)
+
+
+def test_packed_copy_out_replays_after_its_table_was_evicted() -> None:
+    device = torch.device("cuda")
+    layout = ShardLayout(SHAPES, WORLD_SIZE)
+    placement = _launch.PackedPlacement.of(layout.shapes, [f32] * len(layout.shapes))
+    storage = torch.empty(placement.nbytes, dtype=torch.uint8, device=device).untyped_storage()
+    outs = placement.views(storage)
+    ag_buffer = torch.empty(layout.buffer_numel, dtype=bf16, device=device)
+
+    def body() -> None:  # what ParamGroup runs to unshard: one launch keyed on the storage
+        _all_gather_copy_out(ag_buffer, layout, outs, packed=(storage, placement))
+
+    def replay_and_compare(seeds: range) -> None:
+        for seed in seeds:
+            gen = torch.Generator(device=device).manual_seed(seed)
+            ag_buffer.copy_(torch.randn(ag_buffer.shape, generator=gen, device=device))
+            expected = all_gather_copy_out_ref(ag_buffer, layout, [torch.empty_like(o) for o in outs])
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            for got, want in zip(outs, expected):
+                assert torch.equal(got, want)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles, builds the packed table)
+        body()
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    replay_and_compare(range(2))
+    others = [torch.empty(placement.nbytes, dtype=torch.uint8, device=device).untyped_storage()
+              for _ in range(2 * _launch.POINTER_CACHE_SIZE)]
+    for other in others:  # each a new address: the captured table leaves the layout's cache
+        _all_gather_copy_out(ag_buffer, layout, placement.views(other), packed=(other, placement))
+    del others
+    gc.collect()
+    torch.cuda.synchronize()
+    replay_and_compare(range(2, 4))
