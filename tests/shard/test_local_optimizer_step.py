@@ -246,25 +246,44 @@ def test_mixed_specs_fall_back_to_the_dtensor_path(single_rank_group: dist.Proce
     assert all(torch.equal(a, b) for a, b in zip(local["values"], reference["values"]))
 
 
-def test_fsdp2_parameters_are_not_touched(single_rank_group: dist.ProcessGroup) -> None:
-    """FSDP2's DTensor parameters (unmarked) run torch's code: neither counter moves, whether they
-    come first in the group or after the runtime's parameters (then the call falls back)."""
+def _fsdp2_and_ours() -> tuple[nn.Module, Net]:
     from torch.distributed.fsdp import fully_shard
 
-    overlap.shard(nn.Linear(2, 2))  # the wrappers are installed
     torch.manual_seed(0)
     fsdp2 = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     fully_shard(fsdp2)
-    ours = _sharded_net()
-    for params, expected in (([*fsdp2.parameters()], (0, 0)), ([*ours.parameters(), *fsdp2.parameters()], (0, 1))):
-        for foreach in (False, True):
-            opt = torch.optim.AdamW(params, lr=1e-2, foreach=foreach)
-            opt.zero_grad(set_to_none=True)
-            fsdp2(_batch(0, 0)).sum().backward()
-            ours(_batch(0, 0)).sum().backward()
-            engaged, fell_back = los.engaged, los.fell_back
-            opt.step()
-            assert (los.engaged - engaged, los.fell_back - fell_back) == expected, (foreach, expected)
+    return fsdp2, _sharded_net()
+
+
+def test_fsdp2_parameters_are_not_touched(single_rank_group: dist.ProcessGroup) -> None:
+    """A group of FSDP2's DTensor parameters (unmarked) runs torch's code: neither counter moves.
+    Grouped after the runtime's parameters (the first is marked), they step on their local tensors
+    too, bitwise as torch's DTensor path (see [Note: what the checks read])."""
+    overlap.shard(nn.Linear(2, 2))  # the wrappers are installed
+    for foreach in (False, True):
+        results = []
+        for local_step in (True, False):
+            previous = overlap.set_local_optimizer_step(local_step)
+            try:
+                fsdp2, ours = _fsdp2_and_ours()
+                counts = []
+                for params in ([*fsdp2.parameters()], [*ours.parameters(), *fsdp2.parameters()]):
+                    opt = torch.optim.AdamW(params, lr=1e-2, foreach=foreach)
+                    for step in range(2):
+                        opt.zero_grad(set_to_none=True)
+                        fsdp2(_batch(step, 0)).sum().backward()
+                        ours(_batch(step, 0)).sum().backward()
+                        engaged, fell_back = los.engaged, los.fell_back
+                        opt.step()
+                        counts.append((los.engaged - engaged, los.fell_back - fell_back))
+                values = [p._local_tensor.clone() for p in [*fsdp2.parameters(), *ours.parameters()]]
+            finally:
+                overlap.set_local_optimizer_step(previous)
+            results.append((counts, values))
+        (counts, values), (reference_counts, reference_values) = results
+        assert counts == [(0, 0), (0, 0), (1, 0), (1, 0)], (foreach, counts)
+        assert reference_counts == [(0, 0)] * 4, (foreach, reference_counts)
+        assert all(torch.equal(a, b) for a, b in zip(values, reference_values)), foreach
 
 
 def test_install_is_idempotent_and_chains() -> None:
