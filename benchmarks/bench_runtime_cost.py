@@ -26,8 +26,9 @@ sharded DTensors of overlap and FSDP2), timed on ``opt.step()`` alone after one 
 gradients in place; ratio overlap / FSDP2. Optimizers (``OPTIMIZERS``): AdamW with the default
 ``foreach=None`` (on CPU torch then picks the per-tensor loop: its foreach default covers CUDA-like
 devices only), ``foreach=False``, ``foreach=True`` (what the default gives on GPUs) and
-``fused=True``; SGD with momentum 0.9, default and ``foreach=True`` (fused SGD is left out: torch has
-no DTensor strategy for it, FSDP2's step raises). overlap.shard runs twice: as shipped (its steps run
+``fused=True``; SGD with momentum 0.9, default, ``foreach=True`` and ``fused=True`` (fused SGD has
+no DTensor strategy in torch: FSDP2's step and the DTensor path raise, so that row has plain and
+overlap.shard only; "-" in the others). overlap.shard runs twice: as shipped (its steps run
 on the local tensors, ``overlap/local_optimizer_step.py``) and with that turned off
 (``overlap.set_local_optimizer_step(False)`` around the step: torch's DTensor path, what FSDP2 runs).
 
@@ -105,7 +106,9 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "AdamW fused=True": (torch.optim.AdamW, {"lr": 1e-4, "fused": True}),
     "SGD momentum default (per-tensor on CPU)": (torch.optim.SGD, {"lr": 1e-4, "momentum": 0.9}),
     "SGD momentum foreach=True": (torch.optim.SGD, {"lr": 1e-4, "momentum": 0.9, "foreach": True}),
+    "SGD momentum fused=True": (torch.optim.SGD, {"lr": 1e-4, "momentum": 0.9, "fused": True}),
 }
+NO_DTENSOR_PATH = {"SGD momentum fused=True"}  # torch has no DTensor strategy for aten._fused_sgd_: those raise
 
 
 class Block(nn.Module):
@@ -201,9 +204,11 @@ def main(argv: list[str] | None = None) -> None:
                 fwd[f"{setup}|{mode}"] = _fwd_bwd(_shard(mode, _model(args.blocks, model_dtype), mp_dtype), xin)
                 if mp_dtype is None:  # under MP the optimizer sees the same fp32 shards as "fp32"
                     for impl, (optimizer, kwargs) in OPTIMIZERS.items():
+                        if impl in NO_DTENSOR_PATH and mode == "torch FSDP2":
+                            continue
                         model = _shard(mode, _model(args.blocks, dtype), None)
                         opt[f"{setup}, {impl}|{mode}"] = _opt_step(model, xin, optimizer, kwargs)
-                        if mode == "overlap.shard":
+                        if mode == "overlap.shard" and impl not in NO_DTENSOR_PATH:
                             model = _shard(mode, _model(args.blocks, dtype), None)
                             opt[f"{setup}, {impl}|{DTENSOR_PATH}"] = _opt_step(model, xin, optimizer, kwargs,
                                                                                 local_step=False)
@@ -229,9 +234,13 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for setup in dict.fromkeys(key.split("|")[0] for key in opt_s):
-        t = {mode: med(opt_s[f"{setup}|{mode}"]) for mode in OPT_MODES}
+        t = {mode: med(opt_s[f"{setup}|{mode}"]) for mode in OPT_MODES if f"{setup}|{mode}" in opt_s}
         for mode in OPT_MODES:
-            ratio = f"{t[mode] / t['torch FSDP2']:.2f}x" if mode.startswith("overlap.shard") else "-"
+            if mode not in t:
+                rows.append([setup, mode, "- (raises)", "-", "-"])
+                continue
+            fsdp2 = t.get("torch FSDP2")
+            ratio = f"{t[mode] / fsdp2:.2f}x" if mode.startswith("overlap.shard") and fsdp2 else "-"
             rows.append([setup, mode, f"{1e6 * t[mode]:.0f}", f"{t[mode] / t['plain']:.2f}x", ratio])
     emit(f"Optimizer step: torch.optim.AdamW and SGD over the {2 * n} parameters of {n} Linear({WIDTH}, {WIDTH}) "
          f"blocks (plain tensors vs sharded DTensors), world size 1; {over} of {args.repeats} interleaved rounds "

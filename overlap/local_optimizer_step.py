@@ -18,7 +18,9 @@ Contract
   ``overlap.shard`` (O(1) for every other caller: FSDP2's and other DTensor users' steps run
   torch's code unchanged), the fast path is on (:func:`set_local_optimizer_step`), nothing is
   being compiled, grad mode is off and ``differentiable`` is not set, and for every index ``i``:
-  the parameter is a DTensor made by ``overlap.shard``; every per-parameter tensor at ``i``
+  the parameter is a DTensor (exactly that type; only the first one's mark is read, so a DTensor
+  of another library grouped after the runtime's steps on its local tensor too, exact by the same
+  Note; see [Note: what the checks read]); every per-parameter tensor at ``i``
   (gradient, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, momentum buffer) is a DTensor with
   the parameter's mesh, placements, shard order and global shape (a momentum buffer may be
   ``None``: created by the step); no placement is ``Partial``; this rank is in the mesh; the step
@@ -27,7 +29,7 @@ Contract
   every DTensor replaced by its ``_local_tensor``.
 * **When it falls back**: otherwise the original runs unchanged on the DTensors (torch's path,
   whatever it does: compute, redistribute or raise). :data:`engaged` and :data:`fell_back` count
-  the calls of each kind over the runtime's parameters.
+  the calls of each kind over groups whose first parameter is the runtime's.
 * **Created state**: SGD's momentum buffers are created inside the step on the first step
   (``grad.clone()``, or ``empty_like(grad)`` for fused) and written into state by ``SGD.step``;
   each is returned as ``DTensor(local buffer, gradient's spec)``, the spec DTensor's sharding
@@ -40,15 +42,17 @@ Contract
   torch's own code, run with torch-function dispatch for tensor subclasses turned off
   (``torch._C.DisableTorchFunctionSubclass``) when the group's first parameter was sharded by
   ``overlap.shard``, the fast path is on, nothing is being compiled, ``differentiable`` is not set,
-  every parameter of the group is a DTensor and every gradient a DTensor or ``None``; otherwise
-  unchanged. See [Note: gathering the lists without torch-function lookups].
+  the lists are passed positionally and every parameter of the group is a DTensor; the gradients
+  it gathered are checked afterwards. Where one is not a DTensor, or where that pass raised, the
+  lists are emptied and torch's code runs again as it is (its lookups, its result or its error);
+  otherwise unchanged. See [Note: gathering the lists without torch-function lookups].
 * **Installing**: :func:`install` runs at the first ``overlap.shard`` (importing ``overlap``
   changes nothing), once: each wrapper chains to the function that was there, and a function that is
   already one of ours is left alone. ``OVERLAP_LOCAL_OPTIMIZER_STEP`` (a boolean flag, default on)
   is read when it installs; :func:`set_local_optimizer_step` overrides it at any time.
 
 Cost and caching: the checks are whole-list passes (``map`` over C getters, identity comparisons),
-about 0.5 µs per parameter per call for AdamW on this project's CPU box. What is cached, and why it
+about 0.35 µs per parameter per call for fused AdamW on this project's CPU box. What is cached, and why it
 is safe:
 
 * *cached*: spec lists found acceptable, keyed by the tuple of the specs' ``id`` s: the parameters'
@@ -59,12 +63,14 @@ is safe:
   specs' mesh, placements, shard order and shape, which DTensor treats as immutable once a spec
   belongs to a tensor (it caches the spec's hash and keys its sharding-propagation cache on it).
   Entries pin small spec objects, never tensors; each cache starts over past 1024 entries. Each
-  parameter entry also keeps, per argument position, the state spec list accepted there last: the
-  next step's list is checked against it by identity (``map(is_, ...)``), without building and
-  hashing its key (about 6 µs less per list of 128 on this box).
-* *not cached*: anything about tensors: their types, the parameters' ``overlap.shard`` mark, the
-* *not cached*: anything about tensors: their types, the parameters' ``overlap.shard`` mark, the
-  gradients' specs (the runtime makes new gradient DTensors; they carry the parameter's spec object,
+  parameter entry also keeps, per argument position, the state spec list accepted there last, and
+  the entry accepted last is kept under the id of its first spec: the next step's lists are
+  compared with those by list ``==`` (identity per element in C, ``DTensorSpec.__eq__`` only for
+  an element that is another object: equal specs have the same layout), without building and
+  hashing a key (about 6 µs less per list of 128 on this box, and 2 µs more than ``map(is_, ...)``
+  saved per list).
+* *not cached*: anything about tensors: their types, the first parameter's ``overlap.shard`` mark,
+  the gradients' specs (the runtime makes new gradient DTensors; they carry the parameter's spec object,
   so one identity test per gradient), the local tensors. Pinning tensors would keep their memory
   alive, and ids of freed tensors are reused.
 
@@ -77,13 +83,36 @@ the gathering 2x its cost over plain parameters (AdamW 183 vs 93 µs, SGD 102 vs
 project's CPU box). DTensor's (and ``nn.Parameter``'s) ``__torch_function__`` is
 ``torch._C._disabled_torch_function_impl``, the marker that means "no override": the lookup finds it
 and dispatch goes on exactly as for a plain tensor. ``DisableTorchFunctionSubclass`` skips the lookup
-for every subclass, so for a group whose parameters and gradients are DTensors (checked, the
-gradients' types read inside the context: that read is itself cheap there) nothing it reads has an
-override to skip, and the results, the state it creates (``zeros_like`` goes through DTensor's
+for every subclass, so for a group whose parameters and gradients are DTensors nothing it reads has
+an override to skip, and the results, the state it creates (``zeros_like`` goes through DTensor's
 ``__torch_dispatch__``, untouched) and the errors it raises are the same. Torch-function *modes*
 stay active (the context does not disable them). Installed only where DTensor's
 ``__torch_function__`` is that marker (:func:`install` checks). With it, AdamW's gathering over the
 same 128 parameters took 118 µs and SGD's 57 µs.
+
+The parameters are checked before (the pass creates state from them); the gradients after, in the
+list the pass filled (``grads``, the second list of both signatures): one type pass over the
+gathered list instead of reading every ``p.grad`` once more before (about 10 µs per 128
+parameters). A gradient that is not a DTensor (a plain tensor, or a subclass whose override the
+pass skipped when it read ``is_sparse``) sends the group through torch's code again from empty
+lists, so its override runs; so does any exception of the pass (torch's code raises it again, or
+not, with every lookup). Running the pass twice is safe: what it does besides filling the lists is
+creating missing state from the parameters (DTensors, the same with or without the context; the
+second pass finds it and creates nothing) and, for fused SGD, recording that the device check
+passed.
+
+[Note: what the checks read]
+Per index, the checks read the type and ``_spec`` of every DTensor and its ``_local_tensor`` (the
+list the original then runs on): a DTensor's instance layout keeps these beside each other, and
+``_spec`` s are compared by identity, without reading the spec objects. Until 2026-11-26 every
+parameter's ``overlap.shard`` mark was read too: a lookup in each parameter's instance dict, a
+different object per parameter. In a loop over one optimizer that cost 4 µs per 128 parameters;
+in ``bench_runtime_cost``'s rounds, where each step starts with caches that other models' steps
+have just used, it cost 40-80 µs (fused AdamW and SGD, 128 parameters, on this project's CPU
+box). Only the first parameter's mark is read now, as the gate that keeps every other caller's
+groups on torch's code. Marks were never needed for exactness: [Note: why the local step is exact]
+holds for any DTensors whose specs agree at each index, hold no ``Partial`` and whose mesh holds
+this rank, whichever library made them.
 
 [Note: why the local step is exact]
 Adam, AdamW and SGD are elementwise: every op of their steps reads and writes tensors of one index
@@ -106,8 +135,7 @@ import functools
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import attrgetter, is_
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -127,7 +155,7 @@ ENV = "OVERLAP_LOCAL_OPTIMIZER_STEP"
 engaged: int = 0
 """Calls of a wrapped inner function that ran on local tensors."""
 fell_back: int = 0
-"""Calls over the runtime's parameters (first one marked) that ran torch's DTensor path instead."""
+"""Calls over groups whose first parameter is the runtime's that ran torch's DTensor path instead."""
 
 _explicit: bool | None = None  # set_local_optimizer_step's setting; None: follow ENV
 _enabled = True
@@ -147,6 +175,8 @@ class _AcceptedParams:
     spec list of the state tensors last accepted beside it (see ``_layouts_match``)."""
 
     specs: list[DTensorSpec]
+    key: tuple[int, ...]
+    """``specs``' ids."""
     last_lists: dict[int, list[DTensorSpec]]
 
 
@@ -154,6 +184,9 @@ _checked_params: dict[tuple[int, ...], _AcceptedParams] = {}
 """Parameter spec lists (keyed by their ids) whose meshes and placements were accepted."""
 _checked_lists: dict[tuple[int, ...], tuple[list[DTensorSpec], list[DTensorSpec], tuple[int, ...]]] = {}
 """Spec lists (keyed by their ids) accepted as laid out like a parameter spec list (its ids last)."""
+_params_by_first: dict[int, _AcceptedParams] = {}
+"""The parameter spec list accepted last whose first spec has this id (one step's list, found again
+by the next step without building and hashing its key)."""
 _CACHE_MAX = 1024  # entries per cache before it starts over (each pins a list of small spec objects)
 
 
@@ -178,7 +211,6 @@ _INIT_GROUP_OWNERS: tuple[tuple[str, str], ...] = (("torch.optim.adam", "Adam"),
                                                    ("torch.optim.sgd", "SGD"))
 """Classes whose own ``_init_group`` is wrapped (AdamW inherits Adam's on torch 2.11-2.15: then skipped)."""
 _NO_SUBCLASS_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
-_GRAD = attrgetter("grad")
 
 _ADAM = _Signature(dtensor_lists=5, steps_list=5, created_list=None)  # params grads exp_avgs exp_avg_sqs max_exp_avg_sqs
 _SGD = _Signature(dtensor_lists=3, steps_list=None, created_list=2)  # params grads momentum_buffer_list
@@ -258,11 +290,19 @@ def _wrap_init_group(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         params = group["params"]
-        if (_enabled and params and not torch.compiler.is_compiling() and getattr(params[0], MARK, None) is not None
-                and not group.get("differentiable", False) and set(map(type, params)) == _DTENSOR_ONLY):
-            with _NO_SUBCLASS_TORCH_FUNCTION():
-                if _DTENSOR_OR_NONE.issuperset(map(type, map(_GRAD, params))):
-                    return original(self, group, *args, **kwargs)
+        if (_enabled and len(args) >= 2 and params and not torch.compiler.is_compiling()
+                and getattr(params[0], MARK, None) is not None and not group.get("differentiable", False)
+                and set(map(type, params)) == _DTENSOR_ONLY):
+            try:
+                with _NO_SUBCLASS_TORCH_FUNCTION():
+                    result = original(self, group, *args, **kwargs)
+                if set(map(type, args[1])) <= _DTENSOR_ONLY:  # the gradients it read: see the Note
+                    return result
+            except Exception:  # noqa: BLE001 - torch's path below raises it again, or not
+                pass
+            for gathered in args:  # start over: torch's path, with every lookup
+                if isinstance(gathered, list):
+                    gathered.clear()
         return original(self, group, *args, **kwargs)
 
     setattr(init_group, _WRAPPED, original)
@@ -281,15 +321,14 @@ def _local_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], signature: _
         return None
     params = args[0]
     n = len(params)
-    if set(map(type, params)) != _DTENSOR_ONLY or not all(map(hasattr, params, repeat(MARK, n))):
+    if set(map(type, params)) != _DTENSOR_ONLY:  # the first one is marked (the wrapper's test)
         return None
     if signature.steps_list is not None:
         steps = args[signature.steps_list]
         if len(steps) != n or DTensor in set(map(type, steps)):
             return None
     specs = list(map(_SPEC, params))
-    param_key = tuple(map(id, specs))
-    accepted = _meshes_and_placements_allowed(specs, param_key)
+    accepted = _meshes_and_placements_allowed(specs)
     if accepted is None:
         return None
     local_args = list(args)
@@ -302,7 +341,7 @@ def _local_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], signature: _
             return None
         types = set(map(type, lst))
         if types == _DTENSOR_ONLY:
-            if not _layouts_match(list(map(_SPEC, lst)), accepted, param_key, j):
+            if not _layouts_match(list(map(_SPEC, lst)), accepted, j):
                 return None
             local_args[j] = list(map(_LOCAL, lst))
         elif j == signature.created_list and types <= _DTENSOR_OR_NONE:
@@ -314,43 +353,54 @@ def _local_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], signature: _
     return local_args
 
 
-def _meshes_and_placements_allowed(specs: list[DTensorSpec], key: tuple[int, ...]) -> _AcceptedParams | None:
-    """This rank is in every mesh and no placement is ``Partial`` (the cache entry), else None;
-    ``key`` is ``specs``' ids."""
+def _meshes_and_placements_allowed(specs: list[DTensorSpec]) -> _AcceptedParams | None:
+    """This rank is in every mesh and no placement is ``Partial`` (the cache entry), else None.
+
+    The list accepted last with the same first spec object is compared first (``==`` on lists
+    tests identity per element before calling ``DTensorSpec.__eq__``: one C pass when the specs
+    are those objects; specs equal to them have the same meshes and placements), then the lists
+    accepted before, keyed by their ids."""
+    accepted = _params_by_first.get(id(specs[0]))
+    if accepted is not None and accepted.specs == specs:
+        return accepted
+    key = tuple(map(id, specs))
     accepted = _checked_params.get(key)
     if accepted is not None:
+        _remember(_params_by_first, id(specs[0]), accepted)
         return accepted
     meshes = {id(m): m for m in map(_MESH, specs)}
     placements = set(map(_PLACEMENTS, specs))
     if any(m.get_coordinate() is None for m in meshes.values()) \
             or any(pl.is_partial() for pls in placements for pl in pls):
         return None
-    accepted = _AcceptedParams(specs, {})
+    accepted = _AcceptedParams(specs, key, {})
     _remember(_checked_params, key, accepted)
+    _remember(_params_by_first, id(specs[0]), accepted)
     return accepted
 
 
-def _layouts_match(specs: list[DTensorSpec], accepted: _AcceptedParams, param_key: tuple[int, ...],
-                   position: int) -> bool:
+def _layouts_match(specs: list[DTensorSpec], accepted: _AcceptedParams, position: int) -> bool:
     """Does each ``specs[i]`` (of the list at argument ``position``) lay out its tensor as
-    ``accepted.specs[i]`` (see :func:`_same_layout`)? ``param_key`` is ``accepted.specs``' ids.
+    ``accepted.specs[i]`` (see :func:`_same_layout`)?
 
     Identity first (the runtime's gradients carry their parameter's spec), then the spec objects of
     the list accepted last at this position (state tensors keep their DTensors, hence their specs,
-    from step to step: one identity pass, no key), then the lists accepted before (keyed by ids),
-    then the comparison."""
+    from step to step: one pass, no key), then the lists accepted before (keyed by ids), then the
+    comparison. The first two are list ``==``: identity per element in C, ``DTensorSpec.__eq__``
+    (mesh, placements, shard order, shape, stride, dtype: a stricter test than the layout's) only
+    where an element is another object."""
     param_specs = accepted.specs
-    if specs[0] is param_specs[0] and specs == param_specs:  # identity per element first, in C
+    if specs[0] is param_specs[0] and specs == param_specs:
         return True
     last = accepted.last_lists.get(position)
-    if last is not None and all(map(is_, specs, last)):
+    if last is not None and specs[0] is last[0] and specs == last:
         return True
     key = tuple(map(id, specs))
     seen = _checked_lists.get(key)
-    if seen is None or seen[2] != param_key:
+    if seen is None or seen[2] != accepted.key:
         if not all(s is ps or _same_layout(s, ps) for s, ps in zip(specs, param_specs)):
             return False
-        _remember(_checked_lists, key, (specs, param_specs, param_key))
+        _remember(_checked_lists, key, (specs, param_specs, accepted.key))
     accepted.last_lists[position] = specs  # pins small spec objects only, as the caches do
     return True
 

@@ -246,25 +246,44 @@ def test_mixed_specs_fall_back_to_the_dtensor_path(single_rank_group: dist.Proce
     assert all(torch.equal(a, b) for a, b in zip(local["values"], reference["values"]))
 
 
-def test_fsdp2_parameters_are_not_touched(single_rank_group: dist.ProcessGroup) -> None:
-    """FSDP2's DTensor parameters (unmarked) run torch's code: neither counter moves, whether they
-    come first in the group or after the runtime's parameters (then the call falls back)."""
+def _fsdp2_and_ours() -> tuple[nn.Module, Net]:
     from torch.distributed.fsdp import fully_shard
 
-    overlap.shard(nn.Linear(2, 2))  # the wrappers are installed
     torch.manual_seed(0)
     fsdp2 = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     fully_shard(fsdp2)
-    ours = _sharded_net()
-    for params, expected in (([*fsdp2.parameters()], (0, 0)), ([*ours.parameters(), *fsdp2.parameters()], (0, 1))):
-        for foreach in (False, True):
-            opt = torch.optim.AdamW(params, lr=1e-2, foreach=foreach)
-            opt.zero_grad(set_to_none=True)
-            fsdp2(_batch(0, 0)).sum().backward()
-            ours(_batch(0, 0)).sum().backward()
-            engaged, fell_back = los.engaged, los.fell_back
-            opt.step()
-            assert (los.engaged - engaged, los.fell_back - fell_back) == expected, (foreach, expected)
+    return fsdp2, _sharded_net()
+
+
+def test_fsdp2_parameters_are_not_touched(single_rank_group: dist.ProcessGroup) -> None:
+    """A group of FSDP2's DTensor parameters (unmarked) runs torch's code: neither counter moves.
+    Grouped after the runtime's parameters (the first is marked), they step on their local tensors
+    too, bitwise as torch's DTensor path (see [Note: what the checks read])."""
+    overlap.shard(nn.Linear(2, 2))  # the wrappers are installed
+    for foreach in (False, True):
+        results = []
+        for local_step in (True, False):
+            previous = overlap.set_local_optimizer_step(local_step)
+            try:
+                fsdp2, ours = _fsdp2_and_ours()
+                counts = []
+                for params in ([*fsdp2.parameters()], [*ours.parameters(), *fsdp2.parameters()]):
+                    opt = torch.optim.AdamW(params, lr=1e-2, foreach=foreach)
+                    for step in range(2):
+                        opt.zero_grad(set_to_none=True)
+                        fsdp2(_batch(step, 0)).sum().backward()
+                        ours(_batch(step, 0)).sum().backward()
+                        engaged, fell_back = los.engaged, los.fell_back
+                        opt.step()
+                        counts.append((los.engaged - engaged, los.fell_back - fell_back))
+                values = [p._local_tensor.clone() for p in [*fsdp2.parameters(), *ours.parameters()]]
+            finally:
+                overlap.set_local_optimizer_step(previous)
+            results.append((counts, values))
+        (counts, values), (reference_counts, reference_values) = results
+        assert counts == [(0, 0), (0, 0), (1, 0), (1, 0)], (foreach, counts)
+        assert reference_counts == [(0, 0)] * 4, (foreach, reference_counts)
+        assert all(torch.equal(a, b) for a, b in zip(values, reference_values)), foreach
 
 
 def test_install_is_idempotent_and_chains() -> None:
@@ -336,6 +355,101 @@ def test_init_group_runs_without_torch_function_lookups_only_for_the_runtimes_gr
         opt.zero_grad(set_to_none=True)
 
 
+class _LookupCounting(torch.Tensor):
+    """A gradient type with a ``__torch_function__`` of its own: counts the calls that reach it."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _gathered(opt: torch.optim.Optimizer, lists: int, local_step: bool) -> tuple[list[list[Any]], set[bool]]:
+    """``opt._init_group``'s lists for its first group (``lists`` of them), and whether torch-function
+    dispatch was on at its state lookups."""
+    gathered: list[list[Any]] = [[] for _ in range(lists)]
+    opt.state = _TorchFunctionProbe(opt.state)  # type: ignore[assignment]
+    previous = overlap.set_local_optimizer_step(local_step)
+    try:
+        opt._init_group(opt.param_groups[0], *gathered)
+    finally:
+        overlap.set_local_optimizer_step(previous)
+    return gathered, opt.state.seen  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.SGD])
+def test_init_group_gathers_again_with_lookups_when_a_gradient_is_not_a_dtensor(
+        single_rank_group: dist.ProcessGroup, optimizer: type[torch.optim.Optimizer]) -> None:
+    """A gradient of another type (here a subclass with a ``__torch_function__``) is found in the
+    gathered list after the lookup-free pass: the lists are gathered again by torch's path, whose
+    lookups reach that override, and hold each parameter once, as with the fast path off."""
+    net = _sharded_net()
+    kwargs = {"lr": 1e-2, "momentum": 0.9} if optimizer is torch.optim.SGD else {"lr": 1e-2}
+    lists = 3 if optimizer is torch.optim.SGD else 6
+    net(_batch(0, 0)).sum().backward()
+    weight = net.blocks[0][0].weight
+    weight.grad = weight.grad._local_tensor.clone().as_subclass(_LookupCounting)
+    results = []
+    for local_step in (True, False):
+        opt = optimizer(net.parameters(), **kwargs)
+        _LookupCounting.calls = 0
+        gathered, seen = _gathered(opt, lists, local_step)
+        results.append((gathered, seen, _LookupCounting.calls))
+    (fast, fast_seen, fast_calls), (torchs, torchs_seen, torchs_calls) = results
+    assert torchs_seen == {True} and True in fast_seen, (fast_seen, torchs_seen)
+    assert fast_calls == torchs_calls > 0, (fast_calls, torchs_calls)
+    assert [len(g) for g in fast] == [len(g) for g in torchs]
+    assert len(fast[0]) == len(list(net.parameters()))
+    for got, want in zip(fast[:2], torchs[:2]):  # parameters and gradients: the same objects, in order
+        assert all(a is b for a, b in zip(got, want))
+
+
+def test_init_group_error_is_torchs(single_rank_group: dist.ProcessGroup) -> None:
+    """An error raised by ``_init_group`` in the lookup-free pass (a tensor ``lr`` with
+    ``foreach=True``, refused there) is raised again by torch's path: the same message."""
+    net = _sharded_net()
+    net(_batch(0, 0)).sum().backward()
+    messages = []
+    for local_step in (True, False):
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=True)
+        opt.param_groups[0]["lr"] = torch.tensor(1e-2)
+        with pytest.raises(RuntimeError) as error:
+            _gathered(opt, 6, local_step)
+        messages.append(str(error.value))
+        assert True in opt.state.seen  # type: ignore[attr-defined]
+    assert messages[0] == messages[1] and "lr as a Tensor" in messages[0], messages
+
+
+def test_a_spec_list_sharing_its_first_spec_is_checked_again(single_rank_group: dist.ProcessGroup) -> None:
+    """The parameter spec list accepted last is found again by its first spec: a list of the same
+    length and first spec with a ``Partial()`` parameter in place of the last one falls back
+    (torch's path then refuses or not, by version: ``test_mixed_specs_fall_back_to_the_dtensor_path``
+    compares that outcome), and the accepted list still engages afterwards."""
+    net = _sharded_net()
+    params = list(net.parameters())
+    mesh = params[0].device_mesh
+    partial = nn.Parameter(DTensor.from_local(torch.arange(6.0).reshape(2, 3), mesh, [Partial()]))
+    setattr(partial, los.MARK, object())  # as if the runtime had made it
+    outcomes = []
+    for group in (params, [*params[:-1], partial], params):
+        opt = torch.optim.AdamW(group, lr=1e-2, foreach=True)
+        opt.zero_grad(set_to_none=True)
+        net(_batch(0, 0)).square().sum().backward()
+        partial.grad = DTensor.from_local(torch.ones(2, 3), mesh, [Partial()])
+        engaged, fell_back = los.engaged, los.fell_back
+        try:
+            opt.step()
+        except RuntimeError:
+            pass
+        outcomes.append((los.engaged - engaged, los.fell_back - fell_back))
+    assert outcomes == [(1, 0), (0, 1), (1, 0)], outcomes
+    specs = [p._spec for p in params]  # the parameters' own check, without the other lists' behind it
+    for group_specs, allowed in ((specs, True), ([*specs[:-1], partial._spec], False), (specs, True)):
+        assert (los._meshes_and_placements_allowed(group_specs) is not None) == allowed, allowed
+
+
 def test_set_local_optimizer_step_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Explicit settings win; ``None`` follows ``OVERLAP_LOCAL_OPTIMIZER_STEP`` (default on)."""
     previous = overlap.set_local_optimizer_step(False)
@@ -360,7 +474,8 @@ def _rank_world2(rank: int, world_size: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     hsdp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     results = {"sharded": _local_vs_dtensor_path(rank)}
-    results["hsdp"] = _local_vs_dtensor_path(rank, hsdp, ("adamw-foreach", "adamw-single", "sgd-momentum-foreach"))
+    results["hsdp"] = _local_vs_dtensor_path(rank, hsdp, ("adamw-foreach", "adamw-single", "sgd-momentum-foreach",
+                                                          *(("adamw-fused",) if FUSED_CPU else ())))
     results["hsdp_placements"] = sorted({str(p.placements) for p in _sharded_net(hsdp).parameters()})
     return results
 
