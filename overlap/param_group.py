@@ -734,7 +734,13 @@ class ParamGroup:
         against a float32 ring all-reduce's ``8 n (R-1)/R`` (0.254x). Each element is quantized twice
         (once per stage), each time within ``absmax / 254`` of its block. The first stage waits on
         the host (the owner needs the sums before it can send them): this tier's collectives are
-        issued in order, not overlapped with each other.
+        issued in order, not overlapped with each other. Because it blocks the host, the runtime
+        issues it right behind the reduce-scatter (``_Root._reduce`` in ``overlap/sharding.py``), at the same point of
+        the program on every rank, not at the CPU path's "reduce-scatter found done" poll: a host
+        wait at a point that depends on timing deadlocks across tiers (found at 2x2 by
+        ``bench_hsdp --compression``: replica 0 waited in this all-to-all for replica 2, which waited
+        at a first use for a gather its shard peer had not issued, that peer waited in its own
+        all-to-all for a replica stuck behind rank 0's missing gather).
         """
         assert self.replicate is not None and self.compression is not None
         buffer, fmt = pending.rs_output, self.quantized_replica_sum or ""

@@ -675,8 +675,12 @@ class _Root:
                 if pending is not None:
                     self._track(pending.work)
                     if pending.needs_all_reduce and (pending.work is None or pending.rs_output.is_cuda
+                                                     or group.quantized_replica_sum is not None
                                                      or desync.debug_enabled()):
-                        self._all_reduce(state, pending)  # see [Note: hybrid sharding]
+                        # see [Note: hybrid sharding]; a compressed replica sum waits on the host, so it
+                        # is issued here, at the same point on every rank ([Note: compressing the
+                        # inter-node tier]), never when a poll finds the reduce-scatter done
+                        self._all_reduce(state, pending)
                     event = group.finish_reduce_on_stream(pending) if group.finishes_early else None
                     if event is not None:
                         self._reduce_events.append(event)
