@@ -735,12 +735,12 @@ class ParamGroup:
         (once per stage), each time within ``absmax / 254`` of its block. The first stage waits on
         the host (the owner needs the sums before it can send them): this tier's collectives are
         issued in order, not overlapped with each other. Because it blocks the host, the runtime
-        issues it right behind the reduce-scatter (``_Root._reduce`` in ``overlap/sharding.py``), at the same point of
-        the program on every rank, not at the CPU path's "reduce-scatter found done" poll: a host
-        wait at a point that depends on timing deadlocks across tiers (found at 2x2 by
-        ``bench_hsdp --compression``: replica 0 waited in this all-to-all for replica 2, which waited
-        at a first use for a gather its shard peer had not issued, that peer waited in its own
-        all-to-all for a replica stuck behind rank 0's missing gather).
+        issues it right behind the reduce-scatter (``_Root._reduce`` in ``overlap/sharding.py``), at
+        the same point of the program on every rank, not at the CPU path's "reduce-scatter found
+        done" poll: a host wait at a point that depends on timing deadlocks across the tiers (found
+        at 2x2 by ``bench_hsdp --compression``: ranks waited in a cycle, some in this all-to-all for
+        a replica, the others at the first use of a shard-group all-gather that a peer blocked in
+        its all-to-all had not issued yet).
         """
         assert self.replicate is not None and self.compression is not None
         buffer, fmt = pending.rs_output, self.quantized_replica_sum or ""
@@ -921,12 +921,12 @@ class ParamGroup:
                 torch._foreach_add_(acc_dst, acc_src)
         self._run_reduced_hooks(moved)
 
-@functools.cache
 def _post_scaled(summed: torch.Tensor, post_scale: Optional[float]) -> torch.Tensor:
     """A float32 sum times the reduction's ``post_scale`` as the copy-outs apply it (in float32)."""
     return summed if post_scale is None else summed * as_float32(post_scale)
 
 
+@functools.cache
 def _widens_exactly(source: torch.dtype, target: torch.dtype) -> bool:
     """Does casting ``source`` to ``target`` keep every value (a no-op, or a float widening such as
     bf16 or fp16 to fp32)? Then a cast through ``target`` may be skipped."""
