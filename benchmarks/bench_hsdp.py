@@ -14,33 +14,51 @@ the compute side) that ran under compute. The last table puts ``overlap.plan``'s
 step model fed with this run's measured compute side, parameter bytes and link speeds, one latency
 per collective as the emulated link charges) beside the measured steps, with the error.
 
+With ``--compression`` it runs instead the HSDP modes side by side with compressed collectives
+(issue 30) at a comm-bound link: both tiers at ``--link-scale`` (default 0.25) of the calibrated
+bandwidths. Modes: ``overlap.shard`` HSDP exact, with ``Compression(gather=None, reduce="int8")``
+(the sum over the replicas, the inter-node tier, compressed), with ``Compression()`` (the shard
+group's gathers compressed too), and FSDP2 HSDP. Rounds interleave the modes (rotating which goes
+first), each mode one step without the link delay and one with it; medians over rounds of the
+slowest rank; bytes per tier are what the emulated link counted on rank 0's groups in a linked step.
+
     python benchmarks/bench_hsdp.py [--steps 6] [--markdown benchmarks/RESULTS.md]
+    python benchmarks/bench_hsdp.py --compression [--link-scale 0.25] [--steps 6]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 from _common import add_link, add_mlp, add_steps, mlp, parse, parser, rank_input  # first: sys.path
 from overlap.demo.training import TrainStep, calibrate_link, shard_for_mode
-from overlap.testing import EmulatedLink, PairedTimes, interleaved_steps, paired_steps, run_distributed
+from overlap.testing import EmulatedLink, PairedTimes, interleaved_steps, over_ranks, paired_steps, run_distributed
 from report import emit
 
 # Display name -> (overlap.demo.training mode, HSDP?)
 MODES = {"overlap.shard, full sharding": ("overlap", False), "overlap.shard, HSDP": ("overlap", True),
          "torch FSDP2, full sharding": ("fsdp2", False), "torch FSDP2, HSDP": ("fsdp2", True)}
 FREE = (1e6, 0.0)  # a link that costs nothing (Gbit/s, µs)
+# --compression: display name -> (overlap.demo.training mode, overlap.Compression keywords or None); all HSDP
+COMPRESSED_MODES = {"overlap.shard HSDP, exact": ("overlap", None),
+                    "overlap.shard HSDP, int8 replica sum": ("overlap", {"gather": None, "reduce": "int8"}),
+                    "overlap.shard HSDP, int8 gather + replica sum": ("overlap", {}),
+                    "torch FSDP2 HSDP": ("fsdp2", None)}
 
 
-def _step(mode: str, hsdp: bool, args: argparse.Namespace, x: Any) -> TrainStep:
+def _step(mode: str, hsdp: bool, args: argparse.Namespace, x: Any, compress: Any = None) -> TrainStep:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
+
+    import overlap
 
     shape = (args.nodes, args.gpus_per_node) if hsdp else (args.nodes * args.gpus_per_node,)
     names = ("replicate", "shard") if hsdp else ("shard",)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = mlp(args.blocks, args.dim)
-    context = shard_for_mode(mode, model, list(model), mesh=mesh)
+    context = shard_for_mode(mode, model, list(model), mesh=mesh,
+                             compress=overlap.Compression(**compress) if compress is not None else None)
     step = TrainStep(lambda _: model(x).square().mean(), torch.optim.AdamW(model.parameters(), lr=1e-3), context)
     step.mesh = mesh  # type: ignore[attr-defined]
     return step
@@ -73,6 +91,74 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _compressed_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    x = rank_input(args.batch, args.dim, rank)
+    calibrated = args.link_gbps
+    if calibrated is None:  # as the default tables: the fully sharded step's comm on the slow tier ~ compute
+        calibrated = calibrate_link(_step("overlap", False, args, x), args.latency_us)
+    inter = calibrated * args.link_scale
+    link = EmulatedLink(inter * args.inter_slowdown, args.latency_us, gpus_per_node=args.gpus_per_node,
+                        inter_node=(inter, args.latency_us))
+    steps = {name: _step(mode, True, args, x, compress) for name, (mode, compress) in COMPRESSED_MODES.items()}
+    for step in steps.values():  # warm-up: two steps without the link, one with
+        step(), step()
+        with link:
+            step()
+    names = list(COMPRESSED_MODES)
+    times: dict[str, dict[str, list[float]]] = {n: {"unlinked": [], "linked": [], "comm": []} for n in names}
+    tiers: dict[str, dict[str, float]] = {}
+    for round_ in range(args.steps):
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            for linked in (False, True):
+                dist.barrier()
+                link.reset_stats()
+                start = time.perf_counter()
+                with link if linked else contextlib.nullcontext():
+                    steps[name]()
+                times[name]["linked" if linked else "unlinked"].append(time.perf_counter() - start)
+                if linked:
+                    times[name]["comm"].append(link.stats().emulated_seconds)
+                    by_group = link.stats_by_group()
+                    mesh = steps[name].mesh  # type: ignore[attr-defined]
+                    tiers[name] = {tier: by_group[g].wire_bytes if g in by_group else 0
+                                   for tier, g in ((t, mesh.get_group(t).group_name) for t in ("shard", "replicate"))}
+    out: dict[str, Any] = {"intra": inter * args.inter_slowdown, "inter": inter, "calibrated": calibrated}
+    for name in names:
+        t = times[name]
+        out[name] = PairedTimes(over_ranks(statistics.median(t["unlinked"])), over_ranks(statistics.median(t["linked"])),
+                                over_ranks(statistics.median(t["comm"])))
+        out[name + " bytes"] = tiers[name]
+    return out
+
+
+def _compression_main(args: argparse.Namespace) -> None:
+    world = args.nodes * args.gpus_per_node
+    r = run_distributed(_compressed_rank, world, args, timeout=1800)[0]
+    exact, fsdp2 = r["overlap.shard HSDP, exact"], r["torch FSDP2 HSDP"]
+    exact_bytes = r["overlap.shard HSDP, exact bytes"]
+    rows = []
+    for name in COMPRESSED_MODES:
+        m: PairedTimes = r[name]
+        b = r[name + " bytes"]
+        rows.append([name, f"{1e3 * m.linked:.1f}", f"{1e3 * m.unlinked:.1f}", f"{1e3 * m.comm:.1f}",
+                     f"{1e3 * m.exposed:.1f}", f"{b['shard'] / 1e6:.2f} ({b['shard'] / exact_bytes['shard']:.3f}x)",
+                     f"{b['replicate'] / 1e6:.2f} ({b['replicate'] / exact_bytes['replicate']:.3f}x)",
+                     f"{m.linked / exact.linked:.2f}x", f"{m.linked / fsdp2.linked:.2f}x"])
+    link = (f"{args.nodes} nodes x {args.gpus_per_node} CPU ranks (gloo); emulated link {r['intra']:.3g} Gbit/s "
+            f"within a node, {r['inter']:.3g} Gbit/s across nodes ({args.link_scale:g}x the calibrated "
+            f"{r['calibrated']:.3g}), {args.latency_us:g} µs per collective")
+    emit(f"HSDP with compressed collectives at a comm-bound link, {args.blocks} MLP blocks of width {args.dim}, "
+         f"batch {args.batch}, AdamW, fp32; {link}; medians of {args.steps} interleaved rounds, slowest rank",
+         ["mode", "step ms (link)", "compute side ms", "comm ms on the links", "exposed comm ms",
+          "MB per step, shard tier (vs exact)", "MB per step, replica tier (vs exact)",
+          "step vs exact HSDP", "step vs FSDP2 HSDP"], rows, args.markdown)
+
+
 def _predictions(r: dict[str, Any], args: argparse.Namespace) -> list[list[str]]:
     from overlap.plan import LinkCost, ModelCost, Topology, predict
 
@@ -99,7 +185,14 @@ def main(argv: list[str] | None = None) -> None:
     add_steps(p, 6, "timed steps per mode")
     add_mlp(p)
     add_link(p, gbps_default="comm of a fully sharded step ~ compute, on the slow tier")
+    p.add_argument("--compression", action="store_true",
+                   help="run the HSDP modes with compressed collectives side by side instead (see above)")
+    p.add_argument("--link-scale", type=float, default=0.25,
+                   help="with --compression: both tiers' bandwidth as a share of the calibrated ones (default 0.25)")
     args = parse(p, argv)
+    if args.compression:
+        _compression_main(args)
+        return
 
     world = args.nodes * args.gpus_per_node
     r = run_distributed(_rank, world, args, timeout=1200)[0]

@@ -31,9 +31,14 @@ How far a compressed reduction moves the gradients: ``overlap.measure_gradient_e
 reduce-scatter beside each all-to-all, compared by the owner; ``overlap/gradient_error.py``).
 ``overlap.fully_shard`` takes ``compress`` as ``overlap.shard`` does (``check_compression``).
 
-HSDP (a 2-D mesh): ``Compression(gather=None, reduce="int8")`` compresses the inter-node tier only,
-the sum over the replicas; the shard group's collectives stay exact ([Note: compressing the
-inter-node tier] in ``overlap/param_group.py``). A compressed gather with a 2-D mesh is refused.
+HSDP (a 2-D mesh): ``reduce="int8"`` compresses the inter-node tier only, the sum over the
+replicas; the shard group's reduce-scatter stays exact ([Note: compressing the inter-node tier] in
+``overlap/param_group.py``). ``gather="int8"`` quantizes the shard group's all-gather (inside a node;
+HSDP gathers nothing across the replicas) exactly as on a 1-D mesh: the replicas hold bitwise equal
+shards, so they quantize them to the same bytes and unshard bitwise equal parameters. It pays where
+the intra-node link is a bound too (PCIe nodes, or a comm-bound step); ``Compression(gather=None,
+reduce="int8")`` leaves the fast tier exact. The gradient error measurement covers the replica sum
+(an exact float32 all-reduce over the replicas beside it).
 
 Not covered yet (``overlap.shard`` and ``overlap.fully_shard`` raise naming ``compress``):
 tensor-parallel parameters and non-floating-point parameters. At world size 1 nothing travels and nothing is

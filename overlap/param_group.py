@@ -173,7 +173,9 @@ class PendingReduce:
     needs_all_reduce: bool = False  # HSDP: the cross-replica all-reduce is still to be issued
     finite: Optional[finite_check.FiniteCheck] = None  # the finite check's flags (overlap.finite_check), if on
     quantized: Optional[QuantizedLayout] = None  # compressed: rs_output is the received quantized slots
-    reference: Optional[tuple[InflightWork, torch.Tensor]] = None  # compressed, measuring: the exact reduce-scatter
+    reference: Optional[tuple[InflightWork, torch.Tensor]] = None
+    """Compressed, measuring (``overlap.gradient_error``): the exact collective to compare with and its
+    float32 output (1-D: a reduce-scatter of the gradients; HSDP: an all-reduce over the replicas)."""
     replica_gather: Optional[tuple[torch.Tensor, QuantizedLayout, list[torch.Tensor]]] = None
     """HSDP, compressed: the replicas' quantized all-gather, its layout, and the views of ``rs_output``
     it dequantizes into ([Note: compressing the inter-node tier])."""
@@ -732,7 +734,13 @@ class ParamGroup:
         against a float32 ring all-reduce's ``8 n (R-1)/R`` (0.254x). Each element is quantized twice
         (once per stage), each time within ``absmax / 254`` of its block. The first stage waits on
         the host (the owner needs the sums before it can send them): this tier's collectives are
-        issued in order, not overlapped with each other.
+        issued in order, not overlapped with each other. Because it blocks the host, the runtime
+        issues it right behind the reduce-scatter (``_Root._reduce`` in ``overlap/sharding.py``), at
+        the same point of the program on every rank, not at the CPU path's "reduce-scatter found
+        done" poll: a host wait at a point that depends on timing deadlocks across the tiers (found
+        at 2x2 by ``bench_hsdp --compression``: ranks waited in a cycle, some in this all-to-all for
+        a replica, the others at the first use of a shard-group all-gather that a peer blocked in
+        its all-to-all had not issued yet).
         """
         assert self.replicate is not None and self.compression is not None
         buffer, fmt = pending.rs_output, self.quantized_replica_sum or ""
@@ -742,6 +750,9 @@ class ParamGroup:
             pending.work.wait()
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             slots, _ = _quantized_copy_in(shards, qlayout, None)
+            exact = None
+            if gradient_error.SWITCH.on and gradient_error.SWITCH.resolve():  # this rank's shards, exact (a copy)
+                exact = torch.cat([t.reshape(-1) for t in shards]).to(torch.float32)
         received = torch.empty_like(slots)
         quantized_reduce_into(received, slots, self.replicate, fmt, self.where).wait()
         r = self.replicate.rank
@@ -749,7 +760,10 @@ class ParamGroup:
             summed = summed_slots(received, qlayout, None)[: qlayout.layout.slot_numel]
             own, gathered = _quantized_copy_in(qlayout.layout.shard_views(summed, r), qlayout, r)
         pending.replica_gather = (gathered, qlayout, shards)
-        return all_gather_into(gathered, own, self.replicate, self.where)
+        work = all_gather_into(gathered, own, self.replicate, self.where)
+        if exact is not None:  # overlap.gradient_error: the exact float32 sum over the replicas, right behind
+            pending.reference = (all_reduce_into(exact, self.replicate, self.where), exact)
+        return work
 
     @property
     def finishes_early(self) -> bool:
@@ -828,29 +842,32 @@ class ParamGroup:
                 if pending.replica_gather is not None:  # [Note: compressing the inter-node tier]
                     gathered, qlayout, shards = pending.replica_gather
                     _quantized_all_gather_copy_out(gathered, qlayout, shards)
+                    if pending.reference is not None:  # what the copy-out below scales, against the exact sum
+                        summed = torch.cat([t.reshape(-1) for t in shards]).to(torch.float32)
+                        self._record_gradient_error(pending, lambda: _post_scaled(summed, pending.post_scale))
                 grads = [_layout_rows(p.grad._local_tensor, self.rank) for p in targets]
                 if pending.quantized is not None:
                     _quantized_reduce_scatter_copy_out(pending.rs_output, grads, pending.quantized, self.rank,
                                                        pending.post_scale, accumulate)
                     if pending.reference is not None:
-                        self._record_gradient_error(pending)
+                        quantized, numel = pending.quantized, pending.layout.slot_numel
+                        self._record_gradient_error(
+                            pending, lambda: summed_slots(pending.rs_output, quantized, pending.post_scale)[:numel])
                 else:
                     _reduce_scatter_copy_out(pending.rs_output, grads, pending.layout, self.rank,
                                              pending.post_scale, accumulate)
 
         _wait_then(pending.work, copy_out)
 
-    def _record_gradient_error(self, pending: PendingReduce) -> None:
-        """``overlap.gradient_error``: log the compressed average of this rank's slot (the float32 sum of
-        the dequantized slots in rank order, scaled, as the copy-out computes it) against the exact one."""
-        assert pending.reference is not None and pending.quantized is not None
-        work, exact_slot = pending.reference
-        numel = pending.layout.slot_numel
+    def _record_gradient_error(self, pending: PendingReduce, compressed: Callable[[], torch.Tensor]) -> None:
+        """``overlap.gradient_error``: log ``compressed()``, the compressed average as the copy-out
+        computes it (1-D: the float32 sum of the dequantized slots in rank order, scaled; HSDP: the
+        dequantized sum over the replicas, scaled), against the exact one once its collective is done."""
+        assert pending.reference is not None
+        work, exact_sum = pending.reference
 
         def compare() -> None:
-            compressed = summed_slots(pending.rs_output, pending.quantized, pending.post_scale)[:numel]
-            exact = exact_slot if pending.post_scale is None else exact_slot * as_float32(pending.post_scale)
-            gradient_error.record(self.where, compressed, exact)
+            gradient_error.record(self.where, compressed(), _post_scaled(exact_sum, pending.post_scale))
 
         work.wait(then=compare)
 
@@ -903,6 +920,11 @@ class ParamGroup:
             if acc_dst:
                 torch._foreach_add_(acc_dst, acc_src)
         self._run_reduced_hooks(moved)
+
+def _post_scaled(summed: torch.Tensor, post_scale: Optional[float]) -> torch.Tensor:
+    """A float32 sum times the reduction's ``post_scale`` as the copy-outs apply it (in float32)."""
+    return summed if post_scale is None else summed * as_float32(post_scale)
+
 
 @functools.cache
 def _widens_exactly(source: torch.dtype, target: torch.dtype) -> bool:

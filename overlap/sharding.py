@@ -675,8 +675,12 @@ class _Root:
                 if pending is not None:
                     self._track(pending.work)
                     if pending.needs_all_reduce and (pending.work is None or pending.rs_output.is_cuda
+                                                     or group.quantized_replica_sum is not None
                                                      or desync.debug_enabled()):
-                        self._all_reduce(state, pending)  # see [Note: hybrid sharding]
+                        # see [Note: hybrid sharding]; a compressed replica sum waits on the host, so it
+                        # is issued here, at the same point on every rank ([Note: compressing the
+                        # inter-node tier]), never when a poll finds the reduce-scatter done
+                        self._all_reduce(state, pending)
                     event = group.finish_reduce_on_stream(pending) if group.finishes_early else None
                     if event is not None:
                         self._reduce_events.append(event)
@@ -984,7 +988,7 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
         bad = [locs[0].fqn for p, locs in zip(params, locations) if not p.is_floating_point()]
         raise TypeError(f"shard: MixedPrecision.param_dtype needs floating-point parameters; {bad} are not")
     if compress is not None and compress.any:
-        _check_compressible(module, params, locations, replicate, compress, caller)
+        _check_compressible(module, params, locations, compress, caller)
 
     def on_grad_ready(g: ParamGroup, index: int) -> None:
         if state.root is not None:  # `state` is bound below, before any backward can run
@@ -1024,14 +1028,10 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
 
 
 def _check_compressible(module: nn.Module, params: list[nn.Parameter], locations: list[list[ParamLocation]],
-                        replicate: Optional[GroupInfo], compress: Compression, caller: str = "shard") -> None:
+                        compress: Compression, caller: str = "shard") -> None:
     """What compressed collectives do not cover yet ([Note: compressed collectives]), refused before
     anything changes."""
     name = type(module).__name__
-    if replicate is not None and compress.gather is not None:
-        raise ValueError(f"{caller}: with a 2-D mesh (HSDP) compress covers the inter-node tier only (the sum over "
-                         f"the replicas); pass overlap.Compression(gather=None, reduce='int8') for {name}, or "
-                         f"compress=None")
     for p, locs in zip(params, locations):
         if isinstance(p, DTensor):
             raise ValueError(f"{caller}: compress is not supported with tensor-parallel (DTensor) parameters yet "

@@ -364,8 +364,6 @@ MATRIX: dict[str, Bad] = {
                                                 "Compression.block", "one of (32, 64, 128"),
     "shard compress a str": Bad(lambda e: overlap.shard(e.model, compress="int8"), TypeError, "compress",
                                 "None or an overlap.Compression"),
-    "shard compress with HSDP": Bad(lambda e: overlap.shard(e.model, mesh=_two_dim_mesh(e), compress=overlap.Compression()),
-                                    ValueError, "compress", "inter-node tier only"),
     "MixedPrecision int param_dtype": Bad(lambda e: overlap.MixedPrecision(param_dtype=i32), TypeError,
                                           "param_dtype", "None or a floating-point torch.dtype"),
     "MixedPrecision str reduce_dtype": Bad(lambda e: overlap.MixedPrecision(reduce_dtype="bf16"), TypeError,

@@ -222,14 +222,19 @@ def test_no_sync_and_optimizer_in_backward(distributed) -> None:
 
 
 # ------------------------------------------------------------------------------ kernels, errors
-def _triton_vs_torch(rank: int, world: int) -> dict[str, Any]:
+def _triton_vs_torch(rank: int, world: int, mesh_shape: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Two compressed steps on the Triton kernels, then on the torch fallback; ``mesh_shape``: over a
+    (replicate, shard) mesh of that shape (HSDP, tests/shard/test_hsdp_compression.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from kernels._launch import torch_fallback_on_cpu
 
     torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if mesh_shape else None
     out = {}
     for name in ("triton", "torch"):
         with torch_fallback_on_cpu() if name == "torch" else _nothing():
-            model = _mlp(INT8)
+            model = _mlp(INT8, mesh=mesh)
             opt = make_optimizer(model.parameters())
             for step in range(2):
                 x = torch.randn(4, 33, generator=torch.Generator().manual_seed(step + 10 * rank))
@@ -317,13 +322,13 @@ def test_bad_compress_arguments_name_compress(single_rank_group) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
-    with pytest.raises(ValueError, match=r"with a 2-D mesh \(HSDP\) compress covers the inter-node tier only"):
-        overlap.shard(nn.Linear(2, 2), mesh=mesh, compress=INT8)
     with pytest.raises(TypeError, match="fully_shard: compress must be None or an overlap.Compression, got str"):
         overlap.fully_shard(nn.Linear(2, 2), compress="int8")  # type: ignore[arg-type]
-    linear = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=r"fully_shard: with a 2-D mesh \(HSDP\) compress covers the inter-node"):
-        overlap.fully_shard(linear, mesh=mesh, compress=INT8)
-    assert not isinstance(linear, overlap.ShardedModule)
+    embedding = nn.Embedding(4, 2).to(torch.float64)
+    with pytest.raises(TypeError, match="fully_shard: compress needs float32, bfloat16 or float16 parameters"):
+        overlap.fully_shard(embedding, mesh=mesh, compress=INT8)  # HSDP checks alike
+    assert not isinstance(embedding, overlap.ShardedModule)
+    # a 2-D mesh takes a compressed gather and reduce (tests/shard/test_hsdp_compression.py)
+    overlap.shard(nn.Linear(2, 2), mesh=mesh, compress=INT8)
     # compression off (both None) is exact sharding, accepted anywhere
     overlap.shard(nn.Linear(2, 2), mesh=mesh, compress=overlap.Compression(gather=None, reduce=None))
