@@ -298,18 +298,42 @@ def test_install_is_idempotent_and_chains() -> None:
         assert original.__module__ == module_name and original.__name__ == name
 
 
+def _init_group_chain(owner: type) -> list[Any]:
+    """What ``owner._init_group`` resolves to, then each ``__wrapped__`` inside it, outermost first."""
+    chain, fn = [], owner._init_group
+    while fn is not None and len(chain) < 16:
+        chain.append(fn)
+        fn = getattr(fn, "__wrapped__", None)
+    return chain
+
+
+def _assert_init_group_wrapped_once() -> None:
+    ours = los._wrap_init_group(lambda *a, **k: None).__code__
+    for owner in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        chain = _init_group_chain(owner)
+        assert [getattr(f, "__code__", None) is ours for f in chain].count(True) == 1, f"{owner.__name__}: {chain}"
+        defining = "SGD" if owner is torch.optim.SGD else "Adam"  # AdamW inherits Adam's on torch 2.11-2.15
+        assert chain[-1].__qualname__ == f"{defining}._init_group"
+        assert getattr(chain[-1], "__wrapped__", None) is None
+
+
 def test_init_group_wrappers_are_installed_once_and_chain() -> None:
-    """``_init_group`` of Adam (which AdamW inherits) and SGD is ours exactly once, chained to torch's."""
+    """``_init_group`` of Adam (which AdamW inherits) and SGD runs ours exactly once, chained to torch's,
+    however often ``install`` runs."""
     los.install()
     los.install()
-    for module_name, class_name in los._INIT_GROUP_OWNERS:
-        owner = getattr(__import__(module_name, fromlist=[class_name]), class_name)
-        fn = owner.__dict__.get("_init_group")
-        if fn is None:  # inherited (AdamW from Adam): the base class's wrapper serves it
-            continue
-        original = getattr(fn, los._WRAPPED)
-        assert getattr(original, los._WRAPPED, None) is None, f"{class_name}._init_group wrapped twice"
-        assert original.__qualname__ == f"{class_name}._init_group"
+    _assert_init_group_wrapped_once()
+
+
+@pytest.mark.skipif(not hasattr(getattr(torch._dynamo, "eval_frame", None), "TorchPatcher"),
+                    reason="this torch has no torch._dynamo.eval_frame.TorchPatcher")
+def test_init_group_wrappers_survive_dynamos_optimizer_patch() -> None:
+    """Dynamo's first use wraps every optimizer class's ``_init_group`` in ``disable`` (AdamW's too,
+    around the ``_init_group`` it inherits): ours still runs exactly once. Whether it patched before or
+    after ``install`` depends on the tests this worker ran first; once patched it stays so."""
+    los.install()
+    torch._dynamo.eval_frame.TorchPatcher.patch()
+    _assert_init_group_wrapped_once()
 
 
 class _TorchFunctionProbe(dict):  # type: ignore[type-arg]
