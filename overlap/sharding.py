@@ -109,6 +109,7 @@ from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
 from overlap.profiler.records import BUDGET_LABEL
 from overlap.regions import ModuleRegions, region
+from overlap.streams import comm_stream
 
 __all__ = ["shard", "no_sync", "no_overlap", "prefetch_next_step", "ShardedModule", "sharded_states"]
 
@@ -148,6 +149,14 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         if root is None or root.chosen_depth is not None:
             return None if root is None else root.chosen_depth
         return None if root.auto_prefetch else 1  # a root that communicates nothing never prefetches
+
+    @property
+    def gather_ahead(self) -> Optional[tuple[int, int]]:
+        """With ``prefetch="auto"`` and an optimizer stepped in backward: ``(count, lag)``, the gathers
+        issued ahead in backward chosen in the first step (see [Note: gathering ahead in backward]);
+        None before that, or where it does not apply."""
+        root = self._overlap_state.root
+        return root.gather_ahead if root is not None and root.owner is self._overlap_state else None
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters (no-op if sharded)."""
@@ -358,6 +367,9 @@ class _Root:
         self._running: list[int] = []  # positions whose forward is running, innermost last
         self._kept: frozenset[int] = frozenset()  # forward positions kept unsharded for backward
         self._kept_for: Optional[tuple[list[int], int]] = None  # (agreed order, depth) _kept was computed for
+        # Gather-ahead (see [Note: gathering ahead in backward]): the agreed (count, lag) plan, None: off.
+        self.gather_ahead: Optional[tuple[int, int]] = None
+        self._ahead: set[int] = set()  # groups whose next-step gather this backward issued (kept by _finish_step)
         self._mark = 0.0
         self._reset_backward()
 
@@ -517,6 +529,23 @@ class _Root:
         for state in self.states:
             if state.auto_prefetch:
                 state.prefetch = depth
+        self._choose_gather_ahead(depth, budget)
+
+    def _choose_gather_ahead(self, depth: int, budget: int) -> None:
+        """Plan the gathers issued ahead in backward from this step's costs, if every group with
+        parameters is stepped in backward; agree rank 0's plan (see [Note: gathering ahead in backward])."""
+        from scheduler.gather_ahead import choose_gather_ahead
+
+        order = self.forward_seq
+        groups = [self.states[i].group for i in order]
+        if (len(set(order)) != len(order) or self.owner.replicate is not None
+                or not all(g is None or g.reduced_hooks for g in groups) or not any(groups)):
+            return  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
+        plan = choose_gather_ahead([c for c, _ in self._costs], [g for _, g in self._costs],
+                                   [g.all_gather_bytes() if g is not None else 0 for g in groups], depth, budget)
+        if self.owner.info.size > 1:
+            plan = tuple(agreement.exchange(self.owner.info, "gather ahead", plan)[0])
+        self.gather_ahead = plan  # type: ignore[assignment]
 
     def gather_now(self, state: ShardState) -> None:
         """Gather ``state``'s group now (waiting for a prefetch in flight) and register it unsharded."""
@@ -574,6 +603,10 @@ class _Root:
     # ------------------------------------------------------------------ backward
     def _reset_backward(self) -> None:
         self._done: set[int] = set()  # groups reduce-scattered (and resharded) in this backward
+        self._ahead_active = False
+        self._ahead_after: dict[int, int] = {}  # after this group's reduce-scatter, gather that one ahead
+        self._ahead_at_end: list[int] = []  # planned ahead whose issue point does not come before the end
+        self._reduce_event_of: dict[int, Any] = {}  # CUDA: each group's epilogue event
         self._backward_order: list[int] = []
         self._backward_cursor = 0
         self._reduce_order: list[int] = []
@@ -625,7 +658,26 @@ class _Root:
         for pos, index in enumerate(self.forward_seq):
             first_use.setdefault(index, pos)
         self._reduce_order = sorted(first_use, key=lambda i: -first_use[i])
+        self._plan_ahead()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _plan_ahead(self) -> None:
+        """This backward's gathers ahead: after the reduce-scatter of ``_reduce_order[r + lag]``, gather
+        ``_reduce_order[r]`` for the first ``count`` groups; only on a step that ran the agreed order,
+        synchronized, with overlap on (see [Note: gathering ahead in backward])."""
+        self._ahead_after = {}
+        self._ahead_active = (self.gather_ahead is not None and self.agreed_order == self.forward_seq
+                              and not self.owner.serialize_comm
+                              and all(s.sync_grads and (s.group is None or s.group.reduced_hooks) for s in self.states))
+        if not self._ahead_active:
+            return
+        assert self.gather_ahead is not None
+        count, lag = self.gather_ahead
+        order = self._reduce_order
+        for r in range(min(count, len(order))):
+            if r + lag < len(order):
+                self._ahead_after[order[r + lag]] = order[r]
+        self._ahead_at_end = [i for i in order[:count] if i not in self._ahead_after.values()]
 
     def on_module_backward_done(self, state: ShardState) -> None:
         """Backward has passed one forward call of ``state``'s module; after the last one its group is
@@ -680,6 +732,7 @@ class _Root:
                     event = group.finish_reduce_on_stream(pending) if group.finishes_early else None
                     if event is not None:
                         self._reduce_events.append(event)
+                        self._reduce_event_of[state.index] = event
                     else:
                         self._pending_reduces.append((state, pending))
         self._finish_completed_reduces()
@@ -687,6 +740,33 @@ class _Root:
         if state.reshard_after_backward:  # else the unsharded parameters stay registered, as in FSDP2
             group.reshard()
             group.to_sharded()
+        ahead = self._ahead_after.get(state.index)
+        if ahead is not None:
+            self._gather_ahead(self.states[ahead])
+
+    def _gather_ahead(self, state: ShardState) -> None:
+        """Issue ``state``'s next-step all-gather now, in backward, after its step: run the epilogues
+        (and so the optimizer steps) up to its own first, waiting for their reduce-scatters. A group
+        whose epilogue waits for the end of backward is left to it (see [Note: gathering ahead in
+        backward])."""
+        group = state.group
+        if group is None or not group.reduced_hooks:
+            return
+        while any(s is state for s, _ in self._pending_reduces):
+            s, pending = self._pending_reduces[0]
+            assert s.group is not None
+            if not s.group.finishes_early or pending.needs_all_reduce:
+                self._ahead_at_end.append(state.index)
+                return
+            with region(s.group.regions.reduce_scatter_epilogue), torch.no_grad():
+                s.group.finish_reduce(pending)
+            del self._pending_reduces[0]
+        event = self._reduce_event_of.get(state.index)
+        if event is not None:  # CUDA: the copy-in must read the shards after the step on the reduce stream
+            comm_stream(group.sharded[0].device, "all_gather_copy_in").wait_event(event)
+        with region("overlap::gather_ahead"):
+            self._gather(state)
+        self._ahead.add(state.index)
 
     def _all_reduce(self, state: ShardState, pending: PendingReduce) -> None:
         """HSDP: issue the cross-replica all-reduce of a reduce-scatter's output."""
@@ -741,16 +821,25 @@ class _Root:
                 current = torch.cuda.current_stream()
                 for event in self._reduce_events:  # the gradients were written on the reduce-scatter stream
                     current.wait_event(event)
+            active, at_end = self._ahead_active, self._ahead_at_end
             self._finish_step()
+            if active:  # every group is stepped now: the next forward's first gathers (see [Note: gathering ahead ...])
+                with region("overlap::gather_ahead"):
+                    self.prefetch_next_step()
+                    for index in at_end:
+                        self._gather(self.states[index])
 
     def _finish_step(self) -> None:
         """Reshard everything, forget the step (also the clean-up of a step without backward)."""
         for state in self.states:
             if state.group is not None:
                 state.group.grads_ready.clear()
+                if state.index in self._ahead and self.in_backward:
+                    continue  # its next-step gather is in flight (see [Note: gathering ahead in backward])
                 if not (self.in_backward and not state.reshard_after_backward):
                     state.group.reshard()
                     state.group.to_sharded()
+        self._ahead = set()
         self._pending_reduces = []
         self._reduce_events = []
         self.in_backward = False
