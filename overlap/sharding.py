@@ -68,6 +68,25 @@ per step. Program order only (the agreed order and the depth), so the same on ev
 that leaves the order keeps nothing from there on; a forward with no backward after it leaves
 them unsharded until the next forward reshards them, as it did for the last group.
 
+[Note: gathering ahead in backward]
+With ``prefetch="auto"`` and every group stepped in backward (``overlap.optimizer_in_backward``), a
+group's shards are final as soon as its step ran, so the next step's all-gather of it may go out in
+this backward, where the link otherwise waits on gradients (``scheduler/gather_ahead.py``, [Note:
+choosing the gathers issued ahead]). The first step (the one that records costs) also picks a plan
+``(count, lag)`` from its costs and the byte budget, agreed as rank 0's: after the reduce-scatter of
+the group reduced ``lag`` after it, each of the first ``count`` groups reduced is gathered
+(``_gather_ahead``: the epilogues up to its own run first, waiting for their reduce-scatters, so its
+step has run; on CUDA the copy-in waits for the epilogue's event). At the end of backward, after
+every step, the next forward's first ``1 + prefetch`` groups are gathered (what
+``prefetch_next_step`` does), then any planned group whose issue point did not come. All of it is
+program order (the reduce order, the agreed plan), so the same on every rank. It applies only to a
+backward that ran the agreed order, reduced every group (no ``no_sync``) with overlap on, and
+``_finish_step`` leaves those gathers in flight. From there they are prefetches across the step
+boundary ([Note: prefetching across the step boundary]): a shard changed in place before forward
+uses it makes forward drop the gather and gather again, a group the forward skips has its gather
+dropped at the end of forward. A group used twice in forward, HSDP, a frozen group (no optimizer)
+or no optimizer in backward: no plan (a step outside backward would make every gather stale).
+
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order (``overlap.agreement``) in the first step,
 and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
@@ -150,6 +169,14 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
             return None if root is None else root.chosen_depth
         return None if root.auto_prefetch else 1  # a root that communicates nothing never prefetches
 
+    def set_gather_ahead(self, enabled: bool) -> None:
+        """Turn gather-ahead on (the default) or off for this root (see [Note: gathering ahead in
+        backward]); every rank alike, between steps. Off: no gather is issued in backward or at its
+        end, the schedule before gather-ahead."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_gather_ahead: enabled must be a bool, got {enabled!r}")
+        self._overlap_state.gather_ahead_enabled = enabled
+
     @property
     def gather_ahead(self) -> Optional[tuple[int, int]]:
         """With ``prefetch="auto"`` and an optimizer stepped in backward: ``(count, lag)``, the gathers
@@ -201,6 +228,7 @@ class ShardState:
         self.index = -1  # position in the root's state list
         self.sync_grads = True
         self.serialize_comm = False  # set by no_overlap() on the root
+        self.gather_ahead_enabled = True  # set_gather_ahead() on the root
         self.regions = ModuleRegions.named("")  # see name_regions
         self.fqn = ""  # relative to the root (see name_regions)
         self._backward_seen = -1  # the backward pass (root counter) whose pre-backward ran here
@@ -667,7 +695,7 @@ class _Root:
         synchronized, with overlap on (see [Note: gathering ahead in backward])."""
         self._ahead_after = {}
         self._ahead_active = (self.gather_ahead is not None and self.agreed_order == self.forward_seq
-                              and not self.owner.serialize_comm
+                              and not self.owner.serialize_comm and self.owner.gather_ahead_enabled
                               and all(s.sync_grads and (s.group is None or s.group.reduced_hooks) for s in self.states))
         if not self._ahead_active:
             return

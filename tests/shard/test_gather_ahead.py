@@ -44,15 +44,16 @@ def _pending_gathers(model: nn.Module) -> list[int]:
 
 
 def _train(rank: int, world_size: int, in_backward: bool, plan: Optional[tuple[int, int]],
-           skip_last_on_odd_steps: bool = False) -> dict[str, Any]:
+           skip_last_on_odd_steps: bool = False, enabled: bool = True) -> dict[str, Any]:
     """``STEPS`` AdamW steps: step 1 in two ``no_sync`` micro-batches, a weight of the last block
     halved in place after step 2 (after its next-step gather was issued in backward), and with
     ``skip_last_on_odd_steps`` odd steps run without the last block. ``plan``: the gather-ahead plan
-    forced on every rank (None: the model's choice)."""
+    forced on every rank (None: the model's choice); ``enabled``: ``set_gather_ahead``."""
     torch.set_num_threads(1)
     if plan is not None:
         gather_ahead.choose_gather_ahead = lambda *args, **kwargs: plan  # this rank's process only
     model = _sharded()
+    model.set_gather_ahead(enabled)
     last = model.blocks[-1]
     if in_backward:
         adamw = make_optimizer([nn.Parameter(torch.zeros(1))]).defaults
@@ -104,6 +105,7 @@ def _runs(rank: int, world_size: int, skip: bool) -> dict[str, dict[str, Any]]:
         "all ahead, lag 1": _train(rank, world_size, True, (groups, 1), skip),
         "two ahead, lag 2": _train(rank, world_size, True, (2, 2), skip),
         "model's choice": _train(rank, world_size, True, None, skip),
+        "all planned, turned off": _train(rank, world_size, True, (groups, 1), skip, enabled=False),
     }
 
 
@@ -118,6 +120,7 @@ def test_gather_ahead_is_bitwise_the_plain_loop(distributed, world_size: int) ->
         assert runs["all ahead, lag 1"]["plan"] == (groups, 1)
         # Every backward that reduced (not step 1's no_sync micro-batch) gathered every group ahead.
         assert [len(a) for a in runs["all ahead, lag 1"]["ahead"]] == [groups] * STEPS
+        assert all(not a for a in runs["all planned, turned off"]["ahead"])
         # Nothing ahead in backward: still the next forward's first 1 + depth groups, at its end.
         assert all(a for a in runs["none ahead"]["ahead"]), runs["none ahead"]["ahead"]
 
@@ -183,3 +186,26 @@ def test_chooser_keeps_the_held_bytes_within_the_budget() -> None:
 def test_chooser_bad_input(args: tuple, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         choose_gather_ahead(*args)
+
+
+def test_set_gather_ahead_bad_input(single_rank_group) -> None:
+    model = _sharded()
+    for bad in (1, None, "yes"):
+        with pytest.raises(TypeError, match="set_gather_ahead: enabled must be a bool"):
+            model.set_gather_ahead(bad)  # type: ignore[arg-type]
+    assert model._overlap_state.gather_ahead_enabled is True
+
+
+# ---------------------------------------------------------------- measuring steps that leave gathers in flight
+def test_interleaved_steps_settle_runs_untimed_steps_of_the_same_kind_first() -> None:
+    from overlap.testing import interleaved_steps
+
+    calls: list[int] = []
+    interleaved_steps(lambda: calls.append(1), 3, [None, None], warmup=1, settle=1)
+    assert len(calls) == 1 + 3 * 2 * 2  # warm-up, then per round and entry one settle + one timed step
+    calls.clear()
+    interleaved_steps(lambda: calls.append(1), 3, [None, None], warmup=0)
+    assert len(calls) == 3 * 2  # settle 0: as before
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="settle must be an int >= 0"):
+            interleaved_steps(lambda: None, 1, [None], settle=bad)  # type: ignore[arg-type]
