@@ -21,13 +21,14 @@ from torch import nn
 import overlap
 from models import LR, SEED, TinyLM, local_batch, make_batch, make_optimizer
 from overlap.sharding import sharded_states
-from scheduler import gather_ahead
+from scheduler import gather_ahead, prefetch_depth
 from scheduler.gather_ahead import choose_gather_ahead, held_bytes, modelled_steady_step
 
 pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
 
 STEPS = 5
 LAYERS = 3
+FORCED_DEPTH = 1
 
 
 def _sharded(max_inflight_bytes: Optional[int] = None) -> TinyLM:
@@ -40,7 +41,11 @@ def _sharded(max_inflight_bytes: Optional[int] = None) -> TinyLM:
 
 
 def _pending_gathers(model: nn.Module) -> list[int]:
-    return [s.index for s in sharded_states(model) if s.group is not None and s.group.pending_gather is not None]
+    """The groups with an all-gather in flight; each must have packed the shards after their step
+    (not stale), or it would only be dropped and done again."""
+    pending = [s for s in sharded_states(model) if s.group is not None and s.group.pending_gather is not None]
+    assert not any(s.group.stale_gather() for s in pending), "a gather issued ahead packed shards before their step"
+    return [s.index for s in pending]
 
 
 def _train(rank: int, world_size: int, in_backward: bool, plan: Optional[tuple[int, int]],
@@ -50,8 +55,9 @@ def _train(rank: int, world_size: int, in_backward: bool, plan: Optional[tuple[i
     ``skip_last_on_odd_steps`` odd steps run without the last block. ``plan``: the gather-ahead plan
     forced on every rank (None: the model's choice); ``enabled``: ``set_gather_ahead``."""
     torch.set_num_threads(1)
-    if plan is not None:
-        gather_ahead.choose_gather_ahead = lambda *args, **kwargs: plan  # this rank's process only
+    if plan is not None:  # this rank's process only; depth 1, so the end of backward gathers 2 groups
+        gather_ahead.choose_gather_ahead = lambda *args, **kwargs: plan
+        prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED_DEPTH
     model = _sharded()
     model.set_gather_ahead(enabled)
     last = model.blocks[-1]
@@ -118,11 +124,15 @@ def test_gather_ahead_is_bitwise_the_plain_loop(distributed, world_size: int) ->
         assert all(not a for a in runs["plain"]["ahead"]) and runs["plain"]["plan"] is None
         groups = LAYERS + 1
         assert runs["all ahead, lag 1"]["plan"] == (groups, 1)
-        # Every backward that reduced (not step 1's no_sync micro-batch) gathered every group ahead.
+        # Every backward that reduced (not step 1's no_sync micro-batch) gathered every group ahead,
+        # and those issued in backward stayed in flight past its end.
         assert [len(a) for a in runs["all ahead, lag 1"]["ahead"]] == [groups] * STEPS
         assert all(not a for a in runs["all planned, turned off"]["ahead"])
-        # Nothing ahead in backward: still the next forward's first 1 + depth groups, at its end.
-        assert all(a for a in runs["none ahead"]["ahead"]), runs["none ahead"]["ahead"]
+        # Nothing ahead in backward: the next forward's first 1 + depth groups, at its end; two
+        # ahead: those and the two groups reduced first (the last two blocks).
+        first = 1 + FORCED_DEPTH
+        assert [len(a) for a in runs["none ahead"]["ahead"]] == [first] * STEPS
+        assert [len(a) for a in runs["two ahead, lag 2"]["ahead"]] == [first + 2] * STEPS
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
