@@ -17,7 +17,9 @@ pre-backward           (a hook on the outputs' gradients) re-gather if freed; pr
 gradient accumulated   (per parameter) when a group's gradients are complete it becomes *ready*;
                        ready groups are reduce-scattered in a fixed order (below), then resharded
 end of backward        (an autograd final callback) issue what is left in order, wait every
-                       reduce-scatter, add the results into the sharded ``.grad``s, reshard all
+                       reduce-scatter, add the results into the sharded ``.grad``s, reshard all;
+                       with the optimizer in backward and ``prefetch="auto"``, issue the next
+                       forward's first gathers ([Note: gathering ahead in backward])
 =====================  =====================================================================
 
 [Note: same collectives, same order, on every rank]
