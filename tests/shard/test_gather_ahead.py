@@ -156,6 +156,41 @@ def test_exit_with_gathers_ahead_in_flight_does_not_hang(distributed) -> None:
     assert all(len(r) == LAYERS + 1 for r in results), results
 
 
+SYNTHETIC_COSTS = ([0.005, 0.02, 0.005, 0.005], [0.01] * 4)
+"""Per-position seconds (root, then the blocks) on which the model gathers one group ahead at depth 1."""
+
+
+def _held_within_budget(rank: int, world_size: int, slack: int) -> dict[str, Any]:
+    """The chooser on :data:`SYNTHETIC_COSTS` with the real bytes and the real budget
+    (``max_inflight_bytes``): the budget exactly what one group ahead needs, plus ``slack``."""
+    real = gather_ahead.choose_gather_ahead
+    gather_ahead.choose_gather_ahead = lambda c, g, nbytes, depth, budget: real(*SYNTHETIC_COSTS, nbytes, depth, budget)
+    prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED_DEPTH
+    torch.manual_seed(SEED)
+    probe = TinyLM(layers=LAYERS)
+    for block in probe.blocks:
+        overlap.shard(block)
+    overlap.shard(probe)
+    states = sharded_states(probe)  # the root first, then the blocks: the forward order
+    nbytes = [states[0].group.all_gather_bytes()] + [s.group.all_gather_bytes() for s in states[1:]]
+    budget = held_bytes(nbytes, FORCED_DEPTH, 1) + slack
+    model = _sharded(max_inflight_bytes=budget)
+    overlap.optimizer_in_backward(model, torch.optim.AdamW, lr=LR)
+    held = []
+    for step in range(3):
+        model.loss(local_batch(make_batch(step), rank, world_size)).backward()
+        held.append(sum(s.group.all_gather_bytes() for s in sharded_states(model)
+                        if s.group is not None and s.group.pending_gather is not None))
+    return {"plan": model.gather_ahead, "held": held, "budget": budget}
+
+
+@pytest.mark.parametrize("slack, plan", [(0, (1, 1)), (-1, (0, 1))])
+def test_gather_ahead_holds_no_more_than_the_budget(distributed, slack: int, plan: tuple[int, int]) -> None:
+    for result in distributed(_held_within_budget, 2, slack):
+        assert result["plan"] == plan  # one byte short of one group ahead: none ahead
+        assert all(0 < h <= result["budget"] for h in result["held"]), result
+
+
 # ---------------------------------------------------------------- the chooser (pure)
 LINK_BOUND_FORWARD = ([0.02] * 6, [0.03] * 6)  # backward (2x compute) leaves the link idle; forward does not
 
