@@ -1,14 +1,16 @@
 """``overlap.shard``'s prefetch depths side by side, step by step in one run: a fixed ``prefetch=1``
-against ``prefetch="auto"``, on the demo's transformer (``overlap.demo.model``, embedding, each
+against ``prefetch="auto"`` without and with gather-ahead (the default; ``ahead (count, lag)``: the
+plan chosen, see ``scheduler/gather_ahead.py``), on the demo's transformer (``overlap.demo.model``, embedding, each
 block and head sharded, then the root), AdamW stepped in backward (``overlap.optimizer_in_backward``),
 behind one emulated link.
 
 Each depth is a fresh model from the same weights; the first two steps of each run behind the link
 (``prefetch="auto"`` measures its costs in the first). Then ``--rounds`` rounds of one linked step
-per depth, interleaved, so a shared machine's slow drifts fall on both alike; medians of the
+per depth, interleaved, each after an untimed linked step of the same run (gather-ahead leaves the
+next step's first gathers in flight: the timed step must start from its own run's), so a shared machine's slow drifts fall on both alike; medians of the
 slowest rank. After the timed rounds, two profiled steps per depth give the link-idle share
 (``overlap.profile()``: the part of each step with nothing of the rank on the link while it
-computed). Losses are checked bitwise between the depths.
+computed). Losses are checked bitwise between all runs.
 
     python benchmarks/bench_prefetch.py [--model small] [--link-gbps 0.1] [--rounds 8] [--markdown benchmarks/RESULTS.md]
 """
@@ -27,7 +29,9 @@ from overlap.demo.model import MODEL_SIZES
 from overlap.testing import run_distributed
 from report import emit
 
-DEPTHS: dict[str, Any] = {"prefetch=1": 1, 'prefetch="auto"': "auto"}
+DEPTHS: dict[str, Any] = {"prefetch=1": (1, True), 'prefetch="auto", no gather-ahead': ("auto", False),
+                          'prefetch="auto"': ("auto", True)}
+"""Runs: (prefetch, gather-ahead on). Gather-ahead applies to ``"auto"`` only (``set_gather_ahead``)."""
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -38,10 +42,11 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
     size = MODEL_SIZES[args.model]
     runs = {}
-    for name, prefetch in DEPTHS.items():
+    for name, (prefetch, ahead) in DEPTHS.items():
         torch.manual_seed(1234)
         model = TransformerLM(size)
         context = shard_for_mode("overlap", model, model.shard_units(), prefetch=prefetch)
+        model.set_gather_ahead(ahead)  # type: ignore[operator]
         step = TrainStep(lambda i, m=model: m.loss(token_batch(size, i, rank)), make_optimizer(model, 1e-3, True),
                          context)
         link = EmulatedLink(args.link_gbps, args.latency_us)
@@ -52,20 +57,22 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         runs[name] = (model, step, link, [])
     for _ in range(args.rounds):
         for model, step, link, times in runs.values():
-            dist.barrier()
             with link:
+                step()  # untimed: the timed step must start from gathers its own run issued behind its link
+                dist.barrier()
                 start = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - start)
     out: dict[str, Any] = {}
     for name, (model, step, link, times) in runs.items():
-        comm = over_ranks(link.stats().emulated_seconds / args.rounds)
+        comm = over_ranks(link.stats().emulated_seconds / (2 * args.rounds))
         with link, profile() as prof:
             for _ in range(2):
                 step()
                 prof.step()
         merged = prof.gather(dst=0)
         out[name] = {"step": over_ranks(statistics.median(times)), "comm": comm, "depth": model.prefetch_depth,
+                     "ahead": model.gather_ahead if DEPTHS[name][1] else None,
                      "idle": [s.link_idle_share for s in merged.summary().steps] if merged is not None else [],
                      "losses": torch.stack(step.losses)}
     return out
@@ -81,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     per_rank = run_distributed(_rank, 2, args, timeout=1800)
     r = per_rank[0]
     base = r["prefetch=1"]["step"]
-    bitwise = all(torch.equal(x["prefetch=1"]["losses"], x['prefetch="auto"']["losses"]) for x in per_rank)
-    rows = [[f"{name} (depth {v['depth']})", f"{1e3 * v['step']:.1f}", f"{1e3 * v['comm']:.1f}",
+    bitwise = all(torch.equal(x["prefetch=1"]["losses"], v["losses"]) for x in per_rank for v in x.values())
+    rows = [[f"{name} (depth {v['depth']}" + (f", ahead {v['ahead']}" if v["ahead"] else "") + ")", f"{1e3 * v['step']:.1f}", f"{1e3 * v['comm']:.1f}",
              f"{v['step'] / v['comm']:.2f}x", ", ".join(f"{100 * x:.0f}%" for x in v["idle"]),
              f"{v['step'] / base:.2f}x"] for name, v in r.items()]
     emit(f"Prefetch depth, demo model {args.model}, 2 CPU ranks (gloo), AdamW in backward; emulated link "

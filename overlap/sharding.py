@@ -17,7 +17,9 @@ pre-backward           (a hook on the outputs' gradients) re-gather if freed; pr
 gradient accumulated   (per parameter) when a group's gradients are complete it becomes *ready*;
                        ready groups are reduce-scattered in a fixed order (below), then resharded
 end of backward        (an autograd final callback) issue what is left in order, wait every
-                       reduce-scatter, add the results into the sharded ``.grad``s, reshard all
+                       reduce-scatter, add the results into the sharded ``.grad``s, reshard all;
+                       with the optimizer in backward and ``prefetch="auto"``, issue the next
+                       forward's first gathers ([Note: gathering ahead in backward])
 =====================  =====================================================================
 
 [Note: same collectives, same order, on every rank]
@@ -68,6 +70,25 @@ per step. Program order only (the agreed order and the depth), so the same on ev
 that leaves the order keeps nothing from there on; a forward with no backward after it leaves
 them unsharded until the next forward reshards them, as it did for the last group.
 
+[Note: gathering ahead in backward]
+With ``prefetch="auto"`` and every group stepped in backward (``overlap.optimizer_in_backward``), a
+group's shards are final as soon as its step ran, so the next step's all-gather of it may go out in
+this backward, where the link otherwise waits on gradients (``scheduler/gather_ahead.py``, [Note:
+choosing the gathers issued ahead]). The first step (the one that records costs) also picks a plan
+``(count, lag)`` from its costs and the byte budget, agreed as rank 0's: after the reduce-scatter of
+the group reduced ``lag`` after it, each of the first ``count`` groups reduced is gathered
+(``_gather_ahead``: the epilogues up to its own run first, waiting for their reduce-scatters, so its
+step has run; on CUDA the copy-in waits for the epilogue's event). At the end of backward, after
+every step, the next forward's first ``1 + prefetch`` groups are gathered (what
+``prefetch_next_step`` does), then any planned group whose issue point did not come. All of it is
+program order (the reduce order, the agreed plan), so the same on every rank. It applies only to a
+backward that ran the agreed order, reduced every group (no ``no_sync``) with overlap on, and
+``_finish_step`` leaves those gathers in flight. From there they are prefetches across the step
+boundary ([Note: prefetching across the step boundary]): a shard changed in place before forward
+uses it makes forward drop the gather and gather again, a group the forward skips has its gather
+dropped at the end of forward. A group used twice in forward, HSDP, a frozen group (no optimizer)
+or no optimizer in backward: no plan (a step outside backward would make every gather stale).
+
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order (``overlap.agreement``) in the first step,
 and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
@@ -109,6 +130,7 @@ from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
 from overlap.profiler.records import BUDGET_LABEL
 from overlap.regions import ModuleRegions, region
+from overlap.streams import comm_stream
 
 __all__ = ["shard", "no_sync", "no_overlap", "prefetch_next_step", "ShardedModule", "sharded_states"]
 
@@ -148,6 +170,22 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         if root is None or root.chosen_depth is not None:
             return None if root is None else root.chosen_depth
         return None if root.auto_prefetch else 1  # a root that communicates nothing never prefetches
+
+    def set_gather_ahead(self, enabled: bool) -> None:
+        """Turn gather-ahead on (the default) or off for this root (see [Note: gathering ahead in
+        backward]); every rank alike, between steps. Off: no gather is issued in backward or at its
+        end, the schedule before gather-ahead."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_gather_ahead: enabled must be a bool, got {enabled!r}")
+        self._overlap_state.gather_ahead_enabled = enabled
+
+    @property
+    def gather_ahead(self) -> Optional[tuple[int, int]]:
+        """With ``prefetch="auto"`` and an optimizer stepped in backward: ``(count, lag)``, the gathers
+        issued ahead in backward chosen in the first step (see [Note: gathering ahead in backward]);
+        None before that, or where it does not apply."""
+        root = self._overlap_state.root
+        return root.gather_ahead if root is not None and root.owner is self._overlap_state else None
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters (no-op if sharded)."""
@@ -192,6 +230,7 @@ class ShardState:
         self.index = -1  # position in the root's state list
         self.sync_grads = True
         self.serialize_comm = False  # set by no_overlap() on the root
+        self.gather_ahead_enabled = True  # set_gather_ahead() on the root
         self.regions = ModuleRegions.named("")  # see name_regions
         self.fqn = ""  # relative to the root (see name_regions)
         self._backward_seen = -1  # the backward pass (root counter) whose pre-backward ran here
@@ -358,6 +397,9 @@ class _Root:
         self._running: list[int] = []  # positions whose forward is running, innermost last
         self._kept: frozenset[int] = frozenset()  # forward positions kept unsharded for backward
         self._kept_for: Optional[tuple[list[int], int]] = None  # (agreed order, depth) _kept was computed for
+        # Gather-ahead (see [Note: gathering ahead in backward]): the agreed (count, lag) plan, None: off.
+        self.gather_ahead: Optional[tuple[int, int]] = None
+        self._ahead: set[int] = set()  # groups whose next-step gather this backward issued (kept by _finish_step)
         self._mark = 0.0
         self._reset_backward()
 
@@ -517,6 +559,23 @@ class _Root:
         for state in self.states:
             if state.auto_prefetch:
                 state.prefetch = depth
+        self._choose_gather_ahead(depth, budget)
+
+    def _choose_gather_ahead(self, depth: int, budget: int) -> None:
+        """Plan the gathers issued ahead in backward from this step's costs, if every group with
+        parameters is stepped in backward; agree rank 0's plan (see [Note: gathering ahead in backward])."""
+        from scheduler.gather_ahead import choose_gather_ahead
+
+        order = self.forward_seq
+        groups = [self.states[i].group for i in order]
+        if (len(set(order)) != len(order) or self.owner.replicate is not None
+                or not all(g is None or g.reduced_hooks for g in groups) or not any(groups)):
+            return  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
+        plan = choose_gather_ahead([c for c, _ in self._costs], [g for _, g in self._costs],
+                                   [g.all_gather_bytes() if g is not None else 0 for g in groups], depth, budget)
+        if self.owner.info.size > 1:
+            plan = tuple(agreement.exchange(self.owner.info, "gather ahead", plan)[0])
+        self.gather_ahead = plan  # type: ignore[assignment]
 
     def gather_now(self, state: ShardState) -> None:
         """Gather ``state``'s group now (waiting for a prefetch in flight) and register it unsharded."""
@@ -574,6 +633,10 @@ class _Root:
     # ------------------------------------------------------------------ backward
     def _reset_backward(self) -> None:
         self._done: set[int] = set()  # groups reduce-scattered (and resharded) in this backward
+        self._ahead_active = False
+        self._ahead_after: dict[int, int] = {}  # after this group's reduce-scatter, gather that one ahead
+        self._ahead_at_end: list[int] = []  # planned ahead whose issue point does not come before the end
+        self._reduce_event_of: dict[int, Any] = {}  # CUDA: each group's epilogue event
         self._backward_order: list[int] = []
         self._backward_cursor = 0
         self._reduce_order: list[int] = []
@@ -625,7 +688,26 @@ class _Root:
         for pos, index in enumerate(self.forward_seq):
             first_use.setdefault(index, pos)
         self._reduce_order = sorted(first_use, key=lambda i: -first_use[i])
+        self._plan_ahead()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _plan_ahead(self) -> None:
+        """This backward's gathers ahead: after the reduce-scatter of ``_reduce_order[r + lag]``, gather
+        ``_reduce_order[r]`` for the first ``count`` groups; only on a step that ran the agreed order,
+        synchronized, with overlap on (see [Note: gathering ahead in backward])."""
+        self._ahead_after = {}
+        self._ahead_active = (self.gather_ahead is not None and self.agreed_order == self.forward_seq
+                              and not self.owner.serialize_comm and self.owner.gather_ahead_enabled
+                              and all(s.sync_grads and (s.group is None or s.group.reduced_hooks) for s in self.states))
+        if not self._ahead_active:
+            return
+        assert self.gather_ahead is not None
+        count, lag = self.gather_ahead
+        order = self._reduce_order
+        for r in range(min(count, len(order))):
+            if r + lag < len(order):
+                self._ahead_after[order[r + lag]] = order[r]
+        self._ahead_at_end = [i for i in order[:count] if i not in self._ahead_after.values()]
 
     def on_module_backward_done(self, state: ShardState) -> None:
         """Backward has passed one forward call of ``state``'s module; after the last one its group is
@@ -684,6 +766,7 @@ class _Root:
                     event = group.finish_reduce_on_stream(pending) if group.finishes_early else None
                     if event is not None:
                         self._reduce_events.append(event)
+                        self._reduce_event_of[state.index] = event
                     else:
                         self._pending_reduces.append((state, pending))
         self._finish_completed_reduces()
@@ -691,6 +774,33 @@ class _Root:
         if state.reshard_after_backward:  # else the unsharded parameters stay registered, as in FSDP2
             group.reshard()
             group.to_sharded()
+        ahead = self._ahead_after.get(state.index)
+        if ahead is not None:
+            self._gather_ahead(self.states[ahead])
+
+    def _gather_ahead(self, state: ShardState) -> None:
+        """Issue ``state``'s next-step all-gather now, in backward, after its step: run the epilogues
+        (and so the optimizer steps) up to its own first, waiting for their reduce-scatters. A group
+        whose epilogue waits for the end of backward is left to it (see [Note: gathering ahead in
+        backward])."""
+        group = state.group
+        if group is None or not group.reduced_hooks:
+            return
+        while any(s is state for s, _ in self._pending_reduces):
+            s, pending = self._pending_reduces[0]
+            assert s.group is not None
+            if not s.group.finishes_early or pending.needs_all_reduce:
+                self._ahead_at_end.append(state.index)
+                return
+            with region(s.group.regions.reduce_scatter_epilogue), torch.no_grad():
+                s.group.finish_reduce(pending)
+            del self._pending_reduces[0]
+        event = self._reduce_event_of.get(state.index)
+        if event is not None:  # CUDA: the copy-in must read the shards after the step on the reduce stream
+            comm_stream(group.sharded[0].device, "all_gather_copy_in").wait_event(event)
+        with region("overlap::gather_ahead"):
+            self._gather(state)
+        self._ahead.add(state.index)
 
     def _all_reduce(self, state: ShardState, pending: PendingReduce) -> None:
         """HSDP: issue the cross-replica all-reduce of a reduce-scatter's output."""
@@ -745,16 +855,25 @@ class _Root:
                 current = torch.cuda.current_stream()
                 for event in self._reduce_events:  # the gradients were written on the reduce-scatter stream
                     current.wait_event(event)
+            active, at_end = self._ahead_active, self._ahead_at_end
             self._finish_step()
+            if active:  # every group is stepped now: the next forward's first gathers (see [Note: gathering ahead ...])
+                with region("overlap::gather_ahead"):
+                    self.prefetch_next_step()
+                    for index in at_end:
+                        self._gather(self.states[index])
 
     def _finish_step(self) -> None:
         """Reshard everything, forget the step (also the clean-up of a step without backward)."""
         for state in self.states:
             if state.group is not None:
                 state.group.grads_ready.clear()
+                if state.index in self._ahead and self.in_backward:
+                    continue  # its next-step gather is in flight (see [Note: gathering ahead in backward])
                 if not (self.in_backward and not state.reshard_after_backward):
                     state.group.reshard()
                     state.group.to_sharded()
+        self._ahead = set()
         self._pending_reduces = []
         self._reduce_events = []
         self.in_backward = False

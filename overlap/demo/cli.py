@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="ranks to spawn, >= 2 (default 2; under torchrun, WORLD_SIZE and this must agree)")
     demo.add_argument("--steps", type=_int_at_least(1), default=5, metavar="S",
                       help="timed steps per mode: S without and S with the link's delay, after one warm-up step "
-                           "behind the link; figures are medians (default 5)")
+                           "behind the link, each after an untimed step of its kind; figures are medians (default 5)")
     demo.add_argument("--model", choices=tuple(MODEL_SIZES), default="small",
                       help=f"model size (default small). {sizes}")
     demo.add_argument("--compare", type=_compare, default=None, metavar="MODES",

@@ -15,7 +15,8 @@ Each mode trains :class:`~overlap.demo.model.TransformerLM` (head untied; embedd
 head sharded on their own, then the root) with AdamW; its steps alternate without
 and with the emulated link's delay (``overlap.testing.paired_steps``): the first kind is the mode's
 *compute side* (math, packing, the runtime's and gloo's own host work) and what the second takes
-beyond it is *exposed communication*. The link's bandwidth is chosen, unless given, so that one
+beyond it is *exposed communication*. Each timed step follows an untimed one of its own kind
+(:data:`SETTLE_STEPS`), since gather-ahead leaves the next step's first gathers in flight. The link's bandwidth is chosen, unless given, so that one
 step's communication takes about as long as this runtime's compute side: where overlap matters most.
 
 After the timed steps, a few more steps of each ``overlap.shard`` mode run under ``overlap.profile()``
@@ -82,6 +83,11 @@ TP_MODES: tuple[str, ...] = ("tp", "tp-chunks1", "tp-torch")
 (torch's order: one collective, one matmul) and torch's ``parallelize_module``, one plan."""
 PROFILED: tuple[str, ...] = ("overlap", "no-overlap", "tp", "tp-chunks1")
 """Modes whose collectives ``overlap.profile()`` sees (FSDP2's are torch's own)."""
+SETTLE_STEPS = 1
+"""Untimed steps behind the same link before each timed one (``paired_steps``' ``settle``): gathers
+issued at the end of backward (gather-ahead) land in the next step, so a timed linked step must
+follow a linked one, and a timed step without the link must not wait out a linked step's gathers."""
+
 _SEED = 1234
 
 
@@ -164,6 +170,9 @@ class ModeResult:
     profile: Any = None
     depth: Optional[int] = None
     """``overlap.shard``'s prefetch depth (the one chosen with ``prefetch="auto"``); None for others."""
+    gather_ahead: Optional[tuple[int, int]] = None
+    """``overlap.shard``'s gather-ahead plan ``(count, lag)`` (``prefetch="auto"`` with the optimizer in
+    backward); None where it does not apply."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +266,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     size = MODEL_SIZES[cfg.model]
     calibrate = cfg.link_gbps is None
-    per_mode = max(1, cfg.warmup) + 2 * cfg.steps
+    per_mode = max(1, cfg.warmup) + 2 * cfg.steps * (1 + SETTLE_STEPS)
     total = (6 if calibrate else 0) + per_mode * len(cfg.modes)
     total += cfg.profile_steps * sum(m in PROFILED for m in cfg.modes)
     progress = _Progress(total, enabled=cfg.progress and rank == 0)
@@ -313,7 +322,8 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         step = build(mode)
         with link():  # the first step behind the link: prefetch="auto" measures its costs in it
             step()
-        times = paired_steps(step, cfg.steps, gbps, cfg.latency_us, warmup=max(0, cfg.warmup - 1), link=link())
+        times = paired_steps(step, cfg.steps, gbps, cfg.latency_us, warmup=max(0, cfg.warmup - 1), link=link(),
+                             settle=SETTLE_STEPS)
         mode_depth = getattr(step.model, "prefetch_depth", None) if mode not in TP_MODES else None
         if mode == "overlap":
             depth = mode_depth
@@ -327,7 +337,8 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
                     step()
                     prof.step()
             merged = prof.gather(dst=0)
-        modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth)
+        ahead = getattr(step.model, "gather_ahead", None) if mode not in TP_MODES else None
+        modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth, ahead)
         del step
     progress.finish()
     bitwise = None
@@ -484,8 +495,14 @@ def _depth_lines(result: DemoResult) -> list[str]:
     if ours is None or ours.depth is None:
         return []
     how = "chosen from the first step's measured costs" if result.config.prefetch == "auto" else "--prefetch"
-    return [f"overlap.shard prefetch depth {ours.depth} ({how}): up to {1 + ours.depth} groups unsharded at once, "
-            f"the last {1 + ours.depth} of forward kept for backward"]
+    lines = [f"overlap.shard prefetch depth {ours.depth} ({how}): up to {1 + ours.depth} groups unsharded at once, "
+             f"the last {1 + ours.depth} of forward kept for backward"]
+    if ours.gather_ahead is not None:
+        count, lag = ours.gather_ahead
+        lines.append(f"overlap.shard gather-ahead: the next forward's first {1 + ours.depth} gathers issued at the end "
+                     f"of backward; {count} more issued in backward after their group's step"
+                     + (f" (each after the reduce-scatter {lag} later)" if count else " (the model saw no gain)"))
+    return lines
 
 
 def _loss_line(result: DemoResult) -> str:

@@ -63,15 +63,20 @@ def over_ranks(value: float, op: dist.ReduceOp = dist.ReduceOp.MAX) -> float:
 
 
 def interleaved_steps(step: Callable[[], object], steps: int, links: Sequence[EmulatedLink | None],
-                      warmup: int = 1) -> list[float]:
+                      warmup: int = 1, settle: int = 0) -> list[float]:
     """Run ``warmup`` untimed steps, then ``steps`` rounds of one step per entry of ``links`` (None:
     no link delay); return the median seconds per step for each entry, of the slowest rank.
 
     Interleaving keeps a shared machine's slow drifts out of the differences between entries. Every
-    rank must call it with the same arguments (steps start together behind a barrier).
+    rank must call it with the same arguments (steps start together behind a barrier). ``settle``:
+    untimed steps behind the same entry's link before each timed one, for steps that leave
+    collectives in flight for the next (gathers issued at the end of backward): without them a
+    timed step would use what the step before issued behind another entry's link.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if isinstance(settle, bool) or not isinstance(settle, int) or settle < 0:
+        raise ValueError(f"settle must be an int >= 0, got {settle!r}")
 
     def timed() -> float:
         if dist.is_initialized():
@@ -89,13 +94,16 @@ def interleaved_steps(step: Callable[[], object], steps: int, links: Sequence[Em
     for _ in range(steps):
         for link, out in zip(links, times):
             with link if link is not None else contextlib.nullcontext():
+                for _ in range(settle):
+                    timed()
                 out.append(timed())
     return [over_ranks(statistics.median(t)) for t in times]
 
 
 def paired_steps(step: Callable[[], object], steps: int, gbps: float, latency_us: float,
-                 warmup: int = 1, link: EmulatedLink | None = None) -> PairedTimes:
-    """Run ``warmup`` untimed steps, then ``steps`` pairs (no link delay, then the link).
+                 warmup: int = 1, link: EmulatedLink | None = None, settle: int = 0) -> PairedTimes:
+    """Run ``warmup`` untimed steps, then ``steps`` pairs (no link delay, then the link), each
+    timed step after ``settle`` untimed ones of its kind (see :func:`interleaved_steps`).
 
     ``link``: the link to time behind (e.g. two tiers), instead of a uniform one of ``gbps`` and
     ``latency_us``; its statistics then cover the linked steps. Every rank must call it with the
@@ -103,5 +111,5 @@ def paired_steps(step: Callable[[], object], steps: int, gbps: float, latency_us
     """
     if link is None:
         link = EmulatedLink(gbps, latency_us)
-    unlinked, linked = interleaved_steps(step, steps, [None, link], warmup)
-    return PairedTimes(unlinked, linked, over_ranks(link.stats().emulated_seconds / steps))
+    unlinked, linked = interleaved_steps(step, steps, [None, link], warmup, settle)
+    return PairedTimes(unlinked, linked, over_ranks(link.stats().emulated_seconds / (steps * (1 + settle))))

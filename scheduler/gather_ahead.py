@@ -1,0 +1,127 @@
+"""Gather-ahead: which groups' next-step all-gathers to issue in this step's backward, from measured costs.
+
+Contract: pure functions of numbers (no torch, no process groups), so every rank computes the same
+answer from the same inputs; the runtime (``overlap.shard`` with ``prefetch="auto"`` and an optimizer
+stepped in backward) measures the inputs, agrees the answer across ranks, and applies it.
+
+Inputs, per forward position (the agreed forward order; one group per position):
+
+==============  ================================================================================
+``compute``     seconds of forward compute of the position (backward is taken as twice that)
+``gather``      seconds its all-gather occupies the link (its reduce-scatter is taken as the same)
+``nbytes``      bytes its all-gather brings in: what a gather issued ahead holds until forward
+``depth``       the prefetch depth already chosen (``scheduler.prefetch_depth``)
+``budget``      bytes the gathers held across the step boundary plus forward's ``1 + depth``
+                window may hold together
+==============  ================================================================================
+
+[Note: choosing the gathers issued ahead]
+With the optimizer stepped in backward, a group's shards are final once its step ran, right after
+its reduce-scatter landed; backward reduces the groups in reverse forward order, so the first ones
+stepped are the last ones the next forward needs. Issuing their next-step gathers in this backward
+moves them from the forward (where the link is the bottleneck when comm ~ compute) into backward,
+where the link otherwise waits on gradients. The plan is ``(count, lag)``: the first ``count``
+groups reduced are gathered ahead, each right after the reduce-scatter of the group reduced ``lag``
+after it was issued (a program-order point, the same on every rank; the host first waits for the
+group's own reduce-scatter and runs its step there if that has not happened yet), and any whose
+point does not come in this backward at its end. At the end of backward the next forward's first
+``1 + depth`` groups are gathered too (they are stepped by then; the link is empty there).
+The link is a FIFO: a gather issued ahead is queued before the re-gathers and reduce-scatters
+issued after it, so it can delay backward. The model replays several steps of the runtime's
+schedule (the prefetch model's, plus the gathers ahead and the host waits for their reductions)
+and takes the steady-state step time. ``(0, 1)``, issue nothing ahead in backward, is the
+fallback: another plan is taken only where the model says it is faster by more than ``tolerance``
+and its held bytes fit the budget, so the choice never loses to the schedule without it, as far
+as the model goes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+__all__ = ["choose_gather_ahead", "modelled_steady_step", "held_bytes"]
+
+LAGS = (1, 2, 3)
+"""The issue points tried: right after the reduce-scatter of the group reduced 1, 2 or 3 after."""
+
+
+def modelled_steady_step(compute: Sequence[float], gather: Sequence[float], depth: int, count: int,
+                         lag: int = 1, steps: int = 4) -> float:
+    """Seconds per step in the steady state of ``steps`` replayed steps with the first ``count``
+    reduced groups gathered ahead at ``lag`` (see [Note: choosing the gathers issued ahead])."""
+    n = len(compute)
+    if n == 0:
+        return 0.0
+    link_free = 0.0
+    ahead = set(range(n - count, n))  # forward positions; backward reduces n-1 first
+
+    def run(at: float, seconds: float) -> float:
+        nonlocal link_free
+        link_free = max(link_free, at) + seconds
+        return link_free
+
+    now = 0.0
+    landed = [math.inf] * n
+    ends: list[float] = []
+    for _ in range(steps):
+        for j in range(n):  # forward: wait j's gather, issue the depth after it
+            for k in range(j, min(n, j + 1 + depth)):
+                if landed[k] == math.inf:
+                    landed[k] = run(now, gather[k])
+            now = max(now, landed[j]) + compute[j]
+        regathered = [math.inf] * n
+        for k in range(max(0, n - 1 - depth), n):  # kept unsharded for backward
+            regathered[k] = 0.0
+        reduced = [math.inf] * n
+        landed = [math.inf] * n  # the next forward's gathers
+        for j in reversed(range(n)):
+            for k in range(j, max(-1, j - 1 - depth), -1):
+                if regathered[k] == math.inf:
+                    regathered[k] = run(now, gather[k])
+            now = max(now, regathered[j]) + 2 * compute[j]
+            reduced[j] = run(now, gather[j])
+            if j + lag < n and j + lag in ahead:
+                now = max(now, reduced[j + lag])  # its step must have run
+                landed[j + lag] = run(now, gather[j + lag])
+        now = max(now, max(reduced))  # the end of backward waits for every reduction
+        for k in [*range(min(n, 1 + depth)), *sorted(ahead)]:  # first groups, then what is left
+            if landed[k] == math.inf:
+                landed[k] = run(now, gather[k])
+        ends.append(now)
+    half = len(ends) // 2
+    return (ends[-1] - ends[half - 1]) / (len(ends) - half)
+
+
+def held_bytes(nbytes: Sequence[int], depth: int, count: int) -> int:
+    """Bytes held at most in forward with the first ``count`` reduced groups gathered ahead: those,
+    plus the largest ``1 + depth`` window of forward positions."""
+    n = len(nbytes)
+    window = max((sum(nbytes[j: j + 1 + depth]) for j in range(n)), default=0)
+    return sum(nbytes[n - count:]) + window if count else window
+
+
+def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], depth: int,
+                        budget: int, tolerance: float = 0.01) -> tuple[int, int]:
+    """``(count, lag)``: how many of the first reduced groups to gather ahead in backward, and at
+    which issue point (see [Note: choosing the gathers issued ahead]); ``(0, 1)`` where nothing
+    modelled is faster by more than ``tolerance`` or fits ``budget``."""
+    if not (len(compute) == len(gather) == len(nbytes)):
+        raise ValueError(f"compute, gather and nbytes must have one entry per position, got lengths "
+                         f"{len(compute)}, {len(gather)}, {len(nbytes)}")
+    if any(not math.isfinite(x) or x < 0 for x in [*compute, *gather]):
+        raise ValueError("compute and gather must be finite seconds >= 0")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ValueError(f"depth must be an int >= 0, got {depth!r}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ValueError(f"budget must be an int >= 0 (bytes), got {budget!r}")
+    n = len(compute)
+    best, plan = modelled_steady_step(compute, gather, depth, 0), (0, 1)
+    fallback = best
+    for count in range(1, n + 1):
+        if held_bytes(nbytes, depth, count) > budget:
+            break
+        for lag in LAGS:
+            t = modelled_steady_step(compute, gather, depth, count, lag)
+            if t < best and t < fallback * (1 - tolerance):
+                best, plan = t, (count, lag)
+    return plan

@@ -1,0 +1,256 @@
+"""Gather-ahead (``prefetch="auto"`` + ``overlap.optimizer_in_backward``): the next step's all-gathers
+issued in this backward, after each group's step, on 2 and 3 gloo CPU ranks; and the pure chooser
+(``scheduler.gather_ahead``).
+
+Reference: the plain loop (one AdamW over all parameters after backward, same sharding, same
+``prefetch="auto"``) and optimizer in backward with nothing gathered ahead, bitwise: a gather issued
+ahead may only move when a gather happens, never what it gathers. The plan is forced in the ranks
+(``(count, lag)``: every group, the first two, none) so that each issue point is exercised whatever
+the model would choose on this box; one run keeps the model's own choice. Covered: ``no_sync``
+micro-batches, a shard edited in place between steps (picked up: gathered again), a step that skips
+the group gathered ahead for it, a rank exiting with gathers in flight.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+from torch import nn
+
+import overlap
+from models import LR, SEED, TinyLM, local_batch, make_batch, make_optimizer
+from overlap.sharding import sharded_states
+from scheduler import gather_ahead, prefetch_depth
+from scheduler.gather_ahead import choose_gather_ahead, held_bytes, modelled_steady_step
+
+pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
+
+STEPS = 5
+LAYERS = 3
+FORCED_DEPTH = 1
+
+
+def _sharded(max_inflight_bytes: Optional[int] = None) -> TinyLM:
+    torch.manual_seed(SEED)
+    model = TinyLM(layers=LAYERS)
+    for block in model.blocks:
+        overlap.shard(block, prefetch="auto", max_inflight_bytes=max_inflight_bytes)
+    overlap.shard(model, prefetch="auto", max_inflight_bytes=max_inflight_bytes)
+    return model
+
+
+def _pending_gathers(model: nn.Module) -> list[int]:
+    """The groups with an all-gather in flight; each must have packed the shards after their step
+    (not stale), or it would only be dropped and done again."""
+    pending = [s for s in sharded_states(model) if s.group is not None and s.group.pending_gather is not None]
+    assert not any(s.group.stale_gather() for s in pending), "a gather issued ahead packed shards before their step"
+    return [s.index for s in pending]
+
+
+def _train(rank: int, world_size: int, in_backward: bool, plan: Optional[tuple[int, int]],
+           skip_last_on_odd_steps: bool = False, enabled: bool = True) -> dict[str, Any]:
+    """``STEPS`` AdamW steps: step 1 in two ``no_sync`` micro-batches, a weight of the last block
+    halved in place after step 2 (after its next-step gather was issued in backward), and with
+    ``skip_last_on_odd_steps`` odd steps run without the last block. ``plan``: the gather-ahead plan
+    forced on every rank (None: the model's choice); ``enabled``: ``set_gather_ahead``."""
+    torch.set_num_threads(1)
+    if plan is not None:  # this rank's process only; depth 1, so the end of backward gathers 2 groups
+        gather_ahead.choose_gather_ahead = lambda *args, **kwargs: plan
+        prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED_DEPTH
+    model = _sharded()
+    model.set_gather_ahead(enabled)
+    last = model.blocks[-1]
+    if in_backward:
+        adamw = make_optimizer([nn.Parameter(torch.zeros(1))]).defaults
+        opt: Any = overlap.optimizer_in_backward(
+            model, torch.optim.AdamW, **{k: adamw[k] for k in ("lr", "betas", "eps", "weight_decay", "foreach")})
+    else:
+        opt = make_optimizer(model.parameters())
+    losses, ahead = [], []
+    for step in range(STEPS):
+        if skip_last_on_odd_steps:
+            model.blocks[-1] = last if step % 2 == 0 else nn.Identity()
+        batch = local_batch(make_batch(step), rank, world_size)
+        parts = batch.chunk(2) if step == 1 else (batch,)
+        for i, part in enumerate(parts):
+            with overlap.no_sync(model) if i < len(parts) - 1 else _nothing():
+                loss = model.loss(part)
+                loss.backward()
+        ahead.append(_pending_gathers(model))  # issued in (or at the end of) this backward
+        opt.step()
+        if step == 2:
+            with torch.no_grad():
+                last.mlp.fc1.weight.mul_(0.5)  # in place, after its next-step gather was packed
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    model.blocks[-1] = last
+    return {"losses": torch.stack(losses), "ahead": ahead, "plan": model.gather_ahead,
+            "params": {n: p.to_local().clone() for n, p in model.named_parameters()}}
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
+    assert torch.equal(a["losses"], b["losses"]), (what, a["losses"], b["losses"])
+    for name, value in a["params"].items():
+        assert torch.equal(value, b["params"][name]), (what, name)
+
+
+def _runs(rank: int, world_size: int, skip: bool) -> dict[str, dict[str, Any]]:
+    groups = LAYERS + 1
+    return {
+        "plain": _train(rank, world_size, False, None, skip),
+        "none ahead": _train(rank, world_size, True, (0, 1), skip),
+        "all ahead, lag 1": _train(rank, world_size, True, (groups, 1), skip),
+        "two ahead, lag 2": _train(rank, world_size, True, (2, 2), skip),
+        "model's choice": _train(rank, world_size, True, None, skip),
+        "all planned, turned off": _train(rank, world_size, True, (groups, 1), skip, enabled=False),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gather_ahead_is_bitwise_the_plain_loop(distributed, world_size: int) -> None:
+    for runs in distributed(_runs, world_size, False):
+        for what, run in runs.items():
+            _assert_same(run, runs["plain"], what)
+        # The plain loop steps after backward: nothing may be gathered ahead for it.
+        assert all(not a for a in runs["plain"]["ahead"]) and runs["plain"]["plan"] is None
+        groups = LAYERS + 1
+        assert runs["all ahead, lag 1"]["plan"] == (groups, 1)
+        # Every backward that reduced (not step 1's no_sync micro-batch) gathered every group ahead,
+        # and those issued in backward stayed in flight past its end.
+        assert [len(a) for a in runs["all ahead, lag 1"]["ahead"]] == [groups] * STEPS
+        assert all(not a for a in runs["all planned, turned off"]["ahead"])
+        # Nothing ahead in backward: the next forward's first 1 + depth groups, at its end; two
+        # ahead: those and the two groups reduced first (the last two blocks).
+        first = 1 + FORCED_DEPTH
+        assert [len(a) for a in runs["none ahead"]["ahead"]] == [first] * STEPS
+        assert [len(a) for a in runs["two ahead, lag 2"]["ahead"]] == [first + 2] * STEPS
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gather_ahead_for_a_group_the_next_forward_skips(distributed, world_size: int) -> None:
+    for runs in distributed(_runs, world_size, True):
+        for what, run in runs.items():
+            _assert_same(run, runs["plain"], what)
+
+
+def _exit_with_gathers_in_flight(rank: int, world_size: int) -> list[int]:
+    gather_ahead.choose_gather_ahead = lambda *args, **kwargs: (LAYERS + 1, 1)
+    model = _sharded()
+    overlap.optimizer_in_backward(model, torch.optim.AdamW, lr=LR)
+    for step in range(2):
+        model.loss(local_batch(make_batch(step), rank, world_size)).backward()
+    return _pending_gathers(model)  # the harness then destroys the process group with them unwaited
+
+
+def test_exit_with_gathers_ahead_in_flight_does_not_hang(distributed) -> None:
+    results = distributed(_exit_with_gathers_in_flight, 2, link=(0.01, 0.0), timeout=90)
+    assert all(len(r) == LAYERS + 1 for r in results), results
+
+
+SYNTHETIC_COSTS = ([0.005, 0.02, 0.005, 0.005], [0.01] * 4)
+"""Per-position seconds (root, then the blocks) on which the model gathers one group ahead at depth 1."""
+
+
+def _held_within_budget(rank: int, world_size: int, slack: int) -> dict[str, Any]:
+    """The chooser on :data:`SYNTHETIC_COSTS` with the real bytes and the real budget
+    (``max_inflight_bytes``): the budget exactly what one group ahead needs, plus ``slack``."""
+    real = gather_ahead.choose_gather_ahead
+    gather_ahead.choose_gather_ahead = lambda c, g, nbytes, depth, budget: real(*SYNTHETIC_COSTS, nbytes, depth, budget)
+    prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED_DEPTH
+    torch.manual_seed(SEED)
+    probe = TinyLM(layers=LAYERS)
+    for block in probe.blocks:
+        overlap.shard(block)
+    overlap.shard(probe)
+    states = sharded_states(probe)  # the root first, then the blocks: the forward order
+    nbytes = [states[0].group.all_gather_bytes()] + [s.group.all_gather_bytes() for s in states[1:]]
+    budget = held_bytes(nbytes, FORCED_DEPTH, 1) + slack
+    model = _sharded(max_inflight_bytes=budget)
+    overlap.optimizer_in_backward(model, torch.optim.AdamW, lr=LR)
+    held = []
+    for step in range(3):
+        model.loss(local_batch(make_batch(step), rank, world_size)).backward()
+        held.append(sum(s.group.all_gather_bytes() for s in sharded_states(model)
+                        if s.group is not None and s.group.pending_gather is not None))
+    return {"plan": model.gather_ahead, "held": held, "budget": budget}
+
+
+@pytest.mark.parametrize("slack, plan", [(0, (1, 1)), (-1, (0, 1))])
+def test_gather_ahead_holds_no_more_than_the_budget(distributed, slack: int, plan: tuple[int, int]) -> None:
+    for result in distributed(_held_within_budget, 2, slack):
+        assert result["plan"] == plan  # one byte short of one group ahead: none ahead
+        assert all(0 < h <= result["budget"] for h in result["held"]), result
+
+
+# ---------------------------------------------------------------- the chooser (pure)
+LINK_BOUND_FORWARD = ([0.02] * 6, [0.03] * 6)  # backward (2x compute) leaves the link idle; forward does not
+
+
+def test_chooser_gathers_ahead_where_the_model_gains_and_never_where_it_loses() -> None:
+    compute, gather = LINK_BOUND_FORWARD
+    depth = 5
+    count, lag = choose_gather_ahead(compute, gather, [100] * 6, depth, 10**9)
+    assert count >= 1
+    base = modelled_steady_step(compute, gather, depth, 0)
+    assert modelled_steady_step(compute, gather, depth, count, lag) < base
+    # Link-bound in both passes: moving a gather only adds host waits, so nothing is issued ahead.
+    assert choose_gather_ahead([0.01] * 6, [0.03] * 6, [100] * 6, 1, 10**9) == (0, 1)
+    # No link time: nothing to gain.
+    assert choose_gather_ahead([0.01] * 6, [0.0] * 6, [100] * 6, 1, 10**9) == (0, 1)
+    assert choose_gather_ahead([], [], [], 1, 0) == (0, 1)
+
+
+def test_chooser_keeps_the_held_bytes_within_the_budget() -> None:
+    compute, gather = LINK_BOUND_FORWARD
+    nbytes = [100, 200, 300, 400, 500, 600]
+    for budget in range(0, 4000, 50):
+        count, lag = choose_gather_ahead(compute, gather, nbytes, 5, budget)
+        assert count == 0 or held_bytes(nbytes, 5, count) <= budget, (budget, count)
+    assert held_bytes(nbytes, 1, 0) == 1100  # the largest 1 + depth window of forward
+    assert held_bytes(nbytes, 1, 2) == 1100 + 1100  # plus the two last positions, gathered ahead
+
+
+@pytest.mark.parametrize("args, match", [
+    (([0.1], [0.1, 0.2], [1], 1, 10), "one entry per position"),
+    (([float("nan")], [0.1], [1], 1, 10), "finite seconds"),
+    (([0.1], [-1.0], [1], 1, 10), "finite seconds"),
+    (([0.1], [0.1], [1], -1, 10), "depth must be an int >= 0"),
+    (([0.1], [0.1], [1], True, 10), "depth must be an int >= 0"),
+    (([0.1], [0.1], [1], 1, -5), "budget must be an int >= 0"),
+    (([0.1], [0.1], [1], 1, 1.5), "budget must be an int >= 0"),
+])
+def test_chooser_bad_input(args: tuple, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        choose_gather_ahead(*args)
+
+
+def test_set_gather_ahead_bad_input(single_rank_group) -> None:
+    model = _sharded()
+    for bad in (1, None, "yes"):
+        with pytest.raises(TypeError, match="set_gather_ahead: enabled must be a bool"):
+            model.set_gather_ahead(bad)  # type: ignore[arg-type]
+    assert model._overlap_state.gather_ahead_enabled is True
+
+
+# ---------------------------------------------------------------- measuring steps that leave gathers in flight
+def test_interleaved_steps_settle_runs_untimed_steps_of_the_same_kind_first() -> None:
+    from overlap.testing import interleaved_steps
+
+    calls: list[int] = []
+    interleaved_steps(lambda: calls.append(1), 3, [None, None], warmup=1, settle=1)
+    assert len(calls) == 1 + 3 * 2 * 2  # warm-up, then per round and entry one settle + one timed step
+    calls.clear()
+    interleaved_steps(lambda: calls.append(1), 3, [None, None], warmup=0)
+    assert len(calls) == 3 * 2  # settle 0: as before
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="settle must be an int >= 0"):
+            interleaved_steps(lambda: None, 1, [None], settle=bad)  # type: ignore[arg-type]
