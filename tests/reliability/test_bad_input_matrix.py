@@ -317,6 +317,8 @@ MATRIX: dict[str, Bad] = {
         lambda e: e.sharded.set_requires_gradient_sync(0), ValueError, "requires_gradient_sync", "bool"),
     "FSDPModule set_reshard_after_backward not a bool": Bad(
         lambda e: e.sharded.set_reshard_after_backward("no"), ValueError, "reshard_after_backward", "bool"),
+    "ShardedModule set_gather_ahead not a bool": Bad(
+        lambda e: e.sharded.set_gather_ahead(1), TypeError, "set_gather_ahead", "enabled must be a bool"),
     "FSDPModule set_reshard_after_forward not a bool": Bad(
         lambda e: e.sharded.set_reshard_after_forward(1), ValueError, "reshard_after_forward", "bool"),
     "FSDPModule set_is_last_backward not a bool": Bad(
