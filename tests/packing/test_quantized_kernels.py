@@ -368,6 +368,62 @@ def test_bad_input_names_the_argument() -> None:
     assert 32 in BLOCKS
 
 
+# ------------------------------------------------------------------------------- AOT compile (no GPU)
+_AOT_SCRIPT = """
+import json, re, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.quantized_copy_in import _quantized_copy_in_kernel
+from kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out_kernel
+from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out_kernel
+POINTERS = {"blocks_ptr": "*i64", "pointers_ptr": "*i64", "codes_ptr": "*i8", "scales_ptr": "*fp32", "scale": "fp32"}
+out = {}
+for kernel, extra in ((_quantized_copy_in_kernel, {}), (_quantized_all_gather_copy_out_kernel, {}),
+                      (_quantized_reduce_scatter_copy_out_kernel,
+                       dict(HAS_SCALE=True, ACCUMULATE=True, WORLD_SIZE=2))):
+    constexprs = dict(DT0=tl.bfloat16, DT1=tl.float32, DT2=tl.bfloat16, DT3=tl.bfloat16, NUM_GROUPS=2, BLOCK=256,
+                      FP8=True, **extra)
+    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i64") for n in kernel.arg_names}
+    source = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+    for arch in (80, 90):
+        ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                             options={"enable_fp_fusion": False, "num_warps": 4}).asm["ptx"]
+        out[f"{kernel.__name__}-sm{arch}"] = {"fp8": len(re.findall(r"e4m3|e5m2", ptx)),
+                                               "fma": len(re.findall(r"\\bfma\\.rn\\.f32", ptx))}
+print(json.dumps(out))
+"""
+
+
+def test_fp8_kernels_compile_for_sm80_without_fp8_instructions(tmp_path) -> None:
+    """The fp8 variants of the three kernels compile ahead of time for sm_80 (below fp8 hardware,
+    sm_89) and sm_90 with Triton's bundled ptxas, with no e4m3 / e5m2 conversion and no FMA in the
+    PTX: the integer encoding needs no fp8 support ([Note: why the arithmetic is bitwise portable])."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    try:
+        import triton.backends.nvidia as nvidia
+    except ImportError:
+        pytest.skip("needs Triton's NVIDIA backend")
+    if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists():
+        pytest.skip("needs Triton's NVIDIA backend with its bundled ptxas")
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")])),
+               TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 6
+    assert all(r == {"fp8": 0, "fma": 0} for r in report.values()), report
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.skipif(not torch.cuda.is_available() or _launch.INTERPRET,
                     reason="compiled Triton kernels need a CUDA device (and TRITON_INTERPRET unset)")
