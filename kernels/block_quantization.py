@@ -1,20 +1,27 @@
-"""Block quantization to int8: the arithmetic, once in Triton and once in torch, bit for bit alike.
+"""Block quantization to int8 or fp8 (e4m3): the arithmetic, once in Triton and once in torch, bit for bit alike.
 
-Contract: a *block* is ``Q`` consecutive float32 values ``x``. Quantizing it gives ``Q`` int8 codes
-``q`` and one float32 ``scale``; dequantizing gives ``q * scale`` in float32:
+Contract: a *block* is ``Q`` consecutive float32 values ``x``. Quantizing it gives ``Q`` one-byte
+codes ``q`` and one float32 ``scale``; dequantizing gives ``value(q) * scale`` in float32. Two
+formats (``FORMATS``), the same bytes (one per element, four per block):
 
 ===========================  =============================================================
 ``absmax``                   ``max |x|`` over the block; ``inf`` if any value is NaN or inf
-``scale``                    ``absmax / 127`` (IEEE division, round to nearest even); NaN for a
-                             non-finite block
-``q``                        ``clamp(round_half_even(x / scale), -127, 127)``; 0 where
-                             ``scale`` is 0 (an all-zero block) or the block is non-finite
-dequantized                  ``q * scale`` (float32): 0 for a zero block, NaN in every element
-                             of a non-finite block (never a finite value)
+``scale``                    ``absmax / QMAX`` (IEEE division, round to nearest even); NaN for
+                             a non-finite block. ``QMAX``: 127 (int8), 448 (fp8: e4m3's largest
+                             finite value, so the block's largest magnitude maps onto it)
+``q`` (``"int8"``)           ``clamp(round_half_even(x / scale), -127, 127)`` as an int8
+``q`` (``"fp8"``)            ``clamp(x / scale, -448, 448)`` rounded to float8_e4m3fn (round to
+                             nearest even, subnormals included), its byte as an int8
+                             (``torch.float8_e4m3fn``'s encoding: sign, 4 exponent bits with bias
+                             7, 3 mantissa bits)
+both                         ``q`` is 0 where ``scale`` is 0 (an all-zero block) or the block is
+                             non-finite
+dequantized                  ``value(q) * scale`` (float32): 0 for a zero block, NaN in every
+                             element of a non-finite block (never a finite value)
 ===========================  =============================================================
 
 [Note: the per-block error bound]
-For a finite block, ``|x - q * scale| <= absmax / 254 * (1 + 2**-14) + 2**-149``. With ``u =
+int8: for a finite block, ``|x - q * scale| <= absmax / 254 * (1 + 2**-14) + 2**-149``. With ``u =
 2**-24`` (float32's unit roundoff): ``scale = absmax / 127 * (1 + d0)``, ``|d0| <= u``, so half a
 step is ``absmax / 254 * (1 + u)`` (a tie, ``x / scale = k + 1/2``, does reach it: tested); ``x /
 scale`` is rounded (``|x| * u`` after multiplying back by ``scale``) and so is the product ``q *
@@ -22,6 +29,22 @@ scale`` (``<= absmax * (1 + u) * u``): in all ``absmax / 254 * (1 + u + 254 u + 
 absmax / 254 * (1 + 2**-14)``. The last term covers subnormal scales.
 tests/packing/test_quantized_kernels.py checks it on every block it draws (a first version claimed
 ``1 + 2**-20``; Hypothesis found a tie that exceeds it).
+
+fp8 (e4m3, 3 mantissa bits): for a finite block,
+``|x - value(q) * scale| <= |x| / 17 * (1 + 2**-18) + scale / 1024 * (1 + 2**-20)`` (``+ 2**-140``
+when ``scale`` is subnormal, ``absmax < 2**-117``). Derivation: ``c = clamp(fl(x / scale))`` is
+within ``u |x / scale|`` of ``x / scale`` (the clamp only moves ``c`` towards ``x / scale``, which is
+at most ``448 (1 + u)``). Rounding ``c`` to e4m3 moves it by at most half a step: for a normal
+``|c|`` in ``[2**E, 2**(E+1))`` (``E >= -6``) the step is ``2**(E-3)``, and the error, at most
+``2**(E-4)``, is largest relative to ``|c|`` at the tie ``2**E (1 + 1/16)``: ``|c| / 17`` (tested);
+for a subnormal ``|c| < 2**-6`` the step is ``2**-9``, the error at most ``2**-10``. The product
+rounds once more (``u``). Collected: ``|x| / 17 (1 + 36 u) + scale 2**-10 (1 + u)``. So each element
+keeps its own relative precision, 1/17 (5.9%), down to ``absmax / 28672`` (e4m3's smallest normal
+times the scale), and below it an absolute ``scale / 1024 = absmax / 458752``; the worst element
+of a block is off by ``absmax / 17`` (int8: ``absmax / 254``, but no relative bound for small
+elements: one below ``absmax / 254`` may come back as 0).
+No value overflows to NaN: ``|x / scale| <= 448 (1 + u)**2`` and it is clamped to 448 before the
+rounding (e4m3fn has no inf, and its only codes above 448, 0x7F / 0xFF, are NaN: never produced).
 Casting the dequantized value to a 16-bit ``param_dtype`` adds that cast's own rounding.
 
 [Note: why the arithmetic is bitwise portable]
@@ -33,6 +56,17 @@ integer is ``(y + 1.5 * 2**23) - 1.5 * 2**23`` in Triton, exact round-half-even 
 multiplication (kernels are compiled with ``enable_fp_fusion=False``: no FMA contracts it into a
 neighbour). Hence the kernels and the torch fallbacks agree bit for bit, on a GPU as under the
 interpreter.
+fp8: the kernels never use Triton's ``float8e4nv`` type. Its interpreter casts are wrong (Triton
+3.6 and 3.9 alike: a mantissa that rounds up does not carry into the exponent, 31.6 -> 16.0; probed
+2026-11-26), and on a GPU it needs sm89+. Instead the e4m3 code is integer arithmetic on the
+float32 bits (``_e4m3_code``): a normal ``|c|`` is rounded to 3 mantissa bits with the same
+round-to-nearest-even carry trick as ``_to_bf16_rtne`` in ``kernels/_jit.py`` (``(bits + 0x7FFFF +
+((bits >> 20) & 1)) >> 20``, a carry bumps the exponent), then rebiased (127 -> 7); a subnormal one
+by ``(|c| + 1.5 * 2**14) - 1.5 * 2**14`` (float32's step there is ``2**-9``, e4m3's subnormal step),
+times 512; the sign is the float32 sign bit. Decoding is exact integer arithmetic too
+(``_e4m3_value``). The torch fallback uses torch's own ``float8_e4m3fn`` casts (c10's round to
+nearest even), an independent implementation: the bitwise tests between kernels and fallback
+thereby check the encoding against torch's. It runs on any GPU (integer and float32 ops only).
 """
 from __future__ import annotations
 
@@ -43,50 +77,107 @@ import triton.language as tl
 QMAX = 127
 """The largest int8 code used: symmetric, so -128 never appears and negation is exact."""
 
+FP8_MAX = 448.0
+"""float8_e4m3fn's largest finite value: an fp8 block's scale is ``absmax / FP8_MAX``."""
+
+FORMATS = ("int8", "fp8")
+"""The codes a block can be quantized to (one byte per element, one float32 scale per block)."""
+
+_FP8_SUBNORMAL_ROUNDER = 24576.0  # 1.5 * 2**14: float32's step there is 2**-9, e4m3's subnormal step
+_FP8_MIN_NORMAL = 0.015625  # 2**-6
+_FP8_REBIAS = 960  # (127 - 7) << 3: float32's exponent bias minus e4m3's, in code units
+
 _ROUNDER = 12582912.0  # 1.5 * 2**23
 
 
 @triton.jit
-def quantize_block(x):
-    """``(q int8[Q], scale float32)`` of the float32 block ``x`` (see the module's table)."""
+def _e4m3_code(c):
+    """int8 byte of float8_e4m3fn ``c`` rounded to nearest even, for float32 ``|c| <= 448`` (exact
+    integer arithmetic: [Note: why the arithmetic is bitwise portable])."""
+    bits = c.to(tl.int32, bitcast=True)
+    a = tl.abs(c)
+    abits = a.to(tl.int32, bitcast=True)
+    normal = ((abits + 0x7FFFF + ((abits >> 20) & 1)) >> 20) - 960
+    subnormal = (((a + 24576.0) - 24576.0) * 512.0).to(tl.int32)
+    code = tl.where(a >= 0.015625, normal, subnormal)
+    return tl.where(bits < 0, code - 128, code).to(tl.int8)
+
+
+@triton.jit
+def _e4m3_value(q):
+    """float32 value of the float8_e4m3fn byte ``q`` (int8), exactly."""
+    qi = q.to(tl.int32)
+    negative = qi < 0
+    code = tl.where(negative, qi + 128, qi)
+    normal = ((code + 960) << 20).to(tl.float32, bitcast=True)
+    value = tl.where(code >= 8, normal, code.to(tl.float32) * 0.001953125)
+    return value * tl.where(negative, -1.0, 1.0)  # not -value: Triton 3.6's interpreter negates 0.0 to +0.0
+
+
+@triton.jit
+def quantize_block(x, FP8: tl.constexpr):
+    """``(q int8[Q], scale float32)`` of the float32 block ``x`` (see the module's table; ``FP8``:
+    e4m3 codes, else int8)."""
     finite = x == x
     finite = finite & (tl.abs(x) != float("inf"))
     absmax = tl.max(tl.where(finite, tl.abs(x), float("inf")), axis=0)
-    scale = tl.math.div_rn(absmax, 127.0)
+    if FP8:
+        scale = tl.math.div_rn(absmax, 448.0)
+    else:
+        scale = tl.math.div_rn(absmax, 127.0)
     usable = (absmax != float("inf")) & (scale > 0.0)
     y = tl.math.div_rn(x, tl.where(usable, scale, 1.0))
-    y = (y + 12582912.0) - 12582912.0
-    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-    q = tl.where(usable, y, 0.0).to(tl.int8)
+    if FP8:
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        q = _e4m3_code(tl.where(usable, y, 0.0))
+    else:
+        y = (y + 12582912.0) - 12582912.0
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        q = tl.where(usable, y, 0.0).to(tl.int8)
     scale = tl.where(absmax != float("inf"), scale, float("nan"))
     return q, scale
 
 
 @triton.jit
-def dequantize_block(q, scale):
-    """float32 ``q * scale`` of int8 codes ``q`` and their block's float32 ``scale``."""
-    return q.to(tl.float32) * scale
+def dequantize_block(q, scale, FP8: tl.constexpr):
+    """float32 ``value(q) * scale`` of one-byte codes ``q`` and their block's float32 ``scale``."""
+    if FP8:
+        value = _e4m3_value(q)
+    else:
+        value = q.to(tl.float32)
+    return value * scale
 
 
 def quantize_blocks_torch(x: torch.Tensor, lengths: torch.Tensor, element_block: torch.Tensor,
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          format: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
     """``(q int8, scale float32[rows, B])`` of float32 rows ``x`` cut into ``B`` consecutive blocks
-    of ``lengths`` elements (``element_block[k]``: the block of element ``k``), bitwise as
-    ``quantize_block`` computes them on the same blocks (no gather into padded blocks: one
-    ``segment_reduce`` for the absolute maxima, then elementwise ops on ``x`` as it lies)."""
+    of ``lengths`` elements (``element_block[k]``: the block of element ``k``), in ``format``,
+    bitwise as ``quantize_block`` computes them on the same blocks (no gather into padded blocks:
+    one ``segment_reduce`` for the absolute maxima, then elementwise ops on ``x`` as it lies)."""
     if lengths.numel() == 0:  # no blocks (only empty parameters)
         return x.to(torch.int8), x.new_zeros(x.shape[0], 0)
+    fp8 = format == "fp8"
     # segment_reduce's max propagates NaN: a non-finite block's absmax is NaN or inf (the kernel's inf)
     absmax = torch.segment_reduce(x.abs(), "max", lengths=lengths.expand(x.shape[0], -1), axis=1)
     finite = torch.isfinite(absmax)
-    scale = absmax / QMAX
-    divisor = torch.where(finite & (scale > 0), scale, 1.0).index_select(1, element_block)
-    y = torch.round(x.div(divisor)).clamp_(-QMAX, QMAX)  # 0 in a zero block (or one whose scale underflows)
-    if not bool(finite.all()):  # rare: zero the codes of non-finite blocks (one more pass)
-        y = torch.where(finite.index_select(1, element_block), y, 0.0)
-    return y.to(torch.int8), torch.where(finite, scale, torch.nan)
+    scale = absmax / (FP8_MAX if fp8 else QMAX)
+    usable = finite & (scale > 0)
+    divisor = torch.where(usable, scale, 1.0).index_select(1, element_block)
+    if fp8:
+        y = x.div(divisor).clamp_(-FP8_MAX, FP8_MAX)
+        # the kernel writes +0 for every element of an unusable block (a -0.0 would encode as 0x80)
+        y = torch.where(usable.index_select(1, element_block), y, 0.0)
+        q = y.to(torch.float8_e4m3fn).view(torch.int8)
+    else:
+        y = torch.round(x.div(divisor)).clamp_(-QMAX, QMAX)  # 0 in a zero block (or one whose scale underflows)
+        if not bool(finite.all()):  # rare: zero the codes of non-finite blocks (one more pass)
+            y = torch.where(finite.index_select(1, element_block), y, 0.0)
+        q = y.to(torch.int8)
+    return q, torch.where(finite, scale, torch.nan)
 
 
-def dequantize_elements_torch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 ``q * scale`` of int8 codes ``q`` and each code's block scale ``scale`` (same shape)."""
-    return q.to(torch.float32) * scale
+def dequantize_elements_torch(q: torch.Tensor, scale: torch.Tensor, format: str = "int8") -> torch.Tensor:
+    """float32 ``value(q) * scale`` of one-byte codes ``q`` in ``format`` and each code's block
+    scale ``scale`` (same shape)."""
+    value = q.view(torch.float8_e4m3fn).to(torch.float32) if format == "fp8" else q.to(torch.float32)
+    return value * scale

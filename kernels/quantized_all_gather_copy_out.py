@@ -38,7 +38,7 @@ OP = "quantized_all_gather_copy_out"
 def _quantized_all_gather_copy_out_kernel(
     blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, num_blocks, slot_bytes, slot_numel,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, FP8: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     slot = g // num_blocks
@@ -46,7 +46,7 @@ def _quantized_all_gather_copy_out_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < n_valid
     q = tl.load(codes_ptr + slot * slot_bytes + flat_start + offs, mask=mask)
-    x = dequantize_block(q, tl.load(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks))
+    x = dequantize_block(q, tl.load(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks), FP8)
     store_as(addr, group, tensor_start, offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
 
 
@@ -100,7 +100,7 @@ def _quantized_all_gather_copy_out(q_output: torch.Tensor, qlayout: QuantizedLay
     pointers = _launch.pointer_table(qlayout.layout, outs, device)
     launch(_quantized_all_gather_copy_out_kernel, table, pointers, q_output.view(torch.int8),
            q_output.view(torch.float32), qlayout.num_blocks, qlayout.slot_bytes, qlayout.layout.slot_numel,
-           BLOCK=qlayout.block)
+           BLOCK=qlayout.block, FP8=qlayout.format == "fp8")
 
 
 def _quantized_all_gather_copy_out_torch(q_output: torch.Tensor, qlayout: QuantizedLayout,
@@ -120,7 +120,8 @@ def _quantized_all_gather_copy_out_torch(q_output: torch.Tensor, qlayout: Quanti
 
 
 def dequantized(buffer: torch.Tensor, qlayout: QuantizedLayout) -> torch.Tensor:
-    """float32 ``(world_size, slot_numel)``: every slot of a quantized buffer dequantized (codes
-    times their block's scale, as the kernels compute them)."""
+    """float32 ``(world_size, slot_numel)``: every slot of a quantized buffer dequantized (the codes'
+    values times their block's scale, as the kernels compute them)."""
     _, element_block = qlayout.block_index(buffer.device)
-    return dequantize_elements_torch(qlayout.codes(buffer), qlayout.scales(buffer).index_select(1, element_block))
+    return dequantize_elements_torch(qlayout.codes(buffer), qlayout.scales(buffer).index_select(1, element_block),
+                                     qlayout.format)

@@ -1,4 +1,4 @@
-"""quantized_copy_in: pack tensors into quantized slots (int8 codes + a float32 scale per block), one launch.
+"""quantized_copy_in: pack tensors into quantized slots (int8 or fp8 codes + a float32 scale per block), one launch.
 
 Two uses, one kernel ([Note: quantized slots] in ``kernels/quantized_layout.py``):
 
@@ -47,7 +47,7 @@ QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _quantized_copy_in_kernel(
     blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, first_slot, num_blocks, slot_bytes, slot_numel,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, FP8: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     slot = first_slot + g // num_blocks
@@ -55,7 +55,7 @@ def _quantized_copy_in_kernel(
     offs = tl.arange(0, BLOCK)
     x = load_as(addr, group, tensor_start, offs, offs < n_valid, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
                 False)
-    q, scale = quantize_block(x)
+    q, scale = quantize_block(x, FP8)
     tl.store(codes_ptr + slot * slot_bytes + flat_start + offs, q, mask=offs < length)
     tl.store(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks, scale)
 
@@ -82,7 +82,7 @@ def _raise_if_non_finite(op: str, name: str, tensors: Sequence[torch.Tensor], ql
     if bool(torch.isfinite(scales if rank is None else scales[rank]).all()):
         return
     bad = [i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all())]
-    raise ValueError(f"{op}: {name}{bad} hold NaN or inf; int8 block quantization needs finite values "
+    raise ValueError(f"{op}: {name}{bad} hold NaN or inf; {qlayout.format} block quantization needs finite values "
                      f"(a non-finite block has no scale)")
 
 
@@ -122,7 +122,7 @@ def _quantized_copy_in(tensors: Sequence[torch.Tensor], qlayout: QuantizedLayout
     pointers = _launch.pointer_table(qlayout.layout, tensors, device, dtypes)
     launch(_quantized_copy_in_kernel, table, pointers, q_output.view(torch.int8), q_output.view(torch.float32),
            0 if rank is None else rank, qlayout.num_blocks, qlayout.slot_bytes, qlayout.layout.slot_numel,
-           BLOCK=qlayout.block)
+           BLOCK=qlayout.block, FP8=qlayout.format == "fp8")
     return q_input, q_output
 
 
@@ -148,7 +148,7 @@ def _quantized_copy_in_torch(tensors: Sequence[torch.Tensor], qlayout: Quantized
     """The op without Triton, bitwise equal to the kernel: pack in float32, quantize each block where
     it lies (``quantize_blocks_torch``)."""
     flat = packed_float32(tensors, qlayout.layout, rank)
-    q, scale = quantize_blocks_torch(flat, *qlayout.block_index(flat.device))
+    q, scale = quantize_blocks_torch(flat, *qlayout.block_index(flat.device), qlayout.format)
     slots = slice(None) if rank is None else slice(rank, rank + 1)
     qlayout.codes(q_output)[slots] = q
     qlayout.scales(q_output)[slots] = scale

@@ -1,17 +1,19 @@
-"""QuantizedLayout: where a ShardLayout's slots live once block-quantized to int8, and the tables
-the quantized packing kernels read.
+"""QuantizedLayout: where a ShardLayout's slots live once block-quantized to int8 or fp8, and the
+tables the quantized packing kernels read.
 
 [Note: quantized slots]
 A quantized buffer is ``world_size`` *quantized slots* of ``slot_bytes`` bytes each, rank-major,
 held in one ``uint8`` tensor (what the collectives move). Quantized slot ``r`` encodes slot ``r`` of
 the ``ShardLayout`` ([Note: flat buffers] in ``kernels/layout.py``: every parameter's shard at its
 slot offset, zeros in its padding) element for element, one int8 code per element, followed by one
-float32 scale per *block*:
+float32 scale per *block*. The code is an int8 (``format="int8"``) or a float8_e4m3fn byte
+(``format="fp8"``; ``kernels/block_quantization.py``): the same bytes either way, so the format
+changes what a byte means and nothing of where it lies:
 
 =====================================  ==========================================  =======
 bytes of a quantized slot              what                                        dtype
 =====================================  ==========================================  =======
-``[0, slot_numel)``                    element ``k`` of the slot as its int8 code  int8
+``[0, slot_numel)``                    element ``k`` of the slot as its code       int8 / e4m3
 ``[slot_numel, slot_numel + 4 * B)``   the scale of each block                     float32
 =====================================  ==========================================  =======
 
@@ -46,6 +48,7 @@ import triton
 import triton.language as tl
 
 from kernels import _launch, table_memory
+from kernels.block_quantization import FORMATS
 from kernels.layout import ShardLayout
 
 __all__ = ["BLOCKS", "QuantizedLayout", "SegmentTable", "quantized_layout"]
@@ -64,15 +67,20 @@ class SegmentTable:
 
 
 class QuantizedLayout:
-    """``layout``'s slots quantized in blocks of at most ``block`` elements (see [Note: quantized slots])."""
+    """``layout``'s slots quantized in blocks of at most ``block`` elements to ``format``'s codes
+    (``"int8"`` or ``"fp8"``; see [Note: quantized slots])."""
 
-    def __init__(self, layout: ShardLayout, block: int = 256) -> None:
+    def __init__(self, layout: ShardLayout, block: int = 256, format: str = "int8") -> None:
         if not isinstance(layout, ShardLayout):
             raise TypeError(f"QuantizedLayout: layout must be a kernels.ShardLayout, got {type(layout).__name__}")
         if isinstance(block, bool) or block not in BLOCKS:
             raise ValueError(f"QuantizedLayout: block must be one of {BLOCKS}, got {block!r}")
+        if format not in FORMATS:
+            raise ValueError(f"QuantizedLayout: format must be one of {FORMATS}, got {format!r}")
         self.layout = layout
         self.block = block
+        self.format = format
+        """What a code byte means: ``"int8"`` or ``"fp8"`` (float8_e4m3fn)."""
         self.world_size = layout.world_size
         counts = [-(-n // block) for n in layout.padded_numels]
         self.num_blocks = sum(counts)
@@ -88,16 +96,19 @@ class QuantizedLayout:
         self.buffer_bytes = self.world_size * self.slot_bytes
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, QuantizedLayout) and (self.layout, self.block) == (other.layout, other.block)
+        return isinstance(other, QuantizedLayout) and ((self.layout, self.block, self.format)
+                                                       == (other.layout, other.block, other.format))
 
     def __hash__(self) -> int:
-        return hash((self.layout, self.block))
+        return hash((self.layout, self.block, self.format))
 
     def __repr__(self) -> str:
-        return f"QuantizedLayout({self.layout!r}, block={self.block}, slot_bytes={self.slot_bytes})"
+        return (f"QuantizedLayout({self.layout!r}, block={self.block}, format={self.format!r}, "
+                f"slot_bytes={self.slot_bytes})")
 
     def codes(self, buffer: torch.Tensor) -> torch.Tensor:
-        """int8 ``(world_size, slot_numel)`` view of the codes in a quantized buffer."""
+        """int8 ``(world_size, slot_numel)`` view of the codes in a quantized buffer (fp8: each
+        e4m3 byte as an int8; ``.view(torch.float8_e4m3fn)`` reads them as fp8)."""
         slots = buffer.view(self.world_size, self.slot_bytes)
         return slots[:, : self.layout.slot_numel].view(torch.int8)
 
@@ -148,9 +159,10 @@ def _blocks(qlayout: QuantizedLayout, rank: int | None) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def quantized_layout(layout: ShardLayout, block: int) -> QuantizedLayout:
-    """The ``QuantizedLayout`` of ``layout`` and ``block`` (cached: one object, one set of tables)."""
-    return QuantizedLayout(layout, block)
+def quantized_layout(layout: ShardLayout, block: int, format: str = "int8") -> QuantizedLayout:
+    """The ``QuantizedLayout`` of ``layout``, ``block`` and ``format`` (cached: one object, one set
+    of tables)."""
+    return QuantizedLayout(layout, block, format)
 
 
 # ----------------------------------------------------------------------------- device side, launch

@@ -42,6 +42,7 @@ def _quantized_reduce_scatter_copy_out_kernel(
     blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, num_blocks, slot_bytes, slot_numel, scale,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
     BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, WORLD_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     flat_start, _, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, b)
@@ -50,7 +51,7 @@ def _quantized_reduce_scatter_copy_out_kernel(
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in range(WORLD_SIZE):  # a constexpr: Triton 3.6's interpreter cannot loop to a runtime int
         q = tl.load(codes_ptr + s * slot_bytes + flat_start + offs, mask=mask)
-        acc += dequantize_block(q, tl.load(scales_ptr + (s * slot_bytes + slot_numel) // 4 + b))
+        acc += dequantize_block(q, tl.load(scales_ptr + (s * slot_bytes + slot_numel) // 4 + b), FP8)
     if HAS_SCALE:
         acc = acc * scale
     if ACCUMULATE:
@@ -92,7 +93,8 @@ def _quantized_reduce_scatter_copy_out(received: torch.Tensor, outs: Sequence[to
     launch(_quantized_reduce_scatter_copy_out_kernel, table, pointers, received.view(torch.int8),
            received.view(torch.float32), qlayout.num_blocks, qlayout.slot_bytes, qlayout.layout.slot_numel,
            1.0 if scale is None else as_float32(scale), BLOCK=qlayout.block, HAS_SCALE=scale is not None,
-           ACCUMULATE=accumulate, WORLD_SIZE=qlayout.world_size)
+           ACCUMULATE=accumulate, WORLD_SIZE=qlayout.world_size,
+           FP8=qlayout.format == "fp8")
 
 
 def _quantized_reduce_scatter_copy_out_torch(received: torch.Tensor, outs: Sequence[torch.Tensor],

@@ -10,6 +10,14 @@ When training is bound by the link, hiding communication stops paying: the step 
   ``param_dtype`` (``kernels.quantized_all_gather_copy_out``). The shards (the optimizer's master
   copy) stay exact, and so do state dicts and checkpoints: only what travels is quantized. Bytes on
   the link: ``(1 + 4 / block) / itemsize`` of the uncompressed gather's (0.508x of bf16's at 256).
+* ``gather="fp8"``: the same, with float8_e4m3fn codes (scale ``absmax / 448``) instead of int8
+  ones: the same bytes on the link, a different error. int8 spreads ``2 * 127`` even steps over
+  ``[-absmax, absmax]`` (error <= ``absmax / 254`` for every element, small elements lose their
+  relative precision); e4m3 keeps 3 mantissa bits for each element (error <= ``|x| / 17``, down to
+  ``absmax / 28672``): larger for the largest elements of a block, far smaller for the small ones
+  ([Note: the per-block error bound] in ``kernels/block_quantization.py``). What training makes of
+  it is measured in ``benchmarks/RESULTS.md`` (``bench_fp8_gather.py``). The kernels encode e4m3 in
+  integer arithmetic, so it runs on any GPU (no sm89 needed) and under the interpreter.
 * ``reduce="int8"`` (qgZ): the gradients are quantized per block into one quantized slot per rank
   and sent with an ``all_to_all_single`` to each slot's owner, which dequantizes the ``w`` versions
   of its slot and sums them in float32 in rank order in its copy-out
@@ -20,8 +28,8 @@ When training is bound by the link, hiding communication stops paying: the step 
   quantized: nothing, here), so fp16's overflow of [Note: fp16 gradients are averaged before they
   are summed] cannot happen.
 
-Per-element error of one quantization: at most ``absmax / 254`` of its block (plus rounding
-slack: [Note: the per-block error bound] in ``kernels/block_quantization.py``). Non-finite values:
+Per-element error of one int8 quantization: at most ``absmax / 254`` of its block (fp8: ``|x| / 17
++ scale / 1024``; plus rounding slack: [Note: the per-block error bound] in ``kernels/block_quantization.py``). Non-finite values:
 a block holding a NaN or inf is sent with a NaN scale and arrives as NaN in every element, never as
 a finite value; a gathered NaN block is an error (``ValueError``) on every rank at the copy-out on
 CPU (every rank receives every slot, so every rank raises alike), and a NaN gradient block spreads
@@ -41,7 +49,9 @@ reduce="int8")`` leaves the fast tier exact. The gradient error measurement cove
 (an exact float32 all-reduce over the replicas beside it).
 
 Not covered yet (``overlap.shard`` and ``overlap.fully_shard`` raise naming ``compress``):
-tensor-parallel parameters and non-floating-point parameters. At world size 1 nothing travels and nothing is
+tensor-parallel parameters and non-floating-point parameters. ``reduce="fp8"`` is refused: the
+kernels take fp8 layouts for the reduction too (tested), but the runtime's reductions (1-D and the
+HSDP replica sum) are int8 only. At world size 1 nothing travels and nothing is
 quantized.
 
 Why a separate argument and not a ``MixedPrecision`` field: mixed precision says which dtype each
@@ -59,24 +69,28 @@ from kernels.quantized_layout import BLOCKS
 
 __all__ = ["Compression", "check_compression"]
 
-FORMATS = ("int8",)
-"""The wire formats a collective may be compressed to."""
+GATHER_FORMATS = ("int8", "fp8")
+"""The wire formats an all-gather may be compressed to."""
+
+REDUCE_FORMATS = ("int8",)
+"""The wire formats a gradient reduction may be compressed to."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Compression:
-    """What the sharded collectives send: ``gather`` / ``reduce`` are a format (``"int8"``) or None
-    (exact); ``block`` is the number of elements sharing one scale (a power of two in 32..4096)."""
+    """What the sharded collectives send: ``gather`` is a format (``"int8"`` or ``"fp8"``) or None
+    (exact), ``reduce`` ``"int8"`` or None; ``block`` is the number of elements sharing one scale (a
+    power of two in 32..4096)."""
 
     gather: Optional[str] = "int8"
     reduce: Optional[str] = "int8"
     block: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("gather", "reduce"):
+        for name, formats in (("gather", GATHER_FORMATS), ("reduce", REDUCE_FORMATS)):
             value = getattr(self, name)
-            if value is not None and value not in FORMATS:
-                raise ValueError(f"Compression.{name} must be None or one of {FORMATS}, got {value!r}")
+            if value is not None and value not in formats:
+                raise ValueError(f"Compression.{name} must be None or one of {formats}, got {value!r}")
         if isinstance(self.block, bool) or self.block not in BLOCKS:
             raise ValueError(f"Compression.block must be one of {BLOCKS}, got {self.block!r}")
 

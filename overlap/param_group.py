@@ -412,7 +412,7 @@ class ParamGroup:
         """The compressed all-gather's layout (``compress.gather``); None: the gather is exact."""
         if self.compression is None or self.compression.gather is None:
             return None
-        return quantized_layout(self.layout, self.compression.block)
+        return quantized_layout(self.layout, self.compression.block, self.compression.gather)
 
     def all_gather_bytes(self) -> int:
         qlayout = self._gather_qlayout
@@ -498,7 +498,7 @@ class ParamGroup:
             if not bool(torch.isfinite(scales).all()):
                 ranks = torch.nonzero(~torch.isfinite(scales).all(dim=1)).flatten().tolist()
                 raise ValueError(
-                    f"overlap.shard: the compressed (int8) all-gather of module {self.where!r} got NaN or inf "
+                    f"overlap.shard: the compressed ({qlayout.format}) all-gather of module {self.where!r} got NaN or inf "
                     f"from the shards of ranks {ranks}: a non-finite parameter cannot be block-quantized "
                     f"(compress=overlap.Compression(gather=None) sends it exactly)")
         _quantized_all_gather_copy_out(ag_output, qlayout, outs)

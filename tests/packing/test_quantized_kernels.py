@@ -1,5 +1,6 @@
-"""The int8 block-quantized packing ops (``kernels.quantized_*``): Triton against the torch fallback,
-round trips within the stated per-block error bound, zero blocks, NaN / inf, tails, every dtype pair.
+"""The block-quantized packing ops (``kernels.quantized_*``), int8 and fp8 (e4m3) codes: Triton against
+the torch fallback, round trips within the stated per-block error bound, zero blocks, NaN / inf, tails,
+every dtype pair; fp8's encoding against torch's ``float8_e4m3fn`` cast on every code and every tie.
 
 Paths: ``triton`` launches the kernels (under ``TRITON_INTERPRET=1`` on CPU, set by conftest; skipped
 with the reason when Triton does not run CPU tensors in this process); ``torch`` is the fallback
@@ -24,7 +25,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kernels import ShardLayout, _launch  # noqa: E402
-from kernels.block_quantization import QMAX  # noqa: E402
+from kernels.block_quantization import FORMATS, QMAX  # noqa: E402
 from kernels.quantized_all_gather_copy_out import (  # noqa: E402
     _quantized_all_gather_copy_out, _quantized_all_gather_copy_out_torch, quantized_all_gather_copy_out)
 from kernels.quantized_copy_in import (  # noqa: E402
@@ -47,6 +48,7 @@ SHAPE = st.lists(DIMS, min_size=0, max_size=2).filter(lambda s: math.prod(s) <= 
 SHAPES = st.lists(SHAPE, min_size=1, max_size=4)
 DTYPES = st.lists(st.sampled_from(FLOATS), min_size=1, max_size=3)
 BLOCK = st.sampled_from([32, 64, 256])
+FORMAT = st.sampled_from(FORMATS)
 
 
 def _tensors(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype], seed: int,
@@ -82,9 +84,11 @@ def _block_absmax(shard: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(-1, block).amax(dim=1).repeat_interleave(block)[:n].view(shard.shape)
 
 
-def _bound(absmax: torch.Tensor) -> torch.Tensor:
-    """[Note: the per-block error bound]."""
-    return absmax / 254 * (1 + 2**-14) + 2**-149
+def _bound(absmax: torch.Tensor, x: torch.Tensor | None = None, format: str = "int8") -> torch.Tensor:
+    """[Note: the per-block error bound] of elements ``x`` in blocks of ``absmax`` (fp8 needs ``x``)."""
+    if format == "int8":
+        return absmax / 254 * (1 + 2**-14) + 2**-149
+    return x.abs() / 17 * (1 + 2**-18) + absmax / 448 / 1024 * (1 + 2**-20) + 2**-140
 
 
 def _run(path: str, fn_triton, fn_torch, *args):
@@ -99,11 +103,12 @@ def _run(path: str, fn_triton, fn_torch, *args):
 @requires_triton_on_cpu
 @examples
 @given(shapes=SHAPES, world=st.integers(1, 5), dtypes=DTYPES, block=BLOCK, seed=st.integers(0, 2**16),
-       data=st.data())
-def test_triton_and_torch_fallback_are_bitwise_equal(shapes, world, dtypes, block, seed, data) -> None:
-    """All three ops, every dtype mix in and out, odd shapes (tails, empty and 0-dim shards), zero blocks."""
+       data=st.data(), format=FORMAT)
+def test_triton_and_torch_fallback_are_bitwise_equal(shapes, world, dtypes, block, seed, data, format) -> None:
+    """All three ops, both formats, every dtype mix in and out, odd shapes (tails, empty and 0-dim
+    shards), zero blocks."""
     layout = ShardLayout(shapes, world)
-    qlayout = QuantizedLayout(layout, block)
+    qlayout = QuantizedLayout(layout, block, format)
     fulls = _tensors(shapes, dtypes, seed, zero_every=3)
     rank = data.draw(st.integers(0, world - 1), label="rank")
     shards = [layout.shard(t, rank) for t in fulls]
@@ -141,14 +146,16 @@ def test_triton_and_torch_fallback_are_bitwise_equal(shapes, world, dtypes, bloc
 @pytest.mark.parametrize("path", ["triton", "torch"])
 @examples
 @given(shapes=SHAPES, world=st.integers(1, 5), dtypes=DTYPES, block=BLOCK, seed=st.integers(0, 2**16),
-       out_dtype=st.sampled_from(FLOATS))
-def test_gather_round_trip_within_the_per_block_bound(path, shapes, world, dtypes, block, seed, out_dtype) -> None:
+       out_dtype=st.sampled_from(FLOATS), format=FORMAT)
+def test_gather_round_trip_within_the_per_block_bound(path, shapes, world, dtypes, block, seed, out_dtype,
+                                                      format) -> None:
     """Copy-in on every rank, all-gather, copy-out: each element within its block's bound in float32;
-    a 16-bit out is the float32 result cast; zero blocks come back as zeros; codes stay in +-127."""
+    a 16-bit out is the float32 result cast; zero blocks come back as zeros; int8 codes stay in
+    +-127, fp8 codes are never NaN (0x7F / 0xFF)."""
     if path == "triton" and not TRITON_ON_CPU:
         pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1")
     layout = ShardLayout(shapes, world)
-    qlayout = QuantizedLayout(layout, block)
+    qlayout = QuantizedLayout(layout, block, format)
     fulls = _tensors(shapes, dtypes, seed, zero_every=2)
     copy_in = _quantized_copy_in if path == "triton" else _torch_copy_in
     buffer = _gathered(fulls, qlayout, copy_in)
@@ -161,11 +168,15 @@ def test_gather_round_trip_within_the_per_block_bound(path, shapes, world, dtype
         for r in range(world):
             x, y = layout.shard(full, r).float(), layout.shard(got32, r)
             absmax = _block_absmax(x, block)
-            assert ((x - y).abs() <= _bound(absmax)).all(), (x, y)
+            assert ((x - y).abs() <= _bound(absmax, x, format)).all(), (x, y)
             assert torch.equal(y[absmax == 0], torch.zeros_like(y[absmax == 0]))  # zero blocks stay zero
     scales = qlayout.scales(buffer)
     codes = qlayout.codes(buffer).long()
-    assert (scales >= 0).all() and (codes.abs() <= QMAX).all()
+    assert (scales >= 0).all()
+    if format == "int8":
+        assert (codes.abs() <= QMAX).all()
+    else:
+        assert not ((codes & 0x7F) == 0x7F).any()
 
 
 def _torch_copy_in(tensors, qlayout, rank):
@@ -176,15 +187,15 @@ def _torch_copy_in(tensors, qlayout, rank):
 @pytest.mark.parametrize("path", ["triton", "torch"])
 @examples
 @given(shapes=SHAPES, world=st.integers(1, 4), dtypes=DTYPES, block=BLOCK, seed=st.integers(0, 2**16),
-       data=st.data())
-def test_reduce_averages_within_the_summed_bounds(path, shapes, world, dtypes, block, seed, data) -> None:
+       data=st.data(), format=FORMAT)
+def test_reduce_averages_within_the_summed_bounds(path, shapes, world, dtypes, block, seed, data, format) -> None:
     """Each rank quantizes its full gradients, the all-to-all is simulated, each owner sums in float32
     and scales by 1/w: within ``sum_s bound_s / w`` (plus float32 rounding of the sum) of the exact
     mean, in every element; with ``accumulate`` the result is ``float32(old) + that``, cast."""
     if path == "triton" and not TRITON_ON_CPU:
         pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1")
     layout = ShardLayout(shapes, world)
-    qlayout = QuantizedLayout(layout, block)
+    qlayout = QuantizedLayout(layout, block, format)
     per_rank = [_tensors(shapes, dtypes, seed + s) for s in range(world)]
     copy_in = _quantized_copy_in if path == "triton" else _torch_copy_in
     inputs = [copy_in(g, qlayout, None)[0].view(world, -1) for g in per_rank]
@@ -197,7 +208,7 @@ def test_reduce_averages_within_the_summed_bounds(path, shapes, world, dtypes, b
         for i, g in enumerate(got):
             xs = [layout.shard(per_rank[s][i], r).float() for s in range(world)]
             exact = sum(xs) / world
-            bound = sum(_bound(_block_absmax(x, block)) for x in xs) / world
+            bound = sum(_bound(_block_absmax(x, block), x, format) for x in xs) / world
             slack = sum(x.abs() for x in xs) * world * 2**-23 / world  # float32 sum and scale
             assert ((g - exact).abs() <= bound + slack).all(), (g, exact)
         olds = _tensors([layout.shard_shape(i, r) for i in range(len(shapes))], [out_dtype], seed)
@@ -225,21 +236,71 @@ def test_a_tie_rounds_half_to_even_and_reaches_half_a_step(path: str) -> None:
     assert 31 / 254 < error <= _bound(torch.tensor(31.0))
 
 
+def _e4m3_probe_values() -> torch.Tensor:
+    """Every finite positive e4m3 value, every midpoint between neighbours (0 and the smallest
+    subnormal included), each midpoint one float32 step below and above, and their negatives and
+    -0.0: 448 first, so a block holding them has scale 448 / 448 = 1 and ``x / scale`` is ``x``."""
+    values = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0x01 .. 0x7E
+    lower = torch.cat([torch.zeros(1), values[:-1]])
+    mids = (lower + values) / 2  # exact in float32
+    below = torch.nextafter(mids, torch.zeros(1))
+    above = torch.nextafter(mids, torch.full((1,), 1000.0))
+    pos = torch.cat([values.flip(0), mids, below, above])
+    return torch.cat([pos, -pos, torch.tensor([0.0, -0.0])])
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_fp8_codes_are_torchs_float8_e4m3fn_cast_on_every_code_and_tie(path: str) -> None:
+    """The kernels' integer e4m3 encoding (and decoding) against torch's own ``float8_e4m3fn``
+    casts, on every code, every tie (rounded to even) and its float32 neighbours, with scale 1."""
+    if path == "triton" and not TRITON_ON_CPU:
+        pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1")
+    x = _e4m3_probe_values()
+    qlayout = QuantizedLayout(ShardLayout([tuple(x.shape)], 1), 4096, "fp8")
+    assert x.numel() <= 4096 and x[0] == 448.0
+    ctx = _launch.torch_fallback_on_cpu() if path == "torch" else _nothing()
+    with ctx:
+        buffer = quantized_all_gather_copy_in([x], qlayout, 0)[1]
+        y = quantized_all_gather_copy_out(buffer, qlayout)[0]
+    expected = x.to(torch.float8_e4m3fn)
+    assert qlayout.scales(buffer).tolist() == [[1.0]]
+    assert torch.equal(qlayout.codes(buffer)[0, : x.numel()].view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(y.view(torch.int32), expected.float().view(torch.int32))  # -0.0 stays -0.0
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_fp8_tie_reaches_a_seventeenth_and_subnormals_round_to_even(path: str) -> None:
+    """448 sets scale 1: 1.0625 (the tie between 1 and 1.125) rounds to the even 1.0, an error of
+    exactly ``|x| / 17`` (the bound's relative term is reached); 2**-10 (half the smallest
+    subnormal) rounds to 0, 3 * 2**-10 to 2**-8 (even)."""
+    if path == "triton" and not TRITON_ON_CPU:
+        pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1")
+    x = torch.tensor([448.0, 1.0625, 2**-10, 3 * 2**-10])
+    qlayout = QuantizedLayout(ShardLayout([(4,)], 1), 32, "fp8")
+    ctx = _launch.torch_fallback_on_cpu() if path == "torch" else _nothing()
+    with ctx:
+        y = quantized_all_gather_copy_out(quantized_all_gather_copy_in([x], qlayout, 0)[1], qlayout)[0]
+    assert y.tolist() == [448.0, 1.0, 0.0, 2**-8]
+    assert (x - y).abs()[1] == x[1] / 17
+    assert ((x - y).abs() <= _bound(torch.full((4,), 448.0), x, "fp8")).all()
+
+
 # ------------------------------------------------------------------------------------ inf / NaN
+@pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("path", ["triton", "torch"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_non_finite_values_are_an_error_never_a_finite_result(path: str, bad: float) -> None:
+def test_non_finite_values_are_an_error_never_a_finite_result(path: str, bad: float, format: str) -> None:
     """The public ops raise naming the tensor (copy-in) or the rank (copy-out); the unchecked ones
     give the block a NaN scale, and that block only comes out NaN, in every element."""
     if path == "triton" and not TRITON_ON_CPU:
         pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1")
     layout = ShardLayout([(100,), (40, 3)], 2)
-    qlayout = QuantizedLayout(layout, 32)
+    qlayout = QuantizedLayout(layout, 32, format)
     fulls = _tensors(layout.shapes, [f32, bf16], 7)
     fulls[1][25, 1] = bad  # rank 1's rows 20..39: its flat element 16, the first block of the shard
     ctx = _launch.torch_fallback_on_cpu() if path == "torch" else _nothing()
     with ctx:
-        with pytest.raises(ValueError, match=r"shards\[1\] hold NaN or inf"):
+        with pytest.raises(ValueError, match=rf"shards\[1\] hold NaN or inf; {format} block quantization"):
             quantized_all_gather_copy_in([layout.shard(t, 1) for t in fulls], qlayout, 1)
         with pytest.raises(ValueError, match=r"grads\[1\] hold NaN or inf"):
             quantized_reduce_scatter_copy_in(fulls, qlayout)
@@ -283,6 +344,8 @@ def test_bad_input_names_the_argument() -> None:
     qlayout = QuantizedLayout(layout, 32)
     with pytest.raises(ValueError, match=r"block must be one of \(32, 64"):
         QuantizedLayout(layout, 100)
+    with pytest.raises(ValueError, match=r"format must be one of \('int8', 'fp8'\), got 'fp4'"):
+        QuantizedLayout(layout, 32, "fp4")
     with pytest.raises(TypeError, match="layout must be a kernels.ShardLayout"):
         QuantizedLayout([(8, 2)], 32)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="qlayout must be"):
@@ -305,16 +368,74 @@ def test_bad_input_names_the_argument() -> None:
     assert 32 in BLOCKS
 
 
+# ------------------------------------------------------------------------------- AOT compile (no GPU)
+_AOT_SCRIPT = """
+import json, re, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.quantized_copy_in import _quantized_copy_in_kernel
+from kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out_kernel
+from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out_kernel
+POINTERS = {"blocks_ptr": "*i64", "pointers_ptr": "*i64", "codes_ptr": "*i8", "scales_ptr": "*fp32", "scale": "fp32"}
+out = {}
+for kernel, extra in ((_quantized_copy_in_kernel, {}), (_quantized_all_gather_copy_out_kernel, {}),
+                      (_quantized_reduce_scatter_copy_out_kernel,
+                       dict(HAS_SCALE=True, ACCUMULATE=True, WORLD_SIZE=2))):
+    constexprs = dict(DT0=tl.bfloat16, DT1=tl.float32, DT2=tl.bfloat16, DT3=tl.bfloat16, NUM_GROUPS=2, BLOCK=256,
+                      FP8=True, **extra)
+    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i64") for n in kernel.arg_names}
+    source = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+    for arch in (80, 90):
+        ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                             options={"enable_fp_fusion": False, "num_warps": 4}).asm["ptx"]
+        out[f"{kernel.__name__}-sm{arch}"] = {"fp8": len(re.findall(r"e4m3|e5m2", ptx)),
+                                               "fma": len(re.findall(r"\\bfma\\.rn\\.f32", ptx))}
+print(json.dumps(out))
+"""
+
+
+def test_fp8_kernels_compile_for_sm80_without_fp8_instructions(tmp_path) -> None:
+    """The fp8 variants of the three kernels compile ahead of time for sm_80 (below fp8 hardware,
+    sm_89) and sm_90 with Triton's bundled ptxas, with no e4m3 / e5m2 conversion and no FMA in the
+    PTX: the integer encoding needs no fp8 support ([Note: why the arithmetic is bitwise portable])."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    try:
+        import triton.backends.nvidia as nvidia
+    except ImportError:
+        pytest.skip("needs Triton's NVIDIA backend")
+    if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists():
+        pytest.skip("needs Triton's NVIDIA backend with its bundled ptxas")
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")])),
+               TRITON_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 6
+    assert all(r == {"fp8": 0, "fma": 0} for r in report.values()), report
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.skipif(not torch.cuda.is_available() or _launch.INTERPRET,
                     reason="compiled Triton kernels need a CUDA device (and TRITON_INTERPRET unset)")
+@pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("block", [32, 256, 4096])
-def test_cuda_kernels_equal_the_torch_fallback(block: int) -> None:
-    """Under real codegen (div_rn, no FMA) the three kernels equal the CPU torch fallback bit for bit."""
+def test_cuda_kernels_equal_the_torch_fallback(block: int, format: str) -> None:
+    """Under real codegen (div_rn, no FMA) the three kernels equal the CPU torch fallback bit for bit
+    (fp8: integer encoding, no float8 type, so any GPU; checked against torch's CPU float8 cast)."""
     shapes = [(4097, 33), (7,), (), (0, 5), (1000,), (129, 64)]
     world = 3
     layout = ShardLayout(shapes, world)
-    qlayout = QuantizedLayout(layout, block)
+    qlayout = QuantizedLayout(layout, block, format)
     fulls = _tensors(shapes, [f32, bf16, f16], 11, zero_every=4)
     cuda = [t.cuda() for t in fulls]
     with _launch.torch_fallback_on_cpu():
