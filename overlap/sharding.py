@@ -1055,7 +1055,8 @@ def shard(
     relative to it: ``overlap::pre_forward (blocks.3)``; ``module``'s own regions carry no name.
 
     ``compress``: an ``overlap.Compression`` to send the all-gathers and/or the gradient reductions
-    block-quantized to int8 (ZeRO++'s qwZ / qgZ; shards, state dicts and checkpoints stay exact), see
+    block-quantized (all-gathers int8 or fp8, reductions int8; ZeRO++'s qwZ / qgZ; shards, state dicts
+    and checkpoints stay exact), see
     [Note: compressed collectives] in ``overlap/compression.py``; None (default): exact.
     """
     _check_options(module, mp, reshard_after_forward, prefetch, max_inflight_bytes)
