@@ -128,3 +128,37 @@ def test_training_over_packed_grads_is_bitwise(distributed) -> None:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[t.dtype.itemsize])
+
+
+def _freezing_rank(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _Model()
+    overlap.shard(model)
+    (group,) = [s.group for s in sharded_states(model) if s.group is not None]
+    torch.manual_seed(1 + rank)
+    x = torch.randn(4, 6)
+    seen: dict[str, Any] = {}
+
+    def step() -> dict[str, torch.Tensor | None]:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        return {n: None if p.grad is None else p.grad._local_tensor.clone() for n, p in model.named_parameters()}
+
+    first = step()
+    model.lin1.requires_grad_(False)  # frozen between steps: the next gather drops its gradients
+    frozen = step()
+    seen["unsharded_follow"] = [u.requires_grad for u in group.unsharded] == [p.requires_grad for p in group.sharded]
+    seen["frozen_none"] = frozen["lin1.weight"] is None and frozen["lin1.bias"] is None
+    seen["others_equal"] = all(torch.equal(frozen[n], first[n]) for n in first if not n.startswith("lin1."))
+    seen["subset_one_storage"] = len({p.grad._local_tensor.untyped_storage().data_ptr()
+                                      for n, p in model.named_parameters()
+                                      if not n.startswith("lin1.") and p.grad._local_tensor.numel()}) == 1
+    model.lin1.requires_grad_(True)  # and unfrozen again
+    again = step()
+    seen["unfrozen_equal"] = all(torch.equal(again[n], first[n]) for n in first)
+    return seen
+
+
+def test_freezing_between_steps_reduces_a_subset_into_one_storage(distributed) -> None:
+    for rank, seen in enumerate(distributed(_freezing_rank, 2)):  # 2 ranks: a sum of two is bitwise in any order
+        assert all(seen.values()), (rank, seen)
