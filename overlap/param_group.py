@@ -28,6 +28,9 @@ reduce-scatter input      ``reduce_layout.buffer_numel``               ``reduce_
 sharded ``.grad``         DTensor, spec of the sharded parameter       as the sharded parameter
 ========================  ===========================================  ==========================
 
+New sharded ``.grad``s of one reduction are views of one storage ([Note: new sharded gradients
+share one storage]).
+
 [Note: sharded parameters are DTensors]
 A sharded parameter is ``nn.Parameter(DTensor)`` with placement ``Shard(0)`` and the full shape and
 stride in its spec, exactly what ``distribute_tensor(full, mesh, [Shard(0)])`` gives: DCP saves it as
