@@ -20,8 +20,10 @@ timed with a median of repeats: the table says so, and its figures are not GPU r
 A second table gives the *host* µs per call of each op's Triton path, full-size shapes (the host
 side does not depend on the bytes), for the public op (``kernels.*``, argument checks included)
 and for the launcher the runtime calls (``_all_gather_copy_in`` ..., no checks, with what the
-runtime hands it: the shards' dtypes, and the unsharded parameters' packed storage), beside the target
-of issue 28 (15 µs + 0.05 µs per parameter, [Note: host cost of a launch] in ``kernels._launch``).
+runtime hands it: the shards' dtypes, the unsharded parameters' packed storage, and, for the
+reduce-scatter copy-out, new sharded gradients as views of one storage: what ``zero_grad(set_to_none=True)``
+leads to; a last row times it into gradients allocated one by one, the runtime's path when they
+already exist), beside the target of issue 28 (15 µs + 0.05 µs per parameter, [Note: host cost of a launch] in ``kernels._launch``).
 On CUDA: wall time of back-to-back calls, nothing synchronized, and the torch path's the same way.
 On CPU: the same calls with the kernel launch stubbed out (``kernels._launch.launches_stubbed``):
 everything the host does up to the launch, which on a GPU is followed by Triton's own launch cost.
@@ -50,6 +52,9 @@ from report import emit
 
 QUANTILES = [0.5, 0.2, 0.8]
 OPS = ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out")
+INTO_EXISTING = "reduce_scatter_copy_out, existing grads"
+"""Host table only: the runtime's copy-out into gradients allocated one by one (its public and torch
+columns are the plain op's)."""
 DTYPE_PAIRS = ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32))  # (params, communication)
 
 
@@ -130,6 +135,11 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
     shard_dtypes = (param_dtype,) * len(shards)
     slot = torch.randn(layout.slot_numel, device=device).to(comm_dtype)
     shard_grads = [torch.zeros(s, device=device, dtype=param_dtype) for s in layout.shard_shapes(rank)]
+    # new sharded gradients as the runtime makes them: views of one storage
+    grad_placement = _launch.PackedPlacement.of(layout.shard_shapes(rank), [param_dtype] * len(shards))
+    grad_data = torch.zeros(grad_placement.nbytes, dtype=torch.uint8, device=device)
+    packed_grads = grad_placement.shared_views(grad_data)
+    grad_storage = (grad_data.untyped_storage(), grad_placement)
     torch_shard_grads = [g.clone() for g in shard_grads]
 
     fused = {
@@ -142,7 +152,9 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
         "all_gather_copy_in": lambda: _all_gather_copy_in(shards, layout, rank, comm_dtype, shard_dtypes),
         "all_gather_copy_out": lambda: _all_gather_copy_out(ag_output, layout, outs, packed=(out_storage, placement)),
         "reduce_scatter_copy_in": lambda: _reduce_scatter_copy_in(fulls, layout, scale, comm_dtype),
-        "reduce_scatter_copy_out": lambda: _reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
+        "reduce_scatter_copy_out": lambda: _reduce_scatter_copy_out(slot, packed_grads, layout, rank, scale, False,
+                                                                    packed=grad_storage),
+        INTO_EXISTING: lambda: _reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
     }
 
     # FSDP2's unsharded parameters live in padded (world_size, padded shard) storages; with a cast, the
@@ -246,13 +258,14 @@ def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> li
         workload = workloads(1 if device.type == "cuda" else 64)[name]
         case = build_case(workload, world_size, 0, param_dtype, comm_dtype, device)
         target = host_target_us(case.layout.num_params)
-        for op in OPS:
+        for op in (*OPS, INTO_EXISTING):
+            plain_op = "reduce_scatter_copy_out" if op == INTO_EXISTING else op
             if device.type == "cuda":
-                public, runtime = host_us(case.fused[op], device), host_us(case.runtime[op], device)
-                torch_us: object = host_us(case.torch_path[op], device)
+                public, runtime = host_us(case.fused[plain_op], device), host_us(case.runtime[op], device)
+                torch_us: object = host_us(case.torch_path[plain_op], device)
             else:
                 with _launch.launches_stubbed() as launched:
-                    public, runtime = host_us(case.fused[op], device), host_us(case.runtime[op], device)
+                    public, runtime = host_us(case.fused[plain_op], device), host_us(case.runtime[op], device)
                 assert launched[0] > 0, "the Triton path was not taken"
                 torch_us = "-"
             rows.append([workload.name, case.layout.num_params, op, public, runtime, torch_us, target,

@@ -66,6 +66,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator, Sequence
 
@@ -264,6 +265,41 @@ class PackedPlacement:
             out.append(t)
         return out
 
+    def shared_views(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """The placed tensors as views of ``data``, a 1-D ``uint8`` tensor of exactly ``nbytes``
+        bytes (``torch.empty(placement.nbytes, dtype=torch.uint8)``, whose ``untyped_storage()`` is
+        then the storage to key on): contiguous, sharing ``data``'s storage *and its version
+        counter*. One C-level ``as_strided`` pass over the list, about what allocating each tensor
+        alone costs; ``views`` pays about twice that for a version counter of each tensor's own."""
+        if data.dtype != torch.uint8 or data.shape != (self.nbytes,) or data.storage_offset() != 0:
+            raise ValueError(f"PackedPlacement.shared_views: data must be a 1-D uint8 tensor of {self.nbytes} "
+                             f"bytes at storage offset 0, got {data.dtype} {tuple(data.shape)} at offset "
+                             f"{data.storage_offset()}")
+        strided = self._strided
+        bases = [data.view(dtype) for dtype in strided.dtype_set]
+        return list(map(torch.Tensor.as_strided, map(bases.__getitem__, strided.dtype_index), self.shapes,
+                        strided.strides, strided.element_offsets))
+
+    @functools.cached_property
+    def _strided(self) -> _StridedPlacement:
+        dtype_set = tuple(dict.fromkeys(self.dtypes))
+        return _StridedPlacement(
+            dtype_set=dtype_set,
+            dtype_index=tuple(dtype_set.index(d) for d in self.dtypes),
+            strides=tuple(torch.empty(s, device="meta").stride() for s in self.shapes),
+            element_offsets=tuple(o // d.itemsize for o, d in zip(self.byte_offsets, self.dtypes)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _StridedPlacement:
+    """``PackedPlacement.shared_views``'s arguments, computed once per placement."""
+
+    dtype_set: tuple[torch.dtype, ...]  # the distinct dtypes, in first-seen order
+    dtype_index: tuple[int, ...]  # per tensor, its dtype's index in ``dtype_set``
+    strides: tuple[tuple[int, ...], ...]  # contiguous strides of each shape
+    element_offsets: tuple[int, ...]  # byte offsets in elements of each tensor's dtype
+
 
 def packed_pointer_table(layout: ShardLayout, storage: torch.UntypedStorage, placement: PackedPlacement,
                          device: torch.device) -> PointerTable:
@@ -373,13 +409,14 @@ def scaled_kernel_call(
     scale: float | None,
     destinations: Sequence[torch.dtype] | None,
     dtypes: tuple[torch.dtype, ...] | None = None,
+    packed: tuple[torch.UntypedStorage, PackedPlacement] | None = None,
     **constexprs: object,
 ) -> KernelCall:
     """``kernel_call`` for a kernel taking ``(flat, scale)``: the scale (``None``: none) rounded to
     float32 and applied in the compute dtype of ``flat`` and ``tensors``; ``destinations``: the
-    dtypes it writes (``None``: the ``tensors``' own); ``dtypes`` as for ``kernel_call``."""
+    dtypes it writes (``None``: the ``tensors``' own); ``dtypes`` and ``packed`` as for ``kernel_call``."""
     call = kernel_call(kernel, layout, rank, pad, tensors, (flat, 1.0 if scale is None else as_float32(scale)),
-                       constexprs, destinations, dtypes)
+                       constexprs, destinations, dtypes, packed)
     compute = compute_dtype([flat.dtype, *call.pointers.torch_dtypes])
     call.constexprs.update(COMPUTE=TRITON_DTYPES[compute], HAS_SCALE=scale is not None)
     return call

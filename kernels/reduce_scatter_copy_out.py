@@ -153,15 +153,18 @@ def _reduce_scatter_copy_out(
     post_scale: float | None,
     accumulate: bool,
     dtypes: tuple[torch.dtype, ...] | None = None,
+    packed: tuple[torch.UntypedStorage, _launch.PackedPlacement] | None = None,
 ) -> None:
     """The op on checked arguments (``dtypes``: the shard grads' own, in order, when the checks read
-    them): the kernel, or the torch fallback."""
+    them; ``packed``: ``(storage, placement)`` when ``shard_grads`` are ``placement.views(storage)``
+    or views of it at the same offsets, shapes and dtypes, which keys the launch on the storage,
+    O(1): [Note: packed placements] in ``kernels._launch``): the kernel, or the torch fallback."""
     device = rs_output.device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
             _reduce_scatter_copy_out_torch(rs_output, shard_grads, layout, rank, post_scale, accumulate)
         return
-    _kernel_call(rs_output, shard_grads, layout, rank, post_scale, accumulate, dtypes).launch()
+    _kernel_call(rs_output, shard_grads, layout, rank, post_scale, accumulate, dtypes, packed).launch()
     _launch.increment_version(shard_grads)
 
 
@@ -173,10 +176,11 @@ def _kernel_call(
     post_scale: float | None,
     accumulate: bool,
     dtypes: tuple[torch.dtype, ...] | None = None,
+    packed: tuple[torch.UntypedStorage, _launch.PackedPlacement] | None = None,
 ) -> _launch.KernelCall:
     """The launch that writes (or adds) ``rs_output`` into ``shard_grads`` (contiguous)."""
     return _launch.scaled_kernel_call(_reduce_scatter_copy_out_kernel, layout, rank, False, shard_grads, rs_output,
-                                      post_scale, None, dtypes, ACCUMULATE=accumulate)
+                                      post_scale, None, dtypes, packed, ACCUMULATE=accumulate)
 
 
 # ------------------------------------------------------------------------------ fallback, reference
