@@ -786,15 +786,9 @@ class _Root:
         group = state.group
         if group is None or not group.reduced_hooks:
             return
-        while any(s is state for s, _ in self._pending_reduces):
-            s, pending = self._pending_reduces[0]
-            assert s.group is not None
-            if not s.group.finishes_early or pending.needs_all_reduce:
-                self._ahead_at_end.append(state.index)
-                return
-            with region(s.group.regions.reduce_scatter_epilogue), torch.no_grad():
-                s.group.finish_reduce(pending)
-            del self._pending_reduces[0]
+        if any(s is state for s, _ in self._pending_reduces) and not self._run_early_epilogues(through=state):
+            self._ahead_at_end.append(state.index)
+            return
         event = self._reduce_event_of.get(state.index)
         if event is not None:  # CUDA: the copy-in must read the shards after the step on the reduce stream
             comm_stream(group.sharded[0].device, "all_gather_copy_in").wait_event(event)
@@ -825,18 +819,30 @@ class _Root:
             if pending.work is not None and not pending.work.is_done():
                 break
             self._all_reduce(state, pending)
-        done = 0
+        self._run_early_epilogues()
+
+    def _run_early_epilogues(self, through: Optional[ShardState] = None) -> bool:
+        """Run the epilogues of the pending reductions, oldest first, while each one's group may
+        finish early and needs no cross-replica all-reduce first. Without ``through``: only those
+        whose collective has completed (stopping at the first still in flight). With ``through``
+        (one of the pending): waiting for each, up to and including ``through``'s; False if an
+        epilogue before or at it has to wait for the end of backward."""
+        done, finished = 0, through is None
         for state, pending in self._pending_reduces:
             group = state.group
             assert group is not None
-            if (not group.finishes_early or pending.needs_all_reduce
-                    or (pending.work is not None and not pending.work.is_done())):
+            if not group.finishes_early or pending.needs_all_reduce:
+                break
+            if through is None and pending.work is not None and not pending.work.is_done():
                 break
             with region(group.regions.reduce_scatter_epilogue), torch.no_grad():
                 group.finish_reduce(pending)
             done += 1
-        if done:
-            del self._pending_reduces[:done]
+            if state is through:
+                finished = True
+                break
+        del self._pending_reduces[:done]
+        return finished
 
     def _end_backward(self) -> None:
         with region(self.owner.regions.end_backward), torch.no_grad():
