@@ -39,6 +39,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from scheduler.prefetch_depth import check_costs
+
 __all__ = ["choose_gather_ahead", "modelled_steady_step", "held_bytes"]
 
 LAGS = (1, 2, 3)
@@ -105,11 +107,7 @@ def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbyte
     """``(count, lag)``: how many of the first reduced groups to gather ahead in backward, and at
     which issue point (see [Note: choosing the gathers issued ahead]); ``(0, 1)`` where nothing
     modelled is faster by more than ``tolerance`` or fits ``budget``."""
-    if not (len(compute) == len(gather) == len(nbytes)):
-        raise ValueError(f"compute, gather and nbytes must have one entry per position, got lengths "
-                         f"{len(compute)}, {len(gather)}, {len(nbytes)}")
-    if any(not math.isfinite(x) or x < 0 for x in [*compute, *gather]):
-        raise ValueError("compute and gather must be finite seconds >= 0")
+    check_costs(compute, gather, nbytes, "position")
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"depth must be an int >= 0, got {depth!r}")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-__all__ = ["choose_prefetch_depth", "modelled_step"]
+__all__ = ["choose_prefetch_depth", "modelled_step", "check_costs"]
 
 
 def modelled_step(compute: Sequence[float], gather: Sequence[float], depth: int) -> float:
@@ -71,6 +71,16 @@ def modelled_step(compute: Sequence[float], gather: Sequence[float], depth: int)
     return max(now, link_free)
 
 
+def check_costs(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], entry: str) -> None:
+    """Refuse cost lists of different lengths (one entry per ``entry``) or times that are not finite
+    seconds >= 0 (``ValueError``)."""
+    if not (len(compute) == len(gather) == len(nbytes)):
+        raise ValueError(f"compute, gather and nbytes must have one entry per {entry}, got lengths "
+                         f"{len(compute)}, {len(gather)}, {len(nbytes)}")
+    if any(not math.isfinite(x) or x < 0 for x in [*compute, *gather]):
+        raise ValueError("compute and gather must be finite seconds >= 0")
+
+
 def _fits(nbytes: Sequence[int], depth: int, budget: int) -> bool:
     """Do any group and the ``depth`` groups after it fit ``budget`` together?"""
     return all(sum(nbytes[j: j + 1 + depth]) <= budget for j in range(len(nbytes)))
@@ -80,11 +90,7 @@ def choose_prefetch_depth(compute: Sequence[float], gather: Sequence[float], nby
                           budget: int, tolerance: float = 0.01) -> int:
     """The prefetch depth for groups with these costs (see [Note: choosing the prefetch depth]): at
     least 1, at most ``len(compute) - 1`` (or 1 for fewer than two groups)."""
-    if not (len(compute) == len(gather) == len(nbytes)):
-        raise ValueError(f"compute, gather and nbytes must have one entry per group, got lengths "
-                         f"{len(compute)}, {len(gather)}, {len(nbytes)}")
-    if any(not math.isfinite(x) or x < 0 for x in [*compute, *gather]):
-        raise ValueError("compute and gather must be finite seconds >= 0")
+    check_costs(compute, gather, nbytes, "group")
     if not (isinstance(budget, int) and budget >= 0):
         raise ValueError(f"budget must be an int >= 0 (bytes), got {budget!r}")
     allowed = [d for d in range(1, max(2, len(compute))) if d == 1 or _fits(nbytes, d, budget)]
