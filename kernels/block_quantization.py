@@ -83,12 +83,6 @@ FP8_MAX = 448.0
 FORMATS = ("int8", "fp8")
 """The codes a block can be quantized to (one byte per element, one float32 scale per block)."""
 
-_FP8_SUBNORMAL_ROUNDER = 24576.0  # 1.5 * 2**14: float32's step there is 2**-9, e4m3's subnormal step
-_FP8_MIN_NORMAL = 0.015625  # 2**-6
-_FP8_REBIAS = 960  # (127 - 7) << 3: float32's exponent bias minus e4m3's, in code units
-
-_ROUNDER = 12582912.0  # 1.5 * 2**23
-
 
 @triton.jit
 def _e4m3_code(c):
@@ -97,9 +91,11 @@ def _e4m3_code(c):
     bits = c.to(tl.int32, bitcast=True)
     a = tl.abs(c)
     abits = a.to(tl.int32, bitcast=True)
+    # 960 = (127 - 7) << 3: float32's exponent bias minus e4m3's, in code units
     normal = ((abits + 0x7FFFF + ((abits >> 20) & 1)) >> 20) - 960
+    # 24576 = 1.5 * 2**14, where float32's step is 2**-9, e4m3's subnormal step
     subnormal = (((a + 24576.0) - 24576.0) * 512.0).to(tl.int32)
-    code = tl.where(a >= 0.015625, normal, subnormal)
+    code = tl.where(a >= 0.015625, normal, subnormal)  # 2**-6: e4m3's smallest normal
     return tl.where(bits < 0, code - 128, code).to(tl.int8)
 
 
@@ -131,7 +127,7 @@ def quantize_block(x, FP8: tl.constexpr):
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         q = _e4m3_code(tl.where(usable, y, 0.0))
     else:
-        y = (y + 12582912.0) - 12582912.0
+        y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds to an integer, half to even
         y = tl.minimum(tl.maximum(y, -127.0), 127.0)
         q = tl.where(usable, y, 0.0).to(tl.int8)
     scale = tl.where(absmax != float("inf"), scale, float("nan"))

@@ -65,11 +65,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from kernels.block_quantization import FORMATS
 from kernels.quantized_layout import BLOCKS
 
 __all__ = ["Compression", "check_compression"]
 
-GATHER_FORMATS = ("int8", "fp8")
+GATHER_FORMATS = FORMATS
 """The wire formats an all-gather may be compressed to."""
 
 REDUCE_FORMATS = ("int8",)
