@@ -1099,7 +1099,9 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
     if len(devices) > 1:
         where = {str(p.device): locs[0].fqn for p, locs in zip(params, locations)}
         raise ValueError(f"shard: {type(module).__name__} has parameters on several devices ({where}); move them to one")
-    device = next(iter(devices), torch.device("cpu"))
+    # A module with no parameters of its own (a root over sharded children) has no device to agree
+    # with: the mesh or the backend decides, as for parameters on the meta device.
+    device = next(iter(devices), torch.device("meta"))
     replicate: Optional[GroupInfo] = None
     if mesh is not None and _mesh_ndim(mesh) is not None:
         _check_mesh(mesh, device)

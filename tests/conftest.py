@@ -23,6 +23,17 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 MAX_TEST_WORKERS = 4
 
 
+# Under pytest-xdist the workers share the cores: the ranks a test starts take the harness's
+# cpu_count // world_size threads each unless OMP_NUM_THREADS says otherwise, which on a 16-core
+# machine with 14 workers put up to 224 threads on 16 cores. Three timing tests of the emulated link
+# and the profiler failed on such a machine (the H100's host, 2026-11-26) and pass on 2 cores, where
+# every rank has one thread; oversubscription is the likely cause, not yet confirmed there. So each
+# worker's ranks get the worker's share: one thread on 2 cores, as before.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * _WORKERS))))
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """The worker count of ``-n auto`` (pyproject's default): one per CPU this process may run on, at
     most ``MAX_TEST_WORKERS``."""

@@ -84,8 +84,14 @@ NOISE_ELEMENTS = 2
 # Global gradient norm: a float32 sum of squares over ~30k elements in another order (per-shard
 # partial sums, then across ranks): a few ulps; FSDP2 measured <= 1.5e-7 relative. NORM_RTOL = 1e-6.
 NORM_RTOL = 1e-6
-# Clipped gradients and optimizer moments: STEP_RTOL (1e-5) relative, plus 1e-5 x the tensor's
-# largest magnitude for elements that are rounding noise near 0 (models.py, accumulation check).
+# Clipped gradients and optimizer moments: STEP_RTOL (1e-5) relative, plus NEAR_ZERO_ATOL (1e-4) x
+# the tensor's largest magnitude for elements that are rounding noise near 0: an element that is a
+# sum with cancellation carries the rounding of its terms, not of its value. The reference runs the
+# whole batch, each rank half of it, so the matmuls block differently, and how depends on the CPU's
+# kernels: on the 2-core CI box the worst such element is within 1e-5 x max; on the 16-core host of
+# the H100 machine (torch 2.11), Llama 3's layers.1.feed_forward.w1 gradient had 12 of 3072 elements
+# at up to 2.5e-5 x max (exp_avg: 9 at 2.1e-5), FSDP2 and overlap alike (they are bitwise equal).
+NEAR_ZERO_ATOL = 1e-4
 # Overlap vs FSDP2 in fp32 at world 2, and every round trip (DCP, set_state_dict, full -> sharded):
 # bitwise. At world 3 overlap and FSDP2 differ in the last bit of some averaged gradients (overlap
 # multiplies the reduce-scatter's sum by 1/3, FSDP2 divides it by 3), so there: the tolerances above.
@@ -511,7 +517,7 @@ def test_clip_grad_norm_is_global(client: Client, runtime: str, runs) -> None:
     norms = [r["norms"] for r in got]
     assert all(n == norms[0] for n in norms), f"ranks got different total norms (each clipped its own way): {norms}"
     assert max_rel_dev(norms[0], ref["norms"][:SAVE_AFTER]) <= NORM_RTOL, (norms[0], ref["norms"])
-    _close(got[0]["grads"], ref["saved_grads"], "clipped gradient", STEP_RTOL, STEP_RTOL, scale_atol=True)
+    _close(got[0]["grads"], ref["saved_grads"], "clipped gradient", STEP_RTOL, NEAR_ZERO_ATOL, scale_atol=True)
     _same_as_fsdp2(runs["w2"], "train", runtime, "norms")
     _same_as_fsdp2(runs["w2"], "train", runtime, "grads")
 
@@ -573,7 +579,8 @@ def test_full_state_dicts(client: Client, runtime: str, runs) -> None:
     optim = got[0]["optim"]
     assert set(optim) == set(ref["saved_optim"]), (set(optim), set(ref["saved_optim"]))
     for name, want in ref["saved_optim"].items():
-        _close(optim[name], want, f"full optimizer state of {name}", STEP_RTOL, STEP_RTOL, scale_atol=True)
+        _close(optim[name], want, f"full optimizer state of {name}", STEP_RTOL, NEAR_ZERO_ATOL,
+               scale_atol=True)
     if runtime == "overlap":
         _zero(max_abs_diff(got[0]["overlap_full"], model), "overlap.full_state_dict vs the state-dict API")
         fsdp2_optim = outcome(runs["w2"], "fsdp2/full_state_dicts")[0]["optim"]

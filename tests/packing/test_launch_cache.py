@@ -156,11 +156,11 @@ def test_the_oldest_pointer_table_is_dropped_and_rebuilt_right(monkeypatch: pyte
 
 # ------------------------------------------------------------------------ tensors changed in place
 def _set_to_other_storage(t: torch.Tensor) -> None:
-    t.set_(torch.empty(t.shape))
+    t.set_(torch.empty(t.shape, device=t.device))
 
 
 def _data_as_other_dtype(t: torch.Tensor) -> None:
-    t.data = torch.empty(t.shape, dtype=bf16)
+    t.data = torch.empty(t.shape, dtype=bf16, device=t.device)
 
 
 CHANGES: dict[str, tuple[Callable[[torch.Tensor], None], str | None]] = {
@@ -205,8 +205,7 @@ def test_a_tensor_changed_in_place_is_written_right(change: str) -> None:
     outs = [torch.empty(4, 4, device=device), torch.empty(3, device=device)]
     for call in range(3):
         if call == 2:
-            CHANGES[change][0](outs[0])
-            outs[0] = outs[0].to(device)  # (the mutators allocate on the CPU; the same object on CPU)
+            CHANGES[change][0](outs[0])  # the same tensor object, now over new memory on its device
         ag_output = make_tensor((layout.buffer_numel,), f32, seed=call, specials=False).to(device)
         all_gather_copy_out(ag_output, layout, outs)
         expected = all_gather_copy_out_ref(ag_output.cpu(), layout, [torch.empty_like(o, device="cpu") for o in outs])

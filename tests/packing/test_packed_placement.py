@@ -55,7 +55,7 @@ def test_packed_reduce_scatter_copy_out_is_bitwise(accumulate: bool) -> None:
         rs_output = make_tensor((layout.slot_numel,), f32, seed=call, specials=False).to(device)
         _reduce_scatter_copy_out(rs_output, grads, layout, rank, 0.5, accumulate,
                                  packed=(data.untyped_storage(), placement))
-        assert ("packed pointers", device, data.data_ptr(), placement) in layout._device_cache, "not keyed on it"
+        assert ("packed pointers", data.device, data.data_ptr(), placement) in layout._device_cache, "not keyed on it"
         reduce_scatter_copy_out_ref(rs_output.cpu(), expected, layout, rank, 0.5, accumulate)
         for got, want in zip(grads, expected):
             assert_bitwise(got.cpu(), want)

@@ -2,8 +2,9 @@
 reduce-scatter stream (see [Note: the reduce-scatter epilogue runs where the collective ran] in
 ``overlap/sharding.py``), the all-gather copy-in stream, and gradients equal to the unsharded model.
 
-World size 1 issues no reduce-scatter (a rank's gradient is already its shard), so this needs two
-GPUs. Mixed precision: bf16 gather and compute, fp32 reduce. Tolerance: the bf16 band of the CPU numerics tests
+World size 1 issues no reduce-scatter (a rank's gradient is already its shard), so that test needs two
+GPUs; on one GPU, a root with no parameters of its own sharded over a CUDA mesh (1-D and 1x1 HSDP)
+trains bitwise like the unsharded model. Mixed precision: bf16 gather and compute, fp32 reduce. Tolerance: the bf16 band of the CPU numerics tests
 (2e-2 relative on gradients: the sharded run computes in bf16, the reference in fp32).
 Skipped without a GPU (``requires_cuda``); ``pytest -m gpu`` runs it.
 """
@@ -18,8 +19,8 @@ from torch import nn
 from conftest import requires_cuda
 from overlap.testing import run_distributed
 
-pytestmark = [pytest.mark.gpu, requires_cuda,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (one per NCCL rank)")]
+pytestmark = [pytest.mark.gpu, requires_cuda]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (one per NCCL rank)")
 
 
 def _epilogue_on_stream(rank: int, world: int) -> dict:
@@ -53,7 +54,33 @@ def _epilogue_on_stream(rank: int, world: int) -> dict:
     return {"events": events, "worst": worst}
 
 
+@two_gpus
 def test_reduce_scatter_epilogue_runs_on_its_stream_and_gradients_match() -> None:
     for r in run_distributed(_epilogue_on_stream, 2, backend="nccl"):
         assert r["events"] and r["events"][0] >= 4, r  # one queued epilogue per block (the root has none)
         assert r["worst"] <= 2e-2, r
+
+
+def _root_over_a_cuda_mesh(rank: int, world: int) -> list[bool]:
+    import overlap
+    from torch.distributed.device_mesh import init_device_mesh
+
+    same = []
+    for shape in ((world,), (1, world)):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32)) for _ in range(3)]).cuda()
+        ref = copy.deepcopy(model)
+        mesh = init_device_mesh("cuda", shape)
+        for block in model:
+            overlap.shard(block, mesh=mesh)
+        overlap.shard(model, mesh=mesh)  # no parameters of its own: the mesh gives the device type
+        x = torch.randn(8, 32, device="cuda")
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        same.append(all(torch.equal(p.grad.full_tensor(), q.grad) for p, q in zip(model.parameters(), ref.parameters())))
+    return same
+
+
+def test_a_root_without_parameters_shards_over_a_cuda_mesh() -> None:
+    (same,) = run_distributed(_root_over_a_cuda_mesh, 1, backend="nccl")
+    assert same == [True, True]

@@ -82,3 +82,19 @@ def test_command_without_a_gpu_exits_2() -> None:
     proc = subprocess.run([sys.executable, "-m", "overlap", "check-gpu"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr, (proc.returncode, proc.stderr)
+
+
+def test_a_started_row_reports_its_process_once_it_ends_or_its_time_is_up() -> None:
+    # The GPU tests' row starts first and is collected after the in-process rows.
+    summary = gpu_check._pytest_summary
+    done = gpu_check._started_row("ok", [sys.executable, "-c", "print('3 passed in 0.1s')"], REPO, summary)
+    failing = gpu_check._started_row("bad", [sys.executable, "-c", "raise SystemExit(3)"], REPO, summary)
+    slow = gpu_check._started_row("slow", [sys.executable, "-c", "import time; time.sleep(30)"], REPO, summary)
+    row = done(60)
+    assert row.ok is True and row.detail == "3 passed", row
+    row = failing(60)
+    assert row.ok is False and row.detail.startswith("exit 3"), row
+    row = slow(0.5)
+    assert row.ok is False and "did not finish in 0 s" in row.detail and row.seconds < 10, row
+    missing = gpu_check._started_row("absent", [sys.executable, "-c", "pass"], REPO / "no-such-folder", summary)
+    assert missing(1).ok is None
