@@ -27,6 +27,10 @@ already exist), beside the target of issue 28 (15 µs + 0.05 µs per parameter, 
 On CUDA: wall time of back-to-back calls, nothing synchronized, and the torch path's the same way.
 On CPU: the same calls with the kernel launch stubbed out (``kernels._launch.launches_stubbed``):
 everything the host does up to the launch, which on a GPU is followed by Triton's own launch cost.
+On CUDA a third table splits the runtime launcher's host µs into our preparation, the device tables
+and device context, Triton's JIT launch path and the compiled kernel's own launcher
+(``launch_breakdown``): the first H100 run (2026-11-26) measured 61-97 µs per launch for 9
+parameters against 7-12 µs of preparation on the CPU, and this table says where the rest goes.
 
     python benchmarks/bench_kernels.py [--device cuda|cpu] [--world-size 8] [--quick]
                                        [--workload NAME ...] [--skip-gbps] [--markdown benchmarks/RESULTS.md]
@@ -274,6 +278,82 @@ def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> li
     return rows
 
 
+# --------------------------------------------------------------------------- launch breakdown (CUDA)
+BREAKDOWN = ["our preparation µs", "device tables + device context µs", "Triton JIT launch µs",
+             "compiled-kernel launch µs"]
+
+
+def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[object]:
+    """Where a runtime launcher's host µs go on CUDA, each part timed alone as ``host_us`` does:
+
+    * our preparation: the launcher with the launch stubbed out (checks, tables looked up, the
+      ``KernelCall`` built: what the CPU table measures);
+    * device tables + device context: ``torch.cuda.device`` and ``table_memory.prepare`` of the
+      captured call (stream-ordered table uses);
+    * Triton JIT launch: ``kernel[grid](...)`` with the prepared arguments (Triton's ``JITFunction.run``:
+      argument binding, specialization key, cache lookup, then the launch);
+    * compiled-kernel launch: the compiled kernel's launcher called with the arguments Triton bound
+      (the floor a launch that skips the JIT path could reach; measured, not used by the runtime).
+    A part that cannot be timed with this Triton's internals is "-"."""
+    with _launch.launches_stubbed():
+        ours = host_us(fn, device)
+    captured: list[_launch.KernelCall] = []
+    original = _launch.KernelCall.launch
+
+    def capture(call: _launch.KernelCall) -> None:
+        captured.append(call)
+        original(call)
+
+    _launch.KernelCall.launch = capture  # type: ignore[method-assign]
+    try:
+        fn()
+    finally:
+        _launch.KernelCall.launch = original  # type: ignore[method-assign]
+    call = captured[0]
+    blocks, pointers = call.blocks, call.pointers
+    kwargs = {**_launch.launch_constexprs(blocks, pointers, call.constexprs), **_launch.gpu_options(blocks)}
+    grid = (blocks.num_blocks,)
+
+    def tables() -> tuple[torch.Tensor, ...]:
+        with torch.cuda.device(device):
+            block_tensors, (pointer_tensor,) = _launch.table_memory.prepare((blocks.memory, pointers.memory), device)
+        return (*block_tensors, pointer_tensor)
+
+    arguments = (*tables(), *call.args)
+    tables_us = host_us(tables, device)
+    jit_us = host_us(lambda: call.kernel[grid](*arguments, **kwargs), device)
+    compiled_us: object = "-"
+    compiled = call.kernel[grid](*arguments, **kwargs)  # JITFunction.run returns the compiled kernel
+    if compiled is not None and hasattr(compiled, "_run"):
+        run = compiled.run
+        recorded: list[tuple[object, ...]] = []
+        compiled._run = lambda *a: (recorded.append(a), run(*a))
+        try:
+            call.kernel[grid](*arguments, **kwargs)
+        finally:
+            compiled._run = run
+        if recorded:
+            compiled_us = host_us(lambda: run(*recorded[0]), device)
+    return [ours, tables_us, jit_us, compiled_us]
+
+
+def breakdown_rows(names: Sequence[str], world_size: int, device: torch.device) -> list[list[object]]:
+    """``launch_breakdown`` of each op's runtime launcher, shapes and dtypes as in ``host_rows``."""
+    rows: list[list[object]] = []
+    param_dtype, comm_dtype = DTYPE_PAIRS[0]
+    for name in names:
+        workload = workloads(1)[name]
+        case = build_case(workload, world_size, 0, param_dtype, comm_dtype, device)
+        for op in OPS:
+            try:
+                parts = launch_breakdown(case.runtime[op], device)
+            except Exception as e:  # noqa: BLE001 -- Triton internals differ by version: say so, keep the rest
+                parts = [f"{type(e).__name__}: {e}"[:60], "-", "-", "-"]
+            rows.append([workload.name, case.layout.num_params, op, *parts])
+        del case
+    return rows
+
+
 # --------------------------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     p = parser(__doc__)
@@ -308,6 +388,10 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
          f"{short(DTYPE_PAIRS[0][0])} params / {short(DTYPE_PAIRS[0][1])} comm; median of {HOST_SAMPLES} x {HOST_CALLS} calls",
          ["workload", "params", "op", "public µs", "runtime launcher µs", "torch path µs", "target µs (15 + 0.05/param)",
           "runtime / target"], host, args.markdown)
+    if device.type == "cuda" and _launch.triton_enabled(device):
+        emit(f"Packing ops, where the runtime launcher's host µs go — CUDA, each part timed alone, back-to-back "
+             f"calls; world size {args.world_size}, rank 0; median of {HOST_SAMPLES} x {HOST_CALLS} calls",
+             ["workload", "params", "op", *BREAKDOWN], breakdown_rows(names, args.world_size, device), args.markdown)
     if args.skip_gbps:
         return host
     header = ["workload", "params/comm", "op", "MB", "fused ms (p20-p80)", "fused GB/s", "torch GB/s",
