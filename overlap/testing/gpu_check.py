@@ -422,7 +422,7 @@ def _cuda_graph_row(device: torch.device) -> CheckRow:
 
 
 # ---------------------------------------------------------------------------- subprocess rows
-BENCHMARKS = {"bench_kernels": ["--device", "cuda", "--quick"], "bench_host_bound": []}
+BENCHMARKS = {"bench_kernels": ["--device", "cuda", "--quick"], "bench_host_bound": ["--repeats", "5"]}
 """The benchmark rows: script under ``benchmarks/`` -> its options (``--markdown`` is added)."""
 
 
