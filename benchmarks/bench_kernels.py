@@ -31,6 +31,9 @@ On CUDA a third table splits the runtime launcher's host µs into our preparatio
 and device context, Triton's JIT launch path and the compiled kernel's own launcher
 (``launch_breakdown``): the first H100 run (2026-11-26) measured 61-97 µs per launch for 9
 parameters against 7-12 µs of preparation on the CPU, and this table says where the rest goes.
+A last table times the four quantized ops of ``overlap.Compression`` (int8 and fp8, as the runtime
+calls them) against a plain copy of the bytes they read and write: issue 30 asks for at least 0.85x a
+copy on large workloads on CUDA (on CPU they take the torch fallback: not GPU figures).
 
     python benchmarks/bench_kernels.py [--device cuda|cpu] [--world-size 8] [--quick]
                                        [--workload NAME ...] [--skip-gbps] [--markdown benchmarks/RESULTS.md]
@@ -52,6 +55,10 @@ from kernels.all_gather_copy_in import _all_gather_copy_in
 from kernels.all_gather_copy_out import _all_gather_copy_out
 from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
 from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
+from kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out
+from kernels.quantized_copy_in import _quantized_copy_in
+from kernels.quantized_layout import QuantizedLayout
+from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out
 from report import emit
 
 QUANTILES = [0.5, 0.2, 0.8]
@@ -84,6 +91,56 @@ def workloads(scale: int) -> dict[str, Workload]:
         "small-300": Workload("300 params of 4K elements", ((64, 64),) * 300),
         "one-512mb": Workload(f"one {big * 4 / 2**20:g} MB (fp32) param", ((big // 8192, 8192),)),
     }
+
+
+# ------------------------------------------------------------------------------- quantized ops
+QUANTIZED_OPS = ("quantized all_gather copy-in", "quantized all_gather copy-out", "quantized reduce_scatter copy-in",
+                 "quantized reduce_scatter copy-out")
+QUANTIZED_BLOCK = 256
+
+
+def quantized_case(workload: Workload, world_size: int, fmt: str,
+                   device: torch.device) -> dict[str, tuple[Callable[[], object], int]]:
+    """The four quantized ops as the runtime calls them (``overlap.Compression(gather=fmt, reduce=fmt)``
+    under mixed precision: fp32 shards gathered into bf16 parameters, bf16 gradients reduced into fp32
+    sharded gradients), each with the bytes it reads and writes (padding codes included, as the
+    kernel touches them)."""
+    layout = ShardLayout(workload.shapes, world_size)
+    qlayout = QuantizedLayout(layout, QUANTIZED_BLOCK, fmt)
+    rank = 0
+    fulls = [torch.randn(s, device=device) for s in workload.shapes]
+    shards = [s.contiguous() for s in layout.shards(fulls, rank)]
+    grads = [f.to(torch.bfloat16) for f in fulls]
+    _, buffer = _quantized_copy_in(fulls, qlayout, None)  # every slot valid: finite scales
+    outs = [torch.empty(s, device=device, dtype=torch.bfloat16) for s in workload.shapes]
+    shard_grads = [torch.empty(s, device=device) for s in layout.shard_shapes(rank)]
+    shard_numel, full_numel = sum(s.numel() for s in shards), workload.numel
+    return {
+        QUANTIZED_OPS[0]: (lambda: _quantized_copy_in(shards, qlayout, rank), 4 * shard_numel + qlayout.slot_bytes),
+        QUANTIZED_OPS[1]: (lambda: _quantized_all_gather_copy_out(buffer, qlayout, outs),
+                           qlayout.buffer_bytes + 2 * full_numel),
+        QUANTIZED_OPS[2]: (lambda: _quantized_copy_in(grads, qlayout, None), 2 * full_numel + qlayout.buffer_bytes),
+        QUANTIZED_OPS[3]: (lambda: _quantized_reduce_scatter_copy_out(buffer, shard_grads, qlayout, rank,
+                                                                      1.0 / world_size, False),
+                           qlayout.buffer_bytes + 4 * shard_numel),
+    }
+
+
+def quantized_rows(names: Sequence[str], chosen: dict[str, Workload], world_size: int, device: torch.device,
+                   timer: Callable[[Callable[[], object]], tuple[float, float, float]]) -> list[list[object]]:
+    """GB/s of each quantized op against a plain device copy of the same bytes (issue 30's goal: at
+    least 0.85x a copy on large workloads, on CUDA)."""
+    rows: list[list[object]] = []
+    for name in names:
+        for fmt in ("int8", "fp8"):
+            for op, (fn, nbytes) in quantized_case(chosen[name], world_size, fmt, device).items():
+                ms, lo, hi = timer(fn)
+                copy_ms = timer(plain_copy(nbytes, device))[0]
+                rows.append([chosen[name].name, fmt, op, round(nbytes / 1e6, 1), f"{ms:.3f} ({lo:.3f}-{hi:.3f})",
+                             nbytes / (ms * 1e6), nbytes / (copy_ms * 1e6), copy_ms / ms])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
 
 
 # ------------------------------------------------------------------------------------------ timers
@@ -419,6 +476,11 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     title = (f"Packing kernels: fused vs FSDP2's torch path vs plain copy — {path_label(device)}; "
              f"world size {args.world_size}, rank 0; workloads {scaled}")
     emit(title, header, rows, args.markdown)
+    emit(f"Quantized packing ops (overlap.Compression, block {QUANTIZED_BLOCK}; fp32 shards -> bf16 parameters, bf16 "
+         f"gradients -> fp32 sharded gradients) vs plain copy — {path_label(device)}; world size {args.world_size}, "
+         f"rank 0; workloads {scaled}",
+         ["workload", "format", "op", "MB", "ms (p20-p80)", "GB/s", "copy GB/s", "vs copy"],
+         quantized_rows(names, chosen, args.world_size, device, timer), args.markdown)
     return rows
 
 
