@@ -24,6 +24,12 @@ round), ``--steps`` steps per sample, medians over ``--repeats`` rounds:
   GPU waited for the host;
 * CPU: the CPU computes as well, so step ms is host ms; the table says so.
 
+A second table times ``opt.step()`` alone over the small config's parameters, per optimizer of
+``OPTIMIZER_ROWS`` (AdamW and SGD with momentum, foreach and fused) and mode, the same interleaved way:
+issue 28 asks for overlap.shard's step at <= 1.2x plain, on CPU and CUDA. On CPU set
+``OMP_NUM_THREADS=1`` on a shared small box: the fused CPU kernels' thread barriers stall whenever a
+core is busy (fused AdamW measured 718 ms per step with threads under load, 0.4 ms without).
+
 Then ``torch.profiler`` (CPU activity) records ``--profile-steps`` steps of each sharded mode of the
 ``small`` config and prints its top host costs: self CPU µs per step of the top ``--top`` ops.
 
@@ -43,6 +49,7 @@ from _common import parse, parser  # first: sys.path
 from report import emit
 from torch import nn
 
+from bench_runtime_cost import OPTIMIZERS
 from overlap.demo.training import shard_for_mode
 
 MODES = {"plain": None, "overlap.shard": "overlap", "torch FSDP2": "fsdp2"}  # label -> shard_for_mode's mode
@@ -74,14 +81,20 @@ def single_rank_group(device: torch.device) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def make_step(mode: str, blocks: int, d: int, tokens: int, device: torch.device) -> Callable[[], None]:
-    """One training step of ``mode`` on a freshly built model (same seed in every mode)."""
+def make_model(mode: str, blocks: int, d: int, tokens: int,
+               device: torch.device) -> tuple[nn.Module, torch.Tensor]:
+    """``mode``'s model (same seed in every mode) and its input batch."""
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(d) for _ in range(blocks)]).to(device)
     if MODES[mode] is not None:
         shard_for_mode(MODES[mode], model, list(model))
+    return model, torch.randn(tokens, d, device=device, generator=torch.Generator(device).manual_seed(1))
+
+
+def make_step(mode: str, blocks: int, d: int, tokens: int, device: torch.device) -> Callable[[], None]:
+    """One training step of ``mode`` on a freshly built model (same seed in every mode)."""
+    model, x = make_model(mode, blocks, d, tokens, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(tokens, d, device=device, generator=torch.Generator(device).manual_seed(1))
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -89,6 +102,48 @@ def make_step(mode: str, blocks: int, d: int, tokens: int, device: torch.device)
         opt.step()
 
     return step
+
+
+OPTIMIZER_ROWS = ("AdamW foreach=True", "AdamW fused=True", "SGD momentum foreach=True", "SGD momentum fused=True")
+"""The optimizers of the step-alone table (``bench_runtime_cost.OPTIMIZERS``' labels): foreach is
+what the default picks on CUDA; fused SGD has no DTensor strategy in torch, so FSDP2's row is "-"."""
+
+
+def make_optimizer_step(mode: str, label: str, blocks: int, d: int, tokens: int,
+                        device: torch.device) -> Callable[[], None]:
+    """``opt.step`` of ``label``'s optimizer over ``mode``'s parameters, after one backward and one
+    step (gradients and optimizer state in place); raises if ``mode`` cannot run that optimizer."""
+    optimizer, kwargs = OPTIMIZERS[label]
+    model, x = make_model(mode, blocks, d, tokens, device)
+    opt = optimizer(model.parameters(), **kwargs)
+    model(x).sum().backward()
+    opt.step()
+    return opt.step
+
+
+def optimizer_rows(blocks: int, d: int, tokens: int, device: torch.device, steps: int,
+                   repeats: int) -> list[list[object]]:
+    """Per optimizer of ``OPTIMIZER_ROWS``: each mode's ``opt.step`` alone, interleaved; host and
+    wall µs per step, and wall vs plain (issue 28's goal: <= 1.2x plain for overlap.shard)."""
+    rows: list[list[object]] = []
+    for label in OPTIMIZER_ROWS:
+        fns, refused = {}, {}
+        for mode in MODES:
+            try:
+                fns[mode] = make_optimizer_step(mode, label, blocks, d, tokens, device)
+            except Exception as e:  # noqa: BLE001 -- torch has no DTensor strategy for it: say so
+                refused[mode] = f"- ({type(e).__name__})"
+        samples = interleaved(fns, steps, repeats, device)
+        plain = statistics.median(w for _, w in samples["plain"])
+        for mode in MODES:
+            if mode in refused:
+                rows.append([label, mode, refused[mode], "-", "-"])
+                continue
+            host = statistics.median(h for h, _ in samples[mode])
+            wall = statistics.median(w for _, w in samples[mode])
+            rows.append([label, mode, f"{1e6 * wall:.0f}", f"{1e6 * host:.0f}", f"{wall / plain:.2f}x"])
+        del fns
+    return rows
 
 
 def timed(step: Callable[[], None], steps: int, device: torch.device) -> tuple[float, float]:
@@ -169,6 +224,12 @@ def main(argv: list[str] | None = None) -> None:
     emit(f"Host-bound training step (LayerNorm + Linear d->4d->d blocks, AdamW, fp32, batch {tokens} "
          f"tokens), world size 1 — {where}; medians of {args.repeats} interleaved rounds of {args.steps} steps",
          ["config", "mode", "step ms", "host ms", "step vs plain"], rows, args.markdown)
+    d, tokens_small = CONFIGS["small"] if device.type == "cuda" else CPU_SMALL
+    with single_rank_group(device):
+        opt_rows = optimizer_rows(args.blocks, d, tokens_small, device, args.steps, args.repeats)
+    emit(f"Optimizer step alone over the small config's {4 * args.blocks} parameters ({args.blocks} blocks, "
+         f"d={d}), world size 1 — {where}; medians of {args.repeats} interleaved rounds of {args.steps} steps",
+         ["optimizer", "mode", "step µs", "host µs", "step vs plain"], opt_rows, args.markdown)
     prof_rows = [[mode, name, f"{us:.0f}", f"{calls:g}"] for mode, ops in profiles.items() for name, us, calls in ops]
     emit(f"Top host costs of the small config ({args.blocks} blocks): torch.profiler self CPU µs per step, "
          f"{args.profile_steps} profiled steps per mode", ["mode", "op", "self CPU µs per step", "calls per step"],
