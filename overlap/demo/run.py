@@ -58,7 +58,7 @@ __all__ = [
 FSDP2_LOSS_RTOL = 1e-4
 COMPRESSED_MODES: dict[str, str] = {"int8": "overlap-int8", "fp8": "overlap-fp8"}
 """``--compress`` format -> the mode that runs ``overlap.shard`` with :data:`COMPRESSIONS` [format]."""
-COMPRESSIONS: dict[str, Any] = {"int8": dict(gather="int8", reduce="int8"), "fp8": dict(gather="fp8", reduce="int8")}
+COMPRESSIONS: dict[str, dict[str, str]] = {"int8": dict(gather="int8", reduce="int8"), "fp8": dict(gather="fp8", reduce="int8")}
 """``overlap.Compression`` arguments per ``--compress`` format: ``fp8`` sends the all-gathers as e4m3
 codes and reduces in int8 (``reduce="fp8"`` is not offered by the runtime); block 256 for both."""
 COMPRESSED_LOSS_RTOL = 0.01
