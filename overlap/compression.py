@@ -41,9 +41,9 @@ reduce-scatter beside each all-to-all, compared by the owner; ``overlap/gradient
 
 HSDP (a 2-D mesh): ``reduce="int8"`` compresses the inter-node tier only, the sum over the
 replicas; the shard group's reduce-scatter stays exact ([Note: compressing the inter-node tier] in
-``overlap/param_group.py``). ``gather="int8"`` quantizes the shard group's all-gather (inside a node;
-HSDP gathers nothing across the replicas) exactly as on a 1-D mesh: the replicas hold bitwise equal
-shards, so they quantize them to the same bytes and unshard bitwise equal parameters. It pays where
+``overlap/param_group.py``). ``gather="int8"`` (or ``"fp8"``) quantizes the shard group's all-gather
+(inside a node; HSDP gathers nothing across the replicas) exactly as on a 1-D mesh: the replicas hold
+bitwise equal shards, so they quantize them to the same bytes and unshard bitwise equal parameters. It pays where
 the intra-node link is a bound too (PCIe nodes, or a comm-bound step); ``Compression(gather=None,
 reduce="int8")`` leaves the fast tier exact. The gradient error measurement covers the replica sum
 (an exact float32 all-reduce over the replicas beside it).

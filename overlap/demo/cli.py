@@ -50,18 +50,31 @@ def _finite_float(strictly_positive: bool) -> Callable[[str], float]:
     return parse
 
 
+def _comma_separated(text: str, allowed: Sequence[str], what: str, also: str = "") -> tuple[str, ...]:
+    """``text``'s comma-separated names, each of ``allowed`` (duplicates once, in order), else an
+    argparse error naming the first unknown ``what`` and the choices (``also``: a further choice)."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in allowed]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what} {unknown[0]!r}: give a comma-separated list of {', '.join(allowed)}{also}")
+    return tuple(dict.fromkeys(names))
+
+
 def _compare(text: str) -> tuple[str, ...]:
     """An argparse type: comma-separated modes of ``overlap.demo.run.COMPARABLE``, or ``none``."""
     from overlap.demo.run import COMPARABLE
 
     if text.strip() == "none":
         return ()
-    names = [name.strip() for name in text.split(",")]
-    unknown = [name for name in names if name not in COMPARABLE]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown mode {unknown[0]!r}: give a comma-separated list of {', '.join(COMPARABLE)}, or none")
-    return tuple(dict.fromkeys(names))
+    return _comma_separated(text, COMPARABLE, "mode", ", or none")
+
+
+def _compress(text: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated formats of ``overlap.demo.run.COMPRESSED_MODES`` (int8, fp8)."""
+    from overlap.demo.run import COMPRESSED_MODES
+
+    return _comma_separated(text, tuple(COMPRESSED_MODES), "format")
 
 
 def _mesh(text: str) -> tuple[int, int]:
@@ -139,9 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "(Megatron's plan on the same model, q/k/v split): overlap.tensor_parallel with its "
                            "collective matmuls decomposed, the same with chunks=1, and torch's parallelize_module, "
                            "side by side behind the link (--compare and --mesh choose FSDP modes: not with tp)")
-    demo.add_argument("--compress", choices=("int8",), default=None,
-                      help="also run overlap.shard with int8 compressed all-gathers and reductions "
-                           "(overlap.Compression) beside the exact run; its final loss must be within 1%% of exact")
+    demo.add_argument("--compress", type=_compress, default=(), metavar="FORMATS",
+                      help="also run overlap.shard with compressed collectives beside the exact run, one run per "
+                           "comma-separated format: int8 = overlap.Compression() (int8 all-gathers and int8 "
+                           "reductions), fp8 = overlap.Compression(gather='fp8') (e4m3 all-gathers, int8 "
+                           "reductions); block 256; e.g. int8,fp8. Each final loss must be within 1%% of exact")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                       help="auto (default): cuda (NCCL, one GPU per rank) when there are enough GPUs for the ranks, "
                            "else cpu (gloo)")
@@ -196,7 +211,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.parallel == "tp" and (args.compare is not None or args.mesh is not None):
         parser.error("--parallel tp runs its own modes (overlap.tensor_parallel, chunks=1, torch TP): "
                      "--compare and --mesh choose FSDP modes; leave them out")
-    if args.compress is not None and (args.parallel == "tp" or args.mesh is not None):
+    if args.compress and (args.parallel == "tp" or args.mesh is not None):
         parser.error("--compress runs a fully sharded FSDP mode: not with --parallel tp or --mesh")
     if args.compare is None:
         from overlap.demo.run import COMPARABLE

@@ -13,7 +13,9 @@ compressed gather carries <= 0.28x of the float32 gather's; one step's gradients
 two-stage bound of exact HSDP's and not equal to them; training tracks exact HSDP; the Triton kernels
 give bitwise the torch fallback's training; ``no_sync`` micro-batches, optimizer-in-backward and a
 DCP round trip; the gradient error measurement on the replicas' tier against exact HSDP's gradients;
-``torch.compile`` of the compressed model.
+``torch.compile`` of the compressed model. fp8 gathers (``Compression(gather="fp8")``): replicas
+bitwise equal, int8's bytes, training within [Note: fp8 gather tolerances] of exact HSDP, and the
+Triton kernels bitwise the torch fallback.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from test_hsdp import MESH_DIMS, _replicas_identical  # differing parameter name
 
 INTER_NODE = overlap.Compression(gather=None, reduce="int8")
 BOTH = overlap.Compression()  # int8 gather in the shard group, int8 sum over the replicas
+FP8_GATHER = overlap.Compression(gather="fp8", reduce=None)  # e4m3 gather in the shard group, exact replica sum
+FP8_BOTH = overlap.Compression(gather="fp8")  # e4m3 gather, int8 sum over the replicas (the demo's --compress fp8)
 STEPS = 6  # 4 ranks on 2 cores are slow
 # Tolerances, measured (TinyLM, 2x2, block 256): one step's gradients differ from exact HSDP's by
 # 0.6-0.7% relative (median over parameters) and 1.9% at most (a small LayerNorm bias) with the
@@ -45,6 +49,18 @@ LOSS_RTOL = 0.02
 # A compressed float32 gather: (1 + 4/256) / 4 = 0.254x for large parameters; TinyLM's small ones
 # (LayerNorm shards of 15 elements, one scale each) cost a little more: measured 0.257x.
 GATHER_RATIO = 0.28
+# fp8 gathers [Note: fp8 gather tolerances]: e4m3 keeps 3 mantissa bits per element (error up to
+# |x|/17) where int8 gives absmax/254 per block, and TinyLM's Gaussian-like weights suit int8:
+# benchmarks/bench_fp8_gather.py measured, on a 1-D mesh, gathered parameters 2.5% off per step
+# against int8's 0.5% and gradients 5.9% against 1.1% (~5x). Measured here (2x2, one step, against
+# exact HSDP, relative error per parameter): fp8 gather alone 7.2-8.9% median / 14.9% max, with the
+# int8 replica sum too 7.1-9.0% / 14.8%; int8 gather alone 1.4-1.5% / 2.5% (5.8x less). Over 6 steps
+# the global losses moved by at most 0.21% (fp8 gather alone) and 0.12% (with the replica sum).
+# Bounds: the gradients 1.5x the measured max (as GRAD_RTOL for int8); the losses the issue's goal,
+# 1% (5x the measured); and a median above 3%, twice int8's, so an int8 gather posing as fp8 fails.
+FP8_GRAD_RTOL = 0.22
+FP8_LOSS_RTOL = 0.01
+FP8_GRAD_MEDIAN_ABOVE = 0.03
 
 
 def _mesh():
@@ -66,14 +82,17 @@ def _tier_bytes(link, mesh) -> dict[str, int]:
             else 0 for tier in MESH_DIMS}
 
 
-def _run(rank: int, world: int) -> dict[str, Any]:
+def _run(rank: int, world: int, runs: dict[str, overlap.Compression | None]) -> dict[str, Any]:
+    """Each of ``runs`` (name: compress) from the same weights: one step's bytes per tier (forward
+    and forward + backward) and gradients, then ``STEPS`` steps' global losses and the parameters
+    that differed across the replicas after a step."""
     from overlap.testing import current_link
 
     torch.set_num_threads(1)
     mesh = _mesh()
     link = current_link()
     out: dict[str, Any] = {}
-    for name, compress in (("exact", None), ("int8", INTER_NODE), ("both", BOTH)):
+    for name, compress in runs.items():
         model = _model(mesh, compress)
         link.reset_stats()
         loss = model.loss(local_batch(make_batch(0), rank, world))
@@ -90,9 +109,15 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _gradient_errors(got: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Relative error per parameter, ``||got - exact|| / ||exact||`` over this rank's shard."""
+    return {n: float((got[n] - want).norm() / want.norm().clamp_min(1e-30)) for n, want in exact.items()}
+
+
 @pytest.mark.torch_kernels
 def test_hsdp_compresses_the_replica_sum_and_optionally_the_gather(distributed) -> None:
-    for r in distributed(_run, 4, link=COUNTING_LINK):
+    runs = {"exact": None, "int8": INTER_NODE, "both": BOTH}
+    for r in distributed(_run, 4, runs, link=COUNTING_LINK):
         for name in ("exact", "int8", "both"):
             assert r[name + " differing"] == [], name  # replicas bitwise equal, every step
         exact, int8, both = r["exact bytes"], r["int8 bytes"], r["both bytes"]
@@ -110,23 +135,49 @@ def test_hsdp_compresses_the_replica_sum_and_optionally_the_gather(distributed) 
         # are checked on the ops themselves in tests/packing/test_quantized_kernels.py; here the
         # replicas' partial sums, which set the blocks' scales, are not visible.)
         for name in ("int8", "both"):
-            errors = {n: float((r[name + " grads"][n] - want).norm() / want.norm().clamp_min(1e-30))
-                      for n, want in r["exact grads"].items()}
+            errors = _gradient_errors(r[name + " grads"], r["exact grads"])
             assert max(errors.values()) <= GRAD_RTOL, (name, errors)
             assert max(errors.values()) > 0  # it was quantized (a test that can fail)
             losses, exact_losses = r[name + " losses"], r["exact losses"]
             assert all(abs(a - b) <= LOSS_RTOL * b for a, b in zip(losses, exact_losses)), (name, losses, exact_losses)
 
 
+@pytest.mark.torch_kernels
+def test_hsdp_fp8_gathers_train_near_exact_hsdp(distributed) -> None:
+    """fp8 (e4m3) all-gathers in the shard group, alone and with the int8 replica sum: the replicas
+    stay bitwise equal after every step, the gather moves int8's bytes (a byte per element plus a
+    scale per block) and nothing more crosses the replicas, and one step's gradients and 6 steps'
+    losses stay within [Note: fp8 gather tolerances] of exact HSDP's."""
+    runs = {"exact": None, "fp8": FP8_GATHER, "fp8 + int8 sum": FP8_BOTH}
+    for r in distributed(_run, 4, runs, link=COUNTING_LINK):
+        exact_gathered = r["exact forward bytes"]
+        for name in ("fp8", "fp8 + int8 sum"):
+            assert r[name + " differing"] == [], name  # replicas bitwise equal, every step
+            gathered = r[name + " forward bytes"]
+            assert gathered["replicate"] == exact_gathered["replicate"] < 100, (name, gathered, exact_gathered)
+            assert 0 < gathered["shard"] <= GATHER_RATIO * exact_gathered["shard"], (name, gathered, exact_gathered)
+            errors = _gradient_errors(r[name + " grads"], r["exact grads"])
+            assert max(errors.values()) <= FP8_GRAD_RTOL, (name, errors)
+            assert sorted(errors.values())[len(errors) // 2] > FP8_GRAD_MEDIAN_ABOVE, (name, errors)
+            losses, exact_losses = r[name + " losses"], r["exact losses"]
+            assert all(abs(a - b) <= FP8_LOSS_RTOL * b for a, b in zip(losses, exact_losses)), (name, losses,
+                                                                                                 exact_losses)
+        # the replica sum alone decides the replicas' tier: exact with FP8_GATHER, int8 with FP8_BOTH
+        assert r["fp8 bytes"]["replicate"] == r["exact bytes"]["replicate"]
+        assert r["fp8 + int8 sum bytes"]["replicate"] <= 0.28 * r["exact bytes"]["replicate"]
+
+
 # ------------------------------------------------------------------------------ Triton vs torch
-def test_hsdp_on_triton_kernels_equals_the_torch_fallback(distributed) -> None:
-    """Two steps of an MLP compressed on both tiers (``overlap.Compression()``) with the Triton
-    kernels (interpreter on CPU) and with the torch fallback: bitwise the same parameters on every rank."""
+@pytest.mark.parametrize("compress", [BOTH, FP8_BOTH], ids=["int8", "fp8-gather"])
+def test_hsdp_on_triton_kernels_equals_the_torch_fallback(distributed, compress: overlap.Compression) -> None:
+    """Two steps of an MLP compressed on both tiers (int8 gather or fp8 gather, int8 replica sum) with
+    the Triton kernels (interpreter on CPU) and with the torch fallback (torch's own float8_e4m3fn
+    casts for fp8): bitwise the same parameters on every rank."""
     from kernels import _launch
 
     if not _launch.triton_enabled(torch.device("cpu")):
         pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1 (conftest sets it without a GPU)")
-    for r in distributed(_triton_vs_torch, 4, (2, 2)):
+    for r in distributed(_triton_vs_torch, 4, (2, 2), compress):
         assert all(torch.equal(a, b) for a, b in zip(r["triton"], r["torch"]))
 
 

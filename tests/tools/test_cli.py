@@ -9,7 +9,9 @@ import sys
 import pytest
 
 import overlap.demo.run
-from overlap.demo.cli import main, max_world_size
+from overlap import Compression
+from overlap.demo.cli import build_parser, main, max_world_size
+from overlap.demo.run import COMPRESSIONS, DemoConfig
 
 DEMO_OPTIONS = ("--world-size", "--steps", "--model", "--compare", "--link-gbps", "--latency-us", "--profile-steps",
                 "--device", "--out", "--compress")
@@ -56,7 +58,9 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
         (["demo", "--parallel", "pp"], "--parallel: invalid choice: 'pp'"),
         (["demo", "--parallel", "tp", "--compare", "fsdp2"], "--parallel tp runs its own modes"),
         (["demo", "--parallel", "tp", "--mesh", "1x2"], "--compare and --mesh choose FSDP modes"),
-        (["demo", "--compress", "fp8"], "--compress: invalid choice: 'fp8'"),
+        (["demo", "--compress", "fp4"], "--compress: unknown format 'fp4': give a comma-separated list of int8, fp8"),
+        (["demo", "--compress", "int8,"], "--compress: unknown format ''"),
+        (["demo", "--compress", "fp8", "--mesh", "1x2"], "--compress runs a fully sharded FSDP mode"),
         (["demo", "--compress", "int8", "--mesh", "1x2"], "--compress runs a fully sharded FSDP mode"),
         (["demo", "--compress", "int8", "--parallel", "tp"], "--compress runs a fully sharded FSDP mode"),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
@@ -121,3 +125,35 @@ def test_torchrun_variables_must_be_numbers(no_training: None, monkeypatch: pyte
     monkeypatch.setenv("WORLD_SIZE", "2")
     err = _exit_2(["demo"], capsys)
     assert "torchrun's RANK='zero', WORLD_SIZE='2', LOCAL_RANK='0' must be whole numbers" in err, err
+
+
+@pytest.mark.parametrize(("value", "formats", "modes"), [
+    ("fp8", ("fp8",), ("overlap", "overlap-fp8")),
+    ("int8", ("int8",), ("overlap", "overlap-int8")),
+    (" fp8 , int8,fp8", ("fp8", "int8"), ("overlap", "overlap-int8", "overlap-fp8")),
+])
+def test_compress_parses_formats_into_modes_after_the_exact_run(value: str, formats: tuple[str, ...],
+                                                                modes: tuple[str, ...]) -> None:
+    """``--compress`` takes comma-separated formats (duplicates once); each adds one mode right after the
+    exact ``overlap`` run, int8 before fp8, whatever order they were given in."""
+    args = build_parser().parse_args(["demo", "--compress", value])
+    assert args.compress == formats
+    assert DemoConfig(compress=args.compress, compare=()).modes == modes
+    assert build_parser().parse_args(["demo"]).compress == ()
+
+
+def test_compress_selects_the_compression_the_help_names(capsys: pytest.CaptureFixture[str]) -> None:
+    """fp8 is e4m3 all-gathers with int8 reductions, int8 both in int8 (the help says so); block 256."""
+    assert Compression(**COMPRESSIONS["fp8"]) == Compression(gather="fp8", reduce="int8", block=256)
+    assert Compression(**COMPRESSIONS["int8"]) == Compression()
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "fp8 = overlap.Compression(gather='fp8') (e4m3 all-gathers, int8 reductions)" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("compress", ["fp8", ("fp4",), None])
+def test_demo_config_refuses_unknown_compress(compress: object) -> None:
+    with pytest.raises(ValueError, match="compress must be a tuple of formats from"):
+        DemoConfig(compress=compress)  # type: ignore[arg-type]

@@ -135,21 +135,26 @@ def test_demo_with_a_mesh_runs_hsdp_beside_full_sharding(tmp_path: object, capsy
     assert "HSDP vs full sharding: agree" in out and "vs torch FSDP2: agree" in out, out
 
 
-def test_demo_compress_int8_runs_beside_exact_and_checks_the_loss(tmp_path: object,
-                                                                  capsys: pytest.CaptureFixture[str],
-                                                                  as_users_run_it: None) -> None:
-    """``--compress int8``: the compressed mode runs right after the exact one, carries about a quarter
-    of its bytes on the link (comm ms at the same bandwidth), and its final loss is checked."""
+def test_demo_compress_runs_int8_and_fp8_beside_exact_and_checks_the_loss(tmp_path: object,
+                                                                          capsys: pytest.CaptureFixture[str],
+                                                                          as_users_run_it: None) -> None:
+    """``--compress fp8,int8``: the compressed modes run right after the exact one (int8 first), each
+    carries about a quarter of its bytes on the link (comm ms at the same bandwidth: int8 or e4m3
+    codes, the same size), and each final loss is checked against exact's."""
     folder = os.path.join(str(tmp_path), "out")
-    code = main([*TINY, "--compress", "int8", "--compare", "none", "--profile-steps", "0", "--out", folder])
+    code = main([*TINY, "--compress", "fp8,int8", "--compare", "none", "--profile-steps", "0", "--out", folder])
     out = capsys.readouterr().out
     print(out)
     assert code == 0, out
     rows = _table_rows(out)
-    exact, int8 = rows[MODE_NAMES["overlap"]], rows[MODE_NAMES["overlap-int8"]]
-    assert all(math.isfinite(_number(c)) for c in int8[:6]), rows
-    assert _number(int8[3]) < 0.6 * _number(exact[3]), rows  # comm ms: int8 bytes (0.25-0.5x, latency aside)
-    assert "int8 compressed vs exact overlap.shard: final loss" in out and "within 0.01" in out, out
+    assert list(rows)[:3] == [MODE_NAMES[m] for m in ("overlap", "overlap-int8", "overlap-fp8")], rows
+    exact = rows[MODE_NAMES["overlap"]]
+    for mode, label in (("overlap-int8", "int8 compressed"), ("overlap-fp8", "fp8 gather + int8 reduce")):
+        cells = rows[MODE_NAMES[mode]]
+        assert all(math.isfinite(_number(c)) for c in cells[:6]), rows
+        assert _number(cells[3]) < 0.6 * _number(exact[3]), rows  # comm ms: 0.25-0.5x the bytes, latency aside
+        line = next((x for x in out.splitlines() if x.strip().startswith(f"{label} vs exact overlap.shard: final")), "")
+        assert line.endswith("within 0.01"), out
 
 
 def test_demo_tensor_parallel_compares_with_torch_tp(tmp_path: object, capsys: pytest.CaptureFixture[str],
