@@ -537,7 +537,8 @@ def _memory_lines(result: DemoResult) -> list[str]:
         return []
     extra = ours.unsharded_peak - fsdp2.unsharded_peak
     groups = f" = {extra / ours.largest_group:.2f} x its largest group" if ours.largest_group else ""
-    depth = f" (prefetch depth {ours.depth})" if ours.depth is not None else ""
+    depth = (f" (prefetch depth {ours.depth}: issue 29's bound is {ours.depth} x)" if ours.depth is not None
+             and ours.largest_group else "")
     return [f"peak unsharded: {MODE_NAMES['overlap']} {_mb(ours.unsharded_peak)} MB vs {MODE_NAMES['fsdp2']} "
             f"{_mb(fsdp2.unsharded_peak)} MB: {'+' if extra >= 0 else '-'}{_mb(abs(extra))} MB{groups}{depth}"]
 
