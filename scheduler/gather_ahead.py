@@ -28,18 +28,20 @@ point does not come in this backward at its end. At the end of backward the next
 ``1 + depth`` groups are gathered too (they are stepped by then; the link is empty there).
 The link is a FIFO: a gather issued ahead is queued before the re-gathers and reduce-scatters
 issued after it, so it can delay backward. The model replays several steps of the runtime's
-schedule (the prefetch model's, plus the gathers ahead and the host waits for their reductions)
-and takes the steady-state step time. ``(0, 1)``, issue nothing ahead in backward, is the
+schedule (``scheduler.replayed_step``, [Note: replaying a step on a FIFO link]: the prefetch
+depth's model, run on past the first step, plus the gathers ahead and the host waits for their
+reductions) and takes the steady-state step time; with nothing gathered ahead that is the prefetch
+model's step. ``(0, 1)``, issue nothing ahead in backward, is the
 fallback: another plan is taken only where the model says it is faster by more than ``tolerance``
 and its held bytes fit the budget, so the choice never loses to the schedule without it, as far
 as the model goes.
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 from scheduler.prefetch_depth import check_costs
+from scheduler.replayed_step import step_ends
 
 __all__ = ["choose_gather_ahead", "modelled_steady_step", "held_bytes"]
 
@@ -50,46 +52,11 @@ LAGS = (1, 2, 3)
 def modelled_steady_step(compute: Sequence[float], gather: Sequence[float], depth: int, count: int,
                          lag: int = 1, steps: int = 4) -> float:
     """Seconds per step in the steady state of ``steps`` replayed steps with the first ``count``
-    reduced groups gathered ahead at ``lag`` (see [Note: choosing the gathers issued ahead])."""
-    n = len(compute)
-    if n == 0:
+    reduced groups gathered ahead at ``lag`` (see [Note: choosing the gathers issued ahead]): the
+    mean of the second half of the steps."""
+    ends = step_ends(compute, gather, depth, steps, count, lag)
+    if not ends:
         return 0.0
-    link_free = 0.0
-    ahead = set(range(n - count, n))  # forward positions; backward reduces n-1 first
-
-    def run(at: float, seconds: float) -> float:
-        nonlocal link_free
-        link_free = max(link_free, at) + seconds
-        return link_free
-
-    now = 0.0
-    landed = [math.inf] * n
-    ends: list[float] = []
-    for _ in range(steps):
-        for j in range(n):  # forward: wait j's gather, issue the depth after it
-            for k in range(j, min(n, j + 1 + depth)):
-                if landed[k] == math.inf:
-                    landed[k] = run(now, gather[k])
-            now = max(now, landed[j]) + compute[j]
-        regathered = [math.inf] * n
-        for k in range(max(0, n - 1 - depth), n):  # kept unsharded for backward
-            regathered[k] = 0.0
-        reduced = [math.inf] * n
-        landed = [math.inf] * n  # the next forward's gathers
-        for j in reversed(range(n)):
-            for k in range(j, max(-1, j - 1 - depth), -1):
-                if regathered[k] == math.inf:
-                    regathered[k] = run(now, gather[k])
-            now = max(now, regathered[j]) + 2 * compute[j]
-            reduced[j] = run(now, gather[j])
-            if j + lag < n and j + lag in ahead:
-                now = max(now, reduced[j + lag])  # its step must have run
-                landed[j + lag] = run(now, gather[j + lag])
-        now = max(now, max(reduced))  # the end of backward waits for every reduction
-        for k in [*range(min(n, 1 + depth)), *sorted(ahead)]:  # first groups, then what is left
-            if landed[k] == math.inf:
-                landed[k] = run(now, gather[k])
-        ends.append(now)
     half = len(ends) // 2
     return (ends[-1] - ends[half - 1]) / (len(ends) - half)
 

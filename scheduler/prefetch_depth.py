@@ -18,57 +18,34 @@ Inputs, per group in the order compute needs them (the agreed forward order):
 [Note: choosing the prefetch depth]
 The link is a FIFO: a gather issued earlier than the link can start it waits in the queue, so depth
 beyond what keeps the queue non-empty buys nothing and costs one group's unsharded size each. The
-model replays one step: forward runs the groups in order, issuing at the start of group ``j`` the
-gathers of groups ``j+1 .. j+d`` (each once); the last group and the ``d`` before it stay
-unsharded into backward (the runtime's [Note: kept for backward]: backward needs them first, and
-holding them costs what re-gathering them ``d`` ahead would); backward runs the rest in reverse,
-re-gathering the same way, and each group's reduce-scatter (taken to cost what its gather costs) is queued when its
-backward ends. A group starts when the one before it is done and its gather has landed. The depth
-is the smallest ``d`` whose modelled step is within ``tolerance`` of the best over every ``d``
-the budget allows (any group and the ``d`` after it, together, within ``budget``), so ties go to
-the shallower, cheaper depth. Where the link is the bottleneck every unit of depth saves one
-re-gather, so the budget alone caps the depth there. Depth 0 is never chosen: one group ahead is always allowed (the
-runtime holds that much with ``prefetch=1`` too), even past the budget.
+model replays one step from a cold start (``scheduler.replayed_step``, [Note: replaying a step on
+a FIFO link], the model gather-ahead's choice replays too): forward issues at the start of group
+``j`` the gathers of groups ``j+1 .. j+d``; the last group and the ``d`` before it stay unsharded
+into backward (the runtime's [Note: kept for backward]: backward needs them first, and holding
+them costs what re-gathering them ``d`` ahead would); backward re-gathers the rest the same way in
+reverse, and each group's reduce-scatter (taken to cost what its gather costs) is queued when its
+backward ends. The depth is the smallest ``d`` whose modelled step is within ``tolerance`` of the
+best over every ``d`` the budget allows (any group and the ``d`` after it, together, within
+``budget``), so ties go to the shallower, cheaper depth. Where the link is the bottleneck every
+unit of depth saves one re-gather, so the budget alone caps the depth there. Depth 0 is never
+chosen: one group ahead is always allowed (the runtime holds that much with ``prefetch=1`` too),
+even past the budget.
 """
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
+from scheduler.replayed_step import step_ends
+
 __all__ = ["choose_prefetch_depth", "modelled_step", "check_costs"]
 
 
 def modelled_step(compute: Sequence[float], gather: Sequence[float], depth: int) -> float:
-    """Seconds of one step (forward and backward) at prefetch ``depth`` under the model of [Note:
-    choosing the prefetch depth]."""
-    n = len(compute)
-    if n == 0:
-        return 0.0
-    link_free = 0.0
-    landed = [math.inf] * n
-
-    def issue(i: int, at: float) -> None:
-        nonlocal link_free
-        if landed[i] == math.inf:
-            link_free = max(link_free, at) + gather[i]
-            landed[i] = link_free
-
-    now = 0.0
-    for j in range(n):  # forward
-        issue(j, now)
-        for k in range(j + 1, min(n, j + 1 + depth)):
-            issue(k, now)
-        now = max(now, landed[j]) + compute[j]
-    landed = [math.inf] * n
-    for k in range(max(0, n - 1 - depth), n):  # the last group and the depth before it stay unsharded
-        landed[k] = 0.0
-    for j in reversed(range(n)):  # backward
-        issue(j, now)
-        for k in range(j - 1, max(-1, j - 1 - depth), -1):
-            issue(k, now)
-        now = max(now, landed[j]) + 2 * compute[j]
-        link_free = max(link_free, now) + gather[j]  # the reduce-scatter, queued when its backward ends
-    return max(now, link_free)
+    """Seconds of one step (forward and backward) at prefetch ``depth`` from a cold start, under the
+    model of [Note: choosing the prefetch depth] (``scheduler.replayed_step``)."""
+    ends = step_ends(compute, gather, depth)
+    return ends[0] if ends else 0.0
 
 
 def check_costs(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], entry: str) -> None:

@@ -19,7 +19,11 @@ beyond it is *exposed communication*. Each timed step follows an untimed one of 
 (:data:`SETTLE_STEPS`), since gather-ahead leaves the next step's first gathers in flight. The link's bandwidth is chosen, unless given, so that one
 step's communication takes about as long as this runtime's compute side: where overlap matters most.
 
-After the timed steps, a few more steps of each ``overlap.shard`` mode run under ``overlap.profile()``
+After the timed steps, :data:`MEMORY_STEPS` more steps of each sharded mode (``overlap.shard`` and
+FSDP2 alike) run under :class:`~overlap.demo.unsharded_peak.UnshardedPeak`, which counts the most
+bytes of unsharded parameters held at once, the same way for both runtimes: what prefetching and
+gathering ahead cost in memory, on CPU too. Then a few more steps of each ``overlap.shard`` mode run
+under ``overlap.profile()``
 (so profiling does not skew the timings); every rank's records are merged on rank 0, which returns
 them for the Chrome trace and the PNG timeline (:func:`write_outputs`).
 
@@ -93,6 +97,11 @@ SETTLE_STEPS = 1
 """Untimed steps behind the same link before each timed one (``paired_steps``' ``settle``): gathers
 issued at the end of backward (gather-ahead) land in the next step, so a timed linked step must
 follow a linked one, and a timed step without the link must not wait out a linked step's gathers."""
+
+MEMORY_STEPS = 2
+"""Untimed steps behind the link, after the timed ones, over which each sharded mode's peak
+unsharded bytes are counted (the count is exact per step and the schedule program order, so the
+same every step after the first; two cover a step boundary with gathers issued ahead)."""
 
 _SEED = 1234
 
@@ -181,6 +190,11 @@ class ModeResult:
     gather_ahead: Optional[tuple[int, int]] = None
     """``overlap.shard``'s gather-ahead plan ``(count, lag)`` (``prefetch="auto"`` with the optimizer in
     backward); None where it does not apply."""
+    unsharded_peak: Optional[int] = None
+    """The most bytes of unsharded parameters held at once on any rank ([Note: counting unsharded
+    bytes] in ``overlap/demo/unsharded_peak.py``); None for modes that do not shard (TP)."""
+    largest_group: Optional[int] = None
+    """The largest sharded group's unsharded bytes (what one unit of prefetch depth holds at most)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +274,12 @@ def _global_losses(losses: list[torch.Tensor]) -> tuple[float, ...]:
     return tuple((t / dist.get_world_size()).tolist())
 
 
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def _all_true(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -269,6 +289,7 @@ def _all_true(flag: bool, device: torch.device) -> bool:
 def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResult]:
     """The demo on one rank of an initialized default process group; rank 0 returns the figures
     (other ranks None). Every rank must call it with the same ``cfg``."""
+    from overlap.demo.unsharded_peak import UnshardedPeak
     from overlap.profiler import profile
     from overlap.testing import EmulatedLink, paired_steps
 
@@ -278,6 +299,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     per_mode = max(1, cfg.warmup) + 2 * cfg.steps * (1 + SETTLE_STEPS)
     total = (6 if calibrate else 0) + per_mode * len(cfg.modes)
     total += cfg.profile_steps * sum(m in PROFILED for m in cfg.modes)
+    total += MEMORY_STEPS * sum(m not in TP_MODES for m in cfg.modes)
     progress = _Progress(total, enabled=cfg.progress and rank == 0)
     parameters = 0
 
@@ -338,6 +360,13 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         if mode == "overlap":
             depth = mode_depth
         local[mode] = list(step.losses)
+        peak = largest = None
+        if mode not in TP_MODES:
+            progress.start(f"counting {MODE_NAMES[mode]}'s unsharded bytes")
+            with link(), UnshardedPeak(step.model) as counter:  # type: ignore[attr-defined]
+                for _ in range(MEMORY_STEPS):
+                    step()
+            peak, largest = _max_over_ranks(counter.peak, device), counter.largest_group
         merged = None
         if cfg.profile_steps and mode in PROFILED:
             progress.start(f"profiling {MODE_NAMES[mode]}")
@@ -348,7 +377,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
                     prof.step()
             merged = prof.gather(dst=0)
         ahead = getattr(step.model, "gather_ahead", None) if mode not in TP_MODES else None
-        modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth, ahead)
+        modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth, ahead, peak, largest)
         del step
     progress.finish()
     bitwise = None
@@ -449,7 +478,8 @@ def _idle_lines(result: DemoResult) -> list[str]:
 
 
 HEADER: tuple[str, ...] = ("mode", "step ms", "tokens/s", "compute ms", "comm ms", "exposed comm ms",
-                           "comm hidden", "profiled exposed ms", "profiled hidden", "profiled link idle ms")
+                           "comm hidden", "profiled exposed ms", "profiled hidden", "profiled link idle ms",
+                           "peak unsharded MB")
 """The columns of the table :func:`format_report` prints."""
 
 
@@ -460,11 +490,12 @@ def format_report(result: DemoResult) -> str:
     for mode, m in result.modes.items():
         t = m.times
         rows.append((MODE_NAMES[mode], _ms(t.linked), f"{result.tokens_per_step / t.linked:,.0f}", _ms(t.unlinked),
-                     _ms(t.comm), _ms(t.exposed), f"{100 * t.hidden_share:.0f}%", *_profiled(m.profile)))
+                     _ms(t.comm), _ms(t.exposed), f"{100 * t.hidden_share:.0f}%", *_profiled(m.profile),
+                     _mb(m.unsharded_peak)))
     ours = result.modes[cfg.main_mode].times
     ideal = max(ours.unlinked, ours.comm)
     rows.append(("ideal max(compute, comm)", _ms(ideal), f"{result.tokens_per_step / ideal:,.0f}", _ms(ours.unlinked),
-                 _ms(ours.comm), _ms(max(0.0, ours.comm - ours.unlinked)), "100%", "", "", ""))
+                 _ms(ours.comm), _ms(max(0.0, ours.comm - ours.unlinked)), "100%", "", "", "", ""))
     how = (f"calibrated so one step's comm ~ {MODE_NAMES[cfg.main_mode]}'s compute" if result.calibrated
            else "from --link-gbps")
     size = MODEL_SIZES[cfg.model]
@@ -491,12 +522,34 @@ def format_report(result: DemoResult) -> str:
         "compute) that was hidden. These count waiting for gloo's own transfer as compute, which flatters no",
         "overlap. profiled: overlap.profile() over the profiled steps, per step (exposed: time a rank stalled",
         "in a wait while its collective ran, whatever it waited for; link idle: nothing of the rank on the link",
-        "while it computed); torch's own collectives (FSDP2, torch TP) are not profiled.",
+        "while it computed); torch's own collectives (FSDP2, torch TP) are not profiled. peak unsharded: the most",
+        "bytes of unsharded parameters a rank held at once (from each gather's issue to its reshard; counted",
+        f"the same way for FSDP2, over {MEMORY_STEPS} untimed steps; 1 MB = 2^20 bytes; gradients, activations and",
+        "optimizer state not included).",
+        *_memory_lines(result),
         "",
         *_idle_lines(result),
         _loss_line(result),
     ]
     return "\n".join(lines)
+
+
+def _mb(nbytes: Optional[int]) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.3g}"
+
+
+def _memory_lines(result: DemoResult) -> list[str]:
+    """overlap.shard's peak unsharded bytes against FSDP2's, in units of its largest group (issue 29's
+    goal: at most FSDP2's plus one group per unit of prefetch depth)."""
+    ours, fsdp2 = result.modes.get("overlap"), result.modes.get("fsdp2")
+    if ours is None or fsdp2 is None or ours.unsharded_peak is None or fsdp2.unsharded_peak is None:
+        return []
+    extra = ours.unsharded_peak - fsdp2.unsharded_peak
+    groups = f" = {extra / ours.largest_group:.2f} x its largest group" if ours.largest_group else ""
+    depth = (f" (prefetch depth {ours.depth}: issue 29's bound is {ours.depth} x)" if ours.depth is not None
+             and ours.largest_group else "")
+    return [f"peak unsharded: {MODE_NAMES['overlap']} {_mb(ours.unsharded_peak)} MB vs {MODE_NAMES['fsdp2']} "
+            f"{_mb(fsdp2.unsharded_peak)} MB: {'+' if extra >= 0 else '-'}{_mb(abs(extra))} MB{groups}{depth}"]
 
 
 def _depth_lines(result: DemoResult) -> list[str]:

@@ -27,6 +27,8 @@ from overlap.demo.run import HEADER, MODE_NAMES, PROFILED
 
 pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
 
+PEAK = HEADER.index("peak unsharded MB") - 1
+"""The peak-unsharded-bytes cell of a mode's row (the cells after the mode's name)."""
 TINY = ["demo", "--model", "tiny", "--steps", "1", "--profile-steps", "1", "--device", "cpu"]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -59,7 +61,9 @@ def _check_report(out: str, folder: str, modes: tuple[str, ...]) -> None:
         assert all(math.isfinite(_number(c)) for c in figures), cells
         assert _number(cells[0]) > 0 and _number(cells[1]) > 0, cells  # step ms, tokens/s
         assert 0 <= _number(cells[5]) <= 100, cells  # comm hidden
+        assert _number(cells[PEAK]) > 0, cells  # every sharded mode holds unsharded parameters at times
     assert rows["ideal max(compute, comm)"], out
+    assert "peak unsharded: overlap.shard " in out and " x its largest group" in out, out
     idle = [line for line in out.splitlines() if line.startswith("  step ") and " rank " in line]
     assert "link idle while compute ran" in out and len(idle) == 2, out  # 1 profiled step x 2 ranks
     assert "overlap.shard vs no overlap: bitwise identical" in out, out
@@ -168,8 +172,9 @@ def test_demo_tensor_parallel_compares_with_torch_tp(tmp_path: object, capsys: p
     rows = _table_rows(out)
     for mode in ("tp", "tp-chunks1", "tp-torch"):
         cells = rows[MODE_NAMES[mode]]
-        figures = cells if mode in PROFILED else cells[:6]
+        figures = cells[:PEAK] if mode in PROFILED else cells[:6]
         assert all(math.isfinite(_number(c)) for c in figures), cells
+        assert cells[PEAK] == "-", cells  # tensor parallelism shards nothing to gather
         assert _number(cells[3]) > 0, f"the link saw no communication for {mode}: {cells}"  # comm ms
     assert "chunks=1 vs torch TP: bitwise identical" in out, out
     assert "overlap.tensor_parallel vs torch TP: agree" in out, out

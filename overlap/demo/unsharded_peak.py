@@ -1,0 +1,119 @@
+"""The most bytes of unsharded parameters a sharded model holds at once, counted the same way for
+``overlap.shard`` and torch FSDP2 (``fully_shard``): what prefetching and gathering ahead cost in
+memory, on CPU as on CUDA.
+
+:class:`UnshardedPeak` is a context manager around the steps to measure; ``peak`` is the answer in
+bytes. Concurrency contract: one thread drives the model's steps (the runtimes' hooks run there);
+attach one counter per model at a time.
+
+[Note: counting unsharded bytes]
+A group holds its unsharded size (its parameters at full size, in the dtype compute sees them) from
+the moment its all-gather is issued (the gather's output is allocated then) until it is resharded
+(or its gather dropped unwaited). Both runtimes start holding a group only by issuing its gather
+(``ParamGroup.issue_gather``; FSDP2's ``FSDPParamGroup.unshard``; at world size 1 with a cast,
+``ParamGroup.finish_gather``), so the counter wraps those methods on each group instance and sums
+the held groups right after each call: every rise is seen, so the peak is exact for this
+definition, not a sample. One group's gather buffer and unsharded storage are both alive during its
+copy-out, and gradients, activations and optimizer state take memory too: none of that is counted
+(on CUDA, ``torch.cuda.max_memory_allocated`` sees all of it). The wrappers cost a sum over the
+groups per gather, so the demo attaches the counter only to untimed steps.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from torch import nn
+
+__all__ = ["UnshardedPeak"]
+
+
+class _Group:
+    """One sharded group: the object whose methods issue its gather, its unsharded bytes, and a test
+    of whether it holds them now."""
+
+    __slots__ = ("owner", "nbytes", "holds", "issuers")
+
+    def __init__(self, owner: Any, nbytes: int, holds: Callable[[], bool], issuers: tuple[str, ...]) -> None:
+        self.owner, self.nbytes, self.holds, self.issuers = owner, nbytes, holds, issuers
+
+
+def _overlap_groups(model: nn.Module) -> list[_Group]:
+    from overlap.sharding import sharded_states
+
+    groups = []
+    for state in sharded_states(model):
+        g = state.group
+        if g is None:
+            continue
+        nbytes = sum(math.prod(shape) * g._unsharded_dtype(i).itemsize for i, shape in enumerate(g.layout.shapes))
+        groups.append(_Group(g, nbytes, lambda g=g: g.pending_gather is not None or (
+            g.is_unsharded and not g.aliases_shards), ("issue_gather", "finish_gather")))
+    return groups
+
+
+def _fsdp2_groups(model: nn.Module) -> list[_Group]:
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        g = module._get_fsdp_state()._fsdp_param_group
+        if g is None:
+            continue
+        nbytes = sum(math.prod(fp._orig_size) * (getattr(fp, "param_dtype", None) or fp.sharded_param.dtype).itemsize
+                     for fp in g.fsdp_params)
+        groups.append(_Group(g, nbytes, lambda g=g: g._all_gather_result is not None or g.is_unsharded, ("unshard",)))
+    return groups
+
+
+class UnshardedPeak:
+    """Counts the bytes of unsharded parameters ``model`` holds (see [Note: counting unsharded
+    bytes]) while the ``with`` block runs; ``peak`` is the most seen at once (held on entry
+    included), ``largest_group`` the largest group's unsharded bytes.
+
+    ``model``: a module sharded with ``overlap.shard`` or with torch's ``fully_shard`` (its whole
+    subtree); anything else raises ``ValueError`` naming the argument.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"UnshardedPeak: model must be an nn.Module, got {type(model).__name__}")
+        self._groups = _overlap_groups(model) or _fsdp2_groups(model)
+        if not self._groups:
+            raise ValueError("UnshardedPeak: model has no group sharded by overlap.shard or torch's fully_shard")
+        self.largest_group = max(g.nbytes for g in self._groups)
+        self.peak = 0
+        self._attached = False
+
+    def held(self) -> int:
+        """Bytes of unsharded parameters held now."""
+        return sum(g.nbytes for g in self._groups if g.holds())
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, self.held())
+
+    def __enter__(self) -> "UnshardedPeak":
+        if self._attached:
+            raise RuntimeError("UnshardedPeak: already counting (one with block at a time)")
+        for group in self._groups:
+            for name in group.issuers:
+                setattr(group.owner, name, self._counting(getattr(group.owner, name)))
+        self._attached = True
+        self.peak = self.held()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for group in self._groups:
+            for name in group.issuers:
+                delattr(group.owner, name)  # the class's method again
+        self._attached = False
+
+    def _counting(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def issue_then_count(*args: Any, **kwargs: Any) -> Any:
+            out = method(*args, **kwargs)
+            self._sample()
+            return out
+
+        return issue_then_count

@@ -1,0 +1,94 @@
+"""The sharded runtime's training steps replayed on one compute stream and one FIFO link.
+
+Contract: a pure function of numbers (no torch, no process groups), so every rank computes the same
+answer from the same inputs. It is the one model behind both schedule choosers:
+``scheduler.prefetch_depth`` (the first step, from a cold start) and ``scheduler.gather_ahead``
+(the steady state of several steps, with gathers issued ahead in backward).
+
+Inputs, per group in the order compute needs them (the agreed forward order; one group per position):
+
+==============  ================================================================================
+``compute``     seconds of forward compute of the group (backward is taken as twice that)
+``gather``      seconds its all-gather occupies the link (its reduce-scatter is taken as the same)
+``depth``       prefetch depth: groups gathered ahead of the running one
+``ahead``       gather-ahead: the first ``ahead`` groups reduced in backward (the last ``ahead``
+                forward positions) get their next-step gather issued in this backward
+``lag``         ... right after the reduce-scatter of the group reduced ``lag`` after them
+==============  ================================================================================
+
+[Note: replaying a step on a FIFO link]
+The link is a FIFO: a collective issued at ``t`` starts when the link is free and ``t`` has come,
+and holds it for its cost. Compute is one stream: a group's compute starts when the group before it
+is done and its gather has landed. One step:
+
+* forward: at the start of group ``j``, issue the gathers of ``j .. j+depth`` not yet issued, wait
+  for ``j``'s, compute;
+* the last group and the ``depth`` before it stay unsharded into backward (the runtime's [Note:
+  kept for backward]);
+* backward, in reverse: issue the re-gathers of ``j, j-1 .. j-depth`` not yet held, wait for
+  ``j``'s, compute twice the forward's, then queue ``j``'s reduce-scatter; where ``j + lag`` is
+  gathered ahead, the host waits for that group's reduce-scatter (its step must have run) and
+  issues its next-step gather;
+* the end of backward waits for every reduce-scatter (a step's end), then issues the next forward's
+  first ``1 + depth`` gathers (``prefetch_next_step``; the link is empty there), then the planned
+  gathers ahead whose point did not come.
+
+Without gathers ahead the link is empty and compute idle at each step's end, so every step takes
+what the first one takes: the steady state of ``ahead=0`` is the cold first step (property-tested).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+__all__ = ["step_ends"]
+
+
+def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, steps: int = 1, ahead: int = 0,
+              lag: int = 1) -> list[float]:
+    """The time each of ``steps`` consecutive steps ends, from a cold start at 0 (an empty link,
+    nothing gathered), under [Note: replaying a step on a FIFO link]; ``[]`` for no groups."""
+    n = len(compute)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= n:
+        raise ValueError(f"ahead must be an int in 0..{n} (the number of groups), got {ahead!r}")
+    if n == 0:
+        return []
+    link_free = 0.0
+    gathered_ahead = set(range(n - ahead, n))  # forward positions; backward reduces n-1 first
+
+    def run(at: float, seconds: float) -> float:
+        nonlocal link_free
+        link_free = max(link_free, at) + seconds
+        return link_free
+
+    now = 0.0
+    landed = [math.inf] * n
+    ends: list[float] = []
+    for _ in range(steps):
+        for j in range(n):  # forward: issue j and the depth after it, wait for j
+            for k in range(j, min(n, j + 1 + depth)):
+                if landed[k] == math.inf:
+                    landed[k] = run(now, gather[k])
+            now = max(now, landed[j]) + compute[j]
+        regathered = [math.inf] * n
+        for k in range(max(0, n - 1 - depth), n):  # kept unsharded for backward
+            regathered[k] = 0.0
+        reduced = [math.inf] * n
+        landed = [math.inf] * n  # the next forward's gathers
+        for j in reversed(range(n)):
+            for k in range(j, max(-1, j - 1 - depth), -1):
+                if regathered[k] == math.inf:
+                    regathered[k] = run(now, gather[k])
+            now = max(now, regathered[j]) + 2 * compute[j]
+            reduced[j] = run(now, gather[j])
+            if j + lag < n and j + lag in gathered_ahead:
+                now = max(now, reduced[j + lag])  # its step must have run
+                landed[j + lag] = run(now, gather[j + lag])
+        now = max(now, max(reduced))  # the end of backward waits for every reduction
+        ends.append(now)
+        for k in [*range(min(n, 1 + depth)), *sorted(gathered_ahead)]:  # first groups, then what is left
+            if landed[k] == math.inf:
+                landed[k] = run(now, gather[k])
+    return ends
