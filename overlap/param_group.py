@@ -119,7 +119,7 @@ import dataclasses
 import functools
 import math
 from itertools import repeat
-from operator import add, attrgetter, is_, is_not
+from operator import add, attrgetter, is_not
 from typing import Callable, Optional
 
 import torch
@@ -309,20 +309,6 @@ class ParamGroup:
         self.casts_shards = self.single_rank and not self.aliases_shards
         """World size 1 with a dtype cast (mixed precision): a gather is one cast of the shards into
         the unsharded parameters, a reduction one cast back (see [Note: world size 1])."""
-        no_tp = all(spec is None for spec in self.tp_specs)
-        self._casts_grads = self.casts_shards and no_tp and all(
-            self._unsharded_dtype(i) != d for i, d in enumerate(self.orig_dtypes))
-        """World size 1, every parameter cast (mixed precision; none tensor-parallel): the unsharded
-        gradients have the unsharded parameters' dtypes, none the shard's."""
-        self._moves_whole_lists = no_tp and (self.aliases_shards or self._casts_grads)
-        """World size 1 with every gradient moved as it is or every one cast: ``_move_new_grads``
-        applies (a group that mixes cast and uncast parameters, e.g. a bf16 one under
-        ``param_dtype=bfloat16``, or has a tensor-parallel one, takes the general path)."""
-        reduce_dtype, grad_dtype = self.mp.effective_reduce_dtype, self.mp.param_dtype
-        self._grad_rounding = (reduce_dtype if self._casts_grads and reduce_dtype is not None
-                               and not _widens_exactly(grad_dtype, reduce_dtype) else None)
-        """With ``_casts_grads``: the dtype the unsharded gradients are rounded to first (the reduce
-        dtype where it is narrower than ``param_dtype``), or None."""
         plain = all(type(p) is DTensor for p in self.sharded) and _DTENSOR_HAS_NO_TORCH_FUNCTION
         self._shard_getters: Callable[[], contextlib.AbstractContextManager] = (
             torch._C.DisableTorchFunctionSubclass if plain else contextlib.nullcontext)
@@ -926,14 +912,9 @@ class ParamGroup:
         data = torch.empty(placement.nbytes, dtype=torch.uint8, device=targets[0]._local_tensor.device)
         views = placement.shared_views(data)
         with self._shard_getters():
-            self._set_new_grads(targets, views)
+            for p, grad in zip(targets, map(_NEW_GRAD, views, map(_SPEC, targets))):
+                p.grad = grad
         return targets, accumulate, _PackedGrads(data.untyped_storage(), placement, views)
-
-    def _set_new_grads(self, targets: list[nn.Parameter], locals_: list[torch.Tensor]) -> None:
-        """Give each of ``targets`` (sharded parameters) a new gradient DTensor over its entry of
-        ``locals_``, with the parameter's spec; call under ``_shard_getters``."""
-        for p, grad in zip(targets, map(_NEW_GRAD, locals_, map(_SPEC, targets))):
-            p.grad = grad
 
     def _copy_out_reduced(self, pending: PendingReduce, targets: list[nn.Parameter], accumulate: bool,
                           packed: Optional[_PackedGrads]) -> None:
@@ -990,15 +971,8 @@ class ParamGroup:
         """World size 1 fast path of the reduce-scatter: the full gradient is the shard's gradient;
         with a cast (``casts_shards``) it is rounded to the reduce dtype and cast to the shard's,
         as the packed path's copy-in and copy-out would (one foreach cast for the new gradients, one
-        foreach add for the accumulated ones). The usual step (no shard has a gradient yet, every
-        dtype kept or every dtype cast, no tensor-parallel parameter) runs as whole-list passes
-        (``_move_new_grads``)."""
+        foreach add for the accumulated ones)."""
         assert self.unsharded is not None
-        if self._moves_whole_lists:
-            moved = self._move_new_grads(indices)
-            if moved is not None:
-                self._run_reduced_hooks(moved)
-                return
         reduce_dtype = self.mp.effective_reduce_dtype if self.casts_shards else None
         moved, fresh_src, fresh_dst, acc_src, acc_dst = [], [], [], [], []
         unsharded, sharded, tp_specs = self.unsharded, self.sharded, self.tp_specs
@@ -1031,39 +1005,6 @@ class ParamGroup:
             if acc_dst:
                 torch._foreach_add_(acc_dst, acc_src)
         self._run_reduced_hooks(moved)
-
-    def _move_new_grads(self, indices: tuple[int, ...]) -> Optional[list[nn.Parameter]]:
-        """``_move_grads_to_shards``' usual case, in whole-list passes: no shard has a gradient yet,
-        and the parameters' dtypes are all kept (the gradients move as they are) or all cast (new
-        ones, one foreach cast). Returns the sharded parameters given a gradient, or None, having
-        changed nothing, when a shard already has one (the general path then runs)."""
-        unsharded, sharded = self.unsharded, self.sharded
-        assert unsharded is not None
-        sources = [unsharded[i] for i in indices]
-        grads = list(map(_GRAD, sources))
-        if any(map(is_, grads, repeat(None))):  # unused this step: no gradient, as on the general path
-            indices = tuple(i for i, g in zip(indices, grads) if g is not None)
-            sources = [unsharded[i] for i in indices]
-            grads = list(map(_GRAD, sources))
-        targets = [sharded[i] for i in indices]
-        with self._shard_getters():  # [Note: the shards' getters without lookups]
-            if any(map(is_not, map(_GRAD, targets), repeat(None))):
-                return None
-        if not targets:
-            return targets
-        with _NoGrad():
-            for u in sources:
-                u.grad = None
-            if self._casts_grads:
-                if self._grad_rounding is not None:  # the reduction's rounding, as the packed path has it
-                    grads = [g.to(self._grad_rounding) for g in grads]
-                cast = list(map(torch.empty_like, map(_LOCAL, targets)))
-                torch._foreach_copy_(cast, grads)
-                grads = cast
-            with self._shard_getters():
-                self._set_new_grads(targets, grads)
-        return targets
-
 
 @dataclasses.dataclass(frozen=True)
 class _PackedGrads:

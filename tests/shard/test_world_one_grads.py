@@ -1,8 +1,8 @@
 """World size 1 moves each unsharded gradient to its shard without packing ([Note: world size 1] in
-``overlap/param_group.py``): as it is, or cast under mixed precision. The usual step runs as
-whole-list passes (``ParamGroup._move_new_grads``); a gradient already on a shard, a ``.grad`` the
-user assigned, a parameter without a gradient, and a group that mixes cast and uncast parameters
-take the general path. Both are checked here against the unsharded model's gradients, bitwise.
+``overlap/param_group.py``): as it is, or cast under mixed precision (rounded through a narrower
+reduce dtype first). Checked against the unsharded model's gradients, bitwise: new gradients, ones
+accumulated into, a kept gradient, a ``.grad`` the user assigned, a parameter without a gradient,
+and a group that mixes cast and uncast parameters.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _world_one_rank(rank: int, world: int, param_dtype: Optional[torch.dtype], r
     def backward() -> None:
         model(x).sum().backward()
 
-    seen: dict[str, Any] = {"whole_lists": group._moves_whole_lists}
+    seen: dict[str, Any] = {}
     backward()
     fresh = {n: p.grad._local_tensor.clone() for n, p in params.items() if p.grad is not None}
     seen["unused_none"] = params["unused"].grad is None and set(fresh) == set(want)
@@ -80,16 +80,14 @@ def _world_one_rank(rank: int, world: int, param_dtype: Optional[torch.dtype], r
     return seen
 
 
-@pytest.mark.parametrize("param_dtype, reduce_dtype, odd_dtype, whole_lists", [
-    (None, None, torch.float32, True),  # the gradients move as they are
-    (torch.bfloat16, None, torch.float32, True),  # every one cast
-    (torch.bfloat16, torch.float16, torch.float32, True),  # rounded through a narrower reduce dtype first
-    (torch.bfloat16, torch.float32, torch.float32, True),  # a wider one: no rounding
-    (torch.bfloat16, None, torch.bfloat16, False),  # one parameter already bf16: the general path
+@pytest.mark.parametrize("param_dtype, reduce_dtype, odd_dtype", [
+    (None, None, torch.float32),  # the gradients move as they are
+    (torch.bfloat16, None, torch.float32),  # every one cast
+    (torch.bfloat16, torch.float16, torch.float32),  # rounded through a narrower reduce dtype first
+    (torch.bfloat16, torch.float32, torch.float32),  # a wider one: no rounding
+    (torch.bfloat16, None, torch.bfloat16),  # one parameter already bf16: moved as it is, the others cast
 ])
 def test_world_one_gradients_match_the_unsharded_model(distributed, param_dtype: Optional[torch.dtype],
-                                                       reduce_dtype: Optional[torch.dtype], odd_dtype: torch.dtype,
-                                                       whole_lists: bool) -> None:
+                                                       reduce_dtype: Optional[torch.dtype], odd_dtype: torch.dtype) -> None:
     (seen,) = distributed(_world_one_rank, 1, param_dtype, reduce_dtype, odd_dtype)
-    assert seen.pop("whole_lists") == whole_lists
     assert all(seen.values()), seen
