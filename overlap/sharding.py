@@ -109,6 +109,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from itertools import repeat
+from operator import attrgetter, eq
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -947,6 +949,12 @@ def _leaves(tree: Any) -> Sequence[Any]:
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    # The usual arguments, a tuple of tensors already in ``dtype`` (every block's input but the
+    # first's): two C-level passes, no bytecode per argument.
+    if type(tree) is tuple and all(map(isinstance, tree, repeat(torch.Tensor))) and all(
+            map(eq, map(_DTYPE, tree), repeat(dtype))):
+        return tree
+
     def cast(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
             return x.to(dtype)
@@ -954,11 +962,14 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 
     if isinstance(tree, torch.Tensor):
         return cast(tree)
-    if type(tree) is tuple and all(isinstance(x, torch.Tensor) for x in tree):  # the usual arguments
+    if type(tree) is tuple and all(isinstance(x, torch.Tensor) for x in tree):
         if all(x.dtype == dtype or not x.is_floating_point() for x in tree):
-            return tree  # nothing to cast: every block's input but the first's, in param_dtype already
+            return tree  # nothing to cast (integer tensors among them)
         return tuple(cast(x) for x in tree)
     return tree_map(cast, tree)
+
+
+_DTYPE = attrgetter("dtype")
 
 
 # ---------------------------------------------------------------------------------------- shard()

@@ -36,7 +36,7 @@ def _storage_rank(rank: int, world: int) -> dict[str, Any]:
 
     def look(module: nn.Module, args: Any) -> None:  # inside the forward: gathered
         storage, placement = group._unsharded_storage
-        data = list(group._unsharded_data)
+        data = list(group.unsharded)
         seen["one_storage"] = all(d.untyped_storage().data_ptr() == storage.data_ptr() for d in data)
         seen["offsets"] = [d.data_ptr() - storage.data_ptr() for d in data]
         seen["placement_offsets"] = list(placement.byte_offsets)
@@ -50,6 +50,25 @@ def _storage_rank(rank: int, world: int) -> dict[str, Any]:
     model.lin.register_forward_pre_hook(look)
     model(torch.randn(4, 5)).float().sum().backward()
     seen["freed_after_step"] = group._unsharded_storage[0].nbytes()
+    seen["versions"] = _versions_over_steps(model, group, lambda: model(torch.randn(4, 5)).float().sum())
+    return seen
+
+
+def _versions_over_steps(model: nn.Module, group: Any, loss: Any) -> list[list[int]]:
+    """The unsharded parameters' version counters seen in forward and in backward (after the
+    re-gather that ``reshard_after_forward`` asks for) of two steps; the fill tensors' too."""
+    seen: list[list[int]] = []
+
+    def record(*_: Any) -> None:
+        seen.append([u._version for u in group.unsharded])
+
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    handles = [first.register_forward_pre_hook(record), first.register_full_backward_hook(record)]
+    for _ in range(2):
+        loss().backward()
+    for handle in handles:
+        handle.remove()
+    seen.append([t._version > 0 for t in group._unsharded_fill])  # the writes went through these
     return seen
 
 
@@ -61,3 +80,35 @@ def test_unsharded_parameters_share_one_aligned_storage(distributed) -> None:
         assert sorted(map(str, seen["dtypes"])) == ["torch.bfloat16", "torch.float32", "torch.float32", "torch.int32"]
         assert seen["values_right"], "the gathered parameters differ from the originals"
         assert seen["freed_after_step"] == 0
+        *versions, fills_written = seen["versions"]
+        assert len(versions) == 4 and all(v == versions[0] for v in versions), versions
+        assert all(fills_written), fills_written
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))  # the weight saved twice, read after the re-gather
+
+
+def _mp_world_one_versions(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    inner = _Twice()
+    model = nn.Sequential(inner, nn.Linear(5, 1))
+    overlap.shard(inner, mp=overlap.MixedPrecision(param_dtype=torch.bfloat16))
+    overlap.shard(model, mp=overlap.MixedPrecision(param_dtype=torch.bfloat16))
+    group = sharded_states(inner)[0].group
+    x = torch.randn(3, 5)
+    return {"versions": _versions_over_steps(inner, group, lambda: model(x).float().sum()),
+            "gathers_in_backward": group.casts_shards}
+
+
+def test_a_gather_bumps_no_version_counter(distributed) -> None:
+    """[Note: a gather bumps no version counter]: the world-size-1 cast path, re-gathered in backward."""
+    (seen,) = distributed(_mp_world_one_versions, 1)  # 2 steps x (2 forward + 2 backward calls of lin)
+    *versions, fills_written = seen["versions"]
+    assert seen["gathers_in_backward"] and len(versions) == 8 and all(v == versions[0] for v in versions), seen
+    assert all(fills_written), fills_written

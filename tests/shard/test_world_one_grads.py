@@ -1,0 +1,93 @@
+"""World size 1 moves each unsharded gradient to its shard without packing ([Note: world size 1] in
+``overlap/param_group.py``): as it is, or cast under mixed precision (rounded through a narrower
+reduce dtype first). Checked against the unsharded model's gradients, bitwise: new gradients, ones
+accumulated into, a kept gradient, a ``.grad`` the user assigned, a parameter without a gradient,
+and a group that mixes cast and uncast parameters.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+from torch import nn
+
+import overlap
+from overlap.sharding import sharded_states
+
+
+class _Model(nn.Module):
+    def __init__(self, odd_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(6, 9)
+        self.odd = nn.Parameter(torch.randn(5, 3, dtype=odd_dtype))
+        self.scale = nn.Parameter(torch.tensor(1.5))  # 0-dim
+        self.lin2 = nn.Linear(9, 4)
+        self.unused = nn.Parameter(torch.randn(3))
+        self.use_unused = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.lin1(x)) * self.scale
+        out = self.lin2(hidden).sum(1, keepdim=True) * self.odd.to(hidden.dtype).sum()
+        return out + self.unused.sum() if self.use_unused else out
+
+
+def _world_one_rank(rank: int, world: int, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
+                    odd_dtype: torch.dtype) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _Model(odd_dtype)
+    reference = _Model(odd_dtype)
+    reference.load_state_dict(model.state_dict())
+    compute = param_dtype or torch.float32
+    reference.to(compute)
+    mp = overlap.MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    overlap.shard(model, mp=mp)
+    (group,) = [s.group for s in sharded_states(model) if s.group is not None]
+    params = dict(model.named_parameters())
+    x = torch.randn(4, 6)
+    reference(x.to(compute)).sum().backward()
+    rounding = reduce_dtype or compute
+    want = {n: p.grad.to(rounding).to(params[n].dtype) for n, p in reference.named_parameters() if p.grad is not None}
+
+    def backward() -> None:
+        model(x).sum().backward()
+
+    seen: dict[str, Any] = {}
+    backward()
+    fresh = {n: p.grad._local_tensor.clone() for n, p in params.items() if p.grad is not None}
+    seen["unused_none"] = params["unused"].grad is None and set(fresh) == set(want)
+    seen["values"] = all(torch.equal(fresh[n], want[n]) for n in want)
+    seen["specs"] = all(type(params[n].grad).__name__ == "DTensor" and params[n].grad._spec is params[n]._spec
+                        and params[n].grad.dtype == params[n].dtype for n in fresh)
+    seen["unsharded_grads_dropped"] = all(u.grad is None for u in group.unsharded)
+    grads = {n: params[n].grad for n in fresh}
+    backward()  # accumulated into the existing gradients
+    seen["accumulated"] = all(params[n].grad is grads[n] and torch.equal(grads[n]._local_tensor, 2 * fresh[n])
+                              for n in fresh)
+    kept = params["lin1.weight"].grad
+    model.zero_grad(set_to_none=True)
+    own = torch.zeros_like(params["odd"])
+    params["odd"].grad = own  # a .grad the user assigns: accumulated into, never replaced
+    backward()
+    seen["kept_unchanged"] = torch.equal(kept._local_tensor, 2 * fresh["lin1.weight"])
+    seen["own_kept"] = params["odd"].grad is own and torch.equal(own._local_tensor, fresh["odd"])
+    seen["others_equal"] = all(torch.equal(params[n].grad._local_tensor, fresh[n]) for n in fresh)
+    model.zero_grad(set_to_none=True)
+    model.use_unused = True  # every parameter gets a gradient
+    backward()
+    seen["unused_value"] = torch.equal(params["unused"].grad._local_tensor, torch.full((3,), 4.0))  # 4 rows
+    seen["others_equal_again"] = all(torch.equal(params[n].grad._local_tensor, fresh[n]) for n in fresh)
+    return seen
+
+
+@pytest.mark.parametrize("param_dtype, reduce_dtype, odd_dtype", [
+    (None, None, torch.float32),  # the gradients move as they are
+    (torch.bfloat16, None, torch.float32),  # every one cast
+    (torch.bfloat16, torch.float16, torch.float32),  # rounded through a narrower reduce dtype first
+    (torch.bfloat16, torch.float32, torch.float32),  # a wider one: no rounding
+    (torch.bfloat16, None, torch.bfloat16),  # one parameter already bf16: moved as it is, the others cast
+])
+def test_world_one_gradients_match_the_unsharded_model(distributed, param_dtype: Optional[torch.dtype],
+                                                       reduce_dtype: Optional[torch.dtype], odd_dtype: torch.dtype) -> None:
+    (seen,) = distributed(_world_one_rank, 1, param_dtype, reduce_dtype, odd_dtype)
+    assert all(seen.values()), seen
