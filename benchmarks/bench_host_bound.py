@@ -49,7 +49,7 @@ from _common import parse, parser  # first: sys.path
 from report import emit
 from torch import nn
 
-from bench_runtime_cost import OPTIMIZERS
+from bench_runtime_cost import OPTIMIZERS, _opt_step
 from overlap.demo.training import shard_for_mode
 
 MODES = {"plain": None, "overlap.shard": "overlap", "torch FSDP2": "fsdp2"}  # label -> shard_for_mode's mode
@@ -113,12 +113,10 @@ def make_optimizer_step(mode: str, label: str, blocks: int, d: int, tokens: int,
                         device: torch.device) -> Callable[[], None]:
     """``opt.step`` of ``label``'s optimizer over ``mode``'s parameters, after one backward and one
     step (gradients and optimizer state in place); raises if ``mode`` cannot run that optimizer."""
-    optimizer, kwargs = OPTIMIZERS[label]
     model, x = make_model(mode, blocks, d, tokens, device)
-    opt = optimizer(model.parameters(), **kwargs)
-    model(x).sum().backward()
-    opt.step()
-    return opt.step
+    step = _opt_step(model, x, *OPTIMIZERS[label])
+    step()  # raises here where the mode cannot run it; creates the state
+    return step
 
 
 def optimizer_rows(blocks: int, d: int, tokens: int, device: torch.device, steps: int,

@@ -798,7 +798,7 @@ class ParamGroup:
             slots, _ = _quantized_copy_in(shards, qlayout, None)
             exact = None
             if gradient_error.SWITCH.on and gradient_error.SWITCH.resolve():  # this rank's shards, exact (a copy)
-                exact = torch.cat([t.reshape(-1) for t in shards]).to(torch.float32)
+                exact = _flat_float32(shards)
         received = torch.empty_like(slots)
         quantized_reduce_into(received, slots, self.replicate, fmt, self.where).wait()
         r = self.replicate.rank
@@ -924,7 +924,7 @@ class ParamGroup:
                     gathered, qlayout, shards = pending.replica_gather
                     _quantized_all_gather_copy_out(gathered, qlayout, shards)
                     if pending.reference is not None:  # what the copy-out below scales, against the exact sum
-                        summed = torch.cat([t.reshape(-1) for t in shards]).to(torch.float32)
+                        summed = _flat_float32(shards)
                         self._record_gradient_error(pending, lambda: _post_scaled(summed, pending.post_scale))
                 if packed is not None and not self.scalar_indices:  # the views are the layout's rows
                     grads = packed.views
@@ -1006,6 +1006,7 @@ class ParamGroup:
                 torch._foreach_add_(acc_dst, acc_src)
         self._run_reduced_hooks(moved)
 
+
 @dataclasses.dataclass(frozen=True)
 class _PackedGrads:
     """New sharded gradients' local tensors as views of one storage ([Note: new sharded gradients
@@ -1023,6 +1024,12 @@ _LOCAL_VERSION = attrgetter("_local_tensor._version")
 _LOCAL = attrgetter("_local_tensor")
 _REQUIRES_GRAD = attrgetter("requires_grad")
 _POST_ACCUMULATE_GRAD_HOOKS = attrgetter("_post_accumulate_grad_hooks")
+
+
+def _flat_float32(shards: list[torch.Tensor]) -> torch.Tensor:
+    """The HSDP replica sum's input or output shards, flattened in order into one new float32 tensor
+    (what ``overlap.gradient_error`` compares over this rank's shards)."""
+    return torch.cat([t.reshape(-1) for t in shards]).to(torch.float32)
 
 
 def _post_scaled(summed: torch.Tensor, post_scale: Optional[float]) -> torch.Tensor:
@@ -1103,7 +1110,6 @@ class _NoGrad:
 
     def __exit__(self, *exc: object) -> None:
         torch._C._set_grad_enabled(self.prev)
-
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

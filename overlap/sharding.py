@@ -949,12 +949,6 @@ def _leaves(tree: Any) -> Sequence[Any]:
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    # The usual arguments, a tuple of tensors already in ``dtype`` (every block's input but the
-    # first's): two C-level passes, no bytecode per argument.
-    if type(tree) is tuple and all(map(isinstance, tree, repeat(torch.Tensor))) and all(
-            map(eq, map(_DTYPE, tree), repeat(dtype))):
-        return tree
-
     def cast(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
             return x.to(dtype)
@@ -962,9 +956,12 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 
     if isinstance(tree, torch.Tensor):
         return cast(tree)
-    if type(tree) is tuple and all(isinstance(x, torch.Tensor) for x in tree):
-        if all(x.dtype == dtype or not x.is_floating_point() for x in tree):
-            return tree  # nothing to cast (integer tensors among them)
+    if type(tree) is tuple and all(map(isinstance, tree, repeat(torch.Tensor))):  # the usual arguments
+        # Every block's input but the first's is already in ``dtype``: one C-level pass, no bytecode
+        # per argument; otherwise integer tensors among them may stay as they are.
+        if all(map(eq, map(_DTYPE, tree), repeat(dtype))) or all(
+                x.dtype == dtype or not x.is_floating_point() for x in tree):
+            return tree
         return tuple(cast(x) for x in tree)
     return tree_map(cast, tree)
 

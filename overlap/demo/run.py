@@ -274,16 +274,19 @@ def _global_losses(losses: list[torch.Tensor]) -> tuple[float, ...]:
     return tuple((t / dist.get_world_size()).tolist())
 
 
-def _max_over_ranks(value: int, device: torch.device) -> int:
+def _over_ranks(value: int, op: dist.ReduceOp.RedOpType, device: torch.device) -> int:
+    """``op`` (MIN, MAX) of an integer over the ranks."""
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return int(t.item())
 
 
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    return _over_ranks(value, dist.ReduceOp.MAX, device)
+
+
 def _all_true(flag: bool, device: torch.device) -> bool:
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
+    return bool(_over_ranks(1 if flag else 0, dist.ReduceOp.MIN, device))
 
 
 def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResult]:
