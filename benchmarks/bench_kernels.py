@@ -28,9 +28,10 @@ On CUDA: wall time of back-to-back calls, nothing synchronized, and the torch pa
 On CPU: the same calls with the kernel launch stubbed out (``kernels._launch.launches_stubbed``):
 everything the host does up to the launch, which on a GPU is followed by Triton's own launch cost.
 On CUDA a third table splits the runtime launcher's host µs into our preparation, the device tables
-and device context, Triton's JIT launch path and the compiled kernel's own launcher
-(``launch_breakdown``): the first H100 run (2026-11-26) measured 61-97 µs per launch for 9
-parameters against 7-12 µs of preparation on the CPU, and this table says where the rest goes.
+and device context, Triton's JIT launch path, the direct launch the runtime makes instead
+([Note: launching the compiled kernel] in ``kernels._compiled_launch``) and the compiled kernel's
+own launcher (``launch_breakdown``): the first H100 run (2026-11-26, JIT path) measured 61-97 µs
+per launch for 9 parameters against 7-12 µs of preparation on the CPU.
 A last table times the four quantized ops of ``overlap.Compression`` (int8 and fp8, as the runtime
 calls them) against a plain copy of the bytes they read and write: issue 30 asks for at least 0.85x a
 copy on large workloads on CUDA (on CPU they take the torch fallback: not GPU figures).
@@ -50,7 +51,7 @@ import torch
 
 from _common import add_world_size, parse, parser  # first: sys.path
 import kernels
-from kernels import ShardLayout, _launch
+from kernels import ShardLayout, _compiled_launch, _launch
 from kernels.all_gather_copy_in import _all_gather_copy_in
 from kernels.all_gather_copy_out import _all_gather_copy_out
 from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
@@ -337,7 +338,7 @@ def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> li
 
 # --------------------------------------------------------------------------- launch breakdown (CUDA)
 BREAKDOWN = ["our preparation µs", "device tables + device context µs", "Triton JIT launch µs",
-             "compiled-kernel launch µs"]
+             "direct launch µs (runtime)", "compiled-kernel launcher alone µs"]
 
 
 def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[object]:
@@ -349,8 +350,11 @@ def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[obj
       captured call (stream-ordered table uses);
     * Triton JIT launch: ``kernel[grid](...)`` with the prepared arguments (Triton's ``JITFunction.run``:
       argument binding, specialization key, cache lookup, then the launch);
-    * compiled-kernel launch: the compiled kernel's launcher called with the arguments Triton bound
-      (the floor a launch that skips the JIT path could reach; measured, not used by the runtime).
+    * direct launch: what the runtime now calls instead, ``_compiled_launch.run`` (its cache key
+      read from the arguments, then the compiled kernel's launcher: [Note: launching the compiled
+      kernel]);
+    * compiled-kernel launcher alone: the launcher called with the arguments Triton bound (the floor
+      of any launch from Python).
     A part that cannot be timed with this Triton's internals is "-"."""
     with _launch.launches_stubbed():
         ours = host_us(fn, device)
@@ -368,7 +372,8 @@ def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[obj
         _launch.KernelCall.launch = original  # type: ignore[method-assign]
     call = captured[0]
     blocks, pointers = call.blocks, call.pointers
-    kwargs = {**_launch.launch_constexprs(blocks, pointers, call.constexprs), **_launch.gpu_options(blocks)}
+    constexprs, options = _launch.launch_constexprs(blocks, pointers, call.constexprs), _launch.gpu_options(blocks)
+    kwargs = {**constexprs, **options}
     grid = (blocks.num_blocks,)
 
     def tables() -> tuple[torch.Tensor, ...]:
@@ -379,6 +384,7 @@ def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[obj
     arguments = (*tables(), *call.args)
     tables_us = host_us(tables, device)
     jit_us = host_us(lambda: call.kernel[grid](*arguments, **kwargs), device)
+    direct_us = host_us(lambda: _compiled_launch.run(call.kernel, grid[0], arguments, constexprs, options), device)
     compiled_us: object = "-"
     compiled = call.kernel[grid](*arguments, **kwargs)  # JITFunction.run returns the compiled kernel
     if compiled is not None and hasattr(compiled, "_run"):
@@ -391,7 +397,7 @@ def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[obj
             compiled._run = run
         if recorded:
             compiled_us = host_us(lambda: run(*recorded[0]), device)
-    return [ours, tables_us, jit_us, compiled_us]
+    return [ours, tables_us, jit_us, direct_us, compiled_us]
 
 
 def breakdown_rows(names: Sequence[str], world_size: int, device: torch.device) -> list[list[object]]:
@@ -405,7 +411,7 @@ def breakdown_rows(names: Sequence[str], world_size: int, device: torch.device) 
             try:
                 parts = launch_breakdown(case.runtime[op], device)
             except Exception as e:  # noqa: BLE001 -- Triton internals differ by version: say so, keep the rest
-                parts = [f"{type(e).__name__}: {e}"[:60], "-", "-", "-"]
+                parts = [f"{type(e).__name__}: {e}"[:60], *["-"] * (len(BREAKDOWN) - 1)]
             rows.append([workload.name, case.layout.num_params, op, *parts])
         del case
     return rows

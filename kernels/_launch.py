@@ -46,7 +46,8 @@ tensor freed and another allocated at the same address with the same dtype gets 
 correct, table, and a change of address or dtype misses the cache. The reads that remain are the
 floor of a Python launcher that must not trust its caller: about 0.05 µs per tensor per pass on
 the 2-core CI box (``benchmarks/bench_kernels.py``'s host table, with the kernel launch stubbed).
-No cheaper fingerprint exists for a list the caller hands in: a tensor object keeps its identity
+On CUDA the launch itself then skips Triton's per-call JIT path ([Note: launching the compiled
+kernel] in ``kernels._compiled_launch``). No cheaper fingerprint exists for a list the caller hands in: a tensor object keeps its identity
 and often its address through ``set_``, ``resize_``, ``as_strided_`` and ``.data =``, none of which
 need bump a counter, so a key that skipped reading a tensor could launch on memory it no longer
 owns. What *can* be O(1) is a list whose placement the caller owns ([Note: packed placements]).
@@ -67,6 +68,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 
@@ -75,7 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import table_memory
+from kernels import _compiled_launch, table_memory
 from kernels._checks import DTYPE
 from kernels._dtypes import MAX_DTYPE_GROUPS, TRITON_DTYPES, as_float32, compute_dtype
 from kernels._jit import INTERPRET
@@ -443,10 +445,21 @@ def launch(kernel: triton.JITFunction, blocks: BlockTable, pointers: PointerTabl
         _stubbed_launches[0] += 1
         return
     device = blocks.device
-    grid = (blocks.num_blocks,)
     if device.type == "cuda":
-        with torch.cuda.device(device):
-            (block_tensors, (pointer_tensor,)) = table_memory.prepare((blocks.memory, pointers.memory), device)
-            kernel[grid](*block_tensors, pointer_tensor, *args, **kwargs, **gpu_options(blocks))
+        cuda_launch(kernel, blocks.num_blocks, (blocks.memory, pointers.memory), args, kwargs, gpu_options(blocks),
+                    device)
     else:
-        kernel[grid](blocks.blocks, blocks.runs, pointers.pointers, *args, **kwargs)
+        kernel[(blocks.num_blocks,)](blocks.blocks, blocks.runs, pointers.pointers, *args, **kwargs)
+
+
+def cuda_launch(kernel: triton.JITFunction, programs: int, tables: Sequence[table_memory.DeviceTable],
+                args: Sequence[object], constexprs: dict[str, object], options: dict[str, object],
+                device: torch.device) -> None:
+    """``kernel[(programs,)](*tensors of each table, *args, **constexprs, **options)`` on ``device``
+    and its current stream: the tables through ``table_memory.prepare``, a repeat launch straight
+    into the compiled kernel ([Note: launching the compiled kernel] in ``kernels._compiled_launch``)."""
+    switch = torch.cuda.current_device() != device.index
+    with torch.cuda.device(device) if switch else contextlib.nullcontext():
+        prepared = table_memory.prepare(tables, device)
+        _compiled_launch.run(kernel, programs, (*itertools.chain.from_iterable(prepared), *args), constexprs,
+                             options)

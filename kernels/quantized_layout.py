@@ -185,11 +185,9 @@ def launch(kernel: triton.JITFunction, table: SegmentTable, pointers: _launch.Po
         return
     g = pointers.dtypes
     kwargs = dict(DT0=g[0], DT1=g[1], DT2=g[2], DT3=g[3], NUM_GROUPS=pointers.num_groups, **constexprs)
-    grid = (table.num_programs,)
     device = table.blocks.device
     if device.type == "cuda":
-        with torch.cuda.device(device):
-            ((blocks,), (pointer_tensor,)) = table_memory.prepare((table.memory, pointers.memory), device)
-            kernel[grid](blocks, pointer_tensor, *args, **kwargs, num_warps=4, enable_fp_fusion=False)
+        _launch.cuda_launch(kernel, table.num_programs, (table.memory, pointers.memory), args, kwargs,
+                            dict(num_warps=4, enable_fp_fusion=False), device)
     else:
-        kernel[grid](table.blocks, pointers.pointers, *args, **kwargs)
+        kernel[(table.num_programs,)](table.blocks, pointers.pointers, *args, **kwargs)

@@ -71,6 +71,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kernels._compiled_launch import current_stream_handle
+
 __all__ = [
     "CAPTURE_RESERVE_BYTES",
     "CudaRuntime",
@@ -117,6 +119,10 @@ class Runtime(Protocol):
 
     def current_stream(self, device: torch.device) -> Stream: ...
 
+    def current_stream_id(self, device: torch.device) -> int:
+        """``current_stream(device).cuda_stream``, without building the stream object."""
+        ...
+
     def event(self) -> Event: ...
 
     def pinned(self, nbytes: int) -> torch.Tensor:
@@ -136,11 +142,16 @@ class CudaRuntime:
     """``Runtime`` on torch.cuda."""
 
     def capturing(self, device: torch.device) -> bool:
+        if torch.cuda.current_device() == device.index:  # the launch already made it current
+            return torch.cuda.is_current_stream_capturing()
         with torch.cuda.device(device):
             return torch.cuda.is_current_stream_capturing()
 
     def current_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.current_stream(device)
+
+    def current_stream_id(self, device: torch.device) -> int:
+        return current_stream_handle(torch.cuda.current_device() if device.index is None else device.index)
 
     def event(self) -> torch.cuda.Event:
         return torch.cuda.Event()
@@ -296,12 +307,14 @@ def prepare(tables: Sequence[DeviceTable], device: torch.device) -> list[tuple[t
     _poll_ready()
     _collect(rt)
     _RESERVE.ensure(rt, CAPTURE_RESERVE_BYTES)
-    stream = rt.current_stream(device)
-    sid = stream.cuda_stream
+    sid = rt.current_stream_id(device)
+    stream = None  # the Stream object, built only for a wait or a new reader (a repeat launch needs neither)
     for table in tables:
         if plan_use(capturing=False, copy_pending=table.ready is not None, same_stream=sid == table.stream_id) is Use.WAIT:
+            stream = stream or rt.current_stream(device)
             stream.wait_event(table.ready)
         if table.stream_id is not None and sid not in table.readers:
+            stream = stream or rt.current_stream(device)
             table.readers[sid] = stream
     return [table.tensors for table in tables]
 

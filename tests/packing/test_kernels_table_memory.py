@@ -77,6 +77,9 @@ class FakeRuntime:
     def current_stream(self, device: torch.device) -> FakeStream:
         return self.stream
 
+    def current_stream_id(self, device: torch.device) -> int:
+        return self.stream.cuda_stream
+
     def event(self) -> FakeEvent:
         event = FakeEvent(self)
         self.events.append(event)
@@ -326,6 +329,7 @@ def test_launch_path_under_capture(rt: FakeRuntime, monkeypatch: pytest.MonkeyPa
             return lambda *args, **kwargs: launched.append((args, kwargs))
 
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: CUDA.index)
     layout = ShardLayout([(300,), (7, 3)], 2)
     tensors = [torch.zeros(s) for s in layout.shard_shapes(0)]
 

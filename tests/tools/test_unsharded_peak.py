@@ -54,11 +54,13 @@ def _peak(rank: int, world_size: int, runtime: str, prefetch: int,
             overlap.shard(block, prefetch="auto" if plan else prefetch)
         overlap.shard(model, prefetch="auto" if plan else prefetch)
     else:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh("cpu", (world_size,))  # without one, FSDP2 moves to a GPU where there is one
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     if plan is not None:
         overlap.optimizer_in_backward(model, torch.optim.AdamW, lr=LR)
     else:
