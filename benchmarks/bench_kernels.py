@@ -41,11 +41,13 @@ copy on large workloads on CUDA (on CPU they take the torch fallback: not GPU fi
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -58,6 +60,7 @@ from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
 from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
 from kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out
 from kernels.quantized_copy_in import _quantized_copy_in
+from kernels import quantized_layout
 from kernels.quantized_layout import QuantizedLayout
 from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out
 from report import emit
@@ -128,17 +131,25 @@ def quantized_case(workload: Workload, world_size: int, fmt: str,
 
 
 def quantized_rows(names: Sequence[str], chosen: dict[str, Workload], world_size: int, device: torch.device,
-                   timer: Callable[[Callable[[], object]], tuple[float, float, float]]) -> list[list[object]]:
+                   timer: Callable[[Callable[[], object]], tuple[float, float, float]],
+                   num_warps: Sequence[int] = (quantized_layout.NUM_WARPS,)) -> list[list[object]]:
     """GB/s of each quantized op against a plain device copy of the same bytes (issue 30's goal: at
-    least 0.85x a copy on large workloads, on CUDA)."""
+    least 0.85x a copy on large workloads, on CUDA), for each of ``num_warps`` (CUDA programs' warps)."""
     rows: list[list[object]] = []
+    default = quantized_layout.NUM_WARPS
     for name in names:
         for fmt in ("int8", "fp8"):
             for op, (fn, nbytes) in quantized_case(chosen[name], world_size, fmt, device).items():
-                ms, lo, hi = timer(fn)
                 copy_ms = timer(plain_copy(nbytes, device))[0]
-                rows.append([chosen[name].name, fmt, op, round(nbytes / 1e6, 1), f"{ms:.3f} ({lo:.3f}-{hi:.3f})",
-                             nbytes / (ms * 1e6), nbytes / (copy_ms * 1e6), copy_ms / ms])
+                for warps in num_warps:
+                    quantized_layout.NUM_WARPS = warps
+                    try:
+                        ms, lo, hi = timer(fn)
+                    finally:
+                        quantized_layout.NUM_WARPS = default
+                    rows.append([chosen[name].name, fmt, op, warps, round(nbytes / 1e6, 1),
+                                 f"{ms:.3f} ({lo:.3f}-{hi:.3f})", nbytes / (ms * 1e6), nbytes / (copy_ms * 1e6),
+                                 copy_ms / ms])
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -400,6 +411,25 @@ def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[obj
     return [ours, tables_us, jit_us, direct_us, compiled_us]
 
 
+def profile_launch(fn: Callable[[], object], calls: int = 300, top: int = 12) -> str:
+    """The ``top`` functions by own time over ``calls`` back-to-back calls of ``fn`` under cProfile,
+    µs per call each (the profiler adds its own cost per function call: read the ranking, not the
+    sum; the breakdown table has the unprofiled times)."""
+    import cProfile
+    import pstats
+
+    fn()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, recursive calls, own s, cumulative s, callers)
+    rows = sorted(((own, n, key) for key, (n, _, own, _, _) in stats.items()), reverse=True)[:top]
+    return "\n".join(f"  {own / calls * 1e6:8.2f} µs  {n / calls:5.1f}x  {Path(key[0]).name}:{key[1]} {key[2]}"
+                     for own, n, key in rows)
+
+
 def breakdown_rows(names: Sequence[str], world_size: int, device: torch.device) -> list[list[object]]:
     """``launch_breakdown`` of each op's runtime launcher, shapes and dtypes as in ``host_rows``."""
     rows: list[list[object]] = []
@@ -428,7 +458,13 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     p.add_argument("--workload", action="append", choices=sorted(workloads(1)),
                    help="run only this workload (repeatable; default: all)")
     p.add_argument("--repeats", type=int, default=None, help="CPU timing repeats (default 30, 10 with --quick)")
-    p.add_argument("--skip-gbps", action="store_true", help="only the host table")
+    p.add_argument("--skip-gbps", action="store_true", help="only the host tables")
+    p.add_argument("--quantized-num-warps", type=int, nargs="+", default=[quantized_layout.NUM_WARPS],
+                   help="warps per program of the quantized kernels to time, each a row (CUDA; default: the "
+                        f"runtime's, {quantized_layout.NUM_WARPS})")
+    p.add_argument("--only-quantized", action="store_true", help="only the quantized table")
+    p.add_argument("--profile-launch", action="store_true",
+                   help="also print each runtime launcher's top functions by own time under cProfile (stdout only)")
     args = parse(p, argv)
     if args.world_size < 1:
         p.error("--world-size must be >= 1")
@@ -444,6 +480,19 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
 
     chosen = workloads(scale)
     names = args.workload or list(chosen)
+    scaled = f"dimensions / {scale}" if scale > 1 else "full size"
+
+    def quantized_table() -> list[list[object]]:
+        rows = quantized_rows(names, chosen, args.world_size, device, timer, args.quantized_num_warps)
+        emit(f"Quantized packing ops (overlap.Compression, block {QUANTIZED_BLOCK}; fp32 shards -> bf16 parameters, "
+             f"bf16 gradients -> fp32 sharded gradients) vs plain copy — {path_label(device)}; world size "
+             f"{args.world_size}, rank 0; workloads {scaled}",
+             ["workload", "format", "op", "warps", "MB", "ms (p20-p80)", "GB/s", "copy GB/s", "vs copy"], rows,
+             args.markdown)
+        return rows
+
+    if args.only_quantized:
+        return quantized_table()
     host = host_rows(names, args.world_size, device)
     host_where = ("CUDA, back-to-back calls, no sync" if device.type == "cuda"
                   else "CPU, Triton path with the kernel launch stubbed out (host preparation only)")
@@ -455,6 +504,14 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
         emit(f"Packing ops, where the runtime launcher's host µs go — CUDA, each part timed alone, back-to-back "
              f"calls; world size {args.world_size}, rank 0; median of {HOST_SAMPLES} x {HOST_CALLS} calls",
              ["workload", "params", "op", *BREAKDOWN], breakdown_rows(names, args.world_size, device), args.markdown)
+    if args.profile_launch:
+        for name in names:
+            case = build_case(workloads(1 if device.type == "cuda" else 64)[name], args.world_size, 0,
+                              *DTYPE_PAIRS[0], device)
+            for op in OPS:
+                with _launch.launches_stubbed() if device.type == "cpu" else contextlib.nullcontext():
+                    print(f"{name} {op}, runtime launcher, own time per call:\n{profile_launch(case.runtime[op])}")
+            del case
     if args.skip_gbps:
         return host
     header = ["workload", "params/comm", "op", "MB", "fused ms (p20-p80)", "fused GB/s", "torch GB/s",
@@ -478,15 +535,10 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    scaled = f"dimensions / {scale}" if scale > 1 else "full size"
     title = (f"Packing kernels: fused vs FSDP2's torch path vs plain copy — {path_label(device)}; "
              f"world size {args.world_size}, rank 0; workloads {scaled}")
     emit(title, header, rows, args.markdown)
-    emit(f"Quantized packing ops (overlap.Compression, block {QUANTIZED_BLOCK}; fp32 shards -> bf16 parameters, bf16 "
-         f"gradients -> fp32 sharded gradients) vs plain copy — {path_label(device)}; world size {args.world_size}, "
-         f"rank 0; workloads {scaled}",
-         ["workload", "format", "op", "MB", "ms (p20-p80)", "GB/s", "copy GB/s", "vs copy"],
-         quantized_rows(names, chosen, args.world_size, device, timer), args.markdown)
+    quantized_table()
     return rows
 
 

@@ -54,6 +54,10 @@ from kernels.layout import ShardLayout
 __all__ = ["BLOCKS", "QuantizedLayout", "SegmentTable", "quantized_layout"]
 
 BLOCKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+NUM_WARPS = 4
+"""Warps per program of the quantized kernels on CUDA (one program per quantization block; the
+result does not depend on it: a block's absolute maximum is exact in any order).
+``benchmarks/bench_kernels.py --quantized-num-warps 1 2 4`` times the choices."""
 """The block sizes the quantized ops take (powers of two: one kernel program per block)."""
 
 
@@ -188,6 +192,6 @@ def launch(kernel: triton.JITFunction, table: SegmentTable, pointers: _launch.Po
     device = table.blocks.device
     if device.type == "cuda":
         _launch.cuda_launch(kernel, table.num_programs, (table.memory, pointers.memory), args, kwargs,
-                            dict(num_warps=4, enable_fp_fusion=False), device)
+                            dict(num_warps=NUM_WARPS, enable_fp_fusion=False), device)
     else:
         kernel[(table.num_programs,)](table.blocks, pointers.pointers, *args, **kwargs)
