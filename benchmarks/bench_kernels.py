@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import statistics
 import time
@@ -132,22 +133,23 @@ def quantized_case(workload: Workload, world_size: int, fmt: str,
 
 def quantized_rows(names: Sequence[str], chosen: dict[str, Workload], world_size: int, device: torch.device,
                    timer: Callable[[Callable[[], object]], tuple[float, float, float]],
-                   num_warps: Sequence[int] = (quantized_layout.NUM_WARPS,)) -> list[list[object]]:
+                   num_warps: Sequence[int] = (0,), vector_path: Sequence[str] = ("on",)) -> list[list[object]]:
     """GB/s of each quantized op against a plain device copy of the same bytes (issue 30's goal: at
-    least 0.85x a copy on large workloads, on CUDA), for each of ``num_warps`` (CUDA programs' warps)."""
+    least 0.85x a copy on large workloads, on CUDA), for each of ``num_warps`` (CUDA programs' warps,
+    0: the runtime's choice) and ``vector_path`` ("on"/"off": [Note: the aligned full-block path])."""
     rows: list[list[object]] = []
-    default = quantized_layout.NUM_WARPS
+    defaults = quantized_layout.NUM_WARPS, quantized_layout.VECTOR_PATH
     for name in names:
         for fmt in ("int8", "fp8"):
             for op, (fn, nbytes) in quantized_case(chosen[name], world_size, fmt, device).items():
                 copy_ms = timer(plain_copy(nbytes, device))[0]
-                for warps in num_warps:
-                    quantized_layout.NUM_WARPS = warps
+                for warps, vector in itertools.product(num_warps, vector_path):
+                    quantized_layout.NUM_WARPS, quantized_layout.VECTOR_PATH = warps or None, vector == "on"
                     try:
                         ms, lo, hi = timer(fn)
                     finally:
-                        quantized_layout.NUM_WARPS = default
-                    rows.append([chosen[name].name, fmt, op, warps, round(nbytes / 1e6, 1),
+                        quantized_layout.NUM_WARPS, quantized_layout.VECTOR_PATH = defaults
+                    rows.append([chosen[name].name, fmt, op, warps or "auto", vector, round(nbytes / 1e6, 1),
                                  f"{ms:.3f} ({lo:.3f}-{hi:.3f})", nbytes / (ms * 1e6), nbytes / (copy_ms * 1e6),
                                  copy_ms / ms])
             if device.type == "cuda":
@@ -459,9 +461,11 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
                    help="run only this workload (repeatable; default: all)")
     p.add_argument("--repeats", type=int, default=None, help="CPU timing repeats (default 30, 10 with --quick)")
     p.add_argument("--skip-gbps", action="store_true", help="only the host tables")
-    p.add_argument("--quantized-num-warps", type=int, nargs="+", default=[quantized_layout.NUM_WARPS],
-                   help="warps per program of the quantized kernels to time, each a row (CUDA; default: the "
-                        f"runtime's, {quantized_layout.NUM_WARPS})")
+    p.add_argument("--quantized-num-warps", type=int, nargs="+", default=[0],
+                   help="warps per program of the quantized kernels to time, each a row (CUDA; 0, the default: "
+                        "the runtime's choice, kernels.quantized_layout.warps_per_block)")
+    p.add_argument("--quantized-vector-path", choices=("on", "off"), nargs="+", default=["on"],
+                   help="time the quantized kernels with their aligned full-block path on and/or off (default on)")
     p.add_argument("--only-quantized", action="store_true", help="only the quantized table")
     p.add_argument("--profile-launch", action="store_true",
                    help="also print each runtime launcher's top functions by own time under cProfile (stdout only)")
@@ -483,11 +487,13 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     scaled = f"dimensions / {scale}" if scale > 1 else "full size"
 
     def quantized_table() -> list[list[object]]:
-        rows = quantized_rows(names, chosen, args.world_size, device, timer, args.quantized_num_warps)
+        rows = quantized_rows(names, chosen, args.world_size, device, timer, args.quantized_num_warps,
+                              args.quantized_vector_path)
         emit(f"Quantized packing ops (overlap.Compression, block {QUANTIZED_BLOCK}; fp32 shards -> bf16 parameters, "
              f"bf16 gradients -> fp32 sharded gradients) vs plain copy — {path_label(device)}; world size "
              f"{args.world_size}, rank 0; workloads {scaled}",
-             ["workload", "format", "op", "warps", "MB", "ms (p20-p80)", "GB/s", "copy GB/s", "vs copy"], rows,
+             ["workload", "format", "op", "warps", "vector path", "MB", "ms (p20-p80)", "GB/s", "copy GB/s",
+              "vs copy"], rows,
              args.markdown)
         return rows
 

@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 from kernels import _checks, _launch
-from kernels._jit import store_as
+from kernels._jit import store_as, vector_lanes
 from kernels.block_quantization import dequantize_block, dequantize_elements_torch
 from kernels.quantized_copy_in import QUANTIZED_DTYPES
-from kernels.quantized_layout import QuantizedLayout, launch, program_block
+from kernels.quantized_layout import QuantizedLayout, aligned, aligned_full_block, launch, program_block
 
 OP = "quantized_all_gather_copy_out"
 
@@ -38,16 +38,22 @@ OP = "quantized_all_gather_copy_out"
 def _quantized_all_gather_copy_out_kernel(
     blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, num_blocks, slot_bytes, slot_numel,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    BLOCK: tl.constexpr, FP8: tl.constexpr,
+    BLOCK: tl.constexpr, FP8: tl.constexpr, VECTOR: tl.constexpr, VEC: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     slot = g // num_blocks
     flat_start, _, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, g)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_valid
-    q = tl.load(codes_ptr + slot * slot_bytes + flat_start + offs, mask=mask)
-    x = dequantize_block(q, tl.load(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks), FP8)
-    store_as(addr, group, tensor_start, offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
+    codes_start = slot * slot_bytes + flat_start
+    scale = tl.load(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks)
+    if VECTOR and aligned_full_block(addr, tensor_start, codes_start, n_valid, n_valid, BLOCK):
+        offs = vector_lanes(BLOCK, VEC)  # [Note: the aligned full-block path]
+        x = dequantize_block(tl.load(codes_ptr + aligned(codes_start) + offs), scale, FP8)
+        store_as(addr, group, tensor_start, offs, x, None, DT0, DT1, DT2, DT3, NUM_GROUPS, True)
+    else:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_valid
+        x = dequantize_block(tl.load(codes_ptr + codes_start + offs, mask=mask), scale, FP8)
+        store_as(addr, group, tensor_start, offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
 
 
 def quantized_all_gather_copy_out(

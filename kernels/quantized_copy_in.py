@@ -33,10 +33,10 @@ import triton
 import triton.language as tl
 
 from kernels import _checks, _launch
-from kernels._jit import load_as
+from kernels._jit import load_as, vector_lanes
 from kernels.block_quantization import quantize_block, quantize_blocks_torch
 from kernels.layout import ShardLayout
-from kernels.quantized_layout import QuantizedLayout, launch, program_block
+from kernels.quantized_layout import QuantizedLayout, aligned, aligned_full_block, launch, program_block
 
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The parameter-side dtypes the quantized ops take."""
@@ -47,17 +47,26 @@ QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _quantized_copy_in_kernel(
     blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, first_slot, num_blocks, slot_bytes, slot_numel,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    BLOCK: tl.constexpr, FP8: tl.constexpr,
+    BLOCK: tl.constexpr, FP8: tl.constexpr, VECTOR: tl.constexpr, VEC: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     slot = first_slot + g // num_blocks
     flat_start, length, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, g)
-    offs = tl.arange(0, BLOCK)
-    x = load_as(addr, group, tensor_start, offs, offs < n_valid, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
-                False)
-    q, scale = quantize_block(x, FP8)
-    tl.store(codes_ptr + slot * slot_bytes + flat_start + offs, q, mask=offs < length)
-    tl.store(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks, scale)
+    codes_start = slot * slot_bytes + flat_start
+    scale_at = scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks
+    if VECTOR and aligned_full_block(addr, tensor_start, codes_start, n_valid, length, BLOCK):
+        offs = vector_lanes(BLOCK, VEC)  # [Note: the aligned full-block path]
+        x = load_as(addr, group, tensor_start, offs, None, None, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32, True)
+        q, scale = quantize_block(x, FP8)
+        tl.store(codes_ptr + aligned(codes_start) + offs, q)
+        tl.store(scale_at, scale)
+    else:
+        offs = tl.arange(0, BLOCK)
+        x = load_as(addr, group, tensor_start, offs, offs < n_valid, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS,
+                    tl.float32, False)
+        q, scale = quantize_block(x, FP8)
+        tl.store(codes_ptr + codes_start + offs, q, mask=offs < length)
+        tl.store(scale_at, scale)
 
 
 # -------------------------------------------------------------------------------------- public API

@@ -27,6 +27,16 @@ itemsize`` of the uncompressed buffer's (0.508x of bf16's, 0.254x of fp32's for 
 at ``block=256``; more for many parameters smaller than a block). ``slot_numel`` is a multiple of
 16, so the scales are float32-aligned.
 
+[Note: the aligned full-block path]
+One program quantizes one block of ``block`` elements (256 by default): with 4 warps that is two
+elements per thread, loaded with masks and without vector instructions, as a block may start
+anywhere in a tensor of any dtype. Most blocks of a large parameter are full and 16-byte aligned on
+both sides, so each kernel checks that per program (``aligned_full_block``) and then loads and
+stores ``VEC`` elements per thread (16 bytes of the widest tensor-side dtype) without masks, the
+way the exact packing kernels' aligned runs do ([Note: alignment per run] in ``kernels/_jit.py``).
+The arithmetic is the same on both paths, so the result is bit for bit the same
+(tests/packing/test_quantized_kernels.py runs both); ``VECTOR_PATH`` turns it off.
+
 [Note: segment tables]
 Each kernel program handles one block of one slot. ``blocks[g] = (flat_start, length, param,
 tensor_start, n_valid)`` of program ``g``: the block covers slot elements ``flat_start ..
@@ -54,10 +64,14 @@ from kernels.layout import ShardLayout
 __all__ = ["BLOCKS", "QuantizedLayout", "SegmentTable", "quantized_layout"]
 
 BLOCKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-NUM_WARPS = 4
+NUM_WARPS: int | None = None
 """Warps per program of the quantized kernels on CUDA (one program per quantization block; the
-result does not depend on it: a block's absolute maximum is exact in any order).
-``benchmarks/bench_kernels.py --quantized-num-warps 1 2 4`` times the choices."""
+result does not depend on it: a block's absolute maximum is exact in any order). ``None``: as many
+as give each thread one 16-byte vector of the block (``warps_per_block``); ``benchmarks/
+bench_kernels.py --quantized-num-warps 0 1 2 4`` times the choices (0: this default)."""
+VECTOR_PATH = True
+"""Whether the quantized kernels take [Note: the aligned full-block path] where a block allows it
+(the result is the same bit for bit; ``bench_kernels.py --quantized-vector-path on off`` times both)."""
 """The block sizes the quantized ops take (powers of two: one kernel program per block)."""
 
 
@@ -180,6 +194,28 @@ def program_block(blocks_ptr, pointers_ptr, g):
             tl.load(row + 3), tl.load(row + 4))
 
 
+@triton.jit
+def aligned_full_block(addr, tensor_start, codes_start, n_valid, length, BLOCK: tl.constexpr):
+    """Whether a block takes [Note: the aligned full-block path]: all ``BLOCK`` elements valid and in
+    the slot (``n_valid``, ``length``), the tensor side 16-byte aligned (address, and a start that
+    is a multiple of 16 elements) and the codes' first byte (``codes_start``) a multiple of 16."""
+    return ((n_valid == BLOCK) & (length == BLOCK) & ((addr % 16) == 0) & ((tensor_start % 16) == 0)
+            & ((codes_start % 16) == 0))
+
+
+@triton.jit
+def aligned(offset):
+    """``offset`` (a multiple of 16 on the aligned path) rebuilt as a product by 16, from which
+    Triton infers the divisibility that lets it vectorize (as ``kernels._jit._at`` does)."""
+    return (offset // 16) * 16
+
+
+def warps_per_block(block: int, vec: int) -> int:
+    """Warps that give each thread ``vec`` elements of a ``block``-element block (1 to 8): a 16-byte
+    load or store per thread on [Note: the aligned full-block path]."""
+    return max(1, min(8, block // (32 * vec)))
+
+
 def launch(kernel: triton.JITFunction, table: SegmentTable, pointers: _launch.PointerTable, *args: object,
            **constexprs: object) -> None:
     """``kernel[(table.num_programs,)](blocks, pointers, *args, DT0.., NUM_GROUPS, ...)`` on the
@@ -188,10 +224,13 @@ def launch(kernel: triton.JITFunction, table: SegmentTable, pointers: _launch.Po
     if table.num_programs == 0:
         return
     g = pointers.dtypes
-    kwargs = dict(DT0=g[0], DT1=g[1], DT2=g[2], DT3=g[3], NUM_GROUPS=pointers.num_groups, **constexprs)
+    vec = _launch.vector_width(pointers.torch_dtypes)
+    kwargs = dict(DT0=g[0], DT1=g[1], DT2=g[2], DT3=g[3], NUM_GROUPS=pointers.num_groups, VECTOR=VECTOR_PATH,
+                  VEC=vec, **constexprs)
     device = table.blocks.device
     if device.type == "cuda":
+        warps = NUM_WARPS or warps_per_block(constexprs["BLOCK"], vec)
         _launch.cuda_launch(kernel, table.num_programs, (table.memory, pointers.memory), args, kwargs,
-                            dict(num_warps=NUM_WARPS, enable_fp_fusion=False), device)
+                            dict(num_warps=warps, enable_fp_fusion=False), device)
     else:
         kernel[(table.num_programs,)](table.blocks, pointers.pointers, *args, **kwargs)

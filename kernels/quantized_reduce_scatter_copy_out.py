@@ -28,11 +28,11 @@ import triton.language as tl
 
 from kernels import _checks, _launch
 from kernels._dtypes import as_float32
-from kernels._jit import load_as, store_as
+from kernels._jit import load_as, store_as, vector_lanes
 from kernels.block_quantization import dequantize_block
 from kernels.quantized_all_gather_copy_out import _check_buffer, dequantized
 from kernels.quantized_copy_in import QUANTIZED_DTYPES
-from kernels.quantized_layout import QuantizedLayout, launch, program_block
+from kernels.quantized_layout import QuantizedLayout, aligned, aligned_full_block, launch, program_block
 
 OP = "quantized_reduce_scatter_copy_out"
 
@@ -42,22 +42,36 @@ def _quantized_reduce_scatter_copy_out_kernel(
     blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, num_blocks, slot_bytes, slot_numel, scale,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
     BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, WORLD_SIZE: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, VECTOR: tl.constexpr, VEC: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     flat_start, _, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, b)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_valid
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(WORLD_SIZE):  # a constexpr: Triton 3.6's interpreter cannot loop to a runtime int
-        q = tl.load(codes_ptr + s * slot_bytes + flat_start + offs, mask=mask)
-        acc += dequantize_block(q, tl.load(scales_ptr + (s * slot_bytes + slot_numel) // 4 + b), FP8)
-    if HAS_SCALE:
-        acc = acc * scale
-    if ACCUMULATE:
-        acc = load_as(addr, group, tensor_start, offs, mask, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
-                      False) + acc
-    store_as(addr, group, tensor_start, offs, acc, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
+    # every slot's codes are aligned when the first's are and a slot is a multiple of 16 bytes long
+    if VECTOR and aligned_full_block(addr, tensor_start, flat_start | (slot_bytes % 16), n_valid, n_valid, BLOCK):
+        offs = vector_lanes(BLOCK, VEC)  # [Note: the aligned full-block path]
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(WORLD_SIZE):  # a constexpr: Triton 3.6's interpreter cannot loop to a runtime int
+            q = tl.load(codes_ptr + aligned(s * slot_bytes + flat_start) + offs)
+            acc += dequantize_block(q, tl.load(scales_ptr + (s * slot_bytes + slot_numel) // 4 + b), FP8)
+        if HAS_SCALE:
+            acc = acc * scale
+        if ACCUMULATE:
+            acc = load_as(addr, group, tensor_start, offs, None, None, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
+                          True) + acc
+        store_as(addr, group, tensor_start, offs, acc, None, DT0, DT1, DT2, DT3, NUM_GROUPS, True)
+    else:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_valid
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(WORLD_SIZE):
+            q = tl.load(codes_ptr + s * slot_bytes + flat_start + offs, mask=mask)
+            acc += dequantize_block(q, tl.load(scales_ptr + (s * slot_bytes + slot_numel) // 4 + b), FP8)
+        if HAS_SCALE:
+            acc = acc * scale
+        if ACCUMULATE:
+            acc = load_as(addr, group, tensor_start, offs, mask, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
+                          False) + acc
+        store_as(addr, group, tensor_start, offs, acc, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
 
 
 def quantized_reduce_scatter_copy_out(

@@ -142,6 +142,44 @@ def test_triton_and_torch_fallback_are_bitwise_equal(shapes, world, dtypes, bloc
         assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
 
 
+@requires_triton_on_cpu
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("vector_path", [True, False])
+def test_the_aligned_full_block_path_changes_no_bit(monkeypatch, vector_path: bool, format: str) -> None:
+    """[Note: the aligned full-block path] on and off, against the torch fallback: parameters with
+    many full blocks, one whose tensors start 4 bytes past an aligned address (no block of it is
+    aligned), one with a tail, mixed dtypes, two ranks."""
+    from kernels import quantized_layout
+
+    monkeypatch.setattr(quantized_layout, "VECTOR_PATH", vector_path)
+    shapes = [(8, 64), (130,), (3, 64)]
+    layout = ShardLayout(shapes, 2)
+    qlayout = QuantizedLayout(layout, 32, format)
+    fulls = _tensors(shapes, [f32, bf16, f32], seed=3)
+    fulls[2] = torch.empty(fulls[2].numel() + 1)[1:].view(fulls[2].shape).copy_(fulls[2])  # misaligned
+    for rank in range(2):
+        shards = [layout.shard(t, rank) for t in fulls]
+        q_torch = torch.empty(qlayout.buffer_bytes, dtype=torch.uint8)
+        _quantized_copy_in_torch(shards, qlayout, rank, q_torch)
+        assert torch.equal(_quantized_copy_in(shards, qlayout, rank)[0], q_torch.view(2, -1)[rank])
+    buffer = _gathered(fulls, qlayout)
+    outs = [[torch.empty(s, dtype=d) for s, d in zip(shapes, (bf16, f32, f32))] for _ in range(2)]
+    outs[0][2] = torch.empty(outs[0][2].numel() + 1)[1:].view(shapes[2])  # a misaligned output too
+    outs[1][2] = torch.empty(outs[1][2].numel() + 1)[1:].view(shapes[2])
+    _quantized_all_gather_copy_out(buffer, qlayout, outs[0])
+    _quantized_all_gather_copy_out_torch(buffer, qlayout, outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    received = _quantized_copy_in(fulls, qlayout, None)[0]
+    r_torch = torch.empty(qlayout.buffer_bytes, dtype=torch.uint8)
+    _quantized_copy_in_torch(fulls, qlayout, None, r_torch)
+    assert torch.equal(received, r_torch)
+    olds = _tensors([layout.shard_shape(i, 1) for i in range(3)], [f32, f32, bf16], seed=4)
+    grads = [[g.clone() for g in olds] for _ in range(2)]
+    _quantized_reduce_scatter_copy_out(received, grads[0], qlayout, 1, 0.5, True)
+    _quantized_reduce_scatter_copy_out_torch(received, grads[1], qlayout, 1, 0.5, True)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 # ----------------------------------------------------------------------------- round trip, bounds
 @pytest.mark.parametrize("path", ["triton", "torch"])
 @examples
@@ -379,19 +417,24 @@ from kernels.quantized_copy_in import _quantized_copy_in_kernel
 from kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out_kernel
 from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out_kernel
 POINTERS = {"blocks_ptr": "*i64", "pointers_ptr": "*i64", "codes_ptr": "*i8", "scales_ptr": "*fp32", "scale": "fp32"}
+from kernels.quantized_layout import warps_per_block
 out = {}
 for kernel, extra in ((_quantized_copy_in_kernel, {}), (_quantized_all_gather_copy_out_kernel, {}),
                       (_quantized_reduce_scatter_copy_out_kernel,
                        dict(HAS_SCALE=True, ACCUMULATE=True, WORLD_SIZE=2))):
-    constexprs = dict(DT0=tl.bfloat16, DT1=tl.float32, DT2=tl.bfloat16, DT3=tl.bfloat16, NUM_GROUPS=2, BLOCK=256,
-                      FP8=True, **extra)
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i64") for n in kernel.arg_names}
-    source = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
-    for arch in (80, 90):
-        ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                             options={"enable_fp_fusion": False, "num_warps": 4}).asm["ptx"]
-        out[f"{kernel.__name__}-sm{arch}"] = {"fp8": len(re.findall(r"e4m3|e5m2", ptx)),
-                                               "fma": len(re.findall(r"\\bfma\\.rn\\.f32", ptx))}
+    for vector in (False, True):
+        constexprs = dict(DT0=tl.bfloat16, DT1=tl.float32, DT2=tl.bfloat16, DT3=tl.bfloat16, NUM_GROUPS=2,
+                          BLOCK=256, FP8=True, VECTOR=vector, VEC=4, **extra)
+        signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i64") for n in kernel.arg_names}
+        # the buffers' addresses as Triton specializes fresh allocations: 16-byte aligned
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("codes_ptr", "scales_ptr")}
+        source = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}, attrs)
+        for arch in (80, 90):
+            ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                 options={"enable_fp_fusion": False, "num_warps": warps_per_block(256, 4)}).asm["ptx"]
+            out[f"{kernel.__name__}-vector{int(vector)}-sm{arch}"] = {
+                "fp8": len(re.findall(r"e4m3|e5m2", ptx)), "fma": len(re.findall(r"\\bfma\\.rn\\.f32", ptx)),
+                "vector": len(re.findall(r"\\b(?:ld|st)\\.global(?:\\.\\w+)*\\.v[248]\\.", ptx))}
 print(json.dumps(out))
 """
 
@@ -399,7 +442,8 @@ print(json.dumps(out))
 def test_fp8_kernels_compile_for_sm80_without_fp8_instructions(tmp_path) -> None:
     """The fp8 variants of the three kernels compile ahead of time for sm_80 (below fp8 hardware,
     sm_89) and sm_90 with Triton's bundled ptxas, with no e4m3 / e5m2 conversion and no FMA in the
-    PTX: the integer encoding needs no fp8 support ([Note: why the arithmetic is bitwise portable])."""
+    PTX: the integer encoding needs no fp8 support ([Note: why the arithmetic is bitwise portable]).
+    Both paths of each kernel; the aligned full-block one must use vector loads / stores."""
     import json
     import os
     import subprocess
@@ -420,8 +464,11 @@ def test_fp8_kernels_compile_for_sm80_without_fp8_instructions(tmp_path) -> None
                           timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 6
-    assert all(r == {"fp8": 0, "fma": 0} for r in report.values()), report
+    assert len(report) == 12
+    assert all(r["fp8"] == 0 and r["fma"] == 0 for r in report.values()), report
+    # [Note: the aligned full-block path] compiles to vector loads and stores (16 bytes of float32 per
+    # thread at the runtime's warps per block); the masked path to none
+    assert all((r["vector"] > 0) == ("-vector1-" in name) for name, r in report.items()), report
 
 
 # ---------------------------------------------------------------------------------------------- GPU
