@@ -64,6 +64,9 @@ def _check_report(out: str, folder: str, modes: tuple[str, ...]) -> None:
         assert _number(cells[PEAK]) > 0, cells  # every sharded mode holds unsharded parameters at times
     assert rows["ideal max(compute, comm)"], out
     assert "peak unsharded: overlap.shard " in out and " x its largest group" in out, out
+    # The chooser's memory model (held_bytes) holds what the counter measured on the demo's model.
+    modelled = [line for line in out.splitlines() if line.startswith("peak unsharded modelled by")]
+    assert len(modelled) == 1 and modelled[0].endswith(" MB, as counted"), out
     idle = [line for line in out.splitlines() if line.startswith("  step ") and " rank " in line]
     assert "link idle while compute ran" in out and len(idle) == 2, out  # 1 profiled step x 2 ranks
     assert "overlap.shard vs no overlap: bitwise identical" in out, out
