@@ -119,11 +119,15 @@ class RankProfile:
 
 
 # -------------------------------------------------------------------------------------- idle link
-IDLE_CAUSES = ("nothing issued yet", "waiting on the byte budget", "waiting on gradients")
+IDLE_CAUSES = ("nothing issued yet", "waiting on the byte budget", "waiting on gradients",
+               "next step's gathers not issued yet")
 """The causes :func:`link_idle` names, in the order reports list them."""
 
 BUDGET_LABEL = "overlap::held_for_budget"
 """The region a collective is issued in after the runtime held it back for ``max_inflight_bytes``."""
+
+AHEAD_LABEL = "overlap::gather_ahead"
+"""The region the runtime issues the next step's all-gathers in, in backward or at its end (gather-ahead)."""
 
 _GRADIENT_KINDS = ("reduce_scatter", "all_reduce")
 
@@ -145,6 +149,13 @@ def link_idle(rank: RankProfile, start: float, end: float) -> list[tuple[float, 
     had simply *not been issued yet*: a gap before a reduce-scatter while a later all-gather of
     the window was still to come is one a deeper prefetch would have filled, and so is one before
     an all-gather (a prefetch too shallow or too late, the step boundary's optimizer step).
+    Gathers for the next step (issued in the ``overlap::gather_ahead`` region: in backward after
+    their group's step, or at its end) are told apart: a gap they end, or one before a
+    reduce-scatter with only such gathers left in the window, is *next step's gathers not issued
+    yet*: no deeper prefetch fills it, only issuing those gathers earlier in backward (more
+    gathered ahead, or earlier) would, where their groups had been stepped. Without that split
+    every backward gap of a step that ends with gathers ahead read as *not issued yet* (the
+    demo's whole idle time did), which hid that backward's link waits on the next step.
     Collectives of every step count, so a gather issued by ``prefetch_next_step`` in one step
     fills the link in the next.
     """
@@ -173,10 +184,12 @@ def _idle_cause(starts: Sequence[float], ordered: Sequence[CollectiveRecord], at
     if BUDGET_LABEL in c.label:
         return IDLE_CAUSES[1]
     if c.kind not in _GRADIENT_KINDS:
-        return IDLE_CAUSES[0]
+        return IDLE_CAUSES[3] if AHEAD_LABEL in c.label else IDLE_CAUSES[0]
     stop = bisect.bisect_left(starts, end, lo=i + 1)  # ``ordered`` is by start: only those before ``end``
-    gathers_left = any(o.kind not in _GRADIENT_KINDS for o in ordered[i + 1:stop])
-    return IDLE_CAUSES[0] if gathers_left else IDLE_CAUSES[2]
+    gathers_left = [o for o in ordered[i + 1:stop] if o.kind not in _GRADIENT_KINDS]
+    if any(AHEAD_LABEL not in o.label for o in gathers_left):
+        return IDLE_CAUSES[0]
+    return IDLE_CAUSES[3] if gathers_left else IDLE_CAUSES[2]
 
 
 # ---------------------------------------------------------------------------------------- intervals

@@ -21,7 +21,7 @@ from torch import nn
 
 import overlap
 from overlap.profiler import RankProfile, merge
-from overlap.profiler.records import (BUDGET_LABEL, IDLE_CAUSES, CollectiveRecord, StepRecord, covered,
+from overlap.profiler.records import (AHEAD_LABEL, BUDGET_LABEL, IDLE_CAUSES, CollectiveRecord, StepRecord, covered,
                                       link_idle, union)
 
 STEPS = 3
@@ -130,3 +130,28 @@ def test_idle_pieces_and_causes_by_hand() -> None:
         {"nothing issued yet": 3e3, "waiting on gradients": 0.5e3, "waiting on the byte budget": 1e3})
     assert steps[0].link_idle_share == pytest.approx(0.45)
     assert "link idle" in merge(rank).summary().table()
+
+
+def test_idle_before_the_next_steps_gathers_by_hand() -> None:
+    # window [0, 10]: a gather of this step [1, 2]; idle [2, 3) before a reduce-scatter [3, 4] while
+    # that step's re-gather [5, 6] is still to come (not issued yet); idle [6, 6.5) before a
+    # reduce-scatter [6.5, 7] with only the next step's gathers left (issued at the end of backward,
+    # in the gather-ahead region): only gathering them earlier would fill it; idle [7, 8) before
+    # the first of those; gathers [8, 9.5]; idle [9.5, 10] with nothing after it.
+    end_of_backward = f"overlap::end_backward/{AHEAD_LABEL}"
+    records = (
+        _record("all_gather", 1.0, 2.0, label="overlap::pre_forward"),
+        _record("reduce_scatter", 3.0, 4.0),
+        _record("all_gather", 5.0, 6.0, label="overlap::pre_backward"),
+        _record("reduce_scatter", 6.5, 7.0),
+        _record("all_gather", 8.0, 9.0, label=end_of_backward),
+        _record("all_gather", 9.0, 9.5, label=AHEAD_LABEL),
+    )
+    rank = RankProfile(rank=0, world_size=2, epoch=0.0, device="cpu", steps=(StepRecord(0, 0, 0.0, 10.0),),
+                       collectives=records)
+    ahead = IDLE_CAUSES[3]
+    assert link_idle(rank, 0.0, 10.0) == [(0.0, 1.0, "nothing issued yet"), (2.0, 3.0, "nothing issued yet"),
+                                          (4.0, 5.0, "nothing issued yet"), (6.0, 6.5, ahead), (7.0, 8.0, ahead),
+                                          (9.5, 10.0, "nothing issued yet")]
+    (step,) = merge(rank).summary().steps
+    assert dict(step.link_idle_causes) == pytest.approx({"nothing issued yet": 3.5e3, ahead: 1.5e3})
