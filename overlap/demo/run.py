@@ -50,7 +50,7 @@ from overlap.testing.exposed import PairedTimes
 
 __all__ = [
     "COMPARABLE", "DemoConfig", "DemoResult", "FSDP2_LOSS_RTOL", "MODE_NAMES", "ModeResult", "format_report",
-    "rank_main", "run_demo", "write_outputs",
+    "module_of", "rank_main", "run_demo", "write_outputs",
 ]
 
 # [Note: demo loss tolerance] FSDP2 and overlap.shard compute the same fp32 math, but nothing obliges
@@ -486,6 +486,42 @@ def _idle_lines(result: DemoResult) -> list[str]:
     return lines + [""]
 
 
+EXPOSED_SHOWN = 6
+"""How many (collective, module) pairs the exposed-waits line lists, the most exposed first."""
+
+
+def module_of(record: Any) -> str:
+    """The module a collective (an ``overlap.profiler`` ``CollectiveRecord``) served: the one named
+    in the region of its first wait (``overlap::pre_forward (blocks.0)``: a gather is waited where its
+    module runs, whoever prefetched it), else in the region it was issued in (a reduce-scatter
+    waited at the end of backward), else ``"root"`` (the root's regions carry no name)."""
+    for label in (record.wait_label, record.label):
+        if label.endswith(")") and " (" in label:
+            return label[label.rindex(" (") + 2:-1]
+    return "root"
+
+
+def _exposed_lines(result: DemoResult) -> list[str]:
+    """The main mode's exposed communication per step by collective kind and module, mean over its
+    profiled steps and ranks, the most exposed first: where the exposed time of the table comes from
+    (a gather issued at the end of the last profiled step and waited after it counts as not exposed)."""
+    profile = result.modes[result.config.main_mode].profile
+    ranks = profile.ranks if profile is not None else []
+    steps = sum(len(r.steps) for r in ranks)
+    if not steps:
+        return []
+    exposed: dict[tuple[str, str], float] = {}
+    for rank in ranks:
+        for c in rank.collectives:
+            key = (c.kind, module_of(c))
+            exposed[key] = exposed.get(key, 0.0) + c.exposed
+    shown = sorted(exposed.items(), key=lambda kv: -kv[1])[:EXPOSED_SHOWN]
+    parts = [f"{kind} {module} {1e3 * seconds / steps:.1f}" for (kind, module), seconds in shown
+             if 1e3 * seconds / steps >= 0.05]
+    return [f"exposed waits per step by collective and module ({MODE_NAMES[result.config.main_mode]}, profiled "
+            f"steps, mean over ranks, ms): {', '.join(parts) or 'none'}", ""]
+
+
 HEADER: tuple[str, ...] = ("mode", "step ms", "tokens/s", "compute ms", "comm ms", "exposed comm ms",
                            "comm hidden", "profiled exposed ms", "profiled hidden", "profiled link idle ms",
                            "peak unsharded MB")
@@ -538,6 +574,7 @@ def format_report(result: DemoResult) -> str:
         *_memory_lines(result),
         "",
         *_idle_lines(result),
+        *_exposed_lines(result),
         _loss_line(result),
     ]
     return "\n".join(lines)
