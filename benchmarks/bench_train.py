@@ -13,6 +13,11 @@ step takes beyond it is *exposed communication*. The link bandwidth is chosen (u
 reduce-scatters) takes about as long as this runtime's compute side. Reported: medians of the
 slowest rank, the share of hideable comm that was hidden, and the ideal ``max(compute, comm)``.
 
+After each mode's timed steps, ``MEMORY_STEPS`` untimed steps behind the link run under
+``overlap.demo.unsharded_peak.UnshardedPeak``: the *peak unsharded MB* column is the most bytes of
+unsharded parameters a rank held at once (the demo's count, the same for FSDP2: what prefetch depth
+and gathering ahead cost in memory; gradients, activations and optimizer state not included).
+
 The runtime's own CPU cost per block (world size 1, against the same model unsharded, FSDP2
 beside it) is ``bench_runtime_cost.py``'s.
 
@@ -29,7 +34,8 @@ from typing import Any
 
 from _common import PAIRED_HEADER, mlp_parser, mlp_step, paired_cells, parse, rank_input  # first: sys.path
 from overlap.demo.training import calibrate_link
-from overlap.testing import EmulatedLink, PairedTimes, paired_steps, run_distributed
+from overlap.demo.unsharded_peak import UnshardedPeak
+from overlap.testing import EmulatedLink, PairedTimes, over_ranks, paired_steps, run_distributed
 from report import emit
 
 # Display name -> overlap.demo.training mode.
@@ -38,6 +44,9 @@ MODES = {"overlap.shard": "overlap", "overlap.shard, prefetch auto": "overlap",
          "overlap.shard, prefetch auto + optimizer in backward": "overlap",
          "overlap.shard, overlap off": "no-overlap",
          "torch FSDP2 (default)": "fsdp2", "torch FSDP2 (explicit prefetch)": "fsdp2-prefetch"}
+MEMORY_STEPS = 2
+"""Untimed steps per mode, behind the link, over which the peak unsharded bytes are counted (two cover a
+step boundary with gathers issued ahead, as in the demo)."""
 
 
 def _train_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -53,6 +62,10 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
             with EmulatedLink(gbps, args.latency_us):
                 step()  # the step that measures the costs sees the link, as it would in training
         out[name] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=2)
+        with EmulatedLink(gbps, args.latency_us), UnshardedPeak(step.model) as counter:  # type: ignore[attr-defined]
+            for _ in range(MEMORY_STEPS):
+                step()
+        out[f"peak {name}"] = over_ranks(counter.peak)
         if "prefetch auto" in name:
             out[f"depth {name}"] = step.model.prefetch_depth
     return out
@@ -68,11 +81,13 @@ def main(argv: list[str] | None = None) -> None:
         m: PairedTimes = r[name]
         shown = f"{name} (depth {r[f'depth {name}']})" if "prefetch auto" in name else name
         rows.append([shown, *paired_cells(m), f"{100 * m.hidden_share:.0f}%",
-                     f"{1e3 * max(m.unlinked, m.comm):.1f}", f"{m.linked / fsdp2:.2f}x"])
+                     f"{1e3 * max(m.unlinked, m.comm):.1f}", f"{m.linked / fsdp2:.2f}x",
+                     f"{r[f'peak {name}'] / 2**20:.3g}"])
     emit(f"Training step, {args.world_size} CPU ranks (gloo), {args.blocks} MLP blocks of width {args.dim}, "
          f"AdamW; emulated link {r['gbps']:.3g} Gbit/s + {args.latency_us:g} µs; medians of {args.steps} "
          "steps alternating without/with the link delay, slowest rank",
-         ["mode", *PAIRED_HEADER, "hideable comm hidden", "ideal max(compute, comm) ms", "step vs FSDP2 default"],
+         ["mode", *PAIRED_HEADER, "hideable comm hidden", "ideal max(compute, comm) ms", "step vs FSDP2 default",
+          "peak unsharded MB"],
          rows, args.markdown)
 
 

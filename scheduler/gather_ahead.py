@@ -11,8 +11,9 @@ Inputs, per forward position (the agreed forward order; one group per position):
 ``gather``      seconds its all-gather occupies the link (its reduce-scatter is taken as the same)
 ``nbytes``      bytes its all-gather brings in: what a gather issued ahead holds until forward
 ``depth``       the prefetch depth already chosen (``scheduler.prefetch_depth``)
-``budget``      bytes the gathers held across the step boundary plus forward's ``1 + depth``
-                window may hold together
+``budget``      bytes of unsharded parameters the schedule may hold at once (``held_bytes``: the
+                root, forward's ``1 + depth`` window and the gathers held across the step
+                boundary; [Note: the bytes a plan holds])
 ==============  ================================================================================
 
 [Note: choosing the gathers issued ahead]
@@ -35,6 +36,20 @@ model's step. ``(0, 1)``, issue nothing ahead in backward, is the
 fallback: another plan is taken only where the model says it is faster by more than ``tolerance``
 and its held bytes fit the budget, so the choice never loses to the schedule without it, as far
 as the model goes.
+
+[Note: the bytes a plan holds]
+``held_bytes`` is the most unsharded bytes the schedule holds at once, as
+``overlap/demo/unsharded_peak.py`` counts them (from a gather's issue to its reshard). Forward
+position 0 is the root's group: it is unsharded from its pre-forward to the end of backward, so it
+is held at every point of the step, once. Forward at position ``j`` holds the root, the window
+``j .. j + depth`` (the last ``1 + depth`` positions stay unsharded into backward: the window at
+``n - 1 - depth`` is that set), and the groups gathered ahead for positions after ``j`` (not yet
+used); a group that is both in a window and gathered ahead is one gather, held once. Backward at
+``j`` holds no more than forward at ``j - depth`` (its window ``j - depth .. j`` and only the
+groups gathered ahead above ``j``), and the end of backward holds the first ``1 + depth`` positions
+and every group gathered ahead, which forward at position 1 also holds: so the peak is the most
+over forward positions. ``budget`` bounds this peak, so it also bounds the bytes in flight at once
+(``max_inflight_bytes``' meaning in the runtime), which are a part of it.
 """
 from __future__ import annotations
 
@@ -62,11 +77,19 @@ def modelled_steady_step(compute: Sequence[float], gather: Sequence[float], dept
 
 
 def held_bytes(nbytes: Sequence[int], depth: int, count: int) -> int:
-    """Bytes held at most in forward with the first ``count`` reduced groups gathered ahead: those,
-    plus the largest ``1 + depth`` window of forward positions."""
+    """Bytes of unsharded parameters held at most with prefetch ``depth`` and the first ``count``
+    reduced groups (the last ``count`` forward positions) gathered ahead: see [Note: the bytes a
+    plan holds]. ``nbytes[0]`` is the root's group, the first forward position."""
     n = len(nbytes)
-    window = max((sum(nbytes[j: j + 1 + depth]) for j in range(n)), default=0)
-    return sum(nbytes[n - count:]) + window if count else window
+    if n == 0:
+        return 0
+    ahead = range(max(1, n - count), n)  # the root (position 0) is counted once, below
+
+    def held_at(j: int) -> int:  # forward at position j: its window, and what was gathered ahead for later
+        window = range(max(1, j), min(n, j + 1 + depth))
+        return sum(nbytes[k] for k in set(window).union(k for k in ahead if k >= j))
+
+    return nbytes[0] + max(held_at(j) for j in range(n))
 
 
 def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], depth: int,

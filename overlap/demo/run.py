@@ -50,7 +50,7 @@ from overlap.testing.exposed import PairedTimes
 
 __all__ = [
     "COMPARABLE", "DemoConfig", "DemoResult", "FSDP2_LOSS_RTOL", "MODE_NAMES", "ModeResult", "format_report",
-    "rank_main", "run_demo", "write_outputs",
+    "module_of", "rank_main", "run_demo", "write_outputs",
 ]
 
 # [Note: demo loss tolerance] FSDP2 and overlap.shard compute the same fp32 math, but nothing obliges
@@ -195,6 +195,9 @@ class ModeResult:
     bytes] in ``overlap/demo/unsharded_peak.py``); None for modes that do not shard (TP)."""
     largest_group: Optional[int] = None
     """The largest sharded group's unsharded bytes (what one unit of prefetch depth holds at most)."""
+    modelled_peak: Optional[int] = None
+    """What the gather-ahead chooser's memory model says ``overlap.shard`` holds at once
+    (``overlap.demo.unsharded_peak.modelled_peak``; the most over ranks); None for other modes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +295,7 @@ def _all_true(flag: bool, device: torch.device) -> bool:
 def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResult]:
     """The demo on one rank of an initialized default process group; rank 0 returns the figures
     (other ranks None). Every rank must call it with the same ``cfg``."""
-    from overlap.demo.unsharded_peak import UnshardedPeak
+    from overlap.demo.unsharded_peak import UnshardedPeak, modelled_peak
     from overlap.profiler import profile
     from overlap.testing import EmulatedLink, paired_steps
 
@@ -363,13 +366,15 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         if mode == "overlap":
             depth = mode_depth
         local[mode] = list(step.losses)
-        peak = largest = None
+        peak = largest = modelled = None
         if mode not in TP_MODES:
             progress.start(f"counting {MODE_NAMES[mode]}'s unsharded bytes")
             with link(), UnshardedPeak(step.model) as counter:  # type: ignore[attr-defined]
                 for _ in range(MEMORY_STEPS):
                     step()
             peak, largest = _max_over_ranks(counter.peak, device), counter.largest_group
+            modelled = modelled_peak(step.model)  # type: ignore[attr-defined]
+            modelled = None if modelled is None else _max_over_ranks(modelled, device)
         merged = None
         if cfg.profile_steps and mode in PROFILED:
             progress.start(f"profiling {MODE_NAMES[mode]}")
@@ -380,7 +385,8 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
                     prof.step()
             merged = prof.gather(dst=0)
         ahead = getattr(step.model, "gather_ahead", None) if mode not in TP_MODES else None
-        modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth, ahead, peak, largest)
+        modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth, ahead, peak, largest,
+                                 modelled)
         del step
     progress.finish()
     bitwise = None
@@ -480,6 +486,42 @@ def _idle_lines(result: DemoResult) -> list[str]:
     return lines + [""]
 
 
+EXPOSED_SHOWN = 6
+"""How many (collective, module) pairs the exposed-waits line lists, the most exposed first."""
+
+
+def module_of(record: Any) -> str:
+    """The module a collective (an ``overlap.profiler`` ``CollectiveRecord``) served: the one named
+    in the region of its first wait (``overlap::pre_forward (blocks.0)``: a gather is waited where its
+    module runs, whoever prefetched it), else in the region it was issued in (a reduce-scatter
+    waited at the end of backward), else ``"root"`` (the root's regions carry no name)."""
+    for label in (record.wait_label, record.label):
+        if label.endswith(")") and " (" in label:
+            return label[label.rindex(" (") + 2:-1]
+    return "root"
+
+
+def _exposed_lines(result: DemoResult) -> list[str]:
+    """The main mode's exposed communication per step by collective kind and module, mean over its
+    profiled steps and ranks, the most exposed first: where the exposed time of the table comes from
+    (a gather issued at the end of the last profiled step and waited after it counts as not exposed)."""
+    profile = result.modes[result.config.main_mode].profile
+    ranks = profile.ranks if profile is not None else []
+    steps = sum(len(r.steps) for r in ranks)
+    if not steps:
+        return []
+    exposed: dict[tuple[str, str], float] = {}
+    for rank in ranks:
+        for c in rank.collectives:
+            key = (c.kind, module_of(c))
+            exposed[key] = exposed.get(key, 0.0) + c.exposed
+    shown = sorted(exposed.items(), key=lambda kv: -kv[1])[:EXPOSED_SHOWN]
+    parts = [f"{kind} {module} {1e3 * seconds / steps:.1f}" for (kind, module), seconds in shown
+             if 1e3 * seconds / steps >= 0.05]
+    return [f"exposed waits per step by collective and module ({MODE_NAMES[result.config.main_mode]}, profiled "
+            f"steps, mean over ranks, ms): {', '.join(parts) or 'none'}", ""]
+
+
 HEADER: tuple[str, ...] = ("mode", "step ms", "tokens/s", "compute ms", "comm ms", "exposed comm ms",
                            "comm hidden", "profiled exposed ms", "profiled hidden", "profiled link idle ms",
                            "peak unsharded MB")
@@ -532,6 +574,7 @@ def format_report(result: DemoResult) -> str:
         *_memory_lines(result),
         "",
         *_idle_lines(result),
+        *_exposed_lines(result),
         _loss_line(result),
     ]
     return "\n".join(lines)
@@ -545,14 +588,20 @@ def _memory_lines(result: DemoResult) -> list[str]:
     """overlap.shard's peak unsharded bytes against FSDP2's, in units of its largest group (issue 29's
     goal: at most FSDP2's plus one group per unit of prefetch depth)."""
     ours, fsdp2 = result.modes.get("overlap"), result.modes.get("fsdp2")
+    lines = []
+    if ours is not None and ours.modelled_peak is not None and ours.unsharded_peak is not None:
+        verdict = "as counted" if ours.modelled_peak == ours.unsharded_peak else "NOT as counted"
+        lines.append(f"peak unsharded modelled by the gather-ahead chooser (held_bytes at depth {ours.depth}): "
+                     f"{_mb(ours.modelled_peak)} MB, {verdict}")
     if ours is None or fsdp2 is None or ours.unsharded_peak is None or fsdp2.unsharded_peak is None:
-        return []
+        return lines
     extra = ours.unsharded_peak - fsdp2.unsharded_peak
     groups = f" = {extra / ours.largest_group:.2f} x its largest group" if ours.largest_group else ""
     depth = (f" (prefetch depth {ours.depth}: issue 29's bound is {ours.depth} x)" if ours.depth is not None
              and ours.largest_group else "")
     return [f"peak unsharded: {MODE_NAMES['overlap']} {_mb(ours.unsharded_peak)} MB vs {MODE_NAMES['fsdp2']} "
-            f"{_mb(fsdp2.unsharded_peak)} MB: {'+' if extra >= 0 else '-'}{_mb(abs(extra))} MB{groups}{depth}"]
+            f"{_mb(fsdp2.unsharded_peak)} MB: {'+' if extra >= 0 else '-'}{_mb(abs(extra))} MB{groups}{depth}",
+            *lines]
 
 
 def _depth_lines(result: DemoResult) -> list[str]:

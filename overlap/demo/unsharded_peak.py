@@ -21,11 +21,11 @@ groups per gather, so the demo attaches the counter only to untimed steps.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from torch import nn
 
-__all__ = ["UnshardedPeak"]
+__all__ = ["UnshardedPeak", "modelled_peak"]
 
 
 class _Group:
@@ -38,6 +38,11 @@ class _Group:
         self.owner, self.nbytes, self.holds, self.issuers = owner, nbytes, holds, issuers
 
 
+def _unsharded_bytes(group: Any) -> int:
+    """An ``overlap.shard`` group's parameters at full size, in the dtype compute sees them."""
+    return sum(math.prod(shape) * group._unsharded_dtype(i).itemsize for i, shape in enumerate(group.layout.shapes))
+
+
 def _overlap_groups(model: nn.Module) -> list[_Group]:
     from overlap.sharding import sharded_states
 
@@ -46,7 +51,7 @@ def _overlap_groups(model: nn.Module) -> list[_Group]:
         g = state.group
         if g is None:
             continue
-        nbytes = sum(math.prod(shape) * g._unsharded_dtype(i).itemsize for i, shape in enumerate(g.layout.shapes))
+        nbytes = _unsharded_bytes(g)
         groups.append(_Group(g, nbytes, lambda g=g: g.pending_gather is not None or (
             g.is_unsharded and not g.aliases_shards), ("issue_gather", "finish_gather")))
     return groups
@@ -66,6 +71,27 @@ def _fsdp2_groups(model: nn.Module) -> list[_Group]:
                      for fp in g.fsdp_params)
         groups.append(_Group(g, nbytes, lambda g=g: g._all_gather_result is not None or g.is_unsharded, ("unshard",)))
     return groups
+
+
+def modelled_peak(model: nn.Module) -> Optional[int]:
+    """The most unsharded bytes ``model`` (the root of an ``overlap.shard`` tree) holds at once by
+    ``scheduler.gather_ahead.held_bytes``: its agreed forward order, its prefetch depth and the
+    count of its gather-ahead plan, each group at the bytes :class:`UnshardedPeak` counts. None
+    before the first step agreed the order, where a group runs twice in it (the model assumes one
+    group per position), or for a model ``overlap.shard`` did not shard as a root."""
+    from scheduler.gather_ahead import held_bytes
+
+    state = getattr(model, "_overlap_state", None)
+    root = None if state is None else state.root
+    if root is None or root.owner is not state or root.agreed_order is None or model.prefetch_depth is None:
+        return None
+    order = root.agreed_order
+    if len(set(order)) != len(order):
+        return None
+    groups = [root.states[i].group for i in order]
+    plan = model.gather_ahead
+    return held_bytes([0 if g is None else _unsharded_bytes(g) for g in groups], model.prefetch_depth,
+                      plan[0] if plan else 0)
 
 
 class UnshardedPeak:

@@ -20,7 +20,7 @@ __all__ = ["PathArg", "export_chrome_trace", "plot", "timeline_origin", "trace_e
 
 PathArg = Union[str, "os.PathLike[str]"]
 
-_IDLE_COLORS = ("#bdbdbd", "#fdae6b", "#9e9ac8")  # per IDLE_CAUSES entry, on the comm row of plot()
+_IDLE_COLORS = ("#bdbdbd", "#fdae6b", "#9e9ac8", "#ffe082")  # per IDLE_CAUSES entry, on the comm row of plot()
 
 
 def timeline_origin(ranks: Sequence[RankProfile]) -> float:

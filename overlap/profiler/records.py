@@ -119,11 +119,15 @@ class RankProfile:
 
 
 # -------------------------------------------------------------------------------------- idle link
-IDLE_CAUSES = ("nothing issued yet", "waiting on the byte budget", "waiting on gradients")
+IDLE_CAUSES = ("nothing issued yet", "waiting on the byte budget", "waiting on gradients",
+               "next step's gathers not issued yet")
 """The causes :func:`link_idle` names, in the order reports list them."""
 
 BUDGET_LABEL = "overlap::held_for_budget"
 """The region a collective is issued in after the runtime held it back for ``max_inflight_bytes``."""
+
+AHEAD_LABEL = "overlap::gather_ahead"
+"""The region the runtime issues the next step's all-gathers in, in backward or at its end (gather-ahead)."""
 
 _GRADIENT_KINDS = ("reduce_scatter", "all_reduce")
 
@@ -138,13 +142,24 @@ def link_idle(rank: RankProfile, start: float, end: float) -> list[tuple[float, 
     collectives' ``[start, end]`` (every group's: one rank, one NIC); a stall means the rank waits
     for something in flight, so stalls are not counted either. An idle piece ends when the next
     collective starts (or the window ends), and that collective says why it was not on the link
-    sooner: a collective issued in the ``overlap::held_for_budget`` region had been held back by
+    sooner (a piece that ends at a stall, e.g. a wait for a collective already done, takes the
+    cause of the next collective to start after it: the stall changed nothing on the link): a
+    collective issued in the ``overlap::held_for_budget`` region had been held back by
     ``max_inflight_bytes`` (*waiting on the byte budget*); a reduce-scatter (or HSDP's all-reduce)
     goes out when its gradients are complete, so if no all-gather was left to run in the window
     the link was *waiting on gradients*; anything else, or no collective before the window's end,
     had simply *not been issued yet*: a gap before a reduce-scatter while a later all-gather of
     the window was still to come is one a deeper prefetch would have filled, and so is one before
     an all-gather (a prefetch too shallow or too late, the step boundary's optimizer step).
+    Gathers for the next step (issued in the ``overlap::gather_ahead`` region: in backward after
+    their group's step, or at its end) are told apart: a gap they end, or one before a
+    reduce-scatter with only such gathers left in the window once a reduce-scatter of the window
+    has landed (so a group could have been stepped), is *next step's gathers not issued yet*: no
+    deeper prefetch fills it, only issuing those gathers earlier in backward (more gathered ahead,
+    or earlier) would. Before any reduce-scatter landed such a gap is *waiting on gradients*: the
+    next step's gathers wait for steps, which wait for gradients. Without that split
+    every backward gap of a step that ends with gathers ahead read as *not issued yet* (the
+    demo's whole idle time did), which hid that backward's link waits on the next step.
     Collectives of every step count, so a gather issued by ``prefetch_next_step`` in one step
     fills the link in the next.
     """
@@ -156,27 +171,31 @@ def link_idle(rank: RankProfile, start: float, end: float) -> list[tuple[float, 
     for lo, hi in busy + [(end, end)]:
         lo, hi = min(max(lo, start), end), min(hi, end)
         if lo > cursor:
-            pieces.append((cursor, lo, _idle_cause(starts, ordered, lo, end)))
+            pieces.append((cursor, lo, _idle_cause(starts, ordered, cursor, lo, end)))
         cursor = max(cursor, hi)
         if cursor >= end:
             break
     return pieces
 
 
-def _idle_cause(starts: Sequence[float], ordered: Sequence[CollectiveRecord], at: float, end: float) -> str:
-    """Why the link was idle until ``at`` (in a window ending at ``end``): from the collective that
-    started there (``ordered`` by ``starts``; see [Note: link idle while compute ran])."""
-    i = bisect.bisect_left(starts, at - 1e-9)
-    if i == len(starts) or starts[i] > at + 1e-9:
+def _idle_cause(starts: Sequence[float], ordered: Sequence[CollectiveRecord], since: float, at: float,
+                end: float) -> str:
+    """Why the link was idle from ``since`` until ``at`` (in a window ending at ``end``): from the next
+    collective to start there or later (``ordered`` by ``starts``; see [Note: link idle while compute ran])."""
+    i = bisect.bisect_left(starts, at - 1e-9)  # the next collective on the link (a piece may end at a stall)
+    if i == len(starts):
         return IDLE_CAUSES[0]
     c = ordered[i]
     if BUDGET_LABEL in c.label:
         return IDLE_CAUSES[1]
     if c.kind not in _GRADIENT_KINDS:
-        return IDLE_CAUSES[0]
+        return IDLE_CAUSES[3] if AHEAD_LABEL in c.label else IDLE_CAUSES[0]
     stop = bisect.bisect_left(starts, end, lo=i + 1)  # ``ordered`` is by start: only those before ``end``
-    gathers_left = any(o.kind not in _GRADIENT_KINDS for o in ordered[i + 1:stop])
-    return IDLE_CAUSES[0] if gathers_left else IDLE_CAUSES[2]
+    gathers_left = [o for o in ordered[i + 1:stop] if o.kind not in _GRADIENT_KINDS]
+    if any(AHEAD_LABEL not in o.label for o in gathers_left):
+        return IDLE_CAUSES[0]
+    stepped = any(o.kind in _GRADIENT_KINDS and o.end <= since + 1e-9 for o in ordered[:i])
+    return IDLE_CAUSES[3] if gathers_left and stepped else IDLE_CAUSES[2]
 
 
 # ---------------------------------------------------------------------------------------- intervals

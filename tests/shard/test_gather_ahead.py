@@ -215,8 +215,32 @@ def test_chooser_keeps_the_held_bytes_within_the_budget() -> None:
     for budget in range(0, 4000, 50):
         count, lag = choose_gather_ahead(compute, gather, nbytes, 5, budget)
         assert count == 0 or held_bytes(nbytes, 5, count) <= budget, (budget, count)
-    assert held_bytes(nbytes, 1, 0) == 1100  # the largest 1 + depth window of forward
-    assert held_bytes(nbytes, 1, 2) == 1100 + 1100  # plus the two last positions, gathered ahead
+    assert held_bytes(nbytes, 1, 0) == 100 + 1100  # the root, and the largest 1 + depth window after it
+    # Two gathered ahead (positions 4, 5): forward at 2 holds the root, 2, 3 and both (held once).
+    assert held_bytes(nbytes, 1, 2) == 100 + 300 + 400 + 500 + 600
+
+
+# Forward positions: the root (held the whole step), then four groups; hand-computed below.
+ROOT_AND_FOUR = [1000, 10, 20, 30, 40]
+
+
+@pytest.mark.parametrize("depth, count, held", [
+    (0, 0, 1000 + 40),  # the root and the largest group (the old count left the root out: 1000)
+    (1, 0, 1000 + 30 + 40),  # the root and forward's last window (old: 1010, the window with the root)
+    (1, 2, 1000 + 10 + 20 + 30 + 40),  # at 1: its window 1, 2 and 3, 4 gathered ahead (old: 1080)
+    (1, 4, 1000 + 10 + 20 + 30 + 40),  # every group ahead, the window's held once (old: 1110)
+    (1, 5, 1000 + 10 + 20 + 30 + 40),  # the root gathered ahead too: still held once (old: 2110)
+    (4, 0, 1000 + 10 + 20 + 30 + 40),  # the whole model, once
+    (0, 1, 1000 + 30 + 40),  # at 3: group 3 and group 4 gathered ahead
+])
+def test_held_bytes_counts_the_root_and_each_group_once(depth: int, count: int, held: int) -> None:
+    assert held_bytes(ROOT_AND_FOUR, depth, count) == held
+
+
+def test_held_bytes_edges() -> None:
+    assert held_bytes([], 1, 0) == 0
+    assert held_bytes([7], 0, 0) == held_bytes([7], 3, 1) == 7  # the root alone, gathered ahead or not
+    assert held_bytes([7, 0, 5], 0, 0) == 12  # a position without parameters holds nothing
 
 
 @pytest.mark.parametrize("args, match", [

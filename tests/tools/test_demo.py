@@ -23,7 +23,8 @@ import os
 import pytest
 
 from overlap.demo.cli import main
-from overlap.demo.run import HEADER, MODE_NAMES, PROFILED
+from overlap.demo.run import HEADER, MODE_NAMES, PROFILED, module_of
+from overlap.profiler.records import CollectiveRecord
 
 pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
 
@@ -64,6 +65,11 @@ def _check_report(out: str, folder: str, modes: tuple[str, ...]) -> None:
         assert _number(cells[PEAK]) > 0, cells  # every sharded mode holds unsharded parameters at times
     assert rows["ideal max(compute, comm)"], out
     assert "peak unsharded: overlap.shard " in out and " x its largest group" in out, out
+    # The chooser's memory model (held_bytes) holds what the counter measured on the demo's model.
+    modelled = [line for line in out.splitlines() if line.startswith("peak unsharded modelled by")]
+    assert len(modelled) == 1 and modelled[0].endswith(" MB, as counted"), out
+    exposed = [line for line in out.splitlines() if line.startswith("exposed waits per step by collective and module")]
+    assert len(exposed) == 1, out
     idle = [line for line in out.splitlines() if line.startswith("  step ") and " rank " in line]
     assert "link idle while compute ran" in out and len(idle) == 2, out  # 1 profiled step x 2 ranks
     assert "overlap.shard vs no overlap: bitwise identical" in out, out
@@ -187,3 +193,20 @@ def test_demo_tensor_parallel_compares_with_torch_tp(tmp_path: object, capsys: p
     # chunks' worth of compute to hide behind), so no more are required here; tests/parallel checks
     # the decomposed collectives
     assert collectives["tp"] >= collectives["tp-chunks1"] > 0, collectives
+
+
+def _record(label: str, wait_label: str) -> CollectiveRecord:
+    return CollectiveRecord(rank=0, step=0, kind="all_gather", nbytes=8, group="g", label=label, issued=0.0,
+                            start=0.0, end=1.0, end_measured=True, wait_start=None, wait_end=None,
+                            wait_label=wait_label, exposed=0.0)
+
+
+@pytest.mark.parametrize("label, wait_label, module", [
+    ("overlap::pre_forward (tok)", "overlap::pre_forward (head)", "head"),  # prefetched by tok, waited by head
+    ("overlap::end_backward/overlap::gather_ahead", "overlap::pre_forward (blocks.0)", "blocks.0"),
+    ("overlap::reduce_scatter (blocks.0)", "overlap::end_backward", "blocks.0"),  # waited at the end
+    ("overlap::reduce_scatter", "overlap::end_backward", "root"),  # the root's regions name no module
+    ("overlap::end_backward/overlap::gather_ahead", "", "root"),  # never waited, issued unnamed
+])
+def test_exposed_waits_are_told_by_the_module_served(label: str, wait_label: str, module: str) -> None:
+    assert module_of(_record(label, wait_label)) == module

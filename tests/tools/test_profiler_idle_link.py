@@ -12,6 +12,7 @@ next gather is held back (``overlap::held_for_budget``).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch import nn
 
 import overlap
 from overlap.profiler import RankProfile, merge
-from overlap.profiler.records import (BUDGET_LABEL, IDLE_CAUSES, CollectiveRecord, StepRecord, covered,
+from overlap.profiler.records import (AHEAD_LABEL, BUDGET_LABEL, IDLE_CAUSES, CollectiveRecord, StepRecord, covered,
                                       link_idle, union)
 
 STEPS = 3
@@ -130,3 +131,44 @@ def test_idle_pieces_and_causes_by_hand() -> None:
         {"nothing issued yet": 3e3, "waiting on gradients": 0.5e3, "waiting on the byte budget": 1e3})
     assert steps[0].link_idle_share == pytest.approx(0.45)
     assert "link idle" in merge(rank).summary().table()
+
+
+def test_idle_before_the_next_steps_gathers_by_hand() -> None:
+    # Window [0, 10]: idle [0, 1) before a gather of this step [1, 2]; idle [2, 3) before a
+    # reduce-scatter [3, 4] while this step's re-gather [5, 6] is still to come, and [4, 5) before
+    # that re-gather (not issued yet: a deeper prefetch fills those); idle [6, 6.5) before a
+    # reduce-scatter [6.5, 7] with only the next step's gathers left (issued at the end of backward,
+    # in the gather-ahead region) after a reduce-scatter landed: only gathering them earlier would
+    # fill it; idle [7, 8) before the first of those; gathers [8, 9.5]; idle [9.5, 10] with nothing
+    # after it. A stall [6.2, 6.3] (a wait for the first gather, long done) splits the gap [6, 6.5]:
+    # both pieces keep its cause.
+    end_of_backward = f"overlap::end_backward/{AHEAD_LABEL}"
+    records = (
+        _record("all_gather", 1.0, 2.0, label="overlap::pre_forward", wait=(6.2, 6.3)),
+        _record("reduce_scatter", 3.0, 4.0),
+        _record("all_gather", 5.0, 6.0, label="overlap::pre_backward"),
+        _record("reduce_scatter", 6.5, 7.0),
+        _record("all_gather", 8.0, 9.0, label=end_of_backward),
+        _record("all_gather", 9.0, 9.5, label=AHEAD_LABEL),
+    )
+    rank = RankProfile(rank=0, world_size=2, epoch=0.0, device="cpu", steps=(StepRecord(0, 0, 0.0, 10.0),),
+                       collectives=records)
+    ahead = IDLE_CAUSES[3]
+    assert link_idle(rank, 0.0, 10.0) == [(0.0, 1.0, "nothing issued yet"), (2.0, 3.0, "nothing issued yet"),
+                                          (4.0, 5.0, "nothing issued yet"), (6.0, 6.2, ahead), (6.3, 6.5, ahead),
+                                          (7.0, 8.0, ahead), (9.5, 10.0, "nothing issued yet")]
+    (step,) = merge(rank).summary().steps
+    assert dict(step.link_idle_causes) == pytest.approx({"nothing issued yet": 3.5e3, ahead: 1.4e3})
+
+    # Forward done, every gather of the step landed [0, 1]: idle [1, 2) before the first
+    # reduce-scatter [2, 3] with only the next step's gathers left, before any reduce-scatter
+    # landed, waits on gradients (no group could have been stepped yet); idle [3, 4) before the
+    # next reduce-scatter [4, 5] comes after one landed: the next step's gathers.
+    records = (
+        _record("all_gather", 0.0, 1.0, label="overlap::pre_forward"),
+        _record("reduce_scatter", 2.0, 3.0),
+        _record("reduce_scatter", 4.0, 5.0),
+        _record("all_gather", 5.0, 6.0, label=AHEAD_LABEL),
+    )
+    rank = dataclasses.replace(rank, steps=(StepRecord(0, 0, 0.0, 6.0),), collectives=records)
+    assert link_idle(rank, 0.0, 6.0) == [(1.0, 2.0, "waiting on gradients"), (3.0, 4.0, ahead)]

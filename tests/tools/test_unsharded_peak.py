@@ -15,6 +15,9 @@ the final norm and the tied head, and stays unsharded from its pre-forward to th
   starts holding ``root + (1 + d + count)`` blocks, all 4 at most (a block gathered ahead that is
   also in the first window is held once).
 
+Each ``overlap.shard`` peak is also checked against ``scheduler.gather_ahead.held_bytes``, the
+model the gather-ahead chooser keeps within its budget.
+
 Counted over the steps after the first (which records the order and prefetches nothing).
 """
 from __future__ import annotations
@@ -27,8 +30,9 @@ from torch import nn
 
 import overlap
 from models import LR, SEED, TinyLM, local_batch, make_batch
-from overlap.demo.unsharded_peak import UnshardedPeak
+from overlap.demo.unsharded_peak import UnshardedPeak, modelled_peak
 from scheduler import gather_ahead, prefetch_depth
+from scheduler.gather_ahead import held_bytes
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
 
@@ -79,6 +83,11 @@ def _peak(rank: int, world_size: int, runtime: str, prefetch: int,
     assert counter.largest_group == max(root_bytes, block_bytes)
     if plan is not None:
         assert model.gather_ahead == plan and model.prefetch_depth == prefetch
+    if runtime == "overlap":  # the gather-ahead chooser's memory model holds what was measured
+        modelled = held_bytes([root_bytes] + [block_bytes] * BLOCKS, prefetch, plan[0] if plan else 0)
+        assert modelled == modelled_peak(model) == counter.peak, (modelled, modelled_peak(model), counter.peak)
+    else:
+        assert modelled_peak(model) is None
     return counter.peak, root_bytes, block_bytes
 
 
