@@ -70,14 +70,16 @@ def _no_hooks() -> bool:
 
 
 def run(kernel: triton.JITFunction, programs: int, args: Sequence[object], constexprs: dict[str, object],
-        options: dict[str, object]) -> None:
-    """``kernel[(programs,)](*args, **constexprs, **options)`` on the current CUDA device and stream;
-    ``args`` are the kernel's leading parameters, ``constexprs`` the rest by name."""
+        options: dict[str, object], device: int | None = None) -> None:
+    """``kernel[(programs,)](*args, **constexprs, **options)`` on the current CUDA device (its index
+    ``device`` when the caller knows it) and stream; ``args`` are the kernel's leading parameters,
+    ``constexprs`` the rest by name."""
     specialization = tuple(map(specialization_key, args))
     if None in specialization or not _no_hooks():
         kernel[(programs,)](*args, **constexprs, **options)
         return
-    device = torch.cuda.current_device()
+    if device is None:
+        device = current_device_index()
     knobs = triton.knobs
     key = (kernel, device, specialization, tuple(constexprs.items()), tuple(options.items()),
            knobs.runtime.debug, knobs.compilation.instrumentation_mode)
@@ -115,6 +117,12 @@ def cached_launches() -> int:
     return len(_LAUNCHERS)
 
 
+def current_device_index() -> int:
+    """The current CUDA device's index: one C call once CUDA is initialized (``torch.cuda.
+    current_device`` adds a Python-level lazy-init check around the same call)."""
+    return _GET_DEVICE() if _GET_DEVICE is not None and torch.cuda.is_initialized() else torch.cuda.current_device()
+
+
 def current_stream_handle(index: int) -> int:
     """The ``cudaStream_t`` of device ``index``'s current stream, as an int: what Triton's own
     driver reads (``torch.cuda.current_stream(index).cuda_stream`` builds a ``Stream`` object
@@ -123,3 +131,4 @@ def current_stream_handle(index: int) -> int:
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)

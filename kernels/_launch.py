@@ -458,8 +458,8 @@ def cuda_launch(kernel: triton.JITFunction, programs: int, tables: Sequence[tabl
     """``kernel[(programs,)](*tensors of each table, *args, **constexprs, **options)`` on ``device``
     and its current stream: the tables through ``table_memory.prepare``, a repeat launch straight
     into the compiled kernel ([Note: launching the compiled kernel] in ``kernels._compiled_launch``)."""
-    switch = torch.cuda.current_device() != device.index
-    with torch.cuda.device(device) if switch else contextlib.nullcontext():
+    index = _compiled_launch.current_device_index()
+    with torch.cuda.device(device) if index != device.index else contextlib.nullcontext():
         prepared = table_memory.prepare(tables, device)
         _compiled_launch.run(kernel, programs, (*itertools.chain.from_iterable(prepared), *args), constexprs,
-                             options)
+                             options, device.index)

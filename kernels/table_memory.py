@@ -71,7 +71,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kernels._compiled_launch import current_stream_handle
+from kernels._compiled_launch import current_device_index, current_stream_handle
 
 __all__ = [
     "CAPTURE_RESERVE_BYTES",
@@ -142,7 +142,7 @@ class CudaRuntime:
     """``Runtime`` on torch.cuda."""
 
     def capturing(self, device: torch.device) -> bool:
-        if torch.cuda.current_device() == device.index:  # the launch already made it current
+        if current_device_index() == device.index:  # the launch already made it current
             return torch.cuda.is_current_stream_capturing()
         with torch.cuda.device(device):
             return torch.cuda.is_current_stream_capturing()
@@ -151,7 +151,7 @@ class CudaRuntime:
         return torch.cuda.current_stream(device)
 
     def current_stream_id(self, device: torch.device) -> int:
-        return current_stream_handle(torch.cuda.current_device() if device.index is None else device.index)
+        return current_stream_handle(current_device_index() if device.index is None else device.index)
 
     def event(self) -> torch.cuda.Event:
         return torch.cuda.Event()
@@ -304,8 +304,10 @@ def prepare(tables: Sequence[DeviceTable], device: torch.device) -> list[tuple[t
                     _IN_GRAPHS.append(table)
                 out.append(table.tensors)
         return out
-    _poll_ready()
-    _collect(rt)
+    if _PENDING:
+        _poll_ready()
+    if _RETIRED or _DRAINING:
+        _collect(rt)
     _RESERVE.ensure(rt, CAPTURE_RESERVE_BYTES)
     sid = rt.current_stream_id(device)
     stream = None  # the Stream object, built only for a wait or a new reader (a repeat launch needs neither)
