@@ -701,7 +701,7 @@ class _Root:
             self._begin_backward()
         if state.group is not None and state.index not in self._done:
             self._gather(state)
-            state.group.finish_gather()
+            state.group.finish_gather(follow_requires_grad=False)
             # Registered for backward too: an activation-checkpoint recompute that runs ``forward``
             # without this module's hooks (HF's form, checkpoint_wrapper inside the shard) reads them.
             state.group.to_unsharded()
