@@ -119,7 +119,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from itertools import repeat
+from itertools import compress, repeat
 from operator import add, attrgetter, is_, is_not
 from typing import Callable, Optional
 
@@ -368,15 +368,16 @@ class ParamGroup:
 
     @property
     def requires_grad_indices(self) -> tuple[int, ...]:
-        return tuple([i for i, p in enumerate(self.sharded) if p.requires_grad])
+        sharded = self.sharded
+        with self._shard_getters():  # one C-level pass: [Note: the shards' getters without lookups]
+            return tuple(compress(range(len(sharded)), map(_REQUIRES_GRAD, sharded)))
 
     def grads_complete(self) -> bool:
         """Has every parameter that requires a gradient got one in this step (``grads_ready``)?"""
         ready = self.grads_ready
-        for i, p in enumerate(self.sharded):
-            if p.requires_grad and i not in ready:
-                return False
-        return True
+        if len(ready) == len(self.sharded):  # the usual last call: every one has
+            return True
+        return all(map(ready.__contains__, self.requires_grad_indices))
 
     def _unsharded_dtype(self, index: int) -> torch.dtype:
         dtype = self.orig_dtypes[index]
