@@ -1011,18 +1011,18 @@ class ParamGroup:
         assert self.unsharded is not None
         reduce_dtype = self.mp.effective_reduce_dtype if self.casts_shards else None
         moved, fresh_src, fresh_dst, acc_src, acc_dst = [], [], [], [], []
-        unsharded, sharded, tp_specs = self.unsharded, self.sharded, self.tp_specs
+        unsharded, sharded, tp_specs, has_tp = self.unsharded, self.sharded, self.tp_specs, self.has_tp_params
         with _NoGrad():
             for i in indices:
                 u, s = unsharded[i], sharded[i]
-                grad = u.grad if tp_specs[i] is None else self.unsharded_grad(i)
+                grad = self.unsharded_grad(i) if has_tp and tp_specs[i] is not None else u.grad
                 if grad is None:
                     continue
                 local = s._local_tensor  # type: ignore[attr-defined]
                 u.grad = None
                 if reduce_dtype is not None and not _widens_exactly(grad.dtype, reduce_dtype):
                     grad = grad.to(reduce_dtype)  # the reduction's rounding, as the packed path has it
-                if grad.shape != local.shape:
+                if has_tp and grad.shape != local.shape:  # else the shapes are the layout's, equal
                     grad = grad.view(local.shape)
                 moved.append(s)
                 if s.grad is None:

@@ -279,10 +279,13 @@ class ShardState:
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Floating-point forward inputs cast to ``param_dtype`` (unless ``cast_forward_inputs`` is off)."""
-        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args = _cast_floating(args, self.mp.param_dtype)
+        dtype = self.mp.param_dtype
+        if dtype is not None and self.mp.cast_forward_inputs:
+            if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and args[0].dtype == dtype:
+                return args, kwargs  # a block's usual input: the last block's output, already cast
+            args = _cast_floating(args, dtype)
             if kwargs:
-                kwargs = _cast_floating(kwargs, self.mp.param_dtype)
+                kwargs = _cast_floating(kwargs, dtype)
         return args, kwargs
 
     def member_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
