@@ -62,6 +62,15 @@ mixed precision, the two casts and frees per step that ``reshard_after_forward``
 (``_cast_into_unsharded``: a resize, a version-preserving ``_foreach_copy_`` cast) and the fp32
 gradient each reduction allocates.
 
+Mixed precision, fourth pass (2026-11-27, a03c96b -> block-cost2): what the MP row pays beyond fp32,
+each piece stubbed out in the same process as the whole step (µs per block, fastest of 60-150
+interleaved rounds, thread time, loaded box: about ±3 µs): the two cast gathers ~10 (of it the
+shards' ``requires_grad`` pass ~2), the gradient move with its cast and the later free 30 vs fp32's
+18, the input cast 1-2; shared by every row, the input-gradient tensor hooks 10-14 and the
+``torch._dynamo.disable`` wrappers of the forward hooks 4-10. Removed: the input tensor hooks of a
+chain of blocks (watched inside the previous block's output pre-hook), backward's ``requires_grad``
+pass, the already-cast input's ``_cast_floating``, per-parameter steps in the gradient move.
+
 How it is timed. All models are built first; then each round times every mode once for ``--steps``
 calls (``timing.seconds_per_call``), the modes interleaved (A B C A B C ..., the order rotated each
 round), so that load from other processes on the box hits all modes alike; figures are medians over

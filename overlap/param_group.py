@@ -114,12 +114,13 @@ on CPU, the final backward callback). Collectives are issued on ``overlap``'s co
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import math
-from itertools import repeat
-from operator import add, attrgetter, is_not
+from itertools import compress, repeat
+from operator import add, attrgetter, is_, is_not
 from typing import Callable, Optional
 
 import torch
@@ -235,6 +236,12 @@ class ParamGroup:
         self.tp_specs: list[Optional[DTensorSpec]] = [p._spec if isinstance(p, DTensor) else None for p in params]
         """Per parameter, its tensor-parallel DTensor spec (None: a plain parameter); see [Note:
         sharding tensor-parallel parameters]."""
+        self.has_tp_params = any(spec is not None for spec in self.tp_specs)  # some are TP DTensors
+        self._unsharded_getters: Callable[[], contextlib.AbstractContextManager] = (
+            contextlib.nullcontext if self.has_tp_params or not _PARAMETER_HAS_NO_TORCH_FUNCTION
+            else torch._C.DisableTorchFunctionSubclass)
+        """``_shard_getters`` for the unsharded parameters: plain ``nn.Parameter``s unless tensor
+        parallelism made them DTensors."""
         self._spmd_meshes: dict[int, DeviceMesh] = {}
         data = [_local(p) for p in params]  # what this group shards: a TP parameter's local tensor
         self.layout = ShardLayout([tuple(t.shape) for t in data], info.size)
@@ -361,23 +368,28 @@ class ParamGroup:
 
     @property
     def requires_grad_indices(self) -> tuple[int, ...]:
-        return tuple([i for i, p in enumerate(self.sharded) if p.requires_grad])
+        sharded = self.sharded
+        with self._shard_getters():  # one C-level pass: [Note: the shards' getters without lookups]
+            return tuple(compress(range(len(sharded)), map(_REQUIRES_GRAD, sharded)))
 
     def grads_complete(self) -> bool:
         """Has every parameter that requires a gradient got one in this step (``grads_ready``)?"""
         ready = self.grads_ready
-        for i, p in enumerate(self.sharded):
-            if p.requires_grad and i not in ready:
-                return False
-        return True
+        if len(ready) == len(self.sharded):  # the usual last call: every one has
+            return True
+        return all(map(ready.__contains__, self.requires_grad_indices))
 
     def _unsharded_dtype(self, index: int) -> torch.dtype:
         dtype = self.orig_dtypes[index]
         return self.mp.param_dtype if dtype.is_floating_point and self.mp.param_dtype else dtype
 
-    def _unsharded_params(self) -> list[nn.Parameter]:
+    def _unsharded_params(self, follow_requires_grad: bool = True) -> list[nn.Parameter]:
+        """The unsharded parameters, made at the first call, each ``requires_grad`` as its shard's
+        (and hooked once it is) unless ``follow_requires_grad`` is False and they exist already."""
         # Made once per set of shards: ``rebind_sharded``, the only place that replaces a shard,
         # drops them (see [Note: unsharded parameters keep their identity]).
+        if self.unsharded is not None and not follow_requires_grad:
+            return self.unsharded
         if self.unsharded is None:
             self.unsharded = []
             self._unsharded_storage = None
@@ -457,7 +469,7 @@ class ParamGroup:
             return
         with _copy_in_stream(self.sharded[0]._local_tensor.device):  # type: ignore[attr-defined]
             with region(self.regions.all_gather_copy_in), _NoGrad():
-                shards = self._shard_rows()
+                shards = self.shard_rows()
                 qlayout = self._gather_qlayout
                 if qlayout is not None:
                     ag_input, ag_output = _quantized_copy_in(shards, qlayout, self.rank)
@@ -468,7 +480,7 @@ class ParamGroup:
         self.pending_gather = PendingGather(work, ag_output)
         self._gathered_versions = self._shard_versions()
 
-    def _shard_rows(self) -> list[torch.Tensor]:
+    def shard_rows(self) -> list[torch.Tensor]:
         """``local_rows`` of every parameter, in order: one C-level pass (0-dim ones fixed up after)."""
         rows = list(map(_LOCAL, self.sharded))
         for i in self.scalar_indices:
@@ -507,23 +519,28 @@ class ParamGroup:
         return (self.is_unsharded and not self.aliases_shards
                 and self._shard_versions() != self._gathered_versions)
 
-    def finish_gather(self) -> None:
-        """Wait for the all-gather (issuing it first if needed) and unpack into the unsharded params."""
+    def finish_gather(self, follow_requires_grad: bool = True) -> None:
+        """Wait for the all-gather (issuing it first if needed) and unpack into the unsharded params.
+
+        ``follow_requires_grad=False`` (backward's re-gather) leaves the unsharded parameters'
+        ``requires_grad`` as the forward's gather set it: autograd recorded the step with those
+        flags, so re-reading every shard's flag there changes nothing but costs a pass over them
+        (see ``_unsharded_params``)."""
         if self.is_unsharded:
             return
         if self.aliases_shards:
-            self._unsharded_params()
+            self._unsharded_params(follow_requires_grad)
             self.is_unsharded = True
             return
         if self.casts_shards:
-            self._cast_into_unsharded()
+            self._cast_into_unsharded(follow_requires_grad)
             return
         if self.stale_gather():
             self.pending_gather = None  # dropped unwaited, as reshard() drops an unused prefetch
         self.issue_gather()
         pending, self.pending_gather = self.pending_gather, None
         assert pending is not None
-        self._unsharded_params()
+        self._unsharded_params(follow_requires_grad)
         outs = self._unsharded_fill  # [Note: a gather bumps no version counter]
 
         def copy_out() -> None:
@@ -553,10 +570,10 @@ class ParamGroup:
                     f"(compress=overlap.Compression(gather=None) sends it exactly)")
         _quantized_all_gather_copy_out(ag_output, qlayout, outs)
 
-    def _cast_into_unsharded(self) -> None:
+    def _cast_into_unsharded(self, follow_requires_grad: bool = True) -> None:
         """World size 1 with a cast: one ``_foreach_copy_`` (cast) of the shards into the unsharded
         parameters, which is what packing then unpacking would give, without the flat buffer."""
-        self._unsharded_params()
+        self._unsharded_params(follow_requires_grad)
         with region(self.regions.all_gather_copy_in), _NoGrad():
             storage, placement = self._unsharded_storage
             storage.resize_(placement.nbytes)
@@ -624,12 +641,7 @@ class ParamGroup:
                 self._check_unsharded_grads(indices)
             self._move_grads_to_shards(indices)
             return None
-        grads = []
-        for i in indices:
-            u, grad = self.unsharded[i], self.unsharded_grad(i)
-            data = _local(u)
-            grads.append(grad if grad is not None else torch.zeros(data.shape, dtype=data.dtype, device=data.device))
-            u.grad = None
+        grads = self._take_unsharded_grads(indices)
         layout = self._reduce_layout(indices)
         if self.compression is not None and self.quantized_reduce is not None:
             return self._issue_quantized_reduce(grads, indices, layout)
@@ -645,6 +657,30 @@ class ParamGroup:
         work = reduce_scatter_into(rs_output, rs_input, self.info, self.where)
         return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp,
                              finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None)
+
+    def _take_unsharded_grads(self, indices: tuple[int, ...]) -> list[torch.Tensor]:
+        """The unsharded gradients of ``indices`` to reduce (``unsharded_grad``), zeros where a
+        parameter got none this step (every rank issues the same collective); the unsharded
+        parameters' ``.grad`` are dropped. Without tensor-parallel parameters: C-level passes over
+        the list (the getters and setters without torch-function lookups: [Note: the shards'
+        getters without lookups]), a Python step only per missing gradient."""
+        assert self.unsharded is not None
+        unsharded = self.unsharded
+        params = unsharded if len(indices) == len(unsharded) else list(map(unsharded.__getitem__, indices))
+        if self.has_tp_params:
+            grads = list(map(self.unsharded_grad, indices))
+            for u in params:
+                u.grad = None
+        else:
+            with self._unsharded_getters():
+                grads = list(map(_GRAD, params))
+                collections.deque(map(setattr, params, repeat("grad"), repeat(None)), maxlen=0)
+        if any(map(is_, grads, repeat(None))):
+            for j, (u, grad) in enumerate(zip(params, grads)):
+                if grad is None:
+                    data = _local(u)
+                    grads[j] = torch.zeros(data.shape, dtype=data.dtype, device=data.device)
+        return grads
 
     def _issue_quantized_reduce(self, grads: list[torch.Tensor], indices: tuple[int, ...],
                                 layout: ShardLayout) -> PendingReduce:
@@ -975,18 +1011,18 @@ class ParamGroup:
         assert self.unsharded is not None
         reduce_dtype = self.mp.effective_reduce_dtype if self.casts_shards else None
         moved, fresh_src, fresh_dst, acc_src, acc_dst = [], [], [], [], []
-        unsharded, sharded, tp_specs = self.unsharded, self.sharded, self.tp_specs
+        unsharded, sharded, tp_specs, has_tp = self.unsharded, self.sharded, self.tp_specs, self.has_tp_params
         with _NoGrad():
             for i in indices:
                 u, s = unsharded[i], sharded[i]
-                grad = u.grad if tp_specs[i] is None else self.unsharded_grad(i)
+                grad = self.unsharded_grad(i) if has_tp and tp_specs[i] is not None else u.grad
                 if grad is None:
                     continue
                 local = s._local_tensor  # type: ignore[attr-defined]
                 u.grad = None
                 if reduce_dtype is not None and not _widens_exactly(grad.dtype, reduce_dtype):
                     grad = grad.to(reduce_dtype)  # the reduction's rounding, as the packed path has it
-                if grad.shape != local.shape:
+                if has_tp and grad.shape != local.shape:  # else the shapes are the layout's, equal
                     grad = grad.view(local.shape)
                 moved.append(s)
                 if s.grad is None:
@@ -1088,11 +1124,12 @@ def _dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     it calls ``__new__`` alone. Checked on torch 2.11, 2.13 and 2.15: ``__new__`` is
     ``Tensor._dtensor__new__`` and ``__init__`` is that no-op in each.
     """
-    return _DTENSOR_NEW(DTensor, local, spec, requires_grad=False)
+    return _DTENSOR_NEW(DTensor, local, spec, False)  # requires_grad, positional: no keyword parsing
 
 
 _DTENSOR_NEW = DTensor.__new__
 _DTENSOR_HAS_NO_TORCH_FUNCTION = DTensor.__torch_function__ is torch._C._disabled_torch_function_impl
+_PARAMETER_HAS_NO_TORCH_FUNCTION = nn.Parameter.__torch_function__ is torch._C._disabled_torch_function_impl
 _NEW_GRAD = functools.partial(_DTENSOR_NEW, DTensor, requires_grad=False)
 """``_dtensor`` as one callable for ``map`` (local tensor, spec)."""
 

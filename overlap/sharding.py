@@ -279,10 +279,13 @@ class ShardState:
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Floating-point forward inputs cast to ``param_dtype`` (unless ``cast_forward_inputs`` is off)."""
-        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args = _cast_floating(args, self.mp.param_dtype)
+        dtype = self.mp.param_dtype
+        if dtype is not None and self.mp.cast_forward_inputs:
+            if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and args[0].dtype == dtype:
+                return args, kwargs  # a block's usual input: the last block's output, already cast
+            args = _cast_floating(args, dtype)
             if kwargs:
-                kwargs = _cast_floating(kwargs, self.mp.param_dtype)
+                kwargs = _cast_floating(kwargs, dtype)
         return args, kwargs
 
     def member_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -329,7 +332,9 @@ class ShardState:
     def _watch_inputs(self, inputs: Any) -> None:
         """Learn when backward has passed this call: when the gradients of all its inputs that need
         one are complete. Leaf inputs cannot tell (their hooks run among the parameters' gradient
-        accumulations), nor can a call without such inputs: the step is then ``untracked``."""
+        accumulations), nor can a call without such inputs: the step is then ``untracked``. An input
+        that is the output a sharded module just hooked is watched by that hook ([Note: one hook
+        per block boundary])."""
         tensors = [t for t in _leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors or any(t.grad_fn is None for t in tensors):
             self.untracked = True
@@ -337,7 +342,7 @@ class ShardState:
         self.forward_calls += 1
         remaining = [len(tensors)]
 
-        def on_input_grad(grad: torch.Tensor) -> None:
+        def on_input_grad(grad: Any) -> None:
             remaining[0] -= 1
             if remaining[0] == 0:
                 self.backward_passes += 1
@@ -345,17 +350,26 @@ class ShardState:
                 if root is not None:
                     root.on_module_backward_done(self)
 
+        boundary = self.root.boundary if self.root is not None else None
         for t in tensors:
-            t.register_hook(on_input_grad)
+            if boundary is not None and boundary[0] is t and t.grad_fn is boundary[1]:
+                boundary[2].inputs_done.append(on_input_grad)
+            else:
+                t.register_hook(on_input_grad)
 
     def _hook_outputs(self, output: Any) -> None:
+        root = self.root
         for t in _leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                if t.grad_fn is not None:
+                node = t.grad_fn
+                if node is not None:
                     # A node pre-hook runs after the tensor hooks of the same gradient, so a group
                     # whose backward ends here is reduced before the next prefetch is issued
                     # (see [Note: a group is reduced when its backward is done]).
-                    t.grad_fn.register_prehook(self._pre_backward_hook)
+                    hook = _OutputHook(self)
+                    node.register_prehook(hook)
+                    if root is not None and (root.boundary is None or root.boundary[1] is not node):
+                        root.boundary = (t, node, hook)  # the first of this node's hooks: see _OutputHook
                 else:
                     t.register_hook(self._pre_backward_hook)
 
@@ -370,6 +384,39 @@ class ShardState:
         with region(self.regions.pre_backward):
             root.on_pre_backward(self)
         self._backward_seen = root.backward_count
+
+
+class _OutputHook:
+    """The node pre-hook on a sharded module's output (``output.grad_fn``): first the input watches
+    of the calls that took this very tensor as input (``_watch_inputs``), then the module's
+    pre-backward.
+
+    [Note: one hook per block boundary]
+    In a chain of blocks each block's output is the next block's input, and both want to hear of
+    that tensor's gradient: the next block to learn that backward has passed it (a tensor hook on
+    its input), this block to re-gather before its own backward (a pre-hook on the output's node,
+    which the engine runs right after the tensor hooks of the same gradient, at the same point).
+    A tensor hook costs a Python ``register_hook`` per call and its own dispatch in the engine (about
+    5 µs per block in the runtime-cost benchmark), so where the input is the output that the last
+    sharded module hooked (the same tensor, its ``grad_fn`` unchanged since), its watch runs
+    inside that pre-hook, before the pre-backward: the order and the point in backward are what
+    the two hooks gave. The root keeps the first hook registered on a node (nested sharded modules
+    share their output: the innermost hooks it first, and its pre-backward ran first before) in
+    ``_Root.boundary`` with the tensor and the node, and drops it at the end of forward, so no
+    activation is held past it; the hook itself holds neither (the node holds the hook: a
+    reference back would be a cycle through autograd's C++ that Python's collector cannot see).
+    """
+
+    __slots__ = ("state", "inputs_done")
+
+    def __init__(self, state: ShardState) -> None:
+        self.state = state
+        self.inputs_done: list[Any] = []
+
+    def __call__(self, *_: Any) -> None:
+        for on_input_grad in self.inputs_done:
+            on_input_grad(None)
+        self.state.pre_backward()
 
 
 class _Root:
@@ -403,6 +450,9 @@ class _Root:
         self.gather_ahead: Optional[tuple[int, int]] = None
         self._ahead: set[int] = set()  # groups whose next-step gather this backward issued (kept by _finish_step)
         self._mark = 0.0
+        self.boundary: Optional[tuple[torch.Tensor, Any, _OutputHook]] = None
+        """The output the last sharded module hooked in this forward, its ``grad_fn`` and the hook on
+        it ([Note: one hook per block boundary]); None outside forward."""
         self._reset_backward()
 
     # ------------------------------------------------------------------ in-flight budget
@@ -483,6 +533,7 @@ class _Root:
                                    for s in self.states if s is not self.owner):
             self._finish_step()  # the last forward had no backward (or it was cut short)
         self.in_forward = True
+        self.boundary = None
         for state in self.states:
             state.reset_backward_tracking()
             state.members_to_run = set()  # a member that did not run last pass does not hold this one
@@ -603,6 +654,7 @@ class _Root:
 
     def end_forward(self) -> None:
         self.in_forward = False
+        self.boundary = None
         if self.agreed_order != self.forward_seq:
             self.agreed_order = self._agree(self.forward_seq)
         if self.recording_costs:
@@ -652,7 +704,7 @@ class _Root:
             self._begin_backward()
         if state.group is not None and state.index not in self._done:
             self._gather(state)
-            state.group.finish_gather()
+            state.group.finish_gather(follow_requires_grad=False)
             # Registered for backward too: an activation-checkpoint recompute that runs ``forward``
             # without this module's hooks (HF's form, checkpoint_wrapper inside the shard) reads them.
             state.group.to_unsharded()

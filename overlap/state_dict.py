@@ -36,8 +36,7 @@ def _gather_full(group: ParamGroup) -> list[torch.Tensor]:
     """The group's full parameters in their original dtypes (bitwise: gathered in a dtype that holds
     them), with one fused all-gather for the whole group."""
     ag_input, ag_output = kernels.all_gather_copy_in(
-        [group.local_rows(i) for i in range(len(group.sharded))], group.layout, group.rank,
-        widest_dtype(group.orig_dtypes))
+        group.shard_rows(), group.layout, group.rank, widest_dtype(group.orig_dtypes))
     if group.world_size > 1:
         all_gather_into(ag_output, ag_input, group.info).wait()
     outs = [torch.empty(shape, dtype=d, device=ag_output.device) for shape, d in zip(group.layout.shapes, group.orig_dtypes)]
@@ -55,10 +54,11 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
     with torch.no_grad():
         full: dict[int, torch.Tensor] = {}
         for group in _groups_between_steps(module, "full_state_dict"):
-            for p, t, tp_spec in zip(group.sharded, _gather_full(group), group.tp_specs):
-                if tp_spec is not None:  # the gathered tensor is a tensor-parallel shard: gather that too
-                    t = tp_dtensor(t, tp_spec).full_tensor()
-                full[id(p)] = t
+            gathered = _gather_full(group)
+            if group.has_tp_params:  # a gathered tensor-parallel shard: gather that too
+                gathered = [t if spec is None else tp_dtensor(t, spec).full_tensor()
+                            for t, spec in zip(gathered, group.tp_specs)]
+            full.update(zip(map(id, group.sharded), gathered))
         out = {}
         for key, value in module.state_dict(keep_vars=True).items():
             if id(value) in full:

@@ -64,8 +64,8 @@ def _train(rank: int, world: int, prefetch: int, unused_forward_at: int = -1, sk
             phase = "backward" if states[0].root.in_backward else "forward"
             gathers.append((step_now[0], phase, index_of[id(group)]))
 
-    def counting_finish(group: ParamGroup) -> None:
-        finish(group)
+    def counting_finish(group: ParamGroup, *args: Any, **kwargs: Any) -> None:
+        finish(group, *args, **kwargs)
         peak[0] = max(peak[0], sum(s.group.is_unsharded for s in states[1:]))
 
     ParamGroup.issue_gather = recording_issue  # type: ignore[method-assign]

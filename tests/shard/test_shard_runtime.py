@@ -204,8 +204,8 @@ def _peak_unsharded_rank(rank: int, world: int, prefetch: int) -> dict[str, int]
     peak = {"forward": 0, "backward": 0}
     finish = ParamGroup.finish_gather
 
-    def counting_finish(group: ParamGroup) -> None:
-        finish(group)
+    def counting_finish(group: ParamGroup, *args: Any, **kwargs: Any) -> None:
+        finish(group, *args, **kwargs)
         phase = "backward" if sharded_states(model)[0].root.in_backward else "forward"
         peak[phase] = max(peak[phase], sum(g.is_unsharded for g in blocks))
 
