@@ -7,6 +7,7 @@ Spawned ranks inherit it through the environment.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -34,11 +35,104 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * _WORKERS))))
 
 
+# [Note: Inductor's per-process start-up in tests]
+# Every process that compiles with Inductor (each xdist worker, each rank a compile test starts, each
+# demo subprocess) first probes which SIMD ISAs its C++ compiler can build and load: it builds a small
+# kernel per ISA and loads each in a fresh ``python -c "import torch; ..."`` subprocess, about six
+# torch imports, which took 10-20 s of a 2-core box per compiling process (torch 2.11 and 2.13 alike;
+# profiled 2026-11-27). The answer is the same for every process of one run, so the controller probes
+# once, honestly, and when the probe accepts every ISA the CPU reports (what
+# ``TORCHINDUCTOR_VEC_ISA_OK=1`` assumes), exports that variable: every later process then picks the
+# same ISA without the subprocesses. Where the probe rejects one, nothing is exported and each process
+# probes as before. Likewise Inductor's compile-worker pool (a subprocess importing torch, per
+# compiling process) buys nothing where the workers and their ranks already fill the cores, so
+# compiles run in the compiling process (``TORCHINDUCTOR_COMPILE_THREADS=1``). Neither changes
+# what is compiled; a variable already set by the caller is left alone.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+def _probe_inductor_vec_isa_once() -> None:
+    """Export ``TORCHINDUCTOR_VEC_ISA_OK=1`` when this machine's probe accepts every ISA its CPU
+    reports ([Note: Inductor's per-process start-up in tests]); in the controller only (xdist workers
+    inherit its environment)."""
+    if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    try:
+        from torch._inductor import config as inductor_config
+        from torch._inductor import cpu_vec_isa
+        probe = cpu_vec_isa.valid_vec_isa_list
+        probed = [str(isa) for isa in probe()]
+        probe.cache_clear()
+        with inductor_config.patch({"cpp.vec_isa_ok": True}):
+            assumed = [str(isa) for isa in probe()]
+        probe.cache_clear()
+    except (ImportError, AttributeError):  # another torch's internals: every process probes for itself
+        return
+    if probed == assumed:
+        os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
+
+
+_probe_inductor_vec_isa_once()
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """The worker count of ``-n auto`` (pyproject's default): one per CPU this process may run on, at
     most ``MAX_TEST_WORKERS``."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cpus, MAX_TEST_WORKERS))
+
+# [Note: longest files first]
+# Test files run on the xdist workers one whole file at a time (``--dist loadfile``), each worker
+# taking the next file in the queue when it finishes one. xdist orders that queue by the number of
+# tests per file, most first, which sent the few-test compile files (one ~90 s test each on torch
+# 2.11) to the end, where one ran alone for 1-2 minutes while the other worker idled (2026-11-27).
+# So the queue keeps pytest's collection order (``loadscopereorder`` off), and the files below, the
+# longest ones measured on 2 cores (torch 2.11 and 2.13), are collected first, longest first: the
+# run ends on short files. A file missing here only starts later; tests/tools/test_suite_order.py
+# checks that every name still exists.
+LONGEST_FILES_FIRST = (
+    "scheduling/test_inductor_tp.py",
+    "packing/test_quantized_kernels.py",
+    "tools/test_demo.py",
+    "scheduling/test_cpu_all_gather.py",
+    "packing/test_kernels_ops.py",
+    "shard/test_shard_numerics.py",
+    "shard/test_hsdp_compression.py",
+    "clients/test_clients.py",
+    "shard/test_shard_runtime.py",
+    "packing/test_kernels_alignment.py",
+    "clients/test_client_compile.py",
+    "scheduling/test_compiled_step.py",
+    "collectives/test_collectives.py",
+    "scheduling/test_inductor_hook.py",
+    "packing/test_kernels_chunk_copy.py",
+    "packing/test_kernels_library.py",
+    "scheduling/test_bucketing.py",
+    "packing/test_properties_kernels.py",
+    "collectives/test_stream_lifetime.py",
+    "packing/test_aot_compile.py",
+)
+_TESTS_ROOT = Path(__file__).parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.7 ([Note: longest files first])
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """:data:`LONGEST_FILES_FIRST` first, in its order; the rest after, in collection order."""
+    position = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+
+    def file_position(item: pytest.Item) -> int:
+        try:
+            name = item.path.relative_to(_TESTS_ROOT).as_posix()
+        except ValueError:  # a test outside tests/
+            return len(position)
+        return position.get(name, len(position))
+
+    items.sort(key=file_position)  # stable: a file's tests keep their order
+
 
 # Hypothesis profiles for the property tests (test_properties_*.py): "quick" (the default) keeps them
 # to ~20 s on 2 cores; "long" (OVERLAP_HYPOTHESIS_PROFILE=long) explores 40x more examples.
