@@ -38,28 +38,47 @@ if _WORKERS > 1:
 # [Note: Inductor's per-process start-up in tests]
 # Every process that compiles with Inductor (each xdist worker, each rank a compile test starts, each
 # demo subprocess) first probes which SIMD ISAs its C++ compiler can build and load: it builds a small
-# kernel per ISA and loads each in a fresh ``python -c "import torch; ..."`` subprocess, about six
-# torch imports, which took 10-20 s of a 2-core box per compiling process (torch 2.11 and 2.13 alike;
-# profiled 2026-11-27). The answer is the same for every process of one run, so the controller probes
-# once, honestly, and when the probe accepts every ISA the CPU reports (what
-# ``TORCHINDUCTOR_VEC_ISA_OK=1`` assumes), exports that variable: every later process then picks the
-# same ISA without the subprocesses. Where the probe rejects one, nothing is exported and each process
-# probes as before. Likewise Inductor's compile-worker pool (a subprocess importing torch, per
-# compiling process) buys nothing where the workers and their ranks already fill the cores, so
-# compiles run in the compiling process (``TORCHINDUCTOR_COMPILE_THREADS=1``). Neither changes
-# what is compiled; a variable already set by the caller is left alone.
+# kernel per ISA and, on torch 2.11 and 2.13, loads each in a fresh ``python -c "import torch; ..."``
+# subprocess, about six torch imports per compiling process: 10-50 s of a loaded 2-core box each
+# (2026-11-27; torch 2.15 keeps the verdict on disk, a ``.load_ok`` marker, and probes once). The
+# answer is the same for every process of one run, so under xdist the controller probes once,
+# honestly, before the workers start, and when the probe accepts every ISA the CPU reports (what
+# ``TORCHINDUCTOR_VEC_ISA_OK=1`` assumes) exports that variable: every later process picks the same
+# ISA without the subprocesses. Where the probe rejects one, nothing is exported and each process
+# probes as before. Without workers (``-n 0``, one file) nothing is probed ahead: most files never
+# compile. Likewise Inductor's compile-worker pool (a subprocess importing torch, per compiling
+# process) buys nothing where the workers and their ranks already fill the cores, so compiles run in
+# the compiling process (``TORCHINDUCTOR_COMPILE_THREADS=1``). Neither changes what is compiled; a
+# variable already set by the caller is left alone.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
-def _probe_inductor_vec_isa_once() -> None:
+def _torch_keeps_the_isa_verdict() -> bool:
+    """Whether this torch's ISA probe leaves a ``.load_ok`` marker (2.15) and so probes once per cache
+    dir by itself; read from its source file, so nothing is imported."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch._inductor.cpu_vec_isa")
+    if spec is None or spec.origin is None:
+        return False
+    with open(spec.origin) as source:
+        return ".load_ok" in source.read()
+
+
+def _probe_inductor_vec_isa_once(config: pytest.Config) -> None:
     """Export ``TORCHINDUCTOR_VEC_ISA_OK=1`` when this machine's probe accepts every ISA its CPU
-    reports ([Note: Inductor's per-process start-up in tests]); in the controller only (xdist workers
-    inherit its environment)."""
+    reports ([Note: Inductor's per-process start-up in tests]); in an xdist controller only, before
+    its workers start (they inherit its environment)."""
     if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    if not isinstance(getattr(config.option, "numprocesses", None), int) or config.option.numprocesses < 1:
+        return
+    if _torch_keeps_the_isa_verdict():
         return
     try:
         from torch._inductor import config as inductor_config
         from torch._inductor import cpu_vec_isa
+
         probe = cpu_vec_isa.valid_vec_isa_list
         probed = [str(isa) for isa in probe()]
         probe.cache_clear()
@@ -70,9 +89,6 @@ def _probe_inductor_vec_isa_once() -> None:
         return
     if probed == assumed:
         os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
-
-
-_probe_inductor_vec_isa_once()
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -116,6 +132,7 @@ _TESTS_ROOT = Path(__file__).parent
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _probe_inductor_vec_isa_once(config)
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.7 ([Note: longest files first])
         config.option.loadscopereorder = False
 
