@@ -42,15 +42,18 @@ if _WORKERS > 1:
 # subprocess, about six torch imports per compiling process: 10-50 s of a loaded 2-core box each
 # (2026-11-27; torch 2.15 keeps the verdict on disk, a ``.load_ok`` marker, and probes once). The
 # answer is the same for every process of one run, so under xdist the controller probes once,
-# honestly, before the workers start, and when the probe accepts every ISA the CPU reports (what
-# ``TORCHINDUCTOR_VEC_ISA_OK=1`` assumes) exports that variable: every later process picks the same
-# ISA without the subprocesses. Where the probe rejects one, nothing is exported and each process
-# probes as before. Without workers (``-n 0``, one file) nothing is probed ahead: most files never
-# compile. Likewise Inductor's compile-worker pool (a subprocess importing torch, per compiling
-# process) buys nothing where the workers and their ranks already fill the cores, so compiles run in
-# the compiling process (``TORCHINDUCTOR_COMPILE_THREADS=1``). Neither changes what is compiled; a
-# variable already set by the caller is left alone.
+# honestly, in a thread while its workers start and collect; each worker waits for the verdict
+# before its first test, and when the probe accepts every ISA the CPU reports (what
+# ``TORCHINDUCTOR_VEC_ISA_OK=1`` assumes) it sets that variable, which the ranks and subprocesses it
+# starts inherit: they pick the same ISA without the subprocesses. Where the probe rejects one,
+# nothing is set and each process probes as before. Without workers (``-n 0``, one file) nothing is
+# probed ahead: most files never compile. Likewise Inductor's compile-worker pool (a subprocess
+# importing torch, per compiling process) buys nothing where the workers and their ranks already
+# fill the cores, so compiles run in the compiling process (``TORCHINDUCTOR_COMPILE_THREADS=1``).
+# Neither changes what is compiled; a variable already set by the caller is left alone.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+_ISA_VERDICT_ENV = "OVERLAP_TEST_ISA_VERDICT"  # the controller's verdict file, for its workers
+ISA_PROBE_WAIT_S = 600.0  # how long a worker waits for the verdict before probing for itself
 
 
 def _torch_keeps_the_isa_verdict() -> bool:
@@ -65,16 +68,9 @@ def _torch_keeps_the_isa_verdict() -> bool:
         return ".load_ok" in source.read()
 
 
-def _probe_inductor_vec_isa_once(config: pytest.Config) -> None:
-    """Export ``TORCHINDUCTOR_VEC_ISA_OK=1`` when this machine's probe accepts every ISA its CPU
-    reports ([Note: Inductor's per-process start-up in tests]); in an xdist controller only, before
-    its workers start (they inherit its environment)."""
-    if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
-        return
-    if not isinstance(getattr(config.option, "numprocesses", None), int) or config.option.numprocesses < 1:
-        return
-    if _torch_keeps_the_isa_verdict():
-        return
+def _probe_accepts_every_reported_isa() -> bool:
+    """Inductor's honest ISA probe (builds and loads) gives the list that ``TORCHINDUCTOR_VEC_ISA_OK=1``
+    assumes from the CPU's flags alone."""
     try:
         from torch._inductor import config as inductor_config
         from torch._inductor import cpu_vec_isa
@@ -86,16 +82,65 @@ def _probe_inductor_vec_isa_once(config: pytest.Config) -> None:
             assumed = [str(isa) for isa in probe()]
         probe.cache_clear()
     except (ImportError, AttributeError):  # another torch's internals: every process probes for itself
+        return False
+    return probed == assumed
+
+
+def _start_isa_probe(config: pytest.Config) -> None:
+    """In an xdist controller, before its workers start: the probe in a thread, its verdict ("1" or
+    "0") written to a file named by ``OVERLAP_TEST_ISA_VERDICT``, which the workers inherit
+    ([Note: Inductor's per-process start-up in tests])."""
+    import shutil
+    import tempfile
+    import threading
+
+    if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ or _ISA_VERDICT_ENV in os.environ:
+        return  # set by the caller, or this is a worker (it inherited the variable)
+    if not isinstance(getattr(config.option, "numprocesses", None), int) or config.option.numprocesses < 1:
         return
-    if probed == assumed:
+    if _torch_keeps_the_isa_verdict():
+        return
+    folder = tempfile.mkdtemp(prefix="overlap-isa-probe-")
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    verdict = os.path.join(folder, "verdict")
+    os.environ[_ISA_VERDICT_ENV] = verdict
+
+    def probe() -> None:
+        accepted = False
+        try:
+            accepted = _probe_accepts_every_reported_isa()
+        finally:
+            with open(verdict + ".partial", "w") as out:
+                out.write("1" if accepted else "0")
+            os.replace(verdict + ".partial", verdict)
+
+    threading.Thread(target=probe, name="inductor-isa-probe", daemon=True).start()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _adopt_the_isa_verdict() -> None:
+    """In an xdist worker, before its first test: wait for the controller's verdict and, when it
+    accepts, set ``TORCHINDUCTOR_VEC_ISA_OK=1`` here (and in Inductor's config if already imported)."""
+    import sys
+    import time
+
+    path = os.environ.get(_ISA_VERDICT_ENV)
+    if path is None or "PYTEST_XDIST_WORKER" not in os.environ or "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
+        return
+    deadline = time.monotonic() + ISA_PROBE_WAIT_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        with open(path) as f:
+            accepted = f.read() == "1"
+    except OSError:  # no verdict in time: this worker's processes probe for themselves
+        return
+    if accepted:
         os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
+        inductor_config = sys.modules.get("torch._inductor.config")
+        if inductor_config is not None:
+            inductor_config.cpp.vec_isa_ok = True
 
-
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """The worker count of ``-n auto`` (pyproject's default): one per CPU this process may run on, at
-    most ``MAX_TEST_WORKERS``."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cpus, MAX_TEST_WORKERS))
 
 # [Note: longest files first]
 # Test files run on the xdist workers one whole file at a time (``--dist loadfile``), each worker
@@ -132,7 +177,7 @@ _TESTS_ROOT = Path(__file__).parent
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    _probe_inductor_vec_isa_once(config)
+    _start_isa_probe(config)
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.7 ([Note: longest files first])
         config.option.loadscopereorder = False
 
