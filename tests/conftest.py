@@ -45,8 +45,10 @@ if _WORKERS > 1:
 # honestly, in a thread while its workers start and collect; each worker waits for the verdict
 # before its first test, and when the probe accepts every ISA the CPU reports (what
 # ``TORCHINDUCTOR_VEC_ISA_OK=1`` assumes) it sets that variable, which the ranks and subprocesses it
-# starts inherit: they pick the same ISA without the subprocesses. Where the probe rejects one,
-# nothing is set and each process probes as before. Without workers (``-n 0``, one file) nothing is
+# starts inherit: they pick the same ISA without the base ISAs' subprocesses (torch 2.11 and 2.13
+# still check AVX512's bf16 / VNNI / AMX extensions in each process, about half of the loads on an
+# AVX512 CPU: the first compile in a 2-rank run went from 55-57 s to 22-42 s on torch 2.11, loaded
+# box). Where the probe rejects one, nothing is set and each process probes as before. Without workers (``-n 0``, one file) nothing is
 # probed ahead: most files never compile. Likewise Inductor's compile-worker pool (a subprocess
 # importing torch, per compiling process) buys nothing where the workers and their ranks already
 # fill the cores, so compiles run in the compiling process (``TORCHINDUCTOR_COMPILE_THREADS=1``).
