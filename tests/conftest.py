@@ -7,6 +7,7 @@ Spawned ranks inherit it through the environment.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -34,11 +35,168 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * _WORKERS))))
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """The worker count of ``-n auto`` (pyproject's default): one per CPU this process may run on, at
-    most ``MAX_TEST_WORKERS``."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cpus, MAX_TEST_WORKERS))
+# [Note: Inductor's per-process start-up in tests]
+# Every process that compiles with Inductor (each xdist worker, each rank a compile test starts, each
+# demo subprocess) first probes which SIMD ISAs its C++ compiler can build and load: it builds a small
+# kernel per ISA and, on torch 2.11 and 2.13, loads each in a fresh ``python -c "import torch; ..."``
+# subprocess, about six torch imports per compiling process: 10-50 s of a loaded 2-core box each
+# (2026-11-27; torch 2.15 keeps the verdict on disk, a ``.load_ok`` marker, and probes once). The
+# answer is the same for every process of one run, so under xdist the controller probes once,
+# honestly, in a thread while its workers start and collect; each worker waits for the verdict
+# before its first test, and when the probe accepts every ISA the CPU reports (what
+# ``TORCHINDUCTOR_VEC_ISA_OK=1`` assumes) it sets that variable, which the ranks and subprocesses it
+# starts inherit: they pick the same ISA without the base ISAs' subprocesses (torch 2.11 and 2.13
+# still check AVX512's bf16 / VNNI / AMX extensions in each process, about half of the loads on an
+# AVX512 CPU: the first compile in a 2-rank run went from 55-57 s to 22-42 s on torch 2.11, loaded
+# box). Where the probe rejects one, nothing is set and each process probes as before. Without workers (``-n 0``, one file) nothing is
+# probed ahead: most files never compile. Likewise Inductor's compile-worker pool (a subprocess
+# importing torch, per compiling process) buys nothing where the workers and their ranks already
+# fill the cores, so compiles run in the compiling process (``TORCHINDUCTOR_COMPILE_THREADS=1``).
+# Neither changes what is compiled; a variable already set by the caller is left alone.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+_ISA_VERDICT_ENV = "OVERLAP_TEST_ISA_VERDICT"  # the controller's verdict file, for its workers
+ISA_PROBE_WAIT_S = 600.0  # how long a worker waits for the verdict before probing for itself
+
+
+def _torch_keeps_the_isa_verdict() -> bool:
+    """Whether this torch's ISA probe leaves a ``.load_ok`` marker (2.15) and so probes once per cache
+    dir by itself; read from its source file, so nothing is imported."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch._inductor.cpu_vec_isa")
+    if spec is None or spec.origin is None:
+        return False
+    with open(spec.origin) as source:
+        return ".load_ok" in source.read()
+
+
+def _probe_accepts_every_reported_isa() -> bool:
+    """Inductor's honest ISA probe (builds and loads) gives the list that ``TORCHINDUCTOR_VEC_ISA_OK=1``
+    assumes from the CPU's flags alone."""
+    try:
+        from torch._inductor import config as inductor_config
+        from torch._inductor import cpu_vec_isa
+
+        probe = cpu_vec_isa.valid_vec_isa_list
+        probed = [str(isa) for isa in probe()]
+        probe.cache_clear()
+        with inductor_config.patch({"cpp.vec_isa_ok": True}):
+            assumed = [str(isa) for isa in probe()]
+        probe.cache_clear()
+    except (ImportError, AttributeError):  # another torch's internals: every process probes for itself
+        return False
+    return probed == assumed
+
+
+def _start_isa_probe(config: pytest.Config) -> None:
+    """In an xdist controller, before its workers start: the probe in a thread, its verdict ("1" or
+    "0") written to a file named by ``OVERLAP_TEST_ISA_VERDICT``, which the workers inherit
+    ([Note: Inductor's per-process start-up in tests])."""
+    import shutil
+    import tempfile
+    import threading
+
+    if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ or _ISA_VERDICT_ENV in os.environ:
+        return  # set by the caller, or this is a worker (it inherited the variable)
+    if not isinstance(getattr(config.option, "numprocesses", None), int) or config.option.numprocesses < 1:
+        return
+    if _torch_keeps_the_isa_verdict():
+        return
+    folder = tempfile.mkdtemp(prefix="overlap-isa-probe-")
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    verdict = os.path.join(folder, "verdict")
+    os.environ[_ISA_VERDICT_ENV] = verdict
+
+    def probe() -> None:
+        accepted = False
+        try:
+            accepted = _probe_accepts_every_reported_isa()
+        finally:
+            with open(verdict + ".partial", "w") as out:
+                out.write("1" if accepted else "0")
+            os.replace(verdict + ".partial", verdict)
+
+    threading.Thread(target=probe, name="inductor-isa-probe", daemon=True).start()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _adopt_the_isa_verdict() -> None:
+    """In an xdist worker, before its first test: wait for the controller's verdict and, when it
+    accepts, set ``TORCHINDUCTOR_VEC_ISA_OK=1`` here (and in Inductor's config if already imported)."""
+    import sys
+    import time
+
+    path = os.environ.get(_ISA_VERDICT_ENV)
+    if path is None or "PYTEST_XDIST_WORKER" not in os.environ or "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
+        return
+    deadline = time.monotonic() + ISA_PROBE_WAIT_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        with open(path) as f:
+            accepted = f.read() == "1"
+    except OSError:  # no verdict in time: this worker's processes probe for themselves
+        return
+    if accepted:
+        os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
+        inductor_config = sys.modules.get("torch._inductor.config")
+        if inductor_config is not None:
+            inductor_config.cpp.vec_isa_ok = True
+
+
+# [Note: longest files first]
+# Test files run on the xdist workers one whole file at a time (``--dist loadfile``), each worker
+# taking the next file in the queue when it finishes one. xdist orders that queue by the number of
+# tests per file, most first, which sent the few-test compile files (one ~90 s test each on torch
+# 2.11) to the end, where one ran alone for 1-2 minutes while the other worker idled (2026-11-27).
+# So the queue keeps pytest's collection order (``loadscopereorder`` off), and the files below, the
+# longest ones measured on 2 cores (torch 2.11 and 2.13), are collected first, longest first: the
+# run ends on short files. A file missing here only starts later; tests/tools/test_suite_order.py
+# checks that every name still exists.
+LONGEST_FILES_FIRST = (
+    "scheduling/test_inductor_tp.py",
+    "packing/test_quantized_kernels.py",
+    "tools/test_demo.py",
+    "scheduling/test_cpu_all_gather.py",
+    "packing/test_kernels_ops.py",
+    "shard/test_shard_numerics.py",
+    "shard/test_hsdp_compression.py",
+    "clients/test_clients.py",
+    "shard/test_shard_runtime.py",
+    "packing/test_kernels_alignment.py",
+    "clients/test_client_compile.py",
+    "scheduling/test_compiled_step.py",
+    "collectives/test_collectives.py",
+    "scheduling/test_inductor_hook.py",
+    "packing/test_kernels_chunk_copy.py",
+    "packing/test_kernels_library.py",
+    "scheduling/test_bucketing.py",
+    "packing/test_properties_kernels.py",
+    "collectives/test_stream_lifetime.py",
+    "packing/test_aot_compile.py",
+)
+_TESTS_ROOT = Path(__file__).parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _start_isa_probe(config)
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.7 ([Note: longest files first])
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """:data:`LONGEST_FILES_FIRST` first, in its order; the rest after, in collection order."""
+    position = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+
+    def file_position(item: pytest.Item) -> int:
+        try:
+            name = item.path.relative_to(_TESTS_ROOT).as_posix()
+        except ValueError:  # a test outside tests/
+            return len(position)
+        return position.get(name, len(position))
+
+    items.sort(key=file_position)  # stable: a file's tests keep their order
+
 
 # Hypothesis profiles for the property tests (test_properties_*.py): "quick" (the default) keeps them
 # to ~20 s on 2 cores; "long" (OVERLAP_HYPOTHESIS_PROFILE=long) explores 40x more examples.
