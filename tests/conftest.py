@@ -144,6 +144,13 @@ def _adopt_the_isa_verdict() -> None:
             inductor_config.cpp.vec_isa_ok = True
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """The worker count of ``-n auto`` (pyproject's default): one per CPU this process may run on, at
+    most ``MAX_TEST_WORKERS``."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cpus, MAX_TEST_WORKERS))
+
+
 # [Note: longest files first]
 # Test files run on the xdist workers one whole file at a time (``--dist loadfile``), each worker
 # taking the next file in the queue when it finishes one. xdist orders that queue by the number of
