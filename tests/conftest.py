@@ -49,11 +49,11 @@ if _WORKERS > 1:
 # still check AVX512's bf16 / VNNI / AMX extensions in each process, about half of the loads on an
 # AVX512 CPU: the first compile in a 2-rank run went from 55-57 s to 22-42 s on torch 2.11, loaded
 # box). Where the probe rejects one, nothing is set and each process probes as before. Without workers (``-n 0``, one file) nothing is
-# probed ahead: most files never compile. Likewise Inductor's compile-worker pool (a subprocess
-# importing torch, per compiling process) buys nothing where the workers and their ranks already
-# fill the cores, so compiles run in the compiling process (``TORCHINDUCTOR_COMPILE_THREADS=1``).
-# Neither changes what is compiled; a variable already set by the caller is left alone.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# probed ahead: most files never compile. This changes nothing of what is compiled; a variable
+# already set by the caller is left alone. Inductor's compile-worker pool stays as torch sets it:
+# with compiles forced into the compiling process (``TORCHINDUCTOR_COMPILE_THREADS=1``) the whole
+# suite took 591 s on torch 2.15 and 589 s on 2.11 (``.ci/run``, 2 cores, fresh compile caches),
+# against 429 s and 517 s with the pool (2 threads: torch's default there), 2026-11-27.
 _ISA_VERDICT_ENV = "OVERLAP_TEST_ISA_VERDICT"  # the controller's verdict file, for its workers
 ISA_PROBE_WAIT_S = 600.0  # how long a worker waits for the verdict before probing for itself
 
