@@ -53,20 +53,18 @@ def _quantized_copy_in_kernel(
     slot = first_slot + g // num_blocks
     flat_start, length, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, g)
     codes_start = slot * slot_bytes + flat_start
-    scale_at = scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks
     if VECTOR and aligned_full_block(addr, tensor_start, codes_start, n_valid, length, BLOCK):
         offs = vector_lanes(BLOCK, VEC)  # [Note: the aligned full-block path]
         x = load_as(addr, group, tensor_start, offs, None, None, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32, True)
         q, scale = quantize_block(x, FP8)
         tl.store(codes_ptr + aligned(codes_start) + offs, q)
-        tl.store(scale_at, scale)
     else:
         offs = tl.arange(0, BLOCK)
         x = load_as(addr, group, tensor_start, offs, offs < n_valid, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS,
                     tl.float32, False)
         q, scale = quantize_block(x, FP8)
         tl.store(codes_ptr + codes_start + offs, q, mask=offs < length)
-        tl.store(scale_at, scale)
+    tl.store(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks, scale)
 
 
 # -------------------------------------------------------------------------------------- public API

@@ -64,6 +64,7 @@ from kernels.layout import ShardLayout
 __all__ = ["BLOCKS", "QuantizedLayout", "SegmentTable", "quantized_layout"]
 
 BLOCKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+"""The block sizes the quantized ops take (powers of two: one kernel program per block)."""
 NUM_WARPS: int | None = None
 """Warps per program of the quantized kernels on CUDA (one program per quantization block; the
 result does not depend on it: a block's absolute maximum is exact in any order). ``None``: as many
@@ -72,7 +73,6 @@ bench_kernels.py --quantized-num-warps 0 1 2 4`` times the choices (0: this defa
 VECTOR_PATH = True
 """Whether the quantized kernels take [Note: the aligned full-block path] where a block allows it
 (the result is the same bit for bit; ``bench_kernels.py --quantized-vector-path on off`` times both)."""
-"""The block sizes the quantized ops take (powers of two: one kernel program per block)."""
 
 
 @dataclasses.dataclass(frozen=True)
