@@ -111,32 +111,33 @@ def _e4m3_value(q):
 
 
 @triton.jit
-def quantize_block(x, FP8: tl.constexpr):
-    """``(q int8[Q], scale float32)`` of the float32 block ``x`` (see the module's table; ``FP8``:
-    e4m3 codes, else int8)."""
+def quantize_rows(x, FP8: tl.constexpr):
+    """``(q int8[R, Q], scale float32[R])`` of the float32 tile ``x`` ``[R, Q]``, each row a block
+    (see the module's table; ``FP8``: e4m3 codes, else int8)."""
     finite = x == x
     finite = finite & (tl.abs(x) != float("inf"))
-    absmax = tl.max(tl.where(finite, tl.abs(x), float("inf")), axis=0)
+    absmax = tl.max(tl.where(finite, tl.abs(x), float("inf")), axis=1)
     if FP8:
         scale = tl.math.div_rn(absmax, 448.0)
     else:
         scale = tl.math.div_rn(absmax, 127.0)
     usable = (absmax != float("inf")) & (scale > 0.0)
-    y = tl.math.div_rn(x, tl.where(usable, scale, 1.0))
+    y = tl.math.div_rn(x, tl.where(usable, scale, 1.0)[:, None])
     if FP8:
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        q = _e4m3_code(tl.where(usable, y, 0.0))
+        q = _e4m3_code(tl.where(usable[:, None], y, 0.0))
     else:
         y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds to an integer, half to even
         y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-        q = tl.where(usable, y, 0.0).to(tl.int8)
+        q = tl.where(usable[:, None], y, 0.0).to(tl.int8)
     scale = tl.where(absmax != float("inf"), scale, float("nan"))
     return q, scale
 
 
 @triton.jit
 def dequantize_block(q, scale, FP8: tl.constexpr):
-    """float32 ``value(q) * scale`` of one-byte codes ``q`` and their block's float32 ``scale``."""
+    """float32 ``value(q) * scale`` of one-byte codes ``q`` and their block's float32 ``scale``
+    (a tile ``[R, Q]`` of blocks takes scales ``[R, 1]``)."""
     if FP8:
         value = _e4m3_value(q)
     else:
@@ -148,7 +149,7 @@ def quantize_blocks_torch(x: torch.Tensor, lengths: torch.Tensor, element_block:
                           format: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
     """``(q int8, scale float32[rows, B])`` of float32 rows ``x`` cut into ``B`` consecutive blocks
     of ``lengths`` elements (``element_block[k]``: the block of element ``k``), in ``format``,
-    bitwise as ``quantize_block`` computes them on the same blocks (no gather into padded blocks:
+    bitwise as ``quantize_rows`` computes them on the same blocks (no gather into padded blocks:
     one ``segment_reduce`` for the absolute maxima, then elementwise ops on ``x`` as it lies)."""
     if lengths.numel() == 0:  # no blocks (only empty parameters)
         return x.to(torch.int8), x.new_zeros(x.shape[0], 0)

@@ -26,34 +26,47 @@ import triton
 import triton.language as tl
 
 from kernels import _checks, _launch
-from kernels._jit import store_as, vector_lanes
+from kernels._jit import store_as
 from kernels.block_quantization import dequantize_block, dequantize_elements_torch
 from kernels.quantized_copy_in import QUANTIZED_DTYPES
-from kernels.quantized_layout import QuantizedLayout, aligned, aligned_full_block, launch, program_block
+from kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
+                                      tile_rows)
 
 OP = "quantized_all_gather_copy_out"
 
 
 @triton.jit
 def _quantized_all_gather_copy_out_kernel(
-    blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, num_blocks, slot_bytes, slot_numel,
+    blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, programs_per_slot, slot_bytes, slot_numel,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
     BLOCK: tl.constexpr, FP8: tl.constexpr, VECTOR: tl.constexpr, VEC: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
-    slot = g // num_blocks
-    flat_start, _, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, g)
+    slot = g // programs_per_slot
+    flat_start, length, addr, group, tensor_start, n_valid, first_block = program_blocks(blocks_ptr, pointers_ptr, g)
     codes_start = slot * slot_bytes + flat_start
-    scale = tl.load(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks)
-    if VECTOR and aligned_full_block(addr, tensor_start, codes_start, n_valid, n_valid, BLOCK):
-        offs = vector_lanes(BLOCK, VEC)  # [Note: the aligned full-block path]
-        x = dequantize_block(tl.load(codes_ptr + aligned(codes_start) + offs), scale, FP8)
-        store_as(addr, group, tensor_start, offs, x, None, DT0, DT1, DT2, DT3, NUM_GROUPS, True)
+    rows, present = tile_rows(length, BLOCKS_PER_PROGRAM, BLOCK)
+    scale = tl.load(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + first_block + rows, mask=present, other=0.0)
+    if VECTOR and aligned_full_block(addr, tensor_start, codes_start, n_valid, n_valid, BLOCKS_PER_PROGRAM * BLOCK):
+        _dequantize_tile(addr, group, tensor_start, codes_ptr, codes_start, n_valid, scale, DT0, DT1, DT2, DT3,
+                         NUM_GROUPS, BLOCK, FP8, VEC, BLOCKS_PER_PROGRAM, True)
     else:
-        offs = tl.arange(0, BLOCK)
-        mask = offs < n_valid
-        x = dequantize_block(tl.load(codes_ptr + codes_start + offs, mask=mask), scale, FP8)
-        store_as(addr, group, tensor_start, offs, x, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
+        _dequantize_tile(addr, group, tensor_start, codes_ptr, codes_start, n_valid, scale, DT0, DT1, DT2, DT3,
+                         NUM_GROUPS, BLOCK, FP8, VEC, BLOCKS_PER_PROGRAM, False)
+
+
+@triton.jit
+def _dequantize_tile(addr, group, tensor_start, codes_ptr, codes_start, n_valid, scale, DT0: tl.constexpr,
+                     DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                     BLOCK: tl.constexpr, FP8: tl.constexpr, VEC: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+                     ALIGNED: tl.constexpr):
+    """Dequantize a program's tile (scales ``[BLOCKS_PER_PROGRAM]``) into its tensor's elements
+    ([Note: several blocks per program]). ``ALIGNED``: [Note: the aligned full-block path], no masks."""
+    offs = tile_offsets(BLOCKS_PER_PROGRAM, BLOCK, VEC, ALIGNED)
+    valid = None if ALIGNED else offs < n_valid
+    x = dequantize_block(tl.load(codes_at(codes_ptr, codes_start, offs, ALIGNED), mask=valid), scale[:, None], FP8)
+    store_as(addr, group, tensor_start, offs, x, valid, DT0, DT1, DT2, DT3, NUM_GROUPS, ALIGNED)
 
 
 def quantized_all_gather_copy_out(
@@ -105,7 +118,7 @@ def _quantized_all_gather_copy_out(q_output: torch.Tensor, qlayout: QuantizedLay
     table = qlayout.segment_table(None, device)
     pointers = _launch.pointer_table(qlayout.layout, outs, device)
     launch(_quantized_all_gather_copy_out_kernel, table, pointers, q_output.view(torch.int8),
-           q_output.view(torch.float32), qlayout.num_blocks, qlayout.slot_bytes, qlayout.layout.slot_numel,
+           q_output.view(torch.float32), table.programs_per_slot, qlayout.slot_bytes, qlayout.layout.slot_numel,
            BLOCK=qlayout.block, FP8=qlayout.format == "fp8")
 
 

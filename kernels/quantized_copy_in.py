@@ -33,10 +33,11 @@ import triton
 import triton.language as tl
 
 from kernels import _checks, _launch
-from kernels._jit import load_as, vector_lanes
-from kernels.block_quantization import quantize_block, quantize_blocks_torch
+from kernels._jit import load_as
+from kernels.block_quantization import quantize_blocks_torch, quantize_rows
 from kernels.layout import ShardLayout
-from kernels.quantized_layout import QuantizedLayout, aligned, aligned_full_block, launch, program_block
+from kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
+                                      tile_rows)
 
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The parameter-side dtypes the quantized ops take."""
@@ -45,26 +46,41 @@ QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ------------------------------------------------------------------------------------------- kernel
 @triton.jit
 def _quantized_copy_in_kernel(
-    blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, first_slot, num_blocks, slot_bytes, slot_numel,
+    blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, first_slot, programs_per_slot, slot_bytes, slot_numel,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
     BLOCK: tl.constexpr, FP8: tl.constexpr, VECTOR: tl.constexpr, VEC: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
-    slot = first_slot + g // num_blocks
-    flat_start, length, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, g)
+    slot = first_slot + g // programs_per_slot
+    flat_start, length, addr, group, tensor_start, n_valid, first_block = program_blocks(blocks_ptr, pointers_ptr, g)
     codes_start = slot * slot_bytes + flat_start
-    if VECTOR and aligned_full_block(addr, tensor_start, codes_start, n_valid, length, BLOCK):
-        offs = vector_lanes(BLOCK, VEC)  # [Note: the aligned full-block path]
-        x = load_as(addr, group, tensor_start, offs, None, None, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32, True)
-        q, scale = quantize_block(x, FP8)
-        tl.store(codes_ptr + aligned(codes_start) + offs, q)
+    if VECTOR and aligned_full_block(addr, tensor_start, codes_start, n_valid, length, BLOCKS_PER_PROGRAM * BLOCK):
+        scale = _quantize_tile(addr, group, tensor_start, codes_ptr, codes_start, n_valid, length, DT0, DT1, DT2,
+                               DT3, NUM_GROUPS, BLOCK, FP8, VEC, BLOCKS_PER_PROGRAM, True)
     else:
-        offs = tl.arange(0, BLOCK)
-        x = load_as(addr, group, tensor_start, offs, offs < n_valid, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS,
-                    tl.float32, False)
-        q, scale = quantize_block(x, FP8)
-        tl.store(codes_ptr + codes_start + offs, q, mask=offs < length)
-    tl.store(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + g % num_blocks, scale)
+        scale = _quantize_tile(addr, group, tensor_start, codes_ptr, codes_start, n_valid, length, DT0, DT1, DT2,
+                               DT3, NUM_GROUPS, BLOCK, FP8, VEC, BLOCKS_PER_PROGRAM, False)
+    rows, present = tile_rows(length, BLOCKS_PER_PROGRAM, BLOCK)
+    tl.store(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + first_block + rows, scale, mask=present)
+
+
+@triton.jit
+def _quantize_tile(addr, group, tensor_start, codes_ptr, codes_start, n_valid, length, DT0: tl.constexpr,
+                   DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                   BLOCK: tl.constexpr, FP8: tl.constexpr, VEC: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+                   ALIGNED: tl.constexpr):
+    """Quantize a program's tile ([Note: several blocks per program]) into its codes; returns the
+    scales ``[BLOCKS_PER_PROGRAM]``. ``ALIGNED``: [Note: the aligned full-block path], no masks."""
+    offs = tile_offsets(BLOCKS_PER_PROGRAM, BLOCK, VEC, ALIGNED)
+    if ALIGNED:
+        valid, other, stored = None, None, None
+    else:
+        valid, other, stored = offs < n_valid, 0.0, offs < length  # padding: zeros, its codes written
+    x = load_as(addr, group, tensor_start, offs, valid, other, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32, ALIGNED)
+    q, scale = quantize_rows(x, FP8)
+    tl.store(codes_at(codes_ptr, codes_start, offs, ALIGNED), q, mask=stored)
+    return scale
 
 
 # -------------------------------------------------------------------------------------- public API
@@ -128,7 +144,7 @@ def _quantized_copy_in(tensors: Sequence[torch.Tensor], qlayout: QuantizedLayout
     table = qlayout.segment_table(rank, device)
     pointers = _launch.pointer_table(qlayout.layout, tensors, device, dtypes)
     launch(_quantized_copy_in_kernel, table, pointers, q_output.view(torch.int8), q_output.view(torch.float32),
-           0 if rank is None else rank, qlayout.num_blocks, qlayout.slot_bytes, qlayout.layout.slot_numel,
+           0 if rank is None else rank, table.programs_per_slot, qlayout.slot_bytes, qlayout.layout.slot_numel,
            BLOCK=qlayout.block, FP8=qlayout.format == "fp8")
     return q_input, q_output
 

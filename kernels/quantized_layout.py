@@ -27,25 +27,48 @@ itemsize`` of the uncompressed buffer's (0.508x of bf16's, 0.254x of fp32's for 
 at ``block=256``; more for many parameters smaller than a block). ``slot_numel`` is a multiple of
 16, so the scales are float32-aligned.
 
+[Note: several blocks per program]
+A kernel program handles ``BLOCKS_PER_PROGRAM`` consecutive blocks of one parameter as a 2-D tile
+``[BLOCKS_PER_PROGRAM, block]``: row ``j`` is the program's block ``j``, so each block's absolute
+maximum and scale are a row reduction and its scale a row of a broadcast. One program per block
+(256 elements by default) left the GPU bound by per-program work (table loads, one scale, a short
+tile: 0.54-0.61x of a plain copy's bandwidth for the gather copy-out, 0.55-0.59x for the reduce
+copy-in on an H100, Triton 3.6); several per program amortise it, as the exact packing kernels'
+4096-element blocks do. A program never spans two parameters (one address, one dtype group, as
+``load_as`` / ``store_as`` need): a parameter of ``c`` blocks gets ``ceil(c / BLOCKS_PER_PROGRAM)``
+programs, the last one with fewer rows; rows past the parameter's blocks are masked off (their
+codes and scales are not stored). ``blocks_per_program`` picks it from the block size and the
+largest parameter's block count (a power of two, at most ``ELEMENTS_PER_PROGRAM`` elements per
+program, never more rows than any parameter fills); ``BLOCKS_PER_PROGRAM`` overrides it (1 is the
+one-block-per-program kernel, for side-by-side timing: ``benchmarks/bench_kernels.py
+--quantized-blocks-per-program 1 0``). The result does not depend on it: the rows are the blocks
+they were, with the same arithmetic (tests/packing/test_quantized_kernels.py compares every
+choice bit for bit with the torch fallback).
+
 [Note: the aligned full-block path]
-One program quantizes one block of ``block`` elements (256 by default): with 4 warps that is two
-elements per thread, loaded with masks and without vector instructions, as a block may start
-anywhere in a tensor of any dtype. Most blocks of a large parameter are full and 16-byte aligned on
-both sides, so each kernel checks that per program (``aligned_full_block``) and then loads and
-stores ``VEC`` elements per thread (16 bytes of the widest tensor-side dtype) without masks, the
-way the exact packing kernels' aligned runs do ([Note: alignment per run] in ``kernels/_jit.py``).
-The arithmetic is the same on both paths, so the result is bit for bit the same
-(tests/packing/test_quantized_kernels.py runs both); ``VECTOR_PATH`` turns it off.
+A program's blocks may start anywhere in a tensor of any dtype, so the general path loads and
+stores with masks and without vector instructions. Most programs of a large parameter are full
+(``BLOCKS_PER_PROGRAM`` full blocks) and 16-byte aligned on both sides, so each kernel checks that
+per program (``aligned_full_block``) and then loads and stores ``VEC`` elements per thread (16 bytes
+of the widest tensor-side dtype) without masks, the way the exact packing kernels' aligned runs do
+([Note: alignment per run] in ``kernels/_jit.py``). Every row of an aligned program is aligned too
+(a block is a multiple of 16 elements). The arithmetic is the same on both paths, so the result is
+bit for bit the same (tests/packing/test_quantized_kernels.py runs both); ``VECTOR_PATH`` turns it
+off. A parameter's last program (fewer blocks, or a short last block) takes the masked path.
 
 [Note: segment tables]
-Each kernel program handles one block of one slot. ``blocks[g] = (flat_start, length, param,
-tensor_start, n_valid)`` of program ``g``: the block covers slot elements ``flat_start ..
-flat_start + length``, the first ``n_valid`` of which are elements ``tensor_start ..`` of parameter
-``param``'s tensor (the rest are padding, zeros); its scale is number ``g % B`` of its slot. With
-``rank=r`` the tensors are rank ``r``'s shards and the table covers slot ``r`` (``B`` programs);
-with ``rank=None`` they are the full tensors and the table covers every slot (``w * B`` programs,
-slot ``g // B``). Built once per (layout, block, rank, device) with numpy and cached on the layout,
-like the block tables of ``kernels._launch``; device copies through ``kernels.table_memory``.
+``blocks[g] = (flat_start, length, param, tensor_start, n_valid, first_block)`` of program ``g``:
+the program covers slot elements ``flat_start .. flat_start + length`` (its blocks, consecutive,
+each ``block`` long but the parameter's last), the first ``n_valid`` of which are elements
+``tensor_start ..`` of parameter ``param``'s tensor (the rest are padding, zeros); its first block's
+scale is number ``first_block`` of its slot. Row ``j`` of the tile is element offsets ``j * block
+..`` of the program, so ``offset < n_valid`` and ``offset < length`` are its masks (the valid
+elements are a prefix of a parameter's region). With ``rank=r`` the tensors are rank ``r``'s shards
+and the table covers slot ``r`` (``programs_per_slot`` programs); with ``rank=None`` they are the
+full tensors and the table covers every slot (``w * programs_per_slot`` programs, slot ``g //
+programs_per_slot``). Built once per (layout, block, blocks per program, rank, device) with numpy
+and cached on the layout, like the block tables of ``kernels._launch``; device copies through
+``kernels.table_memory``.
 """
 from __future__ import annotations
 
@@ -58,18 +81,26 @@ import triton
 import triton.language as tl
 
 from kernels import _launch, table_memory
+from kernels._jit import vector_lanes
 from kernels.block_quantization import FORMATS
 from kernels.layout import ShardLayout
 
-__all__ = ["BLOCKS", "QuantizedLayout", "SegmentTable", "quantized_layout"]
+__all__ = ["BLOCKS", "QuantizedLayout", "SegmentTable", "blocks_per_program", "quantized_layout"]
 
 BLOCKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-"""The block sizes the quantized ops take (powers of two: one kernel program per block)."""
+"""The block sizes the quantized ops take (powers of two: a block is one row of a program's tile)."""
+ELEMENTS_PER_PROGRAM = 4096
+"""The most elements ``blocks_per_program`` gives one program (the exact packing kernels' block on
+large runs): [Note: several blocks per program]."""
+BLOCKS_PER_PROGRAM: int | None = None
+"""Blocks per program of the quantized kernels (a power of two), or ``None``: ``blocks_per_program``'s
+choice. The result does not depend on it; ``benchmarks/bench_kernels.py
+--quantized-blocks-per-program 1 0`` times one block per program against the choice (0)."""
 NUM_WARPS: int | None = None
-"""Warps per program of the quantized kernels on CUDA (one program per quantization block; the
-result does not depend on it: a block's absolute maximum is exact in any order). ``None``: as many
-as give each thread one 16-byte vector of the block (``warps_per_block``); ``benchmarks/
-bench_kernels.py --quantized-num-warps 0 1 2 4`` times the choices (0: this default)."""
+"""Warps per program of the quantized kernels on CUDA (the result does not depend on it: a block's
+absolute maximum is exact in any order). ``None``: as many as give each thread one 16-byte vector of
+the program's tile (``warps_per_block``, at most 8); ``benchmarks/bench_kernels.py
+--quantized-num-warps 0 1 2 4`` times the choices (0: this default)."""
 VECTOR_PATH = True
 """Whether the quantized kernels take [Note: the aligned full-block path] where a block allows it
 (the result is the same bit for bit; ``bench_kernels.py --quantized-vector-path on off`` times both)."""
@@ -77,11 +108,13 @@ VECTOR_PATH = True
 
 @dataclasses.dataclass(frozen=True)
 class SegmentTable:
-    """[Note: segment tables] on one device: ``blocks`` int64 ``(num_programs, 5)``."""
+    """[Note: segment tables] on one device: ``blocks`` int64 ``(num_programs, 6)``."""
 
     blocks: torch.Tensor
     memory: table_memory.DeviceTable
     num_programs: int
+    programs_per_slot: int
+    blocks_per_program: int
 
 
 class QuantizedLayout:
@@ -110,6 +143,8 @@ class QuantizedLayout:
         """Slot offset of each block (host int64)."""
         self.block_lengths: np.ndarray = ends - starts
         """Elements of each block, ``<= block`` (host int64)."""
+        self.param_blocks: tuple[int, ...] = tuple(counts)
+        """Blocks of each parameter's region (the same in every slot)."""
         self.slot_bytes = layout.slot_numel + 4 * self.num_blocks
         self.buffer_bytes = self.world_size * self.slot_bytes
 
@@ -148,32 +183,47 @@ class QuantizedLayout:
         return index
 
     def segment_table(self, rank: int | None, device: torch.device) -> SegmentTable:
-        """The table of ``rank`` (``None``: every slot, full tensors) on ``device``, cached."""
-        key = ("quantized_segments", self.block, rank, device)
+        """The table of ``rank`` (``None``: every slot, full tensors) on ``device``, cached, for
+        ``BLOCKS_PER_PROGRAM`` or ``blocks_per_program``'s choice."""
+        per_program = BLOCKS_PER_PROGRAM or blocks_per_program(self.block, max(self.param_blocks, default=0))
+        key = ("quantized_segments", self.block, per_program, rank, device)
         cache = self.layout._device_cache
         table = cache.get(key)
         if table is None:
-            blocks = _blocks(self, rank)
+            blocks = _programs(self, rank, per_program)
             memory = table_memory.upload([blocks], device, cached=True)
-            table = SegmentTable(memory.tensors[0], memory, len(blocks))
+            slots = self.world_size if rank is None else 1
+            table = SegmentTable(memory.tensors[0], memory, len(blocks), len(blocks) // slots, per_program)
             if not memory.in_graph:
                 cache[key] = table
         return table
 
 
-def _blocks(qlayout: QuantizedLayout, rank: int | None) -> np.ndarray:
-    """Host array ``blocks`` of [Note: segment tables]."""
-    layout, block = qlayout.layout, qlayout.block
-    counts = [-(-n // block) for n in layout.padded_numels]
+def blocks_per_program(block: int, largest_param_blocks: int) -> int:
+    """Blocks per kernel program ([Note: several blocks per program]): ``ELEMENTS_PER_PROGRAM //
+    block``, but no more than the largest parameter's ``largest_param_blocks`` rounded up to a power
+    of two (a layout of small parameters keeps small tiles); at least 1."""
+    return max(1, min(ELEMENTS_PER_PROGRAM // block, triton.next_power_of_2(max(1, largest_param_blocks))))
+
+
+def _programs(qlayout: QuantizedLayout, rank: int | None, per_program: int) -> np.ndarray:
+    """Host array ``blocks`` of [Note: segment tables], ``per_program`` blocks per program."""
+    layout = qlayout.layout
+    counts = np.asarray(qlayout.param_blocks, dtype=np.int64)
     param = np.repeat(np.arange(layout.num_params, dtype=np.int64), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    index = np.arange(qlayout.num_blocks, dtype=np.int64)
+    heads = np.flatnonzero((index - first) % per_program == 0)  # each program's first block
     within = qlayout.block_starts - np.repeat(np.asarray(layout.slot_offsets, dtype=np.int64), counts)
     tables = []
     for r in (range(layout.world_size) if rank is None else (rank,)):
         shard_numels = np.asarray([layout.shard_numel(i, r) for i in range(layout.num_params)], dtype=np.int64)
         base = np.asarray(layout.chunk_numels, dtype=np.int64) * r if rank is None else np.zeros(layout.num_params, np.int64)
         n_valid = np.clip(shard_numels[param] - within, 0, qlayout.block_lengths)
-        tables.append(np.stack([qlayout.block_starts, qlayout.block_lengths, param, base[param] + within, n_valid], 1))
-    return np.ascontiguousarray(np.concatenate(tables)).reshape(-1, 5)
+        sums = [np.add.reduceat(a, heads) if len(heads) else a[:0] for a in (qlayout.block_lengths, n_valid)]
+        tables.append(np.stack([qlayout.block_starts[heads], sums[0], param[heads], (base[param] + within)[heads],
+                                sums[1], heads], 1))
+    return np.ascontiguousarray(np.concatenate(tables)).reshape(-1, 6)
 
 
 @functools.lru_cache(maxsize=256)
@@ -185,21 +235,23 @@ def quantized_layout(layout: ShardLayout, block: int, format: str = "int8") -> Q
 
 # ----------------------------------------------------------------------------- device side, launch
 @triton.jit
-def program_block(blocks_ptr, pointers_ptr, g):
-    """Program ``g``'s block: ``(flat_start, length, addr, group, tensor_start, n_valid)`` ([Note:
-    segment tables]); ``addr`` / ``group``: its parameter's tensor and dtype group."""
-    row = blocks_ptr + g * 5
+def program_blocks(blocks_ptr, pointers_ptr, g):
+    """Program ``g``'s blocks: ``(flat_start, length, addr, group, tensor_start, n_valid,
+    first_block)`` ([Note: segment tables]); ``addr`` / ``group``: its parameter's tensor and dtype
+    group."""
+    row = blocks_ptr + g * 6
     param = tl.load(row + 2)
     return (tl.load(row), tl.load(row + 1), tl.load(pointers_ptr + param * 2), tl.load(pointers_ptr + param * 2 + 1),
-            tl.load(row + 3), tl.load(row + 4))
+            tl.load(row + 3), tl.load(row + 4), tl.load(row + 5))
 
 
 @triton.jit
-def aligned_full_block(addr, tensor_start, codes_start, n_valid, length, BLOCK: tl.constexpr):
-    """Whether a block takes [Note: the aligned full-block path]: all ``BLOCK`` elements valid and in
-    the slot (``n_valid``, ``length``), the tensor side 16-byte aligned (address, and a start that
-    is a multiple of 16 elements) and the codes' first byte (``codes_start``) a multiple of 16."""
-    return ((n_valid == BLOCK) & (length == BLOCK) & ((addr % 16) == 0) & ((tensor_start % 16) == 0)
+def aligned_full_block(addr, tensor_start, codes_start, n_valid, length, TILE: tl.constexpr):
+    """Whether a program takes [Note: the aligned full-block path]: all ``TILE`` elements of its
+    blocks valid and in the slot (``n_valid``, ``length``), the tensor side 16-byte aligned (address,
+    and a start that is a multiple of 16 elements) and the codes' first byte (``codes_start``) a
+    multiple of 16."""
+    return ((n_valid == TILE) & (length == TILE) & ((addr % 16) == 0) & ((tensor_start % 16) == 0)
             & ((codes_start % 16) == 0))
 
 
@@ -210,26 +262,55 @@ def aligned(offset):
     return (offset // 16) * 16
 
 
+@triton.jit
+def tile_offsets(BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr):
+    """``[BLOCKS_PER_PROGRAM, BLOCK]`` element offsets of a program's tile from its first element
+    (row ``j``: block ``j``); ``ALIGNED``: ``VEC`` consecutive elements per thread ([Note: the
+    aligned full-block path])."""
+    if ALIGNED:
+        cols = vector_lanes(BLOCK, VEC)
+    else:
+        cols = tl.arange(0, BLOCK)
+    return tl.arange(0, BLOCKS_PER_PROGRAM)[:, None] * BLOCK + cols[None, :]
+
+
+@triton.jit
+def codes_at(codes_ptr, start, offs, ALIGNED: tl.constexpr):
+    """Pointers to the codes of a tile whose first code is byte ``start`` of the buffer (``ALIGNED``:
+    ``start`` is a multiple of 16, rebuilt so that Triton sees it: ``aligned``)."""
+    if ALIGNED:
+        start = aligned(start)
+    return codes_ptr + start + offs
+
+
+@triton.jit
+def tile_rows(length, BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
+    """``(rows [BLOCKS_PER_PROGRAM], present)``: each row's block number within the program, and
+    whether the program has that block (``length`` slot elements)."""
+    rows = tl.arange(0, BLOCKS_PER_PROGRAM)
+    return rows, rows * BLOCK < length
+
+
 def warps_per_block(block: int, vec: int) -> int:
-    """Warps that give each thread ``vec`` elements of a ``block``-element block (1 to 8): a 16-byte
+    """Warps that give each thread ``vec`` elements of a ``block``-element tile (1 to 8): a 16-byte
     load or store per thread on [Note: the aligned full-block path]."""
     return max(1, min(8, block // (32 * vec)))
 
 
 def launch(kernel: triton.JITFunction, table: SegmentTable, pointers: _launch.PointerTable, *args: object,
            **constexprs: object) -> None:
-    """``kernel[(table.num_programs,)](blocks, pointers, *args, DT0.., NUM_GROUPS, ...)`` on the
-    tensors' device (CUDA: tables through ``table_memory.prepare``; compiled without FMA
+    """``kernel[(table.num_programs,)](blocks, pointers, *args, DT0.., NUM_GROUPS, BLOCKS_PER_PROGRAM,
+    ...)`` on the tensors' device (CUDA: tables through ``table_memory.prepare``; compiled without FMA
     contraction, [Note: why the arithmetic is bitwise portable] in ``kernels/block_quantization.py``)."""
     if table.num_programs == 0:
         return
     g = pointers.dtypes
     vec = _launch.vector_width(pointers.torch_dtypes)
     kwargs = dict(DT0=g[0], DT1=g[1], DT2=g[2], DT3=g[3], NUM_GROUPS=pointers.num_groups, VECTOR=VECTOR_PATH,
-                  VEC=vec, **constexprs)
+                  VEC=vec, BLOCKS_PER_PROGRAM=table.blocks_per_program, **constexprs)
     device = table.blocks.device
     if device.type == "cuda":
-        warps = NUM_WARPS or warps_per_block(constexprs["BLOCK"], vec)
+        warps = NUM_WARPS or warps_per_block(constexprs["BLOCK"] * table.blocks_per_program, vec)
         _launch.cuda_launch(kernel, table.num_programs, (table.memory, pointers.memory), args, kwargs,
                             dict(num_warps=warps, enable_fp_fusion=False), device)
     else:

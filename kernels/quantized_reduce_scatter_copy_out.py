@@ -28,50 +28,64 @@ import triton.language as tl
 
 from kernels import _checks, _launch
 from kernels._dtypes import as_float32
-from kernels._jit import load_as, store_as, vector_lanes
+from kernels._jit import load_as, store_as
 from kernels.block_quantization import dequantize_block
 from kernels.quantized_all_gather_copy_out import _check_buffer, dequantized
 from kernels.quantized_copy_in import QUANTIZED_DTYPES
-from kernels.quantized_layout import QuantizedLayout, aligned, aligned_full_block, launch, program_block
+from kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
+                                      tile_rows)
 
 OP = "quantized_reduce_scatter_copy_out"
 
 
 @triton.jit
 def _quantized_reduce_scatter_copy_out_kernel(
-    blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, num_blocks, slot_bytes, slot_numel, scale,
+    blocks_ptr, pointers_ptr, codes_ptr, scales_ptr, slot_bytes, slot_numel, scale,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
     BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, WORLD_SIZE: tl.constexpr,
-    FP8: tl.constexpr, VECTOR: tl.constexpr, VEC: tl.constexpr,
+    FP8: tl.constexpr, VECTOR: tl.constexpr, VEC: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    flat_start, _, addr, group, tensor_start, n_valid = program_block(blocks_ptr, pointers_ptr, b)
+    g = tl.program_id(0).to(tl.int64)
+    flat_start, length, addr, group, tensor_start, n_valid, first_block = program_blocks(blocks_ptr, pointers_ptr, g)
     # every slot's codes are aligned when the first's are and a slot is a multiple of 16 bytes long
-    if VECTOR and aligned_full_block(addr, tensor_start, flat_start | (slot_bytes % 16), n_valid, n_valid, BLOCK):
-        offs = vector_lanes(BLOCK, VEC)  # [Note: the aligned full-block path]
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in range(WORLD_SIZE):  # a constexpr: Triton 3.6's interpreter cannot loop to a runtime int
-            q = tl.load(codes_ptr + aligned(s * slot_bytes + flat_start) + offs)
-            acc += dequantize_block(q, tl.load(scales_ptr + (s * slot_bytes + slot_numel) // 4 + b), FP8)
-        if HAS_SCALE:
-            acc = acc * scale
-        if ACCUMULATE:
-            acc = load_as(addr, group, tensor_start, offs, None, None, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
-                          True) + acc
-        store_as(addr, group, tensor_start, offs, acc, None, DT0, DT1, DT2, DT3, NUM_GROUPS, True)
+    if VECTOR and aligned_full_block(addr, tensor_start, flat_start | (slot_bytes % 16), n_valid, n_valid,
+                                     BLOCKS_PER_PROGRAM * BLOCK):
+        _sum_tile(addr, group, tensor_start, codes_ptr, scales_ptr, flat_start, length, n_valid, first_block,
+                  slot_bytes, slot_numel, scale, DT0, DT1, DT2, DT3, NUM_GROUPS, BLOCK, HAS_SCALE, ACCUMULATE,
+                  WORLD_SIZE, FP8, VEC, BLOCKS_PER_PROGRAM, True)
     else:
-        offs = tl.arange(0, BLOCK)
-        mask = offs < n_valid
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in range(WORLD_SIZE):
-            q = tl.load(codes_ptr + s * slot_bytes + flat_start + offs, mask=mask)
-            acc += dequantize_block(q, tl.load(scales_ptr + (s * slot_bytes + slot_numel) // 4 + b), FP8)
-        if HAS_SCALE:
-            acc = acc * scale
-        if ACCUMULATE:
-            acc = load_as(addr, group, tensor_start, offs, mask, 0.0, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
-                          False) + acc
-        store_as(addr, group, tensor_start, offs, acc, mask, DT0, DT1, DT2, DT3, NUM_GROUPS, False)
+        _sum_tile(addr, group, tensor_start, codes_ptr, scales_ptr, flat_start, length, n_valid, first_block,
+                  slot_bytes, slot_numel, scale, DT0, DT1, DT2, DT3, NUM_GROUPS, BLOCK, HAS_SCALE, ACCUMULATE,
+                  WORLD_SIZE, FP8, VEC, BLOCKS_PER_PROGRAM, False)
+
+
+@triton.jit
+def _sum_tile(addr, group, tensor_start, codes_ptr, scales_ptr, flat_start, length, n_valid, first_block, slot_bytes,
+              slot_numel, scale, DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr,
+              NUM_GROUPS: tl.constexpr, BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
+              WORLD_SIZE: tl.constexpr, FP8: tl.constexpr, VEC: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+              ALIGNED: tl.constexpr):
+    """A program's tile ([Note: several blocks per program]) dequantized from every slot, summed in
+    rank order, scaled, written or added into its shard's elements. ``ALIGNED``: [Note: the aligned
+    full-block path], no masks."""
+    offs = tile_offsets(BLOCKS_PER_PROGRAM, BLOCK, VEC, ALIGNED)
+    rows, present = tile_rows(length, BLOCKS_PER_PROGRAM, BLOCK)
+    if ALIGNED:
+        valid, other = None, None
+    else:
+        valid, other = offs < n_valid, 0.0
+    acc = tl.zeros([BLOCKS_PER_PROGRAM, BLOCK], dtype=tl.float32)
+    for s in range(WORLD_SIZE):  # a constexpr: Triton 3.6's interpreter cannot loop to a runtime int
+        q = tl.load(codes_at(codes_ptr, s * slot_bytes + flat_start, offs, ALIGNED), mask=valid)
+        block_scale = tl.load(scales_ptr + (s * slot_bytes + slot_numel) // 4 + first_block + rows, mask=present,
+                              other=0.0)
+        acc += dequantize_block(q, block_scale[:, None], FP8)
+    if HAS_SCALE:
+        acc = acc * scale
+    if ACCUMULATE:
+        acc = load_as(addr, group, tensor_start, offs, valid, other, DT0, DT1, DT2, DT3, NUM_GROUPS, tl.float32,
+                      ALIGNED) + acc
+    store_as(addr, group, tensor_start, offs, acc, valid, DT0, DT1, DT2, DT3, NUM_GROUPS, ALIGNED)
 
 
 def quantized_reduce_scatter_copy_out(
@@ -105,7 +119,7 @@ def _quantized_reduce_scatter_copy_out(received: torch.Tensor, outs: Sequence[to
     table = qlayout.segment_table(rank, device)
     pointers = _launch.pointer_table(qlayout.layout, outs, device)
     launch(_quantized_reduce_scatter_copy_out_kernel, table, pointers, received.view(torch.int8),
-           received.view(torch.float32), qlayout.num_blocks, qlayout.slot_bytes, qlayout.layout.slot_numel,
+           received.view(torch.float32), qlayout.slot_bytes, qlayout.layout.slot_numel,
            1.0 if scale is None else as_float32(scale), BLOCK=qlayout.block, HAS_SCALE=scale is not None,
            ACCUMULATE=accumulate, WORLD_SIZE=qlayout.world_size,
            FP8=qlayout.format == "fp8")

@@ -408,7 +408,7 @@ def test_bad_input_names_the_argument() -> None:
 
 # ------------------------------------------------------------------------------- AOT compile (no GPU)
 _AOT_SCRIPT = """
-import json, re, sys
+import itertools, json, re, sys
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -417,22 +417,23 @@ from kernels.quantized_copy_in import _quantized_copy_in_kernel
 from kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out_kernel
 from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out_kernel
 POINTERS = {"blocks_ptr": "*i64", "pointers_ptr": "*i64", "codes_ptr": "*i8", "scales_ptr": "*fp32", "scale": "fp32"}
-from kernels.quantized_layout import warps_per_block
+from kernels.quantized_layout import blocks_per_program, warps_per_block
 out = {}
 for kernel, extra in ((_quantized_copy_in_kernel, {}), (_quantized_all_gather_copy_out_kernel, {}),
                       (_quantized_reduce_scatter_copy_out_kernel,
                        dict(HAS_SCALE=True, ACCUMULATE=True, WORLD_SIZE=2))):
-    for vector in (False, True):
+    for vector, per_program in itertools.product((False, True), (1, blocks_per_program(256, 10**6))):
         constexprs = dict(DT0=tl.bfloat16, DT1=tl.float32, DT2=tl.bfloat16, DT3=tl.bfloat16, NUM_GROUPS=2,
-                          BLOCK=256, FP8=True, VECTOR=vector, VEC=4, **extra)
+                          BLOCK=256, FP8=True, VECTOR=vector, VEC=4, BLOCKS_PER_PROGRAM=per_program, **extra)
         signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i64") for n in kernel.arg_names}
         # the buffers' addresses as Triton specializes fresh allocations: 16-byte aligned
         attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("codes_ptr", "scales_ptr")}
         source = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}, attrs)
         for arch in (80, 90):
             ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                                 options={"enable_fp_fusion": False, "num_warps": warps_per_block(256, 4)}).asm["ptx"]
-            out[f"{kernel.__name__}-vector{int(vector)}-sm{arch}"] = {
+                                 options={"enable_fp_fusion": False,
+                                          "num_warps": warps_per_block(256 * per_program, 4)}).asm["ptx"]
+            out[f"{kernel.__name__}-vector{int(vector)}-blocks{per_program}-sm{arch}"] = {
                 "fp8": len(re.findall(r"e4m3|e5m2", ptx)), "fma": len(re.findall(r"\\bfma\\.rn\\.f32", ptx)),
                 "vector": len(re.findall(r"\\b(?:ld|st)\\.global(?:\\.\\w+)*\\.v[248]\\.", ptx))}
 print(json.dumps(out))
@@ -443,7 +444,8 @@ def test_fp8_kernels_compile_for_sm80_without_fp8_instructions(tmp_path) -> None
     """The fp8 variants of the three kernels compile ahead of time for sm_80 (below fp8 hardware,
     sm_89) and sm_90 with Triton's bundled ptxas, with no e4m3 / e5m2 conversion and no FMA in the
     PTX: the integer encoding needs no fp8 support ([Note: why the arithmetic is bitwise portable]).
-    Both paths of each kernel; the aligned full-block one must use vector loads / stores."""
+    Both paths of each kernel, one block per program and the runtime's choice for large parameters
+    ([Note: several blocks per program]); the aligned full-block one must use vector loads / stores."""
     import json
     import os
     import subprocess
@@ -464,7 +466,7 @@ def test_fp8_kernels_compile_for_sm80_without_fp8_instructions(tmp_path) -> None
                           timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 12
+    assert len(report) == 24
     assert all(r["fp8"] == 0 and r["fma"] == 0 for r in report.values()), report
     # [Note: the aligned full-block path] compiles to vector loads and stores (16 bytes of float32 per
     # thread at the runtime's warps per block); the masked path to none
