@@ -14,8 +14,9 @@ first element (blocks never span parameters: [Note: quantized slots]).
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -24,13 +25,13 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kernels import ShardLayout, _launch  # noqa: E402
+from kernels import ShardLayout, _launch, quantized_layout  # noqa: E402
 from kernels.block_quantization import FORMATS, QMAX  # noqa: E402
 from kernels.quantized_all_gather_copy_out import (  # noqa: E402
     _quantized_all_gather_copy_out, _quantized_all_gather_copy_out_torch, quantized_all_gather_copy_out)
 from kernels.quantized_copy_in import (  # noqa: E402
     _quantized_copy_in, _quantized_copy_in_torch, quantized_all_gather_copy_in, quantized_reduce_scatter_copy_in)
-from kernels.quantized_layout import BLOCKS, QuantizedLayout  # noqa: E402
+from kernels.quantized_layout import BLOCKS, QuantizedLayout, _programs  # noqa: E402
 from kernels.quantized_reduce_scatter_copy_out import (  # noqa: E402
     _quantized_reduce_scatter_copy_out, _quantized_reduce_scatter_copy_out_torch, quantized_reduce_scatter_copy_out)
 
@@ -49,6 +50,19 @@ SHAPES = st.lists(SHAPE, min_size=1, max_size=4)
 DTYPES = st.lists(st.sampled_from(FLOATS), min_size=1, max_size=3)
 BLOCK = st.sampled_from([32, 64, 256])
 FORMAT = st.sampled_from(FORMATS)
+PER_PROGRAM = st.sampled_from([None, 1, 2, 4, 8])
+"""Blocks per kernel program ([Note: several blocks per program]); None: ``blocks_per_program``'s."""
+
+
+@contextlib.contextmanager
+def _blocks_per_program(per_program: int | None) -> Iterator[None]:
+    """The quantized kernels launched with ``per_program`` blocks per program (None: the choice)."""
+    saved = quantized_layout.BLOCKS_PER_PROGRAM
+    quantized_layout.BLOCKS_PER_PROGRAM = per_program
+    try:
+        yield
+    finally:
+        quantized_layout.BLOCKS_PER_PROGRAM = saved
 
 
 def _tensors(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype], seed: int,
@@ -106,7 +120,13 @@ def _run(path: str, fn_triton, fn_torch, *args):
        data=st.data(), format=FORMAT)
 def test_triton_and_torch_fallback_are_bitwise_equal(shapes, world, dtypes, block, seed, data, format) -> None:
     """All three ops, both formats, every dtype mix in and out, odd shapes (tails, empty and 0-dim
-    shards), zero blocks."""
+    shards), zero blocks, with 1 to 8 blocks per kernel program (parameters whose block count they
+    do not divide) and the runtime's choice."""
+    with _blocks_per_program(data.draw(PER_PROGRAM, label="blocks per program")):
+        _check_bitwise_equal(shapes, world, dtypes, block, seed, data, format)
+
+
+def _check_bitwise_equal(shapes, world, dtypes, block, seed, data, format) -> None:
     layout = ShardLayout(shapes, world)
     qlayout = QuantizedLayout(layout, block, format)
     fulls = _tensors(shapes, dtypes, seed, zero_every=3)
@@ -143,19 +163,21 @@ def test_triton_and_torch_fallback_are_bitwise_equal(shapes, world, dtypes, bloc
 
 
 @requires_triton_on_cpu
+@pytest.mark.parametrize("per_program", [1, 4, None])
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("vector_path", [True, False])
-def test_the_aligned_full_block_path_changes_no_bit(monkeypatch, vector_path: bool, format: str) -> None:
+def test_the_aligned_full_block_path_changes_no_bit(monkeypatch, vector_path: bool, format: str,
+                                                    per_program: int | None) -> None:
     """[Note: the aligned full-block path] on and off, against the torch fallback: parameters with
-    many full blocks, one whose tensors start 4 bytes past an aligned address (no block of it is
-    aligned), one with a tail, mixed dtypes, two ranks."""
-    from kernels import quantized_layout
-
+    many full blocks (with 4 blocks per program: two full programs per shard, and one of six blocks:
+    a full program and a two-block one), one whose tensors start 4 bytes past an aligned address (no
+    block of it is aligned), one with a tail, mixed dtypes, two ranks."""
     monkeypatch.setattr(quantized_layout, "VECTOR_PATH", vector_path)
-    shapes = [(8, 64), (130,), (3, 64)]
+    monkeypatch.setattr(quantized_layout, "BLOCKS_PER_PROGRAM", per_program)
+    shapes = [(8, 64), (130,), (3, 64), (12, 32)]
     layout = ShardLayout(shapes, 2)
     qlayout = QuantizedLayout(layout, 32, format)
-    fulls = _tensors(shapes, [f32, bf16, f32], seed=3)
+    fulls = _tensors(shapes, [f32, bf16, f32, bf16], seed=3)
     fulls[2] = torch.empty(fulls[2].numel() + 1)[1:].view(fulls[2].shape).copy_(fulls[2])  # misaligned
     for rank in range(2):
         shards = [layout.shard(t, rank) for t in fulls]
@@ -163,7 +185,7 @@ def test_the_aligned_full_block_path_changes_no_bit(monkeypatch, vector_path: bo
         _quantized_copy_in_torch(shards, qlayout, rank, q_torch)
         assert torch.equal(_quantized_copy_in(shards, qlayout, rank)[0], q_torch.view(2, -1)[rank])
     buffer = _gathered(fulls, qlayout)
-    outs = [[torch.empty(s, dtype=d) for s, d in zip(shapes, (bf16, f32, f32))] for _ in range(2)]
+    outs = [[torch.empty(s, dtype=d) for s, d in zip(shapes, (bf16, f32, f32, f16))] for _ in range(2)]
     outs[0][2] = torch.empty(outs[0][2].numel() + 1)[1:].view(shapes[2])  # a misaligned output too
     outs[1][2] = torch.empty(outs[1][2].numel() + 1)[1:].view(shapes[2])
     _quantized_all_gather_copy_out(buffer, qlayout, outs[0])
@@ -173,7 +195,7 @@ def test_the_aligned_full_block_path_changes_no_bit(monkeypatch, vector_path: bo
     r_torch = torch.empty(qlayout.buffer_bytes, dtype=torch.uint8)
     _quantized_copy_in_torch(fulls, qlayout, None, r_torch)
     assert torch.equal(received, r_torch)
-    olds = _tensors([layout.shard_shape(i, 1) for i in range(3)], [f32, f32, bf16], seed=4)
+    olds = _tensors([layout.shard_shape(i, 1) for i in range(4)], [f32, f32, bf16, f16], seed=4)
     grads = [[g.clone() for g in olds] for _ in range(2)]
     _quantized_reduce_scatter_copy_out(received, grads[0], qlayout, 1, 0.5, True)
     _quantized_reduce_scatter_copy_out_torch(received, grads[1], qlayout, 1, 0.5, True)
@@ -377,6 +399,38 @@ def test_quantized_layout_bytes_and_blocks() -> None:
     assert qlayout.buffer_bytes <= 0.28 * layout.buffer_numel * 4
 
 
+@examples
+@given(shapes=SHAPES, world=st.integers(1, 5), block=BLOCK, per_program=st.sampled_from([1, 2, 4, 8, 128]),
+       rank=st.integers(0, 4))
+def test_segment_tables_cover_each_block_once_within_one_parameter(shapes, world, block, per_program, rank) -> None:
+    """[Note: segment tables] expanded row by row equal the per-block facts computed here from the
+    layout alone: every block of every slot once, in order, a program's blocks all in one
+    parameter's region, each row's valid elements (a prefix of the shard's) and scale number."""
+    layout = ShardLayout(shapes, world)
+    qlayout = QuantizedLayout(layout, block)
+    for r in (None, rank % world):
+        programs = _programs(qlayout, r, per_program)
+        expected, got = [], []
+        for s in range(world) if r is None else (r,):
+            for i, (off, padded) in enumerate(zip(layout.slot_offsets, layout.padded_numels)):
+                valid = layout.shard_numel(i, s)
+                base = layout.chunk_numels[i] * s if r is None else 0
+                first = sum(qlayout.param_blocks[:i])
+                for k in range(qlayout.param_blocks[i]):
+                    start = off + k * block
+                    length = min(block, padded - k * block)
+                    expected.append((start, length, i, base + k * block, max(0, min(valid - k * block, length)),
+                                     first + k))
+        for flat, length, param, tensor, n_valid, first in programs.tolist():
+            assert 0 < length <= per_program * block
+            rows = -(-length // block)
+            for j in range(rows):
+                got.append((flat + j * block, min(block, length - j * block), param, tensor + j * block,
+                            max(0, min(block, n_valid - j * block)), first + j))
+        assert got == expected
+        assert len(programs) == (world if r is None else 1) * sum(-(-c // per_program) for c in qlayout.param_blocks)
+
+
 def test_bad_input_names_the_argument() -> None:
     layout = ShardLayout([(8, 2)], 2)
     qlayout = QuantizedLayout(layout, 32)
@@ -476,11 +530,14 @@ def test_fp8_kernels_compile_for_sm80_without_fp8_instructions(tmp_path) -> None
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.skipif(not torch.cuda.is_available() or _launch.INTERPRET,
                     reason="compiled Triton kernels need a CUDA device (and TRITON_INTERPRET unset)")
+@pytest.mark.parametrize("per_program", [1, None])
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("block", [32, 256, 4096])
-def test_cuda_kernels_equal_the_torch_fallback(block: int, format: str) -> None:
+def test_cuda_kernels_equal_the_torch_fallback(monkeypatch, block: int, format: str, per_program: int | None) -> None:
     """Under real codegen (div_rn, no FMA) the three kernels equal the CPU torch fallback bit for bit
-    (fp8: integer encoding, no float8 type, so any GPU; checked against torch's CPU float8 cast)."""
+    (fp8: integer encoding, no float8 type, so any GPU; checked against torch's CPU float8 cast),
+    one block per program and the runtime's choice ([Note: several blocks per program])."""
+    monkeypatch.setattr(quantized_layout, "BLOCKS_PER_PROGRAM", per_program)
     shapes = [(4097, 33), (7,), (), (0, 5), (1000,), (129, 64)]
     world = 3
     layout = ShardLayout(shapes, world)
