@@ -105,11 +105,11 @@ QUANTIZED_BLOCK = 256
 
 
 def quantized_case(workload: Workload, world_size: int, fmt: str,
-                   device: torch.device) -> dict[str, tuple[Callable[[], object], int]]:
+                   device: torch.device) -> tuple[QuantizedLayout, dict[str, tuple[Callable[[], object], int]]]:
     """The four quantized ops as the runtime calls them (``overlap.Compression(gather=fmt, reduce=fmt)``
     under mixed precision: fp32 shards gathered into bf16 parameters, bf16 gradients reduced into fp32
     sharded gradients), each with the bytes it reads and writes (padding codes included, as the
-    kernel touches them)."""
+    kernel touches them), and their quantized layout."""
     layout = ShardLayout(workload.shapes, world_size)
     qlayout = QuantizedLayout(layout, QUANTIZED_BLOCK, fmt)
     rank = 0
@@ -120,7 +120,7 @@ def quantized_case(workload: Workload, world_size: int, fmt: str,
     outs = [torch.empty(s, device=device, dtype=torch.bfloat16) for s in workload.shapes]
     shard_grads = [torch.empty(s, device=device) for s in layout.shard_shapes(rank)]
     shard_numel, full_numel = sum(s.numel() for s in shards), workload.numel
-    return {
+    return qlayout, {
         QUANTIZED_OPS[0]: (lambda: _quantized_copy_in(shards, qlayout, rank), 4 * shard_numel + qlayout.slot_bytes),
         QUANTIZED_OPS[1]: (lambda: _quantized_all_gather_copy_out(buffer, qlayout, outs),
                            qlayout.buffer_bytes + 2 * full_numel),
@@ -133,23 +133,32 @@ def quantized_case(workload: Workload, world_size: int, fmt: str,
 
 def quantized_rows(names: Sequence[str], chosen: dict[str, Workload], world_size: int, device: torch.device,
                    timer: Callable[[Callable[[], object]], tuple[float, float, float]],
-                   num_warps: Sequence[int] = (0,), vector_path: Sequence[str] = ("on",)) -> list[list[object]]:
+                   num_warps: Sequence[int] = (0,), vector_path: Sequence[str] = ("on",),
+                   blocks_per_program: Sequence[int] = (0,)) -> list[list[object]]:
     """GB/s of each quantized op against a plain device copy of the same bytes (issue 30's goal: at
     least 0.85x a copy on large workloads, on CUDA), for each of ``num_warps`` (CUDA programs' warps,
-    0: the runtime's choice) and ``vector_path`` ("on"/"off": [Note: the aligned full-block path])."""
+    0: the runtime's choice), ``vector_path`` ("on"/"off": [Note: the aligned full-block path]) and
+    ``blocks_per_program`` (0: the runtime's choice; [Note: several blocks per program])."""
     rows: list[list[object]] = []
-    defaults = quantized_layout.NUM_WARPS, quantized_layout.VECTOR_PATH
+    settings = ("NUM_WARPS", "VECTOR_PATH", "BLOCKS_PER_PROGRAM")
+    defaults = [getattr(quantized_layout, k) for k in settings]
     for name in names:
         for fmt in ("int8", "fp8"):
-            for op, (fn, nbytes) in quantized_case(chosen[name], world_size, fmt, device).items():
+            qlayout, case = quantized_case(chosen[name], world_size, fmt, device)
+            for op, (fn, nbytes) in case.items():
                 copy_ms = timer(plain_copy(nbytes, device))[0]
-                for warps, vector in itertools.product(num_warps, vector_path):
-                    quantized_layout.NUM_WARPS, quantized_layout.VECTOR_PATH = warps or None, vector == "on"
+                for warps, vector, per_program in itertools.product(num_warps, vector_path, blocks_per_program):
+                    for k, v in zip(settings, (warps or None, vector == "on", per_program or None)):
+                        setattr(quantized_layout, k, v)
                     try:
+                        fn()  # builds this choice's segment table outside the timing
+                        chosen_per_program = qlayout.blocks_per_program()
                         ms, lo, hi = timer(fn)
                     finally:
-                        quantized_layout.NUM_WARPS, quantized_layout.VECTOR_PATH = defaults
-                    rows.append([chosen[name].name, fmt, op, warps or "auto", vector, round(nbytes / 1e6, 1),
+                        for k, v in zip(settings, defaults):
+                            setattr(quantized_layout, k, v)
+                    rows.append([chosen[name].name, fmt, op, warps or "auto", vector,
+                                 per_program or f"auto ({chosen_per_program})", round(nbytes / 1e6, 1),
                                  f"{ms:.3f} ({lo:.3f}-{hi:.3f})", nbytes / (ms * 1e6), nbytes / (copy_ms * 1e6),
                                  copy_ms / ms])
             if device.type == "cuda":
@@ -466,12 +475,18 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
                         "the runtime's choice, kernels.quantized_layout.warps_per_block)")
     p.add_argument("--quantized-vector-path", choices=("on", "off"), nargs="+", default=["on"],
                    help="time the quantized kernels with their aligned full-block path on and/or off (default on)")
+    p.add_argument("--quantized-blocks-per-program", type=int, nargs="+", default=[0],
+                   help="quantization blocks per program of the quantized kernels to time, each a row (powers of "
+                        "two; 0, the default: the runtime's choice, kernels.quantized_layout.blocks_per_program; "
+                        "1: one block per program)")
     p.add_argument("--only-quantized", action="store_true", help="only the quantized table")
     p.add_argument("--profile-launch", action="store_true",
                    help="also print each runtime launcher's top functions by own time under cProfile (stdout only)")
     args = parse(p, argv)
     if args.world_size < 1:
         p.error("--world-size must be >= 1")
+    if any(n < 0 or n & (n - 1) for n in args.quantized_blocks_per_program):
+        p.error(f"--quantized-blocks-per-program must be 0 or powers of two, got {args.quantized_blocks_per_program}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here (use --device cpu)")
@@ -488,11 +503,12 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
 
     def quantized_table() -> list[list[object]]:
         rows = quantized_rows(names, chosen, args.world_size, device, timer, args.quantized_num_warps,
-                              args.quantized_vector_path)
+                              args.quantized_vector_path, args.quantized_blocks_per_program)
         emit(f"Quantized packing ops (overlap.Compression, block {QUANTIZED_BLOCK}; fp32 shards -> bf16 parameters, "
              f"bf16 gradients -> fp32 sharded gradients) vs plain copy — {path_label(device)}; world size "
              f"{args.world_size}, rank 0; workloads {scaled}",
-             ["workload", "format", "op", "warps", "vector path", "MB", "ms (p20-p80)", "GB/s", "copy GB/s",
+             ["workload", "format", "op", "warps", "vector path", "blocks/program", "MB", "ms (p20-p80)", "GB/s",
+              "copy GB/s",
               "vs copy"], rows,
              args.markdown)
         return rows

@@ -182,10 +182,21 @@ class QuantizedLayout:
             index = cache[key] = tuple(torch.from_numpy(a).to(device) for a in (self.block_lengths, element_block))
         return index
 
+    def blocks_per_program(self) -> int:
+        """Blocks per kernel program now: ``BLOCKS_PER_PROGRAM``, or ``blocks_per_program``'s choice
+        for this layout ([Note: several blocks per program])."""
+        if BLOCKS_PER_PROGRAM is None:
+            return blocks_per_program(self.block, max(self.param_blocks, default=0))
+        if isinstance(BLOCKS_PER_PROGRAM, bool) or not isinstance(BLOCKS_PER_PROGRAM, int) or BLOCKS_PER_PROGRAM < 1 \
+                or BLOCKS_PER_PROGRAM & (BLOCKS_PER_PROGRAM - 1):
+            raise ValueError(f"kernels.quantized_layout.BLOCKS_PER_PROGRAM must be None or a power of two >= 1, "
+                             f"got {BLOCKS_PER_PROGRAM!r}")
+        return BLOCKS_PER_PROGRAM
+
     def segment_table(self, rank: int | None, device: torch.device) -> SegmentTable:
         """The table of ``rank`` (``None``: every slot, full tensors) on ``device``, cached, for
-        ``BLOCKS_PER_PROGRAM`` or ``blocks_per_program``'s choice."""
-        per_program = BLOCKS_PER_PROGRAM or blocks_per_program(self.block, max(self.param_blocks, default=0))
+        ``self.blocks_per_program()`` blocks per program."""
+        per_program = self.blocks_per_program()
         key = ("quantized_segments", self.block, per_program, rank, device)
         cache = self.layout._device_cache
         table = cache.get(key)

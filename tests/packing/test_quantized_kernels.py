@@ -458,6 +458,11 @@ def test_bad_input_names_the_argument() -> None:
     with pytest.raises(ValueError, match="received must be a contiguous uint8"):
         quantized_reduce_scatter_copy_out(good[:-1], [torch.zeros(4, 2)], qlayout, 0)
     assert 32 in BLOCKS
+    for bad in (3, 0, True, 2.0):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(quantized_layout, "BLOCKS_PER_PROGRAM", bad)
+            with pytest.raises(ValueError, match=r"BLOCKS_PER_PROGRAM must be None or a power of two >= 1, got"):
+                qlayout.segment_table(0, CPU)
 
 
 # ------------------------------------------------------------------------------- AOT compile (no GPU)
