@@ -189,6 +189,14 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         root = self._overlap_state.root
         return root.gather_ahead if root is not None and root.owner is self._overlap_state else None
 
+    @property
+    def modelled_step(self) -> Optional[float]:
+        """With ``prefetch="auto"``: the seconds per step the chooser's model gave the chosen schedule
+        (depth and gather-ahead) from the first step's measured costs (see [Note: what the step's
+        costs are made of] in ``scheduler/prefetch_depth.py``); None before that, or on a non-root."""
+        root = self._overlap_state.root
+        return root.modelled_step if root is not None and root.owner is self._overlap_state else None
+
     def reshard(self) -> None:
         """Free this module's unsharded parameters (no-op if sharded)."""
         if self._overlap_state.group is not None:
@@ -442,7 +450,13 @@ class _Root:
         self.auto_prefetch = self.communicates and any(s.auto_prefetch for s in self.states)
         self.chosen_depth: Optional[int] = None  # prefetch="auto": the depth chosen and agreed
         self.recording_costs = False  # this forward measures per-position costs (auto, order not agreed yet)
-        self._costs: list[list[float]] = []  # per forward position: [compute seconds, gather seconds]
+        # per forward position: [compute, link, packing, backward] seconds (see [Note: what the
+        # step's costs are made of] in scheduler/prefetch_depth.py); backward -1.0: not measured
+        self._costs: list[list[float]] = []
+        self._choice_pending = False  # costs recorded, the choice waits for the end of this step's backward
+        self._backward_position: Optional[int] = None  # the recording backward's running position
+        self._position_of: dict[int, int] = {}  # the recording backward: state index -> forward position
+        self.modelled_step: Optional[float] = None  # seconds: the chosen plan's modelled steady step
         self._running: list[int] = []  # positions whose forward is running, innermost last
         self._kept: frozenset[int] = frozenset()  # forward positions kept unsharded for backward
         self._kept_for: Optional[tuple[list[int], int]] = None  # (agreed order, depth) _kept was computed for
@@ -532,6 +546,8 @@ class _Root:
         if self.in_backward or any(s.group is not None and s.group.is_unsharded and not _keeps_unsharded(s)
                                    for s in self.states if s is not self.owner):
             self._finish_step()  # the last forward had no backward (or it was cut short)
+        if self._choice_pending:  # the recording step's backward did not end: choose from its forward
+            self._choose_depth(measured_backward=False)
         self.in_forward = True
         self.boundary = None
         for state in self.states:
@@ -575,13 +591,19 @@ class _Root:
         now = time.perf_counter()
         if self._running:
             self._costs[self._running[-1]][0] += now - self._mark
-        self._costs.append([0.0, 0.0])
+        self._costs.append([0.0, 0.0, 0.0, -1.0])
         self._running.append(position)
         if state.group is not None:
             if state.group.stale_gather() or state.group.stale_unsharded():
                 state.group.reshard()
-            self.gather_now(state)
-            self._costs[position][1] = time.perf_counter() - now
+            self._gather(state)  # packing and issue: the host's
+            issued = time.perf_counter()
+            pending = state.group.pending_gather
+            if pending is not None and pending.work is not None:
+                pending.work.synchronize()  # the link's (latency and transfer)
+            landed = time.perf_counter()
+            self.gather_now(state)  # the copy-out: the host's
+            self._costs[position][1:3] = [landed - issued, (issued - now) + (time.perf_counter() - landed)]
         state.user_unsharded = False
         self._mark = time.perf_counter()
 
@@ -592,19 +614,39 @@ class _Root:
             self._costs[self._running.pop()][0] += now - self._mark
         self._mark = now
 
-    def _choose_depth(self) -> None:
+    def _record_backward_edge(self, state: Optional[ShardState]) -> None:
+        """In the recording step's backward: the running position's backward ends here (at the next
+        pre-backward, or the end of backward with ``state`` None)."""
+        now = time.perf_counter()
+        if self._backward_position is not None:
+            cost = self._costs[self._backward_position]
+            cost[3] = max(cost[3], 0.0) + (now - self._mark)
+        self._backward_position = None if state is None else self._position_of.get(state.index)
+
+    def _step_costs(self, measured_backward: bool) -> tuple[list[float], list[float], Optional[list[float]]]:
+        """``(compute, link, backward)`` per forward position for the choosers: the packing counts
+        as compute ([Note: what the step's costs are made of]); backward None where a position's
+        backward was not measured (then the model takes twice forward)."""
+        compute = [c + pack for c, _, pack, _ in self._costs]
+        link = [g for _, g, _, _ in self._costs]
+        backward = [b for *_, b in self._costs]
+        return compute, link, (backward if measured_backward and all(b >= 0 for b in backward) else None)
+
+    def _choose_depth(self, measured_backward: bool) -> None:
         """Choose the prefetch depth from this step's costs and agree it across ranks (see [Note:
         prefetch="auto"])."""
         from scheduler.prefetch_depth import choose_prefetch_depth
 
-        self.recording_costs = False
+        self.recording_costs = self._choice_pending = False
+        self._backward_position = None
         groups = [self.states[i].group for i in self.forward_seq]
         budget = self.owner.max_inflight_bytes
         if budget is None:
             device = next((g.sharded[0]._local_tensor.device for g in groups if g is not None), torch.device("cpu"))
             budget = default_prefetch_budget(device)
-        depth = choose_prefetch_depth([c for c, _ in self._costs], [g for _, g in self._costs],
-                                      [g.all_gather_bytes() if g is not None else 0 for g in groups], budget)
+        compute, link, backward = self._step_costs(measured_backward)
+        depth = choose_prefetch_depth(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
+                                      budget, backward=backward)
         for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
             if info is not None and info.size > 1:
                 depth = max(agreement.exchange(info, "prefetch depth", depth))
@@ -612,9 +654,14 @@ class _Root:
         for state in self.states:
             if state.auto_prefetch:
                 state.prefetch = depth
-        self._choose_gather_ahead(depth, budget)
+        from scheduler.gather_ahead import modelled_steady_step
 
-    def _choose_gather_ahead(self, depth: int, budget: int) -> None:
+        self._choose_gather_ahead(depth, budget, compute, link, backward)
+        count, lag = self.gather_ahead or (0, 1)
+        self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward)
+
+    def _choose_gather_ahead(self, depth: int, budget: int, compute: list[float], link: list[float],
+                             backward: Optional[list[float]]) -> None:
         """Plan the gathers issued ahead in backward from this step's costs, if every group with
         parameters is stepped in backward; agree rank 0's plan (see [Note: gathering ahead in backward])."""
         from scheduler.gather_ahead import choose_gather_ahead
@@ -624,8 +671,8 @@ class _Root:
         if (len(set(order)) != len(order) or self.owner.replicate is not None
                 or not all(g is None or g.reduced_hooks for g in groups) or not any(groups)):
             return  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
-        plan = choose_gather_ahead([c for c, _ in self._costs], [g for _, g in self._costs],
-                                   [g.all_gather_bytes() if g is not None else 0 for g in groups], depth, budget)
+        plan = choose_gather_ahead(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
+                                   depth, budget, backward=backward)
         if self.owner.info.size > 1:
             plan = tuple(agreement.exchange(self.owner.info, "gather ahead", plan)[0])
         self.gather_ahead = plan  # type: ignore[assignment]
@@ -658,7 +705,12 @@ class _Root:
         if self.agreed_order != self.forward_seq:
             self.agreed_order = self._agree(self.forward_seq)
         if self.recording_costs:
-            self._choose_depth()
+            if torch.is_grad_enabled() and len(set(self.forward_seq)) == len(self.forward_seq):
+                # choose at the end of this backward, from its measured per-group times too
+                self._choice_pending = True
+                self._position_of = {index: position for position, index in enumerate(self.forward_seq)}
+            else:
+                self._choose_depth(measured_backward=False)
         for state in self.states:  # prefetched for a block that did not run this step
             if state.group is not None and state.group.pending_gather is not None:
                 state.group.reshard()
@@ -702,12 +754,16 @@ class _Root:
     def on_pre_backward(self, state: ShardState) -> None:
         if not self.in_backward:
             self._begin_backward()
+        if self._choice_pending:
+            self._record_backward_edge(state)
         if state.group is not None and state.index not in self._done:
             self._gather(state)
             state.group.finish_gather(follow_requires_grad=False)
             # Registered for backward too: an activation-checkpoint recompute that runs ``forward``
             # without this module's hooks (HF's form, checkpoint_wrapper inside the shard) reads them.
             state.group.to_unsharded()
+        if self._choice_pending:
+            self._mark = time.perf_counter()  # its backward starts once its parameters are in
         self._finish_completed_reduces()
         # Backward runs the forward order in reverse: prefetch the groups after this one.
         reverse = self._backward_order
@@ -899,6 +955,8 @@ class _Root:
         return finished
 
     def _end_backward(self) -> None:
+        if self._choice_pending:
+            self._record_backward_edge(None)
         with region(self.owner.regions.end_backward), torch.no_grad():
             self._flush_reduces(final=True)
             for state, pending in self._pending_reduces:
@@ -917,6 +975,11 @@ class _Root:
                     current.wait_event(event)
             active, at_end = self._ahead_active, self._ahead_at_end
             self._finish_step()
+            if self._choice_pending:  # the recording step: every cost is in now
+                self._choose_depth(measured_backward=True)
+                self._plan_ahead()  # the plan this backward would have run: its gathers all go now
+                active = self._ahead_active
+                at_end = self._reduce_order[: self.gather_ahead[0]] if active and self.gather_ahead else []
             if active:  # every group is stepped now: the next forward's first gathers (see [Note: gathering ahead ...])
                 with region("overlap::gather_ahead"):
                     self.prefetch_next_step()
