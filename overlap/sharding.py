@@ -614,14 +614,22 @@ class _Root:
             self._costs[self._running.pop()][0] += now - self._mark
         self._mark = now
 
-    def _record_backward_edge(self, state: Optional[ShardState]) -> None:
+    def _record_backward_edge(self, state: Optional[ShardState]) -> bool:
         """In the recording step's backward: the running position's backward ends here (at the next
-        pre-backward, or the end of backward with ``state`` None)."""
+        pre-backward, or the end of backward with ``state`` None) and ``state``'s starts; False
+        where ``state`` is the root and a position runs: the root's pre-backward fires with its last
+        module's (they share the output), so that module's backward goes on running."""
+        if state is self.owner and self._backward_position is not None:
+            root = self._position_of.get(state.index)
+            if root is not None:  # measured: what runs outside its modules goes to theirs
+                self._costs[root][3] = max(self._costs[root][3], 0.0)
+            return False
         now = time.perf_counter()
         if self._backward_position is not None:
             cost = self._costs[self._backward_position]
             cost[3] = max(cost[3], 0.0) + (now - self._mark)
         self._backward_position = None if state is None else self._position_of.get(state.index)
+        return True
 
     def _step_costs(self, measured_backward: bool) -> tuple[list[float], list[float], Optional[list[float]]]:
         """``(compute, link, backward)`` per forward position for the choosers: the packing counts
@@ -754,15 +762,14 @@ class _Root:
     def on_pre_backward(self, state: ShardState) -> None:
         if not self.in_backward:
             self._begin_backward()
-        if self._choice_pending:
-            self._record_backward_edge(state)
+        timed = self._choice_pending and self._record_backward_edge(state)
         if state.group is not None and state.index not in self._done:
             self._gather(state)
             state.group.finish_gather(follow_requires_grad=False)
             # Registered for backward too: an activation-checkpoint recompute that runs ``forward``
             # without this module's hooks (HF's form, checkpoint_wrapper inside the shard) reads them.
             state.group.to_unsharded()
-        if self._choice_pending:
+        if timed:
             self._mark = time.perf_counter()  # its backward starts once its parameters are in
         self._finish_completed_reduces()
         # Backward runs the forward order in reverse: prefetch the groups after this one.
