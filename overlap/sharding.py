@@ -89,6 +89,21 @@ uses it makes forward drop the gather and gather again, a group the forward skip
 dropped at the end of forward. A group used twice in forward, HSDP, a frozen group (no optimizer)
 or no optimizer in backward: no plan (a step outside backward would make every gather stale).
 
+[Note: the end-of-step chain]
+What gather-ahead cannot move is the chain at the end of a step: the last reduce-scatters (the
+first groups of forward are reduced last), their steps, and the next forward's first gathers. The
+end of backward used to run every pending step, then issue the next forward's first ``1 +
+prefetch`` gathers: the link sat idle for the steps, and the first block's gather queued behind
+the root's and the embedding's. With gathers ahead on (so every group is stepped in backward), the
+end of backward now walks those first groups in the order they were reduced and issues each one's
+gather right after its own step (running the steps before it first, waiting for their
+reduce-scatters): the gather of ``blocks.0`` goes out behind the reduce-scatters still on the link
+while the host steps the embedding and the root. The points are program order (the reduce order,
+the agreed depth), never "whichever reduce-scatter finished", so every rank issues the same
+collectives in the same order. Not where an epilogue must wait for the end of backward (0-dim
+parameters, the finite check) or runs on the CUDA reduce stream: there all steps run first, as
+before. The bytes held are the same ``1 + prefetch`` groups, issued earlier.
+
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order (``overlap.agreement``) in the first step,
 and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
@@ -510,15 +525,21 @@ class _Root:
         order = self.agreed_order
         if order is None or self.in_forward or self.in_backward or self.owner.serialize_comm:
             return False
+        for state in self._first_groups(order):
+            self._gather(state)
+        return True
+
+    def _first_groups(self, order: list[int]) -> list[ShardState]:
+        """The states whose groups forward on ``order`` waits for first: the first group with
+        parameters and the ``prefetch`` after it, in forward order."""
+        first: list[ShardState] = []
         wanted = 1 + self.owner.prefetch  # the first group forward waits for, and what it prefetches
         for index in dict.fromkeys(order):
-            if wanted == 0:
+            if len(first) == wanted:
                 break
-            state = self.states[index]
-            if state.group is not None:
-                self._gather(state)
-                wanted -= 1
-        return True
+            if self.states[index].group is not None:
+                first.append(self.states[index])
+        return first
 
     def _prefetch_explicit(self, states: list[ShardState]) -> None:
         """Gather ``states`` now, in the given order (an FSDPModule prefetch list; program order,
@@ -970,6 +991,7 @@ class _Root:
                 if pending.needs_all_reduce:
                     self._all_reduce(state, pending)
             try:
+                self._gather_first_groups_after_their_steps()
                 for state, pending in self._pending_reduces:
                     assert state.group is not None
                     state.group.finish_reduce(pending)
@@ -992,6 +1014,25 @@ class _Root:
                     self.prefetch_next_step()
                     for index in at_end:
                         self._gather(self.states[index])
+
+    def _gather_first_groups_after_their_steps(self) -> None:
+        """At the end of backward, with gathers ahead on: the next forward's first groups, in the
+        order they were reduced, each gathered right after its own step (run here, waiting for its
+        reduce-scatter, with the epilogues before it, if it has not run yet): see [Note: the
+        end-of-step chain]."""
+        if not self._ahead_active or self._reduce_events or not all(
+                s.group is None or s.group.finishes_early for s in self.states):
+            return  # CUDA epilogues on the reduce stream, or one that must wait for the end: all at once
+        first = {s.index for s in self._first_groups(self.forward_seq)}
+        for index in self._reduce_order:
+            if index not in first:
+                continue
+            state = self.states[index]
+            if any(s is state for s, _ in self._pending_reduces):
+                self._run_early_epilogues(through=state)
+            with region("overlap::gather_ahead"):
+                self._gather(state)
+            self._ahead.add(index)
 
     def _finish_step(self) -> None:
         """Reshard everything, forget the step (also the clean-up of a step without backward)."""
