@@ -1213,11 +1213,13 @@ def shard(
 
     [Note: prefetch="auto"]
     The first step records the forward order with nothing prefetched, so it also measures, per
-    position of that order, the host time of the group's gather (issued and waited at once:
-    packing, link, unpacking) and the compute between its hooks (nested modules' own positions
-    taken out). When forward ends, the order is agreed and the depth chosen from those costs, the
-    groups' gather bytes and the budget (``scheduler/prefetch_depth.py``, [Note: choosing the
-    prefetch depth]); the ranks then take the largest of their choices (``overlap.agreement.exchange``),
+    position of that order, the group's gather (issued and waited at once: the host's packing and
+    unpacking apart from the wait for the link), the compute between its hooks (nested modules' own
+    positions taken out) and, in its backward, each group's backward ([Note: what the step's costs
+    are made of] in ``scheduler/prefetch_depth.py``). When that backward ends (when forward ends if
+    grad is off; at the next forward if the backward never ended), the depth is chosen from those
+    costs, the groups' gather bytes and the budget (``scheduler/prefetch_depth.py``, [Note: choosing
+    the prefetch depth]); the ranks then take the largest of their choices (``overlap.agreement.exchange``),
     because the depth decides where gathers fall between reduce-scatters, and that sequence must
     be the same on every rank. The depth then holds for every step, on the recorded order: a step
     that leaves the order (a skipped block, another branch) prefetches nothing from there on, as
