@@ -123,6 +123,7 @@ is packed (or across micro-batches under ``no_sync``).
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from itertools import repeat
 from operator import attrgetter, eq
@@ -652,6 +653,18 @@ class _Root:
         self._backward_position = None if state is None else self._position_of.get(state.index)
         return True
 
+    def _agree_costs(self) -> None:
+        """Replace this rank's recorded costs by their per-entry low median over the ranks (the
+        smaller of two): every rank then chooses from the same numbers, and a rank whose first step
+        was slowed by something else on its host (a load spike, a descheduled process) does not
+        move the choice; noise only ever adds time. See [Note: what the step's costs are made of]."""
+        for info in (self.owner.info, self.owner.replicate):
+            if info is None or info.size == 1:
+                continue
+            per_rank = agreement.exchange(info, "step costs", self._costs)
+            self._costs = [[statistics.median_low(r[p][k] for r in per_rank) for k in range(len(self._costs[p]))]
+                           for p in range(len(self._costs))]
+
     def _step_costs(self, measured_backward: bool) -> tuple[list[float], list[float], Optional[list[float]]]:
         """``(compute, link, backward)`` per forward position for the choosers: the packing counts
         as compute ([Note: what the step's costs are made of]); backward None where a position's
@@ -673,6 +686,7 @@ class _Root:
         if budget is None:
             device = next((g.sharded[0]._local_tensor.device for g in groups if g is not None), torch.device("cpu"))
             budget = default_prefetch_budget(device)
+        self._agree_costs()
         compute, link, backward = self._step_costs(measured_backward)
         depth = choose_prefetch_depth(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
                                       budget, backward=backward)

@@ -140,7 +140,10 @@ def test_the_depth_is_chosen_from_measured_backward_and_link_times(distributed) 
     # [Note: what the step's costs are made of]: a first step with a backward hands the chooser one
     # measured backward time per forward position (root, 2 blocks), and link times apart from the
     # packing; a first forward without grad chooses at once, with backward taken as twice forward
-    for with_grad, without_grad, depths in distributed(_costs_seen, 2, timeout=300):
+    per_rank = distributed(_costs_seen, 2, timeout=300)
+    # the ranks' measurements are agreed (the smaller of two per entry): every rank chooses from the same numbers
+    assert per_rank[0][:2] == per_rank[1][:2]
+    for with_grad, without_grad, depths in per_rank:
         # with grad: chosen at the end of the recording backward; without: at the end of its forward
         assert depths["depths"] == [None, 1, 1, 1, 1], depths
         assert len(with_grad["compute"]) == len(with_grad["gather"]) == 3
