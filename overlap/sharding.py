@@ -89,6 +89,21 @@ uses it makes forward drop the gather and gather again, a group the forward skip
 dropped at the end of forward. A group used twice in forward, HSDP, a frozen group (no optimizer)
 or no optimizer in backward: no plan (a step outside backward would make every gather stale).
 
+[Note: the end-of-step chain]
+What gather-ahead cannot move is the chain at the end of a step: the last reduce-scatters (the
+first groups of forward are reduced last), their steps, and the next forward's first gathers. The
+end of backward used to run every pending step, then issue the next forward's first ``1 +
+prefetch`` gathers: the link sat idle for the steps, and the first block's gather queued behind
+the root's and the embedding's. With gathers ahead on (so every group is stepped in backward), the
+end of backward now walks those first groups in the order they were reduced and issues each one's
+gather right after its own step (running the steps before it first, waiting for their
+reduce-scatters): the gather of ``blocks.0`` goes out behind the reduce-scatters still on the link
+while the host steps the embedding and the root. The points are program order (the reduce order,
+the agreed depth), never "whichever reduce-scatter finished", so every rank issues the same
+collectives in the same order. Not where an epilogue must wait for the end of backward (0-dim
+parameters, the finite check) or runs on the CUDA reduce stream: there all steps run first, as
+before. The bytes held are the same ``1 + prefetch`` groups, issued earlier.
+
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order (``overlap.agreement``) in the first step,
 and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
@@ -108,6 +123,7 @@ is packed (or across micro-batches under ``no_sync``).
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from itertools import repeat
 from operator import attrgetter, eq
@@ -188,6 +204,14 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         None before that, or where it does not apply."""
         root = self._overlap_state.root
         return root.gather_ahead if root is not None and root.owner is self._overlap_state else None
+
+    @property
+    def modelled_step(self) -> Optional[float]:
+        """With ``prefetch="auto"``: the seconds per step the chooser's model gave the chosen schedule
+        (depth and gather-ahead) from the first step's measured costs (see [Note: what the step's
+        costs are made of] in ``scheduler/prefetch_depth.py``); None before that, or on a non-root."""
+        root = self._overlap_state.root
+        return root.modelled_step if root is not None and root.owner is self._overlap_state else None
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters (no-op if sharded)."""
@@ -442,7 +466,13 @@ class _Root:
         self.auto_prefetch = self.communicates and any(s.auto_prefetch for s in self.states)
         self.chosen_depth: Optional[int] = None  # prefetch="auto": the depth chosen and agreed
         self.recording_costs = False  # this forward measures per-position costs (auto, order not agreed yet)
-        self._costs: list[list[float]] = []  # per forward position: [compute seconds, gather seconds]
+        # per forward position: [compute, link, packing, backward] seconds (see [Note: what the
+        # step's costs are made of] in scheduler/prefetch_depth.py); backward -1.0: not measured
+        self._costs: list[list[float]] = []
+        self._choice_pending = False  # costs recorded, the choice waits for the end of this step's backward
+        self._backward_position: Optional[int] = None  # the recording backward's running position
+        self._position_of: dict[int, int] = {}  # the recording backward: state index -> forward position
+        self.modelled_step: Optional[float] = None  # seconds: the chosen plan's modelled steady step
         self._running: list[int] = []  # positions whose forward is running, innermost last
         self._kept: frozenset[int] = frozenset()  # forward positions kept unsharded for backward
         self._kept_for: Optional[tuple[list[int], int]] = None  # (agreed order, depth) _kept was computed for
@@ -496,15 +526,21 @@ class _Root:
         order = self.agreed_order
         if order is None or self.in_forward or self.in_backward or self.owner.serialize_comm:
             return False
+        for state in self._first_groups(order):
+            self._gather(state)
+        return True
+
+    def _first_groups(self, order: list[int]) -> list[ShardState]:
+        """The states whose groups forward on ``order`` waits for first: the first group with
+        parameters and the ``prefetch`` after it, in forward order."""
+        first: list[ShardState] = []
         wanted = 1 + self.owner.prefetch  # the first group forward waits for, and what it prefetches
         for index in dict.fromkeys(order):
-            if wanted == 0:
+            if len(first) == wanted:
                 break
-            state = self.states[index]
-            if state.group is not None:
-                self._gather(state)
-                wanted -= 1
-        return True
+            if self.states[index].group is not None:
+                first.append(self.states[index])
+        return first
 
     def _prefetch_explicit(self, states: list[ShardState]) -> None:
         """Gather ``states`` now, in the given order (an FSDPModule prefetch list; program order,
@@ -532,6 +568,8 @@ class _Root:
         if self.in_backward or any(s.group is not None and s.group.is_unsharded and not _keeps_unsharded(s)
                                    for s in self.states if s is not self.owner):
             self._finish_step()  # the last forward had no backward (or it was cut short)
+        if self._choice_pending:  # the recording step's backward did not end: choose from its forward
+            self._choose_depth(measured_backward=False)
         self.in_forward = True
         self.boundary = None
         for state in self.states:
@@ -575,13 +613,19 @@ class _Root:
         now = time.perf_counter()
         if self._running:
             self._costs[self._running[-1]][0] += now - self._mark
-        self._costs.append([0.0, 0.0])
+        self._costs.append([0.0, 0.0, 0.0, -1.0])
         self._running.append(position)
         if state.group is not None:
             if state.group.stale_gather() or state.group.stale_unsharded():
                 state.group.reshard()
-            self.gather_now(state)
-            self._costs[position][1] = time.perf_counter() - now
+            self._gather(state)  # packing and issue: the host's
+            issued = time.perf_counter()
+            pending = state.group.pending_gather
+            if pending is not None and pending.work is not None:
+                pending.work.synchronize()  # the link's (latency and transfer)
+            landed = time.perf_counter()
+            self.gather_now(state)  # the copy-out: the host's
+            self._costs[position][1:3] = [landed - issued, (issued - now) + (time.perf_counter() - landed)]
         state.user_unsharded = False
         self._mark = time.perf_counter()
 
@@ -592,19 +636,60 @@ class _Root:
             self._costs[self._running.pop()][0] += now - self._mark
         self._mark = now
 
-    def _choose_depth(self) -> None:
+    def _record_backward_edge(self, state: Optional[ShardState]) -> bool:
+        """In the recording step's backward: the running position's backward ends here (at the next
+        pre-backward, or the end of backward with ``state`` None) and ``state``'s starts; False
+        where ``state`` is the root and a position runs: the root's pre-backward fires with its last
+        module's (they share the output), so that module's backward goes on running."""
+        if state is self.owner and self._backward_position is not None:
+            root = self._position_of.get(state.index)
+            if root is not None:  # measured: what runs outside its modules goes to theirs
+                self._costs[root][3] = max(self._costs[root][3], 0.0)
+            return False
+        now = time.perf_counter()
+        if self._backward_position is not None:
+            cost = self._costs[self._backward_position]
+            cost[3] = max(cost[3], 0.0) + (now - self._mark)
+        self._backward_position = None if state is None else self._position_of.get(state.index)
+        return True
+
+    def _agree_costs(self) -> None:
+        """Replace this rank's recorded costs by their per-entry low median over the ranks (the
+        smaller of two): every rank then chooses from the same numbers, and a rank whose first step
+        was slowed by something else on its host (a load spike, a descheduled process) does not
+        move the choice; noise only ever adds time. See [Note: what the step's costs are made of]."""
+        for info in (self.owner.info, self.owner.replicate):
+            if info is None or info.size == 1:
+                continue
+            per_rank = agreement.exchange(info, "step costs", self._costs)
+            self._costs = [[statistics.median_low(r[p][k] for r in per_rank) for k in range(len(self._costs[p]))]
+                           for p in range(len(self._costs))]
+
+    def _step_costs(self, measured_backward: bool) -> tuple[list[float], list[float], Optional[list[float]]]:
+        """``(compute, link, backward)`` per forward position for the choosers: the packing counts
+        as compute ([Note: what the step's costs are made of]); backward None where a position's
+        backward was not measured (then the model takes twice forward)."""
+        compute = [c + pack for c, _, pack, _ in self._costs]
+        link = [g for _, g, _, _ in self._costs]
+        backward = [b for *_, b in self._costs]
+        return compute, link, (backward if measured_backward and all(b >= 0 for b in backward) else None)
+
+    def _choose_depth(self, measured_backward: bool) -> None:
         """Choose the prefetch depth from this step's costs and agree it across ranks (see [Note:
         prefetch="auto"])."""
         from scheduler.prefetch_depth import choose_prefetch_depth
 
-        self.recording_costs = False
+        self.recording_costs = self._choice_pending = False
+        self._backward_position = None
         groups = [self.states[i].group for i in self.forward_seq]
         budget = self.owner.max_inflight_bytes
         if budget is None:
             device = next((g.sharded[0]._local_tensor.device for g in groups if g is not None), torch.device("cpu"))
             budget = default_prefetch_budget(device)
-        depth = choose_prefetch_depth([c for c, _ in self._costs], [g for _, g in self._costs],
-                                      [g.all_gather_bytes() if g is not None else 0 for g in groups], budget)
+        self._agree_costs()
+        compute, link, backward = self._step_costs(measured_backward)
+        depth = choose_prefetch_depth(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
+                                      budget, backward=backward)
         for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
             if info is not None and info.size > 1:
                 depth = max(agreement.exchange(info, "prefetch depth", depth))
@@ -612,9 +697,14 @@ class _Root:
         for state in self.states:
             if state.auto_prefetch:
                 state.prefetch = depth
-        self._choose_gather_ahead(depth, budget)
+        from scheduler.gather_ahead import modelled_steady_step
 
-    def _choose_gather_ahead(self, depth: int, budget: int) -> None:
+        self._choose_gather_ahead(depth, budget, compute, link, backward)
+        count, lag = self.gather_ahead or (0, 1)
+        self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward)
+
+    def _choose_gather_ahead(self, depth: int, budget: int, compute: list[float], link: list[float],
+                             backward: Optional[list[float]]) -> None:
         """Plan the gathers issued ahead in backward from this step's costs, if every group with
         parameters is stepped in backward; agree rank 0's plan (see [Note: gathering ahead in backward])."""
         from scheduler.gather_ahead import choose_gather_ahead
@@ -624,8 +714,8 @@ class _Root:
         if (len(set(order)) != len(order) or self.owner.replicate is not None
                 or not all(g is None or g.reduced_hooks for g in groups) or not any(groups)):
             return  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
-        plan = choose_gather_ahead([c for c, _ in self._costs], [g for _, g in self._costs],
-                                   [g.all_gather_bytes() if g is not None else 0 for g in groups], depth, budget)
+        plan = choose_gather_ahead(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
+                                   depth, budget, backward=backward)
         if self.owner.info.size > 1:
             plan = tuple(agreement.exchange(self.owner.info, "gather ahead", plan)[0])
         self.gather_ahead = plan  # type: ignore[assignment]
@@ -658,7 +748,12 @@ class _Root:
         if self.agreed_order != self.forward_seq:
             self.agreed_order = self._agree(self.forward_seq)
         if self.recording_costs:
-            self._choose_depth()
+            if torch.is_grad_enabled() and len(set(self.forward_seq)) == len(self.forward_seq):
+                # choose at the end of this backward, from its measured per-group times too
+                self._choice_pending = True
+                self._position_of = {index: position for position, index in enumerate(self.forward_seq)}
+            else:
+                self._choose_depth(measured_backward=False)
         for state in self.states:  # prefetched for a block that did not run this step
             if state.group is not None and state.group.pending_gather is not None:
                 state.group.reshard()
@@ -702,12 +797,15 @@ class _Root:
     def on_pre_backward(self, state: ShardState) -> None:
         if not self.in_backward:
             self._begin_backward()
+        timed = self._choice_pending and self._record_backward_edge(state)
         if state.group is not None and state.index not in self._done:
             self._gather(state)
             state.group.finish_gather(follow_requires_grad=False)
             # Registered for backward too: an activation-checkpoint recompute that runs ``forward``
             # without this module's hooks (HF's form, checkpoint_wrapper inside the shard) reads them.
             state.group.to_unsharded()
+        if timed:
+            self._mark = time.perf_counter()  # its backward starts once its parameters are in
         self._finish_completed_reduces()
         # Backward runs the forward order in reverse: prefetch the groups after this one.
         reverse = self._backward_order
@@ -899,12 +997,15 @@ class _Root:
         return finished
 
     def _end_backward(self) -> None:
+        if self._choice_pending:
+            self._record_backward_edge(None)
         with region(self.owner.regions.end_backward), torch.no_grad():
             self._flush_reduces(final=True)
             for state, pending in self._pending_reduces:
                 if pending.needs_all_reduce:
                     self._all_reduce(state, pending)
             try:
+                self._gather_first_groups_after_their_steps()
                 for state, pending in self._pending_reduces:
                     assert state.group is not None
                     state.group.finish_reduce(pending)
@@ -917,11 +1018,35 @@ class _Root:
                     current.wait_event(event)
             active, at_end = self._ahead_active, self._ahead_at_end
             self._finish_step()
+            if self._choice_pending:  # the recording step: every cost is in now
+                self._choose_depth(measured_backward=True)
+                self._plan_ahead()  # the plan this backward would have run: its gathers all go now
+                active = self._ahead_active
+                at_end = self._reduce_order[: self.gather_ahead[0]] if active and self.gather_ahead else []
             if active:  # every group is stepped now: the next forward's first gathers (see [Note: gathering ahead ...])
                 with region("overlap::gather_ahead"):
                     self.prefetch_next_step()
                     for index in at_end:
                         self._gather(self.states[index])
+
+    def _gather_first_groups_after_their_steps(self) -> None:
+        """At the end of backward, with gathers ahead on: the next forward's first groups, in the
+        order they were reduced, each gathered right after its own step (run here, waiting for its
+        reduce-scatter, with the epilogues before it, if it has not run yet): see [Note: the
+        end-of-step chain]."""
+        if not self._ahead_active or self._reduce_events or not all(
+                s.group is None or s.group.finishes_early for s in self.states):
+            return  # CUDA epilogues on the reduce stream, or one that must wait for the end: all at once
+        first = {s.index for s in self._first_groups(self.forward_seq)}
+        for index in self._reduce_order:
+            if index not in first:
+                continue
+            state = self.states[index]
+            if any(s is state for s, _ in self._pending_reduces):
+                self._run_early_epilogues(through=state)
+            with region("overlap::gather_ahead"):
+                self._gather(state)
+            self._ahead.add(index)
 
     def _finish_step(self) -> None:
         """Reshard everything, forget the step (also the clean-up of a step without backward)."""
@@ -1102,11 +1227,13 @@ def shard(
 
     [Note: prefetch="auto"]
     The first step records the forward order with nothing prefetched, so it also measures, per
-    position of that order, the host time of the group's gather (issued and waited at once:
-    packing, link, unpacking) and the compute between its hooks (nested modules' own positions
-    taken out). When forward ends, the order is agreed and the depth chosen from those costs, the
-    groups' gather bytes and the budget (``scheduler/prefetch_depth.py``, [Note: choosing the
-    prefetch depth]); the ranks then take the largest of their choices (``overlap.agreement.exchange``),
+    position of that order, the group's gather (issued and waited at once: the host's packing and
+    unpacking apart from the wait for the link), the compute between its hooks (nested modules' own
+    positions taken out) and, in its backward, each group's backward ([Note: what the step's costs
+    are made of] in ``scheduler/prefetch_depth.py``). When that backward ends (when forward ends if
+    grad is off; at the next forward if the backward never ended), the depth is chosen from those
+    costs, the groups' gather bytes and the budget (``scheduler/prefetch_depth.py``, [Note: choosing
+    the prefetch depth]); the ranks then take the largest of their choices (``overlap.agreement.exchange``),
     because the depth decides where gathers fall between reduce-scatters, and that sequence must
     be the same on every rank. The depth then holds for every step, on the recorded order: a step
     that leaves the order (a skipped block, another branch) prefetches nothing from there on, as

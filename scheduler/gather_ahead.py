@@ -7,8 +7,9 @@ stepped in backward) measures the inputs, agrees the answer across ranks, and ap
 Inputs, per forward position (the agreed forward order; one group per position):
 
 ==============  ================================================================================
-``compute``     seconds of forward compute of the position (backward is taken as twice that)
+``compute``     seconds of the position's forward on the compute stream (with its gather's packing)
 ``gather``      seconds its all-gather occupies the link (its reduce-scatter is taken as the same)
+``backward``    seconds of the position's backward (optional: twice ``compute``)
 ``nbytes``      bytes its all-gather brings in: what a gather issued ahead holds until forward
 ``depth``       the prefetch depth already chosen (``scheduler.prefetch_depth``)
 ``budget``      bytes of unsharded parameters the schedule may hold at once (``held_bytes``: the
@@ -37,24 +38,13 @@ fallback: another plan is taken only where the model says it is faster by more t
 and its held bytes fit the budget, so the choice never loses to the schedule without it, as far
 as the model goes.
 
-[Note: the bytes a plan holds]
-``held_bytes`` is the most unsharded bytes the schedule holds at once, as
-``overlap/demo/unsharded_peak.py`` counts them (from a gather's issue to its reshard). Forward
-position 0 is the root's group: it is unsharded from its pre-forward to the end of backward, so it
-is held at every point of the step, once. Forward at position ``j`` holds the root, the window
-``j .. j + depth`` (the last ``1 + depth`` positions stay unsharded into backward: the window at
-``n - 1 - depth`` is that set), and the groups gathered ahead for positions after ``j`` (not yet
-used); a group that is both in a window and gathered ahead is one gather, held once. Backward at
-``j`` holds no more than forward at ``j - depth`` (its window ``j - depth .. j`` and only the
-groups gathered ahead above ``j``), and the end of backward holds the first ``1 + depth`` positions
-and every group gathered ahead, which forward at position 1 also holds: so the peak is the most
-over forward positions. ``budget`` bounds this peak, so it also bounds the bytes in flight at once
-(``max_inflight_bytes``' meaning in the runtime), which are a part of it.
+The bytes a plan holds are ``scheduler.held_bytes``'s ([Note: the bytes a plan holds]).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
+from scheduler.held_bytes import held_bytes
 from scheduler.prefetch_depth import check_costs
 from scheduler.replayed_step import step_ends
 
@@ -65,51 +55,36 @@ LAGS = (1, 2, 3)
 
 
 def modelled_steady_step(compute: Sequence[float], gather: Sequence[float], depth: int, count: int,
-                         lag: int = 1, steps: int = 4) -> float:
+                         lag: int = 1, steps: int = 4, backward: Optional[Sequence[float]] = None) -> float:
     """Seconds per step in the steady state of ``steps`` replayed steps with the first ``count``
     reduced groups gathered ahead at ``lag`` (see [Note: choosing the gathers issued ahead]): the
     mean of the second half of the steps."""
-    ends = step_ends(compute, gather, depth, steps, count, lag)
+    ends = step_ends(compute, gather, depth, steps, count, lag, backward)
     if not ends:
         return 0.0
     half = len(ends) // 2
     return (ends[-1] - ends[half - 1]) / (len(ends) - half)
 
 
-def held_bytes(nbytes: Sequence[int], depth: int, count: int) -> int:
-    """Bytes of unsharded parameters held at most with prefetch ``depth`` and the first ``count``
-    reduced groups (the last ``count`` forward positions) gathered ahead: see [Note: the bytes a
-    plan holds]. ``nbytes[0]`` is the root's group, the first forward position."""
-    n = len(nbytes)
-    if n == 0:
-        return 0
-    ahead = range(max(1, n - count), n)  # the root (position 0) is counted once, below
-
-    def held_at(j: int) -> int:  # forward at position j: its window, and what was gathered ahead for later
-        window = range(max(1, j), min(n, j + 1 + depth))
-        return sum(nbytes[k] for k in set(window).union(k for k in ahead if k >= j))
-
-    return nbytes[0] + max(held_at(j) for j in range(n))
-
-
 def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], depth: int,
-                        budget: int, tolerance: float = 0.01) -> tuple[int, int]:
+                        budget: int, tolerance: float = 0.01,
+                        backward: Optional[Sequence[float]] = None) -> tuple[int, int]:
     """``(count, lag)``: how many of the first reduced groups to gather ahead in backward, and at
     which issue point (see [Note: choosing the gathers issued ahead]); ``(0, 1)`` where nothing
     modelled is faster by more than ``tolerance`` or fits ``budget``."""
-    check_costs(compute, gather, nbytes, "position")
+    check_costs(compute, gather, nbytes, "position", backward)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"depth must be an int >= 0, got {depth!r}")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise ValueError(f"budget must be an int >= 0 (bytes), got {budget!r}")
     n = len(compute)
-    best, plan = modelled_steady_step(compute, gather, depth, 0), (0, 1)
+    best, plan = modelled_steady_step(compute, gather, depth, 0, backward=backward), (0, 1)
     fallback = best
     for count in range(1, n + 1):
         if held_bytes(nbytes, depth, count) > budget:
             break
         for lag in LAGS:
-            t = modelled_steady_step(compute, gather, depth, count, lag)
+            t = modelled_steady_step(compute, gather, depth, count, lag, backward=backward)
             if t < best and t < fallback * (1 - tolerance):
                 best, plan = t, (count, lag)
     return plan

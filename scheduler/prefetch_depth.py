@@ -7,12 +7,15 @@ inputs and agrees the answer across ranks before using it.
 Inputs, per group in the order compute needs them (the agreed forward order):
 
 ==============  ================================================================================
-``compute``     seconds of forward compute of the group (backward is taken as twice that)
-``gather``      seconds its all-gather occupies the link (a gather issued and waited at once, as
-                in the step that records the order: packing, latency and transfer)
-``nbytes``      bytes its all-gather brings in (its unsharded size): what a prefetch holds
-``budget``      bytes the running group's gather and those of the groups gathered ahead of it may
-                hold together
+``compute``     seconds the compute stream spends on the group's forward: its compute and the host's
+                packing (copy-in, copy-out) of its gather
+``gather``      seconds its all-gather occupies the link: latency and transfer, not the packing
+``backward``    seconds of the group's backward on the compute stream, measured in the first step's
+                backward (optional: twice ``compute`` where no backward was measured)
+``nbytes``      bytes its all-gather brings in (its unsharded size): what a prefetch holds;
+                position 0 is the root's group, held the whole step
+``budget``      bytes of unsharded parameters the schedule may hold at once (``held_bytes``: the
+                root and forward's ``1 + depth`` window; [Note: the bytes a plan holds])
 ==============  ================================================================================
 
 [Note: choosing the prefetch depth]
@@ -25,52 +28,65 @@ into backward (the runtime's [Note: kept for backward]: backward needs them firs
 them costs what re-gathering them ``d`` ahead would); backward re-gathers the rest the same way in
 reverse, and each group's reduce-scatter (taken to cost what its gather costs) is queued when its
 backward ends. The depth is the smallest ``d`` whose modelled step is within ``tolerance`` of the
-best over every ``d`` the budget allows (any group and the ``d`` after it, together, within
-``budget``), so ties go to the shallower, cheaper depth. Where the link is the bottleneck every
+best over every ``d`` the budget allows (the root's group with any group and the ``d`` after it,
+together, within ``budget``: ``scheduler.held_bytes``), so ties go to the shallower, cheaper depth. Where the link is the bottleneck every
 unit of depth saves one re-gather, so the budget alone caps the depth there. Depth 0 is never
 chosen: one group ahead is always allowed (the runtime holds that much with ``prefetch=1`` too),
 even past the budget.
+
+[Note: what the step's costs are made of]
+The first versions of this model took backward as twice forward and measured a group's gather as
+the time from issue to unpacked (the host's packing, latency and transfer). On the demo (2 ranks,
+emulated link) that made the step look link-bound when it was not: backward with the in-backward
+optimizer step costs more than twice forward, and the host's packing runs on the compute side (the
+host issues it between blocks), not on the link. So the runtime now measures, in its first step,
+the packing (``compute`` gets it), the wait for the link (``gather``) and each group's backward
+(``backward``: from its pre-backward to the next one's, less the time it waited for its re-gather).
+One sample per rank is noisy on a loaded host (seen: a 55 ms gather measured at 595 ms, a
+backward at twice the other rank's), and noise only adds time: the ranks agree each entry's low
+median over ranks (the smaller of two) before choosing, so every rank chooses from the same numbers.
 """
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
+from scheduler.held_bytes import held_bytes
 from scheduler.replayed_step import step_ends
 
 __all__ = ["choose_prefetch_depth", "modelled_step", "check_costs"]
 
 
-def modelled_step(compute: Sequence[float], gather: Sequence[float], depth: int) -> float:
+def modelled_step(compute: Sequence[float], gather: Sequence[float], depth: int,
+                  backward: Optional[Sequence[float]] = None) -> float:
     """Seconds of one step (forward and backward) at prefetch ``depth`` from a cold start, under the
     model of [Note: choosing the prefetch depth] (``scheduler.replayed_step``)."""
-    ends = step_ends(compute, gather, depth)
+    ends = step_ends(compute, gather, depth, backward=backward)
     return ends[0] if ends else 0.0
 
 
-def check_costs(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], entry: str) -> None:
+def check_costs(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], entry: str,
+                backward: Optional[Sequence[float]] = None) -> None:
     """Refuse cost lists of different lengths (one entry per ``entry``) or times that are not finite
     seconds >= 0 (``ValueError``)."""
     if not (len(compute) == len(gather) == len(nbytes)):
         raise ValueError(f"compute, gather and nbytes must have one entry per {entry}, got lengths "
                          f"{len(compute)}, {len(gather)}, {len(nbytes)}")
-    if any(not math.isfinite(x) or x < 0 for x in [*compute, *gather]):
-        raise ValueError("compute and gather must be finite seconds >= 0")
-
-
-def _fits(nbytes: Sequence[int], depth: int, budget: int) -> bool:
-    """Do any group and the ``depth`` groups after it fit ``budget`` together?"""
-    return all(sum(nbytes[j: j + 1 + depth]) <= budget for j in range(len(nbytes)))
+    if backward is not None and len(backward) != len(compute):
+        raise ValueError(f"backward must have one entry per {entry} (or be None), got length {len(backward)} "
+                         f"for {len(compute)}")
+    if any(not math.isfinite(x) or x < 0 for x in [*compute, *gather, *(backward or ())]):
+        raise ValueError("compute, gather and backward must be finite seconds >= 0")
 
 
 def choose_prefetch_depth(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int],
-                          budget: int, tolerance: float = 0.01) -> int:
+                          budget: int, tolerance: float = 0.01, backward: Optional[Sequence[float]] = None) -> int:
     """The prefetch depth for groups with these costs (see [Note: choosing the prefetch depth]): at
     least 1, at most ``len(compute) - 1`` (or 1 for fewer than two groups)."""
-    check_costs(compute, gather, nbytes, "group")
+    check_costs(compute, gather, nbytes, "group", backward)
     if not (isinstance(budget, int) and budget >= 0):
         raise ValueError(f"budget must be an int >= 0 (bytes), got {budget!r}")
-    allowed = [d for d in range(1, max(2, len(compute))) if d == 1 or _fits(nbytes, d, budget)]
-    times = {d: modelled_step(compute, gather, d) for d in allowed}
+    allowed = [d for d in range(1, max(2, len(compute))) if d == 1 or held_bytes(nbytes, d) <= budget]
+    times = {d: modelled_step(compute, gather, d, backward) for d in allowed}
     best = min(times.values())
     return min(d for d, t in times.items() if t <= best * (1 + tolerance))

@@ -8,8 +8,10 @@ answer from the same inputs. It is the one model behind both schedule choosers:
 Inputs, per group in the order compute needs them (the agreed forward order; one group per position):
 
 ==============  ================================================================================
-``compute``     seconds of forward compute of the group (backward is taken as twice that)
+``compute``     seconds the compute stream spends on the group's forward (its compute, and the
+                host's packing of its gather where the host issues the kernels)
 ``gather``      seconds its all-gather occupies the link (its reduce-scatter is taken as the same)
+``backward``    seconds of the group's backward on the compute stream (default: twice ``compute``)
 ``depth``       prefetch depth: groups gathered ahead of the running one
 ``ahead``       gather-ahead: the first ``ahead`` groups reduced in backward (the last ``ahead``
                 forward positions) get their next-step gather issued in this backward
@@ -26,7 +28,7 @@ is done and its gather has landed. One step:
 * the last group and the ``depth`` before it stay unsharded into backward (the runtime's [Note:
   kept for backward]);
 * backward, in reverse: issue the re-gathers of ``j, j-1 .. j-depth`` not yet held, wait for
-  ``j``'s, compute twice the forward's, then queue ``j``'s reduce-scatter; where ``j + lag`` is
+  ``j``'s, compute its backward, then queue ``j``'s reduce-scatter; where ``j + lag`` is
   gathered ahead, the host waits for that group's reduce-scatter (its step must have run) and
   issues its next-step gather;
 * the end of backward waits for every reduce-scatter (a step's end), then issues the next forward's
@@ -39,16 +41,21 @@ what the first one takes: the steady state of ``ahead=0`` is the cold first step
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 __all__ = ["step_ends"]
 
 
 def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, steps: int = 1, ahead: int = 0,
-              lag: int = 1) -> list[float]:
+              lag: int = 1, backward: Optional[Sequence[float]] = None) -> list[float]:
     """The time each of ``steps`` consecutive steps ends, from a cold start at 0 (an empty link,
-    nothing gathered), under [Note: replaying a step on a FIFO link]; ``[]`` for no groups."""
+    nothing gathered), under [Note: replaying a step on a FIFO link]; ``[]`` for no groups.
+    ``backward``: each group's backward seconds (None: twice its ``compute``)."""
     n = len(compute)
+    if backward is None:
+        backward = [2 * c for c in compute]
+    elif len(backward) != n:
+        raise ValueError(f"backward must have one entry per group ({n}), got {len(backward)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= n:
@@ -81,7 +88,7 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
             for k in range(j, max(-1, j - 1 - depth), -1):
                 if regathered[k] == math.inf:
                     regathered[k] = run(now, gather[k])
-            now = max(now, regathered[j]) + 2 * compute[j]
+            now = max(now, regathered[j]) + backward[j]
             reduced[j] = run(now, gather[j])
             if j + lag < n and j + lag in gathered_ahead:
                 now = max(now, reduced[j + lag])  # its step must have run

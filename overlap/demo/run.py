@@ -198,6 +198,9 @@ class ModeResult:
     modelled_peak: Optional[int] = None
     """What the gather-ahead chooser's memory model says ``overlap.shard`` holds at once
     (``overlap.demo.unsharded_peak.modelled_peak``; the most over ranks); None for other modes."""
+    modelled_step: Optional[float] = None
+    """Seconds per step the chooser's model gave ``overlap.shard``'s chosen schedule (rank 0's, from
+    its first step's costs: ``modelled_step`` of the sharded model); None for other modes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,8 +388,9 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
                     prof.step()
             merged = prof.gather(dst=0)
         ahead = getattr(step.model, "gather_ahead", None) if mode not in TP_MODES else None
+        modelled_step = getattr(step.model, "modelled_step", None) if mode not in TP_MODES else None
         modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth, ahead, peak, largest,
-                                 modelled)
+                                 modelled, modelled_step)
         del step
     progress.finish()
     bitwise = None
@@ -616,6 +620,9 @@ def _depth_lines(result: DemoResult) -> list[str]:
         lines.append(f"overlap.shard gather-ahead: the next forward's first {1 + ours.depth} gathers issued at the end "
                      f"of backward; {count} more issued in backward after their group's step"
                      + (f" (each after the reduce-scatter {lag} later)" if count else " (the model saw no gain)"))
+    if ours.modelled_step is not None:
+        lines.append(f"overlap.shard modelled step {ours.modelled_step * 1e3:.1f} ms (the chooser's model, from the first "
+                     f"step's costs, rank 0) vs measured {ours.times.linked * 1e3:.1f} ms")
     return lines
 
 

@@ -75,11 +75,11 @@ def _fsdp2_groups(model: nn.Module) -> list[_Group]:
 
 def modelled_peak(model: nn.Module) -> Optional[int]:
     """The most unsharded bytes ``model`` (the root of an ``overlap.shard`` tree) holds at once by
-    ``scheduler.gather_ahead.held_bytes``: its agreed forward order, its prefetch depth and the
+    ``scheduler.held_bytes.held_bytes``: its agreed forward order, its prefetch depth and the
     count of its gather-ahead plan, each group at the bytes :class:`UnshardedPeak` counts. None
     before the first step agreed the order, where a group runs twice in it (the model assumes one
     group per position), or for a model ``overlap.shard`` did not shard as a root."""
-    from scheduler.gather_ahead import held_bytes
+    from scheduler.held_bytes import held_bytes
 
     state = getattr(model, "_overlap_state", None)
     root = None if state is None else state.root

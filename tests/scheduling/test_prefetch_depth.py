@@ -25,7 +25,9 @@ def test_link_bound_groups_go_as_deep_as_the_budget_allows() -> None:
     times = [modelled_step(compute, gather, d) for d in range(1, 8)]
     assert [a - b for a, b in zip(times, times[1:])] == [2.0] * 6, times
     assert choose_prefetch_depth(compute, gather, [1] * 8, BIG) == 7
-    assert choose_prefetch_depth(compute, gather, [1] * 8, budget=3) == 2  # 3 groups of 1 byte fit
+    # the root (position 0, held the whole step) and a window of 1 + d groups of 1 byte: d = 2 needs 4
+    assert choose_prefetch_depth(compute, gather, [1] * 8, budget=4) == 2
+    assert choose_prefetch_depth(compute, gather, [1] * 8, budget=3) == 1
 
 
 def test_a_slow_gather_is_started_several_groups_early() -> None:
@@ -37,9 +39,43 @@ def test_a_slow_gather_is_started_several_groups_early() -> None:
 
 def test_the_budget_caps_the_depth() -> None:
     compute, gather = [1.0] * 8, [0.5] * 5 + [4.0] + [0.5] * 2
-    assert choose_prefetch_depth(compute, gather, [10] * 8, budget=30) == 2  # 3 groups of 10 bytes fit
-    assert choose_prefetch_depth(compute, gather, [10] * 8, budget=25) == 1
+    # the root's 10 bytes and a window of 1 + d groups of 10 bytes: depth 2 holds 40
+    assert choose_prefetch_depth(compute, gather, [10] * 8, budget=40) == 2
+    assert choose_prefetch_depth(compute, gather, [10] * 8, budget=39) == 1
+    assert choose_prefetch_depth(compute, gather, [10] * 8, budget=30) == 1  # before the root counted: 2
     assert choose_prefetch_depth(compute, gather, [10] * 8, budget=0) == 1  # one ahead is always allowed
+
+
+def test_the_budget_counts_a_large_root() -> None:
+    # a 100-byte root and 7 groups of 10 bytes: depth 3 holds 100 + 4 x 10 = 140 at once, depth 4
+    # 150; without the root, 50 bytes would have allowed depth 4
+    compute, gather = [1.0] * 8, [2.0] * 8  # link-bound: the budget alone caps the depth
+    nbytes = [100] + [10] * 7
+    assert choose_prefetch_depth(compute, gather, nbytes, budget=149) == 3
+    assert choose_prefetch_depth(compute, gather, nbytes, budget=150) == 4
+    assert choose_prefetch_depth(compute, gather, nbytes, budget=50) == 1
+
+
+def test_measured_backward_replaces_twice_forward() -> None:
+    # 4 groups, compute 1, gather 1.5 (forward link-bound at depth 1). Twice forward: backward of 2
+    # per group hides every re-gather and reduce-scatter, so depth 1 is all it takes. Measured
+    # backward of 4 per group: the same, only slower; a step by hand at depth 1 with backward 4:
+    # forward: gathers land 1.5, 3, 4.5, 6; compute ends 2.5, 4, 5.5, 7 (waits on each gather);
+    # groups 2 and 3 kept. Backward: 3 runs 7..11 (re-gather of 1 issued at 7, lands 8.5 after
+    # nothing: link free at 6), RS3 11..12.5; 2 runs 11..15, re-gather 0 issued at 11 lands 14
+    # (queued behind RS3 until 12.5); RS2 15..16.5; 1 runs 15..19, RS1 19..20.5; 0 runs 19..23,
+    # RS0 23..24.5: the step ends at 24.5.
+    compute, gather = [1.0] * 4, [1.5] * 4
+    assert modelled_step(compute, gather, 1, backward=[4.0] * 4) == pytest.approx(24.5)
+    assert modelled_step(compute, gather, 1) == modelled_step(compute, gather, 1, backward=[2.0] * 4)
+
+
+def test_a_slow_backward_makes_the_link_the_smaller_share() -> None:
+    # a link-bound forward: twice forward makes every re-gather cost, so the model goes deep; a
+    # measured backward long enough to hide the re-gathers makes depth 1 as good (within 1%)
+    compute, gather = [1.0] * 8, [2.0] * 8
+    assert choose_prefetch_depth(compute, gather, [1] * 8, 1 << 40) == 7
+    assert choose_prefetch_depth(compute, gather, [1] * 8, 1 << 40, backward=[40.0] * 8) == 1
 
 
 def test_few_groups() -> None:
@@ -53,5 +89,9 @@ def test_bad_input_names_the_argument() -> None:
         choose_prefetch_depth([1.0], [1.0, 2.0], [1], BIG)
     with pytest.raises(ValueError, match="finite seconds"):
         choose_prefetch_depth([float("nan")], [1.0], [1], BIG)
+    with pytest.raises(ValueError, match="backward must have one entry per group"):
+        choose_prefetch_depth([1.0], [1.0], [1], BIG, backward=[1.0, 2.0])
+    with pytest.raises(ValueError, match="finite seconds"):
+        choose_prefetch_depth([1.0], [1.0], [1], BIG, backward=[-1.0])
     with pytest.raises(ValueError, match="budget must be an int >= 0"):
         choose_prefetch_depth([1.0], [1.0], [1], -1)

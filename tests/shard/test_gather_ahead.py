@@ -164,7 +164,7 @@ def _held_within_budget(rank: int, world_size: int, slack: int) -> dict[str, Any
     """The chooser on :data:`SYNTHETIC_COSTS` with the real bytes and the real budget
     (``max_inflight_bytes``): the budget exactly what one group ahead needs, plus ``slack``."""
     real = gather_ahead.choose_gather_ahead
-    gather_ahead.choose_gather_ahead = lambda c, g, nbytes, depth, budget: real(*SYNTHETIC_COSTS, nbytes, depth, budget)
+    gather_ahead.choose_gather_ahead = lambda c, g, nbytes, depth, budget, **kw: real(*SYNTHETIC_COSTS, nbytes, depth, budget)
     prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED_DEPTH
     torch.manual_seed(SEED)
     probe = TinyLM(layers=LAYERS)

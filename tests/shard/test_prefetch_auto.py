@@ -100,3 +100,55 @@ def test_ranks_agree_on_the_deepest_choice(distributed) -> None:
     for plain, auto in per_rank:
         assert auto["depths"] == [3] * 4, auto["depths"]  # the deepest of 1, 2, 3 (all the groups ahead)
         _assert_same(auto, plain)
+
+
+def _costs_seen(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """The costs ``choose_prefetch_depth`` is handed, for a first step with a backward and for one
+    without (under ``torch.no_grad``), and the depth before and after the first backward."""
+    import scheduler.prefetch_depth
+
+    seen: list[dict[str, Any]] = []
+
+    def spy(compute, gather, nbytes, budget, tolerance=0.01, backward=None):  # type: ignore[no-untyped-def]
+        seen.append({"compute": list(compute), "gather": list(gather), "nbytes": list(nbytes),
+                     "backward": None if backward is None else list(backward)})
+        return 1
+
+    scheduler.prefetch_depth.choose_prefetch_depth = spy
+    torch.set_num_threads(1)
+    depths = []
+    for first_with_grad in (True, False):
+        torch.manual_seed(SEED)
+        model = TinyLM()
+        for block in model.blocks:
+            overlap.shard(block, prefetch="auto")
+        overlap.shard(model, prefetch="auto")
+        batch = local_batch(make_batch(0), rank, world_size)
+        with torch.set_grad_enabled(first_with_grad):
+            loss = model.loss(batch)
+        depths.append(model.prefetch_depth)  # after the first forward
+        if first_with_grad:
+            loss.backward()
+        depths.append(model.prefetch_depth)  # after its backward (none: after the next forward)
+        if not first_with_grad:
+            model.loss(batch).backward()
+            depths.append(model.prefetch_depth)
+    return [*seen, {"depths": depths}]
+
+
+def test_the_depth_is_chosen_from_measured_backward_and_link_times(distributed) -> None:
+    # [Note: what the step's costs are made of]: a first step with a backward hands the chooser one
+    # measured backward time per forward position (root, 2 blocks), and link times apart from the
+    # packing; a first forward without grad chooses at once, with backward taken as twice forward
+    per_rank = distributed(_costs_seen, 2, timeout=300)
+    # the ranks' measurements are agreed (the smaller of two per entry): every rank chooses from the same numbers
+    assert per_rank[0][:2] == per_rank[1][:2]
+    for with_grad, without_grad, depths in per_rank:
+        # with grad: chosen at the end of the recording backward; without: at the end of its forward
+        assert depths["depths"] == [None, 1, 1, 1, 1], depths
+        assert len(with_grad["compute"]) == len(with_grad["gather"]) == 3
+        assert with_grad["backward"] is not None and len(with_grad["backward"]) == 3
+        assert all(b > 0 for b in with_grad["backward"]), with_grad["backward"]
+        assert all(g > 0 for g in with_grad["gather"]) and all(c > 0 for c in with_grad["compute"])
+        assert without_grad["backward"] is None
+        assert len(without_grad["gather"]) == 3

@@ -15,7 +15,7 @@ the final norm and the tied head, and stays unsharded from its pre-forward to th
   starts holding ``root + (1 + d + count)`` blocks, all 4 at most (a block gathered ahead that is
   also in the first window is held once).
 
-Each ``overlap.shard`` peak is also checked against ``scheduler.gather_ahead.held_bytes``, the
+Each ``overlap.shard`` peak is also checked against ``scheduler.held_bytes.held_bytes``, the
 model the gather-ahead chooser keeps within its budget.
 
 Counted over the steps after the first (which records the order and prefetches nothing).
@@ -32,7 +32,7 @@ import overlap
 from models import LR, SEED, TinyLM, local_batch, make_batch
 from overlap.demo.unsharded_peak import UnshardedPeak, modelled_peak
 from scheduler import gather_ahead, prefetch_depth
-from scheduler.gather_ahead import held_bytes
+from scheduler.held_bytes import held_bytes
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
 
