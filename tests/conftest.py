@@ -24,36 +24,70 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 MAX_TEST_WORKERS = 4
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one), as torch counts them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def compile_threads_for_worker(cpus: int, workers: int) -> int:
+    """Inductor's compile-worker pool size for each compiling process of one xdist worker: the
+    worker's share of the CPUs, at least 2 (torch's own default on 2 cores; 1 would compile in-process,
+    which made the suite slower: [Note: Inductor's per-process start-up in tests])."""
+    return max(2, cpus // max(1, workers))
+
+
 # Under pytest-xdist the workers share the cores: the ranks a test starts take the harness's
 # cpu_count // world_size threads each unless OMP_NUM_THREADS says otherwise, which on a 16-core
 # machine with 14 workers put up to 224 threads on 16 cores. Three timing tests of the emulated link
 # and the profiler failed on such a machine (the H100's host, 2026-11-26) and pass on 2 cores, where
 # every rank has one thread; oversubscription is the likely cause, not yet confirmed there. So each
-# worker's ranks get the worker's share: one thread on 2 cores, as before.
+# worker's ranks get the worker's share: one thread on 2 cores, as before. The same goes for
+# Inductor's compile workers and ISA probes: [Note: Inductor's per-process start-up in tests].
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_WORKER_ENV = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", "OVERLAP_TEST_FORKSERVER_PRELOAD")
+INHERITED_FROM_CALLER = frozenset(name for name in _WORKER_ENV if name in os.environ)  # left as they are
 if _WORKERS > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * _WORKERS))))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // (2 * _WORKERS))))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(compile_threads_for_worker(usable_cpus(), _WORKERS)))
+    # The ranks' fork server makes Inductor's ISA pick once; the ranks inherit it (the note below).
+    os.environ.setdefault("OVERLAP_TEST_FORKSERVER_PRELOAD", "overlap.testing.inductor_isa_preload")
 
 
 # [Note: Inductor's per-process start-up in tests]
 # Every process that compiles with Inductor (each xdist worker, each rank a compile test starts, each
-# demo subprocess) first probes which SIMD ISAs its C++ compiler can build and load: it builds a small
-# kernel per ISA and, on torch 2.11 and 2.13, loads each in a fresh ``python -c "import torch; ..."``
-# subprocess, about six torch imports per compiling process: 10-50 s of a loaded 2-core box each
-# (2026-11-27; torch 2.15 keeps the verdict on disk, a ``.load_ok`` marker, and probes once). The
-# answer is the same for every process of one run, so under xdist the controller probes once,
-# honestly, in a thread while its workers start and collect; each worker waits for the verdict
-# before its first test, and when the probe accepts every ISA the CPU reports (what
-# ``TORCHINDUCTOR_VEC_ISA_OK=1`` assumes) it sets that variable, which the ranks and subprocesses it
-# starts inherit: they pick the same ISA without the base ISAs' subprocesses (torch 2.11 and 2.13
-# still check AVX512's bf16 / VNNI / AMX extensions in each process, about half of the loads on an
-# AVX512 CPU: the first compile in a 2-rank run went from 55-57 s to 22-42 s on torch 2.11, loaded
-# box). Where the probe rejects one, nothing is set and each process probes as before. Without workers (``-n 0``, one file) nothing is
-# probed ahead: most files never compile. This changes nothing of what is compiled; a variable
-# already set by the caller is left alone. Inductor's compile-worker pool stays as torch sets it:
-# with compiles forced into the compiling process (``TORCHINDUCTOR_COMPILE_THREADS=1``) the whole
-# suite took 591 s on torch 2.15 and 589 s on 2.11 (``.ci/run``, 2 cores, fresh compile caches),
-# against 429 s and 517 s with the pool (2 threads: torch's default there), 2026-11-27.
+# demo subprocess) pays two start-up costs, both sized by the machine rather than by the test:
+# - The ISA probe. It first probes which SIMD ISAs its C++ compiler can build and load: it builds a
+#   small kernel per ISA and, on torch 2.11 and 2.13, loads each in a fresh ``python -c "import
+#   torch; ..."`` subprocess, about six torch imports per compiling process: 10-50 s of a loaded 2-core
+#   box each (2026-11-27; torch 2.15 keeps the verdict on disk, a ``.load_ok`` marker, and probes
+#   once). Even with ``TORCHINDUCTOR_VEC_ISA_OK=1`` torch 2.11 and 2.13 check AVX512's bf16 / VNNI
+#   extensions (and AMX's, on a CPU with AMX, as the GPU hosts' may have) in each process: 3 loads
+#   per process on this box's AVX512 CPU, up to 7 with AMX.
+# - The compile-worker pool. At its first ``torch.compile`` a process starts Inductor's pool of
+#   ``min(32, cpus)`` subprocess workers (torch's default): 2 on the 2-core CI box, but 16 on the
+#   GPU host's 16 cores, for every compiling rank of every one of its 14 xdist workers.
+# On that GPU host (one H100, 16 cores, ``pytest -n 14``, torch 2.11, 2026-11-27) this made a process
+# storm at compile time: a 4-rank compile test timed out after 120 s with three ranks waiting for the
+# fourth, still inside its first compile's ISA probe (``check_build``'s subprocess); the same test had
+# passed there a day earlier, under other load. So under xdist:
+# - The controller probes once, honestly, in a thread while its workers start and collect; each
+#   worker waits for the verdict before its first test, and when the probe accepts every ISA the CPU
+#   reports (what ``TORCHINDUCTOR_VEC_ISA_OK=1`` assumes) it sets that variable, which its ranks and
+#   subprocesses inherit: they skip the base ISAs' loads (the first compile in a 2-rank run went from
+#   55-57 s to 22-42 s on torch 2.11, loaded box). Where the probe rejects one, nothing is set.
+# - The ranks' fork server (``overlap.testing.run_distributed``) makes Inductor's whole ISA pick once
+#   per worker, extensions included, before it forks any rank (``OVERLAP_TEST_FORKSERVER_PRELOAD``
+#   names overlap/testing/inductor_isa_preload.py): the verdicts are cached in its memory, so a rank it forks
+#   compiles without a probe process of its own (tests/tools/test_suite_environment.py counts them).
+#   That one pick costs the worker a few seconds before its first multi-rank test, outside any test's
+#   timeout. Ranks started with ``spawn`` and demo subprocesses still probe for themselves.
+# - Each worker's processes get a compile-worker pool of the worker's share of the CPUs, at least 2
+#   (``TORCHINDUCTOR_COMPILE_THREADS``, :func:`compile_threads_for_worker`): 2 on the 16-core host
+#   with 14 workers instead of 16, and still 2 on the 2-core box, torch's own default there. Not 1:
+#   with compiles forced into the compiling process the whole suite took 591 s on torch 2.15 and 589 s
+#   on 2.11 (``.ci/run``, 2 cores, fresh compile caches), against 429 s and 517 s with a pool of 2.
+# Without workers (``-n 0``, one file) none of this is set up: most files never compile. It changes
+# nothing of what is compiled; a variable already set by the caller is left alone.
 _ISA_VERDICT_ENV = "OVERLAP_TEST_ISA_VERDICT"  # the controller's verdict file, for its workers
 ISA_PROBE_WAIT_S = 600.0  # how long a worker waits for the verdict before probing for itself
 
@@ -147,8 +181,7 @@ def _adopt_the_isa_verdict() -> None:
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """The worker count of ``-n auto`` (pyproject's default): one per CPU this process may run on, at
     most ``MAX_TEST_WORKERS``."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cpus, MAX_TEST_WORKERS))
+    return max(1, min(usable_cpus(), MAX_TEST_WORKERS))
 
 
 # [Note: longest files first]

@@ -33,7 +33,11 @@ Process start-up. Ranks are forked from a ``multiprocessing`` fork server that h
 and ``overlap`` once (a fresh interpreter, not a copy of the threaded caller, so it is as safe as
 "spawn"). The first call in a process starts the server (~5 s on a 2-core box, not counted against
 ``timeout``); after that a trivial 2-rank run costs ~0.1 s, against ~5 s per call with "spawn".
-Modules the caller's ``fn`` needs beyond those are imported by each rank. Set
+Modules the caller's ``fn`` needs beyond those are imported by each rank; modules named in
+``OVERLAP_TEST_FORKSERVER_PRELOAD`` (comma-separated; importable by a fresh interpreter, as Python 3.11's
+fork server does not get the caller's ``sys.path``; one that is not is skipped) are imported by the
+server too, after those, so that what they do at import (e.g. a one-time probe whose answer is cached in
+memory) is inherited by every rank instead of repeated in each. Set
 ``OVERLAP_TEST_START_METHOD=spawn`` to use plain spawn. Under the fork server, environment variables
 that torch reads while being imported come from the first call's environment, and so does
 ``TRITON_INTERPRET`` (importing ``overlap`` imports ``kernels``, whose Triton kernels are decorated
@@ -73,6 +77,7 @@ _START_METHOD_ENV = "OVERLAP_TEST_START_METHOD"
 # modules) once: every rank's target, ``_child_main``, lives here, and importing ``overlap`` in each
 # rank instead costs seconds per call.
 _PRELOAD = ["torch", "torch.distributed", __name__]
+_EXTRA_PRELOAD_ENV = "OVERLAP_TEST_FORKSERVER_PRELOAD"
 # After the first failure, how long to keep collecting other ranks' reports before killing them.
 _FAILURE_GRACE_S = 2.0
 # How long a terminated rank gets before SIGKILL, and how long a hung rank gets to dump its stacks.
@@ -327,7 +332,8 @@ def _context() -> multiprocessing.context.BaseContext:
         raise ValueError(f"{_START_METHOD_ENV} must be 'forkserver' or 'spawn', got {method!r}")
     ctx = multiprocessing.get_context(method)
     if method == "forkserver" and not _server_ready:
-        ctx.set_forkserver_preload(_PRELOAD)
+        extra = [name.strip() for name in os.environ.get(_EXTRA_PRELOAD_ENV, "").split(",") if name.strip()]
+        ctx.set_forkserver_preload(_PRELOAD + extra)
         warm_up = ctx.Process(target=_noop, name="forkserver-warm-up")
         warm_up.start()
         warm_up.join()
