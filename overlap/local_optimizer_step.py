@@ -288,7 +288,7 @@ def install() -> None:
             owner = getattr(importlib.import_module(module_name), class_name)
             current = owner.__dict__.get("_init_group")
             if current is not None and getattr(current, _WRAPPED, None) is None:
-                owner._init_group = _wrap_init_group(current, _STEADY_GATHERS.get(family))
+                owner._init_group = _wrap_init_group(current, family)
     _installed = True
 
 
@@ -314,9 +314,9 @@ def _wrap(original: Callable[..., Any], signature: _Signature) -> Callable[..., 
     return step_on_local_tensors
 
 
-def _wrap_init_group(original: Callable[..., Any],
-                     steady: Callable[[torch.optim.Optimizer, dict[str, Any], list[Any], tuple[Any, ...]], Any]
-                     | None = None) -> Callable[..., Any]:
+def _wrap_init_group(original: Callable[..., Any], family: str | None = None) -> Callable[..., Any]:
+    """``original`` (an ``_init_group``) run as the module docstring says; ``family`` names its
+    steady-state gathering in ``_STEADY_GATHERS``, looked up at each call (``None``: none)."""
     @functools.wraps(original)
     def init_group(self: torch.optim.Optimizer, group: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         global gathered_steady
@@ -326,6 +326,7 @@ def _wrap_init_group(original: Callable[..., Any],
                 and set(map(type, params)) == _DTENSOR_ONLY):
             try:
                 with _NO_SUBCLASS_TORCH_FUNCTION():
+                    steady = _STEADY_GATHERS.get(family)
                     if steady is not None and not kwargs:
                         result = steady(self, group, params, args)
                         if result is not _NOT_STEADY:
@@ -411,7 +412,10 @@ def _sgd_steady(opt: torch.optim.Optimizer, group: dict[str, Any], params: list[
     return any(map(_IS_SPARSE, grads))
 
 
-_STEADY_GATHERS = {"adam": _adam_steady, "sgd": _sgd_steady}
+_STEADY_GATHERS: dict[str | None, Callable[[torch.optim.Optimizer, dict[str, Any], list[DTensor], tuple[Any, ...]],
+                                           Any] | None] = {"adam": _adam_steady, "sgd": _sgd_steady}
+"""Family -> its steady-state gathering (an entry set to None: torch's loop, as ``benchmarks/bench_host_bound.py``
+compares)."""
 
 
 def _local_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], signature: _Signature) -> list[Any] | None:
