@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     d, tokens_small = CONFIGS["small"] if device.type == "cuda" else CPU_SMALL
     with single_rank_group(device):
         opt_rows = optimizer_rows(args.blocks, d, tokens_small, device, args.steps, args.repeats, args.statistic)
-    emit(f"Optimizer step alone over the small config's {4 * args.blocks} parameters ({args.blocks} blocks, "
+    params = args.blocks * sum(1 for _ in Block(1).parameters())
+    emit(f"Optimizer step alone over the small config's {params} parameters ({args.blocks} blocks, "
          f"d={d}), world size 1 — {where}; {stat} of {args.repeats} interleaved rounds of {args.steps} steps",
          ["optimizer", "mode", "step µs", "host µs", "step vs plain"], opt_rows, args.markdown)
     prof_rows = [[mode, name, f"{us:.0f}", f"{calls:g}"] for mode, ops in profiles.items() for name, us, calls in ops]
