@@ -117,7 +117,10 @@ so a ``defaultdict`` creates the same empty entries), the entries by ``itemgette
 and the dtypes' ``is_complex`` for ``has_complex``. Adam's (which AdamW inherits) and SGD's
 ``_init_group`` bodies are the same in torch 2.11, 2.13 and 2.15 past state creation (checked when
 this was written; the tests compare the gathered objects with torch's loop on the installed torch).
-The gathering answers only where the loop would provably do the same: lists passed positionally,
+Which gathering a class's ``_init_group`` gets is read at :func:`install` from the torch loop it runs
+in the end (``__wrapped__`` followed: Dynamo's ``disable`` gives AdamW a wrapper of its own around
+Adam's loop when Dynamo patches the optimizers before ``install``). The gathering answers only where
+the loop would provably do the same: lists passed positionally,
 empty; every gradient exactly a DTensor (so none missing); none sparse (Adam raises there); for Adam
 every parameter's state non-empty with the entries the loop reads (a ``KeyError`` or an empty entry:
 the loop runs and creates or raises as it does), and not ``foreach`` with a tensor ``lr`` and
@@ -234,10 +237,12 @@ class _Signature:
         return max(self.dtensor_lists, (self.steps_list if self.steps_list is not None else -1) + 1)
 
 
-_INIT_GROUP_OWNERS: tuple[tuple[str, str, str | None], ...] = (
-    ("torch.optim.adam", "Adam", "adam"), ("torch.optim.adamw", "AdamW", None), ("torch.optim.sgd", "SGD", "sgd"))
-"""Classes whose own ``_init_group`` is wrapped (AdamW inherits Adam's on torch 2.11-2.15: then skipped),
-with the family of their steady-state gathering (``_STEADY_GATHERS``; None: torch's loop only)."""
+_INIT_GROUP_OWNERS: tuple[tuple[str, str], ...] = (("torch.optim.adam", "Adam"), ("torch.optim.adamw", "AdamW"),
+                                                   ("torch.optim.sgd", "SGD"))
+"""Classes whose own ``_init_group`` is wrapped (AdamW inherits Adam's on torch 2.11-2.15: then skipped,
+unless Dynamo gave AdamW a ``disable`` wrapper of its own around Adam's)."""
+_STEADY_FAMILIES = {("torch.optim.adam", "Adam._init_group"): "adam", ("torch.optim.sgd", "SGD._init_group"): "sgd"}
+"""Torch's ``_init_group`` loops (module, qualified name) -> the family of their steady-state gathering."""
 _NO_SUBCLASS_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 
 _ADAM = _Signature(dtensor_lists=5, steps_list=5, created_list=None)  # params grads exp_avgs exp_avg_sqs max_exp_avg_sqs
@@ -284,11 +289,11 @@ def install() -> None:
         if getattr(current, _WRAPPED, None) is None:
             setattr(module, name, _wrap(current, signature))
     if DTensor.__torch_function__ is torch._C._disabled_torch_function_impl:  # see [Note: gathering the lists ...]
-        for module_name, class_name, family in _INIT_GROUP_OWNERS:
+        for module_name, class_name in _INIT_GROUP_OWNERS:
             owner = getattr(importlib.import_module(module_name), class_name)
             current = owner.__dict__.get("_init_group")
             if current is not None and getattr(current, _WRAPPED, None) is None:
-                owner._init_group = _wrap_init_group(current, family)
+                owner._init_group = _wrap_init_group(current, _steady_family(current))
     _installed = True
 
 
@@ -312,6 +317,19 @@ def _wrap(original: Callable[..., Any], signature: _Signature) -> Callable[..., 
 
     setattr(step_on_local_tensors, _WRAPPED, original)
     return step_on_local_tensors
+
+
+def _steady_family(init_group: Callable[..., Any]) -> str | None:
+    """The family of the steady-state gathering for the torch loop that ``init_group`` runs in the
+    end (following ``__wrapped__``: Dynamo's ``disable`` gives AdamW its own wrapper of Adam's loop),
+    or None where that is not one of ``_STEADY_FAMILIES``."""
+    fn = init_group
+    for _ in range(16):
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            break
+        fn = inner
+    return _STEADY_FAMILIES.get((getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)))
 
 
 def _wrap_init_group(original: Callable[..., Any], family: str | None = None) -> Callable[..., Any]:

@@ -336,6 +336,19 @@ def test_init_group_wrappers_survive_dynamos_optimizer_patch() -> None:
     _assert_init_group_wrapped_once()
 
 
+def test_steady_family_follows_wrappers_to_torchs_loop() -> None:
+    """The steady-state gathering is chosen by the torch loop a class's ``_init_group`` runs in the
+    end: also through Dynamo's ``disable`` wrapper (which gives AdamW one of its own around Adam's
+    loop when Dynamo patches before ``install``); any other function gets none."""
+    adams_loop = _init_group_chain(torch.optim.Adam)[-1]
+    sgds_loop = _init_group_chain(torch.optim.SGD)[-1]
+    assert los._steady_family(adams_loop) == "adam" and los._steady_family(sgds_loop) == "sgd"
+    assert los._steady_family(torch._dynamo.disable(adams_loop)) == "adam"
+    assert los._steady_family(los._wrap_init_group(torch._dynamo.disable(sgds_loop))) == "sgd"
+    assert los._steady_family(lambda *a: None) is None
+    assert los._steady_family(_init_group_chain(torch.optim.RMSprop)[-1]) is None
+
+
 class _TorchFunctionProbe(dict):  # type: ignore[type-arg]
     """An optimizer's ``state`` that records, at each lookup ``_init_group`` makes, whether
     torch-function dispatch was on for tensor subclasses."""
