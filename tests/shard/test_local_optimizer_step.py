@@ -336,6 +336,19 @@ def test_init_group_wrappers_survive_dynamos_optimizer_patch() -> None:
     _assert_init_group_wrapped_once()
 
 
+def test_steady_family_follows_wrappers_to_torchs_loop() -> None:
+    """The steady-state gathering is chosen by the torch loop a class's ``_init_group`` runs in the
+    end: also through Dynamo's ``disable`` wrapper (which gives AdamW one of its own around Adam's
+    loop when Dynamo patches before ``install``); any other function gets none."""
+    adams_loop = _init_group_chain(torch.optim.Adam)[-1]
+    sgds_loop = _init_group_chain(torch.optim.SGD)[-1]
+    assert los._steady_family(adams_loop) == "adam" and los._steady_family(sgds_loop) == "sgd"
+    assert los._steady_family(torch._dynamo.disable(adams_loop)) == "adam"
+    assert los._steady_family(los._wrap_init_group(torch._dynamo.disable(sgds_loop))) == "sgd"
+    assert los._steady_family(lambda *a: None) is None
+    assert los._steady_family(_init_group_chain(torch.optim.RMSprop)[-1]) is None
+
+
 class _TorchFunctionProbe(dict):  # type: ignore[type-arg]
     """An optimizer's ``state`` that records, at each lookup ``_init_group`` makes, whether
     torch-function dispatch was on for tensor subclasses."""
@@ -428,6 +441,84 @@ def test_init_group_gathers_again_with_lookups_when_a_gradient_is_not_a_dtensor(
     assert len(fast[0]) == len(list(net.parameters()))
     for got, want in zip(fast[:2], torchs[:2]):  # parameters and gradients: the same objects, in order
         assert all(a is b for a, b in zip(got, want))
+
+
+STEADY_CONFIGS = ["adamw-foreach", "adamw-amsgrad-maximize-single", "adam-wd-foreach", "sgd-momentum-foreach",
+                  "sgd-plain-single", *(["adamw-fused-amsgrad"] if FUSED_CPU else [])]
+
+
+def _gather_once(opt: torch.optim.Optimizer, local_step: bool) -> tuple[list[list[Any]], Any, int]:
+    """``opt._init_group``'s lists for its first group, its return value, and how many steady
+    gatherings ran, with the fast path ``local_step``."""
+    gathered: list[list[Any]] = [[] for _ in range(3 if isinstance(opt, torch.optim.SGD) else 6)]
+    before = los.gathered_steady
+    previous = overlap.set_local_optimizer_step(local_step)
+    try:
+        result = opt._init_group(opt.param_groups[0], *gathered)
+    finally:
+        overlap.set_local_optimizer_step(previous)
+    return gathered, result, los.gathered_steady - before
+
+
+def _stepped(optimizer: type[torch.optim.Optimizer], kwargs: dict[str, Any], steps: int) -> tuple[Net, Any]:
+    """A sharded :class:`Net` and a new ``optimizer`` over it after ``steps`` steps, then a backward."""
+    net = _sharded_net()
+    opt = optimizer(net.parameters(), **kwargs)
+    for step in range(steps):
+        net(_batch(step, 0)).square().sum().backward()
+        opt.step()
+    net(_batch(steps, 0)).square().sum().backward()
+    return net, opt
+
+
+def _same_objects(got: list[list[Any]], want: list[list[Any]]) -> bool:
+    """The same number of lists, of the same lengths, holding the same objects in the same order."""
+    return [len(g) for g in got] == [len(w) for w in want] and all(
+        a is b for g, w in zip(got, want) for a, b in zip(g, w))
+
+
+@pytest.mark.parametrize("config", STEADY_CONFIGS)
+def test_steady_gathering_gives_the_objects_torchs_loop_gives(single_rank_group: dist.ProcessGroup,
+                                                               config: str) -> None:
+    """The same optimizer gathered twice, by the steady-state gathering and by torch's loop (fast
+    path off): the same objects in the same order, the same return value."""
+    optimizer, kwargs = CONFIGS[config]
+    net, opt = _stepped(optimizer, kwargs, 2)
+    results = [_gather_once(opt, local_step) for local_step in (True, False)]
+    (fast, fast_result, fast_steady), (torchs, torchs_result, torchs_steady) = results
+    assert (fast_steady, torchs_steady) == (1, 0)
+    assert fast_result == torchs_result and type(fast_result) is type(torchs_result)
+    assert _same_objects(fast, torchs), [[len(g) for g in fast], [len(g) for g in torchs]]
+    assert len(fast[0]) == len(list(net.parameters())) and None not in map(type, fast[1])
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.SGD])
+def test_steady_gathering_leaves_other_groups_to_torchs_loop(single_rank_group: dist.ProcessGroup,
+                                                              optimizer: type[torch.optim.Optimizer]) -> None:
+    """A parameter without a gradient, Adam's first step (state to create), fused SGD before its
+    first device check: torch's loop gathers (no steady gathering), and its lists are the loop's.
+    SGD's first step creates nothing in ``_init_group`` (``None`` momentum buffers): gathered steadily."""
+    kwargs = {"lr": 1e-2, "momentum": 0.9} if optimizer is torch.optim.SGD else {"lr": 1e-2}
+    net, opt = _stepped(optimizer, kwargs, 1)
+    net.scale.grad = None
+    (got, _, steady), (torchs, _, _) = _gather_once(opt, True), _gather_once(opt, False)
+    assert steady == 0 and _same_objects(got, torchs) and len(got[0]) == len(list(net.parameters())) - 1
+    net = _sharded_net()
+    opt = optimizer(net.parameters(), **kwargs)
+    net(_batch(0, 0)).square().sum().backward()
+    before = los.gathered_steady
+    opt.step()  # Adam's first step creates state: torch's loop
+    first_step_steady = 1 if optimizer is torch.optim.SGD else 0
+    assert los.gathered_steady == before + first_step_steady
+    opt.step()
+    assert los.gathered_steady == before + first_step_steady + 1
+    if optimizer is torch.optim.SGD and FUSED_CPU:
+        fused = optimizer(net.parameters(), lr=1e-2, momentum=0.9, fused=True)
+        fused.state = opt.state  # state in place, but the fused device check not done yet
+        before = los.gathered_steady
+        fused.step()
+        fused.step()
+        assert los.gathered_steady == before + 1
 
 
 def test_init_group_error_is_torchs(single_rank_group: dist.ProcessGroup) -> None:
