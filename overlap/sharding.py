@@ -100,7 +100,10 @@ gather right after its own step (running the steps before it first, waiting for 
 reduce-scatters): the gather of ``blocks.0`` goes out behind the reduce-scatters still on the link
 while the host steps the embedding and the root. The points are program order (the reduce order,
 the agreed depth), never "whichever reduce-scatter finished", so every rank issues the same
-collectives in the same order. Not where an epilogue must wait for the end of backward (0-dim
+collectives in the same order. **Off by default** (``END_OF_STEP_CHAIN``): on a quiet 2-core box, paired demo
+runs (2 ranks, ``--compare none --link-gbps 0.16 --steps 8``, alternating) lost to the plain end of
+backward: chain on 1.067x and 1.051x ideal (77-80% hidden), off 1.019x and 1.010x (94-96%). It
+stays for measuring where it might pay; the chooser does not turn it on. Not where an epilogue must wait for the end of backward (0-dim
 parameters, the finite check) or runs on the CUDA reduce stream: there all steps run first, as
 before. The bytes held are the same ``1 + prefetch`` groups, issued earlier.
 
@@ -1034,7 +1037,7 @@ class _Root:
         order they were reduced, each gathered right after its own step (run here, waiting for its
         reduce-scatter, with the epilogues before it, if it has not run yet): see [Note: the
         end-of-step chain]."""
-        if not self._ahead_active or self._reduce_events or not all(
+        if not END_OF_STEP_CHAIN or not self._ahead_active or self._reduce_events or not all(
                 s.group is None or s.group.finishes_early for s in self.states):
             return  # CUDA epilogues on the reduce stream, or one that must wait for the end: all at once
         first = {s.index for s in self._first_groups(self.forward_seq)}
@@ -1083,6 +1086,11 @@ def _kept_for_backward(order: list[int], depth: int, owner: int) -> frozenset[in
 
 PREFETCH_BUDGET_SHARE = 4
 """``prefetch="auto"`` without ``max_inflight_bytes``: prefetches may hold 1/this of the free memory."""
+
+END_OF_STEP_CHAIN = False
+"""Gather the next forward's first groups right after their own steps at the end of backward
+(with gathers ahead on); off: every step first, then the gathers. Off by default because it lost
+in paired demo runs ([Note: the end-of-step chain])."""
 
 
 def default_prefetch_budget(device: torch.device) -> int:
