@@ -161,6 +161,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter, methodcaller
@@ -323,12 +324,7 @@ def _steady_family(init_group: Callable[..., Any]) -> str | None:
     """The family of the steady-state gathering for the torch loop that ``init_group`` runs in the
     end (following ``__wrapped__``: Dynamo's ``disable`` gives AdamW its own wrapper of Adam's loop),
     or None where that is not one of ``_STEADY_FAMILIES``."""
-    fn = init_group
-    for _ in range(16):
-        inner = getattr(fn, "__wrapped__", None)
-        if inner is None:
-            break
-        fn = inner
+    fn = inspect.unwrap(init_group)
     return _STEADY_FAMILIES.get((getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)))
 
 
