@@ -24,10 +24,14 @@ streams            a collective beside compute: a sleep queued on the all-gather
                    events)
 cuda graphs        the four packing ops captured in one CUDA graph and replayed on new data, against
                    the references
-bench_kernels      ``benchmarks/bench_kernels.py --device cuda --quick``, its tables (GB/s, and host µs
-                   per call) appended to ``benchmarks/RESULTS.md`` (timings are reported, never checked)
+bench_kernels      ``benchmarks/bench_kernels.py --device cuda --quick --quantized-blocks-per-program 1 0``:
+                   its tables (GB/s, and host µs per call; the quantized kernels at one block per
+                   program and at the runtime's choice) appended to ``benchmarks/RESULTS.md``
+                   (timings are reported, never checked)
 bench_host_bound   ``benchmarks/bench_host_bound.py``: plain vs overlap.shard vs FSDP2 on a host-bound
                    and a GPU-bound step, with the profiler's top host costs, appended the same way
+default suite      only with ``--suite``: ``pytest tests`` with the CPU suite's default selection (the GPU
+                   tests among it), one xdist worker per core but two, last and alone
 =================  ==================================================================================
 
 The packing and training checks take a device / backend, so the CPU suite runs them too (Triton's
@@ -422,8 +426,10 @@ def _cuda_graph_row(device: torch.device) -> CheckRow:
 
 
 # ---------------------------------------------------------------------------- subprocess rows
-BENCHMARKS = {"bench_kernels": ["--device", "cuda", "--quick"], "bench_host_bound": ["--repeats", "5"]}
-"""The benchmark rows: script under ``benchmarks/`` -> its options (``--markdown`` is added)."""
+BENCHMARKS = {"bench_kernels": ["--device", "cuda", "--quick", "--quantized-blocks-per-program", "1", "0"],
+              "bench_host_bound": ["--repeats", "5"]}
+"""The benchmark rows: script under ``benchmarks/`` -> its options (``--markdown`` is added). The
+quantized kernels are timed at one block per program and at the runtime's choice, side by side."""
 
 
 def _subprocess_row(name: str, argv: list[str], needs: Path, timeout: float,
@@ -481,9 +487,21 @@ def _guarded(name: str, fn: Callable[[], CheckRow]) -> CheckRow:
         return CheckRow(name, False, time.perf_counter() - start, f"{type(e).__name__}: {str(e).strip()[-400:]}")
 
 
-def main(skip_bench: bool = False) -> int:
+SUITE_SECONDS = 420
+"""Time limit of the opt-in ``default suite`` row (the suite took 237-261 s with 14 workers on an
+H100 machine's 16 cores)."""
+
+
+def suite_argv(python: str, cpus: int, has_xdist: bool) -> list[str]:
+    """The opt-in ``default suite`` row's command: the CPU suite's default selection (GPU tests
+    included) with one xdist worker per core but two, so the rows' own ranks have cores left."""
+    workers = ["-n", str(max(1, cpus - 2))] if has_xdist else []
+    return [python, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *workers, "tests"]
+
+
+def main(skip_bench: bool = False, suite: bool = False) -> int:
     """Run every row on the current CUDA device and print the table; 0 all passed, 1 a row failed,
-    2 no CUDA device."""
+    2 no CUDA device. ``suite``: also run the default test suite, last and alone (a row of its own)."""
     if not torch.cuda.is_available():
         print("check-gpu: no CUDA device is visible (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
@@ -510,6 +528,12 @@ def main(skip_bench: bool = False) -> int:
         rows.append(_subprocess_row(
             bench, [python, script, *options, "--markdown", "benchmarks/RESULTS.md"], REPO / script, 240,
             lambda out: "tables appended to benchmarks/RESULTS.md"))
+    if suite:
+        import importlib.util
+
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        argv = suite_argv(python, cpus, importlib.util.find_spec("xdist") is not None)
+        rows.append(_subprocess_row("default suite", argv, REPO / "tests", SUITE_SECONDS, _pytest_summary))
     title = (f"overlap check-gpu: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
              f"Triton {triton.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}")
     print(format_table(rows, title), flush=True)

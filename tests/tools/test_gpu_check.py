@@ -84,6 +84,29 @@ def test_command_without_a_gpu_exits_2() -> None:
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr, (proc.returncode, proc.stderr)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the options would start the whole benchmark")
+def test_the_kernel_benchmark_row_passes_options_the_benchmark_accepts() -> None:
+    # Without a GPU the script stops at its device check, which comes after its options are parsed: a
+    # misspelt or removed option would end it on argparse's "unrecognized arguments" instead.
+    options = gpu_check.BENCHMARKS["bench_kernels"]
+    proc = subprocess.run([sys.executable, "benchmarks/bench_kernels.py", *options, "--markdown", "unused.md"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--device cuda: no CUDA device here" in proc.stderr, proc.stderr[-500:]
+    assert not (REPO / "unused.md").exists()
+
+
+def test_the_suite_row_runs_the_default_selection_with_cores_left_for_the_ranks() -> None:
+    argv = gpu_check.suite_argv("python3", cpus=16, has_xdist=True)
+    assert argv[:3] == ["python3", "-m", "pytest"] and argv[-1] == "tests"
+    assert argv[argv.index("-n") + 1] == "14"
+    assert "-m" not in argv[3:], "a marker selection would leave out part of the default suite"
+    assert gpu_check.suite_argv("python3", cpus=2, has_xdist=True)[-2:] == ["1", "tests"]
+    assert "-n" not in gpu_check.suite_argv("python3", cpus=16, has_xdist=False)
+    from overlap.demo.cli import build_parser
+
+    assert build_parser().parse_args(["check-gpu", "--suite"]).suite
+
+
 def test_a_started_row_reports_its_process_once_it_ends_or_its_time_is_up() -> None:
     # The GPU tests' row starts first and is collected after the in-process rows.
     summary = gpu_check._pytest_summary
