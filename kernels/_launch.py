@@ -35,7 +35,11 @@ Launches pass ``enable_fp_fusion=False`` so that scale-then-accumulate rounds li
 
 [Note: host cost of a launch]
 On a GPU the host time of an op is what the overlap must hide behind, and a group has hundreds of
-small parameters. Per call, a launch reads each tensor twice, by C-level ``map`` passes with no
+small parameters. A repeated call is a *prepared launch* ([Note: prepared launches] in
+``kernels.prepared_launch``): one C call checks the list against a fingerprint (type, device,
+dtype, shape, strides), one ``map`` pass reads the addresses that key the prepared launch, and
+nothing else is per tensor. What follows is the path of a first call (and of
+``prepared_launch.uncached``). Per call, a launch reads each tensor twice, by C-level ``map`` passes with no
 Python bytecode per tensor: its data address and its dtype (the pointer-table key; the public ops'
 checks add one pass per rule, [Note: checks at C speed] in ``kernels._checks``, and hand the
 dtypes they read to the launch, which then reads only the addresses). Everything else
