@@ -24,6 +24,10 @@ runtime hands it: the shards' dtypes, the unsharded parameters' packed storage, 
 reduce-scatter copy-out, new sharded gradients as views of one storage: what ``zero_grad(set_to_none=True)``
 leads to; a last row times it into gradients allocated one by one, the runtime's path when they
 already exist), beside the target of issue 28 (15 µs + 0.05 µs per parameter, [Note: host cost of a launch] in ``kernels._launch``).
+Each is timed twice in the same interleaved rounds: as it runs (a repeated call is a prepared
+launch, [Note: prepared launches] in ``kernels.prepared_launch``) and under
+``prepared_launch.uncached()`` (every tensor checked and every launch built at every call, as
+before prepared launches).
 On CUDA: wall time of back-to-back calls, nothing synchronized, and the torch path's the same way.
 On CPU: the same calls with the kernel launch stubbed out (``kernels._launch.launches_stubbed``):
 everything the host does up to the launch, which on a GPU is followed by Triton's own launch cost.
@@ -406,9 +410,10 @@ BREAKDOWN = ["our preparation µs", "device tables + device context µs", "Trito
 def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[object]:
     """Where a runtime launcher's host µs go on CUDA, each part timed alone as ``host_us`` does:
 
-    * our preparation: the launcher with the launch stubbed out (checks, tables looked up, the
-      ``KernelCall`` built: what the CPU table measures);
-    * device tables + device context: ``torch.cuda.device`` and ``table_memory.prepare`` of the
+    * our preparation: the launcher with the launch stubbed out (the fingerprint checked, the
+      prepared launch looked up: what the CPU table measures);
+    * device tables + device context: the device index read, ``torch.cuda.device`` only when the
+      device is not current (as the launch does), and ``table_memory.prepare`` of the
       captured call (stream-ordered table uses);
     * Triton JIT launch: ``kernel[grid](...)`` with the prepared arguments (Triton's ``JITFunction.run``:
       argument binding, specialization key, cache lookup, then the launch);
@@ -439,8 +444,9 @@ def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[obj
     kwargs = {**constexprs, **options}
     grid = (blocks.num_blocks,)
 
-    def tables() -> tuple[torch.Tensor, ...]:
-        with torch.cuda.device(device):
+    def tables() -> tuple[torch.Tensor, ...]:  # as ``_launch.cuda_launch``: the device context only when not current
+        current = _compiled_launch.current_device_index() == device.index
+        with contextlib.nullcontext() if current else torch.cuda.device(device):
             block_tensors, (pointer_tensor,) = _launch.table_memory.prepare((blocks.memory, pointers.memory), device)
         return (*block_tensors, pointer_tensor)
 
