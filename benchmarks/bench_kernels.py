@@ -24,6 +24,10 @@ runtime hands it: the shards' dtypes, the unsharded parameters' packed storage, 
 reduce-scatter copy-out, new sharded gradients as views of one storage: what ``zero_grad(set_to_none=True)``
 leads to; a last row times it into gradients allocated one by one, the runtime's path when they
 already exist), beside the target of issue 28 (15 µs + 0.05 µs per parameter, [Note: host cost of a launch] in ``kernels._launch``).
+Each is timed twice in the same interleaved rounds: as it runs (a repeated call is a prepared
+launch, [Note: prepared launches] in ``kernels.prepared_launch``) and under
+``prepared_launch.uncached()`` (every tensor checked and every launch built at every call, as
+before prepared launches).
 On CUDA: wall time of back-to-back calls, nothing synchronized, and the torch path's the same way.
 On CPU: the same calls with the kernel launch stubbed out (``kernels._launch.launches_stubbed``):
 everything the host does up to the launch, which on a GPU is followed by Triton's own launch cost.
@@ -54,7 +58,7 @@ import torch
 
 from _common import add_world_size, parse, parser  # first: sys.path
 import kernels
-from kernels import ShardLayout, _compiled_launch, _launch
+from kernels import ShardLayout, _compiled_launch, _launch, prepared_launch
 from kernels.all_gather_copy_in import _all_gather_copy_in
 from kernels.all_gather_copy_out import _all_gather_copy_out
 from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
@@ -310,6 +314,7 @@ def path_label(device: torch.device) -> str:
 # ------------------------------------------------------------------------------------- host table
 HOST_CALLS = 100  # back-to-back calls per sample
 HOST_SAMPLES = 7
+HOST_ROUNDS = 15  # interleaved rounds of the side-by-side host table
 
 
 def host_us(fn: Callable[[], object], device: torch.device) -> float:
@@ -327,14 +332,52 @@ def host_us(fn: Callable[[], object], device: torch.device) -> float:
     return statistics.median(samples)
 
 
+def host_us_side_by_side(fns: dict[str, Callable[[], object]], device: torch.device,
+                         rounds: int = HOST_ROUNDS) -> dict[str, float]:
+    """Host µs per call of each of ``fns``, timed in interleaved rounds (the order rotated each round)
+    of ``HOST_CALLS`` back-to-back calls after a warm-up call each. On CPU: the fastest round's
+    thread CPU time (a loaded box slows some rounds, never speeds one up); on CUDA: the median
+    round's wall time, the device synchronized between rounds, never inside one. A name ending in
+    ``UNCACHED`` runs under ``prepared_launch.uncached()`` (the path before prepared launches)."""
+    def run(name: str) -> None:
+        with prepared_launch.uncached() if name.endswith(UNCACHED) else contextlib.nullcontext():
+            for _ in range(HOST_CALLS):
+                fns[name]()
+
+    names = list(fns)
+    for name in names:
+        with prepared_launch.uncached() if name.endswith(UNCACHED) else contextlib.nullcontext():
+            fns[name]()
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = clock()
+            run(name)
+            samples[name].append((clock() - start) / HOST_CALLS * 1e6)
+    pick = statistics.median if device.type == "cuda" else min
+    return {name: pick(v) for name, v in samples.items()}
+
+
+UNCACHED = " (uncached)"
+
+
 def host_target_us(num_params: int) -> float:
     """Issue 28's target for the host side of one op over ``num_params`` parameters."""
     return 15 + 0.05 * num_params
 
 
+HOST_HEADER = ["workload", "params", "op", "public µs, uncached", "public µs", "runtime launcher µs, uncached",
+               "runtime launcher µs", "torch path µs", "target µs (15 + 0.05/param)", "public / target",
+               "runtime / target"]
+
+
 def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> list[list[object]]:
-    """Host µs per call of each op (public, runtime launcher; torch path on CUDA), full-size shapes
-    on the first dtype pair; on CPU the kernel launch is stubbed out."""
+    """Host µs per call of each op (public, runtime launcher, each with and without prepared launches:
+    ``host_us_side_by_side``; torch path on CUDA), full-size shapes on the first dtype pair; on CPU
+    the kernel launch is stubbed out."""
     rows: list[list[object]] = []
     param_dtype, comm_dtype = DTYPE_PAIRS[0]
     for name in names:
@@ -344,16 +387,17 @@ def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> li
         target = host_target_us(case.layout.num_params)
         for op in (*OPS, INTO_EXISTING):
             plain_op = "reduce_scatter_copy_out" if op == INTO_EXISTING else op
+            fns = {"public" + UNCACHED: case.fused[plain_op], "public": case.fused[plain_op],
+                   "runtime" + UNCACHED: case.runtime[op], "runtime": case.runtime[op]}
             if device.type == "cuda":
-                public, runtime = host_us(case.fused[plain_op], device), host_us(case.runtime[op], device)
-                torch_us: object = host_us(case.torch_path[plain_op], device)
+                us = host_us_side_by_side({**fns, "torch": case.torch_path[plain_op]}, device)
             else:
                 with _launch.launches_stubbed() as launched:
-                    public, runtime = host_us(case.fused[plain_op], device), host_us(case.runtime[op], device)
+                    us = host_us_side_by_side(fns, device)
                 assert launched[0] > 0, "the Triton path was not taken"
-                torch_us = "-"
-            rows.append([workload.name, case.layout.num_params, op, public, runtime, torch_us, target,
-                         runtime / target])
+            rows.append([workload.name, case.layout.num_params, op, us["public" + UNCACHED], us["public"],
+                         us["runtime" + UNCACHED], us["runtime"], us.get("torch", "-"), target,
+                         us["public"] / target, us["runtime"] / target])
         del case
     return rows
 
@@ -366,9 +410,10 @@ BREAKDOWN = ["our preparation µs", "device tables + device context µs", "Trito
 def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[object]:
     """Where a runtime launcher's host µs go on CUDA, each part timed alone as ``host_us`` does:
 
-    * our preparation: the launcher with the launch stubbed out (checks, tables looked up, the
-      ``KernelCall`` built: what the CPU table measures);
-    * device tables + device context: ``torch.cuda.device`` and ``table_memory.prepare`` of the
+    * our preparation: the launcher with the launch stubbed out (the fingerprint checked, the
+      prepared launch looked up: what the CPU table measures);
+    * device tables + device context: the device index read, ``torch.cuda.device`` only when the
+      device is not current (as the launch does), and ``table_memory.prepare`` of the
       captured call (stream-ordered table uses);
     * Triton JIT launch: ``kernel[grid](...)`` with the prepared arguments (Triton's ``JITFunction.run``:
       argument binding, specialization key, cache lookup, then the launch);
@@ -389,7 +434,8 @@ def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[obj
 
     _launch.KernelCall.launch = capture  # type: ignore[method-assign]
     try:
-        fn()
+        with prepared_launch.uncached():  # a prepared launch builds no KernelCall on a repeat
+            fn()
     finally:
         _launch.KernelCall.launch = original  # type: ignore[method-assign]
     call = captured[0]
@@ -398,8 +444,9 @@ def launch_breakdown(fn: Callable[[], object], device: torch.device) -> list[obj
     kwargs = {**constexprs, **options}
     grid = (blocks.num_blocks,)
 
-    def tables() -> tuple[torch.Tensor, ...]:
-        with torch.cuda.device(device):
+    def tables() -> tuple[torch.Tensor, ...]:  # as ``_launch.cuda_launch``: the device context only when not current
+        current = _compiled_launch.current_device_index() == device.index
+        with contextlib.nullcontext() if current else torch.cuda.device(device):
             block_tensors, (pointer_tensor,) = _launch.table_memory.prepare((blocks.memory, pointers.memory), device)
         return (*block_tensors, pointer_tensor)
 
@@ -516,12 +563,13 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     if args.only_quantized:
         return quantized_table()
     host = host_rows(names, args.world_size, device)
-    host_where = ("CUDA, back-to-back calls, no sync" if device.type == "cuda"
-                  else "CPU, Triton path with the kernel launch stubbed out (host preparation only)")
-    emit(f"Packing ops, host µs per call — {host_where}; world size {args.world_size}, rank 0, "
-         f"{short(DTYPE_PAIRS[0][0])} params / {short(DTYPE_PAIRS[0][1])} comm; median of {HOST_SAMPLES} x {HOST_CALLS} calls",
-         ["workload", "params", "op", "public µs", "runtime launcher µs", "torch path µs", "target µs (15 + 0.05/param)",
-          "runtime / target"], host, args.markdown)
+    host_where = ("CUDA, back-to-back calls, no sync; median round's wall time" if device.type == "cuda"
+                  else "CPU, Triton path with the kernel launch stubbed out (host preparation only); fastest "
+                       "round's thread CPU time")
+    emit(f"Packing ops, host µs per call, uncached (before prepared launches) and cached side by side — {host_where}; "
+         f"{HOST_ROUNDS} interleaved rounds of {HOST_CALLS} calls; world size {args.world_size}, rank 0, "
+         f"{short(DTYPE_PAIRS[0][0])} params / {short(DTYPE_PAIRS[0][1])} comm",
+         HOST_HEADER, host, args.markdown)
     if device.type == "cuda" and _launch.triton_enabled(device):
         emit(f"Packing ops, where the runtime launcher's host µs go — CUDA, each part timed alone, back-to-back "
              f"calls; world size {args.world_size}, rank 0; median of {HOST_SAMPLES} x {HOST_CALLS} calls",

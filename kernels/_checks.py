@@ -17,7 +17,10 @@ refuse the same lists (tests/packing/test_launch_host_cost.py). Each property is
 tensor object keeps its identity through ``resize_``, ``set_`` and ``.data =``, so nothing short
 of reading its metadata tells that it still is what was checked (the type pass is the cheap one:
 ``type`` is no tensor accessor). That is four accessor passes for a read-only list, five for a
-written one, plus the launch's address pass: the public ops' floor without a C extension.
+written one, plus the launch's address pass. A repeated call skips these passes when its list
+matches the fingerprint of a list they passed ([Note: prepared launches] in
+``kernels.prepared_launch``): a C++ guard reads every one of these properties of every tensor, in
+one call, at every call.
 """
 from __future__ import annotations
 

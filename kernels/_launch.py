@@ -35,7 +35,11 @@ Launches pass ``enable_fp_fusion=False`` so that scale-then-accumulate rounds li
 
 [Note: host cost of a launch]
 On a GPU the host time of an op is what the overlap must hide behind, and a group has hundreds of
-small parameters. Per call, a launch reads each tensor twice, by C-level ``map`` passes with no
+small parameters. A repeated call is a *prepared launch* ([Note: prepared launches] in
+``kernels.prepared_launch``): one C call checks the list against a fingerprint (type, device,
+dtype, shape, strides), one ``map`` pass reads the addresses that key the prepared launch, and
+nothing else is per tensor. What follows is the path of a first call (and of
+``prepared_launch.uncached``). Per call, a launch reads each tensor twice, by C-level ``map`` passes with no
 Python bytecode per tensor: its data address and its dtype (the pointer-table key; the public ops'
 checks add one pass per rule, [Note: checks at C speed] in ``kernels._checks``, and hand the
 dtypes they read to the launch, which then reads only the addresses). Everything else
@@ -303,13 +307,18 @@ class _StridedPlacement:
     element_offsets: tuple[int, ...]  # byte offsets in elements of each tensor's dtype
 
 
+def check_packed_storage(where: str, storage: torch.UntypedStorage, placement: PackedPlacement) -> None:
+    """Refuse a storage freed (resized to 0) or too small for ``placement``: never launch on it."""
+    if storage.nbytes() < placement.nbytes:
+        raise ValueError(f"{where}: the storage holds {storage.nbytes()} bytes, the placement "
+                         f"needs {placement.nbytes}; resize it before the launch")
+
+
 def packed_pointer_table(layout: ShardLayout, storage: torch.UntypedStorage, placement: PackedPlacement,
                          device: torch.device) -> PointerTable:
     """``pointer_table`` of ``placement.views(storage)`` without reading a tensor: keyed on the
     storage's current address and the placement, O(1) per call ([Note: packed placements])."""
-    if storage.nbytes() < placement.nbytes:  # freed (resized to 0) or too small: never launch on it
-        raise ValueError(f"packed_pointer_table: the storage holds {storage.nbytes()} bytes, the placement "
-                         f"needs {placement.nbytes}; resize it before the launch")
+    check_packed_storage("packed_pointer_table", storage, placement)
     address = storage.data_ptr()
     key = ("packed pointers", device, address, placement)
     table = layout._device_cache.get(key)
@@ -450,6 +459,32 @@ def launch(kernel: triton.JITFunction, blocks: BlockTable, pointers: PointerTabl
                     device)
     else:
         kernel[(blocks.num_blocks,)](blocks.blocks, blocks.runs, pointers.pointers, *args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PreparedLaunch:
+    """A ``KernelCall`` with everything but the flat buffer settled: its tables (device copies
+    included), grid, the arguments after the flat buffer and its constexprs. ``launch(flat)`` is
+    the call's ``launch`` with ``flat`` as the flat buffer, through the same ``launch``
+    ([Note: prepared launches] in ``kernels.prepared_launch``, which caches them)."""
+
+    kernel: triton.JITFunction
+    blocks: BlockTable
+    pointers: PointerTable
+    tail: tuple[object, ...]  # the op's arguments after the flat buffer (its scale)
+    constexprs: dict[str, object]  # the op's own constexprs
+
+    @staticmethod
+    def of(call: KernelCall) -> PreparedLaunch:
+        return PreparedLaunch(call.kernel, call.blocks, call.pointers, call.args[1:], call.constexprs)
+
+    @property
+    def in_graph(self) -> bool:
+        """A table belongs to a CUDA graph being captured (its bytes arrive at replay): not cacheable."""
+        return self.blocks.memory.in_graph or self.pointers.memory.in_graph
+
+    def launch(self, flat: torch.Tensor) -> None:
+        launch(self.kernel, self.blocks, self.pointers, flat, *self.tail, **self.constexprs)
 
 
 def cuda_launch(kernel: triton.JITFunction, programs: int, tables: Sequence[table_memory.DeviceTable],

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks, _launch, _torch_fallback, library
+from kernels import _checks, _launch, _torch_fallback, library, prepared_launch
 from kernels._jit import block_run, scalar_lanes, store_as, vector_lanes
 from kernels.layout import ShardLayout
 
@@ -71,10 +71,7 @@ def _all_gather_copy_out_kernel(
 def _check(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor] | None,
            dtype: torch.dtype | None) -> tuple[torch.dtype, ...] | None:
     """Each of ``outs``' dtypes in order (the launch's pointer-table key), None without ``outs``."""
-    _checks.check_layout(OP, layout)
-    device = _checks.check_flat(OP, "ag_output", ag_output, layout.buffer_numel, None)
-    if dtype is not None:
-        _checks.check_dtype(OP, "dtype", dtype)
+    device = _check_scalars(ag_output, layout, dtype)
     if outs is not None:
         _, ordered, dtypes = _checks.check_tensors(OP, "outs", outs, layout.shapes, device, writable=True)
         if dtype is not None and dtypes != {dtype}:
@@ -82,6 +79,15 @@ def _check(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Te
             raise TypeError(f"{OP}: outs[{i}] has dtype {outs[i].dtype}, expected dtype={dtype}")
         return ordered
     return None
+
+
+def _check_scalars(ag_output: torch.Tensor, layout: ShardLayout, dtype: torch.dtype | None) -> torch.device:
+    """``_check``'s rules that read no ``outs`` (O(1)); returns ``ag_output``'s device."""
+    _checks.check_layout(OP, layout)
+    device = _checks.check_flat(OP, "ag_output", ag_output, layout.buffer_numel, None)
+    if dtype is not None:
+        _checks.check_dtype(OP, "dtype", dtype)
+    return device
 
 
 def _allocate(ag_output: torch.Tensor, layout: ShardLayout, dtype: torch.dtype | None) -> list[torch.Tensor]:
@@ -96,13 +102,24 @@ def all_gather_copy_out(
     dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """Scatter the gathered ``ag_output`` into full parameters (``outs``, or new tensors); returns them."""
-    ordered = _check(ag_output, layout, outs, dtype)
-    outs = _allocate(ag_output, layout, dtype) if outs is None else list(outs)
-    if library.use_dispatcher([ag_output, *outs]):
-        library.check_compiled_views(OP, "outs", outs)
-        torch.ops.overlap.all_gather_copy_out(ag_output, list(layout.spec), outs)
-    else:
-        _all_gather_copy_out(ag_output, layout, outs, ordered)
+    fingerprint = None
+    if outs is not None and not library.dispatch_active():
+        device = _check_scalars(ag_output, layout, dtype)
+        # [Note: prepared launches]: a list seen before passes its guard, and the checks' result holds
+        fingerprint = prepared_launch.find(layout, (OP, "public", device, dtype), outs)
+    if fingerprint is None:
+        ordered = _check(ag_output, layout, outs, dtype)
+        outs = _allocate(ag_output, layout, dtype) if outs is None else list(outs)
+        if library.use_dispatcher([ag_output, *outs]):
+            library.check_compiled_views(OP, "outs", outs)
+            torch.ops.overlap.all_gather_copy_out(ag_output, list(layout.spec), outs)
+            return outs
+        fingerprint = prepared_launch.remember(layout, (OP, "public", ag_output.device, dtype), outs, ordered)
+        if fingerprint is None:
+            _all_gather_copy_out(ag_output, layout, outs, ordered)
+            return outs
+    outs = list(outs)
+    _all_gather_copy_out(ag_output, layout, outs, fingerprint=fingerprint)
     return outs
 
 
@@ -120,16 +137,24 @@ def _(ag_output, layout_spec, outs):
 # ------------------------------------------------------------------------------------------- launch
 def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor],
                          dtypes: tuple[torch.dtype, ...] | None = None,
-                         packed: tuple[torch.UntypedStorage, _launch.PackedPlacement] | None = None) -> None:
+                         packed: tuple[torch.UntypedStorage, _launch.PackedPlacement] | None = None,
+                         fingerprint: prepared_launch.Fingerprint | None = None) -> None:
     """The op on checked arguments (``outs`` given; ``dtypes``: their own, in order, when the checks
     read them; ``packed``: ``(storage, placement)`` when ``outs`` are ``placement.views(storage)``,
-    which keys the launch on the storage, O(1): [Note: packed placements] in ``kernels._launch``):
-    the kernel, or the torch fallback."""
+    which keys the launch on the storage, O(1): [Note: packed placements] in ``kernels._launch``;
+    ``fingerprint``: the one the public op found ``outs`` to match): the kernel, or the torch
+    fallback. The launch is a prepared one ([Note: prepared launches] in
+    ``kernels.prepared_launch``) unless ``outs`` cannot be fingerprinted."""
     if not _launch.triton_enabled(ag_output.device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
             _all_gather_copy_out_torch(ag_output, layout, outs)
         return
-    _kernel_call(ag_output, layout, outs, dtypes, packed).launch()
+    if packed is not None:
+        prepared_launch.launch_packed(layout, (OP, "packed"), packed[0], packed[1], ag_output,
+                                      lambda: _kernel_call(ag_output, layout, outs, dtypes, packed))
+    elif not prepared_launch.launch_list(layout, (OP, "runtime"), outs, ag_output,
+                                         lambda ordered: _kernel_call(ag_output, layout, outs, ordered), fingerprint):
+        _kernel_call(ag_output, layout, outs, dtypes).launch()
     _launch.increment_version(outs)
 
 

@@ -87,6 +87,10 @@ def use_dispatcher(tensors: Sequence[torch.Tensor]) -> bool:
     tensor is a subclass (fake, functional, ...): cases where data pointers do not exist or where the
     op must be recorded.
     """
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return True
-    return not plain_tensors(tensors)
+    return dispatch_active() or not plain_tensors(tensors)
+
+
+def dispatch_active() -> bool:
+    """``use_dispatcher``'s O(1) part: Dynamo traces, or a TorchDispatchMode is active (a list that
+    matched a prepared launch's fingerprint holds plain tensors only: ``kernels.prepared_launch``)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks, _launch, _torch_fallback, library
+from kernels import _checks, _launch, _torch_fallback, library, prepared_launch
 from kernels._dtypes import as_float32, compute_dtype
 from kernels._jit import block_run, convert, load_as, scalar_lanes, store_as, vector_lanes
 from kernels.layout import ShardLayout
@@ -90,18 +90,25 @@ def _check(
     accumulate: bool,
 ) -> tuple[torch.dtype, ...]:
     """Each of ``shard_grads``' dtypes in order (the launch's pointer-table key)."""
-    _checks.check_layout(OP, layout)
-    _checks.check_rank(OP, rank, layout)
-    device = _checks.check_flat(OP, "rs_output", rs_output, layout.slot_numel, None)
+    device = _check_scalars(rs_output, layout, rank, post_scale, accumulate)
     _, ordered, dtypes = _checks.check_tensors(OP, "shard_grads", shard_grads, layout.shard_shape_tuple(rank), device,
                                                writable=True)
-    _checks.check_scale(OP, "post_scale", post_scale)
-    if not isinstance(accumulate, bool):
-        raise TypeError(f"{OP}: accumulate must be a bool, got {type(accumulate).__name__}")
     if post_scale is not None or accumulate:
         what = "post_scale" if post_scale is not None else "accumulate=True"
         _checks.check_floating(OP, what, {rs_output.dtype} | dtypes)
     return ordered
+
+
+def _check_scalars(rs_output: torch.Tensor, layout: ShardLayout, rank: int, post_scale: float | None,
+                   accumulate: bool) -> torch.device:
+    """``_check``'s rules that read no gradient (O(1)); returns ``rs_output``'s device."""
+    _checks.check_layout(OP, layout)
+    _checks.check_rank(OP, rank, layout)
+    device = _checks.check_flat(OP, "rs_output", rs_output, layout.slot_numel, None)
+    _checks.check_scale(OP, "post_scale", post_scale)
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"{OP}: accumulate must be a bool, got {type(accumulate).__name__}")
+    return device
 
 
 def reduce_scatter_copy_out(
@@ -113,14 +120,25 @@ def reduce_scatter_copy_out(
     accumulate: bool = False,
 ) -> None:
     """Write (or add) this rank's reduced slot, scaled and cast, into ``shard_grads`` in place."""
-    ordered = _check(rs_output, shard_grads, layout, rank, post_scale, accumulate)
-    if library.use_dispatcher([rs_output, *shard_grads]):
-        library.check_compiled_views(OP, "shard_grads", shard_grads)
-        torch.ops.overlap.reduce_scatter_copy_out(
-            rs_output, list(shard_grads), list(layout.spec), rank, post_scale, accumulate
-        )
-    else:
-        _reduce_scatter_copy_out(rs_output, shard_grads, layout, rank, post_scale, accumulate, ordered)
+    fingerprint, config = None, None
+    if not library.dispatch_active():
+        device = _check_scalars(rs_output, layout, rank, post_scale, accumulate)
+        config = (OP, "public", rank, prepared_launch.scale_key(post_scale), accumulate, device, rs_output.dtype)
+        # [Note: prepared launches]: a list seen before passes its guard, and the checks' result holds
+        fingerprint = prepared_launch.find(layout, config, shard_grads)
+    if fingerprint is None:
+        ordered = _check(rs_output, shard_grads, layout, rank, post_scale, accumulate)
+        if library.use_dispatcher([rs_output, *shard_grads]):
+            library.check_compiled_views(OP, "shard_grads", shard_grads)
+            torch.ops.overlap.reduce_scatter_copy_out(
+                rs_output, list(shard_grads), list(layout.spec), rank, post_scale, accumulate
+            )
+            return
+        fingerprint = prepared_launch.remember(layout, config, shard_grads, ordered) if config else None
+        if fingerprint is None:
+            _reduce_scatter_copy_out(rs_output, shard_grads, layout, rank, post_scale, accumulate, ordered)
+            return
+    _reduce_scatter_copy_out(rs_output, shard_grads, layout, rank, post_scale, accumulate, fingerprint=fingerprint)
 
 
 @torch.library.custom_op(
@@ -154,17 +172,30 @@ def _reduce_scatter_copy_out(
     accumulate: bool,
     dtypes: tuple[torch.dtype, ...] | None = None,
     packed: tuple[torch.UntypedStorage, _launch.PackedPlacement] | None = None,
+    fingerprint: prepared_launch.Fingerprint | None = None,
 ) -> None:
     """The op on checked arguments (``dtypes``: the shard grads' own, in order, when the checks read
     them; ``packed``: ``(storage, placement)`` when ``shard_grads`` are ``placement.views(storage)``
     or views of it at the same offsets, shapes and dtypes, which keys the launch on the storage,
-    O(1): [Note: packed placements] in ``kernels._launch``): the kernel, or the torch fallback."""
+    O(1): [Note: packed placements] in ``kernels._launch``; ``fingerprint``: the one the public op
+    found ``shard_grads`` to match): the kernel, or the torch fallback. The launch is a prepared
+    one ([Note: prepared launches] in ``kernels.prepared_launch``) unless the gradients cannot be
+    fingerprinted."""
     device = rs_output.device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
             _reduce_scatter_copy_out_torch(rs_output, shard_grads, layout, rank, post_scale, accumulate)
         return
-    _kernel_call(rs_output, shard_grads, layout, rank, post_scale, accumulate, dtypes, packed).launch()
+    config = (OP, rank, prepared_launch.scale_key(post_scale), accumulate, rs_output.dtype)
+    if packed is not None:
+        prepared_launch.launch_packed(
+            layout, (*config, "packed"), packed[0], packed[1], rs_output,
+            lambda: _kernel_call(rs_output, shard_grads, layout, rank, post_scale, accumulate, dtypes, packed))
+    elif not prepared_launch.launch_list(
+            layout, (*config, "runtime"), shard_grads, rs_output,
+            lambda ordered: _kernel_call(rs_output, shard_grads, layout, rank, post_scale, accumulate, ordered),
+            fingerprint):
+        _kernel_call(rs_output, shard_grads, layout, rank, post_scale, accumulate, dtypes).launch()
     _launch.increment_version(shard_grads)
 
 

@@ -309,3 +309,30 @@ def check_reduce_scatter_copy_out(shapes: list[tuple[int, ...]], world_size: int
     for grad, ref, exp in zip(shard_grads, reference, expected):
         assert_matches(grad, ref, exact_bits=exact)
         assert_matches(grad, exp, exact_bits=exact)
+
+
+# Each op's public function and its pure-torch reference (the same signature).
+PUBLIC_AND_REFERENCE = {
+    "all_gather_copy_in": (all_gather_copy_in, all_gather_copy_in_ref),
+    "all_gather_copy_out": (all_gather_copy_out, all_gather_copy_out_ref),
+    "reduce_scatter_copy_in": (reduce_scatter_copy_in, reduce_scatter_copy_in_ref),
+    "reduce_scatter_copy_out": (reduce_scatter_copy_out, reduce_scatter_copy_out_ref),
+}
+
+
+def call_public_op(op: str, layout: ShardLayout, rank: int, t: dict[str, list[torch.Tensor]], *, pre_scale: float,
+                   post_scale: float, reference: bool = False) -> list[torch.Tensor]:
+    """The public op on ``t`` (``shards``, ``ag_output``, ``outs``, ``fulls``, ``slot``, ``grads``;
+    bf16 buffers, the copy-out accumulating), or with ``reference`` its pure-torch reference on CPU
+    copies of ``t``; returns what it wrote (this rank's slot for the all-gather copy-in)."""
+    fn = PUBLIC_AND_REFERENCE[op][reference]
+    if reference:
+        t = {k: [x.cpu().clone() for x in v] for k, v in t.items()}
+    if op == "all_gather_copy_in":
+        return [fn(t["shards"], layout, rank, torch.bfloat16)[0]]
+    if op == "all_gather_copy_out":
+        return fn(t["ag_output"][0], layout, t["outs"])
+    if op == "reduce_scatter_copy_in":
+        return [fn(t["fulls"], layout, pre_scale, torch.bfloat16)]
+    fn(t["slot"][0], t["grads"], layout, rank, post_scale, True)
+    return t["grads"]

@@ -21,17 +21,12 @@ import torch
 from kernels import (
     ShardLayout,
     _launch,
-    all_gather_copy_in,
-    all_gather_copy_in_ref,
     all_gather_copy_out,
     all_gather_copy_out_ref,
-    reduce_scatter_copy_in,
-    reduce_scatter_copy_in_ref,
-    reduce_scatter_copy_out,
-    reduce_scatter_copy_out_ref,
 )
 from kernels.all_gather_copy_out import _all_gather_copy_out
-from kernel_cases import assert_bitwise, bf16, f32, kernel_device, make_tensor, make_tensors, requires_kernels
+from kernel_cases import (PUBLIC_AND_REFERENCE, assert_bitwise, bf16, call_public_op, f32, kernel_device, make_tensor,
+                          make_tensors, requires_kernels)
 
 SHAPES = [(6, 4), (9,), (0, 3), (), (5, 2, 2)]
 CPU = torch.device("cpu")
@@ -214,7 +209,6 @@ def test_a_tensor_changed_in_place_is_written_right(change: str) -> None:
 
 
 # ----------------------------------------------------------------- errors after hits, bitwise results
-OPS = ["all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out"]
 CASE_SHAPES, CASE_RANK = [(7, 3), (5,), (2, 2, 2)], 1
 CASE_LAYOUT = ShardLayout(CASE_SHAPES, 3)
 
@@ -234,30 +228,13 @@ def _inputs(device: torch.device, seed: int) -> dict[str, list[torch.Tensor]]:
     }.items()}
 
 
-# Each op's public function and its pure-torch reference (the same signature).
-OPS = {
-    "all_gather_copy_in": (all_gather_copy_in, all_gather_copy_in_ref),
-    "all_gather_copy_out": (all_gather_copy_out, all_gather_copy_out_ref),
-    "reduce_scatter_copy_in": (reduce_scatter_copy_in, reduce_scatter_copy_in_ref),
-    "reduce_scatter_copy_out": (reduce_scatter_copy_out, reduce_scatter_copy_out_ref),
-}
+OPS = list(PUBLIC_AND_REFERENCE)
 
 
 def _call(op: str, t: dict[str, list[torch.Tensor]], reference: bool = False) -> list[torch.Tensor]:
     """The public op on ``t`` (or, with ``reference``, its pure-torch reference on CPU copies of
     ``t``); returns what it wrote (this rank's slot for the all-gather copy-in)."""
-    layout, rank = CASE_LAYOUT, CASE_RANK
-    fn = OPS[op][reference]
-    if reference:
-        t = {k: [x.cpu().clone() for x in v] for k, v in t.items()}
-    if op == "all_gather_copy_in":
-        return [fn(t["shards"], layout, rank, bf16)[0]]
-    if op == "all_gather_copy_out":
-        return fn(t["ag_output"][0], layout, t["outs"])
-    if op == "reduce_scatter_copy_in":
-        return [fn(t["fulls"], layout, 1 / 3, bf16)]
-    fn(t["slot"][0], t["grads"], layout, rank, 0.5, True)
-    return t["grads"]
+    return call_public_op(op, CASE_LAYOUT, CASE_RANK, t, pre_scale=1 / 3, post_scale=0.5, reference=reference)
 
 
 BROKEN_LIST = {"all_gather_copy_in": "shards", "all_gather_copy_out": "outs", "reduce_scatter_copy_in": "fulls",

@@ -45,9 +45,10 @@ def test_an_output_the_kernel_skips_is_caught(monkeypatch: pytest.MonkeyPatch) -
     module = importlib.import_module("kernels.all_gather_copy_out")  # the package exports the function by that name
     real = module._all_gather_copy_out
 
-    def skips_the_last(ag_output: torch.Tensor, layout: object, outs: list[torch.Tensor], *rest: object) -> None:
+    def skips_the_last(ag_output: torch.Tensor, layout: object, outs: list[torch.Tensor], *rest: object,
+                       **options: object) -> None:
         kept = outs[-1].clone()
-        real(ag_output, layout, outs, *rest)
+        real(ag_output, layout, outs, *rest, **options)
         outs[-1].copy_(kept)
 
     monkeypatch.setattr(module, "_all_gather_copy_out", skips_the_last)

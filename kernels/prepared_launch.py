@@ -1,0 +1,208 @@
+"""Prepared launches: a repeated call of a packing op checks one fingerprint and launches.
+
+Contract: a ``Fingerprint`` stands for one op configuration (layout, the op's scalar arguments,
+the flat buffer's device and dtype: the ``config`` tuple an op builds) and one kind of
+parameter-side list (each tensor's exact type, device, dtype, shape and strides, all contiguous).
+``find`` returns the fingerprint a list matches, in one C call over the list; ``remember`` makes
+one for a list the op has just checked (its check result kept with it); ``launch`` reads the list's
+data addresses (one C-level pass) and runs the ``PreparedLaunch`` (``kernels._launch``: tables,
+grid, constexprs, the arguments after the flat buffer) made for those addresses, making it on the
+first call. ``launch_packed`` does the same in O(1) for a ``PackedPlacement``'s views, keyed on
+the storage's address. ``uncached()`` turns all of it off (tests compare the two paths bitwise;
+``benchmarks/bench_kernels.py`` times both in one run).
+
+[Note: prepared launches]
+On a GPU the host time of a packing op is what the overlap must hide behind ([Note: host cost of a
+launch] in ``kernels._launch``). Without this module a repeated call read each tensor once per
+rule (type, device, dtype, shape, contiguity, address: five to seven C-level passes over the list),
+then hashed the address list, looked the block table up, rebuilt the vector width, the constexprs
+and a ``KernelCall``. Now:
+
+* **checks**: a list is described once by a C++ ``TensorGuards`` (torch's Dynamo guard for tensor
+  arguments: exact Python type, dispatch keys, device, dtype, ``requires_grad``, sizes, strides,
+  checked per tensor in one C call, about 65 ns a tensor on the 2-core CI box). A list whose guard
+  passes has every property the op's checks read, so their result (kept in the fingerprint) holds
+  again; a list that fails every guard of its configuration is checked in full and, when it is
+  plain contiguous tensors, remembered (``MAX_FINGERPRINTS`` per configuration, oldest dropped).
+  A torch without ``TensorGuards`` (or whose constructor differs) takes the full checks every time.
+* **launch**: the data addresses (one ``map`` of ``data_ptr``, about 55 ns a tensor) key the
+  prepared launch; storage offsets are inside the addresses, dtypes and strides inside the
+  fingerprint. The ``MAX_LAUNCHES`` newest address sets per fingerprint are kept.
+
+Why a stale entry cannot launch on freed memory: nothing here holds a tensor, and a prepared launch
+is a pure function of its key — the configuration, the guarded metadata and the *current* addresses
+read from the tensors of this call, which are alive while the call runs. A tensor freed and another
+allocated at the same address with the same metadata gets the same, correct, prepared launch; one
+changed in place (``set_``, ``resize_``, ``as_strided_``, ``.data =``) fails its guard or changes
+its address, and is checked again or gets another launch. Holding the tensors instead would have
+kept hundreds of gradients alive per cached entry. The packed key is the storage's current address
+and the placement, whose size is checked against the storage at every call (a storage freed by
+``resize_(0)`` is refused before any launch, as ``packed_pointer_table`` does).
+
+What stays per call and per tensor: the guard and the address pass (public ops), the address pass
+and the guard (the runtime's copy-ins, whose lists are new each step), nothing at all for packed
+placements (the runtime's copy-out into its unsharded parameters, and the reduce-scatter copy-out
+into new gradients). On the 2-core CI box, 300 parameters: about 20 + 16 µs for the two passes.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+import struct
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from kernels import _launch
+from kernels.layout import ShardLayout
+
+MAX_FINGERPRINTS = 4
+"""Kinds of list remembered per op configuration (a list alternating between two stride patterns
+of a size-1 dimension, or ``requires_grad`` on and off, keeps hitting)."""
+
+MAX_LAUNCHES = _launch.POINTER_CACHE_SIZE
+"""Address sets kept per fingerprint (the runtime's gradients move between a few addresses)."""
+
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_DTYPE = operator.attrgetter("dtype")
+_TensorGuards = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), "TensorGuards", None)
+_enabled = True
+
+
+@contextlib.contextmanager
+def uncached() -> Iterator[None]:
+    """While active (process-wide), the ops check every tensor and build every launch at every call,
+    as they did before this module: the reference the cached path is tested and timed against."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def scale_key(scale: float | None) -> bytes | None:
+    """A scale as a configuration key: its float64 bits (``0.0`` and ``-0.0`` differ, NaN equals itself)."""
+    return None if scale is None else struct.pack("<d", scale)
+
+
+@dataclasses.dataclass(eq=False)
+class Fingerprint:
+    """One kind of list under one op configuration: its guard, what the op's checks returned for it
+    (``checked``), each tensor's dtype in order, and its prepared launches by address set."""
+
+    guard: object  # torch._C._dynamo.guards.TensorGuards
+    size: int
+    dtypes: tuple[torch.dtype, ...]
+    checked: object
+    launches: dict[tuple[int, ...], _launch.PreparedLaunch] = dataclasses.field(default_factory=dict)
+
+
+def _slot(layout: ShardLayout, config: tuple) -> list[Fingerprint]:
+    slot = layout._device_cache.get(config)
+    if slot is None:
+        slot = layout._device_cache[config] = []
+    return slot
+
+
+def find(layout: ShardLayout, config: tuple, tensors: object) -> Fingerprint | None:
+    """The fingerprint ``tensors`` match under ``config`` (``None``: not seen, not a list, or the
+    cache is off); one guard call per fingerprint of the configuration, newest first."""
+    if not _enabled:
+        return None
+    slot = layout._device_cache.get(config)
+    if not slot or type(tensors) not in (list, tuple):
+        return None
+    n = len(tensors)
+    for fingerprint in slot:
+        if fingerprint.size == n and fingerprint.guard.check(*tensors):
+            return fingerprint
+    return None
+
+
+def remember(layout: ShardLayout, config: tuple, tensors: Sequence[torch.Tensor],
+             dtypes: tuple[torch.dtype, ...] | None = None, checked: object = None) -> Fingerprint | None:
+    """A fingerprint of ``tensors`` (which the caller has checked, or vouches for; ``dtypes``: each
+    one's, in order, when the checks read them) under ``config``; ``None`` when it cannot be made:
+    the cache is off, an item is not exactly a ``torch.Tensor`` / ``nn.Parameter``, one is not
+    contiguous, or this torch has no usable ``TensorGuards``."""
+    if not _enabled or _TensorGuards is None or not set(map(type, tensors)) <= _PLAIN:
+        return None
+    if not all(map(_IS_CONTIGUOUS, tensors)):
+        return None
+    try:
+        guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                              dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        if not guard.check(*tensors):  # a guard that refuses its own list would never hit
+            return None
+    except (TypeError, RuntimeError, SystemError):  # another torch's constructor: no fast path
+        return None
+    fingerprint = Fingerprint(guard, len(tensors), tuple(map(_DTYPE, tensors)) if dtypes is None else dtypes, checked)
+    slot = _slot(layout, config)
+    if len(slot) >= MAX_FINGERPRINTS:
+        slot.pop()
+    slot.insert(0, fingerprint)
+    return fingerprint
+
+
+def launch_list(layout: ShardLayout, config: tuple, tensors: Sequence[torch.Tensor], flat: torch.Tensor,
+                build: Callable[[tuple[torch.dtype, ...]], _launch.KernelCall],
+                fingerprint: Fingerprint | None = None) -> bool:
+    """The runtime launchers' path: launch over ``tensors`` into ``flat`` through ``fingerprint`` (the
+    public op's, which matched) or the one ``tensors`` match under ``config`` (made now if none
+    does); ``False`` when no fingerprint can be made (the caller then launches uncached)."""
+    if fingerprint is None:
+        if not _enabled:
+            return False
+        fingerprint = find(layout, config, tensors) or remember(layout, config, tensors)
+        if fingerprint is None:
+            return False
+    launch(fingerprint, tensors, flat, build)
+    return True
+
+
+def launch(fingerprint: Fingerprint, tensors: Sequence[torch.Tensor], flat: torch.Tensor,
+           build: Callable[[tuple[torch.dtype, ...]], _launch.KernelCall]) -> None:
+    """Launch over ``tensors`` (matching ``fingerprint``) into ``flat``: the prepared launch of their
+    current addresses, made by ``build(dtypes)`` (the op's ``KernelCall`` over ``tensors``) the
+    first time."""
+    addresses = tuple(map(_DATA_PTR, tensors))
+    launches = fingerprint.launches
+    prepared = launches.get(addresses)
+    if prepared is None:
+        prepared = _launch.PreparedLaunch.of(build(fingerprint.dtypes))
+        if len(launches) >= MAX_LAUNCHES:
+            del launches[next(iter(launches))]
+        if not prepared.in_graph:
+            launches[addresses] = prepared
+    prepared.launch(flat)
+
+
+def launch_packed(layout: ShardLayout, config: tuple, storage: torch.UntypedStorage,
+                  placement: _launch.PackedPlacement, flat: torch.Tensor,
+                  build: Callable[[], _launch.KernelCall]) -> None:
+    """Launch over ``placement``'s views of ``storage`` into ``flat``, keyed on the storage's current
+    address (O(1); a storage smaller than the placement is refused before anything launches)."""
+    _launch.check_packed_storage("packed launch", storage, placement)
+    if not _enabled:
+        build().launch()
+        return
+    key = (config, "packed", storage.data_ptr(), placement)
+    cache = layout._device_cache
+    prepared = cache.get(key)
+    if prepared is None:
+        prepared = _launch.PreparedLaunch.of(build())
+        if not prepared.in_graph:
+            keys = cache.setdefault("prepared packed keys", [])
+            if len(keys) >= MAX_LAUNCHES:
+                cache.pop(keys.pop(0), None)
+            cache[key] = prepared
+            keys.append(key)
+    prepared.launch(flat)

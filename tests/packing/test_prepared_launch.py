@@ -1,0 +1,284 @@
+"""Prepared launches against what can change between two calls ([Note: prepared launches] in
+``kernels.prepared_launch``).
+
+* A repeated call matches one fingerprint and reuses its prepared launch: the per-tensor checks do
+  not run again, and the result is the reference's.
+* A change of data pointer, stride, dtype or layout makes a new fingerprint or a new launch, and
+  the result is the reference's.
+* Memory freed and allocated again (at the same address or another, with the same or another
+  dtype) never gets a launch made for what was there before: results are the reference's.
+* Every op, public and as the runtime calls it (packed placements included), is bitwise the
+  uncached path (``prepared_launch.uncached``), hits and misses alike; the caches stay bounded.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kernels import (
+    ShardLayout,
+    _checks,
+    _launch,
+    all_gather_copy_in,
+    all_gather_copy_in_ref,
+    prepared_launch,
+)
+from kernels.all_gather_copy_in import _all_gather_copy_in
+from kernels.all_gather_copy_out import _all_gather_copy_out
+from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
+from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
+from kernel_cases import assert_bitwise, bf16, call_public_op, f32, kernel_device, make_tensor, requires_kernels
+
+pytestmark = requires_kernels
+
+SHAPES, WORLD, RANK = [(1, 5), (6,), (4, 3)], 2, 0
+OPS = ["all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out"]
+LIST_OF = {"all_gather_copy_in": "shards", "all_gather_copy_out": "outs", "reduce_scatter_copy_in": "fulls",
+           "reduce_scatter_copy_out": "grads"}
+"""The parameter-side list each op takes (the one its fingerprint describes)."""
+
+
+def _layout() -> ShardLayout:
+    return ShardLayout(SHAPES, WORLD)  # a new object: caches of its own
+
+
+def _inputs(layout: ShardLayout, seed: int, dtype: torch.dtype = f32) -> dict[str, list[torch.Tensor]]:
+    device = kernel_device()
+    fulls = [make_tensor(s, dtype, seed * 10 + i, specials=False) for i, s in enumerate(layout.shapes)]
+    return {k: [t.to(device) for t in v] for k, v in {
+        "fulls": fulls,
+        "shards": [s.contiguous() for s in layout.shards(fulls, RANK)],
+        "outs": [torch.zeros(s, dtype=dtype) for s in layout.shapes],
+        "grads": [make_tensor(s, dtype, seed * 10 + 5 + i, specials=False) for i, s in enumerate(layout.shard_shapes(RANK))],
+        "ag_output": [make_tensor((layout.buffer_numel,), bf16, seed + 1, specials=False)],
+        "slot": [make_tensor((layout.slot_numel,), bf16, seed + 2, specials=False)],
+    }.items()}
+
+
+def _public(op: str, layout: ShardLayout, t: dict[str, list[torch.Tensor]], reference: bool = False) -> list[torch.Tensor]:
+    """The public op on ``t`` (or, with ``reference``, its pure-torch reference); returns what it wrote."""
+    return call_public_op(op, layout, RANK, t, pre_scale=0.5, post_scale=0.25, reference=reference)
+
+
+def _checked_against_reference(op: str, layout: ShardLayout, t: dict[str, list[torch.Tensor]]) -> None:
+    expected = _public(op, layout, t, reference=True)
+    for got, ref in zip(_public(op, layout, t), expected, strict=True):
+        assert_bitwise(got.cpu(), ref)
+
+
+def _fingerprints(layout: ShardLayout) -> list[prepared_launch.Fingerprint]:
+    return [f for v in layout._device_cache.values() if isinstance(v, list)
+            for f in v if isinstance(f, prepared_launch.Fingerprint)]
+
+
+def _launches(layout: ShardLayout) -> int:
+    return sum(len(f.launches) for f in _fingerprints(layout))
+
+
+# ---------------------------------------------------------------------------------- repeated calls
+@pytest.mark.parametrize("op", OPS)
+def test_a_repeated_call_skips_the_checks_and_reuses_its_launch(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout, t = _layout(), _inputs(_layout(), seed=1)
+    _checked_against_reference(op, layout, t)
+    assert len(_fingerprints(layout)) == 1 and _launches(layout) == 1
+
+    def no_list_checks(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a repeated call read every tensor's checks again")
+
+    monkeypatch.setattr(_checks, "check_tensors", no_list_checks)
+    built: list[object] = []
+    monkeypatch.setattr(_launch.PreparedLaunch, "of", staticmethod(lambda call: built.append(call)))
+    for seed in (2, 3):  # new values in the same tensors, and a new list of them: hits
+        for name in ("fulls", "shards", "ag_output", "slot"):
+            for x in t[name]:
+                x.copy_(make_tensor(x.shape, x.dtype, seed, specials=False))
+        t[LIST_OF[op]] = list(t[LIST_OF[op]])
+        _checked_against_reference(op, layout, t)
+    assert not built and len(_fingerprints(layout)) == 1 and _launches(layout) == 1
+
+
+# ------------------------------------------------------------------------------------ what changes
+def _new_addresses(ts: list[torch.Tensor]) -> None:
+    ts[:] = [x.clone() for x in ts]
+
+
+def _other_strides(ts: list[torch.Tensor]) -> None:
+    """The first tensor (shape ``(1, n)``) again, contiguous by torch's rule but with another stride
+    for its size-1 dimension."""
+    x = ts[0]
+    assert x.shape[0] == 1
+    other = torch.empty_strided(x.shape, (x.shape[1] + 3, 1), dtype=x.dtype, device=x.device)
+    other.copy_(x)
+    assert other.is_contiguous() and other.stride() != x.stride()
+    ts[0] = other
+
+
+def _other_dtype(ts: list[torch.Tensor]) -> None:
+    ts[1] = ts[1].to(bf16)
+
+
+CHANGES: dict[str, Callable[[list[torch.Tensor]], None]] = {
+    "data pointer": _new_addresses,
+    "stride": _other_strides,
+    "dtype": _other_dtype,
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+@pytest.mark.parametrize("op", OPS)
+def test_a_changed_list_rebuilds_and_is_written_right(op: str, change: str) -> None:
+    layout = _layout()
+    t = _inputs(layout, seed=3)
+    _checked_against_reference(op, layout, t)
+    before = (len(_fingerprints(layout)), _launches(layout))
+    CHANGES[change](t[LIST_OF[op]])
+    _checked_against_reference(op, layout, t)
+    after = (len(_fingerprints(layout)), _launches(layout))
+    if change == "data pointer":  # the same kind of list at new addresses: a new launch
+        assert after == (before[0], before[1] + 1)
+    else:  # another kind of list: a new fingerprint
+        assert after[0] == before[0] + 1
+    _checked_against_reference(op, layout, t)  # and the new entry hits
+    assert (len(_fingerprints(layout)), _launches(layout)) == after
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_another_layout_has_its_own_launches(op: str) -> None:
+    layout, other = _layout(), ShardLayout(SHAPES, WORLD + 1)
+    t = _inputs(layout, seed=4)
+    _checked_against_reference(op, layout, t)
+    if op in ("all_gather_copy_in", "reduce_scatter_copy_out"):  # shards of another world size
+        name = LIST_OF[op]
+        t[name] = [make_tensor(s, f32, 40 + i, specials=False) for i, s in enumerate(other.shard_shapes(RANK))]
+    t["ag_output"] = [make_tensor((other.buffer_numel,), bf16, 41, specials=False)]
+    t["slot"] = [make_tensor((other.slot_numel,), bf16, 42, specials=False)]
+    _checked_against_reference(op, other, t)
+    assert len(_fingerprints(other)) == 1 and len(_fingerprints(layout)) == 1
+
+
+# ------------------------------------------------------------------------------- memory reallocated
+def _placed(storage: torch.UntypedStorage, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """The shards of ``SHAPES`` on rank 0, fresh tensor objects over ``storage`` at fixed byte offsets
+    (0, 64, 128: the same addresses whatever the dtype), with new values."""
+    out = []
+    for i, shape in enumerate(ShardLayout(SHAPES, WORLD).shard_shapes(RANK)):
+        x = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 64 * i // dtype.itemsize, shape)
+        x.copy_(make_tensor(shape, dtype, seed * 10 + i, specials=False))
+        out.append(x)
+    return out
+
+
+def test_memory_allocated_again_is_never_read_through_an_old_launch() -> None:
+    """The all-gather copy-in over shards freed and allocated again: at the same addresses (new tensor
+    objects over the same memory), at other addresses, and at the same addresses with another dtype."""
+    layout = _layout()
+    storage = torch.UntypedStorage(64 * 4, device=kernel_device())
+
+    def check(shards: list[torch.Tensor]) -> None:
+        got = all_gather_copy_in(shards, layout, RANK, bf16)[0]
+        assert_bitwise(got.cpu(), all_gather_copy_in_ref([s.cpu() for s in shards], layout, RANK, bf16)[0])
+
+    check(_placed(storage, f32, seed=1))
+    check(_placed(storage, f32, seed=2))  # new tensors at the same addresses: the same launch, new values
+    assert len(_fingerprints(layout)) == 1 and _launches(layout) == 1
+    moved = torch.UntypedStorage(64 * 4, device=kernel_device())
+    check(_placed(moved, f32, seed=3))  # other addresses: another launch
+    assert _launches(layout) == 2
+    del moved
+    check(_placed(torch.UntypedStorage(64 * 4, device=kernel_device()), f32, seed=4))  # wherever it lands
+    check(_placed(storage, bf16, seed=5))  # the old addresses, another dtype: another fingerprint
+    assert len(_fingerprints(layout)) == 2
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_tensors_freed_and_allocated_again_are_written_right(op: str) -> None:
+    """Fresh inputs each round, the old ones freed first: the allocator hands out the same or other
+    addresses; every result is the reference's."""
+    layout = _layout()
+    for seed in range(4):
+        t = _inputs(layout, seed=seed)
+        _checked_against_reference(op, layout, t)
+        del t
+
+
+# ---------------------------------------------------------------------------------- uncached path
+def _runtime(op: str, layout: ShardLayout, t: dict[str, list[torch.Tensor]], packed: bool) -> list[torch.Tensor]:
+    """The op as the runtime calls it (no checks; ``packed``: the copy-outs over one storage)."""
+    if op == "all_gather_copy_in":
+        return [_all_gather_copy_in(t["shards"], layout, RANK, bf16, (f32,) * len(SHAPES))[0]]
+    if op == "reduce_scatter_copy_in":
+        return [_reduce_scatter_copy_in(t["fulls"], layout, 0.5, bf16)]
+    name = "outs" if op == "all_gather_copy_out" else "grads"
+    placement = _launch.PackedPlacement.of([x.shape for x in t[name]], [x.dtype for x in t[name]])
+    storage = t.setdefault("storage", [torch.UntypedStorage(placement.nbytes, device=kernel_device())])[0]
+    if packed:
+        views = placement.views(storage)
+        for view, x in zip(views, t[name]):
+            view.copy_(x)
+        t[name] = views
+    where = (storage, placement) if packed else None
+    if op == "all_gather_copy_out":
+        _all_gather_copy_out(t["ag_output"][0], layout, t["outs"], packed=where)
+        return t["outs"]
+    _reduce_scatter_copy_out(t["slot"][0], t["grads"], layout, RANK, 0.25, True, packed=where)
+    return t["grads"]
+
+
+@pytest.mark.parametrize(("op", "path"), [(op, path) for op in OPS for path in ("public", "runtime", "runtime, packed")
+                                           if path != "runtime, packed" or op.endswith("copy_out")])  # packed: copy-outs
+def test_bitwise_equal_to_the_uncached_path(op: str, path: str) -> None:
+    results: dict[bool, list[list[torch.Tensor]]] = {}
+    for cached in (False, True):
+        layout = _layout()
+        t = _inputs(layout, seed=7)
+        rounds = []
+        with prepared_launch.uncached() if not cached else contextlib.nullcontext():
+            for _ in range(3):  # a miss, then hits (the copy-outs accumulate into their outputs)
+                if path == "public":
+                    rounds.append([x.cpu().clone() for x in _public(op, layout, t)])
+                else:
+                    rounds.append([x.cpu().clone() for x in _runtime(op, layout, t, packed=path.endswith("packed"))])
+        packed_launches = [k for k in layout._device_cache if isinstance(k, tuple) and "packed" in k]
+        assert bool(_fingerprints(layout) or packed_launches) == cached, "the cache is used exactly when on"
+        results[cached] = rounds
+    for uncached_round, cached_round in zip(results[False], results[True], strict=True):
+        for a, b in zip(uncached_round, cached_round, strict=True):
+            assert_bitwise(b, a)
+
+
+def test_without_tensor_guards_every_call_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch without a usable ``TensorGuards`` takes the full checks every time, with the same results."""
+    monkeypatch.setattr(prepared_launch, "_TensorGuards", None)
+    layout = _layout()
+    t = _inputs(layout, seed=8)
+    for op in OPS:
+        _checked_against_reference(op, layout, t)
+        _checked_against_reference(op, layout, t)
+    assert not _fingerprints(layout)
+
+
+def test_a_list_that_cannot_be_fingerprinted_takes_the_uncached_path() -> None:
+    """Shards that are not contiguous (the copy-in packs their values) and a tensor subclass are never
+    remembered; results are the reference's."""
+    layout = _layout()
+    t = _inputs(layout, seed=9)
+    wide = torch.zeros(4, 6, device=kernel_device())
+    t["shards"][2] = wide[:2, :3].copy_(t["shards"][2])  # (2, 3) with row stride 6
+    assert not t["shards"][2].is_contiguous()
+    _checked_against_reference("all_gather_copy_in", layout, t)
+    assert not _fingerprints(layout)
+
+
+def test_the_caches_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prepared_launch, "MAX_LAUNCHES", 2)
+    monkeypatch.setattr(prepared_launch, "MAX_FINGERPRINTS", 2)
+    layout = _layout()
+    for seed in range(4):  # four address sets of one kind
+        _checked_against_reference("reduce_scatter_copy_in", layout, _inputs(layout, seed=seed))
+    assert _launches(layout) == 2
+    for dtype in (f32, bf16, torch.float16):  # three kinds of list
+        _checked_against_reference("reduce_scatter_copy_in", layout, _inputs(layout, seed=5, dtype=dtype))
+    assert len(_fingerprints(layout)) == 2
