@@ -49,6 +49,7 @@ from _common import PAIRED_HEADER, mlp_parser, mlp_step, paired_cells, parse, ra
 from overlap.demo.training import calibrate_link, schedule_steps
 from overlap.demo.unsharded_peak import UnshardedPeak
 from overlap.testing import EmulatedLink, PairedTimes, over_ranks, paired_steps, run_distributed
+from scheduler.schedule_trial import describe
 from report import emit
 
 # Display name -> overlap.demo.training mode.
@@ -118,7 +119,6 @@ def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
                 ours()
                 prof.step()
         merged = prof.gather(dst=0)
-        steps = merged.summary().steps if merged is not None else []
         fsdp2 = mlp_step("fsdp2", args.blocks, args.dim, x)
         fsdp2_times = paired_steps(fsdp2, args.steps, gbps, args.latency_us, warmup=2)
         with link, UnshardedPeak(fsdp2.model) as fsdp2_counter:  # type: ignore[attr-defined]
@@ -126,40 +126,79 @@ def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
                 fsdp2()
         cells.append({"factor": factor, "gbps": gbps, "times": times, "fsdp2": fsdp2_times,
                       "peak": over_ranks(counter.peak), "fsdp2 peak": over_ranks(fsdp2_counter.peak),
-                      "largest": counter.largest_group,
-                      "idle ms": sum(s.link_idle_ms for s in steps) / max(1, len(steps)),
-                      "idle share": sum(s.link_idle_share for s in steps) / max(1, len(steps)),
+                      "largest": counter.largest_group, "profile": merged,
                       "depth": ours.model.prefetch_depth,  # type: ignore[attr-defined]
-                      "decision": str(ours.model.schedule_decision)})  # type: ignore[attr-defined]
+                      "decision": ours.model.schedule_decision})  # type: ignore[attr-defined]
     return cells
+
+
+GRID_HEADER = ["ranks", "link", "step ms", "compute ms", "comm ms", "hidden", "step / ideal", "step vs FSDP2",
+               "link idle ms per step (share)", "peak unsharded MB ours / FSDP2 (extra, in groups)", "depth",
+               "schedule decision (trial: least timed step, chosen vs simple)"]
+
+
+def _grid_row(world: int, link: str, m: PairedTimes, fsdp2: PairedTimes, profile: Any, peak: int, fsdp2_peak: int,
+              largest: int, depth: Any, decision: Any) -> list[str]:
+    """One cell of the grid as a row of :data:`GRID_HEADER`."""
+    steps = profile.summary().steps if profile is not None else []
+    idle_ms = sum(s.link_idle_ms for s in steps) / max(1, len(steps))
+    idle_share = sum(s.link_idle_share for s in steps) / max(1, len(steps))
+    extra = (peak - fsdp2_peak) / largest if largest else float("nan")
+    if decision is None or decision.verdict is None:
+        told = "undecided" if decision is None else f"{describe(decision.plan)} ({decision.reason})"
+    else:
+        v = decision.verdict
+        told = (f"{describe(decision.plan)}: {'kept' if v.keep else 'fell back'}, "
+                f"{1e3 * v.chosen_s:.1f} vs {1e3 * v.simple_s:.1f} ms")
+    return [str(world), link, f"{1e3 * m.linked:.1f}", f"{1e3 * m.unlinked:.1f}", f"{1e3 * m.comm:.1f}",
+            f"{100 * m.hidden_share:.0f}%", f"{m.linked / max(m.unlinked, m.comm):.2f}x",
+            f"{m.linked / fsdp2.linked:.2f}x", f"{idle_ms:.1f} ({100 * idle_share:.0f}%)",
+            f"{peak / 2**20:.3g} / {fsdp2_peak / 2**20:.3g} ({extra:+.2f} groups)", str(depth), told]
+
+
+def _demo_grid(args: argparse.Namespace) -> list[list[str]]:
+    """The demo (``overlap.demo.run``, ``--compare fsdp2``) at each cell: the 1x run calibrates, the
+    others run at a multiple of its bandwidth."""
+    from overlap.demo.run import DemoConfig, run_demo
+
+    rows = []
+    for world in GRID_WORLDS:
+        calibrated = None
+        for factor in sorted(GRID_FACTORS, key=lambda f: f != 1.0):  # 1x first: it calibrates
+            cfg = DemoConfig(world_size=world, steps=args.steps, model=args.grid_demo_model, compare=("fsdp2",),
+                             link_gbps=None if calibrated is None else calibrated * factor,
+                             profile_steps=PROFILED_STEPS, progress=False)
+            r = run_demo(cfg)
+            calibrated = calibrated or r.link_gbps
+            ours, fsdp2 = r.modes["overlap"], r.modes["fsdp2"]
+            rows.append((world, factor, _grid_row(
+                world, f"{factor:g}x ({r.link_gbps:.3g} Gbit/s)", ours.times, fsdp2.times, ours.profile,
+                ours.unsharded_peak, fsdp2.unsharded_peak, ours.largest_group, ours.depth, ours.schedule)))
+    return [row for _, _, row in sorted(rows, key=lambda x: x[:2])]
 
 
 def _grid(args: argparse.Namespace) -> None:
     rows = []
     for world in GRID_WORLDS:
         for c in run_distributed(_grid_rank, world, args, timeout=1800)[0]:
-            m: PairedTimes = c["times"]
-            ideal = max(m.unlinked, m.comm)
-            extra = (c["peak"] - c["fsdp2 peak"]) / c["largest"] if c["largest"] else float("nan")
-            rows.append([str(world), f"{c['factor']:g}x ({c['gbps']:.3g} Gbit/s)", f"{1e3 * m.linked:.1f}",
-                         f"{1e3 * m.unlinked:.1f}", f"{1e3 * m.comm:.1f}", f"{100 * m.hidden_share:.0f}%",
-                         f"{m.linked / ideal:.2f}x", f"{m.linked / c['fsdp2'].linked:.2f}x",
-                         f"{c['idle ms']:.1f} ({100 * c['idle share']:.0f}%)",
-                         f"{c['peak'] / 2**20:.3g} / {c['fsdp2 peak'] / 2**20:.3g} ({extra:+.2f} groups)",
-                         str(c["depth"]), c["decision"]])
-    emit(f"Grid (issue 29): overlap.shard with prefetch=\"auto\" and AdamW stepped in backward (the demo's settings), "
-         f"{args.blocks} MLP blocks of width {args.dim}, CPU ranks (gloo), link bandwidth x the calibrated one "
-         f"(comm ~ compute at 1x, calibrated per world size) + {args.latency_us:g} µs; medians of {args.steps} "
-         "paired steps, slowest rank",
-         ["ranks", "link", "step ms", "compute ms", "comm ms", "hidden", "step / ideal", "step vs FSDP2",
-          "link idle ms per step (share)", "peak unsharded MB ours / FSDP2 (extra, in groups)", "depth",
-          "schedule decision"], rows, args.markdown)
+            rows.append(_grid_row(world, f"{c['factor']:g}x ({c['gbps']:.3g} Gbit/s)", c["times"], c["fsdp2"],
+                                  c["profile"], c["peak"], c["fsdp2 peak"], c["largest"], c["depth"], c["decision"]))
+    common = (f"CPU ranks (gloo), link bandwidth x the calibrated one (comm ~ compute at 1x, calibrated per world "
+              f"size) + {args.latency_us:g} µs; medians of {args.steps} paired steps, slowest rank; link idle over "
+              f"{PROFILED_STEPS} profiled steps")
+    emit(f"Grid (issue 29), bench_train: overlap.shard with prefetch=\"auto\" and AdamW stepped in backward (the "
+         f"demo's settings), {args.blocks} MLP blocks of width {args.dim}, {common}", GRID_HEADER, rows, args.markdown)
+    if args.grid_demo_model != "none":
+        emit(f"Grid (issue 29), the demo: model {args.grid_demo_model} (python -m overlap demo --compare fsdp2 "
+             f"--steps {args.steps}), {common}", GRID_HEADER, _demo_grid(args), args.markdown)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = mlp_parser(__doc__, 8, "timed steps per mode")
     p.add_argument("--grid", action="store_true", help="run issue 29's grid (2 and 4 ranks x 0.5, 1, 2 x the "
-                   "calibrated link) instead of the modes side by side")
+                   "calibrated link), for this MLP and for the demo, instead of the modes side by side")
+    p.add_argument("--grid-demo-model", default="small", help="the demo's model size in the grid (tiny, small, "
+                   "medium; none: leave the demo out; default small)")
     args = parse(p, argv)
     if args.grid:
         _grid(args)
@@ -169,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in MODES:
         m: PairedTimes = r[name]
-        shown = f"{name} ({r[f'decision {name}']})" if "prefetch auto" in name else name
+        shown = f"{name} ({r[f'decision {name}']})" if "prefetch auto" in name else name  # what runs, and why
         rows.append([shown, *paired_cells(m), f"{100 * m.hidden_share:.0f}%",
                      f"{1e3 * max(m.unlinked, m.comm):.1f}", f"{m.linked / fsdp2:.2f}x",
                      f"{r[f'peak {name}'] / 2**20:.3g}"])

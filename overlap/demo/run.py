@@ -203,9 +203,10 @@ class ModeResult:
     modelled_step: Optional[float] = None
     """Seconds per step the chooser's model gave ``overlap.shard``'s schedule (rank 0's, from its
     recorded steps' costs: ``modelled_step`` of the sharded model); None for other modes."""
-    schedule: Optional[str] = None
-    """``overlap.shard``'s schedule decision with ``prefetch="auto"`` (what runs and why: the model's
-    choice kept by the trial or the simple plan, ``str(model.schedule_decision)``); None for others."""
+    schedule: Any = None
+    """``overlap.shard``'s ``schedule_decision`` with ``prefetch="auto"`` (a
+    ``scheduler.schedule_trial.ScheduleDecision``: what runs and why, the model's choice kept by the
+    trial or the simple plan); None for other modes or a fixed depth."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,7 +399,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         modelled_step = getattr(step.model, "modelled_step", None) if mode not in TP_MODES else None
         decision = getattr(step.model, "schedule_decision", None) if mode not in TP_MODES else None
         modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth, ahead, peak, largest,
-                                 modelled, modelled_step, None if decision is None else str(decision))
+                                 modelled, modelled_step, decision)
         del step
     progress.finish()
     bitwise = None
