@@ -42,7 +42,7 @@ class ScheduleTrial:
         before it if it was a trial step, and return the plan this step runs (:data:`SIMPLE` or
         :data:`CHOSEN`); None once the trial is over (``verdict`` set)."""
         now = time.perf_counter()
-        if self._start is not None and backward_count != self._backward_mark:
+        if self._start is not None and backward_count != self._backward_mark and self.position < len(self.steps):
             step = self.steps[self.position]
             if step.timed:
                 self.times[step.plan].append(self._slowest(now - self._start))

@@ -185,7 +185,8 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
     @property
     def prefetch_depth(self) -> Optional[int]:
         """Groups gathered ahead of the running one: the ``prefetch`` passed to ``shard``, or with
-        ``prefetch="auto"`` the depth chosen in the first step (see [Note: prefetch="auto"]; None
+        ``prefetch="auto"`` the depth chosen from the first steps, and after the trial of the choice the
+        depth that runs (see [Note: prefetch="auto"], ``schedule_decision``; None
         before it)."""
         state = self._overlap_state
         if not state.auto_prefetch:
@@ -206,7 +207,8 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
     @property
     def gather_ahead(self) -> Optional[tuple[int, int]]:
         """With ``prefetch="auto"`` and an optimizer stepped in backward: ``(count, lag)``, the gathers
-        issued ahead in backward chosen in the first step (see [Note: gathering ahead in backward]);
+        issued ahead in backward chosen from the first steps (during the trial of the choice: the plan
+        this step runs; after it: the plan that runs; see [Note: gathering ahead in backward]);
         None before that, or where it does not apply."""
         root = self._overlap_state.root
         return root.gather_ahead if root is not None and root.owner is self._overlap_state else None
@@ -231,7 +233,7 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
     @property
     def modelled_step(self) -> Optional[float]:
         """With ``prefetch="auto"``: the seconds per step the chooser's model gave the chosen schedule
-        (depth and gather-ahead) from the first step's measured costs (see [Note: what the step's
+        (depth and gather-ahead) from the recorded steps' costs (see [Note: what the step's
         costs are made of] in ``scheduler/prefetch_depth.py``); None before that, or on a non-root."""
         root = self._overlap_state.root
         return root.modelled_step if root is not None and root.owner is self._overlap_state else None

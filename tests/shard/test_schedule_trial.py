@@ -185,3 +185,41 @@ def test_the_decision_says_what_runs_and_why() -> None:
     decision = ScheduleDecision((3, (1, 2)), (3, (1, 2)), 0.5, 0.6, Verdict(True, 0.4, 0.5, 3), "kept")
     assert str(decision) == "depth 3, gather-ahead (1, 2): kept"
     assert describe((1, None)) == "depth 1, nothing ahead"
+
+
+# ---------------------------------------------------------------- the runtime trial, agreement faked
+def _fake_group() -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(size=2, pg=SimpleNamespace(group_name="g"), global_rank=lambda r: r)
+
+
+def test_the_trial_times_the_slowest_rank_and_skips_forwards_without_backward(monkeypatch) -> None:
+    from overlap import schedule_verification
+
+    seen: list[tuple[int, float]] = []
+
+    def exchange(info: Any, point: str, value: tuple[int, float]) -> list[tuple[int, float]]:
+        seen.append(value)
+        return [value, (value[0], 9.0)]  # the other rank took 9 s
+
+    monkeypatch.setattr(schedule_verification.agreement, "exchange", exchange)
+    trial = schedule_verification.ScheduleTrial([_fake_group(), None], rounds=1, settle=0, backward_count=5)
+    assert trial.at_forward_start(5) == SIMPLE  # the first trial step starts
+    assert trial.at_forward_start(5) == SIMPLE  # a forward without backward: not a trial step
+    assert trial.at_forward_start(6) == CHOSEN and [p for p, _ in seen] == [0]  # the simple step ended, agreed
+    assert trial.at_forward_start(7) is None  # the chosen step ended: the verdict
+    assert trial.times == {SIMPLE: [9.0], CHOSEN: [9.0]} and trial.verdict == Verdict(False, 9.0, 9.0, 1)
+    assert trial.at_forward_start(8) is None and len(seen) == 2  # over: nothing more is agreed
+
+
+def test_a_rank_at_another_trial_step_is_a_desync_on_every_rank(monkeypatch) -> None:
+    from overlap import schedule_verification
+    from overlap.desync import DesyncError
+
+    monkeypatch.setattr(schedule_verification.agreement, "exchange",
+                        lambda info, point, value: [value, (value[0] + 1, 0.1)])
+    trial = schedule_verification.ScheduleTrial([_fake_group()], rounds=1, settle=0, backward_count=0)
+    trial.at_forward_start(0)
+    with pytest.raises(DesyncError, match="rank 0: step 0; rank 1: step 1"):
+        trial.at_forward_start(1)
