@@ -1349,8 +1349,11 @@ def shard(
     because the depth decides where gathers fall between reduce-scatters, and that sequence must
     be the same on every rank. The depth then holds for every step, on the recorded order: a step
     that leaves the order (a skipped block, another branch) prefetches nothing from there on, as
-    with a fixed depth ([Note: same collectives, same order, on every rank]). ``prefetch_depth``
-    on the module says what was chosen. The costs are host times: right on CPU; on CUDA the host
+    with a fixed depth ([Note: same collectives, same order, on every rank]). The next steps then
+    verify the choice: a timed trial runs it and the simple plan (depth 1, nothing gathered ahead)
+    in turns, and the choice stays only if it wins (``scheduler/schedule_trial.py``, [Note:
+    verifying the choice by a trial]; ``set_schedule_trial(False)`` skips it). ``prefetch_depth``
+    on the module says what was chosen, ``schedule_decision`` what runs after the trial and why. The costs are host times: right on CPU; on CUDA the host
     does not wait for the device, so the gathers look cheap and the depth stays shallow.
 
     Returns ``module``, whose class becomes a subclass of :class:`ShardedModule`. Its parameters are

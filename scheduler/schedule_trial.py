@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-__all__ = ["CHOSEN", "SIMPLE", "TRIAL_ROUNDS", "WIN_MARGIN", "ScheduleDecision", "TrialStep", "Verdict", "decide",
+__all__ = ["CHOSEN", "SIMPLE", "TRIAL_ROUNDS", "WIN_MARGIN", "Plan", "ScheduleDecision", "TrialStep", "Verdict", "decide",
            "describe", "trial_steps"]
 
 SIMPLE = "simple"
