@@ -762,11 +762,15 @@ class _Root:
         chosen: Plan = (self.chosen_depth, self.gather_ahead)
         self._modelled = (chosen, self.modelled_step, simple_s)
         rounds = schedule_trial.TRIAL_ROUNDS if self.owner.schedule_trial_enabled else 0
-        if chosen == SIMPLE_PLAN or rounds == 0:
-            self._decide(chosen, None, "the model's choice is the simple plan" if chosen == SIMPLE_PLAN
-                         else "the model's choice, not verified (the trial is off)")
+        ahead_runs = self.gather_ahead is not None and self.owner.gather_ahead_enabled  # set_gather_ahead(False)
+        if (self.chosen_depth, self.gather_ahead if ahead_runs else None) == SIMPLE_PLAN:
+            self._decide(chosen, None, "the model's choice runs as the simple plan"
+                         + ("" if chosen == SIMPLE_PLAN else " (gather-ahead is off)"))
             return
-        settle = 1 if self.gather_ahead is not None else 0  # gathers cross the step boundary: see the Note
+        if rounds == 0:
+            self._decide(chosen, None, "the model's choice, not verified (the trial is off)")
+            return
+        settle = 1 if ahead_runs else 0  # gathers cross the step boundary: see the Note
         self._trial = ScheduleTrial((self.owner.info, self.owner.replicate), rounds, settle, self.backward_count)
 
     def _run_trial(self) -> None:

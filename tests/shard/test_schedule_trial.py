@@ -141,6 +141,26 @@ def test_the_trial_switches_plans_bitwise_within_the_budget_and_decides_alike(di
     assert len({repr(runs["real verdict"]["decision"]) for runs in per_rank}) == 1
 
 
+def _gather_ahead_off(rank: int, world_size: int) -> Any:
+    """The forced plan at depth 1 with gather-ahead turned off by the user: it runs as the simple plan."""
+    from scheduler import cost_samples, gather_ahead, prefetch_depth
+
+    cost_samples.COST_SAMPLES = 1
+    prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: 1
+    gather_ahead.choose_gather_ahead = lambda *args, **kwargs: (1, 1)
+    model = _sharded(1 << 30)
+    model.set_gather_ahead(False)
+    overlap.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-3)
+    for step in range(2):
+        model.loss(local_batch(make_batch(step), rank, world_size)).backward()
+    return model.schedule_decision
+
+
+def test_no_trial_where_the_choice_runs_as_the_simple_plan(distributed) -> None:
+    for decision in distributed(_gather_ahead_off, 2):
+        assert decision.verdict is None and decision.reason.endswith("runs as the simple plan (gather-ahead is off)")
+
+
 def test_set_schedule_trial_bad_input(single_rank_group) -> None:
     model = _sharded(None)
     for bad in (1, None, "no"):
