@@ -4,8 +4,10 @@ plan chosen, see ``scheduler/gather_ahead.py``), on the demo's transformer (``ov
 block and head sharded, then the root), AdamW stepped in backward (``overlap.optimizer_in_backward``),
 behind one emulated link.
 
-Each depth is a fresh model from the same weights; the first two steps of each run behind the link
-(``prefetch="auto"`` measures its costs in the first). Then ``--rounds`` rounds of one linked step
+Each depth is a fresh model from the same weights; the first ``overlap.demo.training.schedule_steps()``
+steps of each run behind the link (``prefetch="auto"`` records its costs in the first ones, then
+runs the trial that verifies its choice against the simple schedule; every run takes as many, so the
+losses compare step by step). Then ``--rounds`` rounds of one linked step
 per depth, interleaved, each after an untimed linked step of the same run (gather-ahead leaves the
 next step's first gathers in flight: the timed step must start from its own run's), so a shared machine's slow drifts fall on both alike; medians of the
 slowest rank. After the timed rounds, two profiled steps per depth give the link-idle share
@@ -36,7 +38,7 @@ DEPTHS: dict[str, Any] = {"prefetch=1": (1, True), 'prefetch="auto", no gather-a
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from overlap.demo.model import TransformerLM, token_batch
-    from overlap.demo.training import TrainStep, make_optimizer, shard_for_mode
+    from overlap.demo.training import TrainStep, make_optimizer, schedule_steps, shard_for_mode
     from overlap.profiler import profile
     from overlap.testing import EmulatedLink, over_ranks
 
@@ -51,8 +53,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
                          context)
         link = EmulatedLink(args.link_gbps, args.latency_us)
         with link:
-            step()
-            step()
+            for _ in range(schedule_steps()):
+                step()
         link.reset_stats()
         runs[name] = (model, step, link, [])
     for _ in range(args.rounds):
@@ -72,6 +74,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
                 prof.step()
         merged = prof.gather(dst=0)
         out[name] = {"step": over_ranks(statistics.median(times)), "comm": comm, "depth": model.prefetch_depth,
+                     "decision": model.schedule_decision,
                      "ahead": model.gather_ahead if DEPTHS[name][1] else None,
                      "idle": [s.link_idle_share for s in merged.summary().steps] if merged is not None else [],
                      "losses": torch.stack(step.losses)}
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     r = per_rank[0]
     base = r["prefetch=1"]["step"]
     bitwise = all(torch.equal(x["prefetch=1"]["losses"], v["losses"]) for x in per_rank for v in x.values())
-    rows = [[f"{name} (depth {v['depth']}" + (f", ahead {v['ahead']}" if v["ahead"] else "") + ")", f"{1e3 * v['step']:.1f}", f"{1e3 * v['comm']:.1f}",
+    rows = [[f"{name} (depth {v['depth']}" + (f", ahead {v['ahead']}" if v["ahead"] else "")
+             + (f"; {v['decision'].reason}" if v["decision"] is not None else "") + ")", f"{1e3 * v['step']:.1f}", f"{1e3 * v['comm']:.1f}",
              f"{v['step'] / v['comm']:.2f}x", ", ".join(f"{100 * x:.0f}%" for x in v["idle"]),
              f"{v['step'] / base:.2f}x"] for name, v in r.items()]
     emit(f"Prefetch depth, demo model {args.model}, 2 CPU ranks (gloo), AdamW in backward; emulated link "

@@ -22,6 +22,19 @@ The runtime's own CPU cost per block (world size 1, against the same model unsha
 beside it) is ``bench_runtime_cost.py``'s.
 
     python benchmarks/bench_train.py [--world-size 2] [--steps 8] [--markdown benchmarks/RESULTS.md]
+    python benchmarks/bench_train.py --grid [--steps 6] [--markdown benchmarks/RESULTS.md]
+
+``prefetch="auto"`` modes first run ``overlap.demo.training.schedule_steps()`` untimed steps behind
+the link: the steps that record its costs and the trial that verifies its choice against the simple
+schedule (the decision is printed beside the mode).
+
+``--grid`` (issue 29's grid): the demo's settings (``prefetch="auto"``, AdamW stepped in backward)
+beside torch FSDP2 (default settings), on 2 and 4 ranks, at 0.5x, 1x and 2x the calibrated link
+bandwidth (calibrated per world size, as above; 0.5x: comm ~ 2x compute). Per cell: the hidden
+share, step / ideal ``max(compute, comm)``, step vs FSDP2's, the link's idle time while compute ran
+(``overlap.profile()`` over :data:`PROFILED_STEPS` linked steps, mean per step and rank), the peak
+unsharded MB against FSDP2's, and the depth and schedule decision (model's choice kept by the
+trial, or the simple plan). ``--world-size`` is ignored there.
 
 Packing runs the torch path on CPU here (no TRITON_INTERPRET): the Triton kernels are for GPUs.
 The modes, the training step and the link calibration are ``overlap.demo.training``'s (shared with
@@ -33,9 +46,10 @@ import argparse
 from typing import Any
 
 from _common import PAIRED_HEADER, mlp_parser, mlp_step, paired_cells, parse, rank_input  # first: sys.path
-from overlap.demo.training import calibrate_link
+from overlap.demo.training import calibrate_link, schedule_steps
 from overlap.demo.unsharded_peak import UnshardedPeak
 from overlap.testing import EmulatedLink, PairedTimes, over_ranks, paired_steps, run_distributed
+from scheduler.schedule_trial import describe
 from report import emit
 
 # Display name -> overlap.demo.training mode.
@@ -59,8 +73,9 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
         step = mlp_step(mode, args.blocks, args.dim, x, optimizer_in_backward="optimizer in backward" in name,
                         prefetch="auto" if "prefetch auto" in name else 1)
         if "prefetch auto" in name:
-            with EmulatedLink(gbps, args.latency_us):
-                step()  # the step that measures the costs sees the link, as it would in training
+            with EmulatedLink(gbps, args.latency_us):  # the recorded steps and the trial see the link, as in training
+                for _ in range(schedule_steps()):
+                    step()
         out[name] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=2)
         with EmulatedLink(gbps, args.latency_us), UnshardedPeak(step.model) as counter:  # type: ignore[attr-defined]
             for _ in range(MEMORY_STEPS):
@@ -68,18 +83,132 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
         out[f"peak {name}"] = over_ranks(counter.peak)
         if "prefetch auto" in name:
             out[f"depth {name}"] = step.model.prefetch_depth
+            out[f"decision {name}"] = str(step.model.schedule_decision)
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse(mlp_parser(__doc__, 8, "timed steps per mode"), argv)
+GRID_FACTORS = (0.5, 1.0, 2.0)
+"""Link bandwidths of the grid, as multiples of the calibrated one (comm ~ compute at 1x)."""
+GRID_WORLDS = (2, 4)
+PROFILED_STEPS = 2
+"""Linked steps per grid cell under ``overlap.profile()`` for the link-idle time."""
 
+
+def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from overlap.profiler import profile
+
+    x = rank_input(args.batch, args.dim, rank)
+    calibrated = args.link_gbps
+    if calibrated is None:
+        calibrated = calibrate_link(mlp_step("overlap", args.blocks, args.dim, x), args.latency_us)
+    cells = []
+    for factor in GRID_FACTORS:
+        gbps = calibrated * factor
+        link = EmulatedLink(gbps, args.latency_us)
+        ours = mlp_step("overlap", args.blocks, args.dim, x, optimizer_in_backward=True, prefetch="auto")
+        with link:
+            for _ in range(schedule_steps()):
+                ours()
+        # gathers issued at the end of backward land in the next step: each timed step follows one of its kind
+        times = paired_steps(ours, args.steps, gbps, args.latency_us, warmup=0, settle=1)
+        with link, UnshardedPeak(ours.model) as counter:  # type: ignore[attr-defined]
+            for _ in range(MEMORY_STEPS):
+                ours()
+        with link, profile() as prof:
+            for _ in range(PROFILED_STEPS):
+                ours()
+                prof.step()
+        merged = prof.gather(dst=0)
+        fsdp2 = mlp_step("fsdp2", args.blocks, args.dim, x)
+        fsdp2_times = paired_steps(fsdp2, args.steps, gbps, args.latency_us, warmup=2)
+        with link, UnshardedPeak(fsdp2.model) as fsdp2_counter:  # type: ignore[attr-defined]
+            for _ in range(MEMORY_STEPS):
+                fsdp2()
+        cells.append({"factor": factor, "gbps": gbps, "times": times, "fsdp2": fsdp2_times,
+                      "peak": over_ranks(counter.peak), "fsdp2 peak": over_ranks(fsdp2_counter.peak),
+                      "largest": counter.largest_group, "profile": merged,
+                      "depth": ours.model.prefetch_depth,  # type: ignore[attr-defined]
+                      "decision": ours.model.schedule_decision})  # type: ignore[attr-defined]
+    return cells
+
+
+GRID_HEADER = ["ranks", "link", "step ms", "compute ms", "comm ms", "hidden", "step / ideal", "step vs FSDP2",
+               "link idle ms per step (share)", "peak unsharded MB ours / FSDP2 (extra, in groups)", "depth",
+               "schedule decision (trial: least timed step, chosen vs simple)"]
+
+
+def _grid_row(world: int, link: str, m: PairedTimes, fsdp2: PairedTimes, profile: Any, peak: int, fsdp2_peak: int,
+              largest: int, depth: Any, decision: Any) -> list[str]:
+    """One cell of the grid as a row of :data:`GRID_HEADER`."""
+    steps = profile.summary().steps if profile is not None else []
+    idle_ms = sum(s.link_idle_ms for s in steps) / max(1, len(steps))
+    idle_share = sum(s.link_idle_share for s in steps) / max(1, len(steps))
+    extra = (peak - fsdp2_peak) / largest if largest else float("nan")
+    if decision is None or decision.verdict is None:
+        told = "undecided" if decision is None else f"{describe(decision.plan)} ({decision.reason})"
+    else:
+        v = decision.verdict
+        told = (f"{describe(decision.plan)}: {'kept' if v.keep else 'fell back'}, "
+                f"{1e3 * v.chosen_s:.1f} vs {1e3 * v.simple_s:.1f} ms")
+    return [str(world), link, f"{1e3 * m.linked:.1f}", f"{1e3 * m.unlinked:.1f}", f"{1e3 * m.comm:.1f}",
+            f"{100 * m.hidden_share:.0f}%", f"{m.linked / max(m.unlinked, m.comm):.2f}x",
+            f"{m.linked / fsdp2.linked:.2f}x", f"{idle_ms:.1f} ({100 * idle_share:.0f}%)",
+            f"{peak / 2**20:.3g} / {fsdp2_peak / 2**20:.3g} ({extra:+.2f} groups)", str(depth), told]
+
+
+def _demo_grid(args: argparse.Namespace) -> list[list[str]]:
+    """The demo (``overlap.demo.run``, ``--compare fsdp2``) at each cell: the 1x run calibrates, the
+    others run at a multiple of its bandwidth."""
+    from overlap.demo.run import DemoConfig, run_demo
+
+    rows = []
+    for world in GRID_WORLDS:
+        calibrated = None
+        for factor in sorted(GRID_FACTORS, key=lambda f: f != 1.0):  # 1x first: it calibrates
+            cfg = DemoConfig(world_size=world, steps=args.steps, model=args.grid_demo_model, compare=("fsdp2",),
+                             link_gbps=None if calibrated is None else calibrated * factor,
+                             profile_steps=PROFILED_STEPS, progress=False)
+            r = run_demo(cfg)
+            calibrated = calibrated or r.link_gbps
+            ours, fsdp2 = r.modes["overlap"], r.modes["fsdp2"]
+            rows.append((world, factor, _grid_row(
+                world, f"{factor:g}x ({r.link_gbps:.3g} Gbit/s)", ours.times, fsdp2.times, ours.profile,
+                ours.unsharded_peak, fsdp2.unsharded_peak, ours.largest_group, ours.depth, ours.schedule)))
+    return [row for _, _, row in sorted(rows, key=lambda x: x[:2])]
+
+
+def _grid(args: argparse.Namespace) -> None:
+    rows = []
+    for world in GRID_WORLDS:
+        for c in run_distributed(_grid_rank, world, args, timeout=1800)[0]:
+            rows.append(_grid_row(world, f"{c['factor']:g}x ({c['gbps']:.3g} Gbit/s)", c["times"], c["fsdp2"],
+                                  c["profile"], c["peak"], c["fsdp2 peak"], c["largest"], c["depth"], c["decision"]))
+    common = (f"CPU ranks (gloo), link bandwidth x the calibrated one (comm ~ compute at 1x, calibrated per world "
+              f"size) + {args.latency_us:g} µs; medians of {args.steps} paired steps, slowest rank; link idle over "
+              f"{PROFILED_STEPS} profiled steps")
+    emit(f"Grid (issue 29), bench_train: overlap.shard with prefetch=\"auto\" and AdamW stepped in backward (the "
+         f"demo's settings), {args.blocks} MLP blocks of width {args.dim}, {common}", GRID_HEADER, rows, args.markdown)
+    if args.grid_demo_model != "none":
+        emit(f"Grid (issue 29), the demo: model {args.grid_demo_model} (python -m overlap demo --compare fsdp2 "
+             f"--steps {args.steps}), {common}", GRID_HEADER, _demo_grid(args), args.markdown)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = mlp_parser(__doc__, 8, "timed steps per mode")
+    p.add_argument("--grid", action="store_true", help="run issue 29's grid (2 and 4 ranks x 0.5, 1, 2 x the "
+                   "calibrated link), for this MLP and for the demo, instead of the modes side by side")
+    p.add_argument("--grid-demo-model", default="small", help="the demo's model size in the grid (tiny, small, "
+                   "medium; none: leave the demo out; default small)")
+    args = parse(p, argv)
+    if args.grid:
+        _grid(args)
+        return
     r = run_distributed(_train_rank, args.world_size, args, timeout=900)[0]
     fsdp2 = r["torch FSDP2 (default)"].linked
     rows = []
     for name in MODES:
         m: PairedTimes = r[name]
-        shown = f"{name} (depth {r[f'depth {name}']})" if "prefetch auto" in name else name
+        shown = f"{name} ({r[f'decision {name}']})" if "prefetch auto" in name else name  # what runs, and why
         rows.append([shown, *paired_cells(m), f"{100 * m.hidden_share:.0f}%",
                      f"{1e3 * max(m.unlinked, m.comm):.1f}", f"{m.linked / fsdp2:.2f}x",
                      f"{r[f'peak {name}'] / 2**20:.3g}"])

@@ -74,7 +74,7 @@ them unsharded until the next forward reshards them, as it did for the last grou
 With ``prefetch="auto"`` and every group stepped in backward (``overlap.optimizer_in_backward``), a
 group's shards are final as soon as its step ran, so the next step's all-gather of it may go out in
 this backward, where the link otherwise waits on gradients (``scheduler/gather_ahead.py``, [Note:
-choosing the gathers issued ahead]). The first step (the one that records costs) also picks a plan
+choosing the gathers issued ahead]). The step that chooses the depth (the last that records costs) also picks a plan
 ``(count, lag)`` from its costs and the byte budget, agreed as rank 0's: after the reduce-scatter of
 the group reduced ``lag`` after it, each of the first ``count`` groups reduced is gathered
 (``_gather_ahead``: the epilogues up to its own run first, waiting for their reduce-scatters, so its
@@ -151,7 +151,10 @@ from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
 from overlap.profiler.records import BUDGET_LABEL
 from overlap.regions import ModuleRegions, region
+from overlap.schedule_verification import ScheduleTrial
 from overlap.streams import comm_stream
+from scheduler import schedule_trial
+from scheduler.schedule_trial import Plan, ScheduleDecision, Verdict
 
 __all__ = ["shard", "no_sync", "no_overlap", "prefetch_next_step", "ShardedModule", "sharded_states"]
 
@@ -182,7 +185,8 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
     @property
     def prefetch_depth(self) -> Optional[int]:
         """Groups gathered ahead of the running one: the ``prefetch`` passed to ``shard``, or with
-        ``prefetch="auto"`` the depth chosen in the first step (see [Note: prefetch="auto"]; None
+        ``prefetch="auto"`` the depth chosen from the first steps, and after the trial of the choice the
+        depth that runs (see [Note: prefetch="auto"], ``schedule_decision``; None
         before it)."""
         state = self._overlap_state
         if not state.auto_prefetch:
@@ -203,15 +207,33 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
     @property
     def gather_ahead(self) -> Optional[tuple[int, int]]:
         """With ``prefetch="auto"`` and an optimizer stepped in backward: ``(count, lag)``, the gathers
-        issued ahead in backward chosen in the first step (see [Note: gathering ahead in backward]);
+        issued ahead in backward chosen from the first steps (during the trial of the choice: the plan
+        this step runs; after it: the plan that runs; see [Note: gathering ahead in backward]);
         None before that, or where it does not apply."""
         root = self._overlap_state.root
         return root.gather_ahead if root is not None and root.owner is self._overlap_state else None
 
+    def set_schedule_trial(self, enabled: bool) -> None:
+        """Turn on (the default) or off, for this root, the timed trial that verifies ``prefetch="auto"``'s
+        choice against the simple plan (depth 1, nothing gathered ahead) and falls back to it unless the
+        choice wins ([Note: verifying the choice by a trial] in ``scheduler/schedule_trial.py``); every
+        rank alike, before the choice is made. Off: the model's choice runs unverified."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_schedule_trial: enabled must be a bool, got {enabled!r}")
+        self._overlap_state.schedule_trial_enabled = enabled
+
+    @property
+    def schedule_decision(self) -> "Optional[ScheduleDecision]":
+        """With ``prefetch="auto"``: the plan that runs after the choice and its trial, the model's
+        choice and why one or the other (``scheduler.schedule_trial.ScheduleDecision``; ``str()`` says
+        it in a line); None until decided (the recorded steps and the trial's), or on a non-root."""
+        root = self._overlap_state.root
+        return root.schedule_decision if root is not None and root.owner is self._overlap_state else None
+
     @property
     def modelled_step(self) -> Optional[float]:
         """With ``prefetch="auto"``: the seconds per step the chooser's model gave the chosen schedule
-        (depth and gather-ahead) from the first step's measured costs (see [Note: what the step's
+        (depth and gather-ahead) from the recorded steps' costs (see [Note: what the step's
         costs are made of] in ``scheduler/prefetch_depth.py``); None before that, or on a non-root."""
         root = self._overlap_state.root
         return root.modelled_step if root is not None and root.owner is self._overlap_state else None
@@ -260,6 +282,7 @@ class ShardState:
         self.sync_grads = True
         self.serialize_comm = False  # set by no_overlap() on the root
         self.gather_ahead_enabled = True  # set_gather_ahead() on the root
+        self.schedule_trial_enabled = True  # set_schedule_trial() on the root
         self.regions = ModuleRegions.named("")  # see name_regions
         self.fqn = ""  # relative to the root (see name_regions)
         self._backward_seen = -1  # the backward pass (root counter) whose pre-backward ran here
@@ -472,10 +495,18 @@ class _Root:
         # per forward position: [compute, link, packing, backward] seconds (see [Note: what the
         # step's costs are made of] in scheduler/prefetch_depth.py); backward -1.0: not measured
         self._costs: list[list[float]] = []
+        # the recorded steps' costs, on _samples_order, until COST_SAMPLES of them ([Note: robust step costs])
+        self._cost_samples: list[list[list[float]]] = []
+        self._samples_order: Optional[list[int]] = None
+        self._recorded_steps = 0  # steps that recorded costs, on any order
         self._choice_pending = False  # costs recorded, the choice waits for the end of this step's backward
         self._backward_position: Optional[int] = None  # the recording backward's running position
         self._position_of: dict[int, int] = {}  # the recording backward: state index -> forward position
         self.modelled_step: Optional[float] = None  # seconds: the chosen plan's modelled steady step
+        # the trial of the choice against the simple plan ([Note: verifying the choice by a trial])
+        self._trial: Optional[ScheduleTrial] = None
+        self._modelled: tuple[Plan, float, float] = ((1, None), 0.0, 0.0)  # the model's plan, its and simple's step
+        self.schedule_decision: Optional[ScheduleDecision] = None
         self._running: list[int] = []  # positions whose forward is running, innermost last
         self._kept: frozenset[int] = frozenset()  # forward positions kept unsharded for backward
         self._kept_for: Optional[tuple[list[int], int]] = None  # (agreed order, depth) _kept was computed for
@@ -573,6 +604,8 @@ class _Root:
             self._finish_step()  # the last forward had no backward (or it was cut short)
         if self._choice_pending:  # the recording step's backward did not end: choose from its forward
             self._choose_depth(measured_backward=False)
+        if self._trial is not None:
+            self._run_trial()
         self.in_forward = True
         self.boundary = None
         for state in self.states:
@@ -581,7 +614,7 @@ class _Root:
         self.forward_seq = []
         self.post_forward_seq = []
         self._on_script = True
-        self.recording_costs = self.auto_prefetch and self.chosen_depth is None and self.agreed_order is None
+        self.recording_costs = self.auto_prefetch and self.chosen_depth is None
         self._costs, self._running = [], []
 
     def on_pre_forward(self, state: ShardState) -> None:
@@ -678,12 +711,26 @@ class _Root:
         return compute, link, (backward if measured_backward and all(b >= 0 for b in backward) else None)
 
     def _choose_depth(self, measured_backward: bool) -> None:
-        """Choose the prefetch depth from this step's costs and agree it across ranks (see [Note:
-        prefetch="auto"])."""
-        from scheduler.prefetch_depth import choose_prefetch_depth
+        """Keep this recorded step's costs as a sample; after ``COST_SAMPLES`` recorded steps, choose the
+        prefetch depth from the samples on the last one's order (an order that changes from step to
+        step leaves fewer samples, never more recorded steps) and agree it across ranks (see [Note:
+        prefetch="auto"], [Note: robust step costs] in ``scheduler/cost_samples.py``)."""
+        from scheduler.cost_samples import COST_SAMPLES, least_disturbed
+        from scheduler.prefetch_depth import choose_prefetch_depth, modelled_step
 
         self.recording_costs = self._choice_pending = False
         self._backward_position = None
+        if not measured_backward:
+            for cost in self._costs:
+                cost[3] = -1.0
+        if self._samples_order != self.forward_seq:  # another order (agreed): its positions are other groups
+            self._cost_samples, self._samples_order = [], list(self.forward_seq)
+        self._cost_samples.append(self._costs)
+        self._recorded_steps += 1
+        if self._recorded_steps < COST_SAMPLES:
+            return  # the next step records again (at most COST_SAMPLES steps, on whatever orders they ran)
+        self._costs, self._cost_samples = least_disturbed(self._cost_samples), []
+        measured_backward = all(cost[3] >= 0 for cost in self._costs)
         groups = [self.states[i].group for i in self.forward_seq]
         budget = self.owner.max_inflight_bytes
         if budget is None:
@@ -705,6 +752,61 @@ class _Root:
         self._choose_gather_ahead(depth, budget, compute, link, backward)
         count, lag = self.gather_ahead or (0, 1)
         self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward)
+        self._start_trial(modelled_step(compute, link, 1, backward))
+
+    def _start_trial(self, simple_s: float) -> None:
+        """After the choice: run the trial of it against the simple plan from the next forward, or
+        decide at once where the model chose the simple plan or the trial is off ([Note: verifying the
+        choice by a trial] in ``scheduler/schedule_trial.py``)."""
+        assert self.chosen_depth is not None and self.modelled_step is not None
+        chosen: Plan = (self.chosen_depth, self.gather_ahead)
+        self._modelled = (chosen, self.modelled_step, simple_s)
+        rounds = schedule_trial.TRIAL_ROUNDS if self.owner.schedule_trial_enabled else 0
+        ahead_runs = self.gather_ahead is not None and self.owner.gather_ahead_enabled  # set_gather_ahead(False)
+        if (self.chosen_depth, self.gather_ahead if ahead_runs else None) == SIMPLE_PLAN:
+            self._decide(chosen, None, "the model's choice runs as the simple plan"
+                         + ("" if chosen == SIMPLE_PLAN else " (gather-ahead is off)"))
+            return
+        if rounds == 0:
+            self._decide(chosen, None, "the model's choice, not verified (the trial is off)")
+            return
+        settle = 1 if ahead_runs else 0  # gathers cross the step boundary: see the Note
+        self._trial = ScheduleTrial((self.owner.info, self.owner.replicate), rounds, settle, self.backward_count)
+
+    def _run_trial(self) -> None:
+        """A forward starts during the trial: run the plan of this trial step, or apply the verdict."""
+        assert self._trial is not None
+        plan = self._trial.at_forward_start(self.backward_count)
+        chosen = self._modelled[0]
+        if plan is not None:
+            self._apply_plan(chosen if plan == schedule_trial.CHOSEN else SIMPLE_PLAN)
+            return
+        verdict = self._trial.verdict
+        assert verdict is not None
+        self._trial = None
+        measured = (f"{1e3 * verdict.chosen_s:.1f} ms per step vs {1e3 * verdict.simple_s:.1f} ms on the simple plan "
+                    f"({schedule_trial.describe(SIMPLE_PLAN)}; the least of {verdict.samples} timed steps each, "
+                    "slowest rank)")
+        if verdict.keep:
+            self._decide(chosen, verdict, f"the model's choice, kept by the trial: {measured}")
+        else:
+            self._decide(SIMPLE_PLAN, verdict, f"the simple plan, since the model's choice "
+                         f"({schedule_trial.describe(chosen)}) did not win the trial by "
+                         f"{100 * schedule_trial.WIN_MARGIN:g}%: {measured}")
+
+    def _apply_plan(self, plan: Plan) -> None:
+        """Run ``plan`` from this step on: the auto groups' depth and the gather-ahead plan."""
+        for state in self.states:
+            if state.auto_prefetch:
+                state.prefetch = plan[0]
+        self.gather_ahead = plan[1]
+
+    def _decide(self, plan: Plan, verdict: Optional[Verdict], reason: str) -> None:
+        chosen, chosen_s, simple_s = self._modelled
+        self._apply_plan(plan)
+        self.chosen_depth = plan[0]
+        self.modelled_step = chosen_s if plan == chosen else simple_s
+        self.schedule_decision = ScheduleDecision(plan, chosen, chosen_s, simple_s, verdict, reason)
 
     def _choose_gather_ahead(self, depth: int, budget: int, compute: list[float], link: list[float],
                              backward: Optional[list[float]]) -> None:
@@ -1084,6 +1186,10 @@ def _kept_for_backward(order: list[int], depth: int, owner: int) -> frozenset[in
     return frozenset(kept)
 
 
+SIMPLE_PLAN: Plan = (1, None)
+"""The simple schedule ``prefetch="auto"``'s choice must beat: depth 1, nothing gathered ahead (FSDP2's
+default order)."""
+
 PREFETCH_BUDGET_SHARE = 4
 """``prefetch="auto"`` without ``max_inflight_bytes``: prefetches may hold 1/this of the free memory."""
 
@@ -1238,15 +1344,20 @@ def shard(
     position of that order, the group's gather (issued and waited at once: the host's packing and
     unpacking apart from the wait for the link), the compute between its hooks (nested modules' own
     positions taken out) and, in its backward, each group's backward ([Note: what the step's costs
-    are made of] in ``scheduler/prefetch_depth.py``). When that backward ends (when forward ends if
-    grad is off; at the next forward if the backward never ended), the depth is chosen from those
+    are made of] in ``scheduler/prefetch_depth.py``). The next steps record the same way, up to
+    ``scheduler.cost_samples.COST_SAMPLES`` steps on one order, and each cost is the smallest of its
+    samples ([Note: robust step costs] there). When the last of them ends (its backward; its forward
+    if grad is off; the next forward if the backward never ended), the depth is chosen from those
     costs, the groups' gather bytes and the budget (``scheduler/prefetch_depth.py``, [Note: choosing
     the prefetch depth]); the ranks then take the largest of their choices (``overlap.agreement.exchange``),
     because the depth decides where gathers fall between reduce-scatters, and that sequence must
     be the same on every rank. The depth then holds for every step, on the recorded order: a step
     that leaves the order (a skipped block, another branch) prefetches nothing from there on, as
-    with a fixed depth ([Note: same collectives, same order, on every rank]). ``prefetch_depth``
-    on the module says what was chosen. The costs are host times: right on CPU; on CUDA the host
+    with a fixed depth ([Note: same collectives, same order, on every rank]). The next steps then
+    verify the choice: a timed trial runs it and the simple plan (depth 1, nothing gathered ahead)
+    in turns, and the choice stays only if it wins (``scheduler/schedule_trial.py``, [Note:
+    verifying the choice by a trial]; ``set_schedule_trial(False)`` skips it). ``prefetch_depth``
+    on the module says what was chosen, ``schedule_decision`` what runs after the trial and why. The costs are host times: right on CPU; on CUDA the host
     does not wait for the device, so the gathers look cheap and the depth stays shallow.
 
     Returns ``module``, whose class becomes a subclass of :class:`ShardedModule`. Its parameters are

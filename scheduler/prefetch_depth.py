@@ -43,8 +43,10 @@ host issues it between blocks), not on the link. So the runtime now measures, in
 the packing (``compute`` gets it), the wait for the link (``gather``) and each group's backward
 (``backward``: from its pre-backward to the next one's, less the time it waited for its re-gather).
 One sample per rank is noisy on a loaded host (seen: a 55 ms gather measured at 595 ms, a
-backward at twice the other rank's), and noise only adds time: the ranks agree each entry's low
-median over ranks (the smaller of two) before choosing, so every rank chooses from the same numbers.
+backward at twice the other rank's), and noise only adds time: each rank takes each entry's least
+over several recorded steps ([Note: robust step costs] in ``scheduler/cost_samples.py``), then the
+ranks agree each entry's low median over ranks (the smaller of two) before choosing, so every rank
+chooses from the same numbers.
 """
 from __future__ import annotations
 

@@ -139,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="steps of overlap.shard (and no-overlap) run under overlap.profile() after the timed "
                            "ones, for the trace and timeline (default 2; 0: no profile, nothing written)")
     demo.add_argument("--prefetch", type=_prefetch, default="auto", metavar="D",
-                      help="overlap.shard's prefetch: auto (default: the depth chosen from the first step's "
-                           "measured costs, which runs behind the link) or a fixed depth >= 0; no-overlap "
+                      help="overlap.shard's prefetch: auto (default: the depth chosen from the first steps' "
+                           "measured costs, then verified by a timed trial against depth 1 with nothing gathered "
+                           "ahead, all behind the link) or a fixed depth >= 0; no-overlap "
                            "runs at the depth overlap.shard used, so both move the same bytes")
     demo.add_argument("--mesh", type=_mesh, default=None, metavar="NxG",
                       help="emulate N nodes of G ranks (N*G ranks; --world-size may be left out): overlap.shard and "

@@ -3,7 +3,9 @@
 One run, side by side on the same ranks, from the same initial weights and on the same batches:
 
 * ``overlap.shard`` (this runtime: each block's gather in flight while the blocks before it compute,
-  ``prefetch="auto"`` by default, whose depth is chosen in the first step, run behind the link, and
+  ``prefetch="auto"`` by default, whose depth is chosen from the first steps' costs and verified by a
+  timed trial against the simple schedule, all run behind the link before timing
+  (:func:`~overlap.demo.training.schedule_steps` untimed steps in every mode), and
   which keeps the last groups of forward unsharded for backward; gradients reduce-scattered while
   the rest of backward runs, each group's optimizer step run in backward as soon as its gradients
   land: ``overlap.optimizer_in_backward``);
@@ -45,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.demo.model import MODEL_SIZES, TransformerLM, token_batch
-from overlap.demo.training import TrainStep, calibrate_link, make_optimizer, shard_for_mode
+from overlap.demo.training import TrainStep, calibrate_link, make_optimizer, schedule_steps, shard_for_mode
 from overlap.testing.exposed import PairedTimes
 
 __all__ = [
@@ -199,8 +201,12 @@ class ModeResult:
     """What the gather-ahead chooser's memory model says ``overlap.shard`` holds at once
     (``overlap.demo.unsharded_peak.modelled_peak``; the most over ranks); None for other modes."""
     modelled_step: Optional[float] = None
-    """Seconds per step the chooser's model gave ``overlap.shard``'s chosen schedule (rank 0's, from
-    its first step's costs: ``modelled_step`` of the sharded model); None for other modes."""
+    """Seconds per step the chooser's model gave ``overlap.shard``'s schedule (rank 0's, from its
+    recorded steps' costs: ``modelled_step`` of the sharded model); None for other modes."""
+    schedule: Any = None
+    """``overlap.shard``'s ``schedule_decision`` with ``prefetch="auto"`` (a
+    ``scheduler.schedule_trial.ScheduleDecision``: what runs and why, the model's choice kept by the
+    trial or the simple plan); None for other modes or a fixed depth."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,8 +311,9 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     size = MODEL_SIZES[cfg.model]
     calibrate = cfg.link_gbps is None
-    per_mode = max(1, cfg.warmup) + 2 * cfg.steps * (1 + SETTLE_STEPS)
-    total = (6 if calibrate else 0) + per_mode * len(cfg.modes)
+    settle = schedule_steps()
+    per_mode = max(0, cfg.warmup - 1) + 2 * cfg.steps * (1 + SETTLE_STEPS)
+    total = (6 if calibrate else 0) + sum(per_mode + (1 if m in TP_MODES else settle) for m in cfg.modes)
     total += cfg.profile_steps * sum(m in PROFILED for m in cfg.modes)
     total += MEMORY_STEPS * sum(m not in TP_MODES for m in cfg.modes)
     progress = _Progress(total, enabled=cfg.progress and rank == 0)
@@ -361,8 +368,9 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     for mode in cfg.modes:
         progress.start(MODE_NAMES[mode])
         step = build(mode)
-        with link():  # the first step behind the link: prefetch="auto" measures its costs in it
-            step()
+        with link():  # behind the link: prefetch="auto" records its costs and runs its trial in these
+            for _ in range(settle if mode not in TP_MODES else 1):
+                step()
         times = paired_steps(step, cfg.steps, gbps, cfg.latency_us, warmup=max(0, cfg.warmup - 1), link=link(),
                              settle=SETTLE_STEPS)
         mode_depth = getattr(step.model, "prefetch_depth", None) if mode not in TP_MODES else None
@@ -389,8 +397,9 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
             merged = prof.gather(dst=0)
         ahead = getattr(step.model, "gather_ahead", None) if mode not in TP_MODES else None
         modelled_step = getattr(step.model, "modelled_step", None) if mode not in TP_MODES else None
+        decision = getattr(step.model, "schedule_decision", None) if mode not in TP_MODES else None
         modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth, ahead, peak, largest,
-                                 modelled, modelled_step)
+                                 modelled, modelled_step, decision)
         del step
     progress.finish()
     bitwise = None
@@ -612,7 +621,8 @@ def _depth_lines(result: DemoResult) -> list[str]:
     ours = result.modes.get("overlap")
     if ours is None or ours.depth is None:
         return []
-    how = "chosen from the first step's measured costs" if result.config.prefetch == "auto" else "--prefetch"
+    how = ("chosen from the first steps' measured costs, then verified by a trial" if result.config.prefetch == "auto"
+           else "--prefetch")
     lines = [f"overlap.shard prefetch depth {ours.depth} ({how}): up to {1 + ours.depth} groups unsharded at once, "
              f"the last {1 + ours.depth} of forward kept for backward"]
     if ours.gather_ahead is not None:
@@ -620,9 +630,11 @@ def _depth_lines(result: DemoResult) -> list[str]:
         lines.append(f"overlap.shard gather-ahead: the next forward's first {1 + ours.depth} gathers issued at the end "
                      f"of backward; {count} more issued in backward after their group's step"
                      + (f" (each after the reduce-scatter {lag} later)" if count else " (the model saw no gain)"))
+    if ours.schedule is not None:
+        lines.append(f"overlap.shard schedule: {ours.schedule}")
     if ours.modelled_step is not None:
-        lines.append(f"overlap.shard modelled step {ours.modelled_step * 1e3:.1f} ms (the chooser's model, from the first "
-                     f"step's costs, rank 0) vs measured {ours.times.linked * 1e3:.1f} ms")
+        lines.append(f"overlap.shard modelled step {ours.modelled_step * 1e3:.1f} ms (the chooser's model, from the "
+                     f"recorded steps' costs, rank 0) vs measured {ours.times.linked * 1e3:.1f} ms")
     return lines
 
 

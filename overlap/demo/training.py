@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["MODES", "TrainStep", "calibrate_link", "calibrated_gbps", "measure_traffic", "make_optimizer",
-           "shard_for_mode"]
+           "schedule_steps", "shard_for_mode"]
 
 MODES: tuple[str, ...] = ("overlap", "no-overlap", "fsdp2", "fsdp2-prefetch")
 
@@ -162,3 +162,15 @@ def calibrate_link(step: Callable[[], object], latency_us: float, steps: int = 3
 
     compute = paired_steps(step, steps, 1e6, 0.0, warmup=warmup).unlinked
     return calibrated_gbps(compute, *measure_traffic(step), latency_us)
+
+
+def schedule_steps() -> int:
+    """The most steps ``overlap.shard(prefetch="auto")`` takes to settle its schedule: the steps that
+    record costs (``scheduler.cost_samples.COST_SAMPLES``), the longest trial of the choice
+    (``scheduler.schedule_trial``: with gather-ahead, an untimed step before each timed one) and the
+    step at whose start the verdict is applied. Benchmarks run this many untimed steps of every mode
+    behind the link before timing (the same count in every mode, so losses compare step by step)."""
+    from scheduler.cost_samples import COST_SAMPLES
+    from scheduler.schedule_trial import TRIAL_ROUNDS, trial_steps
+
+    return COST_SAMPLES + len(trial_steps(TRIAL_ROUNDS, settle=1)) + 1

@@ -319,6 +319,8 @@ MATRIX: dict[str, Bad] = {
         lambda e: e.sharded.set_reshard_after_backward("no"), ValueError, "reshard_after_backward", "bool"),
     "ShardedModule set_gather_ahead not a bool": Bad(
         lambda e: e.sharded.set_gather_ahead(1), TypeError, "set_gather_ahead", "enabled must be a bool"),
+    "ShardedModule set_schedule_trial not a bool": Bad(
+        lambda e: e.sharded.set_schedule_trial("off"), TypeError, "set_schedule_trial", "enabled must be a bool"),
     "FSDPModule set_reshard_after_forward not a bool": Bad(
         lambda e: e.sharded.set_reshard_after_forward(1), ValueError, "reshard_after_forward", "bool"),
     "FSDPModule set_is_last_backward not a bool": Bad(

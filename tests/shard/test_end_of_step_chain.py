@@ -14,7 +14,7 @@ import torch
 import overlap
 from models import LR, SEED, TinyLM, local_batch, make_batch
 from overlap import param_group, sharding
-from scheduler import gather_ahead, prefetch_depth
+from scheduler import cost_samples, gather_ahead, prefetch_depth, schedule_trial
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
 
@@ -29,6 +29,8 @@ def _train(rank: int, world_size: int, enabled: bool) -> dict[str, Any]:
     sharding.END_OF_STEP_CHAIN = True  # off by default (it lost in paired demo runs): the test turns it on
     gather_ahead.choose_gather_ahead = lambda *args, **kwargs: (0, 1)
     prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: DEPTH
+    cost_samples.COST_SAMPLES = 1  # the plan chosen at the end of step 0, as asserted below
+    schedule_trial.TRIAL_ROUNDS = 0  # the forced plan runs on, untried
     events: list[tuple[str, int]] = []
     at_end = [False]
     group_cls = param_group.ParamGroup

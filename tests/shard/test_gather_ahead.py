@@ -21,7 +21,7 @@ from torch import nn
 import overlap
 from models import LR, SEED, TinyLM, local_batch, make_batch, make_optimizer
 from overlap.sharding import sharded_states
-from scheduler import gather_ahead, prefetch_depth
+from scheduler import cost_samples, gather_ahead, prefetch_depth, schedule_trial
 from scheduler.gather_ahead import choose_gather_ahead, held_bytes, modelled_steady_step
 
 pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
@@ -55,7 +55,9 @@ def _train(rank: int, world_size: int, in_backward: bool, plan: Optional[tuple[i
     ``skip_last_on_odd_steps`` odd steps run without the last block. ``plan``: the gather-ahead plan
     forced on every rank (None: the model's choice); ``enabled``: ``set_gather_ahead``."""
     torch.set_num_threads(1)
+    cost_samples.COST_SAMPLES = 1  # this rank's process only: the plan from step 0's costs, as the asserts count
     if plan is not None:  # this rank's process only; depth 1, so the end of backward gathers 2 groups
+        schedule_trial.TRIAL_ROUNDS = 0  # the forced plan runs on (the model's choice goes through the trial)
         gather_ahead.choose_gather_ahead = lambda *args, **kwargs: plan
         prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED_DEPTH
     model = _sharded()
@@ -144,6 +146,8 @@ def test_gather_ahead_for_a_group_the_next_forward_skips(distributed, world_size
 
 def _exit_with_gathers_in_flight(rank: int, world_size: int) -> list[int]:
     gather_ahead.choose_gather_ahead = lambda *args, **kwargs: (LAYERS + 1, 1)
+    cost_samples.COST_SAMPLES = 1  # chosen in step 0: step 1 gathers ahead
+    schedule_trial.TRIAL_ROUNDS = 0  # the forced plan runs on, untried
     model = _sharded()
     overlap.optimizer_in_backward(model, torch.optim.AdamW, lr=LR)
     for step in range(2):
@@ -166,6 +170,8 @@ def _held_within_budget(rank: int, world_size: int, slack: int) -> dict[str, Any
     real = gather_ahead.choose_gather_ahead
     gather_ahead.choose_gather_ahead = lambda c, g, nbytes, depth, budget, **kw: real(*SYNTHETIC_COSTS, nbytes, depth, budget)
     prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED_DEPTH
+    cost_samples.COST_SAMPLES = 1  # chosen in step 0: every step holds gathers ahead
+    schedule_trial.TRIAL_ROUNDS = 0  # the forced plan runs on, untried
     torch.manual_seed(SEED)
     probe = TinyLM(layers=LAYERS)
     for block in probe.blocks:

@@ -1,5 +1,6 @@
-"""``overlap.shard(..., prefetch="auto")``: the prefetch depth chosen from the first step's measured
-costs and a byte budget, agreed across ranks ([Note: prefetch="auto"] in ``overlap/sharding.py``).
+"""``overlap.shard(..., prefetch="auto")``: the prefetch depth chosen from the first steps' measured
+costs (each the least of ``COST_SAMPLES`` samples) and a byte budget, agreed across ranks ([Note:
+prefetch="auto"] in ``overlap/sharding.py``, [Note: robust step costs] in ``scheduler/cost_samples.py``).
 
 Every run is compared bitwise with the same loop at ``prefetch=0`` (nothing gathered ahead): a
 schedule may only move when a gather happens, never what it gathers or what the step computes.
@@ -18,13 +19,20 @@ from torch import nn
 
 import overlap
 from models import SEED, TinyLM, local_batch, make_batch, make_optimizer
+from scheduler.cost_samples import COST_SAMPLES
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
 
 
+STEPS = COST_SAMPLES + 2
+"""The recorded steps, then two on the chosen depth."""
+CHOSEN = [None] * (COST_SAMPLES - 1)
+"""``prefetch_depth`` after each recorded step but the last (chosen at the end of the last)."""
+
+
 def _train(rank: int, world_size: int, prefetch: Any, budget: Optional[int] = None,
            skip_first_on_odd_steps: bool = False) -> dict[str, Any]:
-    """4 AdamW steps of TinyLM sharded per block with ``prefetch`` (and ``max_inflight_bytes=budget``);
+    """``STEPS`` AdamW steps of TinyLM sharded per block with ``prefetch`` (and ``max_inflight_bytes=budget``);
     with ``skip_first_on_odd_steps``, odd steps run without blocks[0]."""
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
@@ -36,7 +44,7 @@ def _train(rank: int, world_size: int, prefetch: Any, budget: Optional[int] = No
     skipped = nn.ModuleList([nn.Identity(), *blocks[1:]])
     opt = make_optimizer(model.parameters())
     losses, depths = [], []
-    for step in range(4):
+    for step in range(STEPS):
         model.blocks = skipped if skip_first_on_odd_steps and step % 2 else nn.ModuleList(blocks)
         loss = model.loss(local_batch(make_batch(step), rank, world_size))
         loss.backward()
@@ -68,15 +76,16 @@ def test_auto_depth_is_agreed_within_budget_and_bitwise_the_plain_loop(distribut
     for plain, auto, tight in per_rank:
         _assert_same(auto, plain)
         _assert_same(tight, plain)
-        assert plain["depths"] == [0] * 4
-        depth = auto["depths"][0]
-        assert depth is not None and depth >= 1 and auto["depths"] == [depth] * 4, auto["depths"]
+        assert plain["depths"] == [0] * STEPS
+        depth = auto["depths"][-1]
+        assert depth is not None and depth >= 1 and auto["depths"] == CHOSEN + [depth] * (STEPS - len(CHOSEN)), \
+            auto["depths"]
         # within the budget: any group and the groups prefetched after it fit, unless depth 1 alone does not
         assert sorted(tight["gather_bytes"]) == [9728, 27648, 27648], "the budget above assumes these groups"
-        assert tight["depths"] == [1] * 4, "two blocks' gathers do not fit the budget: depth 1"
+        assert tight["depths"][len(CHOSEN):] == [1] * (STEPS - len(CHOSEN)), "two blocks' gathers do not fit: depth 1"
         assert tight["max_inflight"] <= budget
-    assert len({runs[1]["depths"][0] for runs in per_rank}) == 1, "every rank prefetches alike"
-    assert len({runs[2]["depths"][0] for runs in per_rank}) == 1
+    assert len({runs[1]["depths"][-1] for runs in per_rank}) == 1, "every rank prefetches alike"
+    assert len({runs[2]["depths"][-1] for runs in per_rank}) == 1
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -84,7 +93,7 @@ def test_auto_depth_falls_back_when_a_block_is_skipped(distributed, world: int) 
     option_sets = [{"prefetch": 0}, {"prefetch": "auto"}]
     for plain, auto in distributed(_runs, world, option_sets, skip_first_on_odd_steps=True, timeout=300):
         _assert_same(auto, plain)
-        assert auto["depths"][0] is not None and auto["depths"][0] >= 1
+        assert auto["depths"][-1] is not None and auto["depths"][-1] >= 1
 
 
 def _rank_dependent_choice(rank: int, world_size: int) -> list[dict[str, Any]]:
@@ -98,13 +107,14 @@ def _rank_dependent_choice(rank: int, world_size: int) -> list[dict[str, Any]]:
 def test_ranks_agree_on_the_deepest_choice(distributed) -> None:
     per_rank = distributed(_rank_dependent_choice, 3, timeout=300)
     for plain, auto in per_rank:
-        assert auto["depths"] == [3] * 4, auto["depths"]  # the deepest of 1, 2, 3 (all the groups ahead)
+        assert auto["depths"] == CHOSEN + [3] * (STEPS - len(CHOSEN)), auto["depths"]  # the deepest of 1, 2, 3 (all the groups ahead)
         _assert_same(auto, plain)
 
 
 def _costs_seen(rank: int, world_size: int) -> list[dict[str, Any]]:
-    """The costs ``choose_prefetch_depth`` is handed, for a first step with a backward and for one
-    without (under ``torch.no_grad``), and the depth before and after the first backward."""
+    """The costs ``choose_prefetch_depth`` is handed, for recorded steps with a backward and for
+    recorded forwards without (under ``torch.no_grad``), and the depth after each forward and each
+    step."""
     import scheduler.prefetch_depth
 
     seen: list[dict[str, Any]] = []
@@ -117,38 +127,76 @@ def _costs_seen(rank: int, world_size: int) -> list[dict[str, Any]]:
     scheduler.prefetch_depth.choose_prefetch_depth = spy
     torch.set_num_threads(1)
     depths = []
-    for first_with_grad in (True, False):
+    for with_grad in (True, False):
         torch.manual_seed(SEED)
         model = TinyLM()
         for block in model.blocks:
             overlap.shard(block, prefetch="auto")
         overlap.shard(model, prefetch="auto")
         batch = local_batch(make_batch(0), rank, world_size)
-        with torch.set_grad_enabled(first_with_grad):
-            loss = model.loss(batch)
-        depths.append(model.prefetch_depth)  # after the first forward
-        if first_with_grad:
-            loss.backward()
-        depths.append(model.prefetch_depth)  # after its backward (none: after the next forward)
-        if not first_with_grad:
-            model.loss(batch).backward()
-            depths.append(model.prefetch_depth)
+        for _ in range(COST_SAMPLES):
+            with torch.set_grad_enabled(with_grad):
+                loss = model.loss(batch)
+            depths.append(model.prefetch_depth)  # after the forward
+            if with_grad:
+                loss.backward()
+            depths.append(model.prefetch_depth)  # after the step
     return [*seen, {"depths": depths}]
 
 
 def test_the_depth_is_chosen_from_measured_backward_and_link_times(distributed) -> None:
-    # [Note: what the step's costs are made of]: a first step with a backward hands the chooser one
+    # [Note: what the step's costs are made of]: recorded steps with a backward hand the chooser one
     # measured backward time per forward position (root, 2 blocks), and link times apart from the
-    # packing; a first forward without grad chooses at once, with backward taken as twice forward
+    # packing; recorded forwards without grad choose at the end of the last, backward taken as twice forward
     per_rank = distributed(_costs_seen, 2, timeout=300)
     # the ranks' measurements are agreed (the smaller of two per entry): every rank chooses from the same numbers
     assert per_rank[0][:2] == per_rank[1][:2]
+    recorded = [None] * (2 * COST_SAMPLES - 2)
     for with_grad, without_grad, depths in per_rank:
-        # with grad: chosen at the end of the recording backward; without: at the end of its forward
-        assert depths["depths"] == [None, 1, 1, 1, 1], depths
+        # with grad: chosen at the end of the last recorded backward; without: at the end of the last forward
+        assert depths["depths"] == [*recorded, None, 1, *recorded, 1, 1], depths
         assert len(with_grad["compute"]) == len(with_grad["gather"]) == 3
         assert with_grad["backward"] is not None and len(with_grad["backward"]) == 3
         assert all(b > 0 for b in with_grad["backward"]), with_grad["backward"]
         assert all(g > 0 for g in with_grad["gather"]) and all(c > 0 for c in with_grad["compute"])
         assert without_grad["backward"] is None
         assert len(without_grad["gather"]) == 3
+
+
+SPIKE_S = 0.3
+"""Seconds one recorded step's packing of blocks.0 is held up, on every rank (a load spike)."""
+
+
+def _compute_seen_after_a_spike(rank: int, world_size: int, samples: int) -> list[float]:
+    """The per-position compute (packing included) handed to ``choose_prefetch_depth`` when the
+    first recorded step's packing of blocks.0 took :data:`SPIKE_S` longer on every rank, with
+    ``samples`` recorded steps."""
+    import time
+
+    from overlap.param_group import ParamGroup
+    from scheduler import cost_samples, prefetch_depth
+
+    cost_samples.COST_SAMPLES = samples
+    seen: list[list[float]] = []
+    prefetch_depth.choose_prefetch_depth = lambda compute, *args, **kwargs: seen.append(list(compute)) or 1
+    issue_gather, spiked = ParamGroup.issue_gather, [False]
+
+    def slow_once(self: ParamGroup) -> Any:
+        if self.module_fqn == "blocks.0" and not spiked[0]:
+            spiked[0] = True
+            time.sleep(SPIKE_S)
+        return issue_gather(self)
+
+    ParamGroup.issue_gather = slow_once  # type: ignore[method-assign]
+    _train(rank, world_size, "auto")
+    assert spiked[0] and len(seen) == 1, (spiked, seen)
+    return seen[0]
+
+
+@pytest.mark.parametrize("samples, spike_seen", [(1, True), (COST_SAMPLES, False)])
+def test_a_spike_in_one_recorded_step_does_not_reach_the_chooser(distributed, samples: int,
+                                                                 spike_seen: bool) -> None:
+    # [Note: robust step costs]: each entry is the least of its samples, so a spike on every rank in
+    # one step (which the ranks' low median keeps) is dropped; with one sample it reaches the chooser
+    for compute in distributed(_compute_seen_after_a_spike, 2, samples, timeout=300):
+        assert (compute[1] >= SPIKE_S) == spike_seen, compute

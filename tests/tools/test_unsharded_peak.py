@@ -31,7 +31,7 @@ from torch import nn
 import overlap
 from models import LR, SEED, TinyLM, local_batch, make_batch
 from overlap.demo.unsharded_peak import UnshardedPeak, modelled_peak
-from scheduler import gather_ahead, prefetch_depth
+from scheduler import cost_samples, gather_ahead, prefetch_depth, schedule_trial
 from scheduler.held_bytes import held_bytes
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
@@ -48,6 +48,8 @@ def _peak(rank: int, world_size: int, runtime: str, prefetch: int,
     if plan is not None:
         gather_ahead.choose_gather_ahead = lambda *args, **kwargs: plan
         prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: prefetch
+        cost_samples.COST_SAMPLES = 1  # chosen in step 0: steps 1 and 2 run the plan
+        schedule_trial.TRIAL_ROUNDS = 0  # the forced plan runs on, untried
     torch.manual_seed(SEED)
     model = TinyLM(layers=BLOCKS)
     block_bytes = sum(p.numel() for p in model.blocks[0].parameters()) * 4
