@@ -390,7 +390,11 @@ class ParamGroup:
         Fewer ready than that is not complete. From there the shards' flags decide, as before: a
         shard frozen after its forward's gather makes its group wait for that gradient too (autograd
         still produces it), where the flags alone would have let the group be reduced before it
-        arrived; either way the reduction order is the same fixed one, on every rank.
+        arrived; either way the reduction order is the same fixed one, on every rank. With one
+        data-parallel rank the parameter's hook (``_grad_hook``) compares the count itself and
+        returns before calling into the runtime at all: nothing is complete, and no collective of
+        the group is in flight to poll for (a group over several ranks calls every time: each
+        gradient is a poll point for the reductions in flight, [Note: hybrid sharding]).
         """
         ready = self.grads_ready
         count = len(ready)
@@ -465,9 +469,18 @@ class ParamGroup:
         return reduce_dtype
 
     def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        """Parameter ``index``'s post-accumulate-grad hook: mark it ready and tell the runtime
+        (``on_grad_ready``), except, with one data-parallel rank, while fewer gradients are in than
+        the group needs: then nothing is complete and nothing of this group's is in flight to poll
+        for ([Note: counting a group's gradients])."""
+        ready = self.grads_ready
+        on_grad_ready = self._on_grad_ready
+
         def hook(_: torch.Tensor) -> None:
-            self.grads_ready.add(index)
-            self._on_grad_ready(self, index)
+            ready.add(index)
+            if len(ready) < self._grads_needed and self.single_rank:
+                return
+            on_grad_ready(self, index)
 
         return hook
 
