@@ -1155,7 +1155,7 @@ def _dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     tensor with ``spec``'s shape and strides, ``_spec`` and ``_local_tensor`` set) followed by
     ``DTensor.__init__``, which only calls ``Tensor.__init__`` (nothing) through two wrappers for
     Dynamo and export tracing, about 2.4 µs of the 3.4 on this CPU. The runtime builds one gradient
-    DTensor per parameter per step outside any trace (its hooks are ``torch._dynamo.disable``d), so
+    DTensor per parameter per step outside any trace (its hooks never run under Dynamo: ``overlap.eager_hooks``), so
     it calls ``__new__`` alone. Checked on torch 2.11, 2.13 and 2.15: ``__new__`` is
     ``Tensor._dtensor__new__`` and ``__init__`` is that no-op in each.
     """
