@@ -110,7 +110,9 @@ before. The bytes held are the same ``1 + prefetch`` groups, issued earlier.
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order (``overlap.agreement``) in the first step,
 and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
-``torch._dynamo.disable``, so Dynamo runs them eagerly wherever it meets them: per-block compile
+``torch._dynamo.disable`` (``overlap.eager_hooks.eager_hook``: called directly where no Dynamo
+frame callback is set, [Note: a disabled hook's cost outside torch.compile]), so Dynamo runs them
+eagerly wherever it meets them: per-block compile
 (``torch.compile(block)`` before or after ``shard``) compiles each block's ``forward`` as one graph
 between eager hooks, and ``torch.compile(model)`` of a whole sharded model splits at each hook, so
 the compiled pieces run between the same gathers and prefetches as in eager mode and the overlap
@@ -142,6 +144,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kernels.quantized_copy_in import QUANTIZED_DTYPES
 from overlap import agreement, desync, errors, local_optimizer_step, optimizer_check
 from overlap.class_swap import swapped_class
+from overlap.eager_hooks import eager_hook
 from overlap.finite_check import NonFiniteError
 from overlap.fsdp_module import FSDPModuleMethods
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
@@ -1451,8 +1454,8 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
         member.__class__ = swapped_class(ShardedModule, type(member), "Sharded")
         member._overlap_state = state  # type: ignore[assignment]
         # Hooks run eagerly under torch.compile too (see [Note: hooks stay eager under torch.compile]).
-        member.register_forward_pre_hook(torch._dynamo.disable(pre_hook, recursive=True), with_kwargs=True)
-        member.register_forward_hook(torch._dynamo.disable(post_hook, recursive=True))
+        member.register_forward_pre_hook(eager_hook(pre_hook), with_kwargs=True)
+        member.register_forward_hook(eager_hook(post_hook))
     # Region names carry each sharded module's fqn relative to this one, the latest root (once here,
     # not per call): ``overlap::pre_forward (blocks.3)``; see ``overlap.regions``.
     for fqn, m in module.named_modules():
