@@ -201,6 +201,10 @@ class ModeResult:
     modelled_step: Optional[float] = None
     """Seconds per step the chooser's model gave ``overlap.shard``'s chosen schedule (rank 0's, from
     its first step's costs: ``modelled_step`` of the sharded model); None for other modes."""
+    deferred_steps: Optional[list[str]] = None
+    """``overlap.shard``'s groups whose optimizer step runs in the end-of-step chain (``deferred_steps``
+    of the sharded model: [Note: deferred optimizer steps] in ``overlap/sharding.py``); None where it
+    does not apply."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,8 +393,9 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
             merged = prof.gather(dst=0)
         ahead = getattr(step.model, "gather_ahead", None) if mode not in TP_MODES else None
         modelled_step = getattr(step.model, "modelled_step", None) if mode not in TP_MODES else None
+        deferred = getattr(step.model, "deferred_steps", None) if mode not in TP_MODES else None
         modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth, ahead, peak, largest,
-                                 modelled, modelled_step)
+                                 modelled, modelled_step, deferred)
         del step
     progress.finish()
     bitwise = None
@@ -620,6 +625,10 @@ def _depth_lines(result: DemoResult) -> list[str]:
         lines.append(f"overlap.shard gather-ahead: the next forward's first {1 + ours.depth} gathers issued at the end "
                      f"of backward; {count} more issued in backward after their group's step"
                      + (f" (each after the reduce-scatter {lag} later)" if count else " (the model saw no gain)"))
+    if ours.deferred_steps is not None:
+        lines.append("overlap.shard deferred optimizer steps: "
+                     + (f"{', '.join(ours.deferred_steps)} stepped in the end-of-step chain, not right after their "
+                        "reduce-scatter" if ours.deferred_steps else "none (no slack in the modelled end-of-step chain)"))
     if ours.modelled_step is not None:
         lines.append(f"overlap.shard modelled step {ours.modelled_step * 1e3:.1f} ms (the chooser's model, from the first "
                      f"step's costs, rank 0) vs measured {ours.times.linked * 1e3:.1f} ms")
