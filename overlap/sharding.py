@@ -19,7 +19,8 @@ gradient accumulated   (per parameter) when a group's gradients are complete it 
 end of backward        (an autograd final callback) issue what is left in order, wait every
                        reduce-scatter, add the results into the sharded ``.grad``s, reshard all;
                        with the optimizer in backward and ``prefetch="auto"``, issue the next
-                       forward's first gathers ([Note: gathering ahead in backward])
+                       forward's first gathers ([Note: gathering ahead in backward]) and run the
+                       deferred steps ([Note: deferred optimizer steps])
 =====================  =====================================================================
 
 [Note: same collectives, same order, on every rank]
@@ -209,6 +210,14 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
             raise TypeError(f"set_gather_ahead: enabled must be a bool, got {enabled!r}")
         self._overlap_state.gather_ahead_enabled = enabled
 
+    def set_deferred_steps(self, enabled: bool) -> None:
+        """Turn the deferred optimizer steps on (the default) or off for this root (see [Note: deferred
+        optimizer steps]); every rank alike or not (they issue no collective), between steps. Off:
+        every group is stepped right after its reduce-scatter, the schedule before them."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_deferred_steps: enabled must be a bool, got {enabled!r}")
+        self._overlap_state.deferred_steps_enabled = enabled
+
     @property
     def gather_ahead(self) -> Optional[tuple[int, int]]:
         """With ``prefetch="auto"`` and an optimizer stepped in backward: ``(count, lag)``, the gathers
@@ -279,6 +288,7 @@ class ShardState:
         self.sync_grads = True
         self.serialize_comm = False  # set by no_overlap() on the root
         self.gather_ahead_enabled = True  # set_gather_ahead() on the root
+        self.deferred_steps_enabled = True  # set_deferred_steps() on the root
         self.regions = ModuleRegions.named("")  # see name_regions
         self.fqn = ""  # relative to the root (see name_regions)
         self._backward_seen = -1  # the backward pass (root counter) whose pre-backward ran here
@@ -915,7 +925,7 @@ class _Root:
         """This backward's deferred steps: on a backward that runs the gather-ahead plan, with every
         epilogue on the host and early (see [Note: deferred optimizer steps])."""
         self._deferring = []
-        if not (self._ahead_active and self.deferred_steps) or not all(
+        if not (self._ahead_active and self.deferred_steps and self.owner.deferred_steps_enabled) or not all(
                 s.group is None or (s.group.finishes_early and s.group.sharded[0].device.type != "cuda")
                 for s in self.states):
             return

@@ -31,10 +31,12 @@ LAYERS = 3
 DEPTH = 1  # the chain: the root and blocks.0; candidates blocks.2, blocks.1 (the order they are deferred in)
 
 
-def _train(rank: int, world_size: int, in_backward: bool, defer: bool, plan: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+def _train(rank: int, world_size: int, in_backward: bool, defer: bool, plan: tuple[int, int] = (0, 1),
+           enabled: bool = True) -> dict[str, Any]:
     """``STEPS`` AdamW steps of TinyLM (step 1 in two ``no_sync`` micro-batches) at depth 1 with the
     gather-ahead ``plan`` forced; ``defer``: every candidate's step deferred (else none). Logs, per
-    backward, the reduce-scatters, gathers and steps in the order they happened."""
+    backward, the reduce-scatters, gathers and steps in the order they happened (``("deferred",
+    group)``: a step left by its epilogue, run later). ``enabled``: ``set_deferred_steps``."""
     torch.set_num_threads(1)
     gather_ahead.choose_gather_ahead = lambda *args, **kwargs: plan
     prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: DEPTH
@@ -43,6 +45,12 @@ def _train(rank: int, world_size: int, in_backward: bool, defer: bool, plan: tup
     events: list[tuple[str, int]] = []
     group_cls = param_group.ParamGroup
     issue_reduce, issue_gather, call_hooks = group_cls.issue_reduce, group_cls.issue_gather, group_cls._call_reduced_hooks
+    run_deferred = group_cls.run_deferred_reduced_hooks
+
+    def logged_run_deferred(self: Any) -> None:
+        if self.deferred_reduced is not None:
+            events.append(("deferred", id(self)))
+        run_deferred(self)
 
     def logged_issue_reduce(self: Any) -> Any:
         events.append(("reduce", id(self)))
@@ -59,12 +67,13 @@ def _train(rank: int, world_size: int, in_backward: bool, defer: bool, plan: tup
         call_hooks(self, params)
 
     group_cls.issue_reduce, group_cls.issue_gather = logged_issue_reduce, logged_issue_gather
-    group_cls._call_reduced_hooks = logged_call_hooks
+    group_cls._call_reduced_hooks, group_cls.run_deferred_reduced_hooks = logged_call_hooks, logged_run_deferred
     torch.manual_seed(SEED)
     model = TinyLM(layers=LAYERS)
     for block in model.blocks:
         overlap.shard(block, prefetch="auto")
     overlap.shard(model, prefetch="auto")
+    model.set_deferred_steps(enabled)
     opt: Any = make_optimizer_in_backward(model) if in_backward else make_optimizer(model.parameters())
     names = {id(s.group): (s.fqn or "root") for s in sharding.sharded_states(model) if s.group is not None}
     losses, logs = [], []
@@ -92,6 +101,7 @@ def _runs(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
         "in backward": _train(rank, world_size, True, False),
         "deferred": _train(rank, world_size, True, True),
         "deferred, one ahead": _train(rank, world_size, True, True, plan=(1, 1)),
+        "deferred, turned off": _train(rank, world_size, True, True, enabled=False),
     }
 
 
@@ -120,12 +130,22 @@ def test_deferred_steps_are_bitwise_the_plain_loop(distributed, world_size: int)
         # The candidates, latest needed first: never the chain (root, blocks.0), never a group gathered ahead.
         assert runs["deferred"]["deferred"] == ["blocks.1", "blocks.2"]  # reported in module order
         assert runs["deferred, one ahead"]["deferred"] == ["blocks.1"]
+        assert runs["deferred, turned off"]["deferred"] == ["blocks.1", "blocks.2"]  # chosen, not run
+        assert not any(kind == "deferred" for log in runs["deferred, turned off"]["logs"] for kind, _ in log)
+        assert any(kind == "deferred" for log in runs["deferred"]["logs"] for kind, _ in log)
         for what, deferred in (("deferred", ["blocks.1", "blocks.2"]), ("deferred, one ahead", ["blocks.1"])):
             logs = runs[what]["logs"]
             # Step 0 chooses at its end (nothing deferred in it); step 1's first micro-batch
             # reduces nothing (no_sync), its second one defers as any step does.
             for log in logs[1:]:
                 _assert_deferred_into_the_chain(log, deferred)
+
+
+def test_set_deferred_steps_refuses_a_non_bool(single_rank_group) -> None:
+    model = TinyLM(layers=1)
+    overlap.shard(model)
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        model.set_deferred_steps(1)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- the chooser (pure)
