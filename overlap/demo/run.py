@@ -12,7 +12,7 @@ One run, side by side on the same ranks, from the same initial weights and on th
 * torch FSDP2 (``fully_shard``, default settings).
 
 Each mode trains :class:`~overlap.demo.model.TransformerLM` (head untied; embedding, each block and
-head sharded on their own, then the root) with AdamW; its steps alternate without
+head sharded on their own, then the root: its ``shard_units``) with AdamW; its steps alternate without
 and with the emulated link's delay (``overlap.testing.paired_steps``): the first kind is the mode's
 *compute side* (math, packing, the runtime's and gloo's own host work) and what the second takes
 beyond it is *exposed communication*. Each timed step follows an untimed one of its own kind
@@ -130,6 +130,8 @@ class DemoConfig:
     with ``compress=overlap.Compression(**COMPRESSIONS[format])`` right after the exact run (int8
     first), and check its final loss."""
     prefetch: Union[int, str] = "auto"
+    split_first_block: bool = False
+    """Shard the first block's MLP as groups of its own (``TransformerLM.shard_units``), every mode alike."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.compress, tuple) or any(f not in COMPRESSED_MODES for f in self.compress):
@@ -137,6 +139,8 @@ class DemoConfig:
                              f"got {self.compress!r}")
         if self.compress and (self.parallel == "tp" or self.mesh is not None):
             raise ValueError("compress runs a fully sharded FSDP mode: not with parallel='tp' or a mesh")
+        if self.split_first_block and self.parallel == "tp":
+            raise ValueError("split_first_block shards the FSDP modes' groups: not with parallel='tp'")
         if self.parallel not in ("fsdp", "tp"):
             raise ValueError(f"parallel must be 'fsdp' or 'tp'; got {self.parallel!r}")
         if self.parallel == "tp" and (self.mesh is not None or tuple(self.compare) != COMPARABLE):
@@ -338,7 +342,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
             fmt = next(f for f, m in COMPRESSED_MODES.items() if m == mode)
             mode, compress = "overlap", overlap.Compression(**COMPRESSIONS[fmt])
         prefetch = cfg.prefetch if mode == "overlap" or depth is None else depth
-        context = shard_for_mode(mode, model, model.shard_units(), mesh=mesh, prefetch=prefetch,
+        context = shard_for_mode(mode, model, model.shard_units(cfg.split_first_block), mesh=mesh, prefetch=prefetch,
                                  compress=compress)
         # overlap.shard steps each group in backward as its gradients land (the plain step's numerics).
         optimizer = make_optimizer(model, 1e-3, in_backward=mode == "overlap")
@@ -562,7 +566,8 @@ def format_report(result: DemoResult) -> str:
         layout = (f"each block's q, k, v, up column-parallel and out, down row-parallel over the {result.world_size} "
                   f"ranks (Megatron's plan); {result.tokens_per_step:,} tokens per step, the same batch on every rank")
     else:
-        layout = (f"embedding, each block and head sharded, then the root; {result.tokens_per_step:,} tokens per step "
+        split = "blocks.0's MLP, " if cfg.split_first_block else ""
+        layout = (f"embedding, {split}each block and head sharded, then the root; {result.tokens_per_step:,} tokens per step "
                   f"over {result.world_size} ranks")
     lines = [
         f"model {cfg.model}: {result.parameters / 1e6:.3g} M parameters, {size.layers} blocks ({layout})",

@@ -185,3 +185,40 @@ def test_chooser_refuses_bad_input(kwargs: dict[str, Any], message: str) -> None
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         choose_deferred_steps(**args)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the demo's wrapping
+def _demo_model(rank: int, world_size: int, split: bool) -> dict[str, Any]:
+    """3 AdamW-in-backward steps of the demo's tiny model, sharded by its ``shard_units`` with the first
+    block's MLP its own groups (``split``) or each block whole."""
+    from overlap.demo.model import MODEL_SIZES, TransformerLM, token_batch
+    from overlap.demo.training import make_optimizer as demo_optimizer, shard_for_mode
+
+    torch.set_num_threads(1)
+    size = MODEL_SIZES["tiny"]
+    torch.manual_seed(SEED)
+    model = TransformerLM(size)
+    units = model.shard_units(split_first_block=split)
+    shard_for_mode("overlap", model, units, prefetch="auto")
+    opt = demo_optimizer(model, 1e-3, in_backward=True)
+    losses = []
+    for step in range(3):
+        loss = model.loss(token_batch(size, step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "units": len(units),
+            "params": {n: p.to_local().clone() for n, p in model.named_parameters()}}
+
+
+def _both_wrappings(rank: int, world_size: int) -> list[dict[str, Any]]:
+    return [_demo_model(rank, world_size, True), _demo_model(rank, world_size, False)]
+
+
+def test_the_demos_split_first_block_is_bitwise_the_whole_one(distributed) -> None:
+    for split, whole in distributed(_both_wrappings, 2):
+        assert split["units"] == whole["units"] + 2  # blocks.0.up and blocks.0.down
+        assert torch.equal(split["losses"], whole["losses"])
+        for name, value in split["params"].items():
+            assert torch.equal(value, whole["params"][name]), name
