@@ -1,6 +1,7 @@
 """``overlap.shard``'s prefetch depths side by side, step by step in one run: a fixed ``prefetch=1``
-against ``prefetch="auto"`` without and with gather-ahead (the default; ``ahead (count, lag)``: the
-plan chosen, see ``scheduler/gather_ahead.py``), on the demo's transformer (``overlap.demo.model``, embedding, each
+against ``prefetch="auto"`` without gather-ahead, without the deferred optimizer steps, and with
+both (the default; ``ahead (count, lag)``: the plan chosen, see ``scheduler/gather_ahead.py``;
+``deferred``: the groups whose step runs in the end-of-step chain, ``scheduler/deferred_steps.py``), on the demo's transformer (``overlap.demo.model``, embedding, each
 block and head sharded, then the root), AdamW stepped in backward (``overlap.optimizer_in_backward``),
 behind one emulated link.
 
@@ -31,9 +32,11 @@ from overlap.demo.model import MODEL_SIZES
 from overlap.testing import run_distributed
 from report import emit
 
-DEPTHS: dict[str, Any] = {"prefetch=1": (1, True), 'prefetch="auto", no gather-ahead': ("auto", False),
-                          'prefetch="auto"': ("auto", True)}
-"""Runs: (prefetch, gather-ahead on). Gather-ahead applies to ``"auto"`` only (``set_gather_ahead``)."""
+DEPTHS: dict[str, Any] = {"prefetch=1": (1, True, True), 'prefetch="auto", no gather-ahead': ("auto", False, True),
+                          'prefetch="auto", no deferred steps': ("auto", True, False),
+                          'prefetch="auto"': ("auto", True, True)}
+"""Runs: (prefetch, gather-ahead on, deferred steps on). Gather-ahead applies to ``"auto"`` only
+(``set_gather_ahead``), and the deferred optimizer steps with it (``set_deferred_steps``)."""
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -44,11 +47,12 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
     size = MODEL_SIZES[args.model]
     runs = {}
-    for name, (prefetch, ahead) in DEPTHS.items():
+    for name, (prefetch, ahead, deferred) in DEPTHS.items():
         torch.manual_seed(1234)
         model = TransformerLM(size)
         context = shard_for_mode("overlap", model, model.shard_units(), prefetch=prefetch)
         model.set_gather_ahead(ahead)  # type: ignore[operator]
+        model.set_deferred_steps(deferred)  # type: ignore[operator]
         step = TrainStep(lambda i, m=model: m.loss(token_batch(size, i, rank)), make_optimizer(model, 1e-3, True),
                          context)
         link = EmulatedLink(args.link_gbps, args.latency_us)
@@ -76,6 +80,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         out[name] = {"step": over_ranks(statistics.median(times)), "comm": comm, "depth": model.prefetch_depth,
                      "decision": model.schedule_decision,
                      "ahead": model.gather_ahead if DEPTHS[name][1] else None,
+                     "deferred": model.deferred_steps if DEPTHS[name][2] else None,
                      "idle": [s.link_idle_share for s in merged.summary().steps] if merged is not None else [],
                      "losses": torch.stack(step.losses)}
     return out
@@ -93,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     base = r["prefetch=1"]["step"]
     bitwise = all(torch.equal(x["prefetch=1"]["losses"], v["losses"]) for x in per_rank for v in x.values())
     rows = [[f"{name} (depth {v['depth']}" + (f", ahead {v['ahead']}" if v["ahead"] else "")
-             + (f"; {v['decision'].reason}" if v["decision"] is not None else "") + ")", f"{1e3 * v['step']:.1f}", f"{1e3 * v['comm']:.1f}",
+             + (f"; {v['decision'].reason}" if v["decision"] is not None else "")
+             + (f", deferred {'+'.join(v['deferred'])}" if v["deferred"] else "") + ")",
+             f"{1e3 * v['step']:.1f}", f"{1e3 * v['comm']:.1f}",
              f"{v['step'] / v['comm']:.2f}x", ", ".join(f"{100 * x:.0f}%" for x in v["idle"]),
              f"{v['step'] / base:.2f}x"] for name, v in r.items()]
     emit(f"Prefetch depth, demo model {args.model}, 2 CPU ranks (gloo), AdamW in backward; emulated link "

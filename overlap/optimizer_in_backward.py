@@ -8,7 +8,9 @@ end of backward (nothing runs after them), and then the whole optimizer step run
 optimizer per group (one ``overlap.shard`` call) is stepped by the runtime right after the group's
 reduction epilogue (see [Note: hooks after the reduction] in ``overlap/param_group.py``): the groups
 reduced first are stepped while later ones are still in flight, and at the end of backward only the
-last group's step is left. Each parameter sees the same update as in the plain loop, bitwise, for
+last group's step is left. With ``prefetch="auto"`` the runtime may move the steps of the groups the
+next forward needs last to the end of backward, where the last reductions leave the host idle
+(see [Note: deferred optimizer steps] in ``overlap/sharding.py``); they still run in backward. Each parameter sees the same update as in the plain loop, bitwise, for
 any optimizer whose update of a parameter reads only that parameter's gradient and state (SGD,
 Adam, AdamW, ...): the per-group optimizers are built with the same arguments and pick the same
 implementation. Optimizers that couple parameters (LBFGS; anything reading a global norm) are not.

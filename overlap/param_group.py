@@ -119,6 +119,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import time
 from itertools import compress, repeat
 from operator import add, attrgetter, is_, is_not
 from typing import Callable, Optional
@@ -275,6 +276,15 @@ class ParamGroup:
         self.reduced_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         """Called with the group's sharded parameters once their gradients of a step are final (see
         [Note: hooks after the reduction])."""
+        self.defer_reduced_hooks = False
+        """Set by the runtime for a step whose ``reduced_hooks`` (the optimizer step in backward) it
+        runs later itself: the epilogue then keeps their parameters in ``deferred_reduced`` and
+        ``run_deferred_reduced_hooks`` runs them ([Note: deferred optimizer steps] in
+        ``overlap/sharding.py``)."""
+        self.deferred_reduced: Optional[list[nn.Parameter]] = None
+        self.reduced_hooks_seconds = 0.0
+        """Host seconds the ``reduced_hooks`` took the last time they ran (the optimizer math the
+        runtime may move: [Note: deferred optimizer steps])."""
         self.to_sharded()
 
     def _to_dtensor_param(self, full: torch.Tensor, tp_spec: Optional[DTensorSpec],
@@ -942,8 +952,23 @@ class ParamGroup:
             for p in params:
                 for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
                     hook(p)
-        for hook in tuple(self.reduced_hooks):
-            hook(params)
+        if self.defer_reduced_hooks:
+            self.deferred_reduced = params
+        else:
+            self._call_reduced_hooks(params)
+
+    def _call_reduced_hooks(self, params: list[nn.Parameter]) -> None:
+        if self.reduced_hooks:
+            start = time.perf_counter()
+            for hook in tuple(self.reduced_hooks):
+                hook(params)
+            self.reduced_hooks_seconds = time.perf_counter() - start
+
+    def run_deferred_reduced_hooks(self) -> None:
+        """Run the ``reduced_hooks`` an epilogue left in ``deferred_reduced`` (none: nothing), now."""
+        params, self.deferred_reduced = self.deferred_reduced, None
+        if params is not None:
+            self._call_reduced_hooks(params)
 
     def _grads_for(self, pending: PendingReduce) -> tuple[list[nn.Parameter], bool, Optional[_PackedGrads]]:
         """The sharded parameters ``pending`` reduces, each with a ``.grad`` DTensor, whether the

@@ -19,7 +19,8 @@ gradient accumulated   (per parameter) when a group's gradients are complete it 
 end of backward        (an autograd final callback) issue what is left in order, wait every
                        reduce-scatter, add the results into the sharded ``.grad``s, reshard all;
                        with the optimizer in backward and ``prefetch="auto"``, issue the next
-                       forward's first gathers ([Note: gathering ahead in backward])
+                       forward's first gathers ([Note: gathering ahead in backward]) and run the
+                       deferred steps ([Note: deferred optimizer steps])
 =====================  =====================================================================
 
 [Note: same collectives, same order, on every rank]
@@ -89,23 +90,32 @@ uses it makes forward drop the gather and gather again, a group the forward skip
 dropped at the end of forward. A group used twice in forward, HSDP, a frozen group (no optimizer)
 or no optimizer in backward: no plan (a step outside backward would make every gather stale).
 
-[Note: the end-of-step chain]
-What gather-ahead cannot move is the chain at the end of a step: the last reduce-scatters (the
-first groups of forward are reduced last), their steps, and the next forward's first gathers. The
-end of backward used to run every pending step, then issue the next forward's first ``1 +
-prefetch`` gathers: the link sat idle for the steps, and the first block's gather queued behind
-the root's and the embedding's. With gathers ahead on (so every group is stepped in backward), the
-end of backward now walks those first groups in the order they were reduced and issues each one's
-gather right after its own step (running the steps before it first, waiting for their
-reduce-scatters): the gather of ``blocks.0`` goes out behind the reduce-scatters still on the link
-while the host steps the embedding and the root. The points are program order (the reduce order,
-the agreed depth), never "whichever reduce-scatter finished", so every rank issues the same
-collectives in the same order. **Off by default** (``END_OF_STEP_CHAIN``): on a quiet 2-core box, paired demo
-runs (2 ranks, ``--compare none --link-gbps 0.16 --steps 8``, alternating) lost to the plain end of
-backward: chain on 1.067x and 1.051x ideal (77-80% hidden), off 1.019x and 1.010x (94-96%). It
-stays for measuring where it might pay; the chooser does not turn it on. Not where an epilogue must wait for the end of backward (0-dim
-parameters, the finite check) or runs on the CUDA reduce stream: there all steps run first, as
-before. The bytes held are the same ``1 + prefetch`` groups, issued earlier.
+[Note: deferred optimizer steps]
+What gather-ahead cannot move is the chain at the end of a step: the first groups of forward are
+reduced last, so their reduce-scatters, their steps and the next forward's gathers of them (issued
+at the end of backward) hold the link while the host has little left to run: the embedding's
+backward, those groups' steps, the next forward's first small groups. Every other group's step has
+already run in backward, right after its reduce-scatter, on the host that is also backward's
+compute side. The first step (with the other choices, from its agreed costs and each group's
+measured step seconds, ``ParamGroup.reduced_hooks_seconds``) picks groups whose step moves into
+that chain instead: the ones the next forward needs last, as many as fit in the chain's modelled
+slack (``scheduler/deferred_steps.py``, [Note: filling the end-of-step chain]); never one of the
+next forward's first groups or a group gathered ahead, whose gathers must follow their steps. In a
+backward that runs the plan (the conditions of gather-ahead, below, and every group's epilogue run
+on the host: not on CUDA, not with 0-dim parameters or the finite check), a deferred group's
+epilogue still writes its gradients as soon as its reduce-scatter lands, but leaves the step
+(``reduced_hooks``) for the end of backward (``ParamGroup.defer_reduced_hooks``). There, before
+waiting for each reduce-scatter still in flight, the host runs deferred steps while it has not
+landed; the rest run right after the next forward's first gathers are issued, under the link time
+of those gathers, before forward starts. So each deferred step runs before any gather of its
+group is issued (its next-step gather is a forward prefetch after the first groups'), and every
+step is the same math on the same gradient and state, only later: bitwise the same parameters.
+Where a step runs depends on timing, but no step communicates, so the collectives and their order
+are the same on every rank. A backward cut short leaves a deferred group unstepped, with its
+gradients: ``OptimizerInBackward.step()`` steps it, as any group not stepped in backward.
+This replaces the end-of-step chain of 2026-11-27 (``END_OF_STEP_CHAIN``: gathering each first
+group right after its own step, which lost to the plain end of backward in paired demo runs,
+1.05-1.07x ideal against 1.01-1.02x, and was off by default); it is removed.
 
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order (``overlap.agreement``) in the first step,
@@ -207,6 +217,14 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
             raise TypeError(f"set_gather_ahead: enabled must be a bool, got {enabled!r}")
         self._overlap_state.gather_ahead_enabled = enabled
 
+    def set_deferred_steps(self, enabled: bool) -> None:
+        """Turn the deferred optimizer steps on (the default) or off for this root (see [Note: deferred
+        optimizer steps]); every rank alike or not (they issue no collective), between steps. Off:
+        every group is stepped right after its reduce-scatter, the schedule before them."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_deferred_steps: enabled must be a bool, got {enabled!r}")
+        self._overlap_state.deferred_steps_enabled = enabled
+
     @property
     def gather_ahead(self) -> Optional[tuple[int, int]]:
         """With ``prefetch="auto"`` and an optimizer stepped in backward: ``(count, lag)``, the gathers
@@ -232,6 +250,16 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         it in a line); None until decided (the recorded steps and the trial's), or on a non-root."""
         root = self._overlap_state.root
         return root.schedule_decision if root is not None and root.owner is self._overlap_state else None
+
+    @property
+    def deferred_steps(self) -> Optional[list[str]]:
+        """With a gather-ahead plan: the groups (module names relative to this root, ``""`` for the
+        root) whose in-backward optimizer step runs in the end-of-step chain instead, chosen in the
+        first step (see [Note: deferred optimizer steps]); None before that, or where it does not apply."""
+        root = self._overlap_state.root
+        if root is None or root.owner is not self._overlap_state or root.gather_ahead is None:
+            return None
+        return [s.fqn for s in root.states if s.index in root.deferred_steps]
 
     @property
     def modelled_step(self) -> Optional[float]:
@@ -286,6 +314,7 @@ class ShardState:
         self.serialize_comm = False  # set by no_overlap() on the root
         self.gather_ahead_enabled = True  # set_gather_ahead() on the root
         self.schedule_trial_enabled = True  # set_schedule_trial() on the root
+        self.deferred_steps_enabled = True  # set_deferred_steps() on the root
         self.regions = ModuleRegions.named("")  # see name_regions
         self.fqn = ""  # relative to the root (see name_regions)
         self._backward_seen = -1  # the backward pass (root counter) whose pre-backward ran here
@@ -516,6 +545,9 @@ class _Root:
         # Gather-ahead (see [Note: gathering ahead in backward]): the agreed (count, lag) plan, None: off.
         self.gather_ahead: Optional[tuple[int, int]] = None
         self._ahead: set[int] = set()  # groups whose next-step gather this backward issued (kept by _finish_step)
+        # Deferred optimizer steps (see [Note: deferred optimizer steps]): state indices, chosen in the first step.
+        self.deferred_steps: frozenset[int] = frozenset()
+        self._deferring: list[ShardState] = []  # this backward's deferred groups, in reduce order
         self._mark = 0.0
         self.boundary: Optional[tuple[torch.Tensor, Any, _OutputHook]] = None
         """The output the last sharded module hooked in this forward, its ``grad_fn`` and the hook on
@@ -753,6 +785,8 @@ class _Root:
         from scheduler.gather_ahead import modelled_steady_step
 
         self._choose_gather_ahead(depth, budget, compute, link, backward)
+        if measured_backward:  # the steps ran: their seconds are in
+            self._choose_deferred_steps(compute, link, backward)
         count, lag = self.gather_ahead or (0, 1)
         self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward)
         self._start_trial(modelled_step(compute, link, 1, backward))
@@ -827,6 +861,28 @@ class _Root:
         if self.owner.info.size > 1:
             plan = tuple(agreement.exchange(self.owner.info, "gather ahead", plan)[0])
         self.gather_ahead = plan  # type: ignore[assignment]
+
+    def _choose_deferred_steps(self, compute: list[float], link: list[float], backward: Optional[list[float]]) -> None:
+        """Pick the groups whose in-backward step moves into the end-of-step chain, from this step's
+        costs and each group's measured step seconds (agreed: the low median over ranks); only with a
+        gather-ahead plan (every group stepped in backward). See [Note: deferred optimizer steps]."""
+        from scheduler.deferred_steps import choose_deferred_steps
+
+        if self.gather_ahead is None:
+            return
+        order = self.forward_seq
+        groups = [self.states[i].group for i in order]
+        seconds = [g.reduced_hooks_seconds if g is not None else 0.0 for g in groups]
+        if self.owner.info.size > 1:
+            per_rank = agreement.exchange(self.owner.info, "step seconds", seconds)
+            seconds = [statistics.median_low(r[p] for r in per_rank) for p in range(len(seconds))]
+        chain = {s.index for s in self._first_groups(order)}
+        first = 1 + max(p for p, i in enumerate(order) if i in chain) if chain else 0
+        ahead = set(range(len(order) - self.gather_ahead[0], len(order)))
+        candidates = [p for p in range(len(order) - 1, first - 1, -1)
+                      if p not in ahead and groups[p] is not None and order[p] != self.owner.index]
+        chosen = choose_deferred_steps(compute, link, seconds, first, candidates, backward)
+        self.deferred_steps = frozenset(order[p] for p in chosen)
 
     def gather_now(self, state: ShardState) -> None:
         """Gather ``state``'s group now (waiting for a prefetch in flight) and register it unsharded."""
@@ -949,6 +1005,7 @@ class _Root:
             first_use.setdefault(index, pos)
         self._reduce_order = sorted(first_use, key=lambda i: -first_use[i])
         self._plan_ahead()
+        self._plan_deferred()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _plan_ahead(self) -> None:
@@ -968,6 +1025,18 @@ class _Root:
             if r + lag < len(order):
                 self._ahead_after[order[r + lag]] = order[r]
         self._ahead_at_end = [i for i in order[:count] if i not in self._ahead_after.values()]
+
+    def _plan_deferred(self) -> None:
+        """This backward's deferred steps: on a backward that runs the gather-ahead plan, with every
+        epilogue on the host and early (see [Note: deferred optimizer steps])."""
+        self._deferring = []
+        if not (self._ahead_active and self.deferred_steps and self.owner.deferred_steps_enabled) or not all(
+                s.group is None or (s.group.finishes_early and s.group.sharded[0].device.type != "cuda")
+                for s in self.states):
+            return
+        self._deferring = [self.states[i] for i in self._reduce_order if i in self.deferred_steps]
+        for state in self._deferring:
+            state.group.defer_reduced_hooks = True  # type: ignore[union-attr]
 
     def on_module_backward_done(self, state: ShardState) -> None:
         """Backward has passed one forward call of ``state``'s module; after the last one its group is
@@ -1112,10 +1181,14 @@ class _Root:
             for state, pending in self._pending_reduces:
                 if pending.needs_all_reduce:
                     self._all_reduce(state, pending)
+            deferring = self._deferring
             try:
-                self._gather_first_groups_after_their_steps()
+                for state in deferring:  # from here their epilogues step them at once
+                    state.group.defer_reduced_hooks = False  # type: ignore[union-attr]
                 for state, pending in self._pending_reduces:
                     assert state.group is not None
+                    if deferring and pending.work is not None:
+                        self._step_deferred_while_in_flight(pending.work)
                     state.group.finish_reduce(pending)
             except NonFiniteError:  # as in _reduce
                 self._finish_step()
@@ -1125,6 +1198,7 @@ class _Root:
                 for event in self._reduce_events:  # the gradients were written on the reduce-scatter stream
                     current.wait_event(event)
             active, at_end = self._ahead_active, self._ahead_at_end
+            self._deferring = []  # kept in `deferring`: their steps run below
             self._finish_step()
             if self._choice_pending:  # the recording step: every cost is in now
                 self._choose_depth(measured_backward=True)
@@ -1136,25 +1210,22 @@ class _Root:
                     self.prefetch_next_step()
                     for index in at_end:
                         self._gather(self.states[index])
+            for state in deferring:  # what is left, under those gathers (see [Note: deferred optimizer steps])
+                self._step_deferred(state)
 
-    def _gather_first_groups_after_their_steps(self) -> None:
-        """At the end of backward, with gathers ahead on: the next forward's first groups, in the
-        order they were reduced, each gathered right after its own step (run here, waiting for its
-        reduce-scatter, with the epilogues before it, if it has not run yet): see [Note: the
-        end-of-step chain]."""
-        if not END_OF_STEP_CHAIN or not self._ahead_active or self._reduce_events or not all(
-                s.group is None or s.group.finishes_early for s in self.states):
-            return  # CUDA epilogues on the reduce stream, or one that must wait for the end: all at once
-        first = {s.index for s in self._first_groups(self.forward_seq)}
-        for index in self._reduce_order:
-            if index not in first:
-                continue
-            state = self.states[index]
-            if any(s is state for s, _ in self._pending_reduces):
-                self._run_early_epilogues(through=state)
-            with region("overlap::gather_ahead"):
-                self._gather(state)
-            self._ahead.add(index)
+    def _step_deferred_while_in_flight(self, work: InflightWork) -> None:
+        """Run deferred steps (each whose epilogue has run) while ``work`` has not completed."""
+        for state in self._deferring:
+            if work.is_done():
+                return
+            self._step_deferred(state)
+
+    def _step_deferred(self, state: ShardState) -> None:
+        group = state.group
+        assert group is not None
+        if group.deferred_reduced is not None:
+            with region("overlap::deferred_step"):
+                group.run_deferred_reduced_hooks()
 
     def _finish_step(self) -> None:
         """Reshard everything, forget the step (also the clean-up of a step without backward)."""
@@ -1167,6 +1238,10 @@ class _Root:
                     state.group.reshard()
                     state.group.to_sharded()
         self._ahead = set()
+        for state in self._deferring:  # a backward cut short: its deferred groups stay unstepped
+            state.group.defer_reduced_hooks = False  # type: ignore[union-attr]
+            state.group.deferred_reduced = None  # type: ignore[union-attr]
+        self._deferring = []
         self._pending_reduces = []
         self._reduce_events = []
         self.in_backward = False
@@ -1195,12 +1270,6 @@ default order)."""
 
 PREFETCH_BUDGET_SHARE = 4
 """``prefetch="auto"`` without ``max_inflight_bytes``: prefetches may hold 1/this of the free memory."""
-
-END_OF_STEP_CHAIN = False
-"""Gather the next forward's first groups right after their own steps at the end of backward
-(with gathers ahead on); off: every step first, then the gathers. Off by default because it lost
-in paired demo runs ([Note: the end-of-step chain])."""
-
 
 def default_prefetch_budget(device: torch.device) -> int:
     """The byte budget of ``prefetch="auto"`` when ``max_inflight_bytes`` is not given: a quarter of

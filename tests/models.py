@@ -218,6 +218,15 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False)
 
 
+def make_optimizer_in_backward(model: nn.Module) -> "overlap.OptimizerInBackward":  # noqa: F821
+    """:func:`make_optimizer`'s AdamW, one per ``overlap.shard`` group of ``model`` (the sharded root),
+    stepped in backward (``overlap.optimizer_in_backward``): the same update of every element."""
+    import overlap
+
+    return overlap.optimizer_in_backward(model, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS,
+                                         weight_decay=WEIGHT_DECAY, foreach=False)
+
+
 def unsharded_losses(
     model_fn: Callable[[], nn.Module] = TinyLM,
     steps: int = STEPS,

@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "measured costs, then verified by a timed trial against depth 1 with nothing gathered "
                            "ahead, all behind the link) or a fixed depth >= 0; no-overlap "
                            "runs at the depth overlap.shard used, so both move the same bytes")
+    demo.add_argument("--split-first-block", action="store_true",
+                      help="shard the first block's MLP (blocks.0.up, blocks.0.down) as groups of their own, in "
+                           "every mode: a smaller first group, so a shorter chain at the step's end (its "
+                           "reduce-scatter, step and next-step gather)")
     demo.add_argument("--mesh", type=_mesh, default=None, metavar="NxG",
                       help="emulate N nodes of G ranks (N*G ranks; --world-size may be left out): overlap.shard and "
                            "FSDP2 each run fully sharded and as HSDP on the (replicate, shard) mesh (N, G), behind "
@@ -260,7 +264,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cfg = DemoConfig(world_size=world_size, steps=args.steps, model=args.model, compare=args.compare,
                      link_gbps=args.link_gbps, latency_us=args.latency_us, profile_steps=args.profile_steps,
                      device=device, mesh=args.mesh, parallel=args.parallel, compress=args.compress,
-                     prefetch=args.prefetch)
+                     prefetch=args.prefetch, split_first_block=args.split_first_block)
     if rank == 0:
         backend = "NCCL, one GPU per rank" if device == "cuda" else "gloo"
         how = "torchrun" if launched is not None else "spawned"

@@ -14,7 +14,7 @@ One run, side by side on the same ranks, from the same initial weights and on th
 * torch FSDP2 (``fully_shard``, default settings).
 
 Each mode trains :class:`~overlap.demo.model.TransformerLM` (head untied; embedding, each block and
-head sharded on their own, then the root) with AdamW; its steps alternate without
+head sharded on their own, then the root: its ``shard_units``) with AdamW; its steps alternate without
 and with the emulated link's delay (``overlap.testing.paired_steps``): the first kind is the mode's
 *compute side* (math, packing, the runtime's and gloo's own host work) and what the second takes
 beyond it is *exposed communication*. Each timed step follows an untimed one of its own kind
@@ -132,6 +132,8 @@ class DemoConfig:
     with ``compress=overlap.Compression(**COMPRESSIONS[format])`` right after the exact run (int8
     first), and check its final loss."""
     prefetch: Union[int, str] = "auto"
+    split_first_block: bool = False
+    """Shard the first block's MLP as groups of its own (``TransformerLM.shard_units``), every mode alike."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.compress, tuple) or any(f not in COMPRESSED_MODES for f in self.compress):
@@ -139,6 +141,8 @@ class DemoConfig:
                              f"got {self.compress!r}")
         if self.compress and (self.parallel == "tp" or self.mesh is not None):
             raise ValueError("compress runs a fully sharded FSDP mode: not with parallel='tp' or a mesh")
+        if self.split_first_block and self.parallel == "tp":
+            raise ValueError("split_first_block shards the FSDP modes' groups: not with parallel='tp'")
         if self.parallel not in ("fsdp", "tp"):
             raise ValueError(f"parallel must be 'fsdp' or 'tp'; got {self.parallel!r}")
         if self.parallel == "tp" and (self.mesh is not None or tuple(self.compare) != COMPARABLE):
@@ -207,6 +211,10 @@ class ModeResult:
     """``overlap.shard``'s ``schedule_decision`` with ``prefetch="auto"`` (a
     ``scheduler.schedule_trial.ScheduleDecision``: what runs and why, the model's choice kept by the
     trial or the simple plan); None for other modes or a fixed depth."""
+    deferred_steps: Optional[list[str]] = None
+    """``overlap.shard``'s groups whose optimizer step runs in the end-of-step chain (``deferred_steps``
+    of the sharded model: [Note: deferred optimizer steps] in ``overlap/sharding.py``); None where it
+    does not apply."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +349,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
             fmt = next(f for f, m in COMPRESSED_MODES.items() if m == mode)
             mode, compress = "overlap", overlap.Compression(**COMPRESSIONS[fmt])
         prefetch = cfg.prefetch if mode == "overlap" or depth is None else depth
-        context = shard_for_mode(mode, model, model.shard_units(), mesh=mesh, prefetch=prefetch,
+        context = shard_for_mode(mode, model, model.shard_units(cfg.split_first_block), mesh=mesh, prefetch=prefetch,
                                  compress=compress)
         # overlap.shard steps each group in backward as its gradients land (the plain step's numerics).
         optimizer = make_optimizer(model, 1e-3, in_backward=mode == "overlap")
@@ -398,8 +406,9 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         ahead = getattr(step.model, "gather_ahead", None) if mode not in TP_MODES else None
         modelled_step = getattr(step.model, "modelled_step", None) if mode not in TP_MODES else None
         decision = getattr(step.model, "schedule_decision", None) if mode not in TP_MODES else None
+        deferred = getattr(step.model, "deferred_steps", None) if mode not in TP_MODES else None
         modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth, ahead, peak, largest,
-                                 modelled, modelled_step, decision)
+                                 modelled, modelled_step, decision, deferred)
         del step
     progress.finish()
     bitwise = None
@@ -566,7 +575,8 @@ def format_report(result: DemoResult) -> str:
         layout = (f"each block's q, k, v, up column-parallel and out, down row-parallel over the {result.world_size} "
                   f"ranks (Megatron's plan); {result.tokens_per_step:,} tokens per step, the same batch on every rank")
     else:
-        layout = (f"embedding, each block and head sharded, then the root; {result.tokens_per_step:,} tokens per step "
+        split = "blocks.0's MLP, " if cfg.split_first_block else ""
+        layout = (f"embedding, {split}each block and head sharded, then the root; {result.tokens_per_step:,} tokens per step "
                   f"over {result.world_size} ranks")
     lines = [
         f"model {cfg.model}: {result.parameters / 1e6:.3g} M parameters, {size.layers} blocks ({layout})",
@@ -632,6 +642,10 @@ def _depth_lines(result: DemoResult) -> list[str]:
                      + (f" (each after the reduce-scatter {lag} later)" if count else " (the model saw no gain)"))
     if ours.schedule is not None:
         lines.append(f"overlap.shard schedule: {ours.schedule}")
+    if ours.deferred_steps is not None:
+        lines.append("overlap.shard deferred optimizer steps: "
+                     + (f"{', '.join(ours.deferred_steps)} stepped in the end-of-step chain, not right after their "
+                        "reduce-scatter" if ours.deferred_steps else "none (no slack in the modelled end-of-step chain)"))
     if ours.modelled_step is not None:
         lines.append(f"overlap.shard modelled step {ours.modelled_step * 1e3:.1f} ms (the chooser's model, from the "
                      f"recorded steps' costs, rank 0) vs measured {ours.times.linked * 1e3:.1f} ms")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import overlap
-from models import LR, SEED, TinyLM, local_batch, make_batch, make_optimizer
+from models import LR, SEED, TinyLM, local_batch, make_batch, make_optimizer, make_optimizer_in_backward
 from overlap.sharding import sharded_states
 from scheduler import cost_samples, gather_ahead, prefetch_depth, schedule_trial
 from scheduler.gather_ahead import choose_gather_ahead, held_bytes, modelled_steady_step
@@ -63,12 +63,7 @@ def _train(rank: int, world_size: int, in_backward: bool, plan: Optional[tuple[i
     model = _sharded()
     model.set_gather_ahead(enabled)
     last = model.blocks[-1]
-    if in_backward:
-        adamw = make_optimizer([nn.Parameter(torch.zeros(1))]).defaults
-        opt: Any = overlap.optimizer_in_backward(
-            model, torch.optim.AdamW, **{k: adamw[k] for k in ("lr", "betas", "eps", "weight_decay", "foreach")})
-    else:
-        opt = make_optimizer(model.parameters())
+    opt: Any = make_optimizer_in_backward(model) if in_backward else make_optimizer(model.parameters())
     losses, ahead = [], []
     for step in range(STEPS):
         if skip_last_on_odd_steps:
