@@ -21,7 +21,7 @@ import torch
 import overlap
 from models import SEED, TinyLM, local_batch, make_batch, make_optimizer, make_optimizer_in_backward
 from overlap import param_group, sharding
-from scheduler import deferred_steps, gather_ahead, prefetch_depth
+from scheduler import cost_samples, deferred_steps, gather_ahead, prefetch_depth, schedule_trial
 from scheduler.deferred_steps import chain_slack, choose_deferred_steps
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
@@ -38,6 +38,9 @@ def _train(rank: int, world_size: int, in_backward: bool, defer: bool, plan: tup
     backward, the reduce-scatters, gathers and steps in the order they happened (``("deferred",
     group)``: a step left by its epilogue, run later). ``enabled``: ``set_deferred_steps``."""
     torch.set_num_threads(1)
+    # This rank's process only: the plan from step 0's costs, run on untried, as the asserts count.
+    cost_samples.COST_SAMPLES = 1
+    schedule_trial.TRIAL_ROUNDS = 0
     gather_ahead.choose_gather_ahead = lambda *args, **kwargs: plan
     prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: DEPTH
     deferred_steps.choose_deferred_steps = lambda c, g, s, first, candidates, backward=None: (
