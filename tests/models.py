@@ -39,7 +39,7 @@ __all__ = [
     "ACCUM_SEED", "BETAS", "BF16_LOSS_RTOL", "BF16_MIN_DEV", "COUNTING_LINK", "EPS", "GLOBAL_BATCH",
     "LOSS_RTOL", "LR", "MICRO_BATCHES", "PARAM_ATOL", "PARAM_RTOL", "SEED", "STEPS", "STEP_ATOL",
     "STEP_RTOL", "WEIGHT_DECAY",
-    "Block", "TinyLM", "accumulation_batches", "accumulation_optimizer", "fsdp2_losses", "fsdp2_model",
+    "Block", "TinyLM", "accumulation_batches", "accumulation_optimizer", "assert_same_run", "fsdp2_losses", "fsdp2_model",
     "global_mean", "gradient_reductions", "local_batch", "make_batch", "make_optimizer", "max_rel_dev",
     "shard_rows", "single_threaded", "SMALL_SIZES", "small_step", "train_ranks", "unsharded_big_step", "unsharded_losses",
 ]
@@ -356,6 +356,15 @@ def fsdp2_losses(rank: int, world_size: int, steps: int = STEPS, mp_bf16: bool =
     1 / 2 / 3 / 4, hence ``BF16_LOSS_RTOL`` = 2^-7 = 7.8e-3."""
     with single_threaded():
         return train_ranks(fsdp2_model(world_size, mp_bf16), rank, world_size, steps)
+
+
+def assert_same_run(a: dict, b: dict, what: object = None) -> None:
+    """Two training runs ended bitwise alike: their ``"losses"`` tensors and every tensor of their
+    ``"params"`` dicts (by name, ``a``'s names) are ``torch.equal``; ``what`` names the run in the
+    failure message."""
+    assert torch.equal(a["losses"], b["losses"]), (what, a["losses"], b["losses"])
+    for name, value in a["params"].items():
+        assert torch.equal(value, b["params"][name]), (what, name)
 
 
 def max_rel_dev(got: Sequence[float], want: Sequence[float]) -> float:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import overlap
-from models import SEED, TinyLM, local_batch, make_batch, make_optimizer, make_optimizer_in_backward
+from models import SEED, TinyLM, assert_same_run, local_batch, make_batch, make_optimizer, make_optimizer_in_backward
 from overlap import param_group, sharding
 from scheduler import cost_samples, deferred_steps, gather_ahead, prefetch_depth, schedule_trial
 from scheduler.deferred_steps import chain_slack, choose_deferred_steps
@@ -125,9 +125,7 @@ def _assert_deferred_into_the_chain(log: list[tuple[str, str]], deferred: list[s
 def test_deferred_steps_are_bitwise_the_plain_loop(distributed, world_size: int) -> None:
     for runs in distributed(_runs, world_size, link=(0.002, 0.0), timeout=600):
         for what, run in runs.items():
-            assert torch.equal(run["losses"], runs["plain"]["losses"]), (what, run["losses"], runs["plain"]["losses"])
-            for name, value in run["params"].items():
-                assert torch.equal(value, runs["plain"]["params"][name]), (what, name)
+            assert_same_run(run, runs["plain"], what)
         assert runs["plain"]["deferred"] is None  # no optimizer in backward: no plan
         assert runs["in backward"]["deferred"] == []
         # The candidates, latest needed first: never the chain (root, blocks.0), never a group gathered ahead.
@@ -222,6 +220,4 @@ def _both_wrappings(rank: int, world_size: int) -> list[dict[str, Any]]:
 def test_the_demos_split_first_block_is_bitwise_the_whole_one(distributed) -> None:
     for split, whole in distributed(_both_wrappings, 2):
         assert split["units"] == whole["units"] + 2  # blocks.0.up and blocks.0.down
-        assert torch.equal(split["losses"], whole["losses"])
-        for name, value in split["params"].items():
-            assert torch.equal(value, whole["params"][name]), name
+        assert_same_run(split, whole, "split first block")

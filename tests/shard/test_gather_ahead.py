@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import overlap
-from models import LR, SEED, TinyLM, local_batch, make_batch, make_optimizer, make_optimizer_in_backward
+from models import LR, SEED, TinyLM, assert_same_run, local_batch, make_batch, make_optimizer, make_optimizer_in_backward
 from overlap.sharding import sharded_states
 from scheduler import cost_samples, gather_ahead, prefetch_depth, schedule_trial
 from scheduler.gather_ahead import choose_gather_ahead, held_bytes, modelled_steady_step
@@ -94,12 +94,6 @@ class _nothing:
         return None
 
 
-def _assert_same(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
-    assert torch.equal(a["losses"], b["losses"]), (what, a["losses"], b["losses"])
-    for name, value in a["params"].items():
-        assert torch.equal(value, b["params"][name]), (what, name)
-
-
 def _runs(rank: int, world_size: int, skip: bool) -> dict[str, dict[str, Any]]:
     groups = LAYERS + 1
     return {
@@ -116,7 +110,7 @@ def _runs(rank: int, world_size: int, skip: bool) -> dict[str, dict[str, Any]]:
 def test_gather_ahead_is_bitwise_the_plain_loop(distributed, world_size: int) -> None:
     for runs in distributed(_runs, world_size, False):
         for what, run in runs.items():
-            _assert_same(run, runs["plain"], what)
+            assert_same_run(run, runs["plain"], what)
         # The plain loop steps after backward: nothing may be gathered ahead for it.
         assert all(not a for a in runs["plain"]["ahead"]) and runs["plain"]["plan"] is None
         groups = LAYERS + 1
@@ -136,7 +130,7 @@ def test_gather_ahead_is_bitwise_the_plain_loop(distributed, world_size: int) ->
 def test_gather_ahead_for_a_group_the_next_forward_skips(distributed, world_size: int) -> None:
     for runs in distributed(_runs, world_size, True):
         for what, run in runs.items():
-            _assert_same(run, runs["plain"], what)
+            assert_same_run(run, runs["plain"], what)
 
 
 def _exit_with_gathers_in_flight(rank: int, world_size: int) -> list[int]:

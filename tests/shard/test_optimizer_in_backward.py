@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import overlap
-from models import SEED, LR, TinyLM, fsdp2_model, local_batch, make_batch, make_optimizer
+from models import SEED, LR, TinyLM, assert_same_run, fsdp2_model, local_batch, make_batch, make_optimizer
 
 pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
 
@@ -102,17 +102,11 @@ def _plain_and_in_backward(rank: int, world_size: int) -> dict[str, Any]:
     return {"runs": out, "initial": _final_params(_sharded())}
 
 
-def _assert_same(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
-    assert torch.equal(a["losses"], b["losses"]), (what, a["losses"], b["losses"])
-    for name, value in a["params"].items():
-        assert torch.equal(value, b["params"][name]), (what, name)
-
-
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_optimizer_in_backward_is_bitwise_the_plain_loop(distributed, world_size: int) -> None:
     for result in distributed(_plain_and_in_backward, world_size):
         for what, (plain, in_backward) in result["runs"].items():
-            _assert_same(plain, in_backward, what)
+            assert_same_run(plain, in_backward, what)
             # Clipping needs the global norm first: nothing steps in backward then.
             assert in_backward["stepped_in_backward"] == [what != "clip"] * STEPS, what
             # The optimizer did something: not a comparison of two untouched models.
@@ -150,8 +144,8 @@ def _per_parameter_recipe(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_post_accumulate_grad_hooks_run_on_sharded_parameters_like_fsdp2(distributed) -> None:
     for result in distributed(_per_parameter_recipe, 2):
-        _assert_same(result["ours"], result["plain"], "recipe vs plain loop")
-        _assert_same(result["ours"], result["fsdp2"], "recipe on overlap vs on FSDP2")
+        assert_same_run(result["ours"], result["plain"], "recipe vs plain loop")
+        assert_same_run(result["ours"], result["fsdp2"], "recipe on overlap vs on FSDP2")
         # Once per parameter per step, as FSDP2 does.
         assert result["ours"]["hook_calls"] == result["fsdp2"]["hook_calls"] == STEPS * result["params"]
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import overlap
-from models import SEED, TinyLM, local_batch, make_batch, make_optimizer
+from models import SEED, TinyLM, assert_same_run, local_batch, make_batch, make_optimizer
 from overlap.demo.unsharded_peak import UnshardedPeak
 from overlap.sharding import sharded_states
 from scheduler.held_bytes import held_bytes
@@ -106,12 +106,6 @@ def _runs(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
             "trial off": _train(rank, world_size, None, trial=False)}
 
 
-def _assert_same(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
-    assert torch.equal(a["losses"], b["losses"]), (what, a["losses"], b["losses"])
-    for name, value in a["params"].items():
-        assert torch.equal(value, b["params"][name]), (what, name)
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_trial_switches_plans_bitwise_within_the_budget_and_decides_alike(distributed, world_size: int) -> None:
     per_rank = distributed(_runs, world_size, timeout=600)
@@ -119,7 +113,7 @@ def test_the_trial_switches_plans_bitwise_within_the_budget_and_decides_alike(di
     trial_plans = [FORCED if s.plan == CHOSEN else simple for s in TRIAL]
     for runs in per_rank:
         for what, run in runs.items():
-            _assert_same(run, runs["plain"], what)
+            assert_same_run(run, runs["plain"], what)
         for what in ("kept", "fell back", "real verdict"):
             run = runs[what]
             # step 0 records (depth 1 until chosen), then the trial's plans, then the decided plan

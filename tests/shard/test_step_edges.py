@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import overlap
-from models import COUNTING_LINK, SEED, TinyLM, local_batch, make_batch, make_optimizer
+from models import COUNTING_LINK, SEED, TinyLM, assert_same_run, local_batch, make_batch, make_optimizer
 
 pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
 
@@ -64,26 +64,20 @@ def _train(rank: int, world_size: int, prefetch: bool, skip_first_on_odd_steps: 
             "params": {n: p.to_local().clone() for n, p in model.named_parameters()}}
 
 
-def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert torch.equal(a["losses"], b["losses"]), (a["losses"], b["losses"])
-    for name, value in a["params"].items():
-        assert torch.equal(value, b["params"][name]), name
-
-
 def _both(rank: int, world_size: int, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return _train(rank, world_size, True, **kwargs), _train(rank, world_size, False, **kwargs)
 
 
 def test_prefetch_next_step_changes_nothing_but_when_gathers_run(distributed) -> None:
     for with_prefetch, plain in distributed(_both, 2, link=COUNTING_LINK):
-        _assert_same(with_prefetch, plain)
+        assert_same_run(with_prefetch, plain)
         # The root group (embeddings, head, final norm) and the first block: 1 + prefetch groups.
         assert with_prefetch["prefetched"] == [2] * 4, with_prefetch["prefetched"]
 
 
 def test_prefetch_for_a_group_the_next_forward_skips(distributed) -> None:
     for with_prefetch, plain in distributed(_both, 2, link=COUNTING_LINK, skip_first_on_odd_steps=True):
-        _assert_same(with_prefetch, plain)
+        assert_same_run(with_prefetch, plain)
 
 
 def _micro_batches(rank: int, world_size: int, prefetch: bool) -> dict[str, torch.Tensor]:
