@@ -96,8 +96,8 @@ reduced last, so their reduce-scatters, their steps and the next forward's gathe
 at the end of backward) hold the link while the host has little left to run: the embedding's
 backward, those groups' steps, the next forward's first small groups. Every other group's step has
 already run in backward, right after its reduce-scatter, on the host that is also backward's
-compute side. The first step (with the other choices, from its agreed costs and each group's
-measured step seconds, ``ParamGroup.reduced_hooks_seconds``) picks groups whose step moves into
+compute side. The step that chooses the depth (with the other choices, from the agreed costs and
+each group's measured step seconds, ``ParamGroup.reduced_hooks_seconds``) picks groups whose step moves into
 that chain instead: the ones the next forward needs last, as many as fit in the chain's modelled
 slack (``scheduler/deferred_steps.py``, [Note: filling the end-of-step chain]); never one of the
 next forward's first groups or a group gathered ahead, whose gathers must follow their steps. In a
@@ -254,8 +254,8 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
     @property
     def deferred_steps(self) -> Optional[list[str]]:
         """With a gather-ahead plan: the groups (module names relative to this root, ``""`` for the
-        root) whose in-backward optimizer step runs in the end-of-step chain instead, chosen in the
-        first step (see [Note: deferred optimizer steps]); None before that, or where it does not apply."""
+        root) whose in-backward optimizer step runs in the end-of-step chain instead, chosen with the
+        depth (see [Note: deferred optimizer steps]); None before that, or where it does not apply."""
         root = self._overlap_state.root
         if root is None or root.owner is not self._overlap_state or root.gather_ahead is None:
             return None
@@ -545,7 +545,7 @@ class _Root:
         # Gather-ahead (see [Note: gathering ahead in backward]): the agreed (count, lag) plan, None: off.
         self.gather_ahead: Optional[tuple[int, int]] = None
         self._ahead: set[int] = set()  # groups whose next-step gather this backward issued (kept by _finish_step)
-        # Deferred optimizer steps (see [Note: deferred optimizer steps]): state indices, chosen in the first step.
+        # Deferred optimizer steps (see [Note: deferred optimizer steps]): state indices, chosen with the depth.
         self.deferred_steps: frozenset[int] = frozenset()
         self._deferring: list[ShardState] = []  # this backward's deferred groups, in reduce order
         self._mark = 0.0
@@ -726,15 +726,14 @@ class _Root:
 
     def _agree_costs(self) -> None:
         """Replace this rank's recorded costs by their per-entry low median over the ranks (the
-        smaller of two): every rank then chooses from the same numbers, and a rank whose first step
-        was slowed by something else on its host (a load spike, a descheduled process) does not
+        smaller of two): every rank then chooses from the same numbers, and a rank whose recorded steps
+        were slowed by something else on its host (a load spike, a descheduled process) does not
         move the choice; noise only ever adds time. See [Note: what the step's costs are made of]."""
         for info in (self.owner.info, self.owner.replicate):
             if info is None or info.size == 1:
                 continue
             per_rank = agreement.exchange(info, "step costs", self._costs)
-            self._costs = [[statistics.median_low(r[p][k] for r in per_rank) for k in range(len(self._costs[p]))]
-                           for p in range(len(self._costs))]
+            self._costs = [_low_median_per_entry([r[p] for r in per_rank]) for p in range(len(self._costs))]
 
     def _step_costs(self, measured_backward: bool) -> tuple[list[float], list[float], Optional[list[float]]]:
         """``(compute, link, backward)`` per forward position for the choosers: the packing counts
@@ -751,6 +750,7 @@ class _Root:
         step leaves fewer samples, never more recorded steps) and agree it across ranks (see [Note:
         prefetch="auto"], [Note: robust step costs] in ``scheduler/cost_samples.py``)."""
         from scheduler.cost_samples import COST_SAMPLES, least_disturbed
+        from scheduler.gather_ahead import modelled_steady_step
         from scheduler.prefetch_depth import choose_prefetch_depth, modelled_step
 
         self.recording_costs = self._choice_pending = False
@@ -782,8 +782,6 @@ class _Root:
         for state in self.states:
             if state.auto_prefetch:
                 state.prefetch = depth
-        from scheduler.gather_ahead import modelled_steady_step
-
         self._choose_gather_ahead(depth, budget, compute, link, backward)
         if measured_backward:  # the steps ran: their seconds are in
             self._choose_deferred_steps(compute, link, backward)
@@ -874,8 +872,7 @@ class _Root:
         groups = [self.states[i].group for i in order]
         seconds = [g.reduced_hooks_seconds if g is not None else 0.0 for g in groups]
         if self.owner.info.size > 1:
-            per_rank = agreement.exchange(self.owner.info, "step seconds", seconds)
-            seconds = [statistics.median_low(r[p] for r in per_rank) for p in range(len(seconds))]
+            seconds = _low_median_per_entry(agreement.exchange(self.owner.info, "step seconds", seconds))
         chain = {s.index for s in self._first_groups(order)}
         first = 1 + max(p for p, i in enumerate(order) if i in chain) if chain else 0
         ahead = set(range(len(order) - self.gather_ahead[0], len(order)))
@@ -1264,12 +1261,19 @@ def _kept_for_backward(order: list[int], depth: int, owner: int) -> frozenset[in
     return frozenset(kept)
 
 
+def _low_median_per_entry(per_rank: list[list[float]]) -> list[float]:
+    """Per entry of equal-length lists (one per rank), the low median over the ranks: a value some
+    rank measured, the smaller middle one of an even count (noise only ever adds time)."""
+    return [statistics.median_low(entry) for entry in zip(*per_rank)]
+
+
 SIMPLE_PLAN: Plan = (1, None)
 """The simple schedule ``prefetch="auto"``'s choice must beat: depth 1, nothing gathered ahead (FSDP2's
 default order)."""
 
 PREFETCH_BUDGET_SHARE = 4
 """``prefetch="auto"`` without ``max_inflight_bytes``: prefetches may hold 1/this of the free memory."""
+
 
 def default_prefetch_budget(device: torch.device) -> int:
     """The byte budget of ``prefetch="auto"`` when ``max_inflight_bytes`` is not given: a quarter of

@@ -2,7 +2,7 @@
 
 Contract: pure functions of numbers (no torch, no process groups), so every rank computes the same
 answer from the same inputs; the runtime (``overlap.shard`` with ``prefetch="auto"``, an optimizer
-stepped in backward and gather-ahead on) measures the inputs in its first step, agrees them across
+stepped in backward and gather-ahead on) measures the inputs in the steps that record costs, agrees them across
 ranks, and applies the answer ([Note: deferred optimizer steps] in ``overlap/sharding.py``).
 
 Inputs, per forward position (the agreed forward order; one group per position):
