@@ -2,8 +2,9 @@
 
 One demo model (``overlap.demo.model``, embedding, each block and head sharded, then the root),
 ``prefetch="auto"``, AdamW stepped in backward (``overlap.optimizer_in_backward``), gather-ahead on:
-the runtime's default schedule. The first step (behind the link) chooses the depth, the gather-ahead
-plan and the deferred steps ([Note: deferred optimizer steps] in ``overlap/sharding.py``); then
+the runtime's default schedule. The first ``overlap.demo.training.schedule_steps()`` steps (behind
+the link, untimed) record the costs, choose the depth, the gather-ahead plan and the deferred steps
+([Note: deferred optimizer steps] in ``overlap/sharding.py``) and run the trial of the choice; then
 ``--rounds`` rounds alternate ``model.set_deferred_steps(True)`` and ``(False)`` on the same model
 (which goes first alternates too), so both see the same choices, weights and drifts of a shared
 machine. Per round and setting: a step without the link's delay and one behind it, each after an
@@ -45,7 +46,7 @@ def _timed(step: Any) -> float:
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from overlap.demo.model import TransformerLM, token_batch
-    from overlap.demo.training import TrainStep, calibrate_link, make_optimizer, shard_for_mode
+    from overlap.demo.training import TrainStep, calibrate_link, make_optimizer, schedule_steps, shard_for_mode
     from overlap.testing import EmulatedLink, PairedTimes, over_ranks
 
     size = MODEL_SIZES[args.model]
@@ -64,8 +65,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     if gbps is None:  # as the demo: comm ~ compute (its warm-up steps run without the link's delay)
         gbps = over_ranks(calibrate_link(step, args.latency_us), dist.ReduceOp.MIN)
     links = {name: EmulatedLink(gbps, args.latency_us) for name in SETTINGS}
-    with links[SETTINGS[0]]:
-        step()  # the first step behind the link: it chooses (the calibration's steps chose already if run)
+    with links[SETTINGS[0]]:  # behind the link, as the demo: the schedule settles before any timed step
+        for _ in range(schedule_steps()):
+            step()
     for link in links.values():
         link.reset_stats()
     linked: dict[str, list[float]] = {name: [] for name in SETTINGS}
