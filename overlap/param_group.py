@@ -121,7 +121,7 @@ import functools
 import math
 import time
 from itertools import compress, repeat
-from operator import add, attrgetter, is_, is_not
+from operator import add, and_, attrgetter, is_, is_not
 from typing import Callable, Optional
 
 import torch
@@ -381,9 +381,25 @@ class ParamGroup:
 
     @property
     def requires_grad_indices(self) -> tuple[int, ...]:
-        sharded = self.sharded
+        """The parameters that get a gradient this step: those whose shard requires one now and
+        whose unsharded parameter required one when the last gather made it (what autograd saw).
+
+        [Note: a gradient needs both flags]
+        A plain model's parameter gets a gradient in a backward when it required one in the forward
+        (else autograd recorded no use of it) and still does in the backward (``AccumulateGrad``
+        skips a parameter frozen since). The unsharded parameters follow their shards' flags at each
+        gather (``_unsharded_params``), so a shard frozen or unfrozen between its forward and its
+        backward has the two flags differ: such a parameter is left out of the reduction, its
+        sharded ``.grad`` untouched, as the plain model's; an unsharded gradient autograd produced
+        for it anyway is dropped (``_drop_unreduced_grads``). The flags are the same on every rank
+        (freezing is part of the training program), so every rank reduces the same parameters.
+        """
+        sharded, seen = self.sharded, self._requires_grad_seen
         with self._shard_getters():  # one C-level pass: [Note: the shards' getters without lookups]
-            return tuple(compress(range(len(sharded)), map(_REQUIRES_GRAD, sharded)))
+            flags = tuple(map(_REQUIRES_GRAD, sharded))
+        if seen and flags != seen:  # changed since the last gather
+            flags = tuple(map(and_, flags, seen))
+        return tuple(compress(range(len(sharded)), flags))
 
     def grads_complete(self) -> bool:
         """Has every parameter that requires a gradient got one in this step (``grads_ready``)?
@@ -679,7 +695,11 @@ class ParamGroup:
         rank issues the same collective. Returns None when no parameter requires grad.
         """
         indices = self.requires_grad_indices
-        if not indices or self.unsharded is None:
+        if self.unsharded is None:
+            return None
+        if len(indices) < len(self.unsharded):
+            self._drop_unreduced_grads(indices)
+        if not indices:
             return None
         if self.single_rank:
             if finite_check.SWITCH.on and finite_check.SWITCH.resolve():
@@ -702,6 +722,19 @@ class ParamGroup:
         work = reduce_scatter_into(rs_output, rs_input, self.info, self.where)
         return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp,
                              finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None)
+
+    def _drop_unreduced_grads(self, indices: tuple[int, ...]) -> None:
+        """Drop the unsharded gradients of the parameters outside ``indices`` (their shards do not
+        require a gradient now). Autograd still accumulates into an unsharded parameter whose shard
+        was frozen after the forward's gather made it require one; the reduction leaves that
+        gradient out, as a plain model's frozen parameter gets none, and it must not stay on the
+        unsharded parameter: reduced with a later step's gradients once the shard is unfrozen, it
+        would add a stale gradient to them."""
+        assert self.unsharded is not None
+        keep = set(indices)
+        for i, u in enumerate(self.unsharded):
+            if i not in keep and u.grad is not None:
+                u.grad = None
 
     def _take_unsharded_grads(self, indices: tuple[int, ...]) -> list[torch.Tensor]:
         """The unsharded gradients of ``indices`` to reduce (``unsharded_grad``), zeros where a

@@ -87,3 +87,54 @@ def test_frozen_between_steps_counts_one_fewer(single_rank_group) -> None:
     for (name, p), (_, q) in zip(plain.named_parameters(), sharded.named_parameters()):
         if p.requires_grad:
             assert torch.equal(q.grad.full_tensor(), p.grad), name
+
+
+# A shard frozen or unfrozen between its forward and its backward ([Note: a gradient needs both
+# flags] in overlap/param_group.py): the plain model's parameter gets no gradient in that step, and
+# nothing of that step's may reach a later one. The gradients are mostly accumulated over the steps,
+# so a stale unsharded gradient reduced later would show; one step starts from no gradients, so a
+# zero-filled gradient where the plain model has none would show. Every rank computes on the same
+# input: the average of equal gradients over 1 or 2 ranks is exact, so the comparison is bitwise.
+_FLAG_STEPS = (  # (gain's requires_grad in the forward, in the backward, zero_grad first), per step
+    (True, True, False), (True, False, False), (False, True, True), (True, True, False),
+    (True, False, False), (False, True, False), (True, True, False))
+
+
+def _flag_changes_run(rank: int, world: int) -> list[dict[str, object]]:
+    plain, sharded = _models()
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    seen = []
+    for forward_flag, backward_flag, zero_grad in _FLAG_STEPS:
+        for model in (plain, sharded):
+            if zero_grad:  # the step's gradients alone: a zero-filled one where none is due would show
+                model.zero_grad(set_to_none=True)
+            model[1].gain.requires_grad_(forward_flag)
+            loss = model(x).sum()
+            model[1].gain.requires_grad_(backward_flag)
+            loss.backward()
+        group = sharded[1]._overlap_state.group
+        seen.append({
+            "grads": {name: (None if q.grad is None else q.grad.full_tensor().clone(),
+                             None if p.grad is None else p.grad.clone())  # accumulated in place later
+                      for (name, p), (_, q) in zip(plain.named_parameters(), sharded.named_parameters())},
+            "unsharded_grads_left": sum(u.grad is not None for u in group.unsharded),
+        })
+    return seen
+
+
+def _check_flag_changes(steps: list[dict[str, object]]) -> None:
+    for step, seen in enumerate(steps):
+        assert seen["unsharded_grads_left"] == 0, f"step {step}: an unsharded gradient stayed behind"
+        for name, (got, want) in seen["grads"].items():
+            assert (got is None) == (want is None), f"step {step}, {name}: {got} vs the plain model's {want}"
+            if want is not None:
+                assert torch.equal(got, want), f"step {step}, {name}"
+
+
+def test_flags_changed_between_forward_and_backward_as_the_plain_model(single_rank_group) -> None:
+    _check_flag_changes(_flag_changes_run(0, 1))
+
+
+def test_flags_changed_between_forward_and_backward_on_two_ranks(distributed) -> None:
+    for steps in distributed(_flag_changes_run, 2):
+        _check_flag_changes(steps)
