@@ -73,7 +73,7 @@ __all__ = ["Compression", "check_compression"]
 GATHER_FORMATS = FORMATS
 """The wire formats an all-gather may be compressed to."""
 
-REDUCE_FORMATS = ("int8",)
+REDUCE_FORMATS = FORMATS
 """The wire formats a gradient reduction may be compressed to."""
 
 

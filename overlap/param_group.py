@@ -668,7 +668,8 @@ class ParamGroup:
         if not indices or self.unsharded is None:
             return 0
         if self.compression is not None and self.quantized_reduce is not None:
-            return quantized_layout(self._reduce_layout(indices), self.compression.block).buffer_bytes
+            return quantized_layout(self._reduce_layout(indices), self.compression.block,
+                                    self.quantized_reduce).buffer_bytes
         dtype = self.mp.effective_reduce_dtype or widest_dtype([self.unsharded[i].dtype for i in indices])
         return self._reduce_layout(indices).buffer_numel * dtype.itemsize
 
@@ -732,8 +733,9 @@ class ParamGroup:
         """Compressed reduction ([Note: compressed collectives] in ``overlap/compression.py``): quantize
         the gradients into one quantized slot per rank, all-to-all them to their owners; the copy-out
         sums in float32 and averages (``1/w`` after the sum, whatever the reduce dtype)."""
-        assert self.compression is not None and self.replicate is None
-        qlayout = quantized_layout(layout, self.compression.block)
+        fmt = self.quantized_reduce
+        assert self.compression is not None and self.replicate is None and fmt is not None
+        qlayout = quantized_layout(layout, self.compression.block, fmt)
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             q_input, _ = _quantized_copy_in(grads, qlayout, None)
             check = finite_check.SWITCH.on and finite_check.SWITCH.resolve()
@@ -742,7 +744,7 @@ class ParamGroup:
             if check or measure:  # exact float32 gradients (an extra packing, debug only)
                 exact = _reduce_scatter_copy_in(grads, layout, None, torch.float32)
         received = torch.empty_like(q_input)
-        work = quantized_reduce_into(received, q_input, self.info, self.quantized_reduce or "", self.where)
+        work = quantized_reduce_into(received, q_input, self.info, fmt, self.where)
         reference = None
         if measure:  # overlap.gradient_error: the exact reduce-scatter to compare with
             assert exact is not None
@@ -869,10 +871,11 @@ class ParamGroup:
         a replica, the others at the first use of a shard-group all-gather that a peer blocked in
         its all-to-all had not issued yet).
         """
-        assert self.replicate is not None and self.compression is not None
-        buffer, fmt = pending.rs_output, self.quantized_replica_sum or ""
+        buffer, fmt = pending.rs_output, self.quantized_replica_sum
+        assert self.replicate is not None and self.compression is not None and fmt is not None
         shards = pending.layout.shard_views(buffer, self.rank)  # this rank's shard of each parameter
-        qlayout = quantized_layout(ShardLayout([tuple(t.shape) for t in shards], self.replicas), self.compression.block)
+        qlayout = quantized_layout(ShardLayout([tuple(t.shape) for t in shards], self.replicas), self.compression.block,
+                                   fmt)
         if pending.work is not None:
             pending.work.wait()
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
