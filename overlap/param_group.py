@@ -74,6 +74,9 @@ tensor, in ``param_dtype``), so the module's forward sees what tensor parallelis
 gradient comes back as a DTensor; one whose placements differ from the parameter's (a replicated
 norm's ``Partial()`` gradient under sequence parallelism) is redistributed to them first, an
 all-reduce over the TP dim, as FSDP2 does; then its local tensor is reduce-scattered over dp.
+Compressed collectives (``compress=``) apply to exactly these dp collectives of the local tensors,
+as to plain parameters; the TP ones stay exact ([Note: compressed collectives] in
+``overlap/compression.py``).
 
 [Note: unsharded parameters keep their identity]
 Autograd saves the unsharded parameters used in forward (e.g. a linear's weight) and reads them in
