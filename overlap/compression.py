@@ -68,7 +68,9 @@ bitwise equal tensors and sum in the same order, so they stay bitwise equal (tes
 too: tests/parallel/test_fsdp_tp_compression.py).
 
 Not covered (``overlap.shard`` and ``overlap.fully_shard`` raise naming ``compress``):
-non-floating-point parameters. At world size 1 nothing travels and nothing is quantized.
+non-floating-point parameters. At world size 1 nothing travels and nothing is quantized; a shard
+group of one rank (HSDP on an ``(R, 1)`` mesh) gathers exactly for the same reason (its replica sum
+is still compressed).
 
 Why a separate argument and not a ``MixedPrecision`` field: mixed precision says which dtype each
 stage *computes* in, and it is what the model sees; compression is a wire format, invisible to the

@@ -499,8 +499,10 @@ class ParamGroup:
 
     @property
     def _gather_qlayout(self) -> Optional[QuantizedLayout]:
-        """The compressed all-gather's layout (``compress.gather``); None: the gather is exact."""
-        if self.compression is None or self.compression.gather is None:
+        """The compressed all-gather's layout (``compress.gather``); None: the gather is exact, or
+        moves nothing (a shard group of one rank, e.g. HSDP on an ``(R, 1)`` mesh: quantizing there
+        would only add error)."""
+        if self.compression is None or self.compression.gather is None or self.world_size == 1:
             return None
         return quantized_layout(self.layout, self.compression.block, self.compression.gather)
 

@@ -51,10 +51,10 @@ COMPRESSIONS = {"int8": INT8, "fp8": FP8}
 # fp8 fail. ``blocks.1.wk.bias``'s gradient is zero in exact arithmetic (softmax ignores a shift of
 # every key's score for a query by the same amount), rounding noise here (6.6e-8), so errors are
 # taken relative to ``max(||exact||, NORM_FLOOR)`` (the other gradients' norms are 0.4 to 46).
-# HSDP + TP ((replicate, shard, tp) = (2, 1, 2): the replica sum quantized twice, the gather of a
-# one-rank shard group quantized too): int8 0.44-1.27%, fp8 2.9-8.0%.
+# HSDP + TP ((replicate, shard, tp) = (2, 1, 2): the replica sum quantized twice; the one-rank shard
+# group's gather moves nothing and stays exact): int8 0.38-1.08%, fp8 1.5-3.9%.
 GRAD_RTOL = {"int8": 0.016, "fp8": 0.10}
-HSDP_GRAD_RTOL = {"int8": 0.02, "fp8": 0.12}
+HSDP_GRAD_RTOL = {"int8": 0.016, "fp8": 0.06}
 PARAM_RTOL = {"int8": 0.025, "fp8": 0.12}
 NORM_FLOOR = 1e-2
 # One step's bytes over dp (forward and backward), compressed / exact (fp32): 0.254x for large
@@ -222,7 +222,8 @@ def test_compressed_fsdp_tp_state_dicts_are_exact(distributed, tmp_path) -> None
 # ------------------------------------------------------------------------------ HSDP + TP
 def _hsdp_tp(rank: int, world: int) -> dict[str, Any]:
     """HSDP + TP on the 3-D mesh (replicate, shard, tp) = (2, 1, 2), exact and with int8 / fp8
-    compression (the replica sum compressed; the shard group of one rank moves nothing)."""
+    compression (the replica sum compressed; the shard group of one rank moves nothing, its gather
+    stays exact)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     torch.set_num_threads(1)

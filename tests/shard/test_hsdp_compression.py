@@ -18,7 +18,8 @@ bitwise equal, int8's bytes, training within [Note: fp8 gather tolerances] of ex
 Triton kernels bitwise the torch fallback. fp8 replica sums (``Compression(reduce="fp8")``): replicas
 bitwise equal, int8's bytes across the replicas, exact HSDP's in the shard group, gradients and
 training within [Note: fp8 replica sum tolerances], the gradient error measurement, and the Triton
-kernels bitwise the torch fallback.
+kernels bitwise the torch fallback. A shard group of one rank (a ``(2, 1)`` mesh, 2 ranks) gathers
+exactly (nothing moves there) and still compresses the replica sum.
 """
 from __future__ import annotations
 
@@ -197,6 +198,36 @@ def test_hsdp_fp8_replica_sum_trains_near_exact_hsdp(distributed) -> None:
         assert median > 2 * int8_median, (median, int8_median)  # e4m3's codes, not int8's
         losses, exact_losses = r["fp8 losses"], r["exact losses"]
         assert all(abs(a - b) <= FP8_LOSS_RTOL * b for a, b in zip(losses, exact_losses)), (losses, exact_losses)
+
+
+def _one_rank_shard_group(rank: int, world: int) -> dict[str, Any]:
+    """HSDP on a ``(world, 1)`` mesh, exact and with ``BOTH``: the unsharded parameters of the first
+    forward and the reduced gradients."""
+    from torch import nn
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=MESH_DIMS)
+    out = {}
+    for name, compress in (("exact", None), ("compressed", BOTH)):
+        torch.manual_seed(SEED)
+        model = overlap.shard(nn.Linear(64, 64), mesh=mesh, compress=compress)
+        model.unshard()
+        out[name + " unsharded"] = [u.detach().clone() for u in model._overlap_state.group.unsharded]
+        model.reshard()
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+        model(x).square().sum().backward()
+        out[name + " grads"] = [p.grad.to_local().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.torch_kernels
+def test_a_shard_group_of_one_rank_gathers_exactly(distributed) -> None:
+    """On a ``(2, 1)`` mesh the shard group's all-gather moves nothing, so ``gather="int8"`` leaves
+    it exact (the unsharded parameters bitwise the exact run's) while the replica sum is still
+    compressed (the gradients differ from exact HSDP's)."""
+    for r in distributed(_one_rank_shard_group, 2):
+        assert all(torch.equal(a, b) for a, b in zip(r["compressed unsharded"], r["exact unsharded"]))
+        assert not all(torch.equal(a, b) for a, b in zip(r["compressed grads"], r["exact grads"]))
 
 
 # ------------------------------------------------------------------------------ Triton vs torch
