@@ -866,9 +866,10 @@ class ParamGroup:
         all-gathers it; every replica, the owner too, dequantizes the gathered bytes into the output,
         so the replicas hold bitwise equal gradients. Bytes per replica: ``2 (1 + 4/block) n (R-1)/R``
         against a float32 ring all-reduce's ``8 n (R-1)/R`` (0.254x). Each element is quantized twice
-        (once per stage), each time within ``absmax / 254`` of its block. The first stage waits on
-        the host (the owner needs the sums before it can send them): this tier's collectives are
-        issued in order, not overlapped with each other. Because it blocks the host, the runtime
+        (once per stage), each time within ``absmax / 254`` of its block (``reduce="fp8"``: ``|x| /
+        17 + scale / 1024``, [Note: the per-block error bound]). The first stage waits on the host
+        (the owner needs the sums before it can send them): this tier's collectives are issued in
+        order, not overlapped with each other. Because it blocks the host, the runtime
         issues it right behind the reduce-scatter (``_Root._reduce`` in ``overlap/sharding.py``), at
         the same point of the program on every rank, not at the CPU path's "reduce-scatter found
         done" poll: a host wait at a point that depends on timing deadlocks across the tiers (found
