@@ -48,8 +48,8 @@ How far a compressed reduction moves the gradients: ``overlap.measure_gradient_e
 reduce-scatter beside each all-to-all, compared by the owner; ``overlap/gradient_error.py``).
 ``overlap.fully_shard`` takes ``compress`` as ``overlap.shard`` does (``check_compression``).
 
-HSDP (a 2-D mesh): ``reduce="int8"`` (or ``"fp8"``) compresses the inter-node tier only, the sum over the
-replicas; the shard group's reduce-scatter stays exact ([Note: compressing the inter-node tier] in
+HSDP (a 2-D mesh): ``reduce="int8"`` (or ``"fp8"``) compresses the inter-node tier only, the sum
+over the replicas; the shard group's reduce-scatter stays exact ([Note: compressing the inter-node tier] in
 ``overlap/param_group.py``). ``gather="int8"`` (or ``"fp8"``) quantizes the shard group's all-gather
 (inside a node; HSDP gathers nothing across the replicas) exactly as on a 1-D mesh: the replicas hold
 bitwise equal shards, so they quantize them to the same bytes and unshard bitwise equal parameters. It pays where

@@ -87,7 +87,8 @@ def _group_bytes(link: Any, mesh: Any) -> dict[str, int]:
     by_group = link.stats_by_group()
     dp, tp = (mesh.get_group(dim).group_name for dim in ("dp", "tp"))
     return {"dp": by_group[dp].wire_bytes if dp in by_group else 0,
-            "tp": sum(s.wire_bytes for name, s in by_group.items() if name == tp or name.startswith("_c10d_functional."))}
+            "tp": sum(s.wire_bytes for name, s in by_group.items()
+                      if name == tp or name.startswith("_c10d_functional."))}
 
 
 def _differing(model: nn.Module, group: Any, tp_replicated_only: bool = True) -> list[str]:
