@@ -6,7 +6,9 @@ sharded with ``overlap.shard`` block by block then at the root, and trained ``--
 tests' AdamW on the tests' batches (``models.make_batch``: counting sequences with 10% noise), once
 per ``--modes`` entry: exact; int8 (``compress=overlap.Compression()``: int8 all-gathers and int8
 all-to-all reductions, block 256); fp8 (``Compression(gather="fp8")``: e4m3 all-gathers, int8
-reductions); bf16 reduce (the control: exact collectives, gradients reduced in bfloat16). The
+reductions); fp8 reduce (``Compression(gather="int8", reduce="fp8")``: int8 all-gathers, e4m3
+reductions); fp8 both (``Compression(gather="fp8", reduce="fp8")``); bf16 reduce (the control: exact
+collectives, gradients reduced in bfloat16). The
 compressed runs measure the relative error of their reduced gradients every step
 (``overlap.set_measure_gradient_error``: an extra exact reduce-scatter to compare with, which changes
 no gradient), over every rank's shards. Reports each run's final loss (global mean over the ranks)
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
                          f"{100 * statistics.median(errors):.2f}% / {100 * max(errors):.2f}%" if errors else "-"])
     emit(f"Compressed training of the client models, {args.world_size} CPU ranks (gloo), {args.steps} steps, "
          f"AdamW lr 1e-2, fp32; int8 = overlap.Compression() (gather and reduce, block 256); fp8 = "
-         f"Compression(gather='fp8') (e4m3 gather, int8 reduce); bf16 reduce = "
+         f"Compression(gather='fp8') (e4m3 gather, int8 reduce); fp8 reduce = Compression(gather='int8', "
+         f"reduce='fp8'); fp8 both = Compression(gather='fp8', reduce='fp8'); bf16 reduce = "
          f"exact collectives, gradients reduced in bfloat16 (control: a smaller perturbation); "
          f"held-out = mean loss of the final weights over {EVAL_BATCHES} unseen batches",
          ["client", "run", "final loss exact", "final loss run", "|final diff|", "last-50 mean diff",

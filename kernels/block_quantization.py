@@ -178,3 +178,14 @@ def dequantize_elements_torch(q: torch.Tensor, scale: torch.Tensor, format: str 
     scale ``scale`` (same shape)."""
     value = q.view(torch.float8_e4m3fn).to(torch.float32) if format == "fp8" else q.to(torch.float32)
     return value * scale
+
+
+def error_bound(absmax: torch.Tensor, x: torch.Tensor | None = None, format: str = "int8") -> torch.Tensor:
+    """[Note: the per-block error bound] of one quantization, per element: the most ``|x -
+    dequantized|`` can be for elements ``x`` of finite blocks whose absolute maxima are ``absmax``
+    (broadcast alike; ``x`` is needed for fp8, whose bound is relative)."""
+    if format == "int8":
+        return absmax / 254 * (1 + 2**-14) + 2**-149
+    if format != "fp8" or x is None:
+        raise ValueError(f"error_bound: format must be 'int8', or 'fp8' with x given, got {format!r}")
+    return x.abs() / 17 * (1 + 2**-18) + absmax / FP8_MAX / 1024 * (1 + 2**-20) + 2**-140

@@ -27,6 +27,15 @@ When training is bound by the link, hiding communication stops paying: the step 
   The sum is float32 whatever ``MixedPrecision.reduce_dtype`` says (it only rounds what is
   quantized: nothing, here), so fp16's overflow of [Note: fp16 gradients are averaged before they
   are summed] cannot happen.
+* ``reduce="fp8"``: the same reduction with float8_e4m3fn codes (scale ``absmax / 448``), the same
+  bytes as int8's, the same kernels (``QuantizedLayout(..., format="fp8")``), the same float32 sum in
+  rank order by the owner, the same non-finite rule; each gradient element within ``|x| / 17 +
+  scale / 1024`` of its value per quantization (int8: ``absmax / 254``), so small gradients keep
+  their relative precision and the largest of a block lose more. Measured: one reduction's relative
+  error 2.3-2.5% against int8's 0.8% (tests/shard/test_gradient_error.py), 2.4-2.9% per step on
+  the client models against int8's 0.9-1.25%, and their held-out loss after 300 steps +2.83%
+  (nanoGPT) / -0.60% (Llama) from exact against int8's +0.57% / +0.05% (``benchmarks/RESULTS.md``):
+  int8 stays the default.
 
 Per-element error of one int8 quantization: at most ``absmax / 254`` of its block (fp8: ``|x| / 17
 + scale / 1024``; plus rounding slack: [Note: the per-block error bound] in ``kernels/block_quantization.py``). Non-finite values:
@@ -39,8 +48,8 @@ How far a compressed reduction moves the gradients: ``overlap.measure_gradient_e
 reduce-scatter beside each all-to-all, compared by the owner; ``overlap/gradient_error.py``).
 ``overlap.fully_shard`` takes ``compress`` as ``overlap.shard`` does (``check_compression``).
 
-HSDP (a 2-D mesh): ``reduce="int8"`` compresses the inter-node tier only, the sum over the
-replicas; the shard group's reduce-scatter stays exact ([Note: compressing the inter-node tier] in
+HSDP (a 2-D mesh): ``reduce="int8"`` (or ``"fp8"``) compresses the inter-node tier only, the sum
+over the replicas; the shard group's reduce-scatter stays exact ([Note: compressing the inter-node tier] in
 ``overlap/param_group.py``). ``gather="int8"`` (or ``"fp8"``) quantizes the shard group's all-gather
 (inside a node; HSDP gathers nothing across the replicas) exactly as on a 1-D mesh: the replicas hold
 bitwise equal shards, so they quantize them to the same bytes and unshard bitwise equal parameters. It pays where
@@ -48,11 +57,20 @@ the intra-node link is a bound too (PCIe nodes, or a comm-bound step); ``Compres
 reduce="int8")`` leaves the fast tier exact. The gradient error measurement covers the replica sum
 (an exact float32 all-reduce over the replicas beside it).
 
-Not covered yet (``overlap.shard`` and ``overlap.fully_shard`` raise naming ``compress``):
-tensor-parallel parameters and non-floating-point parameters. ``reduce="fp8"`` is refused: the
-kernels take fp8 layouts for the reduction too (tested), but the runtime's reductions (1-D and the
-HSDP replica sum) are int8 only. At world size 1 nothing travels and nothing is
-quantized.
+Tensor-parallel parameters (2-D parallelism: ``overlap.shard`` over the dp dim of a mesh whose
+other dim carries tensor parallelism, [Note: sharding tensor-parallel parameters] in
+``overlap/param_group.py``): what is compressed is what the runtime moves over dp, the all-gather and
+the reduction of each parameter's TP-local tensor, on the same layouts as plain parameters (blocks
+are cut per parameter, so a TP-local tensor is a parameter like any other). The TP collectives
+(DTensor's, and the exact all-reduce over tp of a replicated parameter's ``Partial()`` gradient
+before the dp reduction) are not touched. The tp ranks of a parameter that TP replicates quantize
+bitwise equal tensors and sum in the same order, so they stay bitwise equal (tested, with HSDP + TP
+too: tests/parallel/test_fsdp_tp_compression.py).
+
+Not covered (``overlap.shard`` and ``overlap.fully_shard`` raise naming ``compress``):
+non-floating-point parameters. At world size 1 nothing travels and nothing is quantized; a shard
+group of one rank (HSDP on an ``(R, 1)`` mesh) gathers exactly for the same reason (its replica sum
+is still compressed).
 
 Why a separate argument and not a ``MixedPrecision`` field: mixed precision says which dtype each
 stage *computes* in, and it is what the model sees; compression is a wire format, invisible to the
@@ -73,15 +91,15 @@ __all__ = ["Compression", "check_compression"]
 GATHER_FORMATS = FORMATS
 """The wire formats an all-gather may be compressed to."""
 
-REDUCE_FORMATS = ("int8",)
+REDUCE_FORMATS = FORMATS
 """The wire formats a gradient reduction may be compressed to."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Compression:
-    """What the sharded collectives send: ``gather`` is a format (``"int8"`` or ``"fp8"``) or None
-    (exact), ``reduce`` ``"int8"`` or None; ``block`` is the number of elements sharing one scale (a
-    power of two in 32..4096)."""
+    """What the sharded collectives send: ``gather`` and ``reduce`` are each a format (``"int8"`` or
+    ``"fp8"``) or None (exact); ``block`` is the number of elements sharing one scale (a power of two
+    in 32..4096)."""
 
     gather: Optional[str] = "int8"
     reduce: Optional[str] = "int8"

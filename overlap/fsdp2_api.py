@@ -26,7 +26,7 @@ argument                     here
 ``dp_mesh_dims`` (2.13+)     raises NotImplementedError unless None (pass the data-parallel sub-mesh)
 ``prefetch``,                this runtime's own options (``overlap.shard``'s), keyword-only
 ``max_inflight_bytes``,
-``compress``                 (``overlap.Compression``: int8/fp8 all-gathers, int8 reductions, [Note:
+``compress``                 (``overlap.Compression``: int8/fp8 all-gathers and reductions, [Note:
                              compressed collectives] in ``overlap/compression.py``)
 ===========================  =======================================================================
 

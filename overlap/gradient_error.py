@@ -5,18 +5,19 @@ Contract
 --------
 * Off (the default), a compressed reduction pays one flag read. Exact reductions never measure
   (their error is zero by definition).
-* HSDP (a 2-D mesh, ``reduce="int8"``): what is compressed is the sum over the replicas of the
-  shard group's (exact) reduce-scatter output; on, each such sum also issues an exact float32
-  all-reduce over the replicas of that output right behind its quantized all-gather, and each rank
-  logs the dequantized sum against it over its own shards (post-scaled as the copy-out scales). The
-  replicas hold the same shards, so over the whole mesh each counts once per replica: the ratio of
-  :func:`relative_gradient_error` is unchanged.
-* On, every compressed reduction (``overlap.shard(compress=overlap.Compression(reduce="int8"))``)
-  also packs this rank's gradients exactly in float32 and issues an **exact** float32 reduce-scatter
-  of them right behind its all-to-all (a second collective: every rank must use the same setting).
-  When the compressed reduction's copy-out runs, the owner compares what it writes (the float32 sum
-  of the dequantized slots, averaged: bitwise what reaches ``.grad`` before its cast) with the exact
-  average, over its own slot, and appends a :class:`GradientError` to this process's log.
+* HSDP (a 2-D mesh, ``reduce="int8"`` or ``"fp8"``): what is compressed is the sum over the
+  replicas of the shard group's (exact) reduce-scatter output; on, each such sum also issues an
+  exact float32 all-reduce over the replicas of that output right behind its quantized all-gather,
+  and each rank logs the dequantized sum against it over its own shards (post-scaled as the
+  copy-out scales). The replicas hold the same shards, so over the whole mesh each counts once per
+  replica: the ratio of :func:`relative_gradient_error` is unchanged.
+* On, every compressed reduction (``overlap.shard(compress=overlap.Compression(reduce=...))``,
+  int8 or fp8) also packs this rank's gradients exactly in float32 and issues an **exact** float32
+  reduce-scatter of them right behind its all-to-all (a second collective: every rank must use the
+  same setting). When the compressed reduction's copy-out runs, the owner compares what it writes
+  (the float32 sum of the dequantized slots, averaged: bitwise what reaches ``.grad`` before its
+  cast) with the exact average, over its own slot, and appends a :class:`GradientError` to this
+  process's log.
 * The log holds squared norms as device tensors (no host sync during the step); reading a record's
   floats (``take_gradient_errors``, :attr:`GradientError.relative`) syncs.
 * Per step: ``take_gradient_errors()`` after the step returns (and clears) the records since the

@@ -74,6 +74,9 @@ tensor, in ``param_dtype``), so the module's forward sees what tensor parallelis
 gradient comes back as a DTensor; one whose placements differ from the parameter's (a replicated
 norm's ``Partial()`` gradient under sequence parallelism) is redistributed to them first, an
 all-reduce over the TP dim, as FSDP2 does; then its local tensor is reduce-scattered over dp.
+Compressed collectives (``compress=``) apply to exactly these dp collectives of the local tensors,
+as to plain parameters; the TP ones stay exact ([Note: compressed collectives] in
+``overlap/compression.py``).
 
 [Note: unsharded parameters keep their identity]
 Autograd saves the unsharded parameters used in forward (e.g. a linear's weight) and reads them in
@@ -512,8 +515,10 @@ class ParamGroup:
 
     @property
     def _gather_qlayout(self) -> Optional[QuantizedLayout]:
-        """The compressed all-gather's layout (``compress.gather``); None: the gather is exact."""
-        if self.compression is None or self.compression.gather is None:
+        """The compressed all-gather's layout (``compress.gather``); None: the gather is exact, or
+        moves nothing (a shard group of one rank, e.g. HSDP on an ``(R, 1)`` mesh: quantizing there
+        would only add error)."""
+        if self.compression is None or self.compression.gather is None or self.world_size == 1:
             return None
         return quantized_layout(self.layout, self.compression.block, self.compression.gather)
 
@@ -684,7 +689,8 @@ class ParamGroup:
         if not indices or self.unsharded is None:
             return 0
         if self.compression is not None and self.quantized_reduce is not None:
-            return quantized_layout(self._reduce_layout(indices), self.compression.block).buffer_bytes
+            return quantized_layout(self._reduce_layout(indices), self.compression.block,
+                                    self.quantized_reduce).buffer_bytes
         dtype = self.mp.effective_reduce_dtype or widest_dtype([self.unsharded[i].dtype for i in indices])
         return self._reduce_layout(indices).buffer_numel * dtype.itemsize
 
@@ -765,8 +771,9 @@ class ParamGroup:
         """Compressed reduction ([Note: compressed collectives] in ``overlap/compression.py``): quantize
         the gradients into one quantized slot per rank, all-to-all them to their owners; the copy-out
         sums in float32 and averages (``1/w`` after the sum, whatever the reduce dtype)."""
-        assert self.compression is not None and self.replicate is None
-        qlayout = quantized_layout(layout, self.compression.block)
+        fmt = self.quantized_reduce
+        assert self.compression is not None and self.replicate is None and fmt is not None
+        qlayout = quantized_layout(layout, self.compression.block, fmt)
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             q_input, _ = _quantized_copy_in(grads, qlayout, None)
             check = finite_check.SWITCH.on and finite_check.SWITCH.resolve()
@@ -775,7 +782,7 @@ class ParamGroup:
             if check or measure:  # exact float32 gradients (an extra packing, debug only)
                 exact = _reduce_scatter_copy_in(grads, layout, None, torch.float32)
         received = torch.empty_like(q_input)
-        work = quantized_reduce_into(received, q_input, self.info, self.quantized_reduce or "", self.where)
+        work = quantized_reduce_into(received, q_input, self.info, fmt, self.where)
         reference = None
         if measure:  # overlap.gradient_error: the exact reduce-scatter to compare with
             assert exact is not None
@@ -892,9 +899,10 @@ class ParamGroup:
         all-gathers it; every replica, the owner too, dequantizes the gathered bytes into the output,
         so the replicas hold bitwise equal gradients. Bytes per replica: ``2 (1 + 4/block) n (R-1)/R``
         against a float32 ring all-reduce's ``8 n (R-1)/R`` (0.254x). Each element is quantized twice
-        (once per stage), each time within ``absmax / 254`` of its block. The first stage waits on
-        the host (the owner needs the sums before it can send them): this tier's collectives are
-        issued in order, not overlapped with each other. Because it blocks the host, the runtime
+        (once per stage), each time within ``absmax / 254`` of its block (``reduce="fp8"``: ``|x| /
+        17 + scale / 1024``, [Note: the per-block error bound]). The first stage waits on the host
+        (the owner needs the sums before it can send them): this tier's collectives are issued in
+        order, not overlapped with each other. Because it blocks the host, the runtime
         issues it right behind the reduce-scatter (``_Root._reduce`` in ``overlap/sharding.py``), at
         the same point of the program on every rank, not at the CPU path's "reduce-scatter found
         done" poll: a host wait at a point that depends on timing deadlocks across the tiers (found
@@ -902,10 +910,11 @@ class ParamGroup:
         a replica, the others at the first use of a shard-group all-gather that a peer blocked in
         its all-to-all had not issued yet).
         """
-        assert self.replicate is not None and self.compression is not None
-        buffer, fmt = pending.rs_output, self.quantized_replica_sum or ""
+        buffer, fmt = pending.rs_output, self.quantized_replica_sum
+        assert self.replicate is not None and self.compression is not None and fmt is not None
         shards = pending.layout.shard_views(buffer, self.rank)  # this rank's shard of each parameter
-        qlayout = quantized_layout(ShardLayout([tuple(t.shape) for t in shards], self.replicas), self.compression.block)
+        qlayout = quantized_layout(ShardLayout([tuple(t.shape) for t in shards], self.replicas), self.compression.block,
+                                   fmt)
         if pending.work is not None:
             pending.work.wait()
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():

@@ -1443,8 +1443,8 @@ def shard(
     relative to it: ``overlap::pre_forward (blocks.3)``; ``module``'s own regions carry no name.
 
     ``compress``: an ``overlap.Compression`` to send the all-gathers and/or the gradient reductions
-    block-quantized (all-gathers int8 or fp8, reductions int8; ZeRO++'s qwZ / qgZ; shards, state dicts
-    and checkpoints stay exact), see
+    block-quantized (int8 or fp8 codes; ZeRO++'s qwZ / qgZ; tensor-parallel parameters' TP-local
+    tensors too; shards, state dicts and checkpoints stay exact), see
     [Note: compressed collectives] in ``overlap/compression.py``; None (default): exact.
     """
     _check_options(module, mp, reshard_after_forward, prefetch, max_inflight_bytes)
@@ -1539,13 +1539,10 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
 
 def _check_compressible(module: nn.Module, params: list[nn.Parameter], locations: list[list[ParamLocation]],
                         compress: Compression, caller: str = "shard") -> None:
-    """What compressed collectives do not cover yet ([Note: compressed collectives]), refused before
-    anything changes."""
+    """What compressed collectives do not cover ([Note: compressed collectives]: parameters the
+    quantizing copy-in cannot read), refused before anything changes."""
     name = type(module).__name__
     for p, locs in zip(params, locations):
-        if isinstance(p, DTensor):
-            raise ValueError(f"{caller}: compress is not supported with tensor-parallel (DTensor) parameters yet "
-                             f"({locs[0].fqn!r} of {name}); pass compress=None")
         if p.dtype not in QUANTIZED_DTYPES:  # what the quantizing copy-in takes
             raise TypeError(f"{caller}: compress needs float32, bfloat16 or float16 parameters; {locs[0].fqn!r} of "
                             f"{name} is {p.dtype} (pass compress=None)")

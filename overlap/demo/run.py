@@ -66,7 +66,8 @@ COMPRESSED_MODES: dict[str, str] = {"int8": "overlap-int8", "fp8": "overlap-fp8"
 """``--compress`` format -> the mode that runs ``overlap.shard`` with :data:`COMPRESSIONS` [format]."""
 COMPRESSIONS: dict[str, dict[str, str]] = {"int8": dict(gather="int8", reduce="int8"), "fp8": dict(gather="fp8", reduce="int8")}
 """``overlap.Compression`` arguments per ``--compress`` format: ``fp8`` sends the all-gathers as e4m3
-codes and reduces in int8 (``reduce="fp8"`` is not offered by the runtime); block 256 for both."""
+codes and reduces in int8 (int8 reductions track exact training closer than ``reduce="fp8"``:
+[Note: compressed collectives]); block 256 for both."""
 COMPRESSED_LOSS_RTOL = 0.01
 """``--compress``: each compressed run's final global loss within 1% of the exact run's (the goal
 of issue 30; tests/shard/test_compression.py measures 0.07% after 100 TinyLM steps for int8,

@@ -28,12 +28,16 @@ MODES = {  # name: (compress, mp)
     "exact": (None, None),
     "int8": (overlap.Compression(), None),
     "fp8": (overlap.Compression(gather="fp8"), None),
+    "fp8 reduce": (overlap.Compression(gather="int8", reduce="fp8"), None),
+    "fp8 both": (overlap.Compression(gather="fp8", reduce="fp8"), None),
     "bf16 reduce": (None, overlap.MixedPrecision(reduce_dtype=torch.bfloat16)),
 }
-"""``fp8``: e4m3 all-gathers with int8 reductions (``reduce="fp8"`` is not offered). ``bf16 reduce``
-is the control: exact collectives whose only change is the gradients' rounding to bfloat16 in the
-reduce-scatter (a perturbation smaller than int8's: bf16 rounds each element by at most 2^-9
-relative): how far any small perturbation moves these short, noisy runs."""
+"""``fp8``: e4m3 all-gathers with int8 reductions; ``fp8 reduce``: int8 all-gathers with e4m3
+reductions (``int8`` but for the reduction's codes); ``fp8 both``: e4m3 for both (``fp8`` but for the
+reduction's codes). ``bf16 reduce`` is the control: exact collectives whose only change is the
+gradients' rounding to bfloat16 in the reduce-scatter (a perturbation smaller than int8's: bf16
+rounds each element by at most 2^-9 relative): how far any small perturbation moves these short,
+noisy runs."""
 EVAL_BATCHES = 16
 EVAL_SEED = 100_000  # held-out batches: make_batch seeds no training step uses
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kernels import ShardLayout, _launch, quantized_layout  # noqa: E402
-from kernels.block_quantization import FORMATS, QMAX  # noqa: E402
+from kernels.block_quantization import FORMATS, QMAX, error_bound  # noqa: E402
 from kernels.quantized_all_gather_copy_out import (  # noqa: E402
     _quantized_all_gather_copy_out, _quantized_all_gather_copy_out_torch, quantized_all_gather_copy_out)
 from kernels.quantized_copy_in import (  # noqa: E402
@@ -96,13 +96,6 @@ def _block_absmax(shard: torch.Tensor, block: int) -> torch.Tensor:
     padded = torch.zeros(-(-n // block) * block)
     padded[:n] = flat
     return padded.view(-1, block).amax(dim=1).repeat_interleave(block)[:n].view(shard.shape)
-
-
-def _bound(absmax: torch.Tensor, x: torch.Tensor | None = None, format: str = "int8") -> torch.Tensor:
-    """[Note: the per-block error bound] of elements ``x`` in blocks of ``absmax`` (fp8 needs ``x``)."""
-    if format == "int8":
-        return absmax / 254 * (1 + 2**-14) + 2**-149
-    return x.abs() / 17 * (1 + 2**-18) + absmax / 448 / 1024 * (1 + 2**-20) + 2**-140
 
 
 def _run(path: str, fn_triton, fn_torch, *args):
@@ -228,7 +221,7 @@ def test_gather_round_trip_within_the_per_block_bound(path, shapes, world, dtype
         for r in range(world):
             x, y = layout.shard(full, r).float(), layout.shard(got32, r)
             absmax = _block_absmax(x, block)
-            assert ((x - y).abs() <= _bound(absmax, x, format)).all(), (x, y)
+            assert ((x - y).abs() <= error_bound(absmax, x, format)).all(), (x, y)
             assert torch.equal(y[absmax == 0], torch.zeros_like(y[absmax == 0]))  # zero blocks stay zero
     scales = qlayout.scales(buffer)
     codes = qlayout.codes(buffer).long()
@@ -268,7 +261,7 @@ def test_reduce_averages_within_the_summed_bounds(path, shapes, world, dtypes, b
         for i, g in enumerate(got):
             xs = [layout.shard(per_rank[s][i], r).float() for s in range(world)]
             exact = sum(xs) / world
-            bound = sum(_bound(_block_absmax(x, block), x, format) for x in xs) / world
+            bound = sum(error_bound(_block_absmax(x, block), x, format) for x in xs) / world
             slack = sum(x.abs() for x in xs) * world * 2**-23 / world  # float32 sum and scale
             assert ((g - exact).abs() <= bound + slack).all(), (g, exact)
         olds = _tensors([layout.shard_shape(i, r) for i in range(len(shapes))], [out_dtype], seed)
@@ -293,7 +286,7 @@ def test_a_tie_rounds_half_to_even_and_reaches_half_a_step(path: str) -> None:
         y = quantized_all_gather_copy_out(buffer, qlayout)[0]
     assert qlayout.codes(buffer)[0, :2].tolist() == [127, 64]
     error = (y - x).abs()[1]
-    assert 31 / 254 < error <= _bound(torch.tensor(31.0))
+    assert 31 / 254 < error <= error_bound(torch.tensor(31.0))
 
 
 def _e4m3_probe_values() -> torch.Tensor:
@@ -342,7 +335,7 @@ def test_fp8_tie_reaches_a_seventeenth_and_subnormals_round_to_even(path: str) -
         y = quantized_all_gather_copy_out(quantized_all_gather_copy_in([x], qlayout, 0)[1], qlayout)[0]
     assert y.tolist() == [448.0, 1.0, 0.0, 2**-8]
     assert (x - y).abs()[1] == x[1] / 17
-    assert ((x - y).abs() <= _bound(torch.full((4,), 448.0), x, "fp8")).all()
+    assert ((x - y).abs() <= error_bound(torch.full((4,), 448.0), x, "fp8")).all()
 
 
 # ------------------------------------------------------------------------------------ inf / NaN

@@ -15,7 +15,11 @@ give bitwise the torch fallback's training; ``no_sync`` micro-batches, optimizer
 DCP round trip; the gradient error measurement on the replicas' tier against exact HSDP's gradients;
 ``torch.compile`` of the compressed model. fp8 gathers (``Compression(gather="fp8")``): replicas
 bitwise equal, int8's bytes, training within [Note: fp8 gather tolerances] of exact HSDP, and the
-Triton kernels bitwise the torch fallback.
+Triton kernels bitwise the torch fallback. fp8 replica sums (``Compression(reduce="fp8")``): replicas
+bitwise equal, int8's bytes across the replicas, exact HSDP's in the shard group, gradients and
+training within [Note: fp8 replica sum tolerances], the gradient error measurement, and the Triton
+kernels bitwise the torch fallback. A shard group of one rank (a ``(2, 1)`` mesh, 2 ranks) gathers
+exactly (nothing moves there) and still compresses the replica sum.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ INTER_NODE = overlap.Compression(gather=None, reduce="int8")
 BOTH = overlap.Compression()  # int8 gather in the shard group, int8 sum over the replicas
 FP8_GATHER = overlap.Compression(gather="fp8", reduce=None)  # e4m3 gather in the shard group, exact replica sum
 FP8_BOTH = overlap.Compression(gather="fp8")  # e4m3 gather, int8 sum over the replicas (the demo's --compress fp8)
+FP8_SUM = overlap.Compression(gather=None, reduce="fp8")  # e4m3 sum over the replicas, exact gather
+FP8_ALL = overlap.Compression(gather="fp8", reduce="fp8")  # e4m3 gather and sum over the replicas
 STEPS = 6  # 4 ranks on 2 cores are slow
 # Tolerances, measured (TinyLM, 2x2, block 256): one step's gradients differ from exact HSDP's by
 # 0.6-0.7% relative (median over parameters) and 1.9% at most (a small LayerNorm bias) with the
@@ -61,6 +67,14 @@ GATHER_RATIO = 0.28
 FP8_GRAD_RTOL = 0.22
 FP8_LOSS_RTOL = 0.01
 FP8_GRAD_MEDIAN_ABOVE = 0.03
+# [Note: fp8 replica sum tolerances] reduce="fp8" quantizes the sum over the replicas twice in e4m3
+# (each element within |x|/17 per stage where int8 gives absmax/254 per block). Measured (TinyLM, 2x2,
+# one step, against exact HSDP, relative error per parameter): fp8 1.4-3.9% (median 2.9-3.0%), int8
+# 0.4-1.9% (median 0.6-0.7%): 4.5x; over the whole step (overlap.measure_gradient_error) 3.5% against
+# int8's 1.1%. Over 6 steps the global losses moved by at most 0.04%. Bounds: the gradients 1.5x the
+# measured max; the losses FP8_LOSS_RTOL (the issue's 1%); and a median above twice int8's, so int8
+# codes posing as fp8 fail.
+FP8_SUM_GRAD_RTOL = 0.06
 
 
 def _mesh():
@@ -167,10 +181,59 @@ def test_hsdp_fp8_gathers_train_near_exact_hsdp(distributed) -> None:
         assert r["fp8 + int8 sum bytes"]["replicate"] <= 0.28 * r["exact bytes"]["replicate"]
 
 
+@pytest.mark.torch_kernels
+def test_hsdp_fp8_replica_sum_trains_near_exact_hsdp(distributed) -> None:
+    """``reduce="fp8"`` under HSDP: the sum over the replicas in e4m3 codes (the shard group's
+    reduce-scatter exact): the replicas stay bitwise equal after every step, the replicas' tier
+    carries exactly int8's bytes and the shard group's exactly exact HSDP's, and one step's gradients
+    and 6 steps' losses stay within [Note: fp8 replica sum tolerances] of exact HSDP's."""
+    runs = {"exact": None, "int8": INTER_NODE, "fp8": FP8_SUM}
+    for r in distributed(_run, 4, runs, link=COUNTING_LINK):
+        assert r["fp8 differing"] == []  # replicas bitwise equal, every step
+        assert r["fp8 bytes"]["replicate"] == r["int8 bytes"]["replicate"] <= 0.28 * r["exact bytes"]["replicate"]
+        assert r["fp8 bytes"]["shard"] == r["exact bytes"]["shard"]
+        errors, int8_errors = (_gradient_errors(r[name + " grads"], r["exact grads"]) for name in ("fp8", "int8"))
+        assert max(errors.values()) <= FP8_SUM_GRAD_RTOL, errors
+        median, int8_median = (sorted(e.values())[len(e) // 2] for e in (errors, int8_errors))
+        assert median > 2 * int8_median, (median, int8_median)  # e4m3's codes, not int8's
+        losses, exact_losses = r["fp8 losses"], r["exact losses"]
+        assert all(abs(a - b) <= FP8_LOSS_RTOL * b for a, b in zip(losses, exact_losses)), (losses, exact_losses)
+
+
+def _one_rank_shard_group(rank: int, world: int) -> dict[str, Any]:
+    """HSDP on a ``(world, 1)`` mesh, exact and with ``BOTH``: the unsharded parameters of the first
+    forward and the reduced gradients."""
+    from torch import nn
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=MESH_DIMS)
+    out = {}
+    for name, compress in (("exact", None), ("compressed", BOTH)):
+        torch.manual_seed(SEED)
+        model = overlap.shard(nn.Linear(64, 64), mesh=mesh, compress=compress)
+        model.unshard()
+        out[name + " unsharded"] = [u.detach().clone() for u in model._overlap_state.group.unsharded]
+        model.reshard()
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+        model(x).square().sum().backward()
+        out[name + " grads"] = [p.grad.to_local().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.torch_kernels
+def test_a_shard_group_of_one_rank_gathers_exactly(distributed) -> None:
+    """On a ``(2, 1)`` mesh the shard group's all-gather moves nothing, so ``gather="int8"`` leaves
+    it exact (the unsharded parameters bitwise the exact run's) while the replica sum is still
+    compressed (the gradients differ from exact HSDP's)."""
+    for r in distributed(_one_rank_shard_group, 2):
+        assert all(torch.equal(a, b) for a, b in zip(r["compressed unsharded"], r["exact unsharded"]))
+        assert not all(torch.equal(a, b) for a, b in zip(r["compressed grads"], r["exact grads"]))
+
+
 # ------------------------------------------------------------------------------ Triton vs torch
-@pytest.mark.parametrize("compress", [BOTH, FP8_BOTH], ids=["int8", "fp8-gather"])
+@pytest.mark.parametrize("compress", [BOTH, FP8_BOTH, FP8_ALL], ids=["int8", "fp8-gather", "fp8"])
 def test_hsdp_on_triton_kernels_equals_the_torch_fallback(distributed, compress: overlap.Compression) -> None:
-    """Two steps of an MLP compressed on both tiers (int8 gather or fp8 gather, int8 replica sum) with
+    """Two steps of an MLP compressed on both tiers (int8 gather or fp8 gather, int8 or fp8 replica sum) with
     the Triton kernels (interpreter on CPU) and with the torch fallback (torch's own float8_e4m3fn
     casts for fp8): bitwise the same parameters on every rank."""
     from kernels import _launch
@@ -182,14 +245,14 @@ def test_hsdp_on_triton_kernels_equals_the_torch_fallback(distributed, compress:
 
 
 # ------------------------------------------------------------- no_sync, in-backward, checkpoints
-def _no_sync_in_backward(rank: int, world: int) -> dict[str, Any]:
+def _no_sync_in_backward(rank: int, world: int, compress: overlap.Compression) -> dict[str, Any]:
     from overlap.testing import current_link
 
     torch.set_num_threads(1)
     mesh = _mesh()
     out = {}
     for mode in ("plain", "in_backward"):
-        model = _model(mesh, BOTH)
+        model = _model(mesh, compress)
         if mode == "plain":
             opt = make_optimizer(model.parameters())
         else:
@@ -214,11 +277,12 @@ def _no_sync_in_backward(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.torch_kernels
-def test_hsdp_no_sync_and_optimizer_in_backward(distributed) -> None:
+@pytest.mark.parametrize("compress", [BOTH, FP8_ALL], ids=["int8", "fp8"])
+def test_hsdp_no_sync_and_optimizer_in_backward(distributed, compress) -> None:
     """Two micro-batches per step, the first under ``no_sync`` (nothing reduced, nothing crosses the
     replicas), then the compressed reductions: optimizer-in-backward gives bitwise the plain loop's
     parameters, and the replicas stay bitwise equal."""
-    for r in distributed(_no_sync_in_backward, 4, link=COUNTING_LINK):
+    for r in distributed(_no_sync_in_backward, 4, compress, link=COUNTING_LINK):
         plain, in_backward = r["plain"], r["in_backward"]
         for mode in (plain, in_backward):
             assert mode["reductions_under_no_sync"] == [0, 0, 0]
@@ -229,18 +293,18 @@ def test_hsdp_no_sync_and_optimizer_in_backward(distributed) -> None:
             assert torch.equal(v, in_backward["params"][k]), k
 
 
-def _checkpoint(rank: int, world: int, path: str) -> dict[str, Any]:
+def _checkpoint(rank: int, world: int, path: str, compress: overlap.Compression) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     torch.set_num_threads(1)
     mesh = _mesh()
-    model = _model(mesh, BOTH)
+    model = _model(mesh, compress)
     train_ranks(model, rank, world, steps=2)
     shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}
     full = overlap.full_state_dict(model, rank0_only=False)
     exact_full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     dcp.save(model.state_dict(), checkpoint_id=path)
-    fresh = _model(mesh, BOTH)
+    fresh = _model(mesh, compress)
     target = fresh.state_dict()
     dcp.load(target, checkpoint_id=path)
     fresh.load_state_dict(target)
@@ -255,17 +319,18 @@ def _checkpoint(rank: int, world: int, path: str) -> dict[str, Any]:
 
 
 @pytest.mark.torch_kernels
-def test_hsdp_checkpoints_are_exact(distributed, tmp_path) -> None:
+@pytest.mark.parametrize("compress", [BOTH, FP8_ALL], ids=["int8", "fp8"])
+def test_hsdp_checkpoints_are_exact(distributed, tmp_path, compress) -> None:
     """State dicts and DCP carry the exact shards under HSDP compression: the full state dict is the
     exact all-gather of them, a DCP save / load round trip gives them back bit for bit, and the
     loaded model's next step is bitwise the saved one's."""
-    for r in distributed(_checkpoint, 4, str(tmp_path / "ckpt")):
+    for r in distributed(_checkpoint, 4, str(tmp_path / "ckpt"), compress):
         assert r["full_exact"] and r["loaded_exact"] and r["trained_alike"], r
         assert r["losses"][0] == r["losses"][1]
 
 
 # ---------------------------------------------------------------------------- gradient error
-def _measured(rank: int, world: int) -> dict[str, Any]:
+def _measured(rank: int, world: int, compress: overlap.Compression) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = _mesh()
     tokens = local_batch(make_batch(0), rank, world)
@@ -276,10 +341,10 @@ def _measured(rank: int, world: int) -> dict[str, Any]:
         return [p.grad.to_local().clone() for p in model.parameters()]
 
     overlap.take_gradient_errors()
-    unmeasured = grads(INTER_NODE)
+    unmeasured = grads(compress)
     logged_off = overlap.take_gradient_errors()
     with overlap.measure_gradient_error():
-        measured = grads(INTER_NODE)
+        measured = grads(compress)
         records = overlap.take_gradient_errors()
         exact = grads(None)
         logged_exact = overlap.take_gradient_errors()
@@ -291,13 +356,14 @@ def _measured(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.torch_kernels
-def test_hsdp_gradient_error_is_the_error_against_exact_hsdp(distributed) -> None:
+@pytest.mark.parametrize("compress", [INTER_NODE, FP8_SUM], ids=["int8", "fp8"])
+def test_hsdp_gradient_error_is_the_error_against_exact_hsdp(distributed, compress) -> None:
     """``overlap.measure_gradient_error`` under HSDP: one record per compressed replica sum, whose
     squared norms equal ``||grad - exact||^2`` and ``||exact||^2`` over this rank's shards, ``exact``
     being exact HSDP's gradients (the same reduce-scatter, an exact sum over the replicas); measuring
     changes no gradient. Tolerance: relative 1e-6 for float32 summation order (2 replicas: the sums
     agree to the last bit in practice, the bound does not rely on gloo's order)."""
-    results = distributed(_measured, 4)
+    results = distributed(_measured, 4, compress)
     total_error = total_exact = 0.0
     for r in results:
         assert r["off"] == 0 and r["logged_exact"] == 0
@@ -306,7 +372,7 @@ def test_hsdp_gradient_error_is_the_error_against_exact_hsdp(distributed) -> Non
         error_sq = sum(float((g.double() - e.double()).square().sum()) for g, e in zip(r["measured"], r["exact"]))
         exact_sq = sum(float(e.double().square().sum()) for e in r["exact"])
         assert r["error_sq"] == pytest.approx(error_sq, rel=1e-6) and r["exact_sq"] == pytest.approx(exact_sq, rel=1e-6)
-        assert 0 < math.sqrt(error_sq / exact_sq) < GRAD_RTOL
+        assert 0 < math.sqrt(error_sq / exact_sq) < (GRAD_RTOL if compress.reduce == "int8" else FP8_SUM_GRAD_RTOL)
         total_error, total_exact = total_error + error_sq, total_exact + exact_sq
     for r in results:  # over every rank of the mesh (each replica counts its copy: the ratio is the same)
         assert r["every_rank"] == pytest.approx(math.sqrt(total_error / total_exact), rel=1e-6)
