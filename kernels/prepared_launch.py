@@ -68,7 +68,9 @@ storage, ``.data =`` a restrided view of its own memory) on a shard's local tens
 unsharded gradient are outside that contract (nothing in torch or the runtime does them; the
 public ops, whose lists are the caller's, keep the guard). At 300 parameters this takes the runtime's
 copy-ins from ~52 / 48 µs to ~27 / 26 µs on the CI box (``benchmarks/bench_kernels.py``, the
-"before" column is the guarded path, still what a list without an owner gets).
+"before" column is the guarded path, still what a list without an owner gets). Those are hits: the
+shards keep their addresses, but on CPU autograd's gradients come at new addresses every step, so
+there the reduce-scatter copy-in makes a new launch each step (as the guarded path did).
 """
 from __future__ import annotations
 
