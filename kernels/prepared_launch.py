@@ -50,7 +50,8 @@ DTensor parameters it created) and its unsharded gradients (what autograd accumu
 unsharded parameters it created, or zeros it made). What the guard checks of them is fixed by the
 group: the exact type (it made them), the shapes (the layout's; autograd refuses a gradient of
 another shape, the ``.grad`` setter too), the dtypes (``orig_dtypes``, or the unsharded
-parameters': the ``.grad`` setter refuses another). Those change only when the group re-reads its
+parameters' gradient dtypes: the ``.grad`` setter refuses another, and the zeros the group puts
+where a gradient is missing are made in that dtype too). Those change only when the group re-reads its
 shards (``ParamGroup._read_dtypes``: at creation and in ``rebind_sharded``, after ``module._apply``,
 ``to_empty``, ``load_state_dict(assign=True)``), which calls ``OwnedLists.changed()`` and forgets
 every owned fingerprint. So ``launch_owned`` keeps, per group, layout and op configuration, one

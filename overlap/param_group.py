@@ -736,9 +736,10 @@ class ParamGroup:
                 collections.deque(map(setattr, params, repeat("grad"), repeat(None)), maxlen=0)
         if any(map(is_, grads, repeat(None))):
             for j, (u, grad) in enumerate(zip(params, grads)):
-                if grad is None:
-                    data = _local(u)
-                    grads[j] = torch.zeros(data.shape, dtype=data.dtype, device=data.device)
+                if grad is None:  # in the dtype autograd gives it: the list's dtypes stay the group's
+                    data = _local(u)  # ([Note: lists the runtime owns] in kernels/prepared_launch.py)
+                    dtype = self._tp_reduced_grad_dtype(indices[j]) or data.dtype
+                    grads[j] = torch.zeros(data.shape, dtype=dtype, device=data.device)
         return grads
 
     def _issue_quantized_reduce(self, grads: list[torch.Tensor], indices: tuple[int, ...],
