@@ -119,3 +119,19 @@ def test_a_change_between_steps_trains_bitwise_as_the_uncached_path(distributed,
             assert torch.equal(_bits(cached["params"][name]), _bits(value)), (change, name)
         assert uncached["owned"] == (0, 0), "the uncached run used owned launches"
         assert cached["owned"][0] > 0 and cached["owned"][1] > 0, ("the owned launches were not used", cached["owned"])
+
+
+def test_a_missing_gradient_is_zeros_in_the_dtype_autograd_gives_it(single_rank_group,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gradients' dtypes stay the group's per index (what a hit of the owned launch trusts): a
+    missing gradient's zeros take the gradient's dtype, a tensor-parallel parameter's wider one
+    included (``_tp_reduced_grad_dtype``, stood in for here on a plain parameter)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    overlap.shard(model)
+    model(torch.randn(1, 3)).sum().backward()  # the unsharded parameters exist; their gradients moved on
+    (group,) = [s.group for s in sharded_states(model) if s.group is not None]
+    monkeypatch.setattr(group, "_tp_reduced_grad_dtype", lambda i: torch.float64 if i == 0 else None)
+    grads = group._take_unsharded_grads((0, 1))
+    assert [g.dtype for g in grads] == [torch.float64, torch.float32]
+    assert all(not g.any() for g in grads)
