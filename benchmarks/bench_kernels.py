@@ -201,6 +201,7 @@ class Case:
     comm_dtype: torch.dtype
     fused: dict[str, Callable[[], object]]
     runtime: dict[str, Callable[[], object]]  # the launchers the runtime calls (no argument checks)
+    runtime_before: dict[str, Callable[[], object]]  # the same before the runtime owned its lists
     torch_path: dict[str, Callable[[], object]]
     nbytes: dict[str, int]
 
@@ -218,8 +219,11 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
     ag_output = torch.randn(layout.buffer_numel, device=device).to(comm_dtype)
     # the unsharded parameters as the runtime holds them: views of one storage ([Note: packed placements])
     placement = _launch.PackedPlacement.of(workload.shapes, [param_dtype] * len(workload.shapes))
-    out_storage = torch.UntypedStorage(placement.nbytes, device=device)
-    outs = placement.views(out_storage)
+    out_data = torch.empty(placement.nbytes, dtype=torch.uint8, device=device)
+    out_storage = out_data.untyped_storage()
+    outs = placement.views(out_storage)  # each with a version counter of its own (as before)
+    out_fill = placement.shared_views(out_data)  # one counter for all: what the runtime writes through
+    owned_shards, owned_grads = prepared_launch.OwnedLists(), prepared_launch.OwnedLists()
     shard_dtypes = (param_dtype,) * len(shards)
     slot = torch.randn(layout.slot_numel, device=device).to(comm_dtype)
     shard_grads = [torch.zeros(s, device=device, dtype=param_dtype) for s in layout.shard_shapes(rank)]
@@ -236,13 +240,24 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
         "reduce_scatter_copy_in": lambda: kernels.reduce_scatter_copy_in(fulls, layout, scale, comm_dtype),
         "reduce_scatter_copy_out": lambda: kernels.reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
     }
-    runtime = {
+    runtime = {  # as overlap/param_group.py calls them: lists it owns ([Note: lists the runtime owns])
+        "all_gather_copy_in": lambda: _all_gather_copy_in(shards, layout, rank, comm_dtype, shard_dtypes,
+                                                          owned=owned_shards),
+        "all_gather_copy_out": lambda: _all_gather_copy_out(ag_output, layout, out_fill,
+                                                            packed=(out_storage, placement), versions=out_fill[:1]),
+        "reduce_scatter_copy_in": lambda: _reduce_scatter_copy_in(fulls, layout, scale, comm_dtype,
+                                                                  owned=owned_grads),
+        "reduce_scatter_copy_out": lambda: _reduce_scatter_copy_out(slot, packed_grads, layout, rank, scale, False,
+                                                                    packed=grad_storage, versions=packed_grads[:1]),
+        INTO_EXISTING: lambda: _reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
+    }
+    runtime_before = {  # the same before (b8a9964): each list guarded, each tensor's version bumped
+        **runtime,
         "all_gather_copy_in": lambda: _all_gather_copy_in(shards, layout, rank, comm_dtype, shard_dtypes),
         "all_gather_copy_out": lambda: _all_gather_copy_out(ag_output, layout, outs, packed=(out_storage, placement)),
         "reduce_scatter_copy_in": lambda: _reduce_scatter_copy_in(fulls, layout, scale, comm_dtype),
         "reduce_scatter_copy_out": lambda: _reduce_scatter_copy_out(slot, packed_grads, layout, rank, scale, False,
                                                                     packed=grad_storage),
-        INTO_EXISTING: lambda: _reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
     }
 
     # FSDP2's unsharded parameters live in padded (world_size, padded shard) storages; with a cast, the
@@ -289,7 +304,7 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
         "reduce_scatter_copy_in": full_numel * (p_size + c_size),
         "reduce_scatter_copy_out": shard_numel * (c_size + 2 * p_size),
     }
-    return Case(layout, rank, param_dtype, comm_dtype, fused, runtime, torch_path, nbytes)
+    return Case(layout, rank, param_dtype, comm_dtype, fused, runtime, runtime_before, torch_path, nbytes)
 
 
 def plain_copy(nbytes: int, device: torch.device) -> Callable[[], object]:
@@ -370,8 +385,8 @@ def host_target_us(num_params: int) -> float:
 
 
 HOST_HEADER = ["workload", "params", "op", "public µs, uncached", "public µs", "runtime launcher µs, uncached",
-               "runtime launcher µs", "torch path µs", "target µs (15 + 0.05/param)", "public / target",
-               "runtime / target"]
+               "runtime launcher µs, before (b8a9964)", "runtime launcher µs", "torch path µs",
+               "target µs (15 + 0.05/param)", "public / target", "runtime / target"]
 
 
 def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> list[list[object]]:
@@ -388,7 +403,8 @@ def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> li
         for op in (*OPS, INTO_EXISTING):
             plain_op = "reduce_scatter_copy_out" if op == INTO_EXISTING else op
             fns = {"public" + UNCACHED: case.fused[plain_op], "public": case.fused[plain_op],
-                   "runtime" + UNCACHED: case.runtime[op], "runtime": case.runtime[op]}
+                   "runtime" + UNCACHED: case.runtime[op], "runtime before": case.runtime_before[op],
+                   "runtime": case.runtime[op]}
             if device.type == "cuda":
                 us = host_us_side_by_side({**fns, "torch": case.torch_path[plain_op]}, device)
             else:
@@ -396,7 +412,7 @@ def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> li
                     us = host_us_side_by_side(fns, device)
                 assert launched[0] > 0, "the Triton path was not taken"
             rows.append([workload.name, case.layout.num_params, op, us["public" + UNCACHED], us["public"],
-                         us["runtime" + UNCACHED], us["runtime"], us.get("torch", "-"), target,
+                         us["runtime" + UNCACHED], us["runtime before"], us["runtime"], us.get("torch", "-"), target,
                          us["public"] / target, us["runtime"] / target])
         del case
     return rows

@@ -335,10 +335,12 @@ def _new_pointer_table(layout: ShardLayout, key: tuple, addresses: tuple[int, ..
     is a function of); the layout keeps the ``POINTER_CACHE_SIZE`` newest, and drops the oldest
     (its device copy is released once the kernels that may read it have run: [Note: table
     lifetime] in ``kernels.table_memory``)."""
-    groups: dict[torch.dtype, int] = {}
-    codes = [groups.setdefault(d, len(groups)) for d in dtypes]
+    groups = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}  # first-seen order, one C pass
+    table_rows = np.empty((len(addresses), 2), dtype=np.int64)
+    table_rows[:, 0] = addresses
+    table_rows[:, 1] = 0 if len(groups) == 1 else list(map(groups.__getitem__, dtypes))
     group_dtypes = [TRITON_DTYPES[d] for d in groups]
-    memory = to_device([np.array([addresses, codes], dtype=np.int64).T.copy()], device, cached=True)
+    memory = to_device([table_rows], device, cached=True)
     table = PointerTable(
         pointers=memory.tensors[0],
         memory=memory,

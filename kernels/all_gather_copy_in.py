@@ -131,20 +131,22 @@ def _(shards, layout_spec, rank, dtype):
 def _all_gather_copy_in(
     shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype,
     dtypes: tuple[torch.dtype, ...] | None = None, fingerprint: prepared_launch.Fingerprint | None = None,
+    owned: prepared_launch.OwnedLists | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op on checked arguments (``dtype`` given; ``dtypes``: the shards' own, in order, when the
-    checks read them; ``fingerprint``: the one the public op found them to match): the kernel, or
-    the torch fallback. The launch is a prepared one ([Note: prepared launches] in
-    ``kernels.prepared_launch``) unless the shards cannot be fingerprinted."""
+    checks read them; ``fingerprint``: the one the public op found them to match; ``owned``: the
+    owner's launches, when the caller owns the shards and says when they change, [Note: lists the
+    runtime owns]): the kernel, or the torch fallback. The launch is a prepared one ([Note:
+    prepared launches] in ``kernels.prepared_launch``) unless the shards cannot be fingerprinted."""
     device = shards[0].device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
             return _all_gather_copy_in_torch(shards, layout, rank, dtype, device)
     ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]
-    if not prepared_launch.launch_list(layout, (OP, "runtime", rank, dtype), shards, ag_input,
-                                       lambda ordered: _kernel_call(shards, layout, rank, ag_input, ordered),
-                                       fingerprint):
+    config, build = (OP, "runtime", rank, dtype), lambda ordered: _kernel_call(shards, layout, rank, ag_input, ordered)
+    if not (prepared_launch.launch_owned(owned, layout, config, shards, ag_input, build, dtypes) if owned is not None
+            else prepared_launch.launch_list(layout, config, shards, ag_input, build, fingerprint)):
         _kernel_call(list(map(torch.Tensor.contiguous, shards)), layout, rank, ag_input, dtypes).launch()
     return ag_input, ag_output
 

@@ -138,12 +138,15 @@ def _(ag_output, layout_spec, outs):
 def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor],
                          dtypes: tuple[torch.dtype, ...] | None = None,
                          packed: tuple[torch.UntypedStorage, _launch.PackedPlacement] | None = None,
-                         fingerprint: prepared_launch.Fingerprint | None = None) -> None:
+                         fingerprint: prepared_launch.Fingerprint | None = None,
+                         versions: Sequence[torch.Tensor] | None = None) -> None:
     """The op on checked arguments (``outs`` given; ``dtypes``: their own, in order, when the checks
-    read them; ``packed``: ``(storage, placement)`` when ``outs`` are ``placement.views(storage)``,
-    which keys the launch on the storage, O(1): [Note: packed placements] in ``kernels._launch``;
-    ``fingerprint``: the one the public op found ``outs`` to match): the kernel, or the torch
-    fallback. The launch is a prepared one ([Note: prepared launches] in
+    read them; ``packed``: ``(storage, placement)`` when ``outs`` are ``placement.views(storage)``
+    or views of it at the same offsets, shapes and dtypes, which keys the launch on the storage,
+    O(1): [Note: packed placements] in ``kernels._launch``; ``fingerprint``: the one the public op
+    found ``outs`` to match; ``versions``: tensors whose version counters are all of ``outs``'
+    (``None``: ``outs``; one view for views sharing one counter, ``PackedPlacement.shared_views``)):
+    the kernel, or the torch fallback. The launch is a prepared one ([Note: prepared launches] in
     ``kernels.prepared_launch``) unless ``outs`` cannot be fingerprinted."""
     if not _launch.triton_enabled(ag_output.device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
@@ -155,7 +158,7 @@ def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: Seq
     elif not prepared_launch.launch_list(layout, (OP, "runtime"), outs, ag_output,
                                          lambda ordered: _kernel_call(ag_output, layout, outs, ordered), fingerprint):
         _kernel_call(ag_output, layout, outs, dtypes).launch()
-    _launch.increment_version(outs)
+    _launch.increment_version(outs if versions is None else versions)
 
 
 def _kernel_call(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor],

@@ -40,9 +40,38 @@ and the placement, whose size is checked against the storage at every call (a st
 ``resize_(0)`` is refused before any launch, as ``packed_pointer_table`` does).
 
 What stays per call and per tensor: the guard and the address pass (public ops), the address pass
-and the guard (the runtime's copy-ins, whose lists are new each step), nothing at all for packed
+alone for the runtime's copy-ins ([Note: lists the runtime owns]), nothing at all for packed
 placements (the runtime's copy-out into its unsharded parameters, and the reduce-scatter copy-out
 into new gradients). On the 2-core CI box, 300 parameters: about 20 + 16 µs for the two passes.
+
+[Note: lists the runtime owns]
+The runtime's copy-ins read lists it made itself: a group's shards (the local tensors of the
+DTensor parameters it created) and its unsharded gradients (what autograd accumulated into the
+unsharded parameters it created, or zeros it made). What the guard checks of them is fixed by the
+group: the exact type (it made them), the shapes (the layout's; autograd refuses a gradient of
+another shape, the ``.grad`` setter too), the dtypes (``orig_dtypes``, or the unsharded
+parameters' gradient dtypes: the ``.grad`` setter refuses another, and the zeros the group puts
+where a gradient is missing are made in that dtype too). Those change only when the group re-reads its
+shards (``ParamGroup._read_dtypes``: at creation and in ``rebind_sharded``, after ``module._apply``,
+``to_empty``, ``load_state_dict(assign=True)``), which calls ``OwnedLists.changed()`` and forgets
+every owned fingerprint. So ``launch_owned`` keeps, per group, layout and op configuration, one
+fingerprint without a guard, and a call reads one thing per tensor: its data address (one C-level
+pass, about 55 ns a tensor), which keys the prepared launch as before. A *new* address set is
+checked before its launch is made, as the guard would have: every tensor contiguous, each of the
+fingerprint's dtypes (and of the caller's ``dtypes`` when it hands them, which the uncached path
+would read the memory as); a list that fails goes the uncached path, and a list of other dtypes gets
+a new fingerprint. So a shard swapped for another tensor (``.data =``, ``set_`` to other memory, a
+new object), a gradient at new addresses, a reallocation at the same address with the same dtype
+(the same, correct, launch) all launch what the uncached path launches. What a hit trusts is that a
+tensor keeps its strides and dtype while it keeps its address and the group does not re-read: the
+in-place ops that change strides at the same address (``t_``, ``as_strided_``, ``set_`` onto its own
+storage, ``.data =`` a restrided view of its own memory) on a shard's local tensor or on an
+unsharded gradient are outside that contract (nothing in torch or the runtime does them; the
+public ops, whose lists are the caller's, keep the guard). At 300 parameters this takes the runtime's
+copy-ins from ~52 / 48 µs to ~27 / 26 µs on the CI box (``benchmarks/bench_kernels.py``, the
+"before" column is the guarded path, still what a list without an owner gets). Those are hits: the
+shards keep their addresses, but on CPU autograd's gradients come at new addresses every step, so
+there the reduce-scatter copy-in makes a new launch each step (as the guarded path did).
 """
 from __future__ import annotations
 
@@ -164,25 +193,79 @@ def launch_list(layout: ShardLayout, config: tuple, tensors: Sequence[torch.Tens
         fingerprint = find(layout, config, tensors) or remember(layout, config, tensors)
         if fingerprint is None:
             return False
-    launch(fingerprint, tensors, flat, build)
-    return True
+    return launch(fingerprint, tensors, flat, build)
+
+
+class OwnedLists:
+    """The prepared launches of the lists one owner hands in (the runtime's shards of a group, its
+    unsharded gradients): fingerprints without a guard, one per layout and op configuration
+    ([Note: lists the runtime owns]). ``changed()`` forgets them all."""
+
+    __slots__ = ("_fingerprints",)
+
+    def __init__(self) -> None:
+        self._fingerprints: dict[tuple[int, tuple], tuple[ShardLayout, Fingerprint]] = {}
+
+    def changed(self) -> None:
+        """The owner replaced its tensors' storage, dtype or shape (a parameter swapped, the dtypes
+        re-read): the next call of each op checks its list again."""
+        self._fingerprints.clear()
+
+    def __len__(self) -> int:
+        return len(self._fingerprints)
+
+
+def launch_owned(owned: OwnedLists, layout: ShardLayout, config: tuple, tensors: Sequence[torch.Tensor],
+                 flat: torch.Tensor, build: Callable[[tuple[torch.dtype, ...]], _launch.KernelCall],
+                 dtypes: tuple[torch.dtype, ...] | None = None) -> bool:
+    """The runtime launchers' path for a list ``owned`` stands for: launch over ``tensors`` into
+    ``flat`` through the prepared launch of their addresses, checking them (contiguous, each of the
+    dtype in ``dtypes``, read when ``None``) only when the address set is new ([Note: lists the
+    runtime owns]); ``False`` when the cache is off or a tensor is not contiguous (the caller then
+    launches uncached)."""
+    if not _enabled:
+        return False
+    key = (id(layout), config)
+    entry = owned._fingerprints.get(key)
+    if (entry is not None and entry[1].size == len(tensors) and (dtypes is None or dtypes == entry[1].dtypes)
+            and launch(entry[1], tensors, flat, build)):
+        return True
+    if not all(map(_IS_CONTIGUOUS, tensors)):
+        return False
+    read = tuple(map(_DTYPE, tensors))
+    if dtypes is not None and read != dtypes:  # the uncached path reads them as ``dtypes``: let it
+        return False
+    fingerprint = Fingerprint(None, len(tensors), read, None)
+    owned._fingerprints[key] = (layout, fingerprint)  # the layout held: its id stays its own
+    return launch(fingerprint, tensors, flat, build)
+
+
+def _describes(fingerprint: Fingerprint, tensors: Sequence[torch.Tensor]) -> bool:
+    """Does an owned ``fingerprint`` hold for ``tensors`` (contiguous, its dtypes)? Read once per new
+    address set."""
+    return all(map(_IS_CONTIGUOUS, tensors)) and tuple(map(_DTYPE, tensors)) == fingerprint.dtypes
 
 
 def launch(fingerprint: Fingerprint, tensors: Sequence[torch.Tensor], flat: torch.Tensor,
-           build: Callable[[tuple[torch.dtype, ...]], _launch.KernelCall]) -> None:
+           build: Callable[[tuple[torch.dtype, ...]], _launch.KernelCall]) -> bool:
     """Launch over ``tensors`` (matching ``fingerprint``) into ``flat``: the prepared launch of their
     current addresses, made by ``build(dtypes)`` (the op's ``KernelCall`` over ``tensors``) the
-    first time."""
+    first time. An owned fingerprint (no guard: ``launch_owned``) first checks a new address set as
+    the guard would have: every tensor contiguous and of the fingerprint's dtypes, else nothing
+    launches and ``False`` is returned."""
     addresses = tuple(map(_DATA_PTR, tensors))
     launches = fingerprint.launches
     prepared = launches.get(addresses)
     if prepared is None:
+        if fingerprint.guard is None and not _describes(fingerprint, tensors):
+            return False
         prepared = _launch.PreparedLaunch.of(build(fingerprint.dtypes))
         if len(launches) >= MAX_LAUNCHES:
             del launches[next(iter(launches))]
         if not prepared.in_graph:
             launches[addresses] = prepared
     prepared.launch(flat)
+    return True
 
 
 def launch_packed(layout: ShardLayout, config: tuple, storage: torch.UntypedStorage,

@@ -143,19 +143,22 @@ def _(grads, layout_spec, pre_scale, dtype):
 def _reduce_scatter_copy_in(
     grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype,
     dtypes: tuple[torch.dtype, ...] | None = None, fingerprint: prepared_launch.Fingerprint | None = None,
+    owned: prepared_launch.OwnedLists | None = None,
 ) -> torch.Tensor:
     """The op on checked arguments (``dtype`` given; ``dtypes``: the grads' own, in order, when the
-    checks read them; ``fingerprint``: the one the public op found them to match): the kernel, or
-    the torch fallback. The launch is a prepared one ([Note: prepared launches] in
-    ``kernels.prepared_launch``) unless the grads cannot be fingerprinted."""
+    checks read them; ``fingerprint``: the one the public op found them to match; ``owned``: the
+    owner's launches, when the caller owns the grads and says when they change, [Note: lists the
+    runtime owns]): the kernel, or the torch fallback. The launch is a prepared one ([Note:
+    prepared launches] in ``kernels.prepared_launch``) unless the grads cannot be fingerprinted."""
     device = grads[0].device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
             return _reduce_scatter_copy_in_torch(grads, layout, pre_scale, dtype, device)
     rs_input = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
-    if not prepared_launch.launch_list(layout, (OP, "runtime", prepared_launch.scale_key(pre_scale), dtype), grads,
-                                       rs_input, lambda ordered: _kernel_call(grads, layout, pre_scale, rs_input, ordered),
-                                       fingerprint):
+    config = (OP, "runtime", prepared_launch.scale_key(pre_scale), dtype)
+    build = lambda ordered: _kernel_call(grads, layout, pre_scale, rs_input, ordered)  # noqa: E731
+    if not (prepared_launch.launch_owned(owned, layout, config, grads, rs_input, build, dtypes) if owned is not None
+            else prepared_launch.launch_list(layout, config, grads, rs_input, build, fingerprint)):
         _kernel_call(list(map(torch.Tensor.contiguous, grads)), layout, pre_scale, rs_input, dtypes).launch()
     return rs_input
 

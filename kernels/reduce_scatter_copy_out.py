@@ -173,12 +173,15 @@ def _reduce_scatter_copy_out(
     dtypes: tuple[torch.dtype, ...] | None = None,
     packed: tuple[torch.UntypedStorage, _launch.PackedPlacement] | None = None,
     fingerprint: prepared_launch.Fingerprint | None = None,
+    versions: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """The op on checked arguments (``dtypes``: the shard grads' own, in order, when the checks read
     them; ``packed``: ``(storage, placement)`` when ``shard_grads`` are ``placement.views(storage)``
     or views of it at the same offsets, shapes and dtypes, which keys the launch on the storage,
     O(1): [Note: packed placements] in ``kernels._launch``; ``fingerprint``: the one the public op
-    found ``shard_grads`` to match): the kernel, or the torch fallback. The launch is a prepared
+    found ``shard_grads`` to match; ``versions``: tensors whose version counters are all of
+    ``shard_grads``' (``None``: ``shard_grads``; one view for views sharing one counter,
+    ``PackedPlacement.shared_views``)): the kernel, or the torch fallback. The launch is a prepared
     one ([Note: prepared launches] in ``kernels.prepared_launch``) unless the gradients cannot be
     fingerprinted."""
     device = rs_output.device
@@ -196,7 +199,7 @@ def _reduce_scatter_copy_out(
             lambda ordered: _kernel_call(rs_output, shard_grads, layout, rank, post_scale, accumulate, ordered),
             fingerprint):
         _kernel_call(rs_output, shard_grads, layout, rank, post_scale, accumulate, dtypes).launch()
-    _launch.increment_version(shard_grads)
+    _launch.increment_version(shard_grads if versions is None else versions)
 
 
 def _kernel_call(

@@ -90,10 +90,13 @@ for an in-place change of a saved tensor ([Note: a gather bumps no version count
 
 [Note: a gather bumps no version counter]
 A gather writes the unsharded parameters' memory through a second set of tensors over the same
-storage and placement (``_unsharded_fill``, made with the parameters), each with a version counter of
-its own: the writes bump those, never the parameters'. That is what saving the parameters' versions
-before the write and restoring them after gives, without the two passes and the try/finally per
-gather (about 2 µs of a 10 µs world-size-1 cast per block in the runtime-cost benchmark).
+storage and placement (``_unsharded_fill``, made with the parameters: ``PackedPlacement.shared_views``,
+so they share one version counter, which is not the parameters'): the writes bump that one, never
+the parameters'. That is what saving the parameters' versions before the write and restoring them
+after gives, without the two passes and the try/finally per gather (about 2 µs of a 10 µs
+world-size-1 cast per block in the runtime-cost benchmark); and the copy-out tells autograd of its
+write by bumping the one shared counter, not one per parameter (about 14 µs at 300 parameters on
+the CI box, ``benchmarks/bench_kernels.py``). Nothing reads that counter: it stands for the write.
 
 [Note: unsharded parameters share one storage]
 The unsharded parameters (unless they alias the shards) are views of one storage per group, laid
@@ -136,7 +139,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from kernels import ShardLayout
+from kernels import ShardLayout, prepared_launch
 from kernels._launch import PackedPlacement
 # The ops without argument checks (the runtime builds every argument from the layout):
 from kernels.all_gather_copy_in import _all_gather_copy_in
@@ -263,6 +266,11 @@ class ParamGroup:
         self._unsharded_storage: Optional[tuple[torch.UntypedStorage, PackedPlacement]] = None
         """The one storage the unsharded parameters are views of, and where ([Note: unsharded
         parameters share one storage]); None while they alias the shards or are not made yet."""
+        self._owned_shards = prepared_launch.OwnedLists()
+        self._owned_grads = prepared_launch.OwnedLists()
+        """The copy-ins' prepared launches over the shards and over the unsharded gradients, which this
+        group owns ([Note: lists the runtime owns] in ``kernels.prepared_launch``): forgotten when
+        the shards are re-read (``_read_dtypes``)."""
         self._read_dtypes()
         self.is_unsharded = False
         self.pending_gather: Optional[PendingGather] = None
@@ -321,9 +329,13 @@ class ParamGroup:
 
     def _read_dtypes(self) -> None:
         """(Re)derive everything that depends on the sharded parameters' dtypes (and which of them
-        are on the meta device: ``on_meta``, refused at the next forward)."""
+        are on the meta device: ``on_meta``, refused at the next forward), and forget the copy-ins'
+        prepared launches over them and their gradients."""
+        self._owned_shards.changed()
+        self._owned_grads.changed()
         self.on_meta = tuple(fqn for fqn, p in zip(self.fqns, self.sharded) if p.is_meta)
         self.orig_dtypes = [p.dtype for p in self.sharded]
+        self._orig_dtypes = tuple(self.orig_dtypes)
         self.gather_dtype = self.mp.param_dtype or widest_dtype(self.orig_dtypes)
         self.aliases_shards = self.single_rank and all(
             self._unsharded_dtype(i) == d for i, d in enumerate(self.orig_dtypes))
@@ -452,8 +464,9 @@ class ParamGroup:
                 placement = PackedPlacement.of(self.layout.shapes, dtypes)
                 storage = torch.UntypedStorage(placement.nbytes, device=self.sharded[0]._local_tensor.device)
                 views = placement.views(storage)
-                # The same memory again, each with a version counter of its own: what a gather writes.
-                self._unsharded_fill = tuple(placement.views(storage))
+                # The same memory again, with one version counter of its own: what a gather writes.
+                whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (placement.nbytes,))
+                self._unsharded_fill = tuple(placement.shared_views(whole))
                 storage.resize_(0)
                 self._unsharded_storage = (storage, placement)
             for i, shape in enumerate(self.layout.shapes):
@@ -541,7 +554,7 @@ class ParamGroup:
                     ag_input, ag_output = _quantized_copy_in(shards, qlayout, self.rank)
                 else:  # the shards' own dtypes handed over: no read per shard
                     ag_input, ag_output = _all_gather_copy_in(
-                        shards, self.layout, self.rank, self.gather_dtype, tuple(self.orig_dtypes))
+                        shards, self.layout, self.rank, self.gather_dtype, self._orig_dtypes, owned=self._owned_shards)
             work = all_gather_into(ag_output, ag_input, self.info, self.where) if self.world_size > 1 else None
         self.pending_gather = PendingGather(work, ag_output)
         self._gathered_versions = self._shard_versions()
@@ -617,7 +630,8 @@ class ParamGroup:
                 if qlayout is not None:
                     self._quantized_copy_out(pending.ag_output, qlayout, outs)
                 else:
-                    _all_gather_copy_out(pending.ag_output, self.layout, outs, packed=self._unsharded_storage)
+                    _all_gather_copy_out(pending.ag_output, self.layout, outs, packed=self._unsharded_storage,
+                                         versions=outs[:1])  # one counter for all
 
         _wait_then(pending.work, copy_out)
         self.is_unsharded = True
@@ -719,7 +733,7 @@ class ParamGroup:
         dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads])
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             pre_scale, post_scale = _average_scales(dtype, self.data_parallel_size)
-            rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype)
+            rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, owned=self._owned_grads)
         hsdp = self.replicas > 1
         if self.world_size == 1:
             return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp,
@@ -761,9 +775,10 @@ class ParamGroup:
                 collections.deque(map(setattr, params, repeat("grad"), repeat(None)), maxlen=0)
         if any(map(is_, grads, repeat(None))):
             for j, (u, grad) in enumerate(zip(params, grads)):
-                if grad is None:
-                    data = _local(u)
-                    grads[j] = torch.zeros(data.shape, dtype=data.dtype, device=data.device)
+                if grad is None:  # in the dtype autograd gives it: the list's dtypes stay the group's
+                    data = _local(u)  # ([Note: lists the runtime owns] in kernels/prepared_launch.py)
+                    dtype = self._tp_reduced_grad_dtype(indices[j]) or data.dtype
+                    grads[j] = torch.zeros(data.shape, dtype=dtype, device=data.device)
         return grads
 
     def _issue_quantized_reduce(self, grads: list[torch.Tensor], indices: tuple[int, ...],
@@ -1078,7 +1093,9 @@ class ParamGroup:
                 else:
                     _reduce_scatter_copy_out(pending.rs_output, grads, pending.layout, self.rank,
                                              pending.post_scale, accumulate,
-                                             packed=None if packed is None else (packed.storage, packed.placement))
+                                             packed=None if packed is None else (packed.storage, packed.placement),
+                                             versions=grads[:1] if packed is not None and grads is packed.views
+                                             else None)  # shared views: one counter for all
 
         _wait_then(pending.work, copy_out)
 

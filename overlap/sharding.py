@@ -959,15 +959,18 @@ class _Root:
         if not self.in_backward:
             self._begin_backward()
         timed = self._choice_pending and self._record_backward_edge(state)
-        if state.group is not None and state.index not in self._done:
-            self._gather(state)
-            state.group.finish_gather(follow_requires_grad=False)
+        group = state.group
+        if group is not None and state.index not in self._done:
+            if not group.single_rank:  # (one rank: ``_gather`` issues nothing)
+                self._gather(state)
+            group.finish_gather(follow_requires_grad=False)
             # Registered for backward too: an activation-checkpoint recompute that runs ``forward``
             # without this module's hooks (HF's form, checkpoint_wrapper inside the shard) reads them.
-            state.group.to_unsharded()
+            group.to_unsharded()
         if timed:
             self._mark = time.perf_counter()  # its backward starts once its parameters are in
-        self._finish_completed_reduces()
+        if self._pending_reduces:
+            self._finish_completed_reduces()
         # Backward runs the forward order in reverse: prefetch the groups after this one.
         reverse = self._backward_order
         try:
@@ -978,11 +981,13 @@ class _Root:
         if state.backward_prefetch is not None:  # set_modules_to_backward_prefetch: the user's list
             self._prefetch_explicit([s for s in state.backward_prefetch if s.index not in self._done])
             return
+        if not (state.prefetch and self.communicates):  # nothing to prefetch
+            return
         # The next `prefetch` distinct groups not yet reduced (a scan that stops there: this runs
         # once per block, so a copy of the rest of the order would make a step quadratic in blocks).
         upcoming: list[int] = []
         done = self._done
-        for i in range(pos + 1, len(reverse) if state.prefetch and self.communicates else 0):
+        for i in range(pos + 1, len(reverse)):
             index = reverse[i]
             if index not in done and index not in upcoming:
                 upcoming.append(index)

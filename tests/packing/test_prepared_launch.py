@@ -282,3 +282,121 @@ def test_the_caches_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for dtype in (f32, bf16, torch.float16):  # three kinds of list
         _checked_against_reference("reduce_scatter_copy_in", layout, _inputs(layout, seed=5, dtype=dtype))
     assert len(_fingerprints(layout)) == 2
+
+
+# --------------------------------------------------------------------------- lists the runtime owns
+OWNED_OPS = {"all_gather_copy_in": "shards", "reduce_scatter_copy_in": "fulls"}
+"""The copy-ins the runtime calls over lists it owns ([Note: lists the runtime owns]), and their list."""
+
+
+def _owned_call(op: str, layout: ShardLayout, t: dict[str, list[torch.Tensor]], owned: prepared_launch.OwnedLists,
+                dtypes: tuple[torch.dtype, ...] | None = None) -> torch.Tensor:
+    """The op as the runtime calls it over a list it owns (``owned``; ignored under ``uncached()``)."""
+    if op == "all_gather_copy_in":
+        return _all_gather_copy_in(t["shards"], layout, RANK, bf16, dtypes, owned=owned)[0]
+    return _reduce_scatter_copy_in(t["fulls"], layout, 0.5, bf16, dtypes, owned=owned)
+
+
+def _owned_checked(op: str, layout: ShardLayout, t: dict[str, list[torch.Tensor]], owned: prepared_launch.OwnedLists,
+                   dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """The owned call is bitwise the uncached path's on the same list."""
+    with prepared_launch.uncached():
+        expected = _owned_call(op, layout, t, owned, dtypes).cpu().clone()
+    assert_bitwise(_owned_call(op, layout, t, owned, dtypes).cpu(), expected)
+
+
+def _owned_launches(owned: prepared_launch.OwnedLists) -> int:
+    return sum(len(fingerprint.launches) for _, fingerprint in owned._fingerprints.values())
+
+
+@pytest.mark.parametrize("op", sorted(OWNED_OPS))
+def test_an_owned_list_reads_only_addresses_on_a_repeated_call(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout, owned = _layout(), prepared_launch.OwnedLists()
+    t = _inputs(layout, seed=1)
+    _owned_checked(op, layout, t, owned)
+    assert len(owned) == 1 and _owned_launches(owned) == 1 and not _fingerprints(layout)
+
+    def no_reads(*args: object) -> bool:
+        raise AssertionError("a repeated call of an owned list read more than the addresses")
+
+    monkeypatch.setattr(prepared_launch, "_TensorGuards", no_reads)
+    monkeypatch.setattr(prepared_launch, "_IS_CONTIGUOUS", no_reads)
+    monkeypatch.setattr(prepared_launch, "_DTYPE", no_reads)
+    built: list[object] = []
+    monkeypatch.setattr(_launch.PreparedLaunch, "of", staticmethod(lambda call: built.append(call)))
+    for seed in (2, 3):  # new values in the same tensors, and a new list of them: hits
+        for x in t[OWNED_OPS[op]]:
+            x.copy_(make_tensor(x.shape, x.dtype, seed, specials=False))
+        t[OWNED_OPS[op]] = list(t[OWNED_OPS[op]])
+        with prepared_launch.uncached():
+            expected = _owned_call(op, layout, t, owned).cpu().clone()
+        assert_bitwise(_owned_call(op, layout, t, owned).cpu(), expected)
+    assert not built and _owned_launches(owned) == 1
+
+
+def _data_assigned(ts: list[torch.Tensor]) -> None:
+    ts[1].data = ts[1].clone() * -0.5  # the same object over other memory
+
+
+def _set_to_other_memory(ts: list[torch.Tensor]) -> None:
+    ts[2].set_(ts[2].clone() + 1.0)
+
+
+def _not_contiguous(ts: list[torch.Tensor]) -> None:
+    x = ts[2]
+    wide = torch.zeros(x.shape[0], 2 * x.shape[1], dtype=x.dtype, device=x.device)
+    ts[2] = wide[:, : x.shape[1]].copy_(x)
+    assert not ts[2].is_contiguous()
+
+
+OWNED_CHANGES: dict[str, Callable[[list[torch.Tensor]], None]] = {
+    "new list at new addresses": _new_addresses,
+    "data assigned": _data_assigned,
+    "set_ to other memory": _set_to_other_memory,
+    "dtype at new addresses": _other_dtype,
+    "not contiguous": _not_contiguous,
+}
+
+
+@pytest.mark.parametrize("change", sorted(OWNED_CHANGES))
+@pytest.mark.parametrize("op", sorted(OWNED_OPS))
+def test_a_changed_owned_list_launches_what_the_uncached_path_does(op: str, change: str) -> None:
+    """Without the owner saying so (no ``changed()``): memory that moved is read at its new address,
+    a new address set with other dtypes or strides is checked before any launch is made for it."""
+    layout, owned = _layout(), prepared_launch.OwnedLists()
+    t = _inputs(layout, seed=3)
+    _owned_checked(op, layout, t, owned)
+    OWNED_CHANGES[change](t[OWNED_OPS[op]])
+    _owned_checked(op, layout, t, owned)
+    _owned_checked(op, layout, t, owned)  # and again (a hit where a launch could be made)
+    if change == "not contiguous":
+        assert _owned_launches(owned) == 1, "a launch was made for a list that is not contiguous"
+
+
+def test_dtypes_the_caller_hands_in_key_the_owned_launch() -> None:
+    """The runtime hands its shards' dtypes in; the uncached path reads the memory as those. A hit
+    needs the same dtypes: other ones (the group re-read its shards) take another launch, and dtypes
+    that are not the tensors' go the uncached path."""
+    layout, owned = _layout(), prepared_launch.OwnedLists()
+    t = _inputs(layout, seed=4)
+    _owned_checked("all_gather_copy_in", layout, t, owned, (f32,) * 3)
+    t["shards"] = [x.view(torch.int32) for x in t["shards"]]  # the same addresses, read as int32 now
+    _owned_checked("all_gather_copy_in", layout, t, owned, (torch.int32,) * 3)
+    _owned_checked("all_gather_copy_in", layout, t, owned, (f32,) * 3)  # not the tensors' dtypes
+
+
+def test_an_owner_that_re_reads_its_list_forgets_its_launches() -> None:
+    """Tensors freed and allocated again at the same addresses: with the same dtype they hit the
+    same, correct launch; with another dtype (as after ``module.to``) the owner says ``changed()``
+    and the next call checks the list again. That call is the one ``changed`` exists for: the
+    addresses alone match the old launch."""
+    layout, owned = _layout(), prepared_launch.OwnedLists()
+    storage = torch.UntypedStorage(64 * 4, device=kernel_device())
+    for seed, dtype in ((1, f32), (2, f32)):
+        _owned_checked("all_gather_copy_in", layout, {"shards": _placed(storage, dtype, seed)}, owned)
+    assert _owned_launches(owned) == 1
+    owned.changed()
+    assert len(owned) == 0
+    _owned_checked("all_gather_copy_in", layout, {"shards": _placed(storage, torch.float16, 3)}, owned)
+    (fingerprint,) = [f for _, f in owned._fingerprints.values()]
+    assert fingerprint.dtypes == (torch.float16,) * 3
