@@ -119,7 +119,7 @@ def _costs_seen(rank: int, world_size: int) -> list[dict[str, Any]]:
 
     seen: list[dict[str, Any]] = []
 
-    def spy(compute, gather, nbytes, budget, tolerance=0.01, backward=None):  # type: ignore[no-untyped-def]
+    def spy(compute, gather, nbytes, budget, tolerance=0.01, backward=None, **between):  # type: ignore[no-untyped-def]
         seen.append({"compute": list(compute), "gather": list(gather), "nbytes": list(nbytes),
                      "backward": None if backward is None else list(backward)})
         return 1
@@ -161,6 +161,63 @@ def test_the_depth_is_chosen_from_measured_backward_and_link_times(distributed) 
         assert all(g > 0 for g in with_grad["gather"]) and all(c > 0 for c in with_grad["compute"])
         assert without_grad["backward"] is None
         assert len(without_grad["gather"]) == 3
+
+
+LOSS_S = 0.15
+"""Seconds the loop sleeps between forward and backward in the recorded steps (the caller's loss)."""
+TAIL_S = 0.15
+"""Seconds the root group's epilogue sleeps: it runs at the end of backward (the root is reduced last)."""
+LATENCY_S = 0.2
+"""The emulated link's latency per collective: the root's reduce-scatter is in flight at the end of backward."""
+
+
+def _between_seen(rank: int, world_size: int) -> list[dict[str, float]]:
+    """The ``loss`` and ``tail`` seconds handed to ``choose_prefetch_depth`` behind a link whose every
+    collective takes :data:`LATENCY_S`: first with the loss and the root's epilogue slowed by
+    :data:`LOSS_S` / :data:`TAIL_S`, then unslowed ([Note: the host work between the groups])."""
+    import time
+
+    from overlap.param_group import ParamGroup
+    from overlap.testing import emulated_link
+    from scheduler import prefetch_depth
+
+    seen: list[dict[str, float]] = []
+    prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: seen.append(
+        {"loss": kwargs["loss"], "tail": kwargs["tail"]}) or 1
+    finish_reduce, slow = ParamGroup.finish_reduce, [True]
+
+    def slow_root(self: ParamGroup, pending: Any) -> None:
+        if slow[0] and self.module_fqn == "":
+            time.sleep(TAIL_S)
+        finish_reduce(self, pending)
+
+    ParamGroup.finish_reduce = slow_root  # type: ignore[method-assign]
+    torch.set_num_threads(1)
+    for slowed in (True, False):
+        slow[0] = slowed
+        torch.manual_seed(SEED)
+        model = TinyLM()
+        for block in model.blocks:
+            overlap.shard(block, prefetch="auto")
+        overlap.shard(model, prefetch="auto")
+        with emulated_link(1e6, LATENCY_S * 1e6):
+            for step in range(COST_SAMPLES):
+                loss = model.loss(local_batch(make_batch(step), rank, world_size))
+                if slowed:
+                    time.sleep(LOSS_S)
+                loss.backward()
+    return seen
+
+
+def test_the_loss_and_the_end_of_backward_are_measured_apart_from_the_link(distributed) -> None:
+    # [Note: the host work between the groups]: the recorded steps measure the host's seconds between
+    # forward and backward and at the end of backward, agreed across ranks, less the wait for the link
+    per_rank = distributed(_between_seen, 2, timeout=300)
+    assert per_rank[0] == per_rank[1]
+    slowed, plain = per_rank[0]
+    # the root's reduce-scatter holds the end of backward for LATENCY_S on the link: not the host's
+    assert LOSS_S <= slowed["loss"] and TAIL_S <= slowed["tail"] < TAIL_S + LATENCY_S / 2, slowed
+    assert plain["loss"] < LOSS_S and plain["tail"] < LATENCY_S / 2, plain
 
 
 SPIKE_S = 0.3
