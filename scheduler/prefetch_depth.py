@@ -51,19 +51,20 @@ ranks agree each entry's low median over ranks (the smaller of two) before choos
 chooses from the same numbers.
 
 [Note: the host work between the groups]
-The per-group costs leave out host work that runs on no group's account, yet on the step's
-critical path: the caller's loss between forward and backward (``loss``), and the end of backward
-after the last reduce-scatters landed (``tail``): the last groups' epilogues and optimizer steps,
-which run there before the next forward's first gathers can be issued. The model took both as 0.
-On the demo (2 ranks, quiet 2-core box) the end of backward held 5-7 ms of host work between the
-last reduce-scatter's landing and the next gathers' issue, all of it exposed: the model was 20 ms
-(8%) below the measured step. The recording steps now measure both (the loss from the end of
-forward to the first backward hook; the tail as the end of backward's seconds less its wait for
-the reduce-scatters still in flight, which it waits for first), they are combined over the recorded
-steps and ranks as the per-group costs are, and the replayed step runs them in place
-(``scheduler.replayed_step``). What the model still leaves out, measured beside it: the ranks' skew
-(a collective completes when the slowest rank issued it) and, on a host whose cores the compute
-fills, the CPU a collective's transfer burns beside the compute (gloo on CPU).
+The per-group costs leave out host work that runs on no group's account, yet on the step's critical
+path: the caller's loss between forward and backward (``loss``), and the end of backward after the
+last reduce-scatters landed (``tail``): the last groups' epilogues and optimizer steps, which run
+there before the next forward's first gathers can be issued. The model took both as 0. On the demo
+at b8a9964 (2 ranks, quiet 2-core box, profiled) the end of backward ran 5-7 ms on the host between
+the reduce-scatters' landing and the next forward's first gathers, on the step's critical path, and
+the model was 19 ms (8%) below the measured step (226.7 vs 246.0 ms). The recording steps now
+measure both (the loss from the end of forward to the first backward hook; the tail as the end of
+backward's seconds less its wait for the reduce-scatters still in flight, which it waits for first),
+they are combined over the recorded steps and ranks as the per-group costs are, and the replayed
+step runs them in place (``scheduler.replayed_step``). What the model still leaves out, measured
+beside it: the ranks' skew (a collective completes when the slowest rank issued it) and, on a host
+whose cores the compute fills, the CPU a collective's transfer burns beside the compute (gloo on
+CPU; ``benchmarks/bench_transfer_contention.py``).
 """
 from __future__ import annotations
 
