@@ -524,7 +524,8 @@ class _Root:
         self.auto_prefetch = self.communicates and any(s.auto_prefetch for s in self.states)
         self.chosen_depth: Optional[int] = None  # prefetch="auto": the depth chosen and agreed
         self.recording_costs = False  # this forward measures per-position costs (auto, order not agreed yet)
-        # per forward position: [compute, link, packing, backward] seconds (see [Note: what the
+        # per forward position: [compute, gather, packing, backward] seconds, gather = packing + link wait
+        # ([Note: a wait split by a stall] in scheduler/cost_samples.py; see [Note: what the
         # step's costs are made of] in scheduler/prefetch_depth.py); backward -1.0: not measured
         self._costs: list[list[float]] = []
         # the recorded steps' costs, on _samples_order, until COST_SAMPLES of them ([Note: robust step costs])
@@ -702,7 +703,8 @@ class _Root:
                 pending.work.synchronize()  # the link's (latency and transfer)
             landed = time.perf_counter()
             self.gather_now(state)  # the copy-out: the host's
-            self._costs[position][1:3] = [landed - issued, (issued - now) + (time.perf_counter() - landed)]
+            packing = (issued - now) + (time.perf_counter() - landed)
+            self._costs[position][1:3] = [packing + (landed - issued), packing]
         state.user_unsharded = False
         self._mark = time.perf_counter()
 
@@ -749,7 +751,7 @@ class _Root:
         as compute ([Note: what the step's costs are made of]); backward None where a position's
         backward was not measured (then the model takes twice forward)."""
         compute = [c + pack for c, _, pack, _ in self._costs]
-        link = [g for _, g, _, _ in self._costs]
+        link = [max(0.0, gather - pack) for _, gather, pack, _ in self._costs]
         backward = [b for *_, b in self._costs]
         return compute, link, (backward if measured_backward and all(b >= 0 for b in backward) else None)
 

@@ -220,6 +220,57 @@ def test_the_loss_and_the_end_of_backward_are_measured_apart_from_the_link(distr
     assert plain["loss"] < LOSS_S and plain["tail"] < LATENCY_S / 2, plain
 
 
+STALL_S = 0.4
+"""Seconds the host stalls right after booking blocks.0's gather on the link, in the first recorded step."""
+LINK_S = 0.1
+"""The emulated link's latency: every gather holds the link this long."""
+
+
+def _link_seen_after_a_stall(rank: int, world_size: int) -> list[float]:
+    """The per-position link seconds handed to ``choose_prefetch_depth`` behind a link of
+    :data:`LINK_S` per collective, when the first recorded step's host stalled :data:`STALL_S` right
+    after issuing blocks.0's gather, on every rank ([Note: a wait split by a stall])."""
+    import time
+
+    from overlap.param_group import ParamGroup
+    from overlap.testing import emulated_link
+    from scheduler import prefetch_depth
+
+    seen: list[list[float]] = []
+    prefetch_depth.choose_prefetch_depth = lambda compute, gather, *args, **kwargs: seen.append(list(gather)) or 1
+    issue_gather, stalled = ParamGroup.issue_gather, [False]
+
+    def stall_once(self: ParamGroup) -> Any:
+        out = issue_gather(self)
+        if self.module_fqn == "blocks.0" and not stalled[0]:
+            stalled[0] = True
+            time.sleep(STALL_S)  # the link carries the gather meanwhile
+        return out
+
+    ParamGroup.issue_gather = stall_once  # type: ignore[method-assign]
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    model = TinyLM()
+    for block in model.blocks:
+        overlap.shard(block, prefetch="auto")
+    overlap.shard(model, prefetch="auto")
+    with emulated_link(1e6, LINK_S * 1e6):
+        for step in range(COST_SAMPLES):
+            model.loss(local_batch(make_batch(step), rank, world_size)).backward()
+    assert stalled[0] and len(seen) == 1, (stalled, seen)
+    return seen[0]
+
+
+def test_a_stall_after_a_gather_was_issued_does_not_hide_its_link_time(distributed) -> None:
+    # [Note: a wait split by a stall]: the stalled step's wait for blocks.0 is ~0 (the link ran during
+    # the stall); its whole interval and its packing are each the least over the samples, so the link
+    # time (their difference) is the unstalled steps'
+    per_rank = distributed(_link_seen_after_a_stall, 2, timeout=300)
+    assert per_rank[0] == per_rank[1]
+    link = per_rank[0]  # root, blocks.0, blocks.1
+    assert all(0.9 * LINK_S <= g < LINK_S + STALL_S / 2 for g in link), link
+
+
 SPIKE_S = 0.3
 """Seconds one recorded step's packing of blocks.0 is held up, on every rank (a load spike)."""
 
