@@ -30,16 +30,23 @@ CHOSEN = [None] * (COST_SAMPLES - 1)
 """``prefetch_depth`` after each recorded step but the last (chosen at the end of the last)."""
 
 
-def _train(rank: int, world_size: int, prefetch: Any, budget: Optional[int] = None,
-           skip_first_on_odd_steps: bool = False) -> dict[str, Any]:
-    """``STEPS`` AdamW steps of TinyLM sharded per block with ``prefetch`` (and ``max_inflight_bytes=budget``);
-    with ``skip_first_on_odd_steps``, odd steps run without blocks[0]."""
-    torch.set_num_threads(1)
+def _sharded_tinylm(prefetch: Any, budget: Optional[int] = None) -> TinyLM:
+    """TinyLM from :data:`SEED`, each block then the root sharded with ``prefetch`` (and
+    ``max_inflight_bytes=budget``)."""
     torch.manual_seed(SEED)
     model = TinyLM()
     for block in model.blocks:
         overlap.shard(block, prefetch=prefetch, max_inflight_bytes=budget)
     overlap.shard(model, prefetch=prefetch, max_inflight_bytes=budget)
+    return model
+
+
+def _train(rank: int, world_size: int, prefetch: Any, budget: Optional[int] = None,
+           skip_first_on_odd_steps: bool = False) -> dict[str, Any]:
+    """``STEPS`` AdamW steps of TinyLM sharded per block with ``prefetch`` (and ``max_inflight_bytes=budget``);
+    with ``skip_first_on_odd_steps``, odd steps run without blocks[0]."""
+    torch.set_num_threads(1)
+    model = _sharded_tinylm(prefetch, budget)
     blocks = list(model.blocks)
     skipped = nn.ModuleList([nn.Identity(), *blocks[1:]])
     opt = make_optimizer(model.parameters())
@@ -128,11 +135,7 @@ def _costs_seen(rank: int, world_size: int) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     depths = []
     for with_grad in (True, False):
-        torch.manual_seed(SEED)
-        model = TinyLM()
-        for block in model.blocks:
-            overlap.shard(block, prefetch="auto")
-        overlap.shard(model, prefetch="auto")
+        model = _sharded_tinylm("auto")
         batch = local_batch(make_batch(0), rank, world_size)
         for _ in range(COST_SAMPLES):
             with torch.set_grad_enabled(with_grad):
@@ -195,11 +198,7 @@ def _between_seen(rank: int, world_size: int) -> list[dict[str, float]]:
     torch.set_num_threads(1)
     for slowed in (True, False):
         slow[0] = slowed
-        torch.manual_seed(SEED)
-        model = TinyLM()
-        for block in model.blocks:
-            overlap.shard(block, prefetch="auto")
-        overlap.shard(model, prefetch="auto")
+        model = _sharded_tinylm("auto")
         with emulated_link(1e6, LATENCY_S * 1e6):
             for step in range(COST_SAMPLES):
                 loss = model.loss(local_batch(make_batch(step), rank, world_size))
@@ -249,11 +248,7 @@ def _link_seen_after_a_stall(rank: int, world_size: int) -> list[float]:
 
     ParamGroup.issue_gather = stall_once  # type: ignore[method-assign]
     torch.set_num_threads(1)
-    torch.manual_seed(SEED)
-    model = TinyLM()
-    for block in model.blocks:
-        overlap.shard(block, prefetch="auto")
-    overlap.shard(model, prefetch="auto")
+    model = _sharded_tinylm("auto")
     with emulated_link(1e6, LINK_S * 1e6):
         for step in range(COST_SAMPLES):
             model.loss(local_batch(make_batch(step), rank, world_size)).backward()
