@@ -42,8 +42,10 @@ the time from issue to unpacked (the host's packing, latency and transfer). On t
 emulated link) that made the step look link-bound when it was not: backward with the in-backward
 optimizer step costs more than twice forward, and the host's packing runs on the compute side (the
 host issues it between blocks), not on the link. So the runtime now measures, in its first step,
-the packing (``compute`` gets it), the wait for the link (``gather``) and each group's backward
-(``backward``: from its pre-backward to the next one's, less the time it waited for its re-gather).
+the packing (``compute`` gets it), the link's time (``gather``: the gather's whole interval less
+its packing, [Note: a wait split by a stall] in ``scheduler/cost_samples.py``) and each group's
+backward (``backward``: from its pre-backward to the next one's, less the time it waited for its
+re-gather).
 One sample per rank is noisy on a loaded host (seen: a 55 ms gather measured at 595 ms, a
 backward at twice the other rank's), and noise only adds time: each rank takes each entry's least
 over several recorded steps ([Note: robust step costs] in ``scheduler/cost_samples.py``), then the
