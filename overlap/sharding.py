@@ -524,12 +524,18 @@ class _Root:
         self.auto_prefetch = self.communicates and any(s.auto_prefetch for s in self.states)
         self.chosen_depth: Optional[int] = None  # prefetch="auto": the depth chosen and agreed
         self.recording_costs = False  # this forward measures per-position costs (auto, order not agreed yet)
-        # per forward position: [compute, link, packing, backward] seconds (see [Note: what the
+        # per forward position: [compute, gather, packing, backward] seconds, gather = packing + link wait
+        # ([Note: a wait split by a stall] in scheduler/cost_samples.py; see [Note: what the
         # step's costs are made of] in scheduler/prefetch_depth.py); backward -1.0: not measured
         self._costs: list[list[float]] = []
         # the recorded steps' costs, on _samples_order, until COST_SAMPLES of them ([Note: robust step costs])
         self._cost_samples: list[list[list[float]]] = []
         self._samples_order: Optional[list[int]] = None
+        # the recording step's host seconds on no group's account, [loss, tail] (-1.0: not measured), and
+        # their samples beside _cost_samples ([Note: the host work between the groups] in scheduler/prefetch_depth.py)
+        self._between: list[float] = [-1.0, -1.0]
+        self._between_samples: list[list[float]] = []
+        self._forward_end = 0.0  # perf_counter at the recording forward's end
         self._recorded_steps = 0  # steps that recorded costs, on any order
         self._choice_pending = False  # costs recorded, the choice waits for the end of this step's backward
         self._backward_position: Optional[int] = None  # the recording backward's running position
@@ -651,6 +657,7 @@ class _Root:
         self._on_script = True
         self.recording_costs = self.auto_prefetch and self.chosen_depth is None
         self._costs, self._running = [], []
+        self._between = [-1.0, -1.0]
 
     def on_pre_forward(self, state: ShardState) -> None:
         position = len(self.forward_seq)
@@ -696,7 +703,8 @@ class _Root:
                 pending.work.synchronize()  # the link's (latency and transfer)
             landed = time.perf_counter()
             self.gather_now(state)  # the copy-out: the host's
-            self._costs[position][1:3] = [landed - issued, (issued - now) + (time.perf_counter() - landed)]
+            packing = (issued - now) + (time.perf_counter() - landed)
+            self._costs[position][1:3] = [packing + (landed - issued), packing]
         state.user_unsharded = False
         self._mark = time.perf_counter()
 
@@ -718,6 +726,8 @@ class _Root:
                 self._costs[root][3] = max(self._costs[root][3], 0.0)
             return False
         now = time.perf_counter()
+        if self._between[0] < 0 and state is not None:  # the first backward hook: the loss ran since forward
+            self._between[0] = now - self._forward_end
         if self._backward_position is not None:
             cost = self._costs[self._backward_position]
             cost[3] = max(cost[3], 0.0) + (now - self._mark)
@@ -732,15 +742,16 @@ class _Root:
         for info in (self.owner.info, self.owner.replicate):
             if info is None or info.size == 1:
                 continue
-            per_rank = agreement.exchange(info, "step costs", self._costs)
+            per_rank = agreement.exchange(info, "step costs", [*self._costs, self._between])
             self._costs = [_low_median_per_entry([r[p] for r in per_rank]) for p in range(len(self._costs))]
+            self._between = _low_median_per_entry([r[-1] for r in per_rank])
 
     def _step_costs(self, measured_backward: bool) -> tuple[list[float], list[float], Optional[list[float]]]:
         """``(compute, link, backward)`` per forward position for the choosers: the packing counts
         as compute ([Note: what the step's costs are made of]); backward None where a position's
         backward was not measured (then the model takes twice forward)."""
         compute = [c + pack for c, _, pack, _ in self._costs]
-        link = [g for _, g, _, _ in self._costs]
+        link = [max(0.0, gather - pack) for _, gather, pack, _ in self._costs]
         backward = [b for *_, b in self._costs]
         return compute, link, (backward if measured_backward and all(b >= 0 for b in backward) else None)
 
@@ -759,12 +770,15 @@ class _Root:
             for cost in self._costs:
                 cost[3] = -1.0
         if self._samples_order != self.forward_seq:  # another order (agreed): its positions are other groups
-            self._cost_samples, self._samples_order = [], list(self.forward_seq)
+            self._cost_samples, self._samples_order, self._between_samples = [], list(self.forward_seq), []
         self._cost_samples.append(self._costs)
+        self._between_samples.append(self._between)
         self._recorded_steps += 1
         if self._recorded_steps < COST_SAMPLES:
             return  # the next step records again (at most COST_SAMPLES steps, on whatever orders they ran)
         self._costs, self._cost_samples = least_disturbed(self._cost_samples), []
+        self._between = [max(0.0, x) for x in least_disturbed([[row] for row in self._between_samples])[0]]
+        self._between_samples = []
         measured_backward = all(cost[3] >= 0 for cost in self._costs)
         groups = [self.states[i].group for i in self.forward_seq]
         budget = self.owner.max_inflight_bytes
@@ -773,8 +787,9 @@ class _Root:
             budget = default_prefetch_budget(device)
         self._agree_costs()
         compute, link, backward = self._step_costs(measured_backward)
+        loss, tail = self._between
         depth = choose_prefetch_depth(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
-                                      budget, backward=backward)
+                                      budget, backward=backward, loss=loss, tail=tail)
         for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
             if info is not None and info.size > 1:
                 depth = max(agreement.exchange(info, "prefetch depth", depth))
@@ -786,8 +801,8 @@ class _Root:
         if measured_backward:  # the steps ran: their seconds are in
             self._choose_deferred_steps(compute, link, backward)
         count, lag = self.gather_ahead or (0, 1)
-        self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward)
-        self._start_trial(modelled_step(compute, link, 1, backward))
+        self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward, loss=loss, tail=tail)
+        self._start_trial(modelled_step(compute, link, 1, backward, loss, tail))
 
     def _start_trial(self, simple_s: float) -> None:
         """After the choice: run the trial of it against the simple plan from the next forward, or
@@ -855,7 +870,7 @@ class _Root:
                 or not all(g is None or g.reduced_hooks for g in groups) or not any(groups)):
             return  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
         plan = choose_gather_ahead(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
-                                   depth, budget, backward=backward)
+                                   depth, budget, backward=backward, loss=self._between[0], tail=self._between[1])
         if self.owner.info.size > 1:
             plan = tuple(agreement.exchange(self.owner.info, "gather ahead", plan)[0])
         self.gather_ahead = plan  # type: ignore[assignment]
@@ -909,6 +924,7 @@ class _Root:
         if self.agreed_order != self.forward_seq:
             self.agreed_order = self._agree(self.forward_seq)
         if self.recording_costs:
+            self._forward_end = time.perf_counter()
             if torch.is_grad_enabled() and len(set(self.forward_seq)) == len(self.forward_seq):
                 # choose at the end of this backward, from its measured per-group times too
                 self._choice_pending = True
@@ -1176,13 +1192,21 @@ class _Root:
         return finished
 
     def _end_backward(self) -> None:
+        tail_start = waited = 0.0
         if self._choice_pending:
             self._record_backward_edge(None)
+            tail_start = time.perf_counter()
         with region(self.owner.regions.end_backward), torch.no_grad():
             self._flush_reduces(final=True)
             for state, pending in self._pending_reduces:
                 if pending.needs_all_reduce:
                     self._all_reduce(state, pending)
+            if self._choice_pending:  # the link first: what the end of backward does after it is the host's tail
+                waited = time.perf_counter()
+                for _, pending in self._pending_reduces:
+                    if pending.work is not None:
+                        pending.work.synchronize()
+                waited = time.perf_counter() - waited
             deferring = self._deferring
             try:
                 for state in deferring:  # from here their epilogues step them at once
@@ -1203,6 +1227,7 @@ class _Root:
             self._deferring = []  # kept in `deferring`: their steps run below
             self._finish_step()
             if self._choice_pending:  # the recording step: every cost is in now
+                self._between[1] = time.perf_counter() - tail_start - waited
                 self._choose_depth(measured_backward=True)
                 self._plan_ahead()  # the plan this backward would have run: its gathers all go now
                 active = self._ahead_active

@@ -55,11 +55,12 @@ LAGS = (1, 2, 3)
 
 
 def modelled_steady_step(compute: Sequence[float], gather: Sequence[float], depth: int, count: int,
-                         lag: int = 1, steps: int = 4, backward: Optional[Sequence[float]] = None) -> float:
+                         lag: int = 1, steps: int = 4, backward: Optional[Sequence[float]] = None,
+                         loss: float = 0.0, tail: float = 0.0) -> float:
     """Seconds per step in the steady state of ``steps`` replayed steps with the first ``count``
     reduced groups gathered ahead at ``lag`` (see [Note: choosing the gathers issued ahead]): the
     mean of the second half of the steps."""
-    ends = step_ends(compute, gather, depth, steps, count, lag, backward)
+    ends = step_ends(compute, gather, depth, steps, count, lag, backward, loss, tail)
     if not ends:
         return 0.0
     half = len(ends) // 2
@@ -68,7 +69,8 @@ def modelled_steady_step(compute: Sequence[float], gather: Sequence[float], dept
 
 def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], depth: int,
                         budget: int, tolerance: float = 0.01,
-                        backward: Optional[Sequence[float]] = None) -> tuple[int, int]:
+                        backward: Optional[Sequence[float]] = None, loss: float = 0.0,
+                        tail: float = 0.0) -> tuple[int, int]:
     """``(count, lag)``: how many of the first reduced groups to gather ahead in backward, and at
     which issue point (see [Note: choosing the gathers issued ahead]); ``(0, 1)`` where nothing
     modelled is faster by more than ``tolerance`` or fits ``budget``."""
@@ -78,13 +80,13 @@ def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbyte
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise ValueError(f"budget must be an int >= 0 (bytes), got {budget!r}")
     n = len(compute)
-    best, plan = modelled_steady_step(compute, gather, depth, 0, backward=backward), (0, 1)
+    best, plan = modelled_steady_step(compute, gather, depth, 0, backward=backward, loss=loss, tail=tail), (0, 1)
     fallback = best
     for count in range(1, n + 1):
         if held_bytes(nbytes, depth, count) > budget:
             break
         for lag in LAGS:
-            t = modelled_steady_step(compute, gather, depth, count, lag, backward=backward)
+            t = modelled_steady_step(compute, gather, depth, count, lag, backward=backward, loss=loss, tail=tail)
             if t < best and t < fallback * (1 - tolerance):
                 best, plan = t, (count, lag)
     return plan

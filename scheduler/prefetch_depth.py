@@ -16,6 +16,8 @@ Inputs, per group in the order compute needs them (the agreed forward order):
                 position 0 is the root's group, held the whole step
 ``budget``      bytes of unsharded parameters the schedule may hold at once (``held_bytes``: the
                 root and forward's ``1 + depth`` window; [Note: the bytes a plan holds])
+``loss``        host seconds between forward's end and backward's start (optional: 0)
+``tail``        host seconds at the end of backward after its reduce-scatters landed (optional: 0)
 ==============  ================================================================================
 
 [Note: choosing the prefetch depth]
@@ -40,13 +42,31 @@ the time from issue to unpacked (the host's packing, latency and transfer). On t
 emulated link) that made the step look link-bound when it was not: backward with the in-backward
 optimizer step costs more than twice forward, and the host's packing runs on the compute side (the
 host issues it between blocks), not on the link. So the runtime now measures, in its first step,
-the packing (``compute`` gets it), the wait for the link (``gather``) and each group's backward
-(``backward``: from its pre-backward to the next one's, less the time it waited for its re-gather).
+the packing (``compute`` gets it), the link's time (``gather``: the gather's whole interval less
+its packing, [Note: a wait split by a stall] in ``scheduler/cost_samples.py``) and each group's
+backward (``backward``: from its pre-backward to the next one's, less the time it waited for its
+re-gather).
 One sample per rank is noisy on a loaded host (seen: a 55 ms gather measured at 595 ms, a
 backward at twice the other rank's), and noise only adds time: each rank takes each entry's least
 over several recorded steps ([Note: robust step costs] in ``scheduler/cost_samples.py``), then the
 ranks agree each entry's low median over ranks (the smaller of two) before choosing, so every rank
 chooses from the same numbers.
+
+[Note: the host work between the groups]
+The per-group costs leave out host work that runs on no group's account, yet on the step's critical
+path: the caller's loss between forward and backward (``loss``), and the end of backward after the
+last reduce-scatters landed (``tail``): the last groups' epilogues and optimizer steps, which run
+there before the next forward's first gathers can be issued. The model took both as 0. On the demo
+at b8a9964 (2 ranks, quiet 2-core box, profiled) the end of backward ran 5-7 ms on the host between
+the reduce-scatters' landing and the next forward's first gathers, on the step's critical path, and
+the model was 19 ms (8%) below the measured step (226.7 vs 246.0 ms). The recording steps now
+measure both (the loss from the end of forward to the first backward hook; the tail as the end of
+backward's seconds less its wait for the reduce-scatters still in flight, which it waits for first),
+they are combined over the recorded steps and ranks as the per-group costs are, and the replayed
+step runs them in place (``scheduler.replayed_step``). What the model still leaves out, measured
+beside it: the ranks' skew (a collective completes when the slowest rank issued it) and, on a host
+whose cores the compute fills, the CPU a collective's transfer burns beside the compute (gloo on
+CPU; ``benchmarks/bench_transfer_contention.py``).
 """
 from __future__ import annotations
 
@@ -60,10 +80,10 @@ __all__ = ["choose_prefetch_depth", "modelled_step", "check_costs"]
 
 
 def modelled_step(compute: Sequence[float], gather: Sequence[float], depth: int,
-                  backward: Optional[Sequence[float]] = None) -> float:
+                  backward: Optional[Sequence[float]] = None, loss: float = 0.0, tail: float = 0.0) -> float:
     """Seconds of one step (forward and backward) at prefetch ``depth`` from a cold start, under the
     model of [Note: choosing the prefetch depth] (``scheduler.replayed_step``)."""
-    ends = step_ends(compute, gather, depth, backward=backward)
+    ends = step_ends(compute, gather, depth, backward=backward, loss=loss, tail=tail)
     return ends[0] if ends else 0.0
 
 
@@ -82,13 +102,14 @@ def check_costs(compute: Sequence[float], gather: Sequence[float], nbytes: Seque
 
 
 def choose_prefetch_depth(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int],
-                          budget: int, tolerance: float = 0.01, backward: Optional[Sequence[float]] = None) -> int:
+                          budget: int, tolerance: float = 0.01, backward: Optional[Sequence[float]] = None,
+                          loss: float = 0.0, tail: float = 0.0) -> int:
     """The prefetch depth for groups with these costs (see [Note: choosing the prefetch depth]): at
     least 1, at most ``len(compute) - 1`` (or 1 for fewer than two groups)."""
     check_costs(compute, gather, nbytes, "group", backward)
     if not (isinstance(budget, int) and budget >= 0):
         raise ValueError(f"budget must be an int >= 0 (bytes), got {budget!r}")
     allowed = [d for d in range(1, max(2, len(compute))) if d == 1 or held_bytes(nbytes, d) <= budget]
-    times = {d: modelled_step(compute, gather, d, backward) for d in allowed}
+    times = {d: modelled_step(compute, gather, d, backward, loss, tail) for d in allowed}
     best = min(times.values())
     return min(d for d, t in times.items() if t <= best * (1 + tolerance))

@@ -16,6 +16,9 @@ Inputs, per group in the order compute needs them (the agreed forward order; one
 ``ahead``       gather-ahead: the first ``ahead`` groups reduced in backward (the last ``ahead``
                 forward positions) get their next-step gather issued in this backward
 ``lag``         ... right after the reduce-scatter of the group reduced ``lag`` after them
+``loss``        host seconds between forward's end and backward's start (the caller's loss)
+``tail``        host seconds at the end of backward once its reduce-scatters landed (the last
+                groups' epilogues and optimizer steps) before the next forward's gathers go out
 ==============  ================================================================================
 
 [Note: replaying a step on a FIFO link]
@@ -26,14 +29,17 @@ is done and its gather has landed. One step:
 * forward: at the start of group ``j``, issue the gathers of ``j .. j+depth`` not yet issued, wait
   for ``j``'s, compute;
 * the last group and the ``depth`` before it stay unsharded into backward (the runtime's [Note:
-  kept for backward]);
+  kept for backward]); the host then runs the loss (``loss``);
 * backward, in reverse: issue the re-gathers of ``j, j-1 .. j-depth`` not yet held, wait for
   ``j``'s, compute its backward, then queue ``j``'s reduce-scatter; where ``j + lag`` is
   gathered ahead, the host waits for that group's reduce-scatter (its step must have run) and
   issues its next-step gather;
-* the end of backward waits for every reduce-scatter (a step's end), then issues the next forward's
-  first ``1 + depth`` gathers (``prefetch_next_step``; the link is empty there), then the planned
-  gathers ahead whose point did not come.
+* the end of backward waits for every reduce-scatter and runs the host's ``tail`` (a step's end),
+  then issues the next forward's first ``1 + depth`` gathers (``prefetch_next_step``; the link is
+  empty there), then the planned gathers ahead whose point did not come.
+
+``loss`` and ``tail`` are the host work on no group's account ([Note: the host work between the
+groups] in ``scheduler/prefetch_depth.py``); both default to 0, the model before they were measured.
 
 Without gathers ahead the link is empty and compute idle at each step's end, so every step takes
 what the first one takes: the steady state of ``ahead=0`` is the cold first step (property-tested).
@@ -47,10 +53,12 @@ __all__ = ["step_ends"]
 
 
 def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, steps: int = 1, ahead: int = 0,
-              lag: int = 1, backward: Optional[Sequence[float]] = None) -> list[float]:
+              lag: int = 1, backward: Optional[Sequence[float]] = None, loss: float = 0.0,
+              tail: float = 0.0) -> list[float]:
     """The time each of ``steps`` consecutive steps ends, from a cold start at 0 (an empty link,
     nothing gathered), under [Note: replaying a step on a FIFO link]; ``[]`` for no groups.
-    ``backward``: each group's backward seconds (None: twice its ``compute``)."""
+    ``backward``: each group's backward seconds (None: twice its ``compute``); ``loss``, ``tail``:
+    the host's seconds after forward and at the end of backward (finite, >= 0)."""
     n = len(compute)
     if backward is None:
         backward = [2 * c for c in compute]
@@ -60,6 +68,9 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= n:
         raise ValueError(f"ahead must be an int in 0..{n} (the number of groups), got {ahead!r}")
+    for name, value in (("loss", loss), ("tail", tail)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{name} must be finite seconds >= 0, got {value!r}")
     if n == 0:
         return []
     link_free = 0.0
@@ -79,6 +90,7 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
                 if landed[k] == math.inf:
                     landed[k] = run(now, gather[k])
             now = max(now, landed[j]) + compute[j]
+        now += loss
         regathered = [math.inf] * n
         for k in range(max(0, n - 1 - depth), n):  # kept unsharded for backward
             regathered[k] = 0.0
@@ -93,7 +105,7 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
             if j + lag < n and j + lag in gathered_ahead:
                 now = max(now, reduced[j + lag])  # its step must have run
                 landed[j + lag] = run(now, gather[j + lag])
-        now = max(now, max(reduced))  # the end of backward waits for every reduction
+        now = max(now, max(reduced)) + tail  # the end of backward waits for every reduction
         ends.append(now)
         for k in [*range(min(n, 1 + depth)), *sorted(gathered_ahead)]:  # first groups, then what is left
             if landed[k] == math.inf:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler.gather_ahead import modelled_steady_step
 from scheduler.prefetch_depth import choose_prefetch_depth, modelled_step
 
 BIG = 1 << 40  # a budget that binds nothing
@@ -68,6 +69,24 @@ def test_measured_backward_replaces_twice_forward() -> None:
     compute, gather = [1.0] * 4, [1.5] * 4
     assert modelled_step(compute, gather, 1, backward=[4.0] * 4) == pytest.approx(24.5)
     assert modelled_step(compute, gather, 1) == modelled_step(compute, gather, 1, backward=[2.0] * 4)
+
+
+def test_the_host_work_between_the_groups_is_on_the_step() -> None:
+    # [Note: the host work between the groups]: the step by hand above, with the loss run between
+    # forward's end (7) and backward, and the tail after the last reduce-scatter landed (24.5): the
+    # link is free at 7 and after 24.5, so every later point moves by the loss, the end by both
+    compute, gather, backward = [1.0] * 4, [1.5] * 4, [4.0] * 4
+    assert modelled_step(compute, gather, 1, backward, loss=0.5, tail=0.25) == pytest.approx(24.5 + 0.75)
+    # the steady state: compute only, so a step is forward, loss, backward and tail
+    assert modelled_steady_step([1.0] * 4, [0.0] * 4, 1, 0, backward=backward, loss=0.5, tail=0.25) == pytest.approx(
+        4 + 0.5 + 16 + 0.25)
+    # a link-bound end of step: the tail runs before the next forward's first gathers are issued
+    assert (modelled_steady_step(compute, gather, 1, 0, backward=backward, tail=0.25)
+            == pytest.approx(modelled_steady_step(compute, gather, 1, 0, backward=backward) + 0.25))
+    with pytest.raises(ValueError, match="tail must be finite seconds >= 0"):
+        modelled_step(compute, gather, 1, tail=-1.0)
+    with pytest.raises(ValueError, match="loss must be finite seconds >= 0"):
+        choose_prefetch_depth(compute, gather, [1] * 4, BIG, loss=float("nan"))
 
 
 def test_a_slow_backward_makes_the_link_the_smaller_share() -> None:

@@ -30,16 +30,23 @@ CHOSEN = [None] * (COST_SAMPLES - 1)
 """``prefetch_depth`` after each recorded step but the last (chosen at the end of the last)."""
 
 
-def _train(rank: int, world_size: int, prefetch: Any, budget: Optional[int] = None,
-           skip_first_on_odd_steps: bool = False) -> dict[str, Any]:
-    """``STEPS`` AdamW steps of TinyLM sharded per block with ``prefetch`` (and ``max_inflight_bytes=budget``);
-    with ``skip_first_on_odd_steps``, odd steps run without blocks[0]."""
-    torch.set_num_threads(1)
+def _sharded_tinylm(prefetch: Any, budget: Optional[int] = None) -> TinyLM:
+    """TinyLM from :data:`SEED`, each block then the root sharded with ``prefetch`` (and
+    ``max_inflight_bytes=budget``)."""
     torch.manual_seed(SEED)
     model = TinyLM()
     for block in model.blocks:
         overlap.shard(block, prefetch=prefetch, max_inflight_bytes=budget)
     overlap.shard(model, prefetch=prefetch, max_inflight_bytes=budget)
+    return model
+
+
+def _train(rank: int, world_size: int, prefetch: Any, budget: Optional[int] = None,
+           skip_first_on_odd_steps: bool = False) -> dict[str, Any]:
+    """``STEPS`` AdamW steps of TinyLM sharded per block with ``prefetch`` (and ``max_inflight_bytes=budget``);
+    with ``skip_first_on_odd_steps``, odd steps run without blocks[0]."""
+    torch.set_num_threads(1)
+    model = _sharded_tinylm(prefetch, budget)
     blocks = list(model.blocks)
     skipped = nn.ModuleList([nn.Identity(), *blocks[1:]])
     opt = make_optimizer(model.parameters())
@@ -119,7 +126,7 @@ def _costs_seen(rank: int, world_size: int) -> list[dict[str, Any]]:
 
     seen: list[dict[str, Any]] = []
 
-    def spy(compute, gather, nbytes, budget, tolerance=0.01, backward=None):  # type: ignore[no-untyped-def]
+    def spy(compute, gather, nbytes, budget, tolerance=0.01, backward=None, **between):  # type: ignore[no-untyped-def]
         seen.append({"compute": list(compute), "gather": list(gather), "nbytes": list(nbytes),
                      "backward": None if backward is None else list(backward)})
         return 1
@@ -128,11 +135,7 @@ def _costs_seen(rank: int, world_size: int) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     depths = []
     for with_grad in (True, False):
-        torch.manual_seed(SEED)
-        model = TinyLM()
-        for block in model.blocks:
-            overlap.shard(block, prefetch="auto")
-        overlap.shard(model, prefetch="auto")
+        model = _sharded_tinylm("auto")
         batch = local_batch(make_batch(0), rank, world_size)
         for _ in range(COST_SAMPLES):
             with torch.set_grad_enabled(with_grad):
@@ -161,6 +164,106 @@ def test_the_depth_is_chosen_from_measured_backward_and_link_times(distributed) 
         assert all(g > 0 for g in with_grad["gather"]) and all(c > 0 for c in with_grad["compute"])
         assert without_grad["backward"] is None
         assert len(without_grad["gather"]) == 3
+
+
+LOSS_S = 0.15
+"""Seconds the loop sleeps between forward and backward in the recorded steps (the caller's loss)."""
+TAIL_S = 0.15
+"""Seconds the root group's epilogue sleeps: it runs at the end of backward (the root is reduced last)."""
+LATENCY_S = 0.2
+"""The emulated link's latency per collective: the root's reduce-scatter is in flight at the end of backward."""
+
+
+def _between_seen(rank: int, world_size: int) -> list[dict[str, float]]:
+    """The ``loss`` and ``tail`` seconds handed to ``choose_prefetch_depth`` behind a link whose every
+    collective takes :data:`LATENCY_S`: first with the loss and the root's epilogue slowed by
+    :data:`LOSS_S` / :data:`TAIL_S`, then unslowed ([Note: the host work between the groups])."""
+    import time
+
+    from overlap.param_group import ParamGroup
+    from overlap.testing import emulated_link
+    from scheduler import prefetch_depth
+
+    seen: list[dict[str, float]] = []
+    prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: seen.append(
+        {"loss": kwargs["loss"], "tail": kwargs["tail"]}) or 1
+    finish_reduce, slow = ParamGroup.finish_reduce, [True]
+
+    def slow_root(self: ParamGroup, pending: Any) -> None:
+        if slow[0] and self.module_fqn == "":
+            time.sleep(TAIL_S)
+        finish_reduce(self, pending)
+
+    ParamGroup.finish_reduce = slow_root  # type: ignore[method-assign]
+    torch.set_num_threads(1)
+    for slowed in (True, False):
+        slow[0] = slowed
+        model = _sharded_tinylm("auto")
+        with emulated_link(1e6, LATENCY_S * 1e6):
+            for step in range(COST_SAMPLES):
+                loss = model.loss(local_batch(make_batch(step), rank, world_size))
+                if slowed:
+                    time.sleep(LOSS_S)
+                loss.backward()
+    return seen
+
+
+def test_the_loss_and_the_end_of_backward_are_measured_apart_from_the_link(distributed) -> None:
+    # [Note: the host work between the groups]: the recorded steps measure the host's seconds between
+    # forward and backward and at the end of backward, agreed across ranks, less the wait for the link
+    per_rank = distributed(_between_seen, 2, timeout=300)
+    assert per_rank[0] == per_rank[1]
+    slowed, plain = per_rank[0]
+    # the root's reduce-scatter holds the end of backward for LATENCY_S on the link: not the host's
+    assert LOSS_S <= slowed["loss"] and TAIL_S <= slowed["tail"] < TAIL_S + LATENCY_S / 2, slowed
+    assert plain["loss"] < LOSS_S and plain["tail"] < LATENCY_S / 2, plain
+
+
+STALL_S = 0.4
+"""Seconds the host stalls right after booking blocks.0's gather on the link, in the first recorded step."""
+LINK_S = 0.1
+"""The emulated link's latency: every gather holds the link this long."""
+
+
+def _link_seen_after_a_stall(rank: int, world_size: int) -> list[float]:
+    """The per-position link seconds handed to ``choose_prefetch_depth`` behind a link of
+    :data:`LINK_S` per collective, when the first recorded step's host stalled :data:`STALL_S` right
+    after issuing blocks.0's gather, on every rank ([Note: a wait split by a stall])."""
+    import time
+
+    from overlap.param_group import ParamGroup
+    from overlap.testing import emulated_link
+    from scheduler import prefetch_depth
+
+    seen: list[list[float]] = []
+    prefetch_depth.choose_prefetch_depth = lambda compute, gather, *args, **kwargs: seen.append(list(gather)) or 1
+    issue_gather, stalled = ParamGroup.issue_gather, [False]
+
+    def stall_once(self: ParamGroup) -> Any:
+        out = issue_gather(self)
+        if self.module_fqn == "blocks.0" and not stalled[0]:
+            stalled[0] = True
+            time.sleep(STALL_S)  # the link carries the gather meanwhile
+        return out
+
+    ParamGroup.issue_gather = stall_once  # type: ignore[method-assign]
+    torch.set_num_threads(1)
+    model = _sharded_tinylm("auto")
+    with emulated_link(1e6, LINK_S * 1e6):
+        for step in range(COST_SAMPLES):
+            model.loss(local_batch(make_batch(step), rank, world_size)).backward()
+    assert stalled[0] and len(seen) == 1, (stalled, seen)
+    return seen[0]
+
+
+def test_a_stall_after_a_gather_was_issued_does_not_hide_its_link_time(distributed) -> None:
+    # [Note: a wait split by a stall]: the stalled step's wait for blocks.0 is ~0 (the link ran during
+    # the stall); its whole interval and its packing are each the least over the samples, so the link
+    # time (their difference) is the unstalled steps'
+    per_rank = distributed(_link_seen_after_a_stall, 2, timeout=300)
+    assert per_rank[0] == per_rank[1]
+    link = per_rank[0]  # root, blocks.0, blocks.1
+    assert all(0.9 * LINK_S <= g < LINK_S + STALL_S / 2 for g in link), link
 
 
 SPIKE_S = 0.3
