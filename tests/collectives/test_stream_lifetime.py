@@ -12,11 +12,7 @@ The real thing (NCCL, streams, the caching allocator) is in tests/collectives/te
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import weakref
-from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
@@ -27,7 +23,6 @@ from overlap import inflight_work, streams
 from overlap.inflight_work import InflightWork, ResultCompletion
 from overlap.streams import StreamCaptureError
 
-REPO = Path(__file__).resolve().parents[2]
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -275,16 +270,25 @@ def test_issuing_during_capture_raises_before_any_collective(single_rank_group, 
     assert torch.equal(overlap.wait(overlap.all_gather(x)), x), "after capture, collectives work again"
 
 
+def _cuda_initialized_around_the_capture_check(rank: int, world: int) -> tuple[bool, object, bool]:
+    before = torch.cuda.is_initialized()
+    answer = streams.capturing()
+    streams.check_not_capturing("anything")
+    return before, answer, torch.cuda.is_initialized()
+
+
 def test_capture_check_does_not_initialize_cuda() -> None:
     """While CUDA is not initialized, ``capturing`` answers without calling into CUDA (which would
-    initialize it, or raise on a CPU-only build). In a fresh process, so that it holds on a machine
-    with a GPU too (where another test of this process may have initialized CUDA)."""
-    script = ("import torch\nfrom overlap import streams\nassert not torch.cuda.is_initialized()\n"
-              "assert streams.capturing() is False\nstreams.check_not_capturing('anything')\n"
-              "assert not torch.cuda.is_initialized()\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    initialize it, or raise on a CPU-only build). In a rank forked from the harness's fork server
+    (which never initializes CUDA: its ranks could not use it), so that it holds on a machine with a
+    GPU too (where another test of this process may have initialized CUDA), without the start-up of a
+    fresh interpreter."""
+    from overlap.testing import run_distributed
+
+    ((before, answer, after),) = run_distributed(_cuda_initialized_around_the_capture_check, 1)
+    assert not before, "CUDA was initialized before the check: the test checks nothing"
+    assert answer is False
+    assert not after, "the capture check initialized CUDA"
 
 
 # ----------------------------------------------------------------------------- one device per rank

@@ -196,7 +196,14 @@ def test_the_aligned_full_block_path_changes_no_bit(monkeypatch, vector_path: bo
 
 
 # ----------------------------------------------------------------------------- round trip, bounds
-@pytest.mark.parametrize("path", ["triton", "torch"])
+BOUND_PATHS = [pytest.param("triton", marks=pytest.mark.slow), "torch"]
+"""The bound tests' paths: the interpreted Triton one only under ``slow``. By default the bounds are
+checked on the torch fallback, and ``test_triton_and_torch_fallback_are_bitwise_equal`` checks that
+the kernels give the fallback's bytes for all three ops on the same drawn shapes, worlds, dtypes,
+blocks and formats (with scales and accumulation): the bounds hold for the kernels' results too."""
+
+
+@pytest.mark.parametrize("path", BOUND_PATHS)
 @examples
 @given(shapes=SHAPES, world=st.integers(1, 5), dtypes=DTYPES, block=BLOCK, seed=st.integers(0, 2**16),
        out_dtype=st.sampled_from(FLOATS), format=FORMAT)
@@ -204,7 +211,8 @@ def test_gather_round_trip_within_the_per_block_bound(path, shapes, world, dtype
                                                       format) -> None:
     """Copy-in on every rank, all-gather, copy-out: each element within its block's bound in float32;
     a 16-bit out is the float32 result cast; zero blocks come back as zeros; int8 codes stay in
-    +-127, fp8 codes are never NaN (0x7F / 0xFF)."""
+    +-127, fp8 codes are never NaN (0x7F / 0xFF). The Triton path runs under ``slow``
+    (:data:`BOUND_PATHS`: test_triton_and_torch_fallback_are_bitwise_equal covers it by default)."""
     if path == "triton" and not TRITON_ON_CPU:
         pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1")
     layout = ShardLayout(shapes, world)
@@ -237,14 +245,16 @@ def _torch_copy_in(tensors, qlayout, rank):
         return _quantized_copy_in(tensors, qlayout, rank)
 
 
-@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize("path", BOUND_PATHS)
 @examples
 @given(shapes=SHAPES, world=st.integers(1, 4), dtypes=DTYPES, block=BLOCK, seed=st.integers(0, 2**16),
        data=st.data(), format=FORMAT)
 def test_reduce_averages_within_the_summed_bounds(path, shapes, world, dtypes, block, seed, data, format) -> None:
     """Each rank quantizes its full gradients, the all-to-all is simulated, each owner sums in float32
     and scales by 1/w: within ``sum_s bound_s / w`` (plus float32 rounding of the sum) of the exact
-    mean, in every element; with ``accumulate`` the result is ``float32(old) + that``, cast."""
+    mean, in every element; with ``accumulate`` the result is ``float32(old) + that``, cast. The
+    Triton path runs under ``slow`` (:data:`BOUND_PATHS`: test_triton_and_torch_fallback_are_bitwise_equal
+    covers it by default)."""
     if path == "triton" and not TRITON_ON_CPU:
         pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1")
     layout = ShardLayout(shapes, world)

@@ -87,21 +87,39 @@ def _check_report(out: str, folder: str, modes: tuple[str, ...]) -> None:
         assert "pip install 'triton-overlap[plot]'" in out
 
 
-@pytest.fixture
-def as_users_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ranks without Triton's interpreter, started by "spawn", no torchrun variables."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("OVERLAP_TEST_START_METHOD", "spawn")
+USERS_ENV = {"TRITON_INTERPRET": "0", "OVERLAP_TEST_START_METHOD": "spawn"}
+"""How users run the demo: ranks without Triton's interpreter, started by "spawn"; and no torchrun
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
+
+
+def _as_users_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in USERS_ENV.items():
+        monkeypatch.setenv(name, value)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_demo_spawns_ranks_and_reports(tmp_path: object, capsys: pytest.CaptureFixture[str],
-                                       as_users_run_it: None) -> None:
-    folder = os.path.join(str(tmp_path), "out")
-    code = main([*TINY, "--world-size", "2", "--out", folder])
-    out = capsys.readouterr().out
-    print(out)
+@pytest.fixture
+def as_users_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    _as_users_run_it(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def spawned_with_compression(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str]:
+    """One spawned 2-rank demo serving two tests (a spawn and the exact run paid once): the default
+    comparison (no overlap, FSDP2, profiled) and ``--compress fp8,int8``. Returns the exit code, the
+    printed report and the output folder."""
+    folder = str(tmp_path_factory.mktemp("demo") / "out")
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stdout(out):
+        _as_users_run_it(monkeypatch)
+        code = main([*TINY, "--world-size", "2", "--compress", "fp8,int8", "--out", folder])
+    print(out.getvalue())
+    return code, out.getvalue(), folder
+
+
+def test_demo_spawns_ranks_and_reports(spawned_with_compression: tuple[int, str, str]) -> None:
+    code, out, folder = spawned_with_compression
     assert code == 0, out
     assert "2 spawned ranks (gloo)" in out and "CPU:" in out, out
     assert "calibrated so one step's comm ~ overlap.shard's compute" in out, out
@@ -145,16 +163,12 @@ def test_demo_with_a_mesh_runs_hsdp_beside_full_sharding(tmp_path: object, capsy
     assert "HSDP vs full sharding: agree" in out and "vs torch FSDP2: agree" in out, out
 
 
-def test_demo_compress_runs_int8_and_fp8_beside_exact_and_checks_the_loss(tmp_path: object,
-                                                                          capsys: pytest.CaptureFixture[str],
-                                                                          as_users_run_it: None) -> None:
+def test_demo_compress_runs_int8_and_fp8_beside_exact_and_checks_the_loss(
+        spawned_with_compression: tuple[int, str, str]) -> None:
     """``--compress fp8,int8``: the compressed modes run right after the exact one (int8 first), each
     carries about a quarter of its bytes on the link (comm ms at the same bandwidth: int8 or e4m3
     codes, the same size), and each final loss is checked against exact's."""
-    folder = os.path.join(str(tmp_path), "out")
-    code = main([*TINY, "--compress", "fp8,int8", "--compare", "none", "--profile-steps", "0", "--out", folder])
-    out = capsys.readouterr().out
-    print(out)
+    code, out, _ = spawned_with_compression
     assert code == 0, out
     rows = _table_rows(out)
     assert list(rows)[:3] == [MODE_NAMES[m] for m in ("overlap", "overlap-int8", "overlap-fp8")], rows
