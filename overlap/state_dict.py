@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import kernels
 from overlap.collectives import all_gather_into
-from overlap.param_group import ParamGroup, _dtensor, tp_dtensor, widest_dtype
+from overlap.param_group import ParamGroup, tp_dtensor, widest_dtype
 from overlap.sharding import sharded_states
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
@@ -84,7 +84,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> No
         raise TypeError(f"load_full_state_dict: module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"load_full_state_dict: state_dict must be a mapping of str to tensors, got {type(state_dict).__name__}")
-    groups = _groups_between_steps(module, "load_full_state_dict")
+    _groups_between_steps(module, "load_full_state_dict")
     with torch.no_grad():
         targets = module.state_dict(keep_vars=True)
     problems = [f"missing key {k!r}" for k in targets if k not in state_dict]
@@ -99,21 +99,12 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> No
             problems.append(f"{key!r} has shape {tuple(value.shape)}, the model expects {tuple(target.shape)}")
     if problems:
         raise ValueError("load_full_state_dict: " + "; ".join(problems))
-    # The runtime's own sharded parameters (not tensor-parallel ones): their rows are cut as the
-    # group cut them (the layout's rule, DTensor's ``Shard(0)``), without ``distribute_tensor``'s
-    # placement logic per parameter (~40 µs each on the CI box).
-    own = {id(p): (group, i) for group in groups for i, p in enumerate(group.sharded) if group.tp_specs[i] is None}
     local: dict[str, Any] = {}
     for key, target in targets.items():
         value = state_dict[key]
         if isinstance(target, DTensor):
             # Every rank holds the full tensor: each takes its own part, no communication.
-            value = value.detach().to(target.device, target.dtype)
-            where = own.get(id(target))
-            if where is not None:
-                group = where[0]
-                value = _dtensor(value if value.dim() == 0 else group.layout.shard(value, group.rank), target._spec)
-            else:
-                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+            value = distribute_tensor(value.detach().to(target.device, target.dtype), target.device_mesh,
+                                      target.placements, src_data_rank=None)
         local[key] = value
     module.load_state_dict(local, strict=True)
