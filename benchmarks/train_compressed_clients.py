@@ -42,7 +42,7 @@ PLOTTED = {"exact": ("exact", "-"), "int8": ("int8 gather + reduce", "--"), "fp8
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    return train_clients(rank, world, args.clients, args.steps, args.modes)
+    return train_clients(rank, world, args.clients, args.steps, args.modes, args.seed)
 
 
 def _plot(results: dict[str, Any], path: str) -> None:
@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"client models (default: {' '.join(CLIENTS)})")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                    help=f"runs per client; exact always runs (default: {' '.join(MODES)})")
+    p.add_argument("--seed", type=int, default=0, choices=range(9), metavar="0..8",
+                   help="0 (default): the tests' weights and batches; 1..8: other initial weights and "
+                        "training batches, the same held-out batches (the spread between seeds)")
     p.add_argument("--plot", default=None,
                    help=f"write the loss curves of {', '.join(PLOTTED)} (those run) per client to this PNG "
                         "(needs matplotlib)")
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{100 * last50:+.2f}%", f"{exact['eval']:.4f}", f"{run['eval']:.4f}", f"{100 * held_out:+.2f}%",
                          f"{100 * statistics.median(errors):.2f}% / {100 * max(errors):.2f}%" if errors else "-"])
     emit(f"Compressed training of the client models, {args.world_size} CPU ranks (gloo), {args.steps} steps, "
+         f"seed {args.seed}, "
          f"AdamW lr 1e-2, fp32; int8 = overlap.Compression() (gather and reduce, block 256); fp8 = "
          f"Compression(gather='fp8') (e4m3 gather, int8 reduce); fp8 reduce = Compression(gather='int8', "
          f"reduce='fp8'); fp8 both = Compression(gather='fp8', reduce='fp8'); bf16 reduce = "

@@ -40,13 +40,20 @@ rounds each element by at most 2^-9 relative): how far any small perturbation mo
 noisy runs."""
 EVAL_BATCHES = 16
 EVAL_SEED = 100_000  # held-out batches: make_batch seeds no training step uses
+SEED_STRIDE = 10_000
+"""Batch seeds per ``seed``: run ``seed`` trains on ``make_batch`` seeds ``seed * SEED_STRIDE + step``
+(below ``EVAL_SEED`` for ``seed`` <= 8 at up to 10,000 steps)."""
 
 
-def train(client: Client, mode: str, steps: int, rank: int, world: int) -> dict[str, Any]:
+def train(client: Client, mode: str, steps: int, rank: int, world: int, seed: int = 0) -> dict[str, Any]:
     """One run of ``client`` in ``mode`` (a key of ``MODES``): ``{"loss": [global loss per step],
-    "gradient_error": [relative error per step, compressed runs only], "eval": held-out loss}``."""
+    "gradient_error": [relative error per step, compressed runs only], "eval": held-out loss}``.
+    ``seed`` 0 is the tests' run; another draws the initial weights from ``SEED + seed`` and the
+    training batches from ``SEED_STRIDE * seed + step`` (the held-out batches stay the same)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 8:
+        raise ValueError(f"seed must be an int in 0..8, got {seed!r}")
     compress, mp = MODES[mode]
-    torch.manual_seed(SEED)
+    torch.manual_seed(SEED + seed)
     model = client.build()
     for block in client.blocks(model):
         overlap.shard(block, compress=compress, mp=mp)
@@ -56,7 +63,7 @@ def train(client: Client, mode: str, steps: int, rank: int, world: int) -> dict[
     overlap.take_gradient_errors()
     with overlap.measure_gradient_error(compress is not None):
         for step in range(steps):
-            loss = client.loss(model, local_batch(client.batch(step), rank, world))
+            loss = client.loss(model, local_batch(client.batch(SEED_STRIDE * seed + step), rank, world))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -78,7 +85,7 @@ def held_out_loss(client: Client, model: torch.nn.Module) -> float:
 
 
 def train_clients(rank: int, world: int, clients: Sequence[str], steps: int,
-                  modes: Sequence[str] = tuple(MODES)) -> dict[str, dict[str, Any]]:
+                  modes: Sequence[str] = tuple(MODES), seed: int = 0) -> dict[str, dict[str, Any]]:
     """``{client: {mode: train(...)}}`` on this rank (one thread), for ``run_distributed``."""
     torch.set_num_threads(1)
-    return {name: {mode: train(CLIENTS[name], mode, steps, rank, world) for mode in modes} for name in clients}
+    return {name: {mode: train(CLIENTS[name], mode, steps, rank, world, seed) for mode in modes} for name in clients}
