@@ -128,7 +128,7 @@ import math
 import time
 from itertools import compress, repeat
 from operator import add, and_, attrgetter, is_, is_not
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -334,8 +334,7 @@ class ParamGroup:
         self._owned_shards.changed()
         self._owned_grads.changed()
         self.on_meta = tuple(fqn for fqn, p in zip(self.fqns, self.sharded) if p.is_meta)
-        self.orig_dtypes = [p.dtype for p in self.sharded]
-        self._orig_dtypes = tuple(self.orig_dtypes)
+        self.orig_dtypes = tuple(p.dtype for p in self.sharded)
         self.gather_dtype = self.mp.param_dtype or widest_dtype(self.orig_dtypes)
         self.aliases_shards = self.single_rank and all(
             self._unsharded_dtype(i) == d for i, d in enumerate(self.orig_dtypes))
@@ -554,7 +553,7 @@ class ParamGroup:
                     ag_input, ag_output = _quantized_copy_in(shards, qlayout, self.rank)
                 else:  # the shards' own dtypes handed over: no read per shard
                     ag_input, ag_output = _all_gather_copy_in(
-                        shards, self.layout, self.rank, self.gather_dtype, self._orig_dtypes, owned=self._owned_shards)
+                        shards, self.layout, self.rank, self.gather_dtype, self.orig_dtypes, owned=self._owned_shards)
             work = all_gather_into(ag_output, ag_input, self.info, self.where) if self.world_size > 1 else None
         self.pending_gather = PendingGather(work, ag_output)
         self._gathered_versions = self._shard_versions()
@@ -1311,7 +1310,7 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def widest_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+def widest_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     """The dtype that holds every one of ``dtypes`` exactly (the widest of a mix of floats)."""
     out = dtypes[0]
     for d in dtypes[1:]:
