@@ -367,6 +367,12 @@ def assert_same_run(a: dict, b: dict, what: object = None) -> None:
         assert torch.equal(value, b["params"][name]), (what, name)
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit pattern (an integer view of its bytes, one integer per element): equal bits are
+    what "bitwise equal" means, -0.0 apart from 0.0 and a NaN equal to itself."""
+    return t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
+
+
 def max_rel_dev(got: Sequence[float], want: Sequence[float]) -> float:
     """``max |got - want| / |want|`` over paired values (lengths must match)."""
     if len(got) != len(want):

@@ -18,6 +18,7 @@ from torch import nn
 
 import overlap
 from kernels import prepared_launch
+from models import bits
 from overlap.sharding import sharded_states
 
 STEPS, CHANGE_AT = 5, 2
@@ -101,10 +102,6 @@ def _train(rank: int, change: str, cached: bool) -> dict[str, Any]:
             "owned": (owned_before_change, _owned(model))}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int64)
-
-
 def _rank(rank: int, world: int, change: str) -> dict[str, Any]:
     return {"uncached": _train(rank, change, cached=False), "cached": _train(rank, change, cached=True)}
 
@@ -113,10 +110,10 @@ def _rank(rank: int, world: int, change: str) -> dict[str, Any]:
 def test_a_change_between_steps_trains_bitwise_as_the_uncached_path(distributed, change: str) -> None:
     for seen in distributed(_rank, 2, change):
         uncached, cached = seen["uncached"], seen["cached"]
-        assert torch.equal(_bits(cached["losses"]), _bits(uncached["losses"])), (change, cached["losses"],
+        assert torch.equal(bits(cached["losses"]), bits(uncached["losses"])), (change, cached["losses"],
                                                                                   uncached["losses"])
         for name, value in uncached["params"].items():
-            assert torch.equal(_bits(cached["params"][name]), _bits(value)), (change, name)
+            assert torch.equal(bits(cached["params"][name]), bits(value)), (change, name)
         assert uncached["owned"] == (0, 0), "the uncached run used owned launches"
         assert cached["owned"][0] > 0 and cached["owned"][1] > 0, ("the owned launches were not used", cached["owned"])
 

@@ -15,6 +15,7 @@ from torch import nn
 
 import overlap
 from kernels import _launch
+from models import bits
 from overlap.sharding import sharded_states
 
 WORLD = 3  # rows split unevenly: lin2.weight's 4 rows leave rank 2 none
@@ -123,11 +124,7 @@ def test_training_over_packed_grads_is_bitwise(distributed) -> None:
     allocated = distributed(_training_rank, WORLD, False)
     for rank in range(WORLD):
         for got, want in zip(packed[rank], allocated[rank]):
-            assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want)), (rank, got, want)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.dtype.itemsize])
+            assert got.dtype == want.dtype and torch.equal(bits(got), bits(want)), (rank, got, want)
 
 
 def _freezing_rank(rank: int, world: int) -> dict[str, Any]:
