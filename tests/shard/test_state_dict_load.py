@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import overlap
-from models import bits
+from models import bits, load_by_distribute_tensor
 
 MESHES = ("full", "hsdp", "tp")
 KINDS = ("tensors", "parameters", "bf16", "after_set_model_state_dict")
@@ -81,19 +81,6 @@ def _sharded(mesh_kind: str, rank: int) -> nn.Module:
     return model
 
 
-def _by_distribute_tensor(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    """The load before the layout's cut: ``distribute_tensor`` per sharded entry."""
-    targets = model.state_dict(keep_vars=True)
-    local = {}
-    for key, target in targets.items():
-        value = values[key]
-        if isinstance(target, DTensor):
-            value = distribute_tensor(value.detach().to(target.device, target.dtype), target.device_mesh,
-                                      target.placements, src_data_rank=None)
-        local[key] = value
-    model.load_state_dict(local)
-
-
 def _values_of(kind: str, mesh_kind: str, rank: int) -> dict[str, Any]:
     values = _full_values(seed=1)
     if kind == "tensors":
@@ -122,7 +109,7 @@ def _load_rank(rank: int, world: int, mesh_kind: str) -> dict[str, Any]:
         dtensor_values[kind] = sum(isinstance(v, DTensor) for v in values.values())
         model, reference = _sharded(mesh_kind, rank), _sharded(mesh_kind, rank)
         overlap.load_full_state_dict(model, values)
-        _by_distribute_tensor(reference, values)
+        load_by_distribute_tensor(reference, values)
         want = reference.state_dict()
         for key, got in model.state_dict().items():
             if not torch.equal(bits(_local(got)), bits(_local(want[key]))):
