@@ -303,10 +303,7 @@ class ParamGroup:
         """This rank's rows of ``full`` (a plain parameter, or a tensor-parallel parameter's local
         tensor) as a sharded DTensor parameter (see [Note: sharded parameters are DTensors]); works
         on the meta device."""
-        if full.dim() == 0:
-            local, placement = full.detach().clone(), Replicate()
-        else:
-            local, placement = self.layout.shard(full.detach(), self.rank).clone(), Shard(0)
+        local, placement = self.own_rows(full.detach()).clone(), (Shard(0) if full.dim() else Replicate())
         if tp_spec is None:
             mesh = self.mesh
             tp_placements: tuple[Placement, ...] = ()
@@ -319,6 +316,12 @@ class ParamGroup:
         placements = (placement,) if self.replicate is None else (Replicate(), placement)
         spec = DTensorSpec(mesh, placements + tp_placements, tensor_meta=meta)
         return nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=requires_grad)
+
+    def own_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full`` (a parameter's full tensor, or a tensor-parallel one's local
+        tensor) as its sharded parameter's local tensor holds it: the dim-0 rows the layout gives
+        this rank (a view; none on a rank past the last row), or a 0-dim tensor itself (replicated)."""
+        return self.layout.shard(full, self.rank) if full.dim() else full
 
     def _spmd_mesh(self, tp_mesh: DeviceMesh) -> DeviceMesh:
         """The data-parallel mesh and a tensor-parallel one, joined (both slices of one mesh)."""

@@ -7,6 +7,25 @@ parameter a ``Shard(0)`` DTensor (see [Note: sharded parameters are DTensors] in
 both through ``module.state_dict()`` / ``module.load_state_dict()``, so user state-dict hooks (a
 post-hook that splits a fused parameter into several keys, a pre-hook that fuses them back) see and
 produce the same keys as on the unsharded model. Every rank must call both (they communicate).
+
+[Note: loading a full tensor without distribute_tensor]
+``load_full_state_dict`` hands ``load_state_dict`` a DTensor per sharded entry: this rank's part of
+the full tensor on the entry's spec. ``distribute_tensor`` makes it with ~40 µs of placement logic
+per parameter; for the runtime's own parameters that are not tensor-parallel the part is known
+without it: the rows the group's layout gives this rank (``ParamGroup.own_rows``, the rule the
+parameter was sharded by, ``Shard(0)``'s), wrapped in the parameter's own spec. That holds for a
+*plain* full tensor only. A value that is already a DTensor is a distributed tensor: cutting it is a
+DTensor op (``narrow`` of a ``Shard(0)`` DTensor all-gathers it, and only on the ranks whose rows are
+not the whole dim: a 1-row parameter on 2 ranks makes rank 1 alone issue an all-gather, and the
+ranks' collectives stop matching), and wrapping the result nests a DTensor in a DTensor, which
+``copy_`` refuses ("got mixed torch.Tensor and DTensor"). Such values are common: torch's
+``set_model_state_dict(..., StateDictOptions(full_state_dict=True))`` writes the DTensors it
+distributed back into the dict it was given (``state_dict.update(local_state_dict)``, torch
+2.11-2.13), so a caller who loads one dict into two models hands the second call DTensors on the
+target's placements. So only plain tensors are cut here; a DTensor value on the entry's mesh and
+placements goes through ``distribute_tensor`` (which returns it as it is), one on other placements is
+refused before anything is written, and tensor-parallel parameters, other tensor subclasses and
+entries that are no group's parameter take ``distribute_tensor`` as before.
 """
 from __future__ import annotations
 
@@ -19,7 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import kernels
 from overlap.collectives import all_gather_into
-from overlap.param_group import ParamGroup, tp_dtensor, widest_dtype
+from overlap.param_group import ParamGroup, _dtensor, tp_dtensor, widest_dtype
 from overlap.sharding import sharded_states
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
@@ -78,13 +97,15 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> No
     """Load full (unsharded) tensors into a sharded ``module``: each rank keeps its part of each.
 
     Keys and shapes must match ``full_state_dict(module)`` exactly; every mismatch is reported before
-    anything is written. Every rank passes the full tensors.
+    anything is written. Every rank passes the full tensors; a DTensor is taken for a sharded entry
+    when it has that entry's mesh and placements (what torch's ``set_model_state_dict`` leaves in the
+    dict it loaded), and refused otherwise.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"load_full_state_dict: module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"load_full_state_dict: state_dict must be a mapping of str to tensors, got {type(state_dict).__name__}")
-    _groups_between_steps(module, "load_full_state_dict")
+    groups = _groups_between_steps(module, "load_full_state_dict")
     with torch.no_grad():
         targets = module.state_dict(keep_vars=True)
     problems = [f"missing key {k!r}" for k in targets if k not in state_dict]
@@ -97,14 +118,37 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> No
             problems.append(f"{key!r} is a {type(value).__name__}, not a tensor")
         elif value.shape != target.shape:
             problems.append(f"{key!r} has shape {tuple(value.shape)}, the model expects {tuple(target.shape)}")
+        elif isinstance(value, DTensor) and not _same_placements(value, target):
+            where = (f"{target.placements} on {target.device_mesh}" if isinstance(target, DTensor)
+                     else "a plain tensor")
+            problems.append(f"{key!r} is a DTensor with placements {value.placements} on {value.device_mesh}, "
+                            f"the model's entry is {where}: pass the full tensor")
     if problems:
         raise ValueError("load_full_state_dict: " + "; ".join(problems))
+    cut_here = _cut_by_layout(groups)
     local: dict[str, Any] = {}
     for key, target in targets.items():
         value = state_dict[key]
         if isinstance(target, DTensor):
             # Every rank holds the full tensor: each takes its own part, no communication.
-            value = distribute_tensor(value.detach().to(target.device, target.dtype), target.device_mesh,
-                                      target.placements, src_data_rank=None)
+            value = value.detach().to(target.device, target.dtype)
+            group = cut_here.get(id(target)) if type(value) is torch.Tensor else None
+            if group is not None:  # [Note: loading a full tensor without distribute_tensor]
+                value = _dtensor(group.own_rows(value), target._spec)
+            else:
+                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
         local[key] = value
     module.load_state_dict(local, strict=True)
+
+
+def _cut_by_layout(groups: list[ParamGroup]) -> dict[int, ParamGroup]:
+    """By ``id``, the sharded parameters whose local tensor is this rank's rows of the full tensor
+    cut by their group's layout: every one that is not tensor-parallel."""
+    return {id(p): group for group in groups for p, spec in zip(group.sharded, group.tp_specs) if spec is None}
+
+
+def _same_placements(value: DTensor, target: torch.Tensor) -> bool:
+    """Whether ``target`` is a DTensor with ``value``'s mesh and placements (``distribute_tensor``'s
+    condition for taking a DTensor as it is)."""
+    return (isinstance(target, DTensor) and value.device_mesh == target.device_mesh
+            and value.placements == target.placements)

@@ -40,7 +40,8 @@ __all__ = [
     "LOSS_RTOL", "LR", "MICRO_BATCHES", "PARAM_ATOL", "PARAM_RTOL", "SEED", "STEPS", "STEP_ATOL",
     "STEP_RTOL", "WEIGHT_DECAY",
     "Block", "TinyLM", "accumulation_batches", "accumulation_optimizer", "assert_same_run", "fsdp2_losses", "fsdp2_model",
-    "global_mean", "gradient_reductions", "local_batch", "make_batch", "make_optimizer", "max_rel_dev",
+    "global_mean", "gradient_reductions", "load_by_distribute_tensor", "local_batch", "make_batch", "make_optimizer",
+    "max_rel_dev",
     "shard_rows", "single_threaded", "SMALL_SIZES", "small_step", "train_ranks", "unsharded_big_step", "unsharded_losses",
 ]
 
@@ -371,6 +372,23 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bit pattern (an integer view of its bytes, one integer per element): equal bits are
     what "bitwise equal" means, -0.0 apart from 0.0 and a NaN equal to itself."""
     return t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
+
+
+def load_by_distribute_tensor(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """The reference load of full tensors into a sharded ``model``: ``distribute_tensor`` per DTensor
+    entry of its state dict (no communication), then ``load_state_dict``; what
+    ``overlap.load_full_state_dict`` did for every entry before the layout's cut ([Note: loading a
+    full tensor without distribute_tensor] in ``overlap/state_dict.py``)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    local = {}
+    for key, target in model.state_dict(keep_vars=True).items():
+        value = values[key]
+        if isinstance(target, DTensor):
+            value = distribute_tensor(value.detach().to(target.device, target.dtype), target.device_mesh,
+                                      target.placements, src_data_rank=None)
+        local[key] = value
+    model.load_state_dict(local)
 
 
 def max_rel_dev(got: Sequence[float], want: Sequence[float]) -> float:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import kernels
@@ -629,6 +629,12 @@ def _sharded_sd(env: Env, key: str, rank: int) -> dict[str, Any]:
     return sd
 
 
+def _replicated(env: Env, key: str) -> DTensor:
+    """``key``'s full tensor as a ``Replicate()`` DTensor on its sharded parameter's mesh."""
+    full = overlap.full_state_dict(env.sharded, rank0_only=False)[key]
+    return distribute_tensor(full, env.sharded.state_dict()[key].device_mesh, [Replicate()], src_data_rank=None)
+
+
 MATRIX_2_RANKS: dict[str, Bad] = {
     "reduce_scatter rows not divisible": Bad(lambda e: overlap.reduce_scatter(torch.ones(5, 3)), ValueError,
                                              "x.shape[0]=5", "divisible by the group size 2"),
@@ -645,6 +651,9 @@ MATRIX_2_RANKS: dict[str, Bad] = {
     "load_full_state_dict shard-sized tensor": Bad(
         lambda e: overlap.load_full_state_dict(e.sharded, _sharded_sd(e, "0.weight", e.rank)), ValueError,
         "'0.weight' has shape (2, 3)", "the model expects (4, 3)"),
+    "load_full_state_dict DTensor on other placements": Bad(
+        lambda e: overlap.load_full_state_dict(e.sharded, _sd(e, **{"0__weight": _replicated(e, "0.weight")})),
+        ValueError, "'0.weight' is a DTensor with placements (Replicate(),)", "pass the full tensor"),
     "tensor_parallel rowwise in_features not divisible": Bad(
         lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {"2": RowwiseParallel(), "0": RowwiseParallel()}),
         ValueError, "in_features=3", "divisible by the mesh size 2"),
