@@ -39,7 +39,7 @@ __all__ = [
     "ACCUM_SEED", "BETAS", "BF16_LOSS_RTOL", "BF16_MIN_DEV", "COUNTING_LINK", "EPS", "GLOBAL_BATCH",
     "LOSS_RTOL", "LR", "MICRO_BATCHES", "PARAM_ATOL", "PARAM_RTOL", "SEED", "STEPS", "STEP_ATOL",
     "STEP_RTOL", "WEIGHT_DECAY",
-    "Block", "TinyLM", "accumulation_batches", "accumulation_optimizer", "assert_same_run", "fsdp2_losses", "fsdp2_model",
+    "Block", "TinyLM", "accumulation_batches", "accumulation_optimizer", "block_absmax", "assert_same_run", "fsdp2_losses", "fsdp2_model",
     "global_mean", "gradient_reductions", "local_batch", "make_batch", "make_optimizer", "max_rel_dev",
     "shard_rows", "single_threaded", "SMALL_SIZES", "small_step", "train_ranks", "unsharded_big_step", "unsharded_losses",
 ]
@@ -371,6 +371,18 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bit pattern (an integer view of its bytes, one integer per element): equal bits are
     what "bitwise equal" means, -0.0 apart from 0.0 and a NaN equal to itself."""
     return t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
+
+
+def block_absmax(shard: torch.Tensor, block: int) -> torch.Tensor:
+    """Each element's block absmax (float32, ``shard``'s shape), computed from the shard alone: its
+    flat elements cut into chunks of ``block`` from the first, as the quantized layouts cut a
+    parameter's shard ([Note: quantized slots] in ``kernels/quantized_layout.py``). The independent
+    reference the per-block error bounds are checked against."""
+    flat = shard.reshape(-1).float().abs()
+    n = flat.numel()
+    padded = torch.zeros(-(-n // block) * block)
+    padded[:n] = flat
+    return padded.view(-1, block).amax(dim=1).repeat_interleave(block)[:n].view(shard.shape)
 
 
 def max_rel_dev(got: Sequence[float], want: Sequence[float]) -> float:

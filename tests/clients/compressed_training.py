@@ -10,6 +10,7 @@ weights.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Sequence
 
@@ -20,24 +21,35 @@ import overlap
 from client_zoo import LLAMA3, NANOGPT, Client
 from models import SEED, global_mean, local_batch, make_optimizer
 
-__all__ = ["CLIENTS", "EVAL_BATCHES", "MODES", "held_out_loss", "train", "train_clients"]
+__all__ = ["CLIENTS", "EVAL_BATCHES", "FLOOR", "MODES", "SCHEDULES", "held_out_loss", "lr_factor", "nudge_by_one_ulp",
+           "train", "train_clients"]
 
 CLIENTS = {c.name: c for c in (NANOGPT, LLAMA3)}
 
 MODES = {  # name: (compress, mp)
     "exact": (None, None),
+    "exact +1ulp": (None, None),
     "int8": (overlap.Compression(), None),
     "fp8": (overlap.Compression(gather="fp8"), None),
     "fp8 reduce": (overlap.Compression(gather="int8", reduce="fp8"), None),
     "fp8 both": (overlap.Compression(gather="fp8", reduce="fp8"), None),
     "bf16 reduce": (None, overlap.MixedPrecision(reduce_dtype=torch.bfloat16)),
 }
-"""``fp8``: e4m3 all-gathers with int8 reductions; ``fp8 reduce``: int8 all-gathers with e4m3
+"""``exact +1ulp``: the noise floor, exact training from the initial weights moved by one ulp each
+(``nudged_by_one_ulp``), a perturbation no compression is as small as; ``fp8``: e4m3 all-gathers with int8 reductions; ``fp8 reduce``: int8 all-gathers with e4m3
 reductions (``int8`` but for the reduction's codes); ``fp8 both``: e4m3 for both (``fp8`` but for the
 reduction's codes). ``bf16 reduce`` is the control: exact collectives whose only change is the
 gradients' rounding to bfloat16 in the reduce-scatter (a perturbation smaller than int8's: bf16
 rounds each element by at most 2^-9 relative): how far any small perturbation moves these short,
 noisy runs."""
+FLOOR = "exact +1ulp"
+"""The run whose distance from exact is the noise floor: [Note: the noise floor of the client runs]."""
+SCHEDULES = ("constant", "warmup-cosine")
+"""Learning-rate schedules of ``train`` (``lr_factor``): ``constant``, the tests' AdamW at lr 1e-2 every
+step; ``warmup-cosine``, nanoGPT's own recipe (its train.py ``get_lr``): linear warmup over the first
+``WARMUP`` of the steps, then cosine decay to ``MIN_LR_FACTOR`` of the peak at the last step."""
+WARMUP = 0.1
+MIN_LR_FACTOR = 0.1
 EVAL_BATCHES = 16
 EVAL_SEED = 100_000  # held-out batches: make_batch seeds no training step uses
 SEED_STRIDE = 10_000
@@ -45,20 +57,41 @@ SEED_STRIDE = 10_000
 (below ``EVAL_SEED`` for ``seed`` <= 8 at up to 10,000 steps)."""
 
 
-def train(client: Client, mode: str, steps: int, rank: int, world: int, seed: int = 0) -> dict[str, Any]:
+def lr_factor(schedule: str, step: int, steps: int) -> float:
+    """The multiplier of the peak learning rate at ``step`` (0-based) of a ``steps``-step run under
+    ``schedule`` (one of ``SCHEDULES``)."""
+    if schedule == "constant":
+        return 1.0
+    warmup = max(1, round(WARMUP * steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    return MIN_LR_FACTOR + (1 - MIN_LR_FACTOR) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train(client: Client, mode: str, steps: int, rank: int, world: int, seed: int = 0,
+          schedule: str = "constant") -> dict[str, Any]:
     """One run of ``client`` in ``mode`` (a key of ``MODES``): ``{"loss": [global loss per step],
     "gradient_error": [relative error per step, compressed runs only], "eval": held-out loss}``.
     ``seed`` 0 is the tests' run; another draws the initial weights from ``SEED + seed`` and the
-    training batches from ``SEED_STRIDE * seed + step`` (the held-out batches stay the same)."""
+    training batches from ``SEED_STRIDE * seed + step`` (the held-out batches stay the same).
+    ``schedule`` (one of ``SCHEDULES``) sets the learning rate per step."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 8:
         raise ValueError(f"seed must be an int in 0..8, got {seed!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     compress, mp = MODES[mode]
     torch.manual_seed(SEED + seed)
     model = client.build()
+    if mode == FLOOR:
+        nudge_by_one_ulp(model)
     for block in client.blocks(model):
         overlap.shard(block, compress=compress, mp=mp)
     overlap.shard(model, compress=compress, mp=mp)
     opt = make_optimizer(model.parameters())
+    lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(schedule, step, steps))
     losses, errors = [], []
     overlap.take_gradient_errors()
     with overlap.measure_gradient_error(compress is not None):
@@ -67,10 +100,20 @@ def train(client: Client, mode: str, steps: int, rank: int, world: int, seed: in
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            lr.step()
             losses.append(global_mean(loss))
             if compress is not None:
                 errors.append(overlap.relative_gradient_error(overlap.take_gradient_errors(), group=dist.group.WORLD))
     return {"loss": losses, "gradient_error": errors, "eval": held_out_loss(client, model)}
+
+
+def nudge_by_one_ulp(model: torch.nn.Module) -> None:
+    """Move every floating-point parameter element of ``model`` one ulp up (``torch.nextafter``
+    towards +inf): a change of at most 2^-23 relative, the smallest a float32 weight can take."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
 
 
 def held_out_loss(client: Client, model: torch.nn.Module) -> float:
@@ -85,7 +128,9 @@ def held_out_loss(client: Client, model: torch.nn.Module) -> float:
 
 
 def train_clients(rank: int, world: int, clients: Sequence[str], steps: int,
-                  modes: Sequence[str] = tuple(MODES), seed: int = 0) -> dict[str, dict[str, Any]]:
+                  modes: Sequence[str] = tuple(MODES), seed: int = 0,
+                  schedule: str = "constant") -> dict[str, dict[str, Any]]:
     """``{client: {mode: train(...)}}`` on this rank (one thread), for ``run_distributed``."""
     torch.set_num_threads(1)
-    return {name: {mode: train(CLIENTS[name], mode, steps, rank, world, seed) for mode in modes} for name in clients}
+    return {name: {mode: train(CLIENTS[name], mode, steps, rank, world, seed, schedule) for mode in modes}
+            for name in clients}
