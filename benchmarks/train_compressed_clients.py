@@ -1,22 +1,33 @@
-"""Compressed (int8, fp8) vs exact training of the client models: loss curves, final loss, gradient error per step.
+"""Compressed (int8, fp8) vs exact training of the client models over seeds: held-out loss, its noise floor, loss curves.
 
 On ``--world-size`` gloo ranks, each client model of tests/clients (nanoGPT-style ``GPT`` and the
 torchtitan-style Llama 3 ``Transformer``, their default small configs) is built from the tests' seed,
 sharded with ``overlap.shard`` block by block then at the root, and trained ``--steps`` steps with the
 tests' AdamW on the tests' batches (``models.make_batch``: counting sequences with 10% noise), once
-per ``--modes`` entry: exact; int8 (``compress=overlap.Compression()``: int8 all-gathers and int8
-all-to-all reductions, block 256); fp8 (``Compression(gather="fp8")``: e4m3 all-gathers, int8
+per ``--modes`` entry: exact; exact +1ulp (the noise floor: exact training from the initial weights
+one ulp up); int8 (``compress=overlap.Compression()``: int8 all-gathers and int8 all-to-all
+reductions, block 256); fp8 gather (``Compression(gather="fp8")``: e4m3 all-gathers, int8
 reductions); fp8 reduce (``Compression(gather="int8", reduce="fp8")``: int8 all-gathers, e4m3
-reductions); fp8 both (``Compression(gather="fp8", reduce="fp8")``); bf16 reduce (the control: exact
-collectives, gradients reduced in bfloat16). The
-compressed runs measure the relative error of their reduced gradients every step
-(``overlap.set_measure_gradient_error``: an extra exact reduce-scatter to compare with, which changes
-no gradient), over every rank's shards. Reports each run's final loss (global mean over the ranks)
-against exact's, the relative difference (the issue's goal: within 1%), the mean over the last 50
-steps, the held-out loss of the final weights, and the gradient error (median and max over steps);
-``--plot`` draws the loss curves of exact and the compressed runs per client.
+reductions); fp8 both (``Compression(gather="fp8", reduce="fp8")``); bf16 reduce (a control: exact
+collectives, gradients reduced in bfloat16). The compressed runs measure the relative error of their
+reduced gradients every step (``overlap.set_measure_gradient_error``: an extra exact reduce-scatter
+to compare with, which changes no gradient), over every rank's shards. Per seed, reports each run's
+final loss (global mean over the ranks) against exact's, the mean over the last 50 steps, the
+held-out loss of the final weights (the comparison that counts), and the gradient error (median and
+max over steps).
 
-    python benchmarks/train_compressed_clients.py [--steps 300] [--plot docs/compressed_training.png]
+With several ``--seeds``, a table per schedule of each run's held-out difference from exact over
+the seeds: mean +- standard error, RMS, largest; whether the mean is within the issue's 1% (yes when
+``|mean| + 2 s.e.`` is, no when ``|mean| - 2 s.e.`` is not, else undecided) and the RMS against the
+floor's. ``--schedules``: ``constant`` (the tests' lr 1e-2 every step) and/or ``warmup-cosine``
+(nanoGPT's recipe). Why one seed is not enough at the constant recipe: [Note: the noise floor of the
+client runs] in tests/clients/compressed_training.py. ``--plot`` draws the loss curves of exact,
+int8 and fp8 gather (those run) of the first seed and schedule.
+
+    python benchmarks/train_compressed_clients.py --seeds 0 1 2 3 4 5 6 7 8 --modes exact "exact +1ulp" int8 \
+        --schedules constant warmup-cosine
+    python benchmarks/train_compressed_clients.py --seeds 0 --modes exact int8 "fp8 gather" \
+        --plot docs/compressed_training.png
 
 Losses are deterministic (the same on any machine with the same torch): timings are not measured.
 """
@@ -38,7 +49,8 @@ from client_zoo import GLOBAL_BATCH  # noqa: E402
 from compressed_training import CLIENTS, EVAL_BATCHES, FLOOR, MODES, SCHEDULES, train_clients  # noqa: E402
 from seed_spread import GOAL, floor_verdict, goal_verdict, spread  # noqa: E402
 
-PLOTTED = {"exact": ("exact", "-"), "int8": ("int8 gather + reduce", "--"), "fp8": ("fp8 gather, int8 reduce", ":")}
+PLOTTED = {"exact": ("exact", "-"), "int8": ("int8 gather + reduce", "--"),
+           "fp8 gather": ("fp8 gather, int8 reduce", ":")}
 """The curves ``--plot`` draws (those of the runs that ran): label and line style."""
 
 
@@ -121,7 +133,7 @@ def _emit_runs(results: dict[str, Any], args: argparse.Namespace, seed: int, sch
                          f"{100 * statistics.median(errors):.2f}% / {100 * max(errors):.2f}%" if errors else "-"])
     emit(f"Compressed training of the client models, {args.world_size} CPU ranks (gloo), {args.steps} steps, "
          f"seed {seed}, "
-         f"AdamW lr 1e-2 ({schedule}), fp32; int8 = overlap.Compression() (gather and reduce, block 256); fp8 = "
+         f"AdamW lr 1e-2 ({schedule}), fp32; int8 = overlap.Compression() (gather and reduce, block 256); fp8 gather = "
          f"Compression(gather='fp8') (e4m3 gather, int8 reduce); fp8 reduce = Compression(gather='int8', "
          f"reduce='fp8'); fp8 both = Compression(gather='fp8', reduce='fp8'); bf16 reduce = "
          f"exact collectives, gradients reduced in bfloat16 (control: a smaller perturbation); "
@@ -143,13 +155,17 @@ def _emit_over_seeds(runs: dict[int, dict[str, Any]], args: argparse.Namespace, 
             s = spread(d)
             goal = "-" if mode == FLOOR else goal_verdict(s)
             floor = "-" if mode == FLOOR or FLOOR not in diffs else floor_verdict(s, spread(diffs[FLOOR]))
-            rows.append([name, mode, f"{100 * s.mean:+.2f}% +- {100 * s.sem:.2f}%", f"{100 * s.rms:.2f}%",
-                         f"{100 * s.largest:.2f}%", goal, floor])
+            rows.append([name, mode, f"{_pct(s.mean, '+')} +- {_pct(s.sem)}", _pct(s.rms), _pct(s.largest), goal, floor])
     seeds = ", ".join(map(str, runs))
     emit(f"Held-out loss of each run against exact's over seeds {seeds} ({len(runs)} seeds), "
          f"{args.world_size} CPU ranks, {args.steps} steps, AdamW lr 1e-2 ({schedule}); the floor is {FLOOR}",
          ["client", "run", "mean diff +- s.e.", "RMS diff", "largest abs diff", f"mean within {GOAL:.0%}",
           "against the floor"], rows, args.markdown)
+
+
+def _pct(fraction: float, sign: str = "") -> str:
+    """A percentage to 2 decimals, or to 2 significant digits where those would read 0.00%."""
+    return f"{100 * fraction:{sign}.2f}%" if fraction == 0 or abs(fraction) >= 5e-5 else f"{100 * fraction:{sign}.1e}%"
 
 
 def _rel(value: float, reference: float) -> float:
