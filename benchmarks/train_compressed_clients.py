@@ -55,7 +55,7 @@ PLOTTED = {"exact": ("exact", "-"), "int8": ("int8 gather + reduce", "--"),
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace, seed: int, schedule: str) -> dict[str, Any]:
-    return train_clients(rank, world, args.clients, args.steps, args.modes, seed, schedule)
+    return train_clients(rank, world, args.clients, args.steps, args.modes, seed, schedule, args.eval_batches)
 
 
 def _plot(results: dict[str, Any], path: str) -> None:
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--schedules", nargs="+", default=["constant"], choices=SCHEDULES,
                    help="learning-rate schedules, each a full set of runs: constant (default, the tests' lr 1e-2) "
                         "or warmup-cosine (nanoGPT's recipe: 10%% linear warmup, cosine decay to a tenth)")
+    p.add_argument("--eval-batches", type=int, default=EVAL_BATCHES, choices=range(1, 1001), metavar="1..1000",
+                   help=f"held-out batches the held-out loss averages (default {EVAL_BATCHES}; more: less "
+                        "sampling noise in the comparison, the same first ones)")
     p.add_argument("--plot", default=None,
                    help=f"write the loss curves of {', '.join(PLOTTED)} (those run) per client to this PNG "
                         "(needs matplotlib; from the first seed and schedule)")
@@ -138,7 +141,7 @@ def _emit_runs(results: dict[str, Any], args: argparse.Namespace, seed: int, sch
          f"reduce='fp8'); fp8 both = Compression(gather='fp8', reduce='fp8'); bf16 reduce = "
          f"exact collectives, gradients reduced in bfloat16 (control: a smaller perturbation); "
          f"{FLOOR} = exact, initial weights one ulp up (the noise floor); "
-         f"held-out = mean loss of the final weights over {EVAL_BATCHES} unseen batches",
+         f"held-out = mean loss of the final weights over {args.eval_batches} unseen batches",
          ["client", "run", "final loss exact", "final loss run", "final diff (abs)", "last-50 mean diff",
           "held-out exact", "held-out run", "held-out diff", "grad error median / max"], rows, args.markdown)
 

@@ -80,7 +80,7 @@ step; ``warmup-cosine``, nanoGPT's own recipe (its train.py ``get_lr``): linear 
 WARMUP = 0.1
 MIN_LR_FACTOR = 0.1
 EVAL_BATCHES = 16
-EVAL_SEED = 100_000  # held-out batches: make_batch seeds no training step uses
+EVAL_SEED = 100_000  # held-out batches (up to 1000): make_batch seeds no training step uses
 SEED_STRIDE = 10_000
 """Batch seeds per ``seed``: run ``seed`` trains on ``make_batch`` seeds ``seed * SEED_STRIDE + step``
 (below ``EVAL_SEED`` for ``seed`` <= 8 at up to 10,000 steps)."""
@@ -99,18 +99,21 @@ def lr_factor(schedule: str, step: int, steps: int) -> float:
 
 
 def train(client: Client, mode: str, steps: int, rank: int, world: int, seed: int = 0,
-          schedule: str = "constant") -> dict[str, Any]:
+          schedule: str = "constant", eval_batches: int = EVAL_BATCHES) -> dict[str, Any]:
     """One run of ``client`` in ``mode`` (a key of ``MODES``): ``{"loss": [global loss per step],
     "gradient_error": [relative error per step, compressed runs only], "eval": held-out loss}``.
     ``seed`` 0 is the tests' run; another draws the initial weights from ``SEED + seed`` and the
     training batches from ``SEED_STRIDE * seed + step`` (the held-out batches stay the same).
-    ``schedule`` (one of ``SCHEDULES``) sets the learning rate per step."""
+    ``schedule`` (one of ``SCHEDULES``) sets the learning rate per step; ``eval_batches``: how many
+    held-out batches the held-out loss averages."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 8:
         raise ValueError(f"seed must be an int in 0..8, got {seed!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if isinstance(eval_batches, bool) or not isinstance(eval_batches, int) or not 1 <= eval_batches <= 1000:
+        raise ValueError(f"eval_batches must be an int in 1..1000, got {eval_batches!r}")
     compress, mp = MODES[mode]
     torch.manual_seed(SEED + seed)
     model = client.build()
@@ -133,7 +136,7 @@ def train(client: Client, mode: str, steps: int, rank: int, world: int, seed: in
             losses.append(global_mean(loss))
             if compress is not None:
                 errors.append(overlap.relative_gradient_error(overlap.take_gradient_errors(), group=dist.group.WORLD))
-    return {"loss": losses, "gradient_error": errors, "eval": held_out_loss(client, model)}
+    return {"loss": losses, "gradient_error": errors, "eval": held_out_loss(client, model, eval_batches)}
 
 
 def nudge_by_one_ulp(model: torch.nn.Module) -> None:
@@ -145,21 +148,21 @@ def nudge_by_one_ulp(model: torch.nn.Module) -> None:
                 p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
 
 
-def held_out_loss(client: Client, model: torch.nn.Module) -> float:
+def held_out_loss(client: Client, model: torch.nn.Module, batches: int = EVAL_BATCHES) -> float:
     """The trained weights (exact: the full state dict) in a plain, unsharded model, mean loss over
-    ``EVAL_BATCHES`` held-out global batches: the model's quality without a training batch's noise."""
+    ``batches`` held-out global batches: the model's quality without a training batch's noise."""
     state = overlap.full_state_dict(model, rank0_only=False)
     torch.manual_seed(SEED)
     plain = client.build()
     plain.load_state_dict(state)
     with torch.no_grad():
-        return statistics.mean(float(client.loss(plain, client.batch(EVAL_SEED + i))) for i in range(EVAL_BATCHES))
+        return statistics.mean(float(client.loss(plain, client.batch(EVAL_SEED + i))) for i in range(batches))
 
 
 def train_clients(rank: int, world: int, clients: Sequence[str], steps: int,
                   modes: Sequence[str] = tuple(MODES), seed: int = 0,
-                  schedule: str = "constant") -> dict[str, dict[str, Any]]:
+                  schedule: str = "constant", eval_batches: int = EVAL_BATCHES) -> dict[str, dict[str, Any]]:
     """``{client: {mode: train(...)}}`` on this rank (one thread), for ``run_distributed``."""
     torch.set_num_threads(1)
-    return {name: {mode: train(CLIENTS[name], mode, steps, rank, world, seed, schedule) for mode in modes}
-            for name in clients}
+    return {name: {mode: train(CLIENTS[name], mode, steps, rank, world, seed, schedule, eval_batches)
+                   for mode in modes} for name in clients}

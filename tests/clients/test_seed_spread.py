@@ -44,11 +44,12 @@ def test_lr_factor_constant_and_warmup_cosine() -> None:
     (dict(mode="int4"), "mode must be one of"),
     (dict(schedule="linear"), "schedule must be one of"),
     (dict(seed=9), "seed must be an int in 0..8"),
+    (dict(eval_batches=0), "eval_batches must be an int in 1..1000"),
 ])
 def test_train_refuses_bad_arguments_before_it_builds(kwargs: dict, message: str) -> None:
-    args = dict(mode="exact", schedule="constant", seed=0) | kwargs
+    args = dict(mode="exact", schedule="constant", seed=0, eval_batches=16) | kwargs
     with pytest.raises(ValueError, match=message):
-        train(NANOGPT, args["mode"], 1, 0, 1, args["seed"], args["schedule"])
+        train(NANOGPT, args["mode"], 1, 0, 1, args["seed"], args["schedule"], args["eval_batches"])
 
 
 def test_spread_statistics() -> None:
