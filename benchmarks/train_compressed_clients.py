@@ -58,7 +58,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, seed: int, schedule: 
     return train_clients(rank, world, args.clients, args.steps, args.modes, seed, schedule, args.eval_batches)
 
 
-def _plot(results: dict[str, Any], path: str) -> None:
+def _plot(results: dict[str, Any], path: str, run: str) -> None:
+    """The loss curves of ``PLOTTED`` per client, titled with the client and ``run`` (ranks, seed, schedule)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,7 +73,7 @@ def _plot(results: dict[str, Any], path: str) -> None:
             ax.plot(r[mode]["loss"], label=label, linewidth=1.2 if mode == "exact" else 1.0, linestyle=style)
         held_out = ", ".join(f"{mode} {r[mode]['eval']:.3f}" for mode in runs)
         ax.text(0.02, 0.04, f"held-out loss: {held_out}", transform=ax.transAxes, fontsize=7)
-        ax.set_title(f"{name}, 2 gloo ranks")
+        ax.set_title(f"{name}, {run}")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.legend()
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         if len(args.seeds) > 1:
             _emit_over_seeds(runs, args, schedule)
         if args.plot and schedule == args.schedules[0]:
-            _plot(runs[args.seeds[0]], args.plot)
+            _plot(runs[args.seeds[0]], args.plot,
+                  f"{args.world_size} gloo ranks, seed {args.seeds[0]}, {schedule} lr")
             print(f"wrote {args.plot}")
 
 
