@@ -16,19 +16,21 @@ any quantization). Over seeds 0-8 (``benchmarks/train_compressed_clients.py --se
 benchmarks/RESULTS.md, 2026-11-27):
 
 * At the tests' recipe (AdamW at lr 1e-2 from the first step to the last, ``constant``) nanoGPT is
-  chaotic: the one-ulp nudge moves its held-out loss by up to 3.8% (RMS 1.6%; on the other seeds it
-  has not yet grown out of the last digits at step 300), and int8 by up to 5.7% either way (RMS
-  3.2%, mean -0.62% +- 1.10% s.e.): nine seeds cannot tell whether int8 is within 1% of exact. The
-  cause is the learning rate, not the held-out set: at a constant 1e-2 the held-out loss is still
-  falling and bumpy at step 300 (seed 4: 2.47 to 2.54 over its last 20 steps), so where a run that
-  has parted from exact ends on it is luck; 256 held-out batches instead of 16 give the same -5.1%
-  on seed 1 (paired s.e. 0.3%). Llama at the same recipe is not chaotic (the nudge stays invisible
-  at 4 digits), and int8 moves it by +0.35% +- 0.26% on the mean, up to 1.85% on one seed.
+  chaotic: the one-ulp nudge moves its held-out loss by up to 3.8% (RMS 1.6%; on some seeds it has
+  not yet grown out of the last digits at step 300), and int8 by up to 5.7% either way (RMS 3.2%,
+  mean -0.62% +- 1.10% s.e.): nine seeds cannot tell whether int8 is within 1% of exact. The cause
+  is the learning-rate schedule, not the held-out set: at a constant 1e-2 the held-out loss is
+  still falling and bumpy at step 300 (a one-off trace of seed 4: 2.47 to 2.54 over its last 20
+  steps), so where a run that has parted from exact ends on it is luck; 256 held-out batches
+  instead of 16 give -5.10% on seed 1 (16: -5.38%) and -4.20% on seed 4 (16: -5.67%). Llama at the
+  same recipe is not chaotic (the nudge moves it by at most 7.4e-5 %), and int8 by +0.35% +- 0.26%
+  on the mean, up to 1.85% on one seed.
 * With nanoGPT's own recipe (``warmup-cosine``: linear warmup over 10% of the steps, cosine decay to
   a tenth of the peak, as nanoGPT's train.py ``get_lr``; what a user runs) neither client is chaotic:
-  the nudge stays below 0.005% (the tables show +-0.00%) and int8's effect, real but small, is at most 0.19% on every seed
-  (means -0.06% +- 0.03% nanoGPT, +0.03% +- 0.03% Llama). Both models also end better (mean
-  held-out 2.14 against 2.44 nanoGPT, 1.47 against 1.57 Llama).
+  the nudge moves the held-out loss by at most 1.1e-5 %, and int8's effect, real but small, is at
+  most 0.19% on every seed (means -0.06% +- 0.03% nanoGPT, +0.03% +- 0.03% Llama). Both models also
+  end better (mean held-out 2.14 against 2.44 nanoGPT, 1.47 against 1.57 Llama). Warmup and decay
+  were not measured apart.
 
 So a single seed at the constant recipe proves nothing on nanoGPT, either way. The goal is checked
 as the mean over seeds with its standard error (``seed_spread.goal_verdict``: within 1% when
