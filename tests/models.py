@@ -39,9 +39,9 @@ __all__ = [
     "ACCUM_SEED", "BETAS", "BF16_LOSS_RTOL", "BF16_MIN_DEV", "COUNTING_LINK", "EPS", "GLOBAL_BATCH",
     "LOSS_RTOL", "LR", "MICRO_BATCHES", "PARAM_ATOL", "PARAM_RTOL", "SEED", "STEPS", "STEP_ATOL",
     "STEP_RTOL", "WEIGHT_DECAY",
-    "Block", "TinyLM", "accumulation_batches", "accumulation_optimizer", "assert_same_run", "fsdp2_losses", "fsdp2_model",
-    "global_mean", "gradient_reductions", "load_by_distribute_tensor", "local_batch", "make_batch", "make_optimizer",
-    "max_rel_dev",
+    "Block", "TinyLM", "accumulation_batches", "accumulation_optimizer", "assert_same_run", "block_absmax",
+    "fsdp2_losses", "fsdp2_model", "global_mean", "gradient_reductions", "load_by_distribute_tensor", "local_batch",
+    "make_batch", "make_optimizer", "max_rel_dev",
     "shard_rows", "single_threaded", "SMALL_SIZES", "small_step", "train_ranks", "unsharded_big_step", "unsharded_losses",
 ]
 
@@ -389,6 +389,18 @@ def load_by_distribute_tensor(model: nn.Module, values: dict[str, torch.Tensor])
                                       target.placements, src_data_rank=None)
         local[key] = value
     model.load_state_dict(local)
+
+
+def block_absmax(shard: torch.Tensor, block: int) -> torch.Tensor:
+    """Each element's block absmax (float32, ``shard``'s shape), computed from the shard alone: its
+    flat elements cut into chunks of ``block`` from the first, as the quantized layouts cut a
+    parameter's shard ([Note: quantized slots] in ``kernels/quantized_layout.py``). The independent
+    reference the per-block error bounds are checked against."""
+    flat = shard.reshape(-1).float().abs()
+    n = flat.numel()
+    padded = torch.zeros(-(-n // block) * block)
+    padded[:n] = flat
+    return padded.view(-1, block).amax(dim=1).repeat_interleave(block)[:n].view(shard.shape)
 
 
 def max_rel_dev(got: Sequence[float], want: Sequence[float]) -> float:

@@ -71,10 +71,14 @@ def _compare(text: str) -> tuple[str, ...]:
 
 
 def _compress(text: str) -> tuple[str, ...]:
-    """An argparse type: comma-separated formats of ``overlap.demo.run.COMPRESSED_MODES`` (int8, fp8)."""
-    from overlap.demo.run import COMPRESSED_MODES
+    """An argparse type: comma-separated formats of ``overlap.demo.run.COMPRESSIONS``; a former
+    format (``fp8``) is an error saying what to give instead."""
+    from overlap.demo.run import COMPRESSIONS, RENAMED_COMPRESSIONS
 
-    return _comma_separated(text, tuple(COMPRESSED_MODES), "format")
+    renamed = [name.strip() for name in text.split(",") if name.strip() in RENAMED_COMPRESSIONS]
+    if renamed:
+        raise argparse.ArgumentTypeError(RENAMED_COMPRESSIONS[renamed[0]])
+    return _comma_separated(text, tuple(COMPRESSIONS), "format")
 
 
 def _mesh(text: str) -> tuple[int, int]:
@@ -160,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--compress", type=_compress, default=(), metavar="FORMATS",
                       help="also run overlap.shard with compressed collectives beside the exact run, one run per "
                            "comma-separated format: int8 = overlap.Compression() (int8 all-gathers and int8 "
-                           "reductions), fp8 = overlap.Compression(gather='fp8') (e4m3 all-gathers, int8 "
-                           "reductions); block 256; e.g. int8,fp8. Each final loss must be within 1%% of exact")
+                           "reductions); fp8-gather = Compression(gather='fp8', reduce='int8') (e4m3 all-gathers, "
+                           "int8 reductions); fp8-reduce = Compression(gather='int8', reduce='fp8') (int8 "
+                           "all-gathers, e4m3 reductions); fp8-both = Compression(gather='fp8', reduce='fp8'); "
+                           "block 256; e.g. int8,fp8-gather. Each final loss must be within 1%% of exact")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                       help="auto (default): cuda (NCCL, one GPU per rank) when there are enough GPUs for the ranks, "
                            "else cpu (gloo)")

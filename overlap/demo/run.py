@@ -62,12 +62,24 @@ __all__ = [
 # The tolerance allows float32 rounding of the reduction order: a few ulps (~1e-7) per step, grown by
 # AdamW over the demo's few steps, with a wide margin.
 FSDP2_LOSS_RTOL = 1e-4
-COMPRESSED_MODES: dict[str, str] = {"int8": "overlap-int8", "fp8": "overlap-fp8"}
+COMPRESSIONS: dict[str, dict[str, str]] = {
+    "int8": dict(gather="int8", reduce="int8"),
+    "fp8-gather": dict(gather="fp8", reduce="int8"),
+    "fp8-reduce": dict(gather="int8", reduce="fp8"),
+    "fp8-both": dict(gather="fp8", reduce="fp8"),
+}
+"""``--compress`` format -> its ``overlap.Compression`` arguments (block 256): ``int8`` sends the
+all-gathers and the reductions as int8 (``Compression()``); each ``fp8-*`` sends e4m3 codes for the
+collective(s) it names and int8 for the other. int8 reductions track exact training closer than
+e4m3 ones ([Note: compressed collectives]). A bare ``fp8`` is no format: it once meant
+``fp8-gather`` (``RENAMED_COMPRESSIONS``)."""
+RENAMED_COMPRESSIONS: dict[str, str] = {
+    "fp8": "'fp8' is not a format: give fp8-gather (e4m3 all-gathers, int8 reductions: what 'fp8' ran before), "
+           "fp8-reduce (int8 all-gathers, e4m3 reductions) or fp8-both",
+}
+"""Former ``--compress`` formats -> the error that says what to give instead."""
+COMPRESSED_MODES: dict[str, str] = {fmt: f"overlap-{fmt}" for fmt in COMPRESSIONS}
 """``--compress`` format -> the mode that runs ``overlap.shard`` with :data:`COMPRESSIONS` [format]."""
-COMPRESSIONS: dict[str, dict[str, str]] = {"int8": dict(gather="int8", reduce="int8"), "fp8": dict(gather="fp8", reduce="int8")}
-"""``overlap.Compression`` arguments per ``--compress`` format: ``fp8`` sends the all-gathers as e4m3
-codes and reduces in int8 (int8 reductions track exact training closer than ``reduce="fp8"``:
-[Note: compressed collectives]); block 256 for both."""
 COMPRESSED_LOSS_RTOL = 0.01
 """``--compress``: each compressed run's final global loss within 1% of the exact run's (the goal
 of issue 30; tests/shard/test_compression.py measures 0.07% after 100 TinyLM steps for int8,
@@ -76,8 +88,10 @@ benchmarks/bench_fp8_gather.py +0.7% for the last 10 of 100 steps' mean with fp8
 MODE_NAMES: dict[str, str] = {
     "overlap": "overlap.shard",
     "overlap-hsdp": "overlap.shard, HSDP",
-    "overlap-int8": "overlap.shard, int8 compressed",
-    "overlap-fp8": "overlap.shard, fp8 gather + int8 reduce",
+    "overlap-int8": "overlap.shard, int8 gather + int8 reduce",
+    "overlap-fp8-gather": "overlap.shard, fp8 gather + int8 reduce",
+    "overlap-fp8-reduce": "overlap.shard, int8 gather + fp8 reduce",
+    "overlap-fp8-both": "overlap.shard, fp8 gather + fp8 reduce",
     "no-overlap": "no overlap (overlap.no_overlap)",
     "fsdp2": "torch FSDP2 (fully_shard)",
     "fsdp2-hsdp": "torch FSDP2, HSDP",
@@ -129,17 +143,19 @@ class DemoConfig:
     mesh: Optional[tuple[int, int]] = None
     parallel: str = "fsdp"
     compress: tuple[str, ...] = ()
-    """Formats of :data:`COMPRESSED_MODES` (``"int8"``, ``"fp8"``): for each, also run ``overlap.shard``
-    with ``compress=overlap.Compression(**COMPRESSIONS[format])`` right after the exact run (int8
-    first), and check its final loss."""
+    """Formats of :data:`COMPRESSIONS` (``"int8"``, ``"fp8-gather"``, ``"fp8-reduce"``, ``"fp8-both"``):
+    for each, also run ``overlap.shard`` with ``compress=overlap.Compression(**COMPRESSIONS[format])``
+    right after the exact run (in that order), and check its final loss."""
     prefetch: Union[int, str] = "auto"
     split_first_block: bool = False
     """Shard the first block's MLP as groups of its own (``TransformerLM.shard_units``), every mode alike."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.compress, tuple) or any(f not in COMPRESSED_MODES for f in self.compress):
+            renamed = [RENAMED_COMPRESSIONS[f] for f in self.compress if f in RENAMED_COMPRESSIONS] \
+                if isinstance(self.compress, tuple) else []
             raise ValueError(f"compress must be a tuple of formats from {tuple(COMPRESSED_MODES)}; "
-                             f"got {self.compress!r}")
+                             f"got {self.compress!r}" + (f" ({renamed[0]})" if renamed else ""))
         if self.compress and (self.parallel == "tp" or self.mesh is not None):
             raise ValueError("compress runs a fully sharded FSDP mode: not with parallel='tp' or a mesh")
         if self.split_first_block and self.parallel == "tp":

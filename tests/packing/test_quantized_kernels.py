@@ -34,6 +34,7 @@ from kernels.quantized_copy_in import (  # noqa: E402
 from kernels.quantized_layout import BLOCKS, QuantizedLayout, _programs  # noqa: E402
 from kernels.quantized_reduce_scatter_copy_out import (  # noqa: E402
     _quantized_reduce_scatter_copy_out, _quantized_reduce_scatter_copy_out_torch, quantized_reduce_scatter_copy_out)
+from models import block_absmax  # noqa: E402
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 FLOATS = (f32, bf16, f16)
@@ -89,15 +90,6 @@ def _gathered(fulls: Sequence[torch.Tensor], qlayout: QuantizedLayout, copy_in=_
     return buffer
 
 
-def _block_absmax(shard: torch.Tensor, block: int) -> torch.Tensor:
-    """Each element's block absmax, computed from the shard alone (its own flat chunks of ``block``)."""
-    flat = shard.reshape(-1).float().abs()
-    n = flat.numel()
-    padded = torch.zeros(-(-n // block) * block)
-    padded[:n] = flat
-    return padded.view(-1, block).amax(dim=1).repeat_interleave(block)[:n].view(shard.shape)
-
-
 def _run(path: str, fn_triton, fn_torch, *args):
     """The op on ``path``: the launcher with Triton enabled, or the torch fallback."""
     if path == "triton":
@@ -139,20 +131,39 @@ def _check_bitwise_equal(shapes, world, dtypes, block, seed, data, format) -> No
     _quantized_all_gather_copy_out_torch(buffer, qlayout, outs_torch)
     for a, b in zip(outs_triton, outs_torch):
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    # reduce copy-in: every slot from full gradients
+    # reduce: scale (1 / world is the runtime's average), accumulate, drawn grad dtypes
+    scale = data.draw(st.sampled_from([None, 1 / world, 0.5, 1 / 3]), label="scale")
+    _check_reduce_bitwise_equal(fulls, qlayout, [rank], out_dtypes, seed, scale, data.draw(st.booleans(), label="accumulate"))
+
+
+def _check_reduce_bitwise_equal(fulls, qlayout, ranks, grad_dtypes, seed, scale, accumulate) -> None:
+    """The reduce copy-in of ``fulls`` (every slot) and, on each of ``ranks``, the reduce copy-out
+    into gradients of ``grad_dtypes`` (``scale``, ``accumulate``): Triton and torch bit for bit."""
+    layout = qlayout.layout
     r_triton = _quantized_copy_in(fulls, qlayout, None)[0]
     r_torch = torch.empty(qlayout.buffer_bytes, dtype=torch.uint8)
     _quantized_copy_in_torch(fulls, qlayout, None, r_torch)
     assert torch.equal(r_triton, r_torch)
-    # reduce copy-out: scale, accumulate, drawn grad dtypes
-    scale = data.draw(st.sampled_from([None, 0.5, 1 / 3]), label="scale")
-    accumulate = data.draw(st.booleans(), label="accumulate")
-    olds = _tensors([layout.shard_shape(i, rank) for i in range(len(shapes))], out_dtypes, seed + 1)
-    grads_triton, grads_torch = [g.clone() for g in olds], [g.clone() for g in olds]
-    _quantized_reduce_scatter_copy_out(r_triton, grads_triton, qlayout, rank, scale, accumulate)
-    _quantized_reduce_scatter_copy_out_torch(r_torch, grads_torch, qlayout, rank, scale, accumulate)
-    for a, b in zip(grads_triton, grads_torch):
-        assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+    for rank in ranks:
+        olds = _tensors([layout.shard_shape(i, rank) for i in range(len(fulls))], grad_dtypes, seed + 1)
+        grads_triton, grads_torch = [g.clone() for g in olds], [g.clone() for g in olds]
+        _quantized_reduce_scatter_copy_out(r_triton, grads_triton, qlayout, rank, scale, accumulate)
+        _quantized_reduce_scatter_copy_out_torch(r_torch, grads_torch, qlayout, rank, scale, accumulate)
+        for a, b in zip(grads_triton, grads_torch):
+            assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b)), (rank, scale, accumulate)
+
+
+@requires_triton_on_cpu
+@pytest.mark.parametrize("format", FORMATS)
+def test_the_runtime_average_over_4_ranks_is_bitwise_equal(format: str) -> None:
+    """The post-scale the runtime passes at world size 4 (1 / 4; the drawn test above reaches it only
+    when it draws world 4 and that scale), with and without accumulation, on every rank: shards with
+    tails, an empty last shard, a zero block, mixed gradient dtypes."""
+    shapes, dtypes = [(70, 3), (9,), (300,), (5, 7)], [f32, bf16, f16, f32]
+    qlayout = QuantizedLayout(ShardLayout(shapes, 4), 32, format)
+    fulls = _tensors(shapes, dtypes, seed=4, zero_every=3)
+    for accumulate in (False, True):
+        _check_reduce_bitwise_equal(fulls, qlayout, range(4), [bf16, f32, f16, bf16], 4, 1 / 4, accumulate)
 
 
 @requires_triton_on_cpu
@@ -228,7 +239,7 @@ def test_gather_round_trip_within_the_per_block_bound(path, shapes, world, dtype
         assert torch.equal(got, got32.to(out_dtype))
         for r in range(world):
             x, y = layout.shard(full, r).float(), layout.shard(got32, r)
-            absmax = _block_absmax(x, block)
+            absmax = block_absmax(x, block)
             assert ((x - y).abs() <= error_bound(absmax, x, format)).all(), (x, y)
             assert torch.equal(y[absmax == 0], torch.zeros_like(y[absmax == 0]))  # zero blocks stay zero
     scales = qlayout.scales(buffer)
@@ -271,7 +282,7 @@ def test_reduce_averages_within_the_summed_bounds(path, shapes, world, dtypes, b
         for i, g in enumerate(got):
             xs = [layout.shard(per_rank[s][i], r).float() for s in range(world)]
             exact = sum(xs) / world
-            bound = sum(error_bound(_block_absmax(x, block), x, format) for x in xs) / world
+            bound = sum(error_bound(block_absmax(x, block), x, format) for x in xs) / world
             slack = sum(x.abs() for x in xs) * world * 2**-23 / world  # float32 sum and scale
             assert ((g - exact).abs() <= bound + slack).all(), (g, exact)
         olds = _tensors([layout.shard_shape(i, r) for i in range(len(shapes))], [out_dtype], seed)

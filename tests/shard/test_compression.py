@@ -21,7 +21,7 @@ from kernels.block_quantization import error_bound
 from kernels.quantized_all_gather_copy_out import quantized_all_gather_copy_out
 from kernels.quantized_copy_in import quantized_all_gather_copy_in
 from kernels.quantized_layout import QuantizedLayout
-from models import COUNTING_LINK, SEED, LR, TinyLM, local_batch, make_batch, make_optimizer, train_ranks
+from models import COUNTING_LINK, SEED, LR, TinyLM, block_absmax, local_batch, make_batch, make_optimizer, train_ranks
 
 INT8 = overlap.Compression()  # gather and reduce int8, block 256
 FP8_GATHER = overlap.Compression(gather="fp8", reduce=None)  # e4m3 gathers, exact reductions
@@ -118,14 +118,6 @@ def _gathered_and_reduced(rank: int, world: int, gather: str, reduce: str) -> di
     return {"gathered": gathered, "expected": expected, "got": got, "per_rank": per_rank, "full": full}
 
 
-def _block_absmax(shard: torch.Tensor, block: int) -> torch.Tensor:
-    """Each element's block absmax from the shard alone: its own flat chunks of ``block``."""
-    flat = shard.reshape(-1).abs()
-    padded = torch.zeros(-(-flat.numel() // block) * block)
-    padded[: flat.numel()] = flat
-    return padded.view(-1, block).amax(dim=1).repeat_interleave(block)[: flat.numel()].view(shard.shape)
-
-
 @pytest.mark.torch_kernels
 @pytest.mark.parametrize("gather, reduce", [("int8", "int8"), ("fp8", "int8"), ("int8", "fp8")])
 def test_gather_carries_the_quantized_shards_and_reduce_stays_within_its_bound(distributed, gather, reduce) -> None:
@@ -149,7 +141,7 @@ def test_gather_carries_the_quantized_shards_and_reduce_stays_within_its_bound(d
             exact = sum(shards) / world
             slack = sum(s.abs() for s in shards) * 2**-22 + 1e-30
             error = (got - exact).abs()
-            bounds = {f: sum(error_bound(_block_absmax(s, INT8.block), s, f) for s in shards) / world
+            bounds = {f: sum(error_bound(block_absmax(s, INT8.block), s, f) for s in shards) / world
                       for f in (reduce, other)}
             assert (error <= bounds[reduce] + slack).all(), i
             outside_other |= bool((error > bounds[other] + slack).any())

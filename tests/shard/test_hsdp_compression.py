@@ -40,7 +40,7 @@ from test_hsdp import MESH_DIMS, _replicas_identical  # differing parameter name
 INTER_NODE = overlap.Compression(gather=None, reduce="int8")
 BOTH = overlap.Compression()  # int8 gather in the shard group, int8 sum over the replicas
 FP8_GATHER = overlap.Compression(gather="fp8", reduce=None)  # e4m3 gather in the shard group, exact replica sum
-FP8_BOTH = overlap.Compression(gather="fp8")  # e4m3 gather, int8 sum over the replicas (the demo's --compress fp8)
+FP8_BOTH = overlap.Compression(gather="fp8")  # e4m3 gather, int8 sum over the replicas (the demo's --compress fp8-gather)
 FP8_SUM = overlap.Compression(gather=None, reduce="fp8")  # e4m3 sum over the replicas, exact gather
 FP8_ALL = overlap.Compression(gather="fp8", reduce="fp8")  # e4m3 gather and sum over the replicas
 STEPS = 6  # 4 ranks on 2 cores are slow

@@ -58,9 +58,12 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
         (["demo", "--parallel", "pp"], "--parallel: invalid choice: 'pp'"),
         (["demo", "--parallel", "tp", "--compare", "fsdp2"], "--parallel tp runs its own modes"),
         (["demo", "--parallel", "tp", "--mesh", "1x2"], "--compare and --mesh choose FSDP modes"),
-        (["demo", "--compress", "fp4"], "--compress: unknown format 'fp4': give a comma-separated list of int8, fp8"),
+        (["demo", "--compress", "fp4"],
+         "--compress: unknown format 'fp4': give a comma-separated list of int8, fp8-gather, fp8-reduce, fp8-both"),
+        (["demo", "--compress", "int8,fp8"], "--compress: 'fp8' is not a format: give fp8-gather (e4m3 all-gathers, "
+                                             "int8 reductions: what 'fp8' ran before), fp8-reduce"),
         (["demo", "--compress", "int8,"], "--compress: unknown format ''"),
-        (["demo", "--compress", "fp8", "--mesh", "1x2"], "--compress runs a fully sharded FSDP mode"),
+        (["demo", "--compress", "fp8-gather", "--mesh", "1x2"], "--compress runs a fully sharded FSDP mode"),
         (["demo", "--compress", "int8", "--mesh", "1x2"], "--compress runs a fully sharded FSDP mode"),
         (["demo", "--compress", "int8", "--parallel", "tp"], "--compress runs a fully sharded FSDP mode"),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
@@ -128,14 +131,16 @@ def test_torchrun_variables_must_be_numbers(no_training: None, monkeypatch: pyte
 
 
 @pytest.mark.parametrize(("value", "formats", "modes"), [
-    ("fp8", ("fp8",), ("overlap", "overlap-fp8")),
+    ("fp8-gather", ("fp8-gather",), ("overlap", "overlap-fp8-gather")),
     ("int8", ("int8",), ("overlap", "overlap-int8")),
-    (" fp8 , int8,fp8", ("fp8", "int8"), ("overlap", "overlap-int8", "overlap-fp8")),
+    (" fp8-both , int8,fp8-reduce,fp8-both", ("fp8-both", "int8", "fp8-reduce"),
+     ("overlap", "overlap-int8", "overlap-fp8-reduce", "overlap-fp8-both")),
 ])
 def test_compress_parses_formats_into_modes_after_the_exact_run(value: str, formats: tuple[str, ...],
                                                                 modes: tuple[str, ...]) -> None:
     """``--compress`` takes comma-separated formats (duplicates once); each adds one mode right after the
-    exact ``overlap`` run, int8 before fp8, whatever order they were given in."""
+    exact ``overlap`` run, in the order int8, fp8-gather, fp8-reduce, fp8-both, whatever order they
+    were given in."""
     args = build_parser().parse_args(["demo", "--compress", value])
     assert args.compress == formats
     assert DemoConfig(compress=args.compress, compare=()).modes == modes
@@ -143,17 +148,25 @@ def test_compress_parses_formats_into_modes_after_the_exact_run(value: str, form
 
 
 def test_compress_selects_the_compression_the_help_names(capsys: pytest.CaptureFixture[str]) -> None:
-    """fp8 is e4m3 all-gathers with int8 reductions, int8 both in int8 (the help says so); block 256."""
-    assert Compression(**COMPRESSIONS["fp8"]) == Compression(gather="fp8", reduce="int8", block=256)
-    assert Compression(**COMPRESSIONS["int8"]) == Compression()
+    """Each format is the Compression its name and the help say; block 256."""
+    assert Compression(**COMPRESSIONS["int8"]) == Compression(gather="int8", reduce="int8", block=256) == Compression()
+    assert Compression(**COMPRESSIONS["fp8-gather"]) == Compression(gather="fp8", reduce="int8", block=256)
+    assert Compression(**COMPRESSIONS["fp8-reduce"]) == Compression(gather="int8", reduce="fp8", block=256)
+    assert Compression(**COMPRESSIONS["fp8-both"]) == Compression(gather="fp8", reduce="fp8", block=256)
     with pytest.raises(SystemExit) as info:
         main(["demo", "--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    assert "fp8 = overlap.Compression(gather='fp8') (e4m3 all-gathers, int8 reductions)" in " ".join(text.split())
+    help_text = "".join(text.split())  # argparse wraps lines at spaces and after hyphens
+    for phrase in ("int8 = overlap.Compression() (int8 all-gathers and int8 reductions)",
+                   "fp8-gather = Compression(gather='fp8', reduce='int8') (e4m3 all-gathers, int8 reductions)",
+                   "fp8-reduce = Compression(gather='int8', reduce='fp8') (int8 all-gathers, e4m3 reductions)",
+                   "fp8-both = Compression(gather='fp8', reduce='fp8')"):
+        assert "".join(phrase.split()) in help_text, text
 
 
-@pytest.mark.parametrize("compress", ["fp8", ("fp4",), None])
+@pytest.mark.parametrize("compress", ["fp8", ("fp4",), ("fp8",), None])
 def test_demo_config_refuses_unknown_compress(compress: object) -> None:
-    with pytest.raises(ValueError, match="compress must be a tuple of formats from"):
+    with pytest.raises(ValueError, match="compress must be a tuple of formats from") as info:
         DemoConfig(compress=compress)  # type: ignore[arg-type]
+    assert ("fp8-gather (e4m3 all-gathers, int8 reductions" in str(info.value)) == (compress == ("fp8",)), info.value

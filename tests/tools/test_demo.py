@@ -107,13 +107,13 @@ def as_users_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def spawned_with_compression(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str]:
     """One spawned 2-rank demo serving two tests (a spawn and the exact run paid once): the default
-    comparison (no overlap, FSDP2, profiled) and ``--compress fp8,int8``. Returns the exit code, the
+    comparison (no overlap, FSDP2, profiled) and ``--compress fp8-gather,int8``. Returns the exit code, the
     printed report and the output folder."""
     folder = str(tmp_path_factory.mktemp("demo") / "out")
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stdout(out):
         _as_users_run_it(monkeypatch)
-        code = main([*TINY, "--world-size", "2", "--compress", "fp8,int8", "--out", folder])
+        code = main([*TINY, "--world-size", "2", "--compress", "fp8-gather,int8", "--out", folder])
     print(out.getvalue())
     return code, out.getvalue(), folder
 
@@ -163,17 +163,17 @@ def test_demo_with_a_mesh_runs_hsdp_beside_full_sharding(tmp_path: object, capsy
     assert "HSDP vs full sharding: agree" in out and "vs torch FSDP2: agree" in out, out
 
 
-def test_demo_compress_runs_int8_and_fp8_beside_exact_and_checks_the_loss(
+def test_demo_compress_runs_int8_and_fp8_gather_beside_exact_and_checks_the_loss(
         spawned_with_compression: tuple[int, str, str]) -> None:
-    """``--compress fp8,int8``: the compressed modes run right after the exact one (int8 first), each
+    """``--compress fp8-gather,int8``: the compressed modes run right after the exact one (int8 first), each
     carries about a quarter of its bytes on the link (comm ms at the same bandwidth: int8 or e4m3
     codes, the same size), and each final loss is checked against exact's."""
     code, out, _ = spawned_with_compression
     assert code == 0, out
     rows = _table_rows(out)
-    assert list(rows)[:3] == [MODE_NAMES[m] for m in ("overlap", "overlap-int8", "overlap-fp8")], rows
+    assert list(rows)[:3] == [MODE_NAMES[m] for m in ("overlap", "overlap-int8", "overlap-fp8-gather")], rows
     exact = rows[MODE_NAMES["overlap"]]
-    for mode, label in (("overlap-int8", "int8 compressed"), ("overlap-fp8", "fp8 gather + int8 reduce")):
+    for mode, label in (("overlap-int8", "int8 gather + int8 reduce"), ("overlap-fp8-gather", "fp8 gather + int8 reduce")):
         cells = rows[MODE_NAMES[mode]]
         assert all(math.isfinite(_number(c)) for c in cells[:6]), rows
         assert _number(cells[3]) < 0.6 * _number(exact[3]), rows  # comm ms: 0.25-0.5x the bytes, latency aside
