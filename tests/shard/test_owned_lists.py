@@ -10,6 +10,7 @@ tests/packing/test_prepared_launch.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable
 
 import pytest
@@ -19,6 +20,7 @@ from torch import nn
 import overlap
 from kernels import prepared_launch
 from models import bits
+from overlap.param_group import widest_dtype
 from overlap.sharding import sharded_states
 
 STEPS, CHANGE_AT = 5, 2
@@ -237,3 +239,14 @@ def test_gradients_at_new_addresses_every_step_train_bitwise_as_the_uncached_pat
         made = MISS_STEPS - (kind == "a gradient not contiguous")
         assert cached["grad launches"] == [made] * cached["groups"], cached["grad launches"]
         assert cached["moved"] >= (made - 1) * cached["groups"], cached["moved"]
+
+
+def test_the_reduce_dtype_is_the_fold_over_every_gradient() -> None:
+    """``widest_dtype`` promotes once per distinct dtype (the group reads a few hundred): the same
+    dtype as promoting along the whole list, whatever the mix and order (bf16 with fp16 is fp32)."""
+    floats = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    rng = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 300):
+        for _ in range(50):
+            dtypes = tuple(floats[i] for i in torch.randint(0, 4, (n,), generator=rng).tolist())
+            assert widest_dtype(dtypes) == functools.reduce(torch.promote_types, dtypes), dtypes
