@@ -22,8 +22,9 @@ side does not depend on the bytes), for the public op (``kernels.*``, argument c
 and for the launcher the runtime calls (``_all_gather_copy_in`` ..., no checks, with what the
 runtime hands it: the shards' dtypes, the unsharded parameters' packed storage, and, for the
 reduce-scatter copy-out, new sharded gradients as views of one storage: what ``zero_grad(set_to_none=True)``
-leads to; a last row times it into gradients allocated one by one, the runtime's path when they
-already exist), beside the target of issue 28 (15 µs + 0.05 µs per parameter, [Note: host cost of a launch] in ``kernels._launch``).
+leads to; a row times it into gradients allocated one by one, the runtime's path when they
+already exist; a last row times the reduce-scatter copy-in on gradients at new addresses every
+call, as autograd hands them over on CPU: every call a miss), beside the target of issue 28 (15 µs + 0.05 µs per parameter, [Note: host cost of a launch] in ``kernels._launch``).
 Each is timed twice in the same interleaved rounds: as it runs (a repeated call is a prepared
 launch, [Note: prepared launches] in ``kernels.prepared_launch``) and under
 ``prepared_launch.uncached()`` (every tensor checked and every launch built at every call, as
@@ -49,6 +50,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import operator
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -71,10 +73,18 @@ from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_
 from report import emit
 
 QUANTILES = [0.5, 0.2, 0.8]
+_DTYPE = operator.attrgetter("dtype")
 OPS = ("all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in", "reduce_scatter_copy_out")
 INTO_EXISTING = "reduce_scatter_copy_out, existing grads"
 """Host table only: the runtime's copy-out into gradients allocated one by one (its public and torch
 columns are the plain op's)."""
+NEW_ADDRESSES = "reduce_scatter_copy_in, gradients at new addresses"
+"""Host table only: each call packs another list of gradients, none of whose address sets is among
+the ``MAX_LAUNCHES`` a fingerprint keeps (as autograd's gradients come on CPU): every call misses
+([Note: a miss of a prepared launch] in ``kernels.prepared_launch``). The runtime column reads the
+gradients' dtypes as the group does and hands them in; the public and torch columns take the same
+lists."""
+NEW_ADDRESS_LISTS = prepared_launch.MAX_LAUNCHES + 16
 DTYPE_PAIRS = ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32))  # (params, communication)
 
 
@@ -233,8 +243,12 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
     packed_grads = grad_placement.shared_views(grad_data)
     grad_storage = (grad_data.untyped_storage(), grad_placement)
     torch_shard_grads = [g.clone() for g in shard_grads]
+    # lists of gradients at new addresses: views of one buffer, list k shifted by 16 k bytes
+    fresh = _lists_at_new_addresses(layout, param_dtype, device)
+    next_fresh = itertools.cycle(fresh).__next__
 
     fused = {
+        NEW_ADDRESSES: lambda: kernels.reduce_scatter_copy_in(next_fresh(), layout, scale, comm_dtype),
         "all_gather_copy_in": lambda: kernels.all_gather_copy_in(shards, layout, rank, comm_dtype),
         "all_gather_copy_out": lambda: kernels.all_gather_copy_out(ag_output, layout, outs),
         "reduce_scatter_copy_in": lambda: kernels.reduce_scatter_copy_in(fulls, layout, scale, comm_dtype),
@@ -250,6 +264,7 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
         "reduce_scatter_copy_out": lambda: _reduce_scatter_copy_out(slot, packed_grads, layout, rank, scale, False,
                                                                     packed=grad_storage, versions=packed_grads[:1]),
         INTO_EXISTING: lambda: _reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
+        NEW_ADDRESSES: lambda: _runtime_copy_in_read(next_fresh(), layout, scale, comm_dtype, owned_grads),
     }
     runtime_before = {  # the same before (b8a9964): each list guarded, each tensor's version bumped
         **runtime,
@@ -258,6 +273,7 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
         "reduce_scatter_copy_in": lambda: _reduce_scatter_copy_in(fulls, layout, scale, comm_dtype),
         "reduce_scatter_copy_out": lambda: _reduce_scatter_copy_out(slot, packed_grads, layout, rank, scale, False,
                                                                     packed=grad_storage),
+        NEW_ADDRESSES: lambda: _reduce_scatter_copy_in(next_fresh(), layout, scale, comm_dtype),
     }
 
     # FSDP2's unsharded parameters live in padded (world_size, padded shard) storages; with a cast, the
@@ -291,7 +307,16 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
         views = [div_out[o : o + g.numel()].view(g.shape) for o, g in zip(layout.slot_offsets, torch_shard_grads)]
         torch._foreach_add_(torch_shard_grads, [v.to(param_dtype) for v in views])
 
+    def torch_new_addresses() -> torch.Tensor:
+        grads = next_fresh()
+        if param_dtype != comm_dtype:
+            grads = [g.to(comm_dtype) for g in grads]
+        buffer = torch.empty(chunk_cat_shape, device=device, dtype=comm_dtype)
+        torch._chunk_cat(grads, 0, w, out=buffer)
+        return buffer.div_(w)
+
     torch_path = {
+        NEW_ADDRESSES: torch_new_addresses,
         "all_gather_copy_in": torch_all_gather_copy_in,
         "all_gather_copy_out": torch_all_gather_copy_out,
         "reduce_scatter_copy_in": torch_reduce_scatter_copy_in,
@@ -305,6 +330,26 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
         "reduce_scatter_copy_out": shard_numel * (c_size + 2 * p_size),
     }
     return Case(layout, rank, param_dtype, comm_dtype, fused, runtime, runtime_before, torch_path, nbytes)
+
+
+def _lists_at_new_addresses(layout: ShardLayout, dtype: torch.dtype, device: torch.device) -> list[list[torch.Tensor]]:
+    """``NEW_ADDRESS_LISTS`` lists of contiguous tensors of ``layout.shapes``, each tensor 16-byte
+    aligned, every list at addresses of its own: views of one buffer of zeros (overlapping: only
+    read; one workload's bytes on the device, not one per list), list ``k`` shifted by ``16 k``
+    bytes."""
+    placement = _launch.PackedPlacement.of(layout.shapes, [dtype] * len(layout.shapes))
+    base = torch.zeros(placement.nbytes // dtype.itemsize + NEW_ADDRESS_LISTS * 16, dtype=dtype, device=device)
+    strided = placement._strided
+    return [[base.as_strided(shape, stride, (16 * k + offset) // dtype.itemsize)
+             for shape, stride, offset in zip(placement.shapes, strided.strides, placement.byte_offsets)]
+            for k in range(NEW_ADDRESS_LISTS)]
+
+
+def _runtime_copy_in_read(grads: list[torch.Tensor], layout: ShardLayout, scale: float, dtype: torch.dtype,
+                          owned: prepared_launch.OwnedLists) -> torch.Tensor:
+    """The reduce-scatter copy-in as ``ParamGroup.issue_reduce`` calls it: the gradients' dtypes read
+    (one C pass, which also picks the reduce dtype there) and handed in."""
+    return _reduce_scatter_copy_in(grads, layout, scale, dtype, tuple(map(_DTYPE, grads)), owned=owned)
 
 
 def plain_copy(nbytes: int, device: torch.device) -> Callable[[], object]:
@@ -400,7 +445,7 @@ def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> li
         workload = workloads(1 if device.type == "cuda" else 64)[name]
         case = build_case(workload, world_size, 0, param_dtype, comm_dtype, device)
         target = host_target_us(case.layout.num_params)
-        for op in (*OPS, INTO_EXISTING):
+        for op in (*OPS, INTO_EXISTING, NEW_ADDRESSES):
             plain_op = "reduce_scatter_copy_out" if op == INTO_EXISTING else op
             fns = {"public" + UNCACHED: case.fused[plain_op], "public": case.fused[plain_op],
                    "runtime" + UNCACHED: case.runtime[op], "runtime before": case.runtime_before[op],

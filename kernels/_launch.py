@@ -23,7 +23,9 @@ parameter tensor and the flat buffer). Two tables tell a program what to do:
   interpreter cannot follow CUDA addresses, so CUDA tensors under the interpreter take the torch path.
   Pointer tables are cached per layout keyed by (addresses, dtypes) — their content is a function of
   that key — the ``POINTER_CACHE_SIZE`` newest of them: a new address set evicts the oldest, whose
-  device copy ``kernels.table_memory`` releases only after the kernels that may read it.
+  device copy ``kernels.table_memory`` releases only after the kernels that may read it. A prepared
+  launch's table for a new address set is made from its old one instead (``PointerTable.moved``,
+  [Note: a miss of a prepared launch] in ``kernels.prepared_launch``), outside this cache.
 
 Device copies of the tables, their use from several streams, their release and CUDA graph capture
 are ``kernels.table_memory``'s ([Note: table memory]): copies are stream-ordered (no host sync), a
@@ -170,6 +172,13 @@ class PointerTable:
     dtypes: tuple[tl.dtype, ...]  # MAX_DTYPE_GROUPS entries, unused ones repeat the first
     num_groups: int
     torch_dtypes: tuple[torch.dtype, ...]  # the distinct dtypes of the tensors, in group order
+    groups: np.ndarray  # int64 (N,), on the host: the second column (each tensor's dtype group)
+
+    def moved(self, addresses: tuple[int, ...], device: torch.device) -> PointerTable:
+        """This table with ``addresses`` in its first column (tensors of the same dtypes, in the same
+        order, at other addresses): one host array filled and uploaded, nothing read of a tensor and
+        nothing cached ([Note: a miss of a prepared launch] in ``kernels.prepared_launch``)."""
+        return _pointer_rows(addresses, self.groups, self.dtypes, self.num_groups, self.torch_dtypes, device)
 
 
 def to_device(arrays: Sequence[np.ndarray], device: torch.device, *, cached: bool) -> table_memory.DeviceTable:
@@ -336,25 +345,31 @@ def _new_pointer_table(layout: ShardLayout, key: tuple, addresses: tuple[int, ..
     (its device copy is released once the kernels that may read it have run: [Note: table
     lifetime] in ``kernels.table_memory``)."""
     groups = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}  # first-seen order, one C pass
-    table_rows = np.empty((len(addresses), 2), dtype=np.int64)
-    table_rows[:, 0] = addresses
-    table_rows[:, 1] = 0 if len(groups) == 1 else list(map(groups.__getitem__, dtypes))
+    column = np.zeros(len(addresses), dtype=np.int64)
+    if len(groups) > 1:
+        column[:] = list(map(groups.__getitem__, dtypes))
     group_dtypes = [TRITON_DTYPES[d] for d in groups]
-    memory = to_device([table_rows], device, cached=True)
-    table = PointerTable(
-        pointers=memory.tensors[0],
-        memory=memory,
-        dtypes=tuple(group_dtypes + group_dtypes[:1] * (MAX_DTYPE_GROUPS - len(group_dtypes))),
-        num_groups=len(group_dtypes),
-        torch_dtypes=tuple(groups),
-    )
-    if not memory.in_graph:
+    table = _pointer_rows(addresses, column, tuple(group_dtypes + group_dtypes[:1] * (MAX_DTYPE_GROUPS - len(group_dtypes))),
+                          len(group_dtypes), tuple(groups), device)
+    if not table.memory.in_graph:
         keys = layout._device_cache.setdefault("pointer table keys", collections.deque())
         if len(keys) >= POINTER_CACHE_SIZE:
             del layout._device_cache[keys.popleft()]
         layout._device_cache[key] = table
         keys.append(key)
     return table
+
+
+def _pointer_rows(addresses: tuple[int, ...], groups: np.ndarray, dtypes: tuple[tl.dtype, ...], num_groups: int,
+                  torch_dtypes: tuple[torch.dtype, ...], device: torch.device) -> PointerTable:
+    """The table of ``addresses`` and their dtype ``groups`` (column), uploaded to ``device`` as a
+    table later launches may read (``cached``), not cached here."""
+    rows = np.empty((len(addresses), 2), dtype=np.int64)
+    rows[:, 0] = addresses
+    rows[:, 1] = groups
+    memory = to_device([rows], device, cached=True)
+    return PointerTable(pointers=memory.tensors[0], memory=memory, dtypes=dtypes, num_groups=num_groups,
+                        torch_dtypes=torch_dtypes, groups=groups)
 
 
 # ------------------------------------------------------------------------------------------- launch
@@ -479,6 +494,12 @@ class PreparedLaunch:
     @staticmethod
     def of(call: KernelCall) -> PreparedLaunch:
         return PreparedLaunch(call.kernel, call.blocks, call.pointers, call.args[1:], call.constexprs)
+
+    def moved(self, addresses: tuple[int, ...]) -> PreparedLaunch:
+        """This launch over tensors of the same dtypes at ``addresses``: the same grid, constexprs and
+        block table, a pointer table with ``addresses`` (``PointerTable.moved``)."""
+        return PreparedLaunch(self.kernel, self.blocks, self.pointers.moved(addresses, self.blocks.device), self.tail,
+                              self.constexprs)
 
     @property
     def in_graph(self) -> bool:

@@ -71,7 +71,29 @@ public ops, whose lists are the caller's, keep the guard). At 300 parameters thi
 copy-ins from ~52 / 48 µs to ~27 / 26 µs on the CI box (``benchmarks/bench_kernels.py``, the
 "before" column is the guarded path, still what a list without an owner gets). Those are hits: the
 shards keep their addresses, but on CPU autograd's gradients come at new addresses every step, so
-there the reduce-scatter copy-in makes a new launch each step (as the guarded path did).
+there the reduce-scatter copy-in misses every step ([Note: a miss of a prepared launch]). The
+group reads the gradients' dtypes anyway (one C pass: they choose the reduce dtype) and hands them
+in (``dtypes_read``), so a new address set of its gradients has only its contiguity read (a
+``.grad`` a user assigned may be strided: nothing in autograd promises the layout there).
+
+[Note: a miss of a prepared launch]
+A new address set of a fingerprint needs nothing its fingerprint does not already settle but the
+addresses: the configuration and the dtypes fix the block table, the grid, the constexprs (vector
+width, compute dtype), the arguments after the flat buffer and the pointer table's dtype-group
+column. So ``launch`` makes the launch of a new address set from one the fingerprint already has
+(``PreparedLaunch.moved``: one host array of ``(address, group)`` rows filled from the address
+tuple it has just read, uploaded as a table later launches may read) and calls ``build`` only for
+a fingerprint's first address set. Before, a miss built the ``KernelCall`` again: a second address
+pass, the dtype groups, the pointer-table key hashed over the addresses and dtypes and an insert
+into the layout's table cache (evicting the public ops' tables), the vector width and the compute
+dtype. Launches made this way are not in the layout's cache; the fingerprint keeps the
+``MAX_LAUNCHES`` newest (the oldest, with its tables, dropped), so a list at new addresses every
+call keeps at most that many tables alive (tests/packing/test_prepared_launch.py). What a miss of
+the runtime's reduce-scatter copy-in costs at 300 parameters, launch stubbed, a fresh list per
+call (benchmarks/RESULTS.md, "host-cost5"): the address pass, the contiguity pass (~16 µs warm,
+about a hit's address pass again) and the table (~10 µs warm: ~6 µs to write 300 Python ints into
+an int64 array, the upload, two small objects) on top of a hit; on a GPU the upload is a pinned
+staging copy, an asynchronous host-to-device copy and an event (not measured here).
 """
 from __future__ import annotations
 
@@ -217,49 +239,56 @@ class OwnedLists:
 
 def launch_owned(owned: OwnedLists, layout: ShardLayout, config: tuple, tensors: Sequence[torch.Tensor],
                  flat: torch.Tensor, build: Callable[[tuple[torch.dtype, ...]], _launch.KernelCall],
-                 dtypes: tuple[torch.dtype, ...] | None = None) -> bool:
+                 dtypes: tuple[torch.dtype, ...] | None = None, dtypes_read: bool = False) -> bool:
     """The runtime launchers' path for a list ``owned`` stands for: launch over ``tensors`` into
     ``flat`` through the prepared launch of their addresses, checking them (contiguous, each of the
     dtype in ``dtypes``, read when ``None``) only when the address set is new ([Note: lists the
-    runtime owns]); ``False`` when the cache is off or a tensor is not contiguous (the caller then
-    launches uncached)."""
+    runtime owns]); ``dtypes_read``: ``dtypes`` are the tensors' own, read by the caller in this
+    call, so a new address set needs only its contiguity read. ``False`` when the cache is off or a
+    tensor is not contiguous (the caller then launches uncached)."""
     if not _enabled:
         return False
     key = (id(layout), config)
     entry = owned._fingerprints.get(key)
     if (entry is not None and entry[1].size == len(tensors) and (dtypes is None or dtypes == entry[1].dtypes)
-            and launch(entry[1], tensors, flat, build)):
+            and launch(entry[1], tensors, flat, build, dtypes_read=dtypes_read and dtypes is not None)):
         return True
     if not all(map(_IS_CONTIGUOUS, tensors)):
         return False
-    read = tuple(map(_DTYPE, tensors))
+    read = dtypes if dtypes_read and dtypes is not None else tuple(map(_DTYPE, tensors))
     if dtypes is not None and read != dtypes:  # the uncached path reads them as ``dtypes``: let it
         return False
     fingerprint = Fingerprint(None, len(tensors), read, None)
     owned._fingerprints[key] = (layout, fingerprint)  # the layout held: its id stays its own
-    return launch(fingerprint, tensors, flat, build)
+    return launch(fingerprint, tensors, flat, build, dtypes_read=True)
 
 
-def _describes(fingerprint: Fingerprint, tensors: Sequence[torch.Tensor]) -> bool:
-    """Does an owned ``fingerprint`` hold for ``tensors`` (contiguous, its dtypes)? Read once per new
-    address set."""
-    return all(map(_IS_CONTIGUOUS, tensors)) and tuple(map(_DTYPE, tensors)) == fingerprint.dtypes
+def _describes(fingerprint: Fingerprint, tensors: Sequence[torch.Tensor], dtypes_read: bool) -> bool:
+    """Does an owned ``fingerprint`` hold for ``tensors`` (contiguous, its dtypes; ``dtypes_read``:
+    the caller has just read them)? Read once per new address set."""
+    return all(map(_IS_CONTIGUOUS, tensors)) and (dtypes_read or tuple(map(_DTYPE, tensors)) == fingerprint.dtypes)
 
 
 def launch(fingerprint: Fingerprint, tensors: Sequence[torch.Tensor], flat: torch.Tensor,
-           build: Callable[[tuple[torch.dtype, ...]], _launch.KernelCall]) -> bool:
+           build: Callable[[tuple[torch.dtype, ...]], _launch.KernelCall], dtypes_read: bool = False) -> bool:
     """Launch over ``tensors`` (matching ``fingerprint``) into ``flat``: the prepared launch of their
-    current addresses, made by ``build(dtypes)`` (the op's ``KernelCall`` over ``tensors``) the
-    first time. An owned fingerprint (no guard: ``launch_owned``) first checks a new address set as
-    the guard would have: every tensor contiguous and of the fingerprint's dtypes, else nothing
-    launches and ``False`` is returned."""
+    current addresses, made the first time from one the fingerprint has (``PreparedLaunch.moved``,
+    [Note: a miss of a prepared launch]) or, for its first address set, by ``build(dtypes)`` (the
+    op's ``KernelCall`` over ``tensors``). An owned fingerprint (no guard: ``launch_owned``) first
+    checks a new address set as the guard would have: every tensor contiguous and of the
+    fingerprint's dtypes (not read again when ``dtypes_read``), else nothing launches and ``False``
+    is returned."""
     addresses = tuple(map(_DATA_PTR, tensors))
     launches = fingerprint.launches
     prepared = launches.get(addresses)
     if prepared is None:
-        if fingerprint.guard is None and not _describes(fingerprint, tensors):
+        if fingerprint.guard is None and not _describes(fingerprint, tensors, dtypes_read):
             return False
-        prepared = _launch.PreparedLaunch.of(build(fingerprint.dtypes))
+        template = next(iter(launches.values()), None)
+        if template is not None and template.blocks.device == flat.device:
+            prepared = template.moved(addresses)
+        else:
+            prepared = _launch.PreparedLaunch.of(build(fingerprint.dtypes))
         if len(launches) >= MAX_LAUNCHES:
             del launches[next(iter(launches))]
         if not prepared.in_graph:

@@ -157,7 +157,8 @@ def _reduce_scatter_copy_in(
     rs_input = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     config = (OP, "runtime", prepared_launch.scale_key(pre_scale), dtype)
     build = lambda ordered: _kernel_call(grads, layout, pre_scale, rs_input, ordered)  # noqa: E731
-    if not (prepared_launch.launch_owned(owned, layout, config, grads, rs_input, build, dtypes) if owned is not None
+    if not (prepared_launch.launch_owned(owned, layout, config, grads, rs_input, build, dtypes, dtypes_read=True)
+            if owned is not None
             else prepared_launch.launch_list(layout, config, grads, rs_input, build, fingerprint)):
         _kernel_call(list(map(torch.Tensor.contiguous, grads)), layout, pre_scale, rs_input, dtypes).launch()
     return rs_input

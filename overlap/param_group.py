@@ -732,10 +732,13 @@ class ParamGroup:
         layout = self._reduce_layout(indices)
         if self.compression is not None and self.quantized_reduce is not None:
             return self._issue_quantized_reduce(grads, indices, layout)
-        dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads])
+        # the gradients' dtypes, read (one C pass) where the reduce dtype needs them: handed to the
+        # copy-in, whose new address sets then need only their contiguity read
+        read = None if self.mp.effective_reduce_dtype is not None else tuple(map(_DTYPE, grads))
+        dtype = self.mp.effective_reduce_dtype or widest_dtype(read)
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             pre_scale, post_scale = _average_scales(dtype, self.data_parallel_size)
-            rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, owned=self._owned_grads)
+            rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, read, owned=self._owned_grads)
         hsdp = self.replicas > 1
         if self.world_size == 1:
             return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp,
@@ -1175,6 +1178,7 @@ class _PackedGrads:
 
 
 _GRAD = attrgetter("grad")
+_DTYPE = attrgetter("dtype")
 _SPEC = attrgetter("_spec")
 _VERSION = attrgetter("_version")
 _LOCAL_VERSION = attrgetter("_local_tensor._version")
@@ -1314,8 +1318,10 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 
 
 def widest_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
-    """The dtype that holds every one of ``dtypes`` exactly (the widest of a mix of floats)."""
-    out = dtypes[0]
-    for d in dtypes[1:]:
+    """The dtype that holds every one of ``dtypes`` exactly (the widest of a mix of floats); one
+    promotion per distinct dtype (a group's list repeats a few hundred times)."""
+    distinct = iter(dict.fromkeys(dtypes))
+    out = next(distinct)
+    for d in distinct:
         out = torch.promote_types(out, d)
     return out

@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -28,7 +30,7 @@ from kernels import (
 )
 from kernels.all_gather_copy_in import _all_gather_copy_in
 from kernels.all_gather_copy_out import _all_gather_copy_out
-from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
+from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in, _reduce_scatter_copy_in_kernel as reduce_scatter_copy_in_kernel
 from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
 from kernel_cases import assert_bitwise, bf16, call_public_op, f32, kernel_device, make_tensor, requires_kernels
 
@@ -400,3 +402,56 @@ def test_an_owner_that_re_reads_its_list_forgets_its_launches() -> None:
     _owned_checked("all_gather_copy_in", layout, {"shards": _placed(storage, torch.float16, 3)}, owned)
     (fingerprint,) = [f for _, f in owned._fingerprints.values()]
     assert fingerprint.dtypes == (torch.float16,) * 3
+
+
+# ------------------------------------------------------------------------- a miss of a prepared launch
+def _mixed(layout: ShardLayout, seed: int) -> list[torch.Tensor]:
+    """Full tensors of ``layout`` in three dtypes (three dtype groups in the pointer table)."""
+    dtypes = (f32, bf16, torch.float16)
+    return [make_tensor(s, dtypes[i % 3], seed * 10 + i, specials=False).to(kernel_device())
+            for i, s in enumerate(layout.shapes)]
+
+
+def test_a_launch_made_from_another_is_the_one_built_from_scratch() -> None:
+    """``PreparedLaunch.moved``: a new address set of a fingerprint gets the launch ``build`` would
+    make for it (the same pointer table, grid and constexprs), though only the addresses are new."""
+    layout, owned = _layout(), prepared_launch.OwnedLists()
+    first, second = _mixed(layout, 1), _mixed(layout, 2)
+    for t in (first, second):
+        _owned_checked("reduce_scatter_copy_in", layout, {"fulls": t}, owned)
+    (fingerprint,) = [f for _, f in owned._fingerprints.values()]
+    moved = fingerprint.launches[tuple(x.data_ptr() for x in second)]
+    rs_input = torch.empty(layout.buffer_numel, dtype=bf16, device=kernel_device())
+    built = _launch.PreparedLaunch.of(_launch.scaled_kernel_call(
+        reduce_scatter_copy_in_kernel, layout, None, True, second, rs_input, 0.5, (bf16,)))
+    assert torch.equal(moved.pointers.pointers.cpu(), built.pointers.pointers.cpu())
+    assert moved.pointers.pointers[:, 1].unique().numel() == 3
+    for field in ("dtypes", "num_groups", "torch_dtypes"):
+        assert getattr(moved.pointers, field) == getattr(built.pointers, field), field
+    assert (moved.blocks, moved.tail, moved.constexprs) == (built.blocks, built.tail, built.constexprs)
+
+
+def test_a_list_at_new_addresses_every_call_keeps_the_caches_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients at new addresses every step (autograd's on CPU): each call misses, its launch is
+    kept among the ``MAX_LAUNCHES`` newest of the fingerprint, the oldest (and its tables) freed; the
+    layout's own caches do not grow with the misses. Every call is bitwise the uncached path."""
+    monkeypatch.setattr(prepared_launch, "MAX_LAUNCHES", 3)
+    layout, reference_layout, owned = _layout(), _layout(), prepared_launch.OwnedLists()
+    alive, tables = [], []
+
+    def checked(fulls: list[torch.Tensor]) -> None:  # the reference on a layout of its own
+        with prepared_launch.uncached():
+            expected = _owned_call("reduce_scatter_copy_in", reference_layout, {"fulls": fulls}, owned).cpu().clone()
+        assert_bitwise(_owned_call("reduce_scatter_copy_in", layout, {"fulls": fulls}, owned).cpu(), expected)
+
+    checked(_mixed(layout, 0))
+    cached_keys = set(layout._device_cache)
+    for seed in range(1, 10):
+        alive.append(_mixed(layout, seed))  # all kept: no address set comes back
+        checked(alive[-1])
+        (fingerprint,) = [f for _, f in owned._fingerprints.values()]
+        assert len(fingerprint.launches) == min(seed + 1, 3)
+        tables.append(weakref.ref(fingerprint.launches[tuple(x.data_ptr() for x in alive[-1])].pointers))
+        assert set(layout._device_cache) == cached_keys
+    gc.collect()
+    assert [table() is not None for table in tables] == [False] * 6 + [True] * 3
