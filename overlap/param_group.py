@@ -413,6 +413,10 @@ class ParamGroup:
         sharded ``.grad`` untouched, as the plain model's; an unsharded gradient autograd produced
         for it anyway is dropped (``_drop_unreduced_grads``). The flags are the same on every rank
         (freezing is part of the training program), so every rank reduces the same parameters.
+        A reduction reads the flags once, just before it is issued (with ``max_inflight_bytes`` the
+        cap's size and the issue share that read: nothing runs between them that could change a
+        flag); the forward's gather reads them too, to set the unsharded ones. While the combined
+        flags are those of the last read, the same indices tuple is returned (``_last_indices``).
         """
         sharded, seen = self.sharded, self._requires_grad_seen
         with self._shard_getters():  # one C-level pass: [Note: the shards' getters without lookups]
