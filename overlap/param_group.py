@@ -281,6 +281,9 @@ class ParamGroup:
         """Per reduced index set, where its new sharded gradients sit in the one storage they share
         ([Note: new sharded gradients share one storage]); dropped by ``rebind_sharded``."""
         self._requires_grad_seen: tuple[bool, ...] = ()  # the shards' flags when the unsharded ones last followed them
+        self._last_indices: tuple[tuple[bool, ...], tuple[int, ...]] = ((), ())
+        """The flags ``requires_grad_indices`` last combined, and the indices it gave for them: a function
+        of the flags alone, returned again while they stay the same."""
         self._grads_needed = 0
         """How many of the unsharded parameters require a gradient (``_requires_grad_seen``): fewer
         gradients than that and the group is not complete ([Note: counting a group's gradients])."""
@@ -410,13 +413,22 @@ class ParamGroup:
         sharded ``.grad`` untouched, as the plain model's; an unsharded gradient autograd produced
         for it anyway is dropped (``_drop_unreduced_grads``). The flags are the same on every rank
         (freezing is part of the training program), so every rank reduces the same parameters.
+        A reduction reads the flags once, just before it is issued (with ``max_inflight_bytes`` the
+        cap's size and the issue share that read: nothing runs between them that could change a
+        flag); the forward's gather reads them too, to set the unsharded ones. While the combined
+        flags are those of the last read, the same indices tuple is returned (``_last_indices``).
         """
         sharded, seen = self.sharded, self._requires_grad_seen
         with self._shard_getters():  # one C-level pass: [Note: the shards' getters without lookups]
             flags = tuple(map(_REQUIRES_GRAD, sharded))
         if seen and flags != seen:  # changed since the last gather
             flags = tuple(map(and_, flags, seen))
-        return tuple(compress(range(len(sharded)), flags))
+        last_flags, last_indices = self._last_indices
+        if flags == last_flags:  # the usual step: the same tuple again, no rebuild (and equal by identity)
+            return last_indices
+        indices = tuple(compress(range(len(sharded)), flags))
+        self._last_indices = (flags, indices)
+        return indices
 
     def grads_complete(self) -> bool:
         """Has every parameter that requires a gradient got one in this step (``grads_ready``)?
@@ -700,8 +712,10 @@ class ParamGroup:
             self._reduce_layouts[indices] = layout
         return layout
 
-    def reduce_bytes(self) -> int:
-        indices = self.requires_grad_indices
+    def reduce_bytes(self, indices: Optional[tuple[int, ...]] = None) -> int:
+        """Bytes the reduction of ``indices`` (default: ``requires_grad_indices``, read now) moves."""
+        if indices is None:
+            indices = self.requires_grad_indices
         if not indices or self.unsharded is None:
             return 0
         if self.compression is not None and self.quantized_reduce is not None:
@@ -710,13 +724,16 @@ class ParamGroup:
         dtype = self.mp.effective_reduce_dtype or widest_dtype([self.unsharded[i].dtype for i in indices])
         return self._reduce_layout(indices).buffer_numel * dtype.itemsize
 
-    def issue_reduce(self) -> Optional[PendingReduce]:
+    def issue_reduce(self, indices: Optional[tuple[int, ...]] = None) -> Optional[PendingReduce]:
         """Pack the unsharded gradients and start their reduce-scatter; the unsharded grads are dropped.
 
         Parameters without a gradient this step (unused on this rank) contribute zeros, so every
-        rank issues the same collective. Returns None when no parameter requires grad.
+        rank issues the same collective. Returns None when no parameter requires grad. ``indices``:
+        ``requires_grad_indices`` as the caller read it just before, with nothing run in between
+        (default: read here), so that one reduction reads the shards' flags once.
         """
-        indices = self.requires_grad_indices
+        if indices is None:
+            indices = self.requires_grad_indices
         if self.unsharded is None:
             return None
         if len(indices) < len(self.unsharded):

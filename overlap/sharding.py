@@ -1093,11 +1093,13 @@ class _Root:
         if state.sync_grads:
             with region(state.regions.reduce_scatter):
                 held = contextlib.nullcontext()
+                indices = None  # read by issue_reduce, unless the cap needs them first: one read either way
                 if state.max_inflight_bytes is not None:
-                    held = self._admit(group.reduce_bytes(), state.max_inflight_bytes)
+                    indices = group.requires_grad_indices
+                    held = self._admit(group.reduce_bytes(indices), state.max_inflight_bytes)
                 with held:
                     try:  # (no cost when nothing is raised)
-                        pending = group.issue_reduce()
+                        pending = group.issue_reduce(indices)
                     except NonFiniteError:  # the step ends here: sharded parameters registered again, as between steps
                         self._finish_step()
                         raise

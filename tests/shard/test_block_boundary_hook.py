@@ -49,9 +49,9 @@ def _events_rank(rank: int, world: int, between: bool) -> dict[str, Any]:
     issue, pre_backward, register = ParamGroup.issue_reduce, ShardState.pre_backward, torch.Tensor.register_hook
     hooks = [0]
 
-    def recording_issue(group: ParamGroup) -> Any:
+    def recording_issue(group: ParamGroup, *args: Any) -> Any:
         events.append(f"reduce {names[id(group)]}")
-        return issue(group)
+        return issue(group, *args)
 
     def recording_pre_backward(state: ShardState) -> None:
         if state.root is not None and not (state._backward_seen == state.root.backward_count and state.root.in_backward):

@@ -55,9 +55,9 @@ def _train(rank: int, world_size: int, in_backward: bool, defer: bool, plan: tup
             events.append(("deferred", id(self)))
         run_deferred(self)
 
-    def logged_issue_reduce(self: Any) -> Any:
+    def logged_issue_reduce(self: Any, *args: Any) -> Any:
         events.append(("reduce", id(self)))
-        return issue_reduce(self)
+        return issue_reduce(self, *args)
 
     def logged_issue_gather(self: Any) -> None:
         if self.pending_gather is None and not self.is_unsharded:

@@ -7,9 +7,14 @@ Checked: per group and backward, ``requires_grad_indices`` (a pass over the shar
 once, by the reduction, not once per gradient; each group is reduced during backward (its sharded
 ``.grad`` is set when the next group's first gradient arrives), and the gradients equal the plain
 model's; with a parameter frozen between steps, the next step counts one gradient fewer and still
-reduces every group, the frozen one getting none.
+reduces every group, the frozen one getting none. With ``max_inflight_bytes`` (whose cap reads
+the reduction's size first) the flags are still read once per reduction, and flags changed between
+forward and backward are seen as without it; the indices of unchanged flags are one tuple, rebuilt
+when a flag changes.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import pytest
 import torch
@@ -29,14 +34,14 @@ class _Block(nn.Module):
         return torch.tanh(self.lin(x)) * self.gain
 
 
-def _models() -> tuple[nn.Sequential, nn.Sequential]:
+def _models(max_inflight_bytes: Optional[int] = None) -> tuple[nn.Sequential, nn.Sequential]:
     torch.manual_seed(0)
     plain = nn.Sequential(*[_Block() for _ in range(3)])
     sharded = nn.Sequential(*[_Block() for _ in range(3)])
     sharded.load_state_dict(plain.state_dict())
     for block in sharded:
-        overlap.shard(block)
-    overlap.shard(sharded)
+        overlap.shard(block, max_inflight_bytes=max_inflight_bytes)
+    overlap.shard(sharded, max_inflight_bytes=max_inflight_bytes)
     return plain, sharded
 
 
@@ -53,8 +58,9 @@ def flag_reads(monkeypatch):
     return reads
 
 
-def test_flags_read_once_per_group_and_gradients_bitwise(single_rank_group, flag_reads) -> None:
-    plain, sharded = _models()
+@pytest.mark.parametrize("max_inflight_bytes", [None, 1 << 20])
+def test_flags_read_once_per_group_and_gradients_bitwise(single_rank_group, flag_reads, max_inflight_bytes) -> None:
+    plain, sharded = _models(max_inflight_bytes)
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1), requires_grad=True)
     plain(x).sum().backward()
     groups = [s.group for s in overlap.sharding.sharded_states(sharded) if s.group is not None]
@@ -100,8 +106,8 @@ _FLAG_STEPS = (  # (gain's requires_grad in the forward, in the backward, zero_g
     (True, False, False), (False, True, False), (True, True, False))
 
 
-def _flag_changes_run(rank: int, world: int) -> list[dict[str, object]]:
-    plain, sharded = _models()
+def _flag_changes_run(rank: int, world: int, max_inflight_bytes: Optional[int] = None) -> list[dict[str, object]]:
+    plain, sharded = _models(max_inflight_bytes)
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1), requires_grad=True)
     seen = []
     for forward_flag, backward_flag, zero_grad in _FLAG_STEPS:
@@ -135,6 +141,22 @@ def test_flags_changed_between_forward_and_backward_as_the_plain_model(single_ra
     _check_flag_changes(_flag_changes_run(0, 1))
 
 
-def test_flags_changed_between_forward_and_backward_on_two_ranks(distributed) -> None:
-    for steps in distributed(_flag_changes_run, 2):
+@pytest.mark.parametrize("max_inflight_bytes", [None, 1 << 20])
+def test_flags_changed_between_forward_and_backward_on_two_ranks(distributed, max_inflight_bytes) -> None:
+    for steps in distributed(_flag_changes_run, 2, max_inflight_bytes):
         _check_flag_changes(steps)
+
+
+def test_indices_of_unchanged_flags_are_one_tuple(single_rank_group) -> None:
+    _, sharded = _models()
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    block = sharded[1]
+    sharded(x).sum().backward()  # the unsharded parameters follow the flags (all True)
+    group = block._overlap_state.group
+    first = group.requires_grad_indices
+    assert first == (0, 1, 2) and group.requires_grad_indices is first
+    block.gain.requires_grad_(False)  # after the gather: both flags needed, so it drops out now
+    gain = [i for i, p in enumerate(group.sharded) if p is block.gain][0]
+    assert group.requires_grad_indices == tuple(i for i in range(3) if i != gain)
+    block.gain.requires_grad_(True)
+    assert group.requires_grad_indices == (0, 1, 2)
