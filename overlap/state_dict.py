@@ -131,12 +131,14 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> No
         value = state_dict[key]
         if isinstance(target, DTensor):
             # Every rank holds the full tensor: each takes its own part, no communication.
-            value = value.detach().to(target.device, target.dtype)
+            value = value.detach()
             group = cut_here.get(id(target)) if type(value) is torch.Tensor else None
             if group is not None:  # [Note: loading a full tensor without distribute_tensor]
-                value = _dtensor(group.own_rows(value), target._spec)
+                # cut, then convert: only this rank's rows are copied to the device and dtype
+                value = _dtensor(group.own_rows(value).to(target.device, target.dtype), target._spec)
             else:
-                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+                value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements,
+                                          src_data_rank=None)
         local[key] = value
     module.load_state_dict(local, strict=True)
 
