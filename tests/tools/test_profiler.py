@@ -402,3 +402,24 @@ def test_runtime_regions_carry_the_module_fqn(single_rank_group) -> None:
             "overlap::pre_backward (blocks.1)", "overlap::reduce_scatter (blocks.0)"} <= names, names
     assert all(n.endswith(("(blocks.0)", "(blocks.1)")) for n in names if "(" in n), names
     assert model.blocks[1]._overlap_state.regions is regions
+
+
+def test_the_links_clock_is_put_on_the_profilers_by_one_offset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emulated link's ``time.monotonic()`` spans go onto the profiler's ``perf_counter`` clock by one
+    offset per process: 0.0 where the two are one clock, else the tightest bracketed read (here both
+    are in fact one clock, so that read must land within a few µs of 0, whatever its sign)."""
+    from overlap.profiler import recorder
+
+    same = time.get_clock_info("perf_counter").implementation == time.get_clock_info("monotonic").implementation
+    recorder._monotonic_offset.cache_clear()
+    try:
+        if same:
+            assert recorder._monotonic_offset() == 0.0
+        recorder._monotonic_offset.cache_clear()
+        monkeypatch.setattr(recorder.time, "get_clock_info", lambda name: type("Info", (), {"implementation": name})())
+        offset = recorder._monotonic_offset()
+        if same:
+            assert abs(offset) < 50e-6, offset
+        assert recorder._monotonic_offset() is offset  # read once
+    finally:
+        recorder._monotonic_offset.cache_clear()
