@@ -9,6 +9,7 @@ import argparse
 import inspect
 import os
 import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 if TYPE_CHECKING:
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--suite", action="store_true",
                        help="also run the default test suite on this machine (pytest tests, one xdist worker per "
                             "core but two), last, as a row of its own (about 5 more minutes on 16 cores)")
+    check.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
+                       help="write each subprocess row's whole output (the GPU tests, the benchmarks, the "
+                            "suite) to DIR/<row>.log (created), e.g. DIR/default-suite.log")
     return parser
 
 
@@ -326,6 +330,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-gpu":
         from overlap.testing import gpu_check
 
-        return gpu_check.main(skip_bench=args.skip_bench, suite=args.suite)
+        return gpu_check.main(skip_bench=args.skip_bench, suite=args.suite, log_dir=args.log_dir)
     parser.error(f"unknown command {args.command!r}")  # unreachable: argparse checks choices
     return 2

@@ -433,14 +433,21 @@ quantized kernels are timed at one block per program and at the runtime's choice
 
 
 def _subprocess_row(name: str, argv: list[str], needs: Path, timeout: float,
-                    summary: Callable[[str], str]) -> CheckRow:
-    return _started_row(name, argv, needs, summary)(timeout)
+                    summary: Callable[[str], str], log_dir: Optional[Path] = None) -> CheckRow:
+    return _started_row(name, argv, needs, summary, log_dir)(timeout)
 
 
-def _started_row(name: str, argv: list[str], needs: Path,
-                 summary: Callable[[str], str]) -> Callable[[float], CheckRow]:
+def log_path(log_dir: Path, name: str) -> Path:
+    """Where a subprocess row's whole output goes under ``--log-dir``: the row's name with every run
+    of characters other than letters and digits made one ``-`` (``default suite`` -> ``default-suite.log``)."""
+    return log_dir / (re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") + ".log")
+
+
+def _started_row(name: str, argv: list[str], needs: Path, summary: Callable[[str], str],
+                 log_dir: Optional[Path] = None) -> Callable[[float], CheckRow]:
     """Start ``argv`` (from the checkout, with it on ``PYTHONPATH``) now; the returned function waits
-    up to ``timeout`` seconds for it and makes its row."""
+    up to ``timeout`` seconds for it and makes its row. With ``log_dir`` the process's whole output
+    (stdout and stderr) is also written to ``log_path(log_dir, name)``, also when its time is up."""
     if not needs.exists():
         return lambda timeout: CheckRow(name, None, 0.0, f"{needs} is not here (an installed package): run from a checkout")
     start = time.perf_counter()
@@ -453,12 +460,19 @@ def _started_row(name: str, argv: list[str], needs: Path,
             output, _ = proc.communicate(timeout=max(0.0, timeout - (time.perf_counter() - start)))
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.communicate()
+            output, _ = proc.communicate()
+            _write_log(log_dir, name, output)
             return CheckRow(name, False, time.perf_counter() - start, f"did not finish in {timeout:.0f} s")
+        _write_log(log_dir, name, output)
         detail = summary(output) if proc.returncode == 0 else f"exit {proc.returncode}: {output.strip()[-300:]}"
         return CheckRow(name, proc.returncode == 0, time.perf_counter() - start, detail)
 
     return finish
+
+
+def _write_log(log_dir: Optional[Path], name: str, output: Optional[str]) -> None:
+    if log_dir is not None:
+        log_path(log_dir, name).write_text(output or "")
 
 
 def _pytest_summary(output: str) -> str:
@@ -467,15 +481,26 @@ def _pytest_summary(output: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ table
+_STATUS = {True: "PASS", False: "FAIL", None: "SKIP"}
+
+
 def format_table(rows: Sequence[CheckRow], title: str) -> str:
     """The table the command prints: one line per row (PASS / FAIL / SKIP, seconds, detail)."""
-    status = {True: "PASS", False: "FAIL", None: "SKIP"}
+    status = _STATUS
     width = max(len(r.name) for r in rows)
     lines = [title, f"{'check':<{width}}  result  seconds  detail"]
     lines += [f"{r.name:<{width}}  {status[r.ok]:<6}  {r.seconds:7.1f}  {r.detail}" for r in rows]
     failed = [r.name for r in rows if r.ok is False]
     lines.append(f"FAILED: {', '.join(failed)}" if failed else "all checks that ran passed")
     return "\n".join(lines)
+
+
+def _reported(row: CheckRow) -> CheckRow:
+    """``row``, after one progress line on stderr: what finished is known even if the check is cut off
+    before its table (a machine's time limit)."""
+    print(f"check-gpu: {row.name}: {_STATUS[row.ok]} in {row.seconds:.1f} s: {row.detail}", file=sys.stderr,
+          flush=True)
+    return row
 
 
 def _guarded(name: str, fn: Callable[[], CheckRow]) -> CheckRow:
@@ -499,9 +524,12 @@ def suite_argv(python: str, cpus: int, has_xdist: bool) -> list[str]:
     return [python, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *workers, "tests"]
 
 
-def main(skip_bench: bool = False, suite: bool = False) -> int:
+def main(skip_bench: bool = False, suite: bool = False, log_dir: Optional[Path] = None) -> int:
     """Run every row on the current CUDA device and print the table; 0 all passed, 1 a row failed,
-    2 no CUDA device. ``suite``: also run the default test suite, last and alone (a row of its own)."""
+    2 no CUDA device. ``suite``: also run the default test suite, last and alone (a row of its own).
+    ``log_dir`` (created): each subprocess row's whole output goes to a file there (``log_path``)."""
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
         print("check-gpu: no CUDA device is visible (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
@@ -512,28 +540,29 @@ def main(skip_bench: bool = False, suite: bool = False) -> int:
     # The GPU tests run in their own process beside the in-process rows (both only check values; the
     # benchmarks below run alone): the whole check then fits its five minutes on one H100.
     gpu_tests = _started_row("gpu tests", [python, "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "-p",
-                                           "no:cacheprovider", "tests"], REPO / "tests", _pytest_summary)
+                                           "no:cacheprovider", "tests"], REPO / "tests", _pytest_summary, log_dir)
     rows = [
-        _guarded("packing ops", lambda: _packing_row(device)),
-        _guarded("training (NCCL, world 1)", _training_row),
-        _guarded("streams", _streams_row),
-        _guarded("cuda graphs", lambda: _cuda_graph_row(device)),
+        _reported(_guarded("packing ops", lambda: _packing_row(device))),
+        _reported(_guarded("training (NCCL, world 1)", _training_row)),
+        _reported(_guarded("streams", _streams_row)),
+        _reported(_guarded("cuda graphs", lambda: _cuda_graph_row(device))),
     ]
-    rows.insert(0, gpu_tests(240))
+    rows.insert(0, _reported(gpu_tests(240)))
     for bench, options in BENCHMARKS.items():
         if skip_bench:
             rows.append(CheckRow(bench, None, 0.0, "--skip-bench"))
             continue
         script = f"benchmarks/{bench}.py"
-        rows.append(_subprocess_row(
+        rows.append(_reported(_subprocess_row(
             bench, [python, script, *options, "--markdown", "benchmarks/RESULTS.md"], REPO / script, 240,
-            lambda out: "tables appended to benchmarks/RESULTS.md"))
+            lambda out: "tables appended to benchmarks/RESULTS.md", log_dir)))
     if suite:
         import importlib.util
 
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         argv = suite_argv(python, cpus, importlib.util.find_spec("xdist") is not None)
-        rows.append(_subprocess_row("default suite", argv, REPO / "tests", SUITE_SECONDS, _pytest_summary))
+        rows.append(_reported(_subprocess_row("default suite", argv, REPO / "tests", SUITE_SECONDS,
+                                              _pytest_summary, log_dir)))
     title = (f"overlap check-gpu: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
              f"Triton {triton.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}")
     print(format_table(rows, title), flush=True)

@@ -122,3 +122,22 @@ def test_a_started_row_reports_its_process_once_it_ends_or_its_time_is_up() -> N
     assert row.ok is False and "did not finish in 0 s" in row.detail and row.seconds < 10, row
     missing = gpu_check._started_row("absent", [sys.executable, "-c", "pass"], REPO / "no-such-folder", summary)
     assert missing(1).ok is None
+
+
+def test_log_dir_keeps_each_subprocess_rows_whole_output(tmp_path) -> None:
+    # The table keeps one summary line per row; --log-dir keeps what a failure needs to be read later
+    # (a GPU machine's files come back only from one folder), also for a row whose time ran out.
+    summary = gpu_check._pytest_summary
+    script = "import sys; print('first line'); print('to stderr', file=sys.stderr); print('2 passed in 0.1s')"
+    row = gpu_check._started_row("gpu tests", [sys.executable, "-c", script], REPO, summary, tmp_path)(60)
+    assert row.ok is True and row.detail == "2 passed", row
+    text = gpu_check.log_path(tmp_path, "gpu tests").read_text()
+    assert gpu_check.log_path(tmp_path, "gpu tests").name == "gpu-tests.log"
+    assert "first line" in text and "to stderr" in text and "2 passed" in text, text
+    slow = "import time; print('started', flush=True); time.sleep(30)"
+    row = gpu_check._started_row("default suite", [sys.executable, "-c", slow], REPO, summary, tmp_path)(3)
+    assert row.ok is False and "did not finish" in row.detail, row
+    assert "started" in gpu_check.log_path(tmp_path, "default suite").read_text()
+    from overlap.demo.cli import build_parser
+
+    assert build_parser().parse_args(["check-gpu", "--log-dir", str(tmp_path)]).log_dir == tmp_path
