@@ -316,28 +316,57 @@ def _unpickle_or_none(data: bytes | None) -> BaseException | None:
         return None
 
 
-def _noop() -> None:
-    pass
+_BAD_FORK_EXIT = 3
+"""The warm-up rank's exit code when it was forked from a server that had initialized CUDA."""
+_NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def _warm_up() -> None:
+    """The fork server's first child: exits with ``_BAD_FORK_EXIT`` if CUDA cannot be used in a rank
+    forked from this server (the server initialized CUDA while importing its preload modules)."""
+    import torch
+
+    if torch.cuda._is_in_bad_fork():
+        sys.exit(_BAD_FORK_EXIT)
 
 
 _server_ready = False
+_method_fallback: str | None = None
+"""``"spawn"`` once the fork server turned out to hand CUDA-poisoned ranks (see :func:`_context`)."""
 
 
 def _context() -> multiprocessing.context.BaseContext:
     """The start method's context; a fork server is started (torch imported) before the first use,
     so its one-time start-up (seconds) does not count against a call's timeout."""
-    global _server_ready
+    global _server_ready, _method_fallback
     method = os.environ.get(_START_METHOD_ENV, "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"{_START_METHOD_ENV} must be 'forkserver' or 'spawn', got {method!r}")
+    if method == "forkserver" and _method_fallback is not None:
+        method = _method_fallback
     ctx = multiprocessing.get_context(method)
     if method == "forkserver" and not _server_ready:
+        # A preload module may ask torch.cuda.is_available() (Inductor's import of cpp_extension does
+        # where a CUDA toolkit is installed); answered by the CUDA runtime, that initializes CUDA in
+        # the server, and every rank forked from it fails its first CUDA call (Dynamo and the
+        # optimizers make one whenever CUDA is available). NVML answers without initializing.
+        os.environ.setdefault(_NVML_CHECK_ENV, "1")
         extra = [name.strip() for name in os.environ.get(_EXTRA_PRELOAD_ENV, "").split(",") if name.strip()]
         ctx.set_forkserver_preload(_PRELOAD + extra)
-        warm_up = ctx.Process(target=_noop, name="forkserver-warm-up")
+        warm_up = ctx.Process(target=_warm_up, name="forkserver-warm-up")
         warm_up.start()
         warm_up.join()
         _server_ready = True
+        if warm_up.exitcode == _BAD_FORK_EXIT:
+            import warnings
+
+            warnings.warn("run_distributed: the ranks' fork server initialized CUDA while importing its preload "
+                          f"modules ({', '.join(_PRELOAD + extra)}; {_NVML_CHECK_ENV}="
+                          f"{os.environ.get(_NVML_CHECK_ENV)!r}), so ranks forked from it could not use CUDA: "
+                          "ranks are started with 'spawn' from now on (seconds per call)", RuntimeWarning,
+                          stacklevel=3)
+            _method_fallback = "spawn"
+            ctx = multiprocessing.get_context("spawn")
     return ctx
 
 

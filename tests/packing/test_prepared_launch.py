@@ -154,9 +154,10 @@ def test_another_layout_has_its_own_launches(op: str) -> None:
     _checked_against_reference(op, layout, t)
     if op in ("all_gather_copy_in", "reduce_scatter_copy_out"):  # shards of another world size
         name = LIST_OF[op]
-        t[name] = [make_tensor(s, f32, 40 + i, specials=False) for i, s in enumerate(other.shard_shapes(RANK))]
-    t["ag_output"] = [make_tensor((other.buffer_numel,), bf16, 41, specials=False)]
-    t["slot"] = [make_tensor((other.slot_numel,), bf16, 42, specials=False)]
+        t[name] = [make_tensor(s, f32, 40 + i, specials=False).to(kernel_device())
+                   for i, s in enumerate(other.shard_shapes(RANK))]
+    t["ag_output"] = [make_tensor((other.buffer_numel,), bf16, 41, specials=False).to(kernel_device())]
+    t["slot"] = [make_tensor((other.slot_numel,), bf16, 42, specials=False).to(kernel_device())]
     _checked_against_reference(op, other, t)
     assert len(_fingerprints(other)) == 1 and len(_fingerprints(layout)) == 1
 
@@ -277,9 +278,10 @@ def test_a_list_that_cannot_be_fingerprinted_takes_the_uncached_path() -> None:
 def test_the_caches_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prepared_launch, "MAX_LAUNCHES", 2)
     monkeypatch.setattr(prepared_launch, "MAX_FINGERPRINTS", 2)
-    layout = _layout()
-    for seed in range(4):  # four address sets of one kind
-        _checked_against_reference("reduce_scatter_copy_in", layout, _inputs(layout, seed=seed))
+    layout, alive = _layout(), []
+    for seed in range(4):  # four address sets of one kind (kept: CUDA's allocator would hand one back)
+        alive.append(_inputs(layout, seed=seed))
+        _checked_against_reference("reduce_scatter_copy_in", layout, alive[-1])
     assert _launches(layout) == 2
     for dtype in (f32, bf16, torch.float16):  # three kinds of list
         _checked_against_reference("reduce_scatter_copy_in", layout, _inputs(layout, seed=5, dtype=dtype))
@@ -444,7 +446,8 @@ def test_a_list_at_new_addresses_every_call_keeps_the_caches_bounded(monkeypatch
             expected = _owned_call("reduce_scatter_copy_in", reference_layout, {"fulls": fulls}, owned).cpu().clone()
         assert_bitwise(_owned_call("reduce_scatter_copy_in", layout, {"fulls": fulls}, owned).cpu(), expected)
 
-    checked(_mixed(layout, 0))
+    alive.append(_mixed(layout, 0))  # kept like the rest: CUDA's allocator would hand its addresses back
+    checked(alive[-1])
     cached_keys = set(layout._device_cache)
     for seed in range(1, 10):
         alive.append(_mixed(layout, seed))  # all kept: no address set comes back

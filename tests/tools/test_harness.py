@@ -183,3 +183,24 @@ def test_a_collective_mismatch_with_debug_off_suggests_debug_mode() -> None:
     assert "OVERLAP_DEBUG=1" in str(info.value), str(info.value)
     # The headline is the aborted rank, not its peer's "Connection reset by peer" that followed.
     assert info.value.exitcode == -signal.SIGABRT, str(info.value)
+
+
+def _rank_cuda_state(rank: int, world_size: int) -> dict:
+    state = {"nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"), "bad_fork": torch.cuda._is_in_bad_fork()}
+    if torch.cuda.is_available():  # the first CUDA call of a rank: it failed when the server held CUDA
+        state["cuda_sum"] = float((torch.ones(4, device="cuda") * 2).sum().item())
+    return state
+
+
+def test_ranks_forked_from_the_server_can_use_cuda() -> None:
+    """The fork server imports Inductor (tests/conftest.py's preload), whose import of cpp_extension
+    asks torch.cuda.is_available() where a CUDA toolkit is installed: answered by the CUDA runtime,
+    that initialized CUDA in the server and failed every rank's first CUDA call on a GPU host (Dynamo's
+    RNG state, the optimizers' capture check). The server answers by NVML instead; on a GPU machine
+    each rank really uses the device here."""
+    for state in run_distributed(_rank_cuda_state, 2, timeout=120):
+        assert not state["bad_fork"], state
+        if os.environ.get("OVERLAP_TEST_START_METHOD", "forkserver") == "forkserver":
+            assert state["nvml_check"] == os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"), state
+        if torch.cuda.is_available():
+            assert state["cuda_sum"] == 8.0, state
