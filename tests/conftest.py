@@ -80,7 +80,10 @@ if _WORKERS > 1:
 #   names overlap/testing/inductor_isa_preload.py): the verdicts are cached in its memory, so a rank it forks
 #   compiles without a probe process of its own (tests/tools/test_suite_environment.py counts them).
 #   That one pick costs the worker a few seconds before its first multi-rank test, outside any test's
-#   timeout. Ranks started with ``spawn`` and demo subprocesses still probe for themselves.
+#   timeout. Ranks started with ``spawn`` and demo subprocesses still probe for themselves. That
+#   import asks ``torch.cuda.is_available()`` on a host with a CUDA toolkit, so the server asks NVML
+#   (the harness sets ``PYTORCH_NVML_BASED_CUDA_CHECK``): answered by the CUDA runtime, it would
+#   initialize CUDA in the server and no forked rank could use the GPU (the H100 run of 2026-11-27).
 # - Each worker's processes get a compile-worker pool of the worker's share of the CPUs, at least 2
 #   (``TORCHINDUCTOR_COMPILE_THREADS``, :func:`compile_threads_for_worker`): 2 on the 16-core host
 #   with 14 workers instead of 16, and still 2 on the 2-core box, torch's own default there. Not 1:
