@@ -10,7 +10,8 @@ import pytest
 
 import conftest
 
-UNDER_XDIST = "PYTEST_XDIST_WORKER" in os.environ
+UNDER_XDIST = "PYTEST_XDIST_WORKER" in os.environ and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
+"""Several xdist workers: tests/conftest.py sets the worker's share up only then (not with ``-n 1``)."""
 
 
 def test_compile_threads_are_torchs_default_on_two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,7 +62,7 @@ def _rank_inductor_start_up(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.skipif(not UNDER_XDIST, reason="the worker's share and the fork server's ISA pick are set up "
-                    "only under pytest-xdist (tests/conftest.py); run with -n 2")
+                    "only under pytest-xdist with several workers (tests/conftest.py); run with -n 2")
 def test_ranks_inherit_the_isa_pick_and_the_workers_compile_share(distributed) -> None:
     """Each rank compiles without a ``python -c 'import torch; ...'`` probe of its own (on torch 2.11
     and 2.13 an unprepared process starts one per ISA extension, 3 to 7 on x86), and with the worker's
