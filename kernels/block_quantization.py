@@ -67,6 +67,19 @@ times 512; the sign is the float32 sign bit. Decoding is exact integer arithmeti
 (``_e4m3_value``). The torch fallback uses torch's own ``float8_e4m3fn`` casts (c10's round to
 nearest even), an independent implementation: the bitwise tests between kernels and fallback
 thereby check the encoding against torch's. It runs on any GPU (integer and float32 ops only).
+
+[Note: decoding e4m3 without sign arithmetic]
+``_e4m3_value`` reads the byte unsigned and builds the float32 bits with 32-bit ops: the magnitude
+``m = byte & 0x7F``; a normal one (``m >= 8``) is ``(m << 20) + (960 << 20)``, a subnormal one the
+float32 ``m * 2**-9`` (exact); the sign is OR'ed in as bit 31 (``-0.0`` for 0x80, as torch decodes
+it). The first version sign-extended the byte, added 128 to negative codes and selected on the sign;
+LLVM narrowed that to packed 16-bit integer arithmetic (PTX ``add.s16x2``, SASS ``VIADD.16x2``), and
+on an H100 (Triton 3.6, 2026-11-27) the reduce-scatter copy-out at block 256, one block per program,
+came out wrong in elements of partial blocks (the masked path) while the interpreter, int8 and the
+other shapes were bitwise. The PTX of that decode reads correct; the root cause is not pinned down,
+and this form was chosen so that no narrow or packed integer op is left to go wrong:
+tests/packing/test_aot_compile.py checks that the quantized kernels' sm_90 code has none, and the GPU
+test (``test_cuda_kernels_equal_the_torch_fallback``) is what proves the result.
 """
 from __future__ import annotations
 
@@ -101,13 +114,16 @@ def _e4m3_code(c):
 
 @triton.jit
 def _e4m3_value(q):
-    """float32 value of the float8_e4m3fn byte ``q`` (int8), exactly."""
-    qi = q.to(tl.int32)
-    negative = qi < 0
-    code = tl.where(negative, qi + 128, qi)
-    normal = ((code + 960) << 20).to(tl.float32, bitcast=True)
-    value = tl.where(code >= 8, normal, code.to(tl.float32) * 0.001953125)
-    return value * tl.where(negative, -1.0, 1.0)  # not -value: Triton 3.6's interpreter negates 0.0 to +0.0
+    """float32 value of the float8_e4m3fn byte ``q`` (int8), exactly: its float32 bits assembled
+    from the byte's unsigned bits with 32-bit integer ops ([Note: decoding e4m3 without sign
+    arithmetic])."""
+    byte = q.to(tl.uint8, bitcast=True).to(tl.int32)  # 0..255: zero-extended, never sign-extended
+    magnitude = byte & 0x7F
+    # 0x3C000000 = 960 << 20: float32's exponent bias minus e4m3's, in code units, after the shift
+    normal = (magnitude << 20) + 0x3C000000
+    subnormal = (magnitude.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # 2**-9: e4m3's step
+    bits = tl.where(magnitude >= 8, normal, subnormal) | ((byte & 0x80) << 24)  # the sign bit, -0.0 included
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

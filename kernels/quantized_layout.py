@@ -308,21 +308,29 @@ def warps_per_block(block: int, vec: int) -> int:
     return max(1, min(8, block // (32 * vec)))
 
 
-def launch(kernel: triton.JITFunction, table: SegmentTable, pointers: _launch.PointerTable, *args: object,
-           **constexprs: object) -> None:
-    """``kernel[(table.num_programs,)](blocks, pointers, *args, DT0.., NUM_GROUPS, BLOCKS_PER_PROGRAM,
-    ...)`` on the tensors' device (CUDA: tables through ``table_memory.prepare``; compiled without FMA
-    contraction, [Note: why the arithmetic is bitwise portable] in ``kernels/block_quantization.py``)."""
-    if table.num_programs == 0:
-        return
+def launch_arguments(table: SegmentTable, pointers: _launch.PointerTable,
+                     constexprs: dict[str, object]) -> tuple[dict[str, object], dict[str, object]]:
+    """``(kwargs, gpu_options)`` of a quantized kernel's launch: its constexprs (dtype groups, paths,
+    ``VEC``, ``BLOCKS_PER_PROGRAM`` and the op's own ``constexprs``), and the compile options a
+    CUDA launch uses (warps; no FMA contraction, [Note: why the arithmetic is bitwise portable] in
+    ``kernels/block_quantization.py``)."""
     g = pointers.dtypes
     vec = _launch.vector_width(pointers.torch_dtypes)
     kwargs = dict(DT0=g[0], DT1=g[1], DT2=g[2], DT3=g[3], NUM_GROUPS=pointers.num_groups, VECTOR=VECTOR_PATH,
                   VEC=vec, BLOCKS_PER_PROGRAM=table.blocks_per_program, **constexprs)
+    warps = NUM_WARPS or warps_per_block(constexprs["BLOCK"] * table.blocks_per_program, vec)
+    return kwargs, dict(num_warps=warps, enable_fp_fusion=False)
+
+
+def launch(kernel: triton.JITFunction, table: SegmentTable, pointers: _launch.PointerTable, *args: object,
+           **constexprs: object) -> None:
+    """``kernel[(table.num_programs,)](blocks, pointers, *args, **launch_arguments(...))`` on the
+    tensors' device (CUDA: tables through ``table_memory.prepare``)."""
+    if table.num_programs == 0:
+        return
+    kwargs, options = launch_arguments(table, pointers, constexprs)
     device = table.blocks.device
     if device.type == "cuda":
-        warps = NUM_WARPS or warps_per_block(constexprs["BLOCK"] * table.blocks_per_program, vec)
-        _launch.cuda_launch(kernel, table.num_programs, (table.memory, pointers.memory), args, kwargs,
-                            dict(num_warps=warps, enable_fp_fusion=False), device)
+        _launch.cuda_launch(kernel, table.num_programs, (table.memory, pointers.memory), args, kwargs, options, device)
     else:
         kernel[(table.num_programs,)](table.blocks, pointers.pointers, *args, **kwargs)

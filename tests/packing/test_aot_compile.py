@@ -1,5 +1,6 @@
 """Ahead-of-time compiles of the four packing kernels (and tensor parallelism's two chunk kernels,
-``test_aot_compile_chunk_kernels``) for sm_80 and sm_90, on a CPU-only machine.
+``test_aot_compile_chunk_kernels``, and the three quantized kernels, ``test_aot_compile_quantized_kernels``)
+for sm_80 and sm_90, on a CPU-only machine.
 
 Select with ``pytest -k aot_compile``. Each kernel is compiled the way a GPU launch compiles it: the
 op's own launcher builds the call (``_kernel_call``: tables, arguments, constexprs such as ``VEC``,
@@ -198,6 +199,7 @@ def _compile(call: object, arch: int) -> dict:
         "spill_loads": int(spills.group(3)),
         "accesses": dict(Counter(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)+", ptx))),
         "fma": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+        "packed_16bit_integer_ops": PACKED_16BIT_INTEGER.findall(ptx),
         "ptx_version": re.search(r"^\.version (\S+)", ptx, re.M).group(1),
         "ptx_target": re.search(r"^\.target (\S+)", ptx, re.M).group(1),
         "ptxas_release": re.search(r"release (\d+\.\d+)", _ptxas_version(arch)).group(1),
@@ -240,6 +242,66 @@ def _tp_kernel_call(op: str, dtype: str, mode: str) -> object:
     return call
 
 
+QUANTIZED_OPS = ("quantized_copy_in", "quantized_all_gather_copy_out", "quantized_reduce_scatter_copy_out")
+QUANTIZED_CASES = [(op, fmt, per_program) for op in QUANTIZED_OPS for fmt in ("int8", "fp8") for per_program in (1, None)]
+"""The quantized kernels ([Note: decoding e4m3 without sign arithmetic]): op, format, blocks per
+program (``None``: the runtime's choice)."""
+PACKED_16BIT_INTEGER = re.compile(r"\b(?:add|sub|mul|mad|min|max|neg|abs|shl|shr|and|or|xor)(?:\.[a-z]+)*\.[sub]16x2\b")
+"""PTX packed 16-bit integer arithmetic (``add.s16x2`` and kin)."""
+
+
+def _quantized_id(op: str, fmt: str, per_program: int | None) -> str:
+    return f"{op}-{fmt}-{per_program or 'auto'}"
+
+
+@dataclasses.dataclass
+class _RecordedCall:
+    kernel: object
+    args: tuple
+    kwargs: dict
+
+    def arguments(self) -> tuple[tuple, dict]:
+        return self.args, dict(self.kwargs)
+
+
+def _quantized_kernel_call(op: str, fmt: str, per_program: int | None) -> _RecordedCall:
+    """The quantized op's launch, recorded instead of run, with a CUDA launch's options, on the
+    layout where the first fp8 decode failed on an H100: 3 ranks, block 256, fp32/bf16/fp16
+    parameters, partial blocks (the masked path) and an aligned full-block path."""
+    import importlib
+
+    import torch
+
+    from kernels import ShardLayout, _launch
+    from kernels import quantized_layout as ql
+
+    module = importlib.import_module(f"kernels.{op}")
+    calls = []
+
+    def record(kernel, table, pointers, *args, **constexprs):
+        kwargs, options = ql.launch_arguments(table, pointers, constexprs)
+        calls.append(_RecordedCall(kernel, (table.blocks, pointers.pointers, *args), {**kwargs, **options}))
+
+    module.launch = record  # this subprocess only compiles: nothing else launches here
+    _launch.triton_enabled = lambda device: True  # CPU tensors stand in for CUDA ones
+    ql.BLOCKS_PER_PROGRAM = per_program
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    shapes = [(4097, 33), (7,), (), (0, 5), (1000,), (129, 64)]
+    layout = ShardLayout(shapes, 3)
+    qlayout = ql.QuantizedLayout(layout, 256, fmt)
+    buffer = torch.zeros(qlayout.buffer_bytes, dtype=torch.uint8)
+    if op == "quantized_copy_in":
+        module._quantized_copy_in([torch.zeros(layout.shard_shape(i, 0), dtype=dtypes[i % 3])
+                                   for i in range(len(shapes))], qlayout, 0)
+    elif op == "quantized_all_gather_copy_out":
+        module._quantized_all_gather_copy_out(buffer, qlayout, [torch.empty(s, dtype=torch.bfloat16) for s in shapes])
+    else:
+        grads = [torch.zeros(layout.shard_shape(i, 0), dtype=dtypes[i % 3]) for i in range(len(shapes))]
+        module._quantized_reduce_scatter_copy_out(buffer, grads, qlayout, 0, 1 / 3, True)
+    (call,) = calls
+    return call
+
+
 def _ptxas_version(arch: int) -> str:
     from triton.backends.nvidia.compiler import get_ptxas_version
 
@@ -256,6 +318,8 @@ def _compile_all(out: str, arch: int) -> None:
         results[f"{case.id}-sm{arch}"] = _compile(_kernel_call(case), arch)
     for tp_case in TP_CASES:
         results[f"{_tp_id(*tp_case)}-sm{arch}"] = _compile(_tp_kernel_call(*tp_case), arch)
+    for quantized_case in QUANTIZED_CASES:
+        results[f"{_quantized_id(*quantized_case)}-sm{arch}"] = _compile(_quantized_kernel_call(*quantized_case), arch)
     Path(out).write_text(json.dumps(results))
 
 
@@ -393,6 +457,18 @@ def test_aot_compile_chunk_kernels(compiled: dict[str, dict], tp_case: tuple[str
     if mode == "scale+bias":
         assert r["enable_fp_fusion"] is False and r["constexprs"]["HAS_BIAS"] == "True"
         assert r["fma"] == 0, "the epilogue must not fuse its multiply and add"
+
+
+@pytest.mark.parametrize(("quantized_case", "arch"), [(c, a) for c in QUANTIZED_CASES for a in TARGETS],
+                         ids=[f"{_quantized_id(*c)}-sm{a}" for c in QUANTIZED_CASES for a in TARGETS])
+def test_aot_compile_quantized_kernels(compiled: dict[str, dict], quantized_case: tuple, arch: int) -> None:
+    """The quantized kernels compile for sm_80/sm_90 without spills, without FMA contraction (the
+    bitwise contract with the torch fallback), and without packed 16-bit integer arithmetic
+    ([Note: decoding e4m3 without sign arithmetic] in ``kernels/block_quantization.py``)."""
+    r = compiled[f"{_quantized_id(*quantized_case)}-sm{arch}"]
+    assert (r["spill_stores"], r["spill_loads"], r["stack"]) == (0, 0, 0), r
+    assert r["enable_fp_fusion"] is False and r["fma"] == 0
+    assert r["packed_16bit_integer_ops"] == []
 
 
 @pytest.mark.parametrize("arch", TARGETS)
