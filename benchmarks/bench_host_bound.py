@@ -33,7 +33,12 @@ overlap.shard's own optimizer with the steady-state gathering off (``TORCHS_LOOP
 core is busy (fused AdamW measured 718 ms per step with threads under load, 0.4 ms without).
 
 Then ``torch.profiler`` (CPU activity) records ``--profile-steps`` steps of each sharded mode of the
-``small`` config and prints its top host costs: self CPU µs per step of the top ``--top`` ops.
+``small`` config and prints its top host costs: self CPU µs per step of the top ``--top`` ops. A
+last table (``differing_host_costs``) profiles plain and overlap.shard again with ``record_shapes``
+and takes the ops whose host time grows most from plain to overlap.shard. For each of their costliest
+(input shapes, input strides, thread) variants it gives the calls per step and µs per call in both
+modes, so a GPU run shows whether an op costs more per call on the same inputs, on other inputs or
+on another thread (input strides need torch 2.13 or newer, else "-").
 
 ``--statistic min`` reports the fastest sample of each mode instead of the median (on a box
 loaded by other work the minimum is the least disturbed; ratios stay within one table).
@@ -62,6 +67,8 @@ MODES = {"plain": None, "overlap.shard": "overlap", "torch FSDP2": "fsdp2"}  # l
 CONFIGS = {"small": (256, 4 * 128), "gpu-bound": (2048, 4 * 128)}  # name -> (d, tokens) on CUDA
 CPU_SMALL = (32, 32)  # (d, tokens) of the small config on CPU: host work, not arithmetic
 GPU_BOUND_BLOCKS = 8
+DIFFERING_OPS = 6  # ops in the by-inputs table
+STEP_MARK = "bench_host_bound::step"  # the profiler range around each profiled step
 
 
 class Block(nn.Module):
@@ -213,6 +220,64 @@ def top_host_costs(step: Callable[[], None], steps: int, top: int) -> list[tuple
     return [(e.key, e.self_cpu_time_total / steps, e.count / steps) for e in events]
 
 
+InputsKey = tuple[str, str, str, str]
+"""(op, input shapes, input strides, thread) of ``host_cost_by_inputs``."""
+
+
+def host_cost_by_inputs(step: Callable[[], None], steps: int) -> dict[InputsKey, tuple[float, float]]:
+    """Self CPU µs per step and calls per step of every op over ``steps`` profiled steps, per
+    (op, input shapes, input strides, thread): "main" is the thread that called ``step``, "other"
+    the autograd engine's device threads (a CUDA backward runs there). A separate profile from
+    ``top_host_costs``: recording shapes costs host time of its own."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            with record_function(STEP_MARK):
+                step()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    main_thread = next(e.thread for e in events if e.name == STEP_MARK)  # the profiler's id of this thread
+    costs: dict[InputsKey, list[float]] = {}
+    for e in events:
+        if e.name == STEP_MARK:
+            continue
+        strides = getattr(e, "structured_input_strides", None)  # not on every torch version
+        key = (e.name, str(e.input_shapes), "-" if strides is None else str(strides),
+               "main" if e.thread == main_thread else "other")
+        cost = costs.setdefault(key, [0.0, 0.0])
+        cost[0] += e.self_cpu_time_total / steps
+        cost[1] += 1 / steps
+    return {k: (us, calls) for k, (us, calls) in costs.items()}
+
+
+def differing_host_costs(plain: dict[InputsKey, tuple[float, float]], other: dict[InputsKey, tuple[float, float]],
+                         top: int) -> list[list[str]]:
+    """Rows of the ``top`` ops whose self CPU per step grows most from ``plain`` to ``other``, each
+    op's input variants below it: where a mode's extra host time goes, and whether its calls differ
+    from plain's in shapes, strides or thread (on the H100, overlap.shard's ``aten::mm`` took 54 µs
+    of host time per call against plain's 20; issue 28)."""
+    def by_op(costs: dict[InputsKey, tuple[float, float]]) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for (name, *_), (us, _) in costs.items():
+            totals[name] = totals.get(name, 0.0) + us
+        return totals
+
+    plain_ops, other_ops = by_op(plain), by_op(other)
+    growth = sorted(other_ops, key=lambda n: other_ops[n] - plain_ops.get(n, 0.0), reverse=True)[:top]
+    rows = []
+    for name in growth:
+        keys = sorted({k for k in (*plain, *other) if k[0] == name},
+                      key=lambda k: other.get(k, (0.0, 0.0))[0] + plain.get(k, (0.0, 0.0))[0], reverse=True)
+        for shapes, strides, thread in (k[1:] for k in keys[:4]):  # the costliest variants
+            key = (name, shapes, strides, thread)
+            p_us, p_calls = plain.get(key, (0.0, 0.0))
+            o_us, o_calls = other.get(key, (0.0, 0.0))
+            rows.append([name, shapes, strides, thread, f"{p_calls:g}", f"{p_us / p_calls:.1f}" if p_calls else "-",
+                         f"{o_calls:g}", f"{o_us / o_calls:.1f}" if o_calls else "-"])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__)
     p.add_argument("--blocks", type=int, default=48, help="blocks of the small config (default 48)")
@@ -232,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--device cuda: no CUDA device here (use --device cpu)")
     configs = ["small", "gpu-bound"] if device.type == "cuda" else ["small"]
 
-    rows, profiles = [], {}
+    rows, profiles, by_inputs = [], {}, {}
     with single_rank_group(device):
         for config in configs:
             d, tokens = CONFIGS[config] if device.type == "cuda" else CPU_SMALL
@@ -248,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
                              f"{wall / plain:.2f}x"])
             if config == "small":
                 profiles = {mode: top_host_costs(fns[mode], args.profile_steps, args.top) for mode in MODES}
+                by_inputs = {mode: host_cost_by_inputs(fns[mode], args.profile_steps)
+                             for mode in ("plain", "overlap.shard")}
             del fns
 
     where = ("CUDA, NCCL 1-rank group; step = wall with one sync per sample, host = until issued"
@@ -268,6 +335,13 @@ def main(argv: list[str] | None = None) -> None:
     emit(f"Top host costs of the small config ({args.blocks} blocks): torch.profiler self CPU µs per step, "
          f"{args.profile_steps} profiled steps per mode", ["mode", "op", "self CPU µs per step", "calls per step"],
          prof_rows, args.markdown)
+    emit(f"Where overlap.shard's host time grows over plain's, by op and inputs (small config, "
+         f"{args.blocks} blocks): torch.profiler with record_shapes, {args.profile_steps} profiled steps per "
+         f"mode; the {DIFFERING_OPS} ops that grow most, each with its costliest input variants; thread: main "
+         f"= the caller's, other = autograd's device threads",
+         ["op", "input shapes", "input strides", "thread", "plain calls per step", "plain self µs per call",
+          "overlap calls per step", "overlap self µs per call"],
+         differing_host_costs(by_inputs["plain"], by_inputs["overlap.shard"], DIFFERING_OPS), args.markdown)
 
 
 if __name__ == "__main__":
