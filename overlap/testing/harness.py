@@ -330,6 +330,14 @@ def _warm_up() -> None:
         sys.exit(_BAD_FORK_EXIT)
 
 
+def _cuda_device_visible() -> bool:
+    """Can this process see a CUDA device (``torch.cuda.is_available()``)? Then a CUDA-poisoned fork
+    server hands ranks that fail their first CUDA call."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 _server_ready = False
 _method_fallback: str | None = None
 """``"spawn"`` once the fork server turned out to hand CUDA-poisoned ranks (see :func:`_context`)."""
@@ -357,7 +365,10 @@ def _context() -> multiprocessing.context.BaseContext:
         warm_up.start()
         warm_up.join()
         _server_ready = True
-        if warm_up.exitcode == _BAD_FORK_EXIT:
+        # A CUDA build of torch on a machine without a GPU poisons forks too (NVML is absent, so the
+        # check falls back to the CUDA runtime), but its ranks never use CUDA: keep the fork server
+        # there (spawned ranks are slower and miss the server's preloaded ISA pick).
+        if warm_up.exitcode == _BAD_FORK_EXIT and _cuda_device_visible():
             import warnings
 
             warnings.warn("run_distributed: the ranks' fork server initialized CUDA while importing its preload "

@@ -197,10 +197,12 @@ def test_ranks_forked_from_the_server_can_use_cuda() -> None:
     asks torch.cuda.is_available() where a CUDA toolkit is installed: answered by the CUDA runtime,
     that initialized CUDA in the server and failed every rank's first CUDA call on a GPU host (Dynamo's
     RNG state, the optimizers' capture check). The server answers by NVML instead; on a GPU machine
-    each rank really uses the device here."""
+    each rank really uses the device here. Without a GPU, a CUDA build of torch still poisons the
+    fork (no NVML there, so the runtime answers), harmlessly: no rank can use CUDA, and the harness
+    keeps the fork server (``_cuda_device_visible``)."""
     for state in run_distributed(_rank_cuda_state, 2, timeout=120):
-        assert not state["bad_fork"], state
         if os.environ.get("OVERLAP_TEST_START_METHOD", "forkserver") == "forkserver":
             assert state["nvml_check"] == os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK", "1"), state
         if torch.cuda.is_available():
+            assert not state["bad_fork"], state
             assert state["cuda_sum"] == 8.0, state
