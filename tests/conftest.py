@@ -18,9 +18,10 @@ import pytest  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-# Most tests are single-threaded (the Triton interpreter, graph passes) or mostly wait (ranks behind
-# the emulated link), so two workers on 2 cores take about two thirds of one worker's time. More
-# than four would start up to 16 rank processes at once (a multi-rank test starts up to four).
+# Most tests are single-threaded (the Triton interpreter, graph passes) or partly wait (ranks behind
+# the emulated link, process start-up), so one worker per core leaves cores idle: on the 2-core CI box
+# (torch 2.13, 2026-12-03) two workers took 596 s, three 497 s with the cores 98% busy. More than
+# four would start up to 16 rank processes at once (a multi-rank test starts up to four).
 MAX_TEST_WORKERS = 4
 
 
@@ -182,9 +183,14 @@ def _adopt_the_isa_verdict() -> None:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """The worker count of ``-n auto`` (pyproject's default): one per CPU this process may run on, at
-    most ``MAX_TEST_WORKERS``."""
-    return max(1, min(usable_cpus(), MAX_TEST_WORKERS))
+    """The worker count of ``-n auto`` (pyproject's default): one per CPU this process may run on and
+    one more (see ``MAX_TEST_WORKERS``), at most ``MAX_TEST_WORKERS``."""
+    return auto_workers(usable_cpus())
+
+
+def auto_workers(cpus: int) -> int:
+    """``-n auto``'s worker count on ``cpus`` CPUs: ``cpus + 1``, at most ``MAX_TEST_WORKERS``."""
+    return max(1, min(cpus + 1, MAX_TEST_WORKERS))
 
 
 # [Note: longest files first]
@@ -193,30 +199,30 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 # tests per file, most first, which sent the few-test compile files (one ~90 s test each on torch
 # 2.11) to the end, where one ran alone for 1-2 minutes while the other worker idled (2026-11-27).
 # So the queue keeps pytest's collection order (``loadscopereorder`` off), and the files below, the
-# longest ones measured on 2 cores (torch 2.11 and 2.13), are collected first, longest first: the
-# run ends on short files. A file missing here only starts later; tests/tools/test_suite_order.py
-# checks that every name still exists.
+# longest ones measured on 2 cores (torch 2.13, 2026-12-03, with test_inductor_tp.py's module fixture
+# first: 92 s on 2.15), are collected first, longest first: the run ends on short files. A file
+# missing here only starts later; tests/tools/test_suite_order.py checks that every name still exists.
 LONGEST_FILES_FIRST = (
     "scheduling/test_inductor_tp.py",
+    "packing/test_kernels_ops.py",
+    "clients/test_clients.py",
+    "shard/test_hsdp_compression.py",
     "packing/test_quantized_kernels.py",
     "tools/test_demo.py",
-    "scheduling/test_cpu_all_gather.py",
-    "packing/test_kernels_ops.py",
-    "shard/test_shard_numerics.py",
-    "shard/test_hsdp_compression.py",
-    "clients/test_clients.py",
-    "shard/test_shard_runtime.py",
-    "packing/test_kernels_alignment.py",
-    "clients/test_client_compile.py",
-    "scheduling/test_compiled_step.py",
-    "collectives/test_collectives.py",
-    "scheduling/test_inductor_hook.py",
-    "packing/test_kernels_chunk_copy.py",
-    "packing/test_kernels_library.py",
-    "scheduling/test_bucketing.py",
-    "packing/test_properties_kernels.py",
-    "collectives/test_stream_lifetime.py",
     "packing/test_aot_compile.py",
+    "packing/test_kernels_alignment.py",
+    "shard/test_shard_numerics.py",
+    "shard/test_shard_runtime.py",
+    "parallel/test_fsdp_tp_compression.py",
+    "scheduling/test_compiled_step.py",
+    "shard/test_deferred_steps.py",
+    "clients/test_client_compile.py",
+    "shard/test_prefetch_auto.py",
+    "shard/test_owned_lists.py",
+    "tools/test_gpu_check.py",
+    "scheduling/test_cpu_all_gather.py",
+    "scheduling/test_inductor_hook.py",
+    "packing/test_kernels_library.py",
 )
 _TESTS_ROOT = Path(__file__).parent
 

@@ -15,14 +15,14 @@ UNDER_XDIST = "PYTEST_XDIST_WORKER" in os.environ and int(os.environ.get("PYTEST
 
 
 def test_compile_threads_are_torchs_default_on_two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the 2-core CI box (2 workers) the share is what torch picks by itself there, so nothing
+    """On the 2-core CI box (3 workers) the share is what torch picks by itself there, so nothing
     changes where forcing 1 thread made the suite slower."""
     from torch._inductor import config
 
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert conftest.compile_threads_for_worker(conftest.usable_cpus(), 2) == config.decide_compile_threads()
+    assert conftest.compile_threads_for_worker(conftest.usable_cpus(), conftest.auto_workers(2)) == config.decide_compile_threads()
 
 
 def test_compile_threads_are_the_workers_share_on_a_big_box(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,6 +37,12 @@ def test_compile_threads_are_the_workers_share_on_a_big_box(monkeypatch: pytest.
     assert conftest.compile_threads_for_worker(conftest.usable_cpus(), 14) == 2
     assert conftest.compile_threads_for_worker(64, 4) == 16
     assert conftest.compile_threads_for_worker(2, 1) == 2
+
+
+def test_auto_workers_are_one_more_than_the_cpus_up_to_the_cap() -> None:
+    """``-n auto`` on 2 cores runs 3 workers (the cores sat partly idle with 2), never more than the
+    cap on a big box, and 2 on one CPU."""
+    assert [conftest.auto_workers(cpus) for cpus in (1, 2, 3, 16)] == [2, 3, conftest.MAX_TEST_WORKERS, conftest.MAX_TEST_WORKERS]
 
 
 def _rank_inductor_start_up(rank: int, world_size: int) -> dict:
