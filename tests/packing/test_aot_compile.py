@@ -199,6 +199,7 @@ def _compile(call: object, arch: int) -> dict:
         "spill_loads": int(spills.group(3)),
         "accesses": dict(Counter(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)+", ptx))),
         "fma": len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+        "fp8_conversions": len(re.findall(r"e4m3|e5m2", ptx)),
         "packed_16bit_integer_ops": PACKED_16BIT_INTEGER.findall(ptx),
         "ptx_version": re.search(r"^\.version (\S+)", ptx, re.M).group(1),
         "ptx_target": re.search(r"^\.target (\S+)", ptx, re.M).group(1),
@@ -463,12 +464,18 @@ def test_aot_compile_chunk_kernels(compiled: dict[str, dict], tp_case: tuple[str
                          ids=[f"{_quantized_id(*c)}-sm{a}" for c in QUANTIZED_CASES for a in TARGETS])
 def test_aot_compile_quantized_kernels(compiled: dict[str, dict], quantized_case: tuple, arch: int) -> None:
     """The quantized kernels compile for sm_80/sm_90 without spills, without FMA contraction (the
-    bitwise contract with the torch fallback), and without packed 16-bit integer arithmetic
-    ([Note: decoding e4m3 without sign arithmetic] in ``kernels/block_quantization.py``)."""
+    bitwise contract with the torch fallback), without packed 16-bit integer arithmetic
+    ([Note: decoding e4m3 without sign arithmetic] in ``kernels/block_quantization.py``), and with
+    no e4m3 / e5m2 conversion: fp8 is an integer encoding, so it compiles below fp8 hardware (sm_89)
+    too ([Note: why the arithmetic is bitwise portable]). The layout has aligned full blocks, so
+    the vector path is compiled in, as vector loads or stores ([Note: the aligned full-block path])."""
     r = compiled[f"{_quantized_id(*quantized_case)}-sm{arch}"]
     assert (r["spill_stores"], r["spill_loads"], r["stack"]) == (0, 0, 0), r
     assert r["enable_fp_fusion"] is False and r["fma"] == 0
     assert r["packed_16bit_integer_ops"] == []
+    assert r["fp8_conversions"] == 0
+    assert r["constexprs"]["VECTOR"] == "True", r["constexprs"]
+    assert any(re.search(r"\.v[248]\.", access) for access in r["accesses"]), r["accesses"]
 
 
 @pytest.mark.parametrize("arch", TARGETS)
