@@ -20,7 +20,9 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 # Most tests are single-threaded (the Triton interpreter, graph passes) or partly wait (ranks behind
 # the emulated link, process start-up), so one worker per core leaves cores idle: on the 2-core CI box
-# (torch 2.13, 2026-12-03) two workers took 596 s, three 497 s with the cores 98% busy. More than
+# with warm compile caches (torch 2.13, 2026-12-03) two workers took 596 s, three 497 s with the cores
+# 98% busy. In `.ci/run`, whose caches start empty and whose cores are busy compiling, three workers
+# were not shown faster (four runs against one with two, within the box's drift). More than
 # four would start up to 16 rank processes at once (a multi-rank test starts up to four).
 MAX_TEST_WORKERS = 4
 
@@ -190,7 +192,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 def auto_workers(cpus: int) -> int:
     """``-n auto``'s worker count on ``cpus`` CPUs: ``cpus + 1``, at most ``MAX_TEST_WORKERS``."""
-    return max(1, min(cpus + 1, MAX_TEST_WORKERS))
+    return min(cpus + 1, MAX_TEST_WORKERS)
 
 
 # [Note: longest files first]
