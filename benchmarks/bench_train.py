@@ -33,8 +33,11 @@ beside torch FSDP2 (default settings), on 2 and 4 ranks, at 0.5x, 1x and 2x the 
 bandwidth (calibrated per world size, as above; 0.5x: comm ~ 2x compute). Per cell: the hidden
 share, step / ideal ``max(compute, comm)``, step vs FSDP2's, the link's idle time while compute ran
 (``overlap.profile()`` over :data:`PROFILED_STEPS` linked steps, mean per step and rank), the peak
-unsharded MB against FSDP2's, and the depth and schedule decision (model's choice kept by the
-trial, or the simple plan). ``--world-size`` is ignored there.
+unsharded MB against FSDP2's, the depth and schedule decision (model's choice kept by the
+trial, or the simple plan), and the steady step the chooser's model gave the chosen and the simple
+plan from the recorded costs (agreed over the ranks): beside the measured step it says how much of
+what is left the model itself expects from the recorded costs, and how much is the execution's.
+``--world-size`` is ignored there.
 
 Packing runs the torch path on CPU here (no TRITON_INTERPRET): the Triton kernels are for GPUs.
 The modes, the training step and the link calibration are ``overlap.demo.training``'s (shared with
@@ -134,7 +137,8 @@ def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
 
 GRID_HEADER = ["ranks", "link", "step ms", "compute ms", "comm ms", "hidden", "step / ideal", "step vs FSDP2",
                "link idle ms per step (share)", "peak unsharded MB ours / FSDP2 (extra, in groups)", "depth",
-               "schedule decision (trial: least timed step, chosen vs simple)"]
+               "schedule decision (trial: least timed step, chosen vs simple)",
+               "modelled step ms, chosen / simple plan"]
 
 
 def _grid_row(world: int, link: str, m: PairedTimes, fsdp2: PairedTimes, profile: Any, peak: int, fsdp2_peak: int,
@@ -150,10 +154,11 @@ def _grid_row(world: int, link: str, m: PairedTimes, fsdp2: PairedTimes, profile
         v = decision.verdict
         told = (f"{describe(decision.plan)}: {'kept' if v.keep else 'fell back'}, "
                 f"{1e3 * v.chosen_s:.1f} vs {1e3 * v.simple_s:.1f} ms")
+    modelled = "-" if decision is None else f"{1e3 * decision.modelled_s:.1f} / {1e3 * decision.modelled_simple_s:.1f}"
     return [str(world), link, f"{1e3 * m.linked:.1f}", f"{1e3 * m.unlinked:.1f}", f"{1e3 * m.comm:.1f}",
             f"{100 * m.hidden_share:.0f}%", f"{m.linked / max(m.unlinked, m.comm):.2f}x",
             f"{m.linked / fsdp2.linked:.2f}x", f"{idle_ms:.1f} ({100 * idle_share:.0f}%)",
-            f"{peak / 2**20:.3g} / {fsdp2_peak / 2**20:.3g} ({extra:+.2f} groups)", str(depth), told]
+            f"{peak / 2**20:.3g} / {fsdp2_peak / 2**20:.3g} ({extra:+.2f} groups)", str(depth), told, modelled]
 
 
 def _demo_grid(args: argparse.Namespace) -> list[list[str]]:
