@@ -1,7 +1,7 @@
 """What the benchmarks share besides the table they print (``report.py``) and per-call timing
 (``timing.py``): the command line, the sharded-MLP workload, and process-group helpers.
 
-Import it before ``overlap``, ``kernels`` or ``scheduler``: it puts this checkout's root first on
+Import it before ``overlap``, ``overlap_kernels`` or ``scheduler``: it puts this checkout's root first on
 ``sys.path``, so ``python benchmarks/x.py`` measures the code beside it rather than whichever copy is
 installed, and ``tests/`` last, for ``compiled_step`` (the compiled FSDP-style step the tests check,
 which is not part of the installed package).

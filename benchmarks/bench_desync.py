@@ -8,7 +8,7 @@ detection with debug mode off (the sequence number and one boolean check), and t
 of every host wait (``errors.timeout_for``, which applies the bounded default).
 
 ``--baseline REF`` measures the same in the runtime of git commit ``REF`` too (its ``overlap/``,
-``scheduler/`` and ``kernels/`` extracted with ``git archive`` into a temporary folder, run with this
+``scheduler/`` and ``overlap_kernels/`` (``kernels/`` before 2026-12-03) extracted with ``git archive`` into a temporary folder, run with this
 script), alternating this checkout and the baseline ``--rounds`` times, in one run, so both see the
 same machine load; the table shows each figure for both and their ratio. ``--baseline HEAD`` on a
 clean checkout compares the code with itself: the spread it shows is the noise floor of the box.
@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         runs = {"this": [], "baseline": []}
         with tempfile.TemporaryDirectory(prefix="bench-desync-") as tree:
-            archive = subprocess.run(["git", "archive", args.baseline, "overlap", "scheduler", "kernels"], cwd=ROOT,
+            tops = subprocess.run(["git", "ls-tree", "--name-only", args.baseline], cwd=ROOT, check=True,
+                                  capture_output=True, text=True).stdout.split()
+            packages = [p for p in ("overlap", "scheduler", "overlap_kernels", "kernels") if p in tops]  # kernels: before 2026-12-03
+            archive = subprocess.run(["git", "archive", args.baseline, *packages], cwd=ROOT,
                                      check=True, capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
             for _ in range(args.rounds):

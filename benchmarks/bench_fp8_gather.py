@@ -34,11 +34,11 @@ from _common import add_steps, add_world_size, parse, parser  # first: sys.path
 import torch
 
 import overlap
-from kernels import ShardLayout
-from kernels._launch import torch_fallback_on_cpu
-from kernels.quantized_all_gather_copy_out import quantized_all_gather_copy_out
-from kernels.quantized_copy_in import quantized_all_gather_copy_in
-from kernels.quantized_layout import QuantizedLayout
+from overlap_kernels import ShardLayout
+from overlap_kernels._launch import torch_fallback_on_cpu
+from overlap_kernels.quantized_all_gather_copy_out import quantized_all_gather_copy_out
+from overlap_kernels.quantized_copy_in import quantized_all_gather_copy_in
+from overlap_kernels.quantized_layout import QuantizedLayout
 from models import SEED, TinyLM, global_mean, local_batch, make_batch, make_optimizer
 from overlap.testing import run_distributed
 from report import emit

@@ -2,7 +2,7 @@
 
 For each workload and dtype pair, on rank 0 of a ``--world-size`` layout, times
 
-* the fused op (``kernels.*``: one Triton launch over all parameters on CUDA),
+* the fused op (``overlap_kernels.*``: one Triton launch over all parameters on CUDA),
 * the torch path FSDP2 takes for the same step:
   all-gather copy-in  ``torch._foreach_copy_`` of the shards into views of a new flat buffer;
   all-gather copy-out ``torch.split_with_sizes_copy`` of the gathered buffer into padded
@@ -18,23 +18,23 @@ CUDA timings are ``triton.testing.do_bench`` medians (quantiles 0.5, 0.2, 0.8). 
 timed with a median of repeats: the table says so, and its figures are not GPU results.
 
 A second table gives the *host* µs per call of each op's Triton path, full-size shapes (the host
-side does not depend on the bytes), for the public op (``kernels.*``, argument checks included)
+side does not depend on the bytes), for the public op (``overlap_kernels.*``, argument checks included)
 and for the launcher the runtime calls (``_all_gather_copy_in`` ..., no checks, with what the
 runtime hands it: the shards' dtypes, the unsharded parameters' packed storage, and, for the
 reduce-scatter copy-out, new sharded gradients as views of one storage: what ``zero_grad(set_to_none=True)``
 leads to; a row times it into gradients allocated one by one, the runtime's path when they
 already exist; a last row times the reduce-scatter copy-in on gradients at new addresses every
-call, as autograd hands them over on CPU: every call a miss), beside the target of issue 28 (15 µs + 0.05 µs per parameter, [Note: host cost of a launch] in ``kernels._launch``).
+call, as autograd hands them over on CPU: every call a miss), beside the target of issue 28 (15 µs + 0.05 µs per parameter, [Note: host cost of a launch] in ``overlap_kernels._launch``).
 Each is timed twice in the same interleaved rounds: as it runs (a repeated call is a prepared
-launch, [Note: prepared launches] in ``kernels.prepared_launch``) and under
+launch, [Note: prepared launches] in ``overlap_kernels.prepared_launch``) and under
 ``prepared_launch.uncached()`` (every tensor checked and every launch built at every call, as
 before prepared launches).
 On CUDA: wall time of back-to-back calls, nothing synchronized, and the torch path's the same way.
-On CPU: the same calls with the kernel launch stubbed out (``kernels._launch.launches_stubbed``):
+On CPU: the same calls with the kernel launch stubbed out (``overlap_kernels._launch.launches_stubbed``):
 everything the host does up to the launch, which on a GPU is followed by Triton's own launch cost.
 On CUDA a third table splits the runtime launcher's host µs into our preparation, the device tables
 and device context, Triton's JIT launch path, the direct launch the runtime makes instead
-([Note: launching the compiled kernel] in ``kernels._compiled_launch``) and the compiled kernel's
+([Note: launching the compiled kernel] in ``overlap_kernels._compiled_launch``) and the compiled kernel's
 own launcher (``launch_breakdown``): the first H100 run (2026-11-26, JIT path) measured 61-97 µs
 per launch for 9 parameters against 7-12 µs of preparation on the CPU.
 A last table times the four quantized ops of ``overlap.Compression`` (int8 and fp8, as the runtime
@@ -59,17 +59,17 @@ from pathlib import Path
 import torch
 
 from _common import add_world_size, parse, parser  # first: sys.path
-import kernels
-from kernels import ShardLayout, _compiled_launch, _launch, prepared_launch
-from kernels.all_gather_copy_in import _all_gather_copy_in
-from kernels.all_gather_copy_out import _all_gather_copy_out
-from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
-from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
-from kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out
-from kernels.quantized_copy_in import _quantized_copy_in
-from kernels import quantized_layout
-from kernels.quantized_layout import QuantizedLayout
-from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out
+import overlap_kernels
+from overlap_kernels import ShardLayout, _compiled_launch, _launch, prepared_launch
+from overlap_kernels.all_gather_copy_in import _all_gather_copy_in
+from overlap_kernels.all_gather_copy_out import _all_gather_copy_out
+from overlap_kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
+from overlap_kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
+from overlap_kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out
+from overlap_kernels.quantized_copy_in import _quantized_copy_in
+from overlap_kernels import quantized_layout
+from overlap_kernels.quantized_layout import QuantizedLayout
+from overlap_kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out
 from report import emit
 
 QUANTILES = [0.5, 0.2, 0.8]
@@ -81,7 +81,7 @@ columns are the plain op's)."""
 NEW_ADDRESSES = "reduce_scatter_copy_in, gradients at new addresses"
 """Host table only: each call packs another list of gradients, none of whose address sets is among
 the ``MAX_LAUNCHES`` a fingerprint keeps (as autograd's gradients come on CPU): every call misses
-([Note: a miss of a prepared launch] in ``kernels.prepared_launch``). The runtime column reads the
+([Note: a miss of a prepared launch] in ``overlap_kernels.prepared_launch``). The runtime column reads the
 gradients' dtypes as the group does and hands them in; the public and torch columns take the same
 lists."""
 NEW_ADDRESS_LISTS = prepared_launch.MAX_LAUNCHES + 16
@@ -248,11 +248,11 @@ def build_case(workload: Workload, world_size: int, rank: int, param_dtype: torc
     next_fresh = itertools.cycle(fresh).__next__
 
     fused = {
-        NEW_ADDRESSES: lambda: kernels.reduce_scatter_copy_in(next_fresh(), layout, scale, comm_dtype),
-        "all_gather_copy_in": lambda: kernels.all_gather_copy_in(shards, layout, rank, comm_dtype),
-        "all_gather_copy_out": lambda: kernels.all_gather_copy_out(ag_output, layout, outs),
-        "reduce_scatter_copy_in": lambda: kernels.reduce_scatter_copy_in(fulls, layout, scale, comm_dtype),
-        "reduce_scatter_copy_out": lambda: kernels.reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
+        NEW_ADDRESSES: lambda: overlap_kernels.reduce_scatter_copy_in(next_fresh(), layout, scale, comm_dtype),
+        "all_gather_copy_in": lambda: overlap_kernels.all_gather_copy_in(shards, layout, rank, comm_dtype),
+        "all_gather_copy_out": lambda: overlap_kernels.all_gather_copy_out(ag_output, layout, outs),
+        "reduce_scatter_copy_in": lambda: overlap_kernels.reduce_scatter_copy_in(fulls, layout, scale, comm_dtype),
+        "reduce_scatter_copy_out": lambda: overlap_kernels.reduce_scatter_copy_out(slot, shard_grads, layout, rank, scale, True),
     }
     runtime = {  # as overlap/param_group.py calls them: lists it owns ([Note: lists the runtime owns])
         "all_gather_copy_in": lambda: _all_gather_copy_in(shards, layout, rank, comm_dtype, shard_dtypes,
@@ -580,12 +580,12 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     p.add_argument("--skip-gbps", action="store_true", help="only the host tables")
     p.add_argument("--quantized-num-warps", type=int, nargs="+", default=[0],
                    help="warps per program of the quantized kernels to time, each a row (CUDA; 0, the default: "
-                        "the runtime's choice, kernels.quantized_layout.warps_per_block)")
+                        "the runtime's choice, overlap_kernels.quantized_layout.warps_per_block)")
     p.add_argument("--quantized-vector-path", choices=("on", "off"), nargs="+", default=["on"],
                    help="time the quantized kernels with their aligned full-block path on and/or off (default on)")
     p.add_argument("--quantized-blocks-per-program", type=int, nargs="+", default=[0],
                    help="quantization blocks per program of the quantized kernels to time, each a row (powers of "
-                        "two; 0, the default: the runtime's choice, kernels.quantized_layout.blocks_per_program; "
+                        "two; 0, the default: the runtime's choice, overlap_kernels.quantized_layout.blocks_per_program; "
                         "1: one block per program)")
     p.add_argument("--only-quantized", action="store_true", help="only the quantized table")
     p.add_argument("--profile-launch", action="store_true",

@@ -1,7 +1,7 @@
 """triton-overlap: hide the communication of sharded training behind compute.
 
 Collectives return at once and wait right before their first use (``overlap.all_gather`` ...);
-packing runs as fused Triton kernels (``kernels``); the scheduler decides where waits go
+packing runs as fused Triton kernels (``overlap_kernels``); the scheduler decides where waits go
 (``scheduler``).
 """
 from overlap.collectives import (

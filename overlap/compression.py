@@ -6,8 +6,8 @@ When training is bound by the link, hiding communication stops paying: the step 
 
 * ``gather="int8"`` (qwZ): the all-gather's copy-in quantizes this rank's shards in blocks of
   ``block`` elements (int8 codes plus a float32 scale per block, one launch:
-  ``kernels.quantized_copy_in``); the copy-out dequantizes into the unsharded parameters in
-  ``param_dtype`` (``kernels.quantized_all_gather_copy_out``). The shards (the optimizer's master
+  ``overlap_kernels.quantized_copy_in``); the copy-out dequantizes into the unsharded parameters in
+  ``param_dtype`` (``overlap_kernels.quantized_all_gather_copy_out``). The shards (the optimizer's master
   copy) stay exact, and so do state dicts and checkpoints: only what travels is quantized. Bytes on
   the link: ``(1 + 4 / block) / itemsize`` of the uncompressed gather's (0.508x of bf16's at 256).
 * ``gather="fp8"``: the same, with float8_e4m3fn codes (scale ``absmax / 448``) instead of int8
@@ -15,13 +15,13 @@ When training is bound by the link, hiding communication stops paying: the step 
   ``[-absmax, absmax]`` (error <= ``absmax / 254`` for every element, small elements lose their
   relative precision); e4m3 keeps 3 mantissa bits for each element (error <= ``|x| / 17``, down to
   ``absmax / 28672``): larger for the largest elements of a block, far smaller for the small ones
-  ([Note: the per-block error bound] in ``kernels/block_quantization.py``). What training makes of
+  ([Note: the per-block error bound] in ``overlap_kernels/block_quantization.py``). What training makes of
   it is measured in ``benchmarks/RESULTS.md`` (``bench_fp8_gather.py``). The kernels encode e4m3 in
   integer arithmetic, so it runs on any GPU (no sm89 needed) and under the interpreter.
 * ``reduce="int8"`` (qgZ): the gradients are quantized per block into one quantized slot per rank
   and sent with an ``all_to_all_single`` to each slot's owner, which dequantizes the ``w`` versions
   of its slot and sums them in float32 in rank order in its copy-out
-  (``kernels.quantized_reduce_scatter_copy_out``), then averages, casts and accumulates into
+  (``overlap_kernels.quantized_reduce_scatter_copy_out``), then averages, casts and accumulates into
   ``.grad`` in the same pass. Quantization error does not compound over a ring: each gradient is
   quantized once. Bytes: ``(1 + 4 / block) / 4`` of a float32 reduce-scatter's (0.254x at 256).
   The sum is float32 whatever ``MixedPrecision.reduce_dtype`` says (it only rounds what is
@@ -38,7 +38,7 @@ When training is bound by the link, hiding communication stops paying: the step 
   int8 stays the default.
 
 Per-element error of one int8 quantization: at most ``absmax / 254`` of its block (fp8: ``|x| / 17
-+ scale / 1024``; plus rounding slack: [Note: the per-block error bound] in ``kernels/block_quantization.py``). Non-finite values:
++ scale / 1024``; plus rounding slack: [Note: the per-block error bound] in ``overlap_kernels/block_quantization.py``). Non-finite values:
 a block holding a NaN or inf is sent with a NaN scale and arrives as NaN in every element, never as
 a finite value; a gathered NaN block is an error (``ValueError``) on every rank at the copy-out on
 CPU (every rank receives every slot, so every rank raises alike), and a NaN gradient block spreads
@@ -83,8 +83,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from kernels.block_quantization import FORMATS
-from kernels.quantized_layout import BLOCKS
+from overlap_kernels.block_quantization import FORMATS
+from overlap_kernels.quantized_layout import BLOCKS
 
 __all__ = ["Compression", "check_compression"]
 

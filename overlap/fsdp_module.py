@@ -173,8 +173,8 @@ UNSUPPORTED: dict[str, str] = {
                                "set_requires_gradient_sync(False) skips both",
     "set_unshard_in_backward": "a group resharded after forward is always gathered again in backward; "
                                "pass reshard_after_forward=False to keep it",
-    "set_custom_all_gather": "the runtime packs and issues its own all-gathers (kernels/)",
-    "set_custom_reduce_scatter": "the runtime packs and issues its own reduce-scatters (kernels/)",
+    "set_custom_all_gather": "the runtime packs and issues its own all-gathers (overlap_kernels/)",
+    "set_custom_reduce_scatter": "the runtime packs and issues its own reduce-scatters (overlap_kernels/)",
     "set_all_reduce_hook": "register_post_accumulate_grad_hook on the sharded parameters runs after "
                            "each reduction",
     "set_reduce_scatter_divide_factor": "gradients are always averaged over the data-parallel ranks; "

@@ -4,7 +4,7 @@ A group owns, for its ``N`` parameters:
 
 * the **sharded parameters** — ``nn.Parameter``s that are DTensors, ``Shard(0)`` on the group's
   DeviceMesh (``(Replicate(), Shard(0))`` on a 2-D one, see [Note: hybrid sharding]), whose local
-  tensors hold this rank's dim-0 rows ([Note: sharding rule] of ``kernels.ShardLayout``, which is
+  tensors hold this rank's dim-0 rows ([Note: sharding rule] of ``overlap_kernels.ShardLayout``, which is
   torch.chunk's and DTensor's), registered on the module between
   steps, so the optimizer, the state dict, DCP, ``clip_grad_norm_`` and ``module.parameters()`` see
   what they see with torch FSDP2 (see [Note: sharded parameters are DTensors]);
@@ -39,7 +39,7 @@ one sharded tensor (resharding on load at another world size), ``get_state_dict`
 (``reset_parameters``, ``nn.init.*``) sees full shapes. Its gradient is a DTensor with the same spec.
 The runtime never dispatches through DTensor in a step: it packs and unpacks the local tensors
 (``_local_tensor``) with the fused kernels (into flat buffers: [Note: flat buffers] in
-``kernels/layout.py``) and builds gradient DTensors from their spec, not with
+``overlap_kernels/layout.py``) and builds gradient DTensors from their spec, not with
 ``from_local`` (no autograd, no checks; see [Note: building a DTensor without its __init__]). A 0-dim parameter cannot be ``Shard(0)``: it is a
 ``Replicate()`` DTensor; in the flat buffers rank 0 holds it as a 1-row shard (the layout's rule), and
 after the reduce-scatter rank 0 broadcasts its reduced gradient so every replica holds it.
@@ -100,10 +100,10 @@ the CI box, ``benchmarks/bench_kernels.py``). Nothing reads that counter: it sta
 
 [Note: unsharded parameters share one storage]
 The unsharded parameters (unless they alias the shards) are views of one storage per group, laid
-out by a ``kernels._launch.PackedPlacement`` (each 16-byte aligned; a parameter keeps its own
+out by a ``overlap_kernels._launch.PackedPlacement`` (each 16-byte aligned; a parameter keeps its own
 version counter). Freeing and re-allocating them is one ``resize_`` of that storage, and the
 copy-out's pointer table is keyed on the storage's address and the placement: O(1) per gather
-instead of a read of every parameter ([Note: packed placements] in ``kernels._launch``).
+instead of a read of every parameter ([Note: packed placements] in ``overlap_kernels._launch``).
 
 [Note: world size 1]
 With one rank and no dtype cast the shard *is* the full parameter (the sharding rule gives rank 0
@@ -139,18 +139,18 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from kernels import ShardLayout, prepared_launch
-from kernels._launch import PackedPlacement
+from overlap_kernels import ShardLayout, prepared_launch
+from overlap_kernels._launch import PackedPlacement
 # The ops without argument checks (the runtime builds every argument from the layout):
-from kernels.all_gather_copy_in import _all_gather_copy_in
-from kernels.all_gather_copy_out import _all_gather_copy_out
-from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
-from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
-from kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out
-from kernels.quantized_copy_in import _quantized_copy_in
-from kernels.quantized_layout import QuantizedLayout, quantized_layout
-from kernels._dtypes import as_float32
-from kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out, summed_slots
+from overlap_kernels.all_gather_copy_in import _all_gather_copy_in
+from overlap_kernels.all_gather_copy_out import _all_gather_copy_out
+from overlap_kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
+from overlap_kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
+from overlap_kernels.quantized_all_gather_copy_out import _quantized_all_gather_copy_out
+from overlap_kernels.quantized_copy_in import _quantized_copy_in
+from overlap_kernels.quantized_layout import QuantizedLayout, quantized_layout
+from overlap_kernels._dtypes import as_float32
+from overlap_kernels.quantized_reduce_scatter_copy_out import _quantized_reduce_scatter_copy_out, summed_slots
 from overlap import finite_check
 from overlap.collectives import all_gather_into, all_reduce_into, quantized_reduce_into, reduce_scatter_into
 from overlap.compression import Compression
@@ -269,7 +269,7 @@ class ParamGroup:
         self._owned_shards = prepared_launch.OwnedLists()
         self._owned_grads = prepared_launch.OwnedLists()
         """The copy-ins' prepared launches over the shards and over the unsharded gradients, which this
-        group owns ([Note: lists the runtime owns] in ``kernels.prepared_launch``): forgotten when
+        group owns ([Note: lists the runtime owns] in ``overlap_kernels.prepared_launch``): forgotten when
         the shards are re-read (``_read_dtypes``)."""
         self._read_dtypes()
         self.is_unsharded = False
@@ -798,7 +798,7 @@ class ParamGroup:
         if any(map(is_, grads, repeat(None))):
             for j, (u, grad) in enumerate(zip(params, grads)):
                 if grad is None:  # in the dtype autograd gives it: the list's dtypes stay the group's
-                    data = _local(u)  # ([Note: lists the runtime owns] in kernels/prepared_launch.py)
+                    data = _local(u)  # ([Note: lists the runtime owns] in overlap_kernels/prepared_launch.py)
                     dtype = self._tp_reduced_grad_dtype(indices[j]) or data.dtype
                     grads[j] = torch.zeros(data.shape, dtype=dtype, device=data.device)
         return grads
@@ -1061,7 +1061,7 @@ class ParamGroup:
         placed by a ``PackedPlacement`` (each 16-byte aligned), as FSDP2 makes its new sharded
         gradients views of its reduce-scatter output. The copy-out's pointer table is then keyed on
         that storage, O(1) per reduction, instead of a read of every gradient ([Note: packed
-        placements] in ``kernels._launch``), and making the views is one C-level pass
+        placements] in ``overlap_kernels._launch``), and making the views is one C-level pass
         (``PackedPlacement.shared_views``), about what an ``empty_like`` of each costs. Where some
         gradient exists (``no_sync`` micro-batches, gradients kept across steps, a ``.grad`` the user
         assigned), new ones are separate zeros and the copy-out reads every gradient, as it must:

@@ -151,7 +151,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
-from kernels.quantized_copy_in import QUANTIZED_DTYPES
+from overlap_kernels.quantized_copy_in import QUANTIZED_DTYPES
 from overlap import agreement, desync, errors, local_optimizer_step, optimizer_check
 from overlap.class_swap import swapped_class
 from overlap.eager_hooks import eager_hook

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-import kernels
+import overlap_kernels
 from overlap.collectives import all_gather_into
 from overlap.param_group import ParamGroup, _dtensor, tp_dtensor, widest_dtype
 from overlap.sharding import sharded_states
@@ -54,12 +54,12 @@ def _groups_between_steps(module: nn.Module, caller: str) -> list[ParamGroup]:
 def _gather_full(group: ParamGroup) -> list[torch.Tensor]:
     """The group's full parameters in their original dtypes (bitwise: gathered in a dtype that holds
     them), with one fused all-gather for the whole group."""
-    ag_input, ag_output = kernels.all_gather_copy_in(
+    ag_input, ag_output = overlap_kernels.all_gather_copy_in(
         group.shard_rows(), group.layout, group.rank, widest_dtype(group.orig_dtypes))
     if group.world_size > 1:
         all_gather_into(ag_output, ag_input, group.info).wait()
     outs = [torch.empty(shape, dtype=d, device=ag_output.device) for shape, d in zip(group.layout.shapes, group.orig_dtypes)]
-    return kernels.all_gather_copy_out(ag_output, group.layout, outs)
+    return overlap_kernels.all_gather_copy_out(ag_output, group.layout, outs)
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ reduce-scatter     ``cat(x_i viewed (w, n_i / w), dim=1)`` flattened -> reduce-s
 =================  ==========================================================================
 
 Plain aten ops (``cat``, ``view``, ``slice``, ``clone``) do the packing: Inductor fuses each side
-into one kernel, which is what the ``kernels`` packing ops do in eager code (these work on shard
+into one kernel, which is what the ``overlap_kernels`` packing ops do in eager code (these work on shard
 layouts with padding, which compiled graphs of user collectives do not have).
 
 Which collectives share a bucket: same op, group (size and name), reduce op and dtype; each waited

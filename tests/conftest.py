@@ -1,7 +1,7 @@
 """Shared test set-up.
 
 Without a GPU, Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``); it must be set
-before ``triton.jit`` decorates anything, so it is set here, before test modules import ``kernels``.
+before ``triton.jit`` decorates anything, so it is set here, before test modules import ``overlap_kernels``.
 Spawned ranks inherit it through the environment.
 """
 from __future__ import annotations
@@ -275,7 +275,7 @@ else:
 def _cpu_kernels_for(request: pytest.FixtureRequest):
     """With a ``torch_kernels`` marker, CPU packing runs the torch fallback instead of the Triton
     interpreter (``OVERLAP_CPU_KERNELS=torch``, seen by the ranks the test starts)."""
-    from kernels._launch import torch_fallback_on_cpu
+    from overlap_kernels._launch import torch_fallback_on_cpu
 
     if request.node.get_closest_marker("torch_kernels") is None:
         yield

@@ -394,7 +394,7 @@ def load_by_distribute_tensor(model: nn.Module, values: dict[str, torch.Tensor])
 def block_absmax(shard: torch.Tensor, block: int) -> torch.Tensor:
     """Each element's block absmax (float32, ``shard``'s shape), computed from the shard alone: its
     flat elements cut into chunks of ``block`` from the first, as the quantized layouts cut a
-    parameter's shard ([Note: quantized slots] in ``kernels/quantized_layout.py``). The independent
+    parameter's shard ([Note: quantized slots] in ``overlap_kernels/quantized_layout.py``). The independent
     reference the per-block error bounds are checked against."""
     flat = shard.reshape(-1).float().abs()
     n = flat.numel()

@@ -60,8 +60,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from kernels.chunk_pack import chunk_pack
-from kernels.chunk_place import chunk_place
+from overlap_kernels.chunk_pack import chunk_pack
+from overlap_kernels.chunk_place import chunk_place
 from overlap.collectives import all_gather_into, all_reduce_into, reduce_scatter_into
 from overlap.groups import GroupInfo
 from overlap.inflight_work import InflightWork
@@ -347,7 +347,7 @@ class _ChunkedReduceScatter:
 
 def _packed(src: torch.Tensor, layout: SeqLayout) -> Callable[[int], torch.Tensor]:
     """Chunk buffers packed from ``src`` (every position along ``layout.dim``), zero-padded, one
-    launch each (``kernels.chunk_pack``)."""
+    launch each (``overlap_kernels.chunk_pack``)."""
     src = src.contiguous()
 
     def make(k: int) -> torch.Tensor:

@@ -141,7 +141,7 @@ def _poison(device: torch.device, nbytes: int) -> None:
 
 def check_packing_case(case: PackingCase, device: torch.device) -> list[str]:
     """Run the six ops of ``case`` on ``device``; return what differs from the references (empty: none)."""
-    from kernels import (ShardLayout, all_gather_copy_in, all_gather_copy_in_ref, all_gather_copy_out,
+    from overlap_kernels import (ShardLayout, all_gather_copy_in, all_gather_copy_in_ref, all_gather_copy_out,
                          all_gather_copy_out_ref, reduce_scatter_copy_in, reduce_scatter_copy_in_ref,
                          reduce_scatter_copy_out, reduce_scatter_copy_out_ref)
 
@@ -190,7 +190,7 @@ def check_packing_case(case: PackingCase, device: torch.device) -> list[str]:
 def _check_chunk_ops(case: PackingCase, device: torch.device, where: str) -> list[str]:
     """``chunk_place`` / ``chunk_pack`` on a (batch, seq, hidden) tensor cut on a drawn dim into
     uneven, possibly empty pieces."""
-    from kernels import chunk_pack, chunk_pack_ref, chunk_place, chunk_place_ref
+    from overlap_kernels import chunk_pack, chunk_pack_ref, chunk_place, chunk_place_ref
 
     rng = random.Random(case.seed)
     dtype, w = case.param_dtypes[0], case.world_size
@@ -368,7 +368,7 @@ def _streams_row() -> CheckRow:
 
 def _cuda_graph_row(device: torch.device) -> CheckRow:
     """Capture the four packing ops once, replay on new data, compare each replay with the refs."""
-    from kernels import (ShardLayout, all_gather_copy_in, all_gather_copy_in_ref, all_gather_copy_out,
+    from overlap_kernels import (ShardLayout, all_gather_copy_in, all_gather_copy_in_ref, all_gather_copy_out,
                          all_gather_copy_out_ref, reduce_scatter_copy_in, reduce_scatter_copy_in_ref,
                          reduce_scatter_copy_out, reduce_scatter_copy_out_ref)
 

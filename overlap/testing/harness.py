@@ -40,7 +40,7 @@ server too, after those, so that what they do at import (e.g. a one-time probe w
 memory) is inherited by every rank instead of repeated in each. Set
 ``OVERLAP_TEST_START_METHOD=spawn`` to use plain spawn. Under the fork server, environment variables
 that torch reads while being imported come from the first call's environment, and so does
-``TRITON_INTERPRET`` (importing ``overlap`` imports ``kernels``, whose Triton kernels are decorated
+``TRITON_INTERPRET`` (importing ``overlap`` imports ``overlap_kernels``, whose Triton kernels are decorated
 for the interpreter or not at import): a call that needs another value must use spawn.
 
 Threads. Unless ``OMP_NUM_THREADS`` is set, each rank uses ``max(1, cpu_count // world_size)``

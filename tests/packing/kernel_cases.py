@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import (
+from overlap_kernels import (
     ShardLayout,
     all_gather_copy_in,
     all_gather_copy_in_ref,
@@ -28,7 +28,7 @@ from kernels import (
     reduce_scatter_copy_out_ref,
 )
 
-from kernels import _jit
+from overlap_kernels import _jit
 
 f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 i64, i32, i16, i8, u8 = torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8

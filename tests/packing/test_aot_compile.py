@@ -23,7 +23,7 @@ Checked per compile:
   frame). 40 registers x 256 threads lets 6 blocks (48 of 64 warps) share an SM's 64K registers on
   sm_80 and sm_90; 48 lets 5 (40 warps).
 * **No shared memory** (``metadata.shared == 0``): no layout conversion between the load and the
-  store side ([Note: per-thread width] in ``kernels._jit``).
+  store side ([Note: per-thread width] in ``overlap_kernels._jit``).
 * **Vector accesses**: on the aligned unmasked path each thread stores its 16 elements with 128-bit
   ``st.global.v4.b32`` and loads them with ``ld.global.v4.b32``, except that a source half as wide
   as the destination (16-bit to fp32) is loaded with 64-bit ``ld.global.v2.b32`` (4 elements per
@@ -122,7 +122,7 @@ def _kernel_call(case: Case) -> object:
 
     import torch
 
-    from kernels import ShardLayout, _launch
+    from overlap_kernels import ShardLayout, _launch
 
     torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -130,7 +130,7 @@ def _kernel_call(case: Case) -> object:
         return torch_dtypes[MIXED[i % len(MIXED)] if name == "mixed" else name]
 
     layout = ShardLayout(SHAPES, WORLD_SIZE)
-    module = importlib.import_module(f"kernels.{case.op}")
+    module = importlib.import_module(f"overlap_kernels.{case.op}")
     scale = 0.5 if "scale" in case.mode else None
     fulls = [torch.zeros(s, dtype=dtype(case.src, i)) for i, s in enumerate(layout.shapes)]
     if case.op == "all_gather_copy_in":
@@ -209,7 +209,7 @@ def _compile(call: object, arch: int) -> dict:
 
 TP_CASES = [("chunk_place", dt, "copy") for dt in DTYPES] + [
     ("chunk_pack", dt, mode) for dt in DTYPES for mode in ("copy", "scale+bias")]
-"""Tensor parallelism's chunk kernels (``kernels.chunk_place`` / ``kernels.chunk_pack``): op, dtype,
+"""Tensor parallelism's chunk kernels (``overlap_kernels.chunk_place`` / ``overlap_kernels.chunk_pack``): op, dtype,
 epilogue."""
 TP_REGISTER_BUDGET = 64
 """Registers per thread for the chunk kernels: their per-element int64 index arithmetic (a
@@ -228,7 +228,7 @@ def _tp_kernel_call(op: str, dtype: str, mode: str) -> object:
     import torch
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    module = importlib.import_module(f"kernels.{op}")
+    module = importlib.import_module(f"overlap_kernels.{op}")
     full = torch.zeros(4, 1000, 64, dtype=torch_dtype)
     buf = torch.zeros(2, 4, 500, 64, dtype=torch_dtype)
     starts, lengths = [0, 500], [500, 500]
@@ -273,10 +273,10 @@ def _quantized_kernel_call(op: str, fmt: str, per_program: int | None) -> _Recor
 
     import torch
 
-    from kernels import ShardLayout, _launch
-    from kernels import quantized_layout as ql
+    from overlap_kernels import ShardLayout, _launch
+    from overlap_kernels import quantized_layout as ql
 
-    module = importlib.import_module(f"kernels.{op}")
+    module = importlib.import_module(f"overlap_kernels.{op}")
     calls = []
 
     def record(kernel, table, pointers, *args, **constexprs):
@@ -465,7 +465,7 @@ def test_aot_compile_chunk_kernels(compiled: dict[str, dict], tp_case: tuple[str
 def test_aot_compile_quantized_kernels(compiled: dict[str, dict], quantized_case: tuple, arch: int) -> None:
     """The quantized kernels compile for sm_80/sm_90 without spills, without FMA contraction (the
     bitwise contract with the torch fallback), without packed 16-bit integer arithmetic
-    ([Note: decoding e4m3 without sign arithmetic] in ``kernels/block_quantization.py``), and with
+    ([Note: decoding e4m3 without sign arithmetic] in ``overlap_kernels/block_quantization.py``), and with
     no e4m3 / e5m2 conversion: fp8 is an integer encoding, so it compiles below fp8 hardware (sm_89)
     too ([Note: why the arithmetic is bitwise portable]). The layout has aligned full blocks, so
     the vector path is compiled in, as vector loads or stores ([Note: the aligned full-block path])."""

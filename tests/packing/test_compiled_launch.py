@@ -1,5 +1,5 @@
 """Repeat launches straight into the compiled kernel ([Note: launching the compiled kernel] in
-``kernels._compiled_launch``).
+``overlap_kernels._compiled_launch``).
 
 On CPU: the cache key against Triton's own specialization function (equal keys, equal
 specialization, so a direct launch always finds the binary Triton would have picked), and the
@@ -17,7 +17,7 @@ import torch
 import triton
 
 from conftest import requires_cuda
-from kernels import _compiled_launch, _jit
+from overlap_kernels import _compiled_launch, _jit
 
 native_specialize_impl = pytest.importorskip(
     "triton._C.libtriton", reason="Triton's specialization function is what the key is checked against"
@@ -171,7 +171,7 @@ def test_unkeyed_arguments_and_unloaded_kernels_take_the_jit_path(on_fake_cuda: 
 @requires_cuda
 @pytest.mark.skipif(_jit.INTERPRET, reason="TRITON_INTERPRET sends CUDA tensors to the torch fallback")
 def test_direct_launches_match_the_references_as_buffer_alignment_changes() -> None:
-    from kernels import (ShardLayout, all_gather_copy_in, all_gather_copy_in_ref, all_gather_copy_out,
+    from overlap_kernels import (ShardLayout, all_gather_copy_in, all_gather_copy_in_ref, all_gather_copy_out,
                          all_gather_copy_out_ref, reduce_scatter_copy_out, reduce_scatter_copy_out_ref)
 
     device = torch.device("cuda", torch.cuda.current_device())

@@ -1,5 +1,5 @@
 """Alignment per run and the scalar paths' steps ([Note: alignment per run], [Note: per-thread width]
-in ``kernels._jit``), under the interpreter.
+in ``overlap_kernels._jit``), under the interpreter.
 
 The interpreter computes every path alike, so what is checked here is the logic around the paths:
 
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import ShardLayout, _jit, _launch
+from overlap_kernels import ShardLayout, _jit, _launch
 from kernel_cases import (  # noqa: F401  (uninitialized_memory_is_filled: autouse)
     DTYPE_CASES,
     MODES,

@@ -1,7 +1,7 @@
 """The packing kernels captured in a CUDA graph and replayed, against the torch references.
 
 Skipped without a GPU (``requires_cuda``); on a GPU machine ``pytest -m gpu`` runs it. What it
-checks is [Note: table memory] / [Note: tables in CUDA graphs] in ``kernels.table_memory``:
+checks is [Note: table memory] / [Note: tables in CUDA graphs] in ``overlap_kernels.table_memory``:
 
 * capture works at all: no pinned allocation, event query or host sync happens in the launch path
   (any of them fails a global-mode capture);
@@ -14,7 +14,7 @@ checks is [Note: table memory] / [Note: tables in CUDA graphs] in ``kernels.tabl
 * tables whose upload copy was not yet seen complete at capture get their own copy in the graph,
   and tables used first on another stream are waited for (eager);
 * the runtime's copy-out into views of one storage (``packed=``, [Note: packed placements] in
-  ``kernels._launch``: its table is keyed on the storage's address) replays the same after that
+  ``overlap_kernels._launch``: its table is keyed on the storage's address) replays the same after that
   table was evicted from the layout's cache by 2 x ``POINTER_CACHE_SIZE`` other storages.
 
 The same rules are checked with a fake CUDA runtime on CPU in tests/packing/test_kernels_table_memory.py.
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from kernels import (
+from overlap_kernels import (
     ShardLayout,
     _jit,
     _launch,
@@ -41,7 +41,7 @@ from kernels import (
     reduce_scatter_copy_out_ref,
     table_memory,
 )
-from kernels.all_gather_copy_out import _all_gather_copy_out
+from overlap_kernels.all_gather_copy_out import _all_gather_copy_out
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from kernel_cases import kernel_device, requires_kernels
-from kernels import ShardLayout
-from kernels import _jit, _launch
+from overlap_kernels import ShardLayout
+from overlap_kernels import _jit, _launch
 
 WORLD_SIZES = (1, 2, 3, 4, 8)
 ALIGN = 16  # documented: every parameter's region in a slot starts at a multiple of 16 elements

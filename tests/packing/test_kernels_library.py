@@ -6,7 +6,7 @@ What is checked, and what it means for users:
 * ``make_fx`` records one ``overlap::*`` node per call, and the traced graph computes what eager does.
 * ``torch.compile(fullgraph=True)`` of code calling the public functions works with ``aot_eager``
   and ``inductor`` on CPU (the ops are opaque custom ops with torch fallbacks, see
-  ``kernels.library``), and equals eager bitwise.
+  ``overlap_kernels.library``), and equals eager bitwise.
 * Eager calls launch exactly one kernel per op, whatever the number of parameters, without going
   through the dispatcher; without ``TRITON_INTERPRET`` the CPU takes the torch path, with results
   identical to the kernels'.
@@ -27,7 +27,7 @@ import torch._dynamo.testing
 from torch.utils._pytree import tree_leaves, tree_map
 
 from kernel_cases import kernel_device, requires_kernels
-from kernels import (
+from overlap_kernels import (
     ShardLayout,
     _jit,
     _launch,
@@ -323,7 +323,7 @@ _FALLBACK_SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
-    from kernels import _jit, _launch
+    from overlap_kernels import _jit, _launch
 
     assert not _jit.INTERPRET and not _launch.triton_enabled(torch.device("cpu"))
 
@@ -351,10 +351,10 @@ def on_cpu(tree: object) -> object:
 @pytest.mark.skipif(not _jit.INTERPRET, reason="switches CPU tensors between the interpreted kernels and the "
                                                "fallback: needs TRITON_INTERPRET=1")
 def test_torch_fallback_on_cpu_switches_this_process_and_back() -> None:
-    """``kernels._launch.torch_fallback_on_cpu`` (what the suite's ``torch_kernels`` marker uses):
+    """``overlap_kernels._launch.torch_fallback_on_cpu`` (what the suite's ``torch_kernels`` marker uses):
     inside it CPU tensors take the torch fallback even under the interpreter, with the kernels'
     results bitwise; after it, the kernels again."""
-    from kernels._launch import torch_fallback_on_cpu, triton_enabled
+    from overlap_kernels._launch import torch_fallback_on_cpu, triton_enabled
 
     cpu = torch.device("cpu")
     inputs = fallback_inputs(3, 2)

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import (
+from overlap_kernels import (
     ShardLayout,
     _launch,
     all_gather_copy_in,

@@ -1,4 +1,4 @@
-"""Device table memory (``kernels.table_memory``): uploads, use from several streams, release, and
+"""Device table memory (``overlap_kernels.table_memory``): uploads, use from several streams, release, and
 CUDA graph capture, checked on a CPU-only machine.
 
 The CUDA calls go through ``table_memory.RUNTIME``; here it is a recording fake whose streams,
@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import ShardLayout, _launch, table_memory
-from kernels.table_memory import Use, plan_use
+from overlap_kernels import ShardLayout, _launch, table_memory
+from overlap_kernels.table_memory import Use, plan_use
 
 CUDA = torch.device("cuda")
 GARBAGE = 0xAB  # what fresh fake device memory holds
@@ -308,7 +308,7 @@ def test_new_table_during_capture_comes_from_the_reserve(rt: FakeRuntime) -> Non
 
 
 def test_reserve_exhausted_during_capture_is_an_error_naming_the_remedy(rt: FakeRuntime) -> None:
-    with capturing(rt), pytest.raises(RuntimeError, match=r"kernels\.table_memory\.reserve\(\d+\)"):
+    with capturing(rt), pytest.raises(RuntimeError, match=r"overlap_kernels\.table_memory\.reserve\(\d+\)"):
         table_memory.upload(ARRAYS, CUDA, cached=True)  # nothing was set aside: first use in capture
     table_memory.reserve(10_000)
     with capturing(rt):

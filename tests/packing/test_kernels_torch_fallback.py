@@ -1,7 +1,7 @@
 """The torch fallback of the four ops (what runs without Triton) against their references, bit for bit.
 
 Each op's ``_*_torch`` batches its reference's ``world_size * N`` small copies into one ``_foreach``
-call over at most two views per parameter ([Note: torch fallback] in ``kernels._torch_fallback``). They are
+call over at most two views per parameter ([Note: torch fallback] in ``overlap_kernels._torch_fallback``). They are
 called directly here, so these tests run whatever ``TRITON_INTERPRET`` says, and compared with the
 ``*_ref`` functions as integer bit patterns — NaN payloads included, which is stricter than the ops'
 contract — over the op tests' odd shapes (0-dim, empty, primes, uneven rows) and dtype cases, world
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import (
+from overlap_kernels import (
     ShardLayout,
     _launch,
     _torch_fallback,
@@ -32,10 +32,10 @@ from kernels import (
     reduce_scatter_copy_out,
     reduce_scatter_copy_out_ref,
 )
-from kernels.all_gather_copy_in import _all_gather_copy_in_torch
-from kernels.all_gather_copy_out import _all_gather_copy_out_torch
-from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in_torch
-from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out_torch
+from overlap_kernels.all_gather_copy_in import _all_gather_copy_in_torch
+from overlap_kernels.all_gather_copy_out import _all_gather_copy_out_torch
+from overlap_kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in_torch
+from overlap_kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out_torch
 from kernel_cases import (  # the op tests' shapes, dtype cases and data
     DTYPE_CASES,
     FLOAT_CASES,
@@ -51,10 +51,10 @@ CPU = torch.device("cpu")
 PRE_SCALES = [None, 0.1, 1 / 3, -0.5]  # a negative scale turns padding's +0 into -0: re-zeroed
 POST_MODES = [(None, False), (0.3, False), (None, True), (1 / 3, True), (-2.0, True)]
 REFS = {
-    "kernels.all_gather_copy_in": "all_gather_copy_in_ref",
-    "kernels.all_gather_copy_out": "all_gather_copy_out_ref",
-    "kernels.reduce_scatter_copy_in": "reduce_scatter_copy_in_ref",
-    "kernels.reduce_scatter_copy_out": "reduce_scatter_copy_out_ref",
+    "overlap_kernels.all_gather_copy_in": "all_gather_copy_in_ref",
+    "overlap_kernels.all_gather_copy_out": "all_gather_copy_out_ref",
+    "overlap_kernels.reduce_scatter_copy_in": "reduce_scatter_copy_in_ref",
+    "overlap_kernels.reduce_scatter_copy_out": "reduce_scatter_copy_out_ref",
 }
 
 

@@ -1,5 +1,5 @@
 """The launch's caches against what can change between two calls ([Note: host cost of a launch] and
-[Note: packed placements] in ``kernels._launch``).
+[Note: packed placements] in ``overlap_kernels._launch``).
 
 * A packed placement's pointer table is the address table of its views, keyed on the storage's
   current address: a re-allocated storage gets its own table, a freed one is refused before any
@@ -18,13 +18,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import (
+from overlap_kernels import (
     ShardLayout,
     _launch,
     all_gather_copy_out,
     all_gather_copy_out_ref,
 )
-from kernels.all_gather_copy_out import _all_gather_copy_out
+from overlap_kernels.all_gather_copy_out import _all_gather_copy_out
 from kernel_cases import (PUBLIC_AND_REFERENCE, assert_bitwise, bf16, call_public_op, f32, kernel_device, make_tensor,
                           make_tensors, requires_kernels)
 

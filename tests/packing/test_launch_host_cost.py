@@ -1,5 +1,5 @@
-"""The host side of a launch ([Note: host cost of a launch] in ``kernels._launch``): the pointer-table
-cache and the C-speed argument checks ([Note: checks at C speed] in ``kernels._checks``).
+"""The host side of a launch ([Note: host cost of a launch] in ``overlap_kernels._launch``): the pointer-table
+cache and the C-speed argument checks ([Note: checks at C speed] in ``overlap_kernels._checks``).
 
 * The pointer-table cache is keyed by (device, addresses, dtypes) and its content is a function of
   that key: a change of address or dtype builds a new table, a layout has its own cache, and a
@@ -16,8 +16,8 @@ import re
 import pytest
 import torch
 
-from kernels import ShardLayout, _checks, _launch, all_gather_copy_in, all_gather_copy_out
-from kernels.all_gather_copy_out import all_gather_copy_out_ref
+from overlap_kernels import ShardLayout, _checks, _launch, all_gather_copy_in, all_gather_copy_out
+from overlap_kernels.all_gather_copy_out import all_gather_copy_out_ref
 from kernel_cases import assert_bitwise, bf16, expected_slot, f32, kernel_device, make_tensor, make_tensors, requires_kernels
 
 SHAPES = [(10, 3), (7,), (5, 2, 2)]

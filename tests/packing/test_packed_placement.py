@@ -1,6 +1,6 @@
 """``PackedPlacement.shared_views`` (the runtime's new sharded gradients: [Note: new sharded
 gradients share one storage] in ``overlap/param_group.py``) and the reduce-scatter copy-out's launch
-keyed on their storage (``packed=``, [Note: packed placements] in ``kernels._launch``), bitwise
+keyed on their storage (``packed=``, [Note: packed placements] in ``overlap_kernels._launch``), bitwise
 against the reference across re-allocations."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kernel_cases import assert_bitwise, bf16, f32, kernel_device, make_tensor, requires_kernels
-from kernels import ShardLayout, _launch
-from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out, reduce_scatter_copy_out_ref
+from overlap_kernels import ShardLayout, _launch
+from overlap_kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out, reduce_scatter_copy_out_ref
 
 SHAPES = [(6, 4), (9,), (0, 3), (), (5, 2, 2)]
 

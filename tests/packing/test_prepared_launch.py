@@ -1,5 +1,5 @@
 """Prepared launches against what can change between two calls ([Note: prepared launches] in
-``kernels.prepared_launch``).
+``overlap_kernels.prepared_launch``).
 
 * A repeated call matches one fingerprint and reuses its prepared launch: the per-tensor checks do
   not run again, and the result is the reference's.
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import (
+from overlap_kernels import (
     ShardLayout,
     _checks,
     _launch,
@@ -28,10 +28,10 @@ from kernels import (
     all_gather_copy_in_ref,
     prepared_launch,
 )
-from kernels.all_gather_copy_in import _all_gather_copy_in
-from kernels.all_gather_copy_out import _all_gather_copy_out
-from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in, _reduce_scatter_copy_in_kernel as reduce_scatter_copy_in_kernel
-from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
+from overlap_kernels.all_gather_copy_in import _all_gather_copy_in
+from overlap_kernels.all_gather_copy_out import _all_gather_copy_out
+from overlap_kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in, _reduce_scatter_copy_in_kernel as reduce_scatter_copy_in_kernel
+from overlap_kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out
 from kernel_cases import assert_bitwise, bf16, call_public_op, f32, kernel_device, make_tensor, requires_kernels
 
 pytestmark = requires_kernels

@@ -36,7 +36,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kernels import (  # noqa: E402
+from overlap_kernels import (  # noqa: E402
     ShardLayout,
     _launch,
     all_gather_copy_in,
@@ -48,10 +48,10 @@ from kernels import (  # noqa: E402
     reduce_scatter_copy_out,
     reduce_scatter_copy_out_ref,
 )
-from kernels.all_gather_copy_in import _all_gather_copy_in_torch  # noqa: E402
-from kernels.all_gather_copy_out import _all_gather_copy_out_torch  # noqa: E402
-from kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in_torch  # noqa: E402
-from kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out_torch  # noqa: E402
+from overlap_kernels.all_gather_copy_in import _all_gather_copy_in_torch  # noqa: E402
+from overlap_kernels.all_gather_copy_out import _all_gather_copy_out_torch  # noqa: E402
+from overlap_kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in_torch  # noqa: E402
+from overlap_kernels.reduce_scatter_copy_out import _reduce_scatter_copy_out_torch  # noqa: E402
 from kernel_cases import (  # noqa: E402  (the op tests' dtype cases, data and comparisons)
     DTYPE_CASES,
     FLOAT_CASES,

@@ -1,11 +1,11 @@
-"""The block-quantized packing ops (``kernels.quantized_*``), int8 and fp8 (e4m3) codes: Triton against
+"""The block-quantized packing ops (``overlap_kernels.quantized_*``), int8 and fp8 (e4m3) codes: Triton against
 the torch fallback, round trips within the stated per-block error bound, zero blocks, NaN / inf, tails,
 every dtype pair; fp8's encoding against torch's ``float8_e4m3fn`` cast on every code and every tie.
 
 Paths: ``triton`` launches the kernels (under ``TRITON_INTERPRET=1`` on CPU, set by conftest; skipped
 with the reason when Triton does not run CPU tensors in this process); ``torch`` is the fallback
 (``_*_torch``) CPUs run without the interpreter. The two must agree bit for bit ([Note: why the
-arithmetic is bitwise portable] in ``kernels/block_quantization.py``): every comparison between
+arithmetic is bitwise portable] in ``overlap_kernels/block_quantization.py``): every comparison between
 them is ``torch.equal`` on the bytes.
 
 The error bound ([Note: the per-block error bound]) is checked against an independent computation
@@ -25,14 +25,14 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kernels import ShardLayout, _launch, quantized_layout  # noqa: E402
-from kernels.block_quantization import FORMATS, QMAX, error_bound  # noqa: E402
-from kernels.quantized_all_gather_copy_out import (  # noqa: E402
+from overlap_kernels import ShardLayout, _launch, quantized_layout  # noqa: E402
+from overlap_kernels.block_quantization import FORMATS, QMAX, error_bound  # noqa: E402
+from overlap_kernels.quantized_all_gather_copy_out import (  # noqa: E402
     _quantized_all_gather_copy_out, _quantized_all_gather_copy_out_torch, quantized_all_gather_copy_out)
-from kernels.quantized_copy_in import (  # noqa: E402
+from overlap_kernels.quantized_copy_in import (  # noqa: E402
     _quantized_copy_in, _quantized_copy_in_torch, quantized_all_gather_copy_in, quantized_reduce_scatter_copy_in)
-from kernels.quantized_layout import BLOCKS, QuantizedLayout, _programs  # noqa: E402
-from kernels.quantized_reduce_scatter_copy_out import (  # noqa: E402
+from overlap_kernels.quantized_layout import BLOCKS, QuantizedLayout, _programs  # noqa: E402
+from overlap_kernels.quantized_reduce_scatter_copy_out import (  # noqa: E402
     _quantized_reduce_scatter_copy_out, _quantized_reduce_scatter_copy_out_torch, quantized_reduce_scatter_copy_out)
 from models import block_absmax  # noqa: E402
 
@@ -452,7 +452,7 @@ def test_bad_input_names_the_argument() -> None:
         QuantizedLayout(layout, 100)
     with pytest.raises(ValueError, match=r"format must be one of \('int8', 'fp8'\), got 'fp4'"):
         QuantizedLayout(layout, 32, "fp4")
-    with pytest.raises(TypeError, match="layout must be a kernels.ShardLayout"):
+    with pytest.raises(TypeError, match="layout must be a overlap_kernels.ShardLayout"):
         QuantizedLayout([(8, 2)], 32)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="qlayout must be"):
         quantized_all_gather_copy_in([torch.zeros(4, 2)], layout, 0)  # type: ignore[arg-type]

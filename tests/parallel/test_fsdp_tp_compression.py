@@ -153,7 +153,7 @@ def test_compressed_fsdp_tp_tracks_the_exact_run(distributed) -> None:
 
 # ------------------------------------------------------------------------------ Triton vs torch
 def _triton_vs_torch(rank: int, world: int, compress: overlap.Compression) -> dict[str, list[torch.Tensor]]:
-    from kernels._launch import torch_fallback_on_cpu
+    from overlap_kernels._launch import torch_fallback_on_cpu
 
     torch.set_num_threads(1)
     mesh = _mesh()
@@ -172,7 +172,7 @@ def _triton_vs_torch(rank: int, world: int, compress: overlap.Compression) -> di
 def test_compressed_fsdp_tp_on_triton_kernels_equals_the_torch_fallback(distributed, format: str) -> None:
     """Two compressed steps with the Triton kernels (interpreter on CPU) and with the torch fallback:
     bitwise the same local parameters on every rank."""
-    from kernels import _launch
+    from overlap_kernels import _launch
 
     if not _launch.triton_enabled(torch.device("cpu")):
         pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1 (conftest sets it without a GPU)")

@@ -1,7 +1,7 @@
 """Bad input to every public function and constructor: a specific exception, a message that names the
 argument and its allowed values, and nothing left broken behind.
 
-One table row per invalid argument (``MATRIX``: ``overlap.*``, ``kernels.*``, ``scheduler.*``) on a
+One table row per invalid argument (``MATRIX``: ``overlap.*``, ``overlap_kernels.*``, ``scheduler.*``) on a
 1-rank gloo group in this process, and the rows that need two ranks (``MATRIX_2_RANKS``: divisibility
 by the group size, one entry per rank, ``src`` of another rank, shard-sized tensors) on 2 gloo ranks.
 
@@ -30,11 +30,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-import kernels
+import overlap_kernels
 import overlap
 import scheduler
 from fx_graphs import acceptance_graph, names
-from kernels import ShardLayout
+from overlap_kernels import ShardLayout
 
 f32, bf16, i32 = torch.float32, torch.bfloat16, torch.int32
 LAYOUT_SHAPES = [(5, 3), (7,), ()]
@@ -76,7 +76,7 @@ class Env:
         with torch.no_grad():  # a grad-enabled forward without backward leaves the step open
             self.model_out = self.model(self.inp)
             self.sharded_out = self.sharded(self.inp)
-        self.ag_expected = kernels.all_gather_copy_in_ref(self.shards, self.layout, 1)[0]
+        self.ag_expected = overlap_kernels.all_gather_copy_in_ref(self.shards, self.layout, 1)[0]
         self.graph_order = _pass_order()
         self.inductor = _inductor_config()
 
@@ -106,7 +106,7 @@ class Env:
             problems.append("a collective on the group no longer matches dist.all_reduce")
         if overlap.inflight():
             problems.append(f"collectives left in flight: {overlap.inflight()}")
-        got = kernels.all_gather_copy_in(self.shards, self.layout, 1)[0]
+        got = overlap_kernels.all_gather_copy_in(self.shards, self.layout, 1)[0]
         if not torch.equal(got, self.ag_expected):
             problems.append("all_gather_copy_in no longer matches its reference")
         if _pass_order() != self.graph_order:
@@ -463,46 +463,46 @@ MATRIX: dict[str, Bad] = {
     "ShardLayout.from_spec not ints": Bad(lambda e: ShardLayout.from_spec("3"), TypeError, "spec",
                                           "sequence of ints"),
     "chunk_place buf of another dtype": Bad(
-        lambda e: kernels.chunk_place(torch.zeros(4, 3), torch.zeros(2, 2, 3, dtype=torch.float16), [0, 2], [2, 2], 0),
+        lambda e: overlap_kernels.chunk_place(torch.zeros(4, 3), torch.zeros(2, 2, 3, dtype=torch.float16), [0, 2], [2, 2], 0),
         ValueError, "buf", "full's dtype and device"),
     "chunk_pack piece longer than the width": Bad(
-        lambda e: kernels.chunk_pack(torch.zeros(2, 2, 3), torch.zeros(4, 3), [0, 2], [3, 1], 0), ValueError,
+        lambda e: overlap_kernels.chunk_pack(torch.zeros(2, 2, 3), torch.zeros(4, 3), [0, 2], [3, 1], 0), ValueError,
         "piece 0", "must fit in buf's width 2"),
-    "all_gather_copy_in layout not a layout": Bad(lambda e: kernels.all_gather_copy_in(e.shards, "layout", 1),
-                                                  TypeError, "layout", "kernels.ShardLayout"),
-    "all_gather_copy_in rank out of range": Bad(lambda e: kernels.all_gather_copy_in(e.shards, e.layout, 3),
+    "all_gather_copy_in layout not a layout": Bad(lambda e: overlap_kernels.all_gather_copy_in(e.shards, "layout", 1),
+                                                  TypeError, "layout", "overlap_kernels.ShardLayout"),
+    "all_gather_copy_in rank out of range": Bad(lambda e: overlap_kernels.all_gather_copy_in(e.shards, e.layout, 3),
                                                 ValueError, "rank", "[0, 3)"),
-    "all_gather_copy_in rank a float": Bad(lambda e: kernels.all_gather_copy_in(e.shards, e.layout, 1.0), TypeError,
+    "all_gather_copy_in rank a float": Bad(lambda e: overlap_kernels.all_gather_copy_in(e.shards, e.layout, 1.0), TypeError,
                                            "rank", "[0, 3)"),
     "all_gather_copy_in complex dtype": Bad(
-        lambda e: kernels.all_gather_copy_in(e.shards, e.layout, 1, torch.complex64), TypeError, "dtype",
+        lambda e: overlap_kernels.all_gather_copy_in(e.shards, e.layout, 1, torch.complex64), TypeError, "dtype",
         "float64, float32, float16, bfloat16, int64"),
-    "all_gather_copy_in too few shards": Bad(lambda e: kernels.all_gather_copy_in(e.shards[:2], e.layout, 1),
+    "all_gather_copy_in too few shards": Bad(lambda e: overlap_kernels.all_gather_copy_in(e.shards[:2], e.layout, 1),
                                              ValueError, "shards", "the layout has 3 parameters"),
-    "all_gather_copy_in shard of the wrong rank": Bad(lambda e: kernels.all_gather_copy_in(e.shards, e.layout, 2),
+    "all_gather_copy_in shard of the wrong rank": Bad(lambda e: overlap_kernels.all_gather_copy_in(e.shards, e.layout, 2),
                                                       ValueError, "shards[0]", "the layout expects (1, 3)"),
-    "all_gather_copy_out buffer short": Bad(lambda e: kernels.all_gather_copy_out(e.buffer[:-1], e.layout),
+    "all_gather_copy_out buffer short": Bad(lambda e: overlap_kernels.all_gather_copy_out(e.buffer[:-1], e.layout),
                                             ValueError, "ag_output", "exactly 144"),
     "all_gather_copy_out out not contiguous": Bad(
-        lambda e: kernels.all_gather_copy_out(e.buffer, e.layout, [torch.zeros(3, 5).t(), *e.outs[1:]]),
+        lambda e: overlap_kernels.all_gather_copy_out(e.buffer, e.layout, [torch.zeros(3, 5).t(), *e.outs[1:]]),
         ValueError, "outs[0]", "must be contiguous"),
     "all_gather_copy_out out of another dtype": Bad(
-        lambda e: kernels.all_gather_copy_out(e.buffer, e.layout, e.outs, dtype=bf16), TypeError, "outs[0]",
+        lambda e: overlap_kernels.all_gather_copy_out(e.buffer, e.layout, e.outs, dtype=bf16), TypeError, "outs[0]",
         "expected dtype=torch.bfloat16"),
     "reduce_scatter_copy_in scale a str": Bad(
-        lambda e: kernels.reduce_scatter_copy_in(e.fulls, e.layout, pre_scale="0.5"), TypeError, "pre_scale",
+        lambda e: overlap_kernels.reduce_scatter_copy_in(e.fulls, e.layout, pre_scale="0.5"), TypeError, "pre_scale",
         "None or a float"),
     "reduce_scatter_copy_in scaled ints": Bad(
-        lambda e: kernels.reduce_scatter_copy_in([f.to(i32) for f in e.fulls], e.layout, 0.5), TypeError,
+        lambda e: overlap_kernels.reduce_scatter_copy_in([f.to(i32) for f in e.fulls], e.layout, 0.5), TypeError,
         "pre_scale", "floating-point tensors"),
     "reduce_scatter_copy_out accumulate an int": Bad(
-        lambda e: kernels.reduce_scatter_copy_out(e.slot, e.shard_grads, e.layout, 0, accumulate=1), TypeError,
+        lambda e: overlap_kernels.reduce_scatter_copy_out(e.slot, e.shard_grads, e.layout, 0, accumulate=1), TypeError,
         "accumulate", "bool"),
     "reduce_scatter_copy_out scale a list": Bad(
-        lambda e: kernels.reduce_scatter_copy_out(e.slot, e.shard_grads, e.layout, 0, post_scale=[1.0]), TypeError,
+        lambda e: overlap_kernels.reduce_scatter_copy_out(e.slot, e.shard_grads, e.layout, 0, post_scale=[1.0]), TypeError,
         "post_scale", "None or a float"),
     "reduce_scatter_copy_out slot short": Bad(
-        lambda e: kernels.reduce_scatter_copy_out(e.slot[:-1], e.shard_grads, e.layout, 0), ValueError,
+        lambda e: overlap_kernels.reduce_scatter_copy_out(e.slot[:-1], e.shard_grads, e.layout, 0), ValueError,
         "rs_output", "exactly 48"),
     # scheduler ---------------------------------------------------------------------------------------
     "overlap_pass gm a Graph": Bad(lambda e: scheduler.overlap_pass(e.graph().graph), TypeError, "gm",
@@ -614,7 +614,7 @@ def test_every_public_name_has_a_row() -> None:
     covered = " ".join(MATRIX) + " " + " ".join(MATRIX_2_RANKS)
     missing = [
         f"{mod.__name__}.{name}"
-        for mod in (overlap, kernels, scheduler)
+        for mod in (overlap, overlap_kernels, scheduler)
         for name in mod.__all__
         if name not in no_arguments and not name.endswith("_ref") and name not in covered
     ]

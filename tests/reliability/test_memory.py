@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 import overlap
-from kernels import ShardLayout
+from overlap_kernels import ShardLayout
 from models import SMALL_SIZES, TinyLM, single_threaded, small_step
 from scheduler.torch_versions import TORCH_VERSION
 

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 import overlap
-from kernels import ShardLayout
-from kernels.block_quantization import error_bound
-from kernels.quantized_all_gather_copy_out import quantized_all_gather_copy_out
-from kernels.quantized_copy_in import quantized_all_gather_copy_in
-from kernels.quantized_layout import QuantizedLayout
+from overlap_kernels import ShardLayout
+from overlap_kernels.block_quantization import error_bound
+from overlap_kernels.quantized_all_gather_copy_out import quantized_all_gather_copy_out
+from overlap_kernels.quantized_copy_in import quantized_all_gather_copy_in
+from overlap_kernels.quantized_layout import QuantizedLayout
 from models import COUNTING_LINK, SEED, LR, TinyLM, block_absmax, local_batch, make_batch, make_optimizer, train_ranks
 
 INT8 = overlap.Compression()  # gather and reduce int8, block 256
@@ -259,7 +259,7 @@ def _triton_vs_torch(rank: int, world: int, mesh_shape: tuple[int, int] | None =
     (replicate, shard) mesh of that shape (HSDP, tests/shard/test_hsdp_compression.py)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from kernels._launch import torch_fallback_on_cpu
+    from overlap_kernels._launch import torch_fallback_on_cpu
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if mesh_shape else None
@@ -289,7 +289,7 @@ class _nothing:
 def test_runtime_on_triton_kernels_equals_the_torch_fallback(distributed, gather, reduce) -> None:
     """Two compressed steps with the Triton kernels (interpreter on CPU) and with the torch fallback
     (torch's own float8_e4m3fn casts for fp8): bitwise the same parameters."""
-    from kernels import _launch
+    from overlap_kernels import _launch
 
     if not _launch.triton_enabled(torch.device("cpu")):
         pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1 (conftest sets it without a GPU)")

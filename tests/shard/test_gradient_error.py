@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import overlap
-from kernels import ShardLayout
+from overlap_kernels import ShardLayout
 from models import SEED
 
 REDUCE_ONLY = {"int8": overlap.Compression(gather=None, reduce="int8"),  # the forward sees exact parameters

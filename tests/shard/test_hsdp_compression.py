@@ -236,7 +236,7 @@ def test_hsdp_on_triton_kernels_equals_the_torch_fallback(distributed, compress:
     """Two steps of an MLP compressed on both tiers (int8 gather or fp8 gather, int8 or fp8 replica sum) with
     the Triton kernels (interpreter on CPU) and with the torch fallback (torch's own float8_e4m3fn
     casts for fp8): bitwise the same parameters on every rank."""
-    from kernels import _launch
+    from overlap_kernels import _launch
 
     if not _launch.triton_enabled(torch.device("cpu")):
         pytest.skip("Triton runs CPU tensors only under TRITON_INTERPRET=1 (conftest sets it without a GPU)")

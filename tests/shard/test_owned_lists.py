@@ -1,5 +1,5 @@
 """The runtime's copy-ins over lists it owns ([Note: lists the runtime owns] in
-``kernels/prepared_launch.py``): a group's prepared launches over its shards and its unsharded
+``overlap_kernels/prepared_launch.py``): a group's prepared launches over its shards and its unsharded
 gradients are keyed on their addresses alone, without the guard. Each test changes one thing that
 the key or the group's re-read covers between two training steps, on 2 gloo ranks, and checks the
 whole run (losses, final parameters) bit for bit against the same run with every launch built
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import overlap
-from kernels import _jit, prepared_launch
+from overlap_kernels import _jit, prepared_launch
 from models import bits
 from overlap.param_group import widest_dtype
 from overlap.sharding import sharded_states
@@ -150,7 +150,7 @@ def test_a_missing_gradient_is_zeros_in_the_dtype_autograd_gives_it(single_rank_
 # On CPU autograd hands a group's unsharded gradients over at new addresses every step, so the
 # reduce-scatter copy-in's owned launch misses every step; each miss reads the new list's
 # contiguity (its dtypes: the group read them already) and makes its launch from the previous one
-# with a new pointer table ([Note: a miss of a prepared launch] in kernels/prepared_launch.py). Here
+# with a new pointer table ([Note: a miss of a prepared launch] in overlap_kernels/prepared_launch.py). Here
 # every step's gradients are kept alive, so no address set can come back.
 MISS_STEPS = 6
 

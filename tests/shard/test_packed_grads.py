@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import overlap
-from kernels import _launch
+from overlap_kernels import _launch
 from models import bits
 from overlap.sharding import sharded_states
 

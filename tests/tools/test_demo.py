@@ -8,7 +8,7 @@ Timings are printed, never asserted.
 
 The ranks run as users run the demo: without Triton's interpreter (``TRITON_INTERPRET=0``: on CPU the
 packing takes the torch fallback; interpreted, a tiny step takes seconds instead of milliseconds).
-``kernels`` reads that variable when imported, so the ranks are started with "spawn" rather than from
+``overlap_kernels`` reads that variable when imported, so the ranks are started with "spawn" rather than from
 the test session's fork server, which imported nothing under another value.
 """
 from __future__ import annotations

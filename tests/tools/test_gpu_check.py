@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import _jit
+from overlap_kernels import _jit
 from overlap.testing import gpu_check
 from overlap.testing.gpu_check import CheckRow, PackingCase, check_packing_case, draw_packing_cases, format_table
 
@@ -42,7 +42,7 @@ def test_draws_are_reproducible_and_the_big_case_is_multi_gib() -> None:
 @interpreted
 def test_an_output_the_kernel_skips_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outputs start as NaN: a copy-out that leaves the last parameter unwritten is reported."""
-    module = importlib.import_module("kernels.all_gather_copy_out")  # the package exports the function by that name
+    module = importlib.import_module("overlap_kernels.all_gather_copy_out")  # the package exports the function by that name
     real = module._all_gather_copy_out
 
     def skips_the_last(ag_output: torch.Tensor, layout: object, outs: list[torch.Tensor], *rest: object,

@@ -1,5 +1,5 @@
-"""The chunk buffer of a decomposed tensor-parallel collective, shared by ``kernels.chunk_place``
-and ``kernels.chunk_pack``.
+"""The chunk buffer of a decomposed tensor-parallel collective, shared by ``overlap_kernels.chunk_place``
+and ``overlap_kernels.chunk_pack``.
 
 A decomposed all-gather or reduce-scatter along a tensor's dim ``d`` moves, per chunk, one piece of
 every rank's slice: rank ``j``'s piece is rows ``[starts[j], starts[j] + lengths[j])`` of dim ``d``
@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from kernels._checks import check_dtype
-from kernels._jit import INTERPRET
-from kernels._launch import triton_enabled
-from kernels.library import use_dispatcher
+from overlap_kernels._checks import check_dtype
+from overlap_kernels._jit import INTERPRET
+from overlap_kernels._launch import triton_enabled
+from overlap_kernels.library import use_dispatcher
 
 _PIECES_CACHE: dict[tuple, torch.Tensor] = {}
 _PIECES_CACHE_SIZE = 256

@@ -27,11 +27,11 @@ slot                       ``(slot_numel,)`` = ``sum(padded_numels)``
 flat buffer                ``(buffer_numel,)`` = ``(w * slot_numel,)``, viewable as ``(w, slot_numel)``
 =========================  ==============================================================
 
-Device-side metadata derived from a layout (block tables, see ``kernels._launch``) is cached on the
+Device-side metadata derived from a layout (block tables, see ``overlap_kernels._launch``) is cached on the
 layout object per device, so steady-state launches copy nothing from host to device; so are the torch
-fallback's plans (host ints, ``kernels._torch_fallback.torch_plan``). When a layout goes, its device tables
+fallback's plans (host ints, ``overlap_kernels._torch_fallback.torch_plan``). When a layout goes, its device tables
 are released only after the kernels that may read them ([Note: table lifetime] in
-``kernels.table_memory``).
+``overlap_kernels.table_memory``).
 """
 from __future__ import annotations
 

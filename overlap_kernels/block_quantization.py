@@ -60,7 +60,7 @@ fp8: the kernels never use Triton's ``float8e4nv`` type. Its interpreter casts a
 3.6 and 3.9 alike: a mantissa that rounds up does not carry into the exponent, 31.6 -> 16.0; probed
 2026-11-26), and on a GPU it needs sm89+. Instead the e4m3 code is integer arithmetic on the
 float32 bits (``_e4m3_code``): a normal ``|c|`` is rounded to 3 mantissa bits with the same
-round-to-nearest-even carry trick as ``_to_bf16_rtne`` in ``kernels/_jit.py`` (``(bits + 0x7FFFF +
+round-to-nearest-even carry trick as ``_to_bf16_rtne`` in ``overlap_kernels/_jit.py`` (``(bits + 0x7FFFF +
 ((bits >> 20) & 1)) >> 20``, a carry bumps the exponent), then rebiased (127 -> 7); a subnormal one
 by ``(|c| + 1.5 * 2**14) - 1.5 * 2**14`` (float32's step there is ``2**-9``, e4m3's subnormal step),
 times 512; the sign is the float32 sign bit. Decoding is exact integer arithmetic too

@@ -4,14 +4,14 @@ with an optional ``* scale + bias`` epilogue.
 ``chunk_pack(buf, src, starts, lengths, dim, bias=None, scale=None)`` writes, for every rank ``j``,
 ``buf[j].narrow(dim, 0, lengths[j]) = src.narrow(dim, starts[j], lengths[j]) * scale + bias`` and
 zeros in the rest of ``buf[j]`` (padding a reduction may sum: zeros keep it finite). The chunk
-buffer is ``kernels.chunk_layout``'s. The epilogue runs in float32 and rounds once to ``buf``'s dtype:
+buffer is ``overlap_kernels.chunk_layout``'s. The epilogue runs in float32 and rounds once to ``buf``'s dtype:
 ``(src.float() * scale + bias.float()).to(dtype)``, a multiply then an add, each rounded to float32
 (no fused multiply-add: compiled with ``enable_fp_fusion=False``), so it is bitwise the reference;
 without an epilogue it is a pure copy. ``bias`` runs along the last dim (the features), which must
 not be ``dim``.
 
 Registered with ``torch.library.triton_op`` as ``torch.ops.overlap.chunk_pack`` (mutating ``buf``);
-see ``kernels.chunk_place`` for why ``triton_op`` here. Triton on CUDA and under
+see ``overlap_kernels.chunk_place`` for why ``triton_op`` here. Triton on CUDA and under
 ``TRITON_INTERPRET=1``; otherwise the torch fallback.
 """
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import chunk_layout
-from kernels._checks import check_dtype
-from kernels._dtypes import TRITON_DTYPES
-from kernels._jit import convert
-from kernels.chunk_layout import use_triton as _use_triton
+from overlap_kernels import chunk_layout
+from overlap_kernels._checks import check_dtype
+from overlap_kernels._dtypes import TRITON_DTYPES
+from overlap_kernels._jit import convert
+from overlap_kernels.chunk_layout import use_triton as _use_triton
 
 __all__ = ["chunk_pack", "chunk_pack_ref"]
 OP = "chunk_pack"

@@ -39,7 +39,7 @@ in other pieces (2-D pieces, whole buffers) it looks for a NaN (``has_nan``: one
 buffer) and, finding one, takes the path cut like the reference (or runs the reference itself):
 slow, but only for data that already holds a NaN (a gradient with a NaN means a skipped step
 anyway). NaN bits are not part of the ops' contract (see [Note: conversions as torch does them] in
-``kernels._jit``); this keeps the fallback and the reference interchangeable, bit for bit.
+``overlap_kernels._jit``); this keeps the fallback and the reference interchangeable, bit for bit.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.layout import ShardLayout
+from overlap_kernels.layout import ShardLayout
 
 
 Piece = tuple[int, tuple[int, ...], tuple[int, ...], int, tuple[int, ...], int]

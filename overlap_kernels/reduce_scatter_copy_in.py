@@ -16,7 +16,7 @@ argument                shape                                  dtype
 
 This module is the op's one home: the Triton kernel, the argument checks (``_check``), the public
 function, ``torch.ops.overlap.reduce_scatter_copy_in`` (custom op and fake, [Note: why custom_op and
-not triton_op] in ``kernels.library``), ``_reduce_scatter_copy_in`` (the op without argument checks,
+not triton_op] in ``overlap_kernels.library``), ``_reduce_scatter_copy_in`` (the op without argument checks,
 for the runtime, which builds every argument from the layout: wrong arguments there are undefined
 behaviour, the kernel reads raw addresses), the torch fallback and the pure-torch reference.
 """
@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks, _launch, _torch_fallback, library, prepared_launch
-from kernels._dtypes import as_float32, compute_dtype
-from kernels._jit import block_run, convert, load_as, scalar_lanes, vector_lanes
-from kernels.layout import ShardLayout
+from overlap_kernels import _checks, _launch, _torch_fallback, library, prepared_launch
+from overlap_kernels._dtypes import as_float32, compute_dtype
+from overlap_kernels._jit import block_run, convert, load_as, scalar_lanes, vector_lanes
+from overlap_kernels.layout import ShardLayout
 
 OP = "reduce_scatter_copy_in"
 
@@ -149,7 +149,7 @@ def _reduce_scatter_copy_in(
     checks read them; ``fingerprint``: the one the public op found them to match; ``owned``: the
     owner's launches, when the caller owns the grads and says when they change, [Note: lists the
     runtime owns]): the kernel, or the torch fallback. The launch is a prepared one ([Note:
-    prepared launches] in ``kernels.prepared_launch``) unless the grads cannot be fingerprinted."""
+    prepared launches] in ``overlap_kernels.prepared_launch``) unless the grads cannot be fingerprinted."""
     device = grads[0].device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
@@ -180,7 +180,7 @@ def _reduce_scatter_copy_in_torch(
     """The op without Triton: the grads packed by one ``torch._chunk_cat`` or one ``_foreach_copy_``
     (at most two views per parameter) — with a scale, packed in the compute dtype, then scaled and
     cast in one call each; bitwise equal to ``reduce_scatter_copy_in_ref``, which it runs instead
-    when it has cast a NaN ([Note: torch fallback] in ``kernels._torch_fallback``)."""
+    when it has cast a NaN ([Note: torch fallback] in ``overlap_kernels._torch_fallback``)."""
     plan = _torch_fallback.torch_plan(layout, None)
     compute = compute_dtype([dtype, *(g.dtype for g in grads)])
     work = torch.empty(layout.buffer_numel, dtype=dtype if pre_scale is None else compute, device=device)

@@ -1,7 +1,7 @@
 """The host side of one launch: dispatch, tables, and the launch itself.
 
 Contract: ``triton_enabled(device)`` says whether a call takes the Triton kernel or the torch
-fallback (``kernels._torch_fallback``). An op's launcher builds a ``KernelCall`` with
+fallback (``overlap_kernels._torch_fallback``). An op's launcher builds a ``KernelCall`` with
 ``kernel_call`` / ``scaled_kernel_call`` (its block table and pointer table, its own arguments and
 constexprs) and runs ``KernelCall.launch``: one launch over all of a group's tensors, on the
 tensors' device, with no host sync. ``increment_version`` then tells autograd what it wrote. The
@@ -23,27 +23,27 @@ parameter tensor and the flat buffer). Two tables tell a program what to do:
   interpreter cannot follow CUDA addresses, so CUDA tensors under the interpreter take the torch path.
   Pointer tables are cached per layout keyed by (addresses, dtypes) — their content is a function of
   that key — the ``POINTER_CACHE_SIZE`` newest of them: a new address set evicts the oldest, whose
-  device copy ``kernels.table_memory`` releases only after the kernels that may read it. A prepared
+  device copy ``overlap_kernels.table_memory`` releases only after the kernels that may read it. A prepared
   launch's table for a new address set is made from its old one instead (``PointerTable.moved``,
-  [Note: a miss of a prepared launch] in ``kernels.prepared_launch``), outside this cache.
+  [Note: a miss of a prepared launch] in ``overlap_kernels.prepared_launch``), outside this cache.
 
 Device copies of the tables, their use from several streams, their release and CUDA graph capture
-are ``kernels.table_memory``'s ([Note: table memory]): copies are stream-ordered (no host sync), a
+are ``overlap_kernels.table_memory``'s ([Note: table memory]): copies are stream-ordered (no host sync), a
 table is not reused while a queued kernel may read it, and a captured launch reads tables that stay
 valid for as long as the graph may replay. The device side (``block_run``, ``load_as``, ``store_as``)
-is ``kernels._jit``.
+is ``overlap_kernels._jit``.
 
 Launches pass ``enable_fp_fusion=False`` so that scale-then-accumulate rounds like the torch reference.
 
 [Note: host cost of a launch]
 On a GPU the host time of an op is what the overlap must hide behind, and a group has hundreds of
 small parameters. A repeated call is a *prepared launch* ([Note: prepared launches] in
-``kernels.prepared_launch``): one C call checks the list against a fingerprint (type, device,
+``overlap_kernels.prepared_launch``): one C call checks the list against a fingerprint (type, device,
 dtype, shape, strides), one ``map`` pass reads the addresses that key the prepared launch, and
 nothing else is per tensor. What follows is the path of a first call (and of
 ``prepared_launch.uncached``). Per call, a launch reads each tensor twice, by C-level ``map`` passes with no
 Python bytecode per tensor: its data address and its dtype (the pointer-table key; the public ops'
-checks add one pass per rule, [Note: checks at C speed] in ``kernels._checks``, and hand the
+checks add one pass per rule, [Note: checks at C speed] in ``overlap_kernels._checks``, and hand the
 dtypes they read to the launch, which then reads only the addresses). Everything else
 is per layout or per key: the block table, the shapes the checks compare against, the pointer
 table of an address set seen before (its device copy included), the dtype groups and the vector
@@ -53,7 +53,7 @@ correct, table, and a change of address or dtype misses the cache. The reads tha
 floor of a Python launcher that must not trust its caller: about 0.05 µs per tensor per pass on
 the 2-core CI box (``benchmarks/bench_kernels.py``'s host table, with the kernel launch stubbed).
 On CUDA the launch itself then skips Triton's per-call JIT path ([Note: launching the compiled
-kernel] in ``kernels._compiled_launch``). No cheaper fingerprint exists for a list the caller hands in: a tensor object keeps its identity
+kernel] in ``overlap_kernels._compiled_launch``). No cheaper fingerprint exists for a list the caller hands in: a tensor object keeps its identity
 and often its address through ``set_``, ``resize_``, ``as_strided_`` and ``.data =``, none of which
 need bump a counter, so a key that skipped reading a tensor could launch on memory it no longer
 owns. What *can* be O(1) is a list whose placement the caller owns ([Note: packed placements]).
@@ -83,11 +83,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _compiled_launch, table_memory
-from kernels._checks import DTYPE
-from kernels._dtypes import MAX_DTYPE_GROUPS, TRITON_DTYPES, as_float32, compute_dtype
-from kernels._jit import INTERPRET
-from kernels.layout import ShardLayout
+from overlap_kernels import _compiled_launch, table_memory
+from overlap_kernels._checks import DTYPE
+from overlap_kernels._dtypes import MAX_DTYPE_GROUPS, TRITON_DTYPES, as_float32, compute_dtype
+from overlap_kernels._jit import INTERPRET
+from overlap_kernels.layout import ShardLayout
 
 POINTER_CACHE_SIZE = 64
 _DATA_PTR = torch.Tensor.data_ptr
@@ -177,7 +177,7 @@ class PointerTable:
     def moved(self, addresses: tuple[int, ...], device: torch.device) -> PointerTable:
         """This table with ``addresses`` in its first column (tensors of the same dtypes, in the same
         order, at other addresses): one host array filled and uploaded, nothing read of a tensor and
-        nothing cached ([Note: a miss of a prepared launch] in ``kernels.prepared_launch``)."""
+        nothing cached ([Note: a miss of a prepared launch] in ``overlap_kernels.prepared_launch``)."""
         return _pointer_rows(addresses, self.groups, self.dtypes, self.num_groups, self.torch_dtypes, device)
 
 
@@ -191,7 +191,7 @@ def to_device(arrays: Sequence[np.ndarray], device: torch.device, *, cached: boo
 def _pick_block(max_run: int, device: torch.device) -> tuple[int, int, int]:
     """``(BLOCK, num_warps, CHUNK)`` for runs of at most ``max_run`` elements; ``CHUNK``: elements per
     step of the scalar paths (4 per thread on a GPU, the whole block under the interpreter, which
-    pays per step: [Note: per-thread width] in ``kernels._jit``)."""
+    pays per step: [Note: per-thread width] in ``overlap_kernels._jit``)."""
     cap = GPU_MAX_BLOCK if device.type == "cuda" else INTERPRET_MAX_BLOCK
     block = min(cap, max(128, triton.next_power_of_2(max(max_run, 1))))
     num_warps = 8 if block >= 4096 else 4
@@ -343,7 +343,7 @@ def _new_pointer_table(layout: ShardLayout, key: tuple, addresses: tuple[int, ..
     """The table of ``addresses`` and ``dtypes``, cached on ``layout`` under ``key`` (whose value it
     is a function of); the layout keeps the ``POINTER_CACHE_SIZE`` newest, and drops the oldest
     (its device copy is released once the kernels that may read it have run: [Note: table
-    lifetime] in ``kernels.table_memory``)."""
+    lifetime] in ``overlap_kernels.table_memory``)."""
     groups = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}  # first-seen order, one C pass
     column = np.zeros(len(addresses), dtype=np.int64)
     if len(groups) > 1:
@@ -375,7 +375,7 @@ def _pointer_rows(addresses: tuple[int, ...], groups: np.ndarray, dtypes: tuple[
 # ------------------------------------------------------------------------------------------- launch
 def vector_width(dtypes: Sequence[torch.dtype]) -> int:
     """Elements per thread on both sides of a copy: 16 bytes of the widest of ``dtypes`` (the
-    destination side's dtypes; [Note: per-thread width] in ``kernels._jit``)."""
+    destination side's dtypes; [Note: per-thread width] in ``overlap_kernels._jit``)."""
     return 16 // max(d.itemsize for d in dtypes)
 
 
@@ -483,7 +483,7 @@ class PreparedLaunch:
     """A ``KernelCall`` with everything but the flat buffer settled: its tables (device copies
     included), grid, the arguments after the flat buffer and its constexprs. ``launch(flat)`` is
     the call's ``launch`` with ``flat`` as the flat buffer, through the same ``launch``
-    ([Note: prepared launches] in ``kernels.prepared_launch``, which caches them)."""
+    ([Note: prepared launches] in ``overlap_kernels.prepared_launch``, which caches them)."""
 
     kernel: triton.JITFunction
     blocks: BlockTable
@@ -515,7 +515,7 @@ def cuda_launch(kernel: triton.JITFunction, programs: int, tables: Sequence[tabl
                 device: torch.device) -> None:
     """``kernel[(programs,)](*tensors of each table, *args, **constexprs, **options)`` on ``device``
     and its current stream: the tables through ``table_memory.prepare``, a repeat launch straight
-    into the compiled kernel ([Note: launching the compiled kernel] in ``kernels._compiled_launch``)."""
+    into the compiled kernel ([Note: launching the compiled kernel] in ``overlap_kernels._compiled_launch``)."""
     index = _compiled_launch.current_device_index()
     with torch.cuda.device(device) if index != device.index else contextlib.nullcontext():
         prepared = table_memory.prepare(tables, device)

@@ -5,7 +5,7 @@ rank ``r`` and parameter ``i``, quantized slot ``r``'s rows of parameter ``i`` (
 block's scale, in float32, then cast to the out's dtype as torch casts) into rows
 ``layout.shard_rows(i, r)`` of ``outs[i]``. ``outs=None`` allocates them (dtype ``dtype``, default
 float32); given ``outs`` are written in place. ``q_output`` is only read. A block that held a NaN or
-inf (its scale is NaN: ``kernels.quantized_copy_in``) comes out NaN in every element; the public
+inf (its scale is NaN: ``overlap_kernels.quantized_copy_in``) comes out NaN in every element; the public
 function raises ``ValueError`` naming the ranks instead, before writing anything.
 
 ======================  =====================================  =================================
@@ -25,11 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks, _launch
-from kernels._jit import store_as
-from kernels.block_quantization import dequantize_block, dequantize_elements_torch
-from kernels.quantized_copy_in import QUANTIZED_DTYPES
-from kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
+from overlap_kernels import _checks, _launch
+from overlap_kernels._jit import store_as
+from overlap_kernels.block_quantization import dequantize_block, dequantize_elements_torch
+from overlap_kernels.quantized_copy_in import QUANTIZED_DTYPES
+from overlap_kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
                                       tile_rows)
 
 OP = "quantized_all_gather_copy_out"
@@ -75,7 +75,7 @@ def quantized_all_gather_copy_out(
 ) -> list[torch.Tensor]:
     """Dequantize every slot of ``q_output`` into ``outs`` (allocated when None); returns them."""
     if not isinstance(qlayout, QuantizedLayout):
-        raise TypeError(f"{OP}: qlayout must be a kernels.quantized_layout.QuantizedLayout, got {type(qlayout).__name__}")
+        raise TypeError(f"{OP}: qlayout must be a overlap_kernels.quantized_layout.QuantizedLayout, got {type(qlayout).__name__}")
     device = _check_buffer(q_output, qlayout)
     layout = qlayout.layout
     if outs is None:

@@ -7,14 +7,14 @@ goes through the op only when ``use_dispatcher`` says so. Nothing here knows an 
 
 [Note: why custom_op and not triton_op]
 The kernels take a *pointer table* (data addresses of the N parameter-side tensors, see
-``kernels._launch``) so that one launch covers N tensors of any shapes. ``torch.library.triton_op``
+``overlap_kernels._launch``) so that one launch covers N tensors of any shapes. ``torch.library.triton_op``
 traces its body with fake tensors under ``torch.compile``, where data addresses do not exist, and
 Inductor would need every tensor as a separate kernel argument. So the ops are opaque
 ``torch.library.custom_op``s with fake implementations: they trace in ``make_fx`` and
 ``torch.compile`` (Inductor calls them as extern kernels), and at run time dispatch on device
 (Triton on CUDA or under the interpreter, the torch fallback otherwise).
 
-The public functions (``kernels.all_gather_copy_in`` ...) call the launchers directly in eager mode —
+The public functions (``overlap_kernels.all_gather_copy_in`` ...) call the launchers directly in eager mode —
 a custom-op call pays the dispatcher's overhead for each of its hundreds of tensors — and go through
 these ops while Dynamo traces or a dispatch mode is active (``use_dispatcher``). Ops take the layout
 as its ``spec`` (a flat int list); ``ShardLayout.from_spec`` rebuilds and caches it.
@@ -22,7 +22,7 @@ as its ``spec`` (a flat int list); ``ShardLayout.from_spec`` rebuilds and caches
 [Note: ops in CUDA graphs]
 On CUDA with Triton the four ops are capture-safe: their launch path allocates nothing pinned,
 waits on nothing and syncs nothing during capture, and the tables their kernels read stay valid
-for as long as a graph may replay (``kernels.table_memory``). CUDA tensors under
+for as long as a graph may replay (``overlap_kernels.table_memory``). CUDA tensors under
 ``TRITON_INTERPRET`` take the torch fallback instead, whose NaN check (``_torch_fallback.has_nan``)
 reads a value back to the host: in that configuration the ops are registered with
 ``torch.Tag.cudagraph_unsafe``, so that Inductor's CUDA graphs leave them out
@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._checks import plain_tensors
-from kernels._jit import INTERPRET
-from kernels.layout import ShardLayout
+from overlap_kernels._checks import plain_tensors
+from overlap_kernels._jit import INTERPRET
+from overlap_kernels.layout import ShardLayout
 
 
 def _cudagraph_tags(interpret: bool) -> tuple[torch.Tag, ...]:
@@ -92,5 +92,5 @@ def use_dispatcher(tensors: Sequence[torch.Tensor]) -> bool:
 
 def dispatch_active() -> bool:
     """``use_dispatcher``'s O(1) part: Dynamo traces, or a TorchDispatchMode is active (a list that
-    matched a prepared launch's fingerprint holds plain tensors only: ``kernels.prepared_launch``)."""
+    matched a prepared launch's fingerprint holds plain tensors only: ``overlap_kernels.prepared_launch``)."""
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0

@@ -1,6 +1,6 @@
 """Device-side helpers of the four packing kernels (``@triton.jit``, inlined into each kernel).
 
-Contract: ``block_run`` reads a program's block from the tables ``kernels._launch`` builds ([Note:
+Contract: ``block_run`` reads a program's block from the tables ``overlap_kernels._launch`` builds ([Note:
 one launch over N tensors]); ``vector_lanes`` / ``scalar_lanes`` give a block's element offsets on
 the aligned unmasked path and on the others; ``load_as`` / ``store_as`` read and write the
 parameter-side tensor of any of up to ``MAX_DTYPE_GROUPS`` dtypes through its raw address;
@@ -15,7 +15,7 @@ multiples of ``ShardLayout.ALIGN``). One odd parameter thus slows only its own r
 
 [Note: per-thread width]
 Every thread moves ``VEC`` consecutive elements on both sides of a copy, ``VEC`` = 16 bytes of the
-widest *destination* dtype (``kernels._launch.vector_width``), passed as ``tl.max_contiguous`` of
+widest *destination* dtype (``overlap_kernels._launch.vector_width``), passed as ``tl.max_contiguous`` of
 the offsets. Left to itself Triton loads 16 bytes per thread and caps stores at 16 bytes, so a
 widening cast (bfloat16 -> float32: 8 elements loaded, 4 stored per thread) goes through a
 shared-memory layout conversion. With ``VEC``: stores are 128-bit and gapless across a warp; loads
@@ -24,7 +24,7 @@ as wide, and two 128-bit loads per thread when it is twice as wide. No layout co
 memory (tests/packing/test_aot_compile.py checks the PTX). This is also the rule of torch's vectorized CUDA
 casts (one vector width for all operands, the narrowest one's). Unaligned and masked blocks are
 scalar on both sides (``scalar_lanes``), in steps of ``CHUNK`` elements (4 per thread on a GPU,
-``kernels._launch._pick_block``): done in one step, their per-element 64-bit addresses would set the
+``overlap_kernels._launch._pick_block``): done in one step, their per-element 64-bit addresses would set the
 register count of the whole kernel (tests/packing/test_aot_compile.py checks the count).
 """
 from __future__ import annotations

@@ -4,10 +4,10 @@ tables the quantized packing kernels read.
 [Note: quantized slots]
 A quantized buffer is ``world_size`` *quantized slots* of ``slot_bytes`` bytes each, rank-major,
 held in one ``uint8`` tensor (what the collectives move). Quantized slot ``r`` encodes slot ``r`` of
-the ``ShardLayout`` ([Note: flat buffers] in ``kernels/layout.py``: every parameter's shard at its
+the ``ShardLayout`` ([Note: flat buffers] in ``overlap_kernels/layout.py``: every parameter's shard at its
 slot offset, zeros in its padding) element for element, one int8 code per element, followed by one
 float32 scale per *block*. The code is an int8 (``format="int8"``) or a float8_e4m3fn byte
-(``format="fp8"``; ``kernels/block_quantization.py``): the same bytes either way, so the format
+(``format="fp8"``; ``overlap_kernels/block_quantization.py``): the same bytes either way, so the format
 changes what a byte means and nothing of where it lies:
 
 =====================================  ==========================================  =======
@@ -51,7 +51,7 @@ stores with masks and without vector instructions. Most programs of a large para
 (``BLOCKS_PER_PROGRAM`` full blocks) and 16-byte aligned on both sides, so each kernel checks that
 per program (``aligned_full_block``) and then loads and stores ``VEC`` elements per thread (16 bytes
 of the widest tensor-side dtype) without masks, the way the exact packing kernels' aligned runs do
-([Note: alignment per run] in ``kernels/_jit.py``). Every row of an aligned program is aligned too
+([Note: alignment per run] in ``overlap_kernels/_jit.py``). Every row of an aligned program is aligned too
 (a block is a multiple of 16 elements). The arithmetic is the same on both paths, so the result is
 bit for bit the same (tests/packing/test_quantized_kernels.py runs both); ``VECTOR_PATH`` turns it
 off. A parameter's last program (fewer blocks, or a short last block) takes the masked path.
@@ -67,8 +67,8 @@ elements are a prefix of a parameter's region). With ``rank=r`` the tensors are 
 and the table covers slot ``r`` (``programs_per_slot`` programs); with ``rank=None`` they are the
 full tensors and the table covers every slot (``w * programs_per_slot`` programs, slot ``g //
 programs_per_slot``). Built once per (layout, block, blocks per program, rank, device) with numpy
-and cached on the layout, like the block tables of ``kernels._launch``; device copies through
-``kernels.table_memory``.
+and cached on the layout, like the block tables of ``overlap_kernels._launch``; device copies through
+``overlap_kernels.table_memory``.
 """
 from __future__ import annotations
 
@@ -80,10 +80,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _launch, table_memory
-from kernels._jit import vector_lanes
-from kernels.block_quantization import FORMATS
-from kernels.layout import ShardLayout
+from overlap_kernels import _launch, table_memory
+from overlap_kernels._jit import vector_lanes
+from overlap_kernels.block_quantization import FORMATS
+from overlap_kernels.layout import ShardLayout
 
 __all__ = ["BLOCKS", "QuantizedLayout", "SegmentTable", "blocks_per_program", "quantized_layout"]
 
@@ -123,7 +123,7 @@ class QuantizedLayout:
 
     def __init__(self, layout: ShardLayout, block: int = 256, format: str = "int8") -> None:
         if not isinstance(layout, ShardLayout):
-            raise TypeError(f"QuantizedLayout: layout must be a kernels.ShardLayout, got {type(layout).__name__}")
+            raise TypeError(f"QuantizedLayout: layout must be a overlap_kernels.ShardLayout, got {type(layout).__name__}")
         if isinstance(block, bool) or block not in BLOCKS:
             raise ValueError(f"QuantizedLayout: block must be one of {BLOCKS}, got {block!r}")
         if format not in FORMATS:
@@ -189,7 +189,7 @@ class QuantizedLayout:
             return blocks_per_program(self.block, max(self.param_blocks, default=0))
         if isinstance(BLOCKS_PER_PROGRAM, bool) or not isinstance(BLOCKS_PER_PROGRAM, int) or BLOCKS_PER_PROGRAM < 1 \
                 or BLOCKS_PER_PROGRAM & (BLOCKS_PER_PROGRAM - 1):
-            raise ValueError(f"kernels.quantized_layout.BLOCKS_PER_PROGRAM must be None or a power of two >= 1, "
+            raise ValueError(f"overlap_kernels.quantized_layout.BLOCKS_PER_PROGRAM must be None or a power of two >= 1, "
                              f"got {BLOCKS_PER_PROGRAM!r}")
         return BLOCKS_PER_PROGRAM
 
@@ -269,7 +269,7 @@ def aligned_full_block(addr, tensor_start, codes_start, n_valid, length, TILE: t
 @triton.jit
 def aligned(offset):
     """``offset`` (a multiple of 16 on the aligned path) rebuilt as a product by 16, from which
-    Triton infers the divisibility that lets it vectorize (as ``kernels._jit._at`` does)."""
+    Triton infers the divisibility that lets it vectorize (as ``overlap_kernels._jit._at`` does)."""
     return (offset // 16) * 16
 
 
@@ -313,7 +313,7 @@ def launch_arguments(table: SegmentTable, pointers: _launch.PointerTable,
     """``(kwargs, gpu_options)`` of a quantized kernel's launch: its constexprs (dtype groups, paths,
     ``VEC``, ``BLOCKS_PER_PROGRAM`` and the op's own ``constexprs``), and the compile options a
     CUDA launch uses (warps; no FMA contraction, [Note: why the arithmetic is bitwise portable] in
-    ``kernels/block_quantization.py``)."""
+    ``overlap_kernels/block_quantization.py``)."""
     g = pointers.dtypes
     vec = _launch.vector_width(pointers.torch_dtypes)
     kwargs = dict(DT0=g[0], DT1=g[1], DT2=g[2], DT3=g[3], NUM_GROUPS=pointers.num_groups, VECTOR=VECTOR_PATH,

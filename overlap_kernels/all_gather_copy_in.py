@@ -16,7 +16,7 @@ argument                shape                                  dtype
 
 This module is the op's one home: the Triton kernel, the argument checks (``_check``), the public
 function, ``torch.ops.overlap.all_gather_copy_in`` (custom op and fake, [Note: why custom_op and not
-triton_op] in ``kernels.library``), ``_all_gather_copy_in`` (the op without argument checks, for the
+triton_op] in ``overlap_kernels.library``), ``_all_gather_copy_in`` (the op without argument checks, for the
 runtime, which builds every argument from the layout: wrong arguments there are undefined
 behaviour, the kernel reads raw addresses), the torch fallback and the pure-torch reference.
 """
@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks, _launch, _torch_fallback, library, prepared_launch
-from kernels._jit import block_run, load_as, scalar_lanes, vector_lanes
-from kernels.layout import ShardLayout
+from overlap_kernels import _checks, _launch, _torch_fallback, library, prepared_launch
+from overlap_kernels._jit import block_run, load_as, scalar_lanes, vector_lanes
+from overlap_kernels.layout import ShardLayout
 
 OP = "all_gather_copy_in"
 
@@ -137,7 +137,7 @@ def _all_gather_copy_in(
     checks read them; ``fingerprint``: the one the public op found them to match; ``owned``: the
     owner's launches, when the caller owns the shards and says when they change, [Note: lists the
     runtime owns]): the kernel, or the torch fallback. The launch is a prepared one ([Note:
-    prepared launches] in ``kernels.prepared_launch``) unless the shards cannot be fingerprinted."""
+    prepared launches] in ``overlap_kernels.prepared_launch``) unless the shards cannot be fingerprinted."""
     device = shards[0].device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
@@ -164,7 +164,7 @@ def _all_gather_copy_in_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op without Triton: the shards packed into the slot by one ``torch._chunk_cat`` or one
     ``_foreach_copy_`` of views cut like the reference's copies; bitwise equal to
-    ``all_gather_copy_in_ref`` ([Note: torch fallback] in ``kernels._torch_fallback``)."""
+    ``all_gather_copy_in_ref`` ([Note: torch fallback] in ``overlap_kernels._torch_fallback``)."""
     plan = _torch_fallback.torch_plan(layout, rank)
     ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]

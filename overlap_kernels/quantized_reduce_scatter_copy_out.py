@@ -26,13 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks, _launch
-from kernels._dtypes import as_float32
-from kernels._jit import load_as, store_as
-from kernels.block_quantization import dequantize_block
-from kernels.quantized_all_gather_copy_out import _check_buffer, dequantized
-from kernels.quantized_copy_in import QUANTIZED_DTYPES
-from kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
+from overlap_kernels import _checks, _launch
+from overlap_kernels._dtypes import as_float32
+from overlap_kernels._jit import load_as, store_as
+from overlap_kernels.block_quantization import dequantize_block
+from overlap_kernels.quantized_all_gather_copy_out import _check_buffer, dequantized
+from overlap_kernels.quantized_copy_in import QUANTIZED_DTYPES
+from overlap_kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
                                       tile_rows)
 
 OP = "quantized_reduce_scatter_copy_out"
@@ -94,7 +94,7 @@ def quantized_reduce_scatter_copy_out(
 ) -> None:
     """Sum the received quantized slots into ``outs`` (``rank``'s shards), scaled, written or added."""
     if not isinstance(qlayout, QuantizedLayout):
-        raise TypeError(f"{OP}: qlayout must be a kernels.quantized_layout.QuantizedLayout, got {type(qlayout).__name__}")
+        raise TypeError(f"{OP}: qlayout must be a overlap_kernels.quantized_layout.QuantizedLayout, got {type(qlayout).__name__}")
     device = _check_buffer(received, qlayout, "received")
     _checks.check_rank(OP, rank, qlayout.layout)
     _checks.check_tensors(OP, "outs", outs, qlayout.layout.shard_shape_tuple(rank), device, writable=True)

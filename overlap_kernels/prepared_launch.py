@@ -5,7 +5,7 @@ the flat buffer's device and dtype: the ``config`` tuple an op builds) and one k
 parameter-side list (each tensor's exact type, device, dtype, shape and strides, all contiguous).
 ``find`` returns the fingerprint a list matches, in one C call over the list; ``remember`` makes
 one for a list the op has just checked (its check result kept with it); ``launch`` reads the list's
-data addresses (one C-level pass) and runs the ``PreparedLaunch`` (``kernels._launch``: tables,
+data addresses (one C-level pass) and runs the ``PreparedLaunch`` (``overlap_kernels._launch``: tables,
 grid, constexprs, the arguments after the flat buffer) made for those addresses, making it on the
 first call. ``launch_packed`` does the same in O(1) for a ``PackedPlacement``'s views, keyed on
 the storage's address. ``uncached()`` turns all of it off (tests compare the two paths bitwise;
@@ -13,7 +13,7 @@ the storage's address. ``uncached()`` turns all of it off (tests compare the two
 
 [Note: prepared launches]
 On a GPU the host time of a packing op is what the overlap must hide behind ([Note: host cost of a
-launch] in ``kernels._launch``). Without this module a repeated call read each tensor once per
+launch] in ``overlap_kernels._launch``). Without this module a repeated call read each tensor once per
 rule (type, device, dtype, shape, contiguity, address: five to seven C-level passes over the list),
 then hashed the address list, looked the block table up, rebuilt the vector width, the constexprs
 and a ``KernelCall``. Now:
@@ -105,8 +105,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from kernels import _launch
-from kernels.layout import ShardLayout
+from overlap_kernels import _launch
+from overlap_kernels.layout import ShardLayout
 
 MAX_FINGERPRINTS = 4
 """Kinds of list remembered per op configuration (a list alternating between two stride patterns

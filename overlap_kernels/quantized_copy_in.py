@@ -1,6 +1,6 @@
 """quantized_copy_in: pack tensors into quantized slots (int8 or fp8 codes + a float32 scale per block), one launch.
 
-Two uses, one kernel ([Note: quantized slots] in ``kernels/quantized_layout.py``):
+Two uses, one kernel ([Note: quantized slots] in ``overlap_kernels/quantized_layout.py``):
 
 * ``quantized_all_gather_copy_in(shards, qlayout, rank)`` -> ``(q_input, q_output)``: this rank's
   shards into its quantized slot of a new all-gather buffer (``q_input = q_output``'s slot ``rank``,
@@ -18,7 +18,7 @@ argument                shape                                  dtype
 ``q_output``, ``q_input``  ``(buffer_bytes,)``, ``(slot_bytes,)``  uint8
 ======================  =====================================  =================================
 
-Values are read as float32 (exact for these dtypes) and quantized as ``kernels.block_quantization``
+Values are read as float32 (exact for these dtypes) and quantized as ``overlap_kernels.block_quantization``
 says. The public functions raise ``ValueError`` naming the tensors when a value is NaN or inf
 (after filling a new buffer: nothing of the caller's changes); the unchecked ``_quantized_copy_in``
 (for the runtime) leaves such a block with a NaN scale, which dequantizes to NaN, never to a finite
@@ -32,11 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks, _launch
-from kernels._jit import load_as
-from kernels.block_quantization import quantize_blocks_torch, quantize_rows
-from kernels.layout import ShardLayout
-from kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
+from overlap_kernels import _checks, _launch
+from overlap_kernels._jit import load_as
+from overlap_kernels.block_quantization import quantize_blocks_torch, quantize_rows
+from overlap_kernels.layout import ShardLayout
+from overlap_kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
                                       tile_rows)
 
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -87,7 +87,7 @@ def _quantize_tile(addr, group, tensor_start, codes_ptr, codes_start, n_valid, l
 def _check(op: str, name: str, tensors: Sequence[torch.Tensor], qlayout: QuantizedLayout, rank: int | None,
            ) -> tuple[torch.dtype, ...]:
     if not isinstance(qlayout, QuantizedLayout):
-        raise TypeError(f"{op}: qlayout must be a kernels.quantized_layout.QuantizedLayout, got {type(qlayout).__name__}")
+        raise TypeError(f"{op}: qlayout must be a overlap_kernels.quantized_layout.QuantizedLayout, got {type(qlayout).__name__}")
     layout = qlayout.layout
     if rank is not None:
         _checks.check_rank(op, rank, layout)

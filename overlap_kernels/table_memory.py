@@ -1,7 +1,7 @@
 """Device copies of the kernels' host-built tables: upload, use from any stream, CUDA graph capture,
 release.
 
-The packing kernels read small int tables (block and pointer tables, ``kernels._launch``) that the
+The packing kernels read small int tables (block and pointer tables, ``overlap_kernels._launch``) that the
 host builds. This module owns their device memory: a ``DeviceTable`` is one or more host arrays
 copied into one device allocation, with typed views per array.
 
@@ -71,7 +71,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kernels._compiled_launch import current_device_index, current_stream_handle
+from overlap_kernels._compiled_launch import current_device_index, current_stream_handle
 
 __all__ = [
     "CAPTURE_RESERVE_BYTES",
@@ -392,7 +392,7 @@ class _Reserve:
         if self.free < nbytes:
             raise RuntimeError(
                 f"kernels: a CUDA graph capture needs {nbytes} bytes of pinned memory for a new kernel table "
-                f"and {self.free} are set aside; call kernels.table_memory.reserve({nbytes}) before capturing, "
+                f"and {self.free} are set aside; call overlap_kernels.table_memory.reserve({nbytes}) before capturing, "
                 "or run the op once before capturing"
             )
         assert self.chunk is not None

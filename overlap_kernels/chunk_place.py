@@ -2,12 +2,12 @@
 
 ``chunk_place(full, buf, starts, lengths, dim, skip=-1)`` writes, for every rank ``j != skip``,
 ``full.narrow(dim, starts[j], lengths[j]) = buf[j].narrow(dim, 0, lengths[j])`` (the chunk buffer of
-``kernels.chunk_layout``; ``skip`` is this rank, whose piece is already in place, or -1). A pure
+``overlap_kernels.chunk_layout``; ``skip`` is this rank, whose piece is already in place, or -1). A pure
 copy: bitwise the reference. Nothing else of ``full`` is written; padding in ``buf`` is never read.
 
 Registered with ``torch.library.triton_op`` as ``torch.ops.overlap.chunk_place`` (mutating
 ``full``): unlike the N-tensor packing ops ([Note: why custom_op and not triton_op] in
-``kernels.library``), its tensors are fixed arguments, so Inductor sees the Triton kernel itself and
+``overlap_kernels.library``), its tensors are fixed arguments, so Inductor sees the Triton kernel itself and
 can schedule it with the code around it. Triton runs on CUDA and under ``TRITON_INTERPRET=1`` on
 CPU; otherwise the op runs the torch fallback (one ``copy_`` per piece).
 """
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import chunk_layout
-from kernels.chunk_layout import use_triton as _use_triton
+from overlap_kernels import chunk_layout
+from overlap_kernels.chunk_layout import use_triton as _use_triton
 
 __all__ = ["chunk_place", "chunk_place_ref"]
 OP = "chunk_place"

@@ -15,7 +15,7 @@ argument                shape                                  dtype
 
 This module is the op's one home: the Triton kernel, the argument checks (``_check``), the public
 function, ``torch.ops.overlap.all_gather_copy_out`` (custom op and fake, [Note: why custom_op and not
-triton_op] in ``kernels.library``), ``_all_gather_copy_out`` (the op without argument checks, for
+triton_op] in ``overlap_kernels.library``), ``_all_gather_copy_out`` (the op without argument checks, for
 the runtime, which builds every argument from the layout: wrong arguments there are undefined
 behaviour, the kernel writes through raw addresses), the torch fallback and the pure-torch reference.
 """
@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks, _launch, _torch_fallback, library, prepared_launch
-from kernels._jit import block_run, scalar_lanes, store_as, vector_lanes
-from kernels.layout import ShardLayout
+from overlap_kernels import _checks, _launch, _torch_fallback, library, prepared_launch
+from overlap_kernels._jit import block_run, scalar_lanes, store_as, vector_lanes
+from overlap_kernels.layout import ShardLayout
 
 OP = "all_gather_copy_out"
 
@@ -143,11 +143,11 @@ def _all_gather_copy_out(ag_output: torch.Tensor, layout: ShardLayout, outs: Seq
     """The op on checked arguments (``outs`` given; ``dtypes``: their own, in order, when the checks
     read them; ``packed``: ``(storage, placement)`` when ``outs`` are ``placement.views(storage)``
     or views of it at the same offsets, shapes and dtypes, which keys the launch on the storage,
-    O(1): [Note: packed placements] in ``kernels._launch``; ``fingerprint``: the one the public op
+    O(1): [Note: packed placements] in ``overlap_kernels._launch``; ``fingerprint``: the one the public op
     found ``outs`` to match; ``versions``: tensors whose version counters are all of ``outs``'
     (``None``: ``outs``; one view for views sharing one counter, ``PackedPlacement.shared_views``)):
     the kernel, or the torch fallback. The launch is a prepared one ([Note: prepared launches] in
-    ``kernels.prepared_launch``) unless ``outs`` cannot be fingerprinted."""
+    ``overlap_kernels.prepared_launch``) unless ``outs`` cannot be fingerprinted."""
     if not _launch.triton_enabled(ag_output.device):
         with torch.no_grad():  # like the kernel: writes behind autograd (the version still bumps)
             _all_gather_copy_out_torch(ag_output, layout, outs)
@@ -173,7 +173,7 @@ def _kernel_call(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[to
 def _all_gather_copy_out_torch(ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor]) -> None:
     """The op without Triton: one ``_foreach_copy_`` of buffer views into views of ``outs``, at most
     two per parameter (full ranks, short rank); bitwise equal to ``all_gather_copy_out_ref``, which
-    it runs instead when it would cast a NaN ([Note: torch fallback] in ``kernels._torch_fallback``)."""
+    it runs instead when it would cast a NaN ([Note: torch fallback] in ``overlap_kernels._torch_fallback``)."""
     if any(o.dtype != ag_output.dtype for o in outs) and _torch_fallback.has_nan(ag_output):
         all_gather_copy_out_ref(ag_output, layout, outs)
         return

@@ -28,7 +28,7 @@ TRITON_DTYPES: dict[torch.dtype, tl.dtype] = {
 SUPPORTED = ", ".join(str(d).removeprefix("torch.") for d in TRITON_DTYPES)
 MAX_DTYPE_GROUPS = 4
 """Dtypes one call may mix on its parameter side (one branch each in the kernels' ``load_as`` and
-``store_as``, ``kernels._jit``)."""
+``store_as``, ``overlap_kernels._jit``)."""
 
 
 def compute_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:

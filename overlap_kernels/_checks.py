@@ -8,7 +8,7 @@ same checks, so traced code fails as eager code does.
 
 [Note: checks at C speed]
 A group has hundreds of parameters, and on a GPU the host time of an op is what it costs
-([Note: host cost of a launch] in ``kernels._launch``). So a list of tensors is checked by a few
+([Note: host cost of a launch] in ``overlap_kernels._launch``). So a list of tensors is checked by a few
 passes of ``map`` over the list (types, devices, dtypes, shapes, contiguity), each calling a C
 accessor per tensor with no Python bytecode in between; only when one of them fails does the
 per-tensor loop run, to name the first bad tensor and what is wrong with it. Both paths accept and
@@ -19,7 +19,7 @@ of reading its metadata tells that it still is what was checked (the type pass i
 ``type`` is no tensor accessor). That is four accessor passes for a read-only list, five for a
 written one, plus the launch's address pass. A repeated call skips these passes when its list
 matches the fingerprint of a list they passed ([Note: prepared launches] in
-``kernels.prepared_launch``): a C++ guard reads every one of these properties of every tensor, in
+``overlap_kernels.prepared_launch``): a C++ guard reads every one of these properties of every tensor, in
 one call, at every call.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._dtypes import MAX_DTYPE_GROUPS, SUPPORTED, TRITON_DTYPES
-from kernels.layout import ShardLayout
+from overlap_kernels._dtypes import MAX_DTYPE_GROUPS, SUPPORTED, TRITON_DTYPES
+from overlap_kernels.layout import ShardLayout
 
 
 def check_dtype(op: str, name: str, dtype: object) -> None:
@@ -48,13 +48,13 @@ def check_rank(op: str, rank: object, layout: ShardLayout) -> None:
 
 def check_layout(op: str, layout: object) -> None:
     if not isinstance(layout, ShardLayout):
-        raise TypeError(f"{op}: layout must be a kernels.ShardLayout, got {type(layout).__name__}")
+        raise TypeError(f"{op}: layout must be a overlap_kernels.ShardLayout, got {type(layout).__name__}")
 
 
 PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _DEVICE = operator.attrgetter("device")
 DTYPE = operator.attrgetter("dtype")
-"""A tensor's dtype, read at C speed by ``map`` (also the pointer-table key's reader in ``kernels._launch``)."""
+"""A tensor's dtype, read at C speed by ``map`` (also the pointer-table key's reader in ``overlap_kernels._launch``)."""
 _SHAPE = operator.attrgetter("shape")
 _SUPPORTED_DTYPES = frozenset(TRITON_DTYPES)
 

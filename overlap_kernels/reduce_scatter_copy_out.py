@@ -17,7 +17,7 @@ argument                shape                                  dtype
 
 This module is the op's one home: the Triton kernel, the argument checks (``_check``), the public
 function, ``torch.ops.overlap.reduce_scatter_copy_out`` (custom op and fake, [Note: why custom_op
-and not triton_op] in ``kernels.library``), ``_reduce_scatter_copy_out`` (the op without argument
+and not triton_op] in ``overlap_kernels.library``), ``_reduce_scatter_copy_out`` (the op without argument
 checks, for the runtime, which builds every argument from the layout: wrong arguments there are
 undefined behaviour, the kernel writes through raw addresses), the torch fallback and the
 pure-torch reference.
@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks, _launch, _torch_fallback, library, prepared_launch
-from kernels._dtypes import as_float32, compute_dtype
-from kernels._jit import block_run, convert, load_as, scalar_lanes, store_as, vector_lanes
-from kernels.layout import ShardLayout
+from overlap_kernels import _checks, _launch, _torch_fallback, library, prepared_launch
+from overlap_kernels._dtypes import as_float32, compute_dtype
+from overlap_kernels._jit import block_run, convert, load_as, scalar_lanes, store_as, vector_lanes
+from overlap_kernels.layout import ShardLayout
 
 OP = "reduce_scatter_copy_out"
 
@@ -178,11 +178,11 @@ def _reduce_scatter_copy_out(
     """The op on checked arguments (``dtypes``: the shard grads' own, in order, when the checks read
     them; ``packed``: ``(storage, placement)`` when ``shard_grads`` are ``placement.views(storage)``
     or views of it at the same offsets, shapes and dtypes, which keys the launch on the storage,
-    O(1): [Note: packed placements] in ``kernels._launch``; ``fingerprint``: the one the public op
+    O(1): [Note: packed placements] in ``overlap_kernels._launch``; ``fingerprint``: the one the public op
     found ``shard_grads`` to match; ``versions``: tensors whose version counters are all of
     ``shard_grads``' (``None``: ``shard_grads``; one view for views sharing one counter,
     ``PackedPlacement.shared_views``)): the kernel, or the torch fallback. The launch is a prepared
-    one ([Note: prepared launches] in ``kernels.prepared_launch``) unless the gradients cannot be
+    one ([Note: prepared launches] in ``overlap_kernels.prepared_launch``) unless the gradients cannot be
     fingerprinted."""
     device = rs_output.device
     if not _launch.triton_enabled(device):
@@ -229,7 +229,7 @@ def _reduce_scatter_copy_out_torch(
     """The op without Triton: the slot widened and scaled in one call each, then one
     ``_foreach_copy_`` (or ``_foreach_add_``, which widens, adds and casts back) of its views into
     the grads; bitwise equal to ``reduce_scatter_copy_out_ref``, which it runs instead when it
-    would widen a NaN ([Note: torch fallback] in ``kernels._torch_fallback``)."""
+    would widen a NaN ([Note: torch fallback] in ``overlap_kernels._torch_fallback``)."""
     plan = _torch_fallback.torch_plan(layout, rank)
     if not plan.pieces:
         return
