@@ -37,8 +37,12 @@ from report import emit
 SETTINGS = ("deferred steps on", "deferred steps off")
 
 
-def _timed(step: Any) -> float:
+def _settled_then_timed(step: Any) -> float:
+    """One untimed step, then the timed one right after it: the ranks line up before the untimed
+    step, not between the two (a barrier there would give the gathers the untimed step left in
+    flight an untimed wait to progress in: ``overlap.testing.interleaved_steps``)."""
     dist.barrier()
+    step()  # untimed: the timed step starts from gathers issued behind its own link
     start = time.perf_counter()
     step()
     return time.perf_counter() - start
@@ -77,8 +81,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             model.set_deferred_steps(name == SETTINGS[0])  # type: ignore[operator]
             for link, out in ((None, unlinked[name]), (links[name], linked[name])):
                 with link if link is not None else contextlib.nullcontext():
-                    step()  # untimed: the timed step starts from gathers issued behind its own link
-                    out.append(_timed(step))
+                    out.append(_settled_then_timed(step))
     reference_model, reference = build(False)  # the same steps, deferral off throughout
     for _ in range(len(step.losses)):
         reference()

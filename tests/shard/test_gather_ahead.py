@@ -273,3 +273,19 @@ def test_interleaved_steps_settle_runs_untimed_steps_of_the_same_kind_first() ->
     for bad in (-1, 1.0, True):
         with pytest.raises(ValueError, match="settle must be an int >= 0"):
             interleaved_steps(lambda: None, 1, [None], settle=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("settle", [0, 1, 2])
+def test_interleaved_steps_time_a_step_right_after_its_settle_steps(single_rank_group, monkeypatch, settle) -> None:
+    """The ranks line up (a barrier) before each entry's first step only: a barrier between a settle
+    step and the timed one would let the gathers the settle step left in flight progress in an
+    untimed wait."""
+    import torch.distributed as dist
+
+    from overlap.testing import interleaved_steps
+
+    calls: list[str] = []
+    barrier = dist.barrier
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: (calls.append("barrier"), barrier(*a, **k))[1])
+    interleaved_steps(lambda: calls.append("step"), 2, [None, None], warmup=0, settle=settle)
+    assert calls == (["barrier"] + ["step"] * (settle + 1)) * 4, calls  # 2 rounds x 2 entries
