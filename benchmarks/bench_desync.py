@@ -8,10 +8,11 @@ detection with debug mode off (the sequence number and one boolean check), and t
 of every host wait (``errors.timeout_for``, which applies the bounded default).
 
 ``--baseline REF`` measures the same in the runtime of git commit ``REF`` too (its ``overlap/``,
-``scheduler/`` and ``overlap_kernels/`` (``kernels/`` before 2026-12-03) extracted with ``git archive`` into a temporary folder, run with this
-script), alternating this checkout and the baseline ``--rounds`` times, in one run, so both see the
-same machine load; the table shows each figure for both and their ratio. ``--baseline HEAD`` on a
-clean checkout compares the code with itself: the spread it shows is the noise floor of the box.
+``scheduler/`` and ``overlap_kernels/``, ``kernels/`` before 2026-12-03, extracted with ``git
+archive`` into a temporary folder, run with this script), alternating this checkout and the
+baseline ``--rounds`` times, in one run, so both see the same machine load; the table shows each
+figure for both and their ratio. ``--baseline HEAD`` on a clean checkout compares the code with
+itself: the spread it shows is the noise floor of the box.
 
     python benchmarks/bench_desync.py [--world-size 2] [--numel 1024] [--iters 300] [--baseline b01283f] [--stat min] [--markdown benchmarks/RESULTS.md]
 """
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="bench-desync-") as tree:
             tops = subprocess.run(["git", "ls-tree", "--name-only", args.baseline], cwd=ROOT, check=True,
                                   capture_output=True, text=True).stdout.split()
-            packages = [p for p in ("overlap", "scheduler", "overlap_kernels", "kernels") if p in tops]  # kernels: before 2026-12-03
+            # the kernels' package was kernels/ before 2026-12-03: a baseline has one name or the other
+            packages = [p for p in ("overlap", "scheduler", "overlap_kernels", "kernels") if p in tops]
             archive = subprocess.run(["git", "archive", args.baseline, *packages], cwd=ROOT,
                                      check=True, capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
