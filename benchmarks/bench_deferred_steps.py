@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import time
 from typing import Any, Optional
 
 import _common  # noqa: F401 (first: sys.path)
@@ -31,21 +30,10 @@ import torch
 import torch.distributed as dist
 from _common import parse, parser
 from overlap.demo.model import MODEL_SIZES
-from overlap.testing import run_distributed
+from overlap.testing import run_distributed, settled_step
 from report import emit
 
 SETTINGS = ("deferred steps on", "deferred steps off")
-
-
-def _settled_then_timed(step: Any) -> float:
-    """One untimed step, then the timed one right after it: the ranks line up before the untimed
-    step, not between the two (a barrier there would give the gathers the untimed step left in
-    flight an untimed wait to progress in: ``overlap.testing.interleaved_steps``)."""
-    dist.barrier()
-    step()  # untimed: the timed step starts from gathers issued behind its own link
-    start = time.perf_counter()
-    step()
-    return time.perf_counter() - start
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -81,7 +69,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             model.set_deferred_steps(name == SETTINGS[0])  # type: ignore[operator]
             for link, out in ((None, unlinked[name]), (links[name], linked[name])):
                 with link if link is not None else contextlib.nullcontext():
-                    out.append(_settled_then_timed(step))
+                    out.append(settled_step(step, 1))  # from gathers issued behind its own link
     reference_model, reference = build(False)  # the same steps, deferral off throughout
     for _ in range(len(step.losses)):
         reference()

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 import _common  # noqa: F401 (first: sys.path)
 import torch
-import torch.distributed as dist
 from _common import parse
 from overlap.demo.model import MODEL_SIZES
-from overlap.testing import run_distributed
+from overlap.testing import run_distributed, settled_step
 from report import emit
 
 DEPTHS: dict[str, Any] = {"prefetch=1": (1, True, True), 'prefetch="auto", no gather-ahead': ("auto", False, True),
@@ -63,14 +61,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         runs[name] = (model, step, link, [])
     for _ in range(args.rounds):
         for model, step, link, times in runs.values():
-            with link:
-                # the ranks line up before the untimed step, not between it and the timed one, so the
-                # gathers it leaves in flight get no untimed wait (overlap.testing.interleaved_steps)
-                dist.barrier()
-                step()  # untimed: the timed step must start from gathers its own run issued behind its link
-                start = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - start)
+            with link:  # the timed step must start from gathers its own run issued behind its link
+                times.append(settled_step(step, 1))
     out: dict[str, Any] = {}
     for name, (model, step, link, times) in runs.items():
         comm = over_ranks(link.stats().emulated_seconds / (2 * args.rounds))

@@ -4,12 +4,13 @@
 - :func:`emulated_link` — while active, ``torch.distributed`` collectives complete no sooner than a
   modelled link (latency + bytes / bandwidth) allows, without burning CPU.
 - :func:`paired_steps` — a step timed without and with the link delay: its exposed communication
-  (:func:`interleaved_steps`: behind any number of links, interleaved).
+  (:func:`interleaved_steps`: behind any number of links, interleaved; :func:`settled_step`: one
+  step timed after untimed ones of its kind, back to back).
 - :func:`over_ranks` — a figure reduced over every rank (by default the slowest rank's).
 - ``overlap.testing.gpu_check`` — ``python -m overlap check-gpu``: prove a GPU machine (imported on use).
 """
 from overlap.testing.emulated_link import EmulatedLink, EmulatedWork, LinkStats, current_link, emulated_link
-from overlap.testing.exposed import PairedTimes, interleaved_steps, over_ranks, paired_steps
+from overlap.testing.exposed import PairedTimes, interleaved_steps, over_ranks, paired_steps, settled_step
 from overlap.testing.harness import DistributedTestError, DistributedTimeoutError, RankFailure, run_distributed
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "over_ranks",
     "paired_steps",
     "run_distributed",
+    "settled_step",
 ]

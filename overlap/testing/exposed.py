@@ -62,6 +62,26 @@ def over_ranks(value: float, op: dist.ReduceOp = dist.ReduceOp.MAX) -> float:
     return float(t.item())
 
 
+def settled_step(step: Callable[[], object], settle: int = 0) -> float:
+    """Seconds of one call of ``step``, run right after ``settle`` untimed calls; the ranks line up
+    (a barrier, where torch.distributed is initialized) before the first call, not between them.
+
+    The untimed calls are for steps that leave collectives in flight for the next (gathers issued
+    at the end of backward); the timed call follows them back to back, as in a training loop: a
+    barrier between them would give the gathers still in flight an untimed wait to progress in,
+    which the step never pays for. Measured with one (before 2026-12-03), bench_train's MLP with
+    the demo's settings, 10 rounds of both ways interleaved: 4 ranks at half the calibrated link
+    308.1 ms per step (0.96x the link's own busy time, which no real step can beat) against 334.3 ms
+    back to back; at the calibrated link 2 ranks 106.6 vs 110.0 ms, 4 ranks 195.6 vs 227.9 ms."""
+    if dist.is_initialized():
+        dist.barrier()
+    for _ in range(settle):
+        step()
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
 def interleaved_steps(step: Callable[[], object], steps: int, links: Sequence[EmulatedLink | None],
                       warmup: int = 1, settle: int = 0) -> list[float]:
     """Run ``warmup`` untimed steps, then ``steps`` rounds of one step per entry of ``links`` (None:
@@ -71,28 +91,16 @@ def interleaved_steps(step: Callable[[], object], steps: int, links: Sequence[Em
     rank must call it with the same arguments (each entry's steps start together behind a barrier).
     ``settle``: untimed steps behind the same entry's link before each timed one, for steps that
     leave collectives in flight for the next (gathers issued at the end of backward): without them a
-    timed step would use what the step before issued behind another entry's link. The timed step
-    follows its settle steps back to back, as in a training loop: a barrier between them would give
-    the gathers still in flight an untimed wait to progress in, which the step never pays for.
-    Measured with one (before 2026-12-03), bench_train's MLP with the demo's settings, 10 rounds of
-    both ways interleaved: 4 ranks at half the calibrated link 308.1 ms per step (0.96x the link's
-    own busy time, which no real step can beat) against 334.3 ms back to back; at the calibrated
-    link 2 ranks 106.6 vs 110.0 ms, 4 ranks 195.6 vs 227.9 ms.
+    timed step would use what the step before issued behind another entry's link (each timed step
+    is :func:`settled_step`'s).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if isinstance(settle, bool) or not isinstance(settle, int) or settle < 0:
         raise ValueError(f"settle must be an int >= 0, got {settle!r}")
 
-    def timed(barrier: bool = True) -> float:
-        if barrier and dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
-        step()
-        return time.perf_counter() - start
-
     for _ in range(warmup):
-        timed()
+        settled_step(step)
     for link in links:
         if link is not None:
             link.reset_stats()
@@ -100,9 +108,7 @@ def interleaved_steps(step: Callable[[], object], steps: int, links: Sequence[Em
     for _ in range(steps):
         for link, out in zip(links, times):
             with link if link is not None else contextlib.nullcontext():
-                for i in range(settle):
-                    timed(barrier=i == 0)
-                out.append(timed(barrier=settle == 0))
+                out.append(settled_step(step, settle))
     return [over_ranks(statistics.median(t)) for t in times]
 
 
