@@ -134,11 +134,12 @@ class TransformerLM(nn.Module):
         small neighbours can hide (``overlap/sharding.py``, [Note: deferred optimizer steps]).
         Split, that group is the attention third of the block (4 dim^2 of 12 dim^2), and the MLP's
         reduce-scatter goes out while the attention's backward runs. Same math (bitwise, tested).
-        Measured in one process, interleaved (small model, 2 ranks, calibrated link, 2026-11-27,
-        loaded 2-core box): 1.03x ideal and 96% hidden split against 1.18x and 75% whole. Not the
-        default yet: the nested groups (the block's forward holds its MLP's) are outside the byte
-        model the prefetch choosers fit their budget with (``scheduler/held_bytes.py``), which
-        then undercounts by the block's group."""
+        Not the default: interleaved with the whole wrapping in one process (small model, 2 ranks,
+        calibrated link; ``benchmarks/bench_deferred_steps.py --compare split``) it gained once on a
+        loaded box (2026-11-27: 1.03x ideal against 1.18x) and not on a quiet one (2026-12-03:
+        split / whole per round 1.049, 1.023, 0.950 in three runs); and the nested groups (the
+        block's forward holds its MLP's) are outside the byte model the prefetch choosers fit their
+        budget with (``scheduler/held_bytes.py``), which then undercounts by the block's group."""
         first = self.blocks[0]
         split = [first.up, first.down] if split_first_block else []
         if self.head.weight is self.tok.weight:
