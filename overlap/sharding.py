@@ -132,7 +132,10 @@ stays. The unsharded parameters the graphs read keep their identity, shape and d
 Memory: with ``reshard_after_forward`` at most ``1 + prefetch`` non-root groups are unsharded at
 once in forward (the root group stays unsharded from its pre-forward to the end of backward, as in
 FSDP2, and so do the last ``1 + prefetch`` groups of the forward order when grad is enabled, since
-backward starts with them: [Note: kept for backward]), and the same in backward; unsharded gradients live only until their group's reduce-scatter
+backward starts with them: [Note: kept for backward]), and the same in backward, plus the groups
+whose forward runs around the running one's (a block sharded after a sub-module of its own holds its
+group around the sub-module's: [Note: the bytes a plan holds] in ``scheduler/held_bytes.py``);
+unsharded gradients live only until their group's reduce-scatter
 is packed (or across micro-batches under ``no_sync``).
 """
 from __future__ import annotations
@@ -789,7 +792,7 @@ class _Root:
         compute, link, backward = self._step_costs(measured_backward)
         loss, tail = self._between
         depth = choose_prefetch_depth(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
-                                      budget, backward=backward, loss=loss, tail=tail)
+                                      budget, backward=backward, loss=loss, tail=tail, enclosing=self._enclosing())
         for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
             if info is not None and info.size > 1:
                 depth = max(agreement.exchange(info, "prefetch depth", depth))
@@ -803,6 +806,18 @@ class _Root:
         count, lag = self.gather_ahead or (0, 1)
         self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward, loss=loss, tail=tail)
         self._start_trial(modelled_step(compute, link, 1, backward, loss, tail))
+
+    def _enclosing(self) -> Optional[list[frozenset[int]]]:
+        """Per position of this step's forward order, the positions whose forward ran around it (a
+        block sharded with a sub-module as a group of its own), for the choosers' byte model
+        ([Note: the bytes a plan holds]); None where a group ran twice or missed its post-forward
+        (the model then takes the groups as one after the other)."""
+        from scheduler.held_bytes import enclosing_positions
+
+        try:
+            return enclosing_positions(self.forward_seq, self.post_forward_seq, self.owner.index)
+        except ValueError:
+            return None
 
     def _start_trial(self, simple_s: float) -> None:
         """After the choice: run the trial of it against the simple plan from the next forward, or
@@ -870,7 +885,8 @@ class _Root:
                 or not all(g is None or g.reduced_hooks for g in groups) or not any(groups)):
             return  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
         plan = choose_gather_ahead(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
-                                   depth, budget, backward=backward, loss=self._between[0], tail=self._between[1])
+                                   depth, budget, backward=backward, loss=self._between[0], tail=self._between[1],
+                                   enclosing=self._enclosing())
         if self.owner.info.size > 1:
             plan = tuple(agreement.exchange(self.owner.info, "gather ahead", plan)[0])
         self.gather_ahead = plan  # type: ignore[assignment]

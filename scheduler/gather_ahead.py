@@ -42,7 +42,7 @@ The bytes a plan holds are ``scheduler.held_bytes``'s ([Note: the bytes a plan h
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import AbstractSet, Optional, Sequence
 
 from scheduler.held_bytes import held_bytes
 from scheduler.prefetch_depth import check_costs
@@ -70,10 +70,11 @@ def modelled_steady_step(compute: Sequence[float], gather: Sequence[float], dept
 def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], depth: int,
                         budget: int, tolerance: float = 0.01,
                         backward: Optional[Sequence[float]] = None, loss: float = 0.0,
-                        tail: float = 0.0) -> tuple[int, int]:
+                        tail: float = 0.0, enclosing: Optional[Sequence[AbstractSet[int]]] = None) -> tuple[int, int]:
     """``(count, lag)``: how many of the first reduced groups to gather ahead in backward, and at
     which issue point (see [Note: choosing the gathers issued ahead]); ``(0, 1)`` where nothing
-    modelled is faster by more than ``tolerance`` or fits ``budget``."""
+    modelled is faster by more than ``tolerance`` or fits ``budget``. ``enclosing``: nested groups,
+    as ``scheduler.held_bytes.held_bytes`` takes them (None: one after the other)."""
     check_costs(compute, gather, nbytes, "position", backward)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"depth must be an int >= 0, got {depth!r}")
@@ -83,7 +84,7 @@ def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbyte
     best, plan = modelled_steady_step(compute, gather, depth, 0, backward=backward, loss=loss, tail=tail), (0, 1)
     fallback = best
     for count in range(1, n + 1):
-        if held_bytes(nbytes, depth, count) > budget:
+        if held_bytes(nbytes, depth, count, enclosing) > budget:
             break
         for lag in LAGS:
             t = modelled_steady_step(compute, gather, depth, count, lag, backward=backward, loss=loss, tail=tail)

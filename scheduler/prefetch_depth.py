@@ -71,7 +71,7 @@ CPU; ``benchmarks/bench_transfer_contention.py``).
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import AbstractSet, Optional, Sequence
 
 from scheduler.held_bytes import held_bytes
 from scheduler.replayed_step import step_ends
@@ -103,13 +103,15 @@ def check_costs(compute: Sequence[float], gather: Sequence[float], nbytes: Seque
 
 def choose_prefetch_depth(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int],
                           budget: int, tolerance: float = 0.01, backward: Optional[Sequence[float]] = None,
-                          loss: float = 0.0, tail: float = 0.0) -> int:
+                          loss: float = 0.0, tail: float = 0.0,
+                          enclosing: Optional[Sequence[AbstractSet[int]]] = None) -> int:
     """The prefetch depth for groups with these costs (see [Note: choosing the prefetch depth]): at
-    least 1, at most ``len(compute) - 1`` (or 1 for fewer than two groups)."""
+    least 1, at most ``len(compute) - 1`` (or 1 for fewer than two groups). ``enclosing``: nested
+    groups, as ``scheduler.held_bytes.held_bytes`` takes them (None: one after the other)."""
     check_costs(compute, gather, nbytes, "group", backward)
     if not (isinstance(budget, int) and budget >= 0):
         raise ValueError(f"budget must be an int >= 0 (bytes), got {budget!r}")
-    allowed = [d for d in range(1, max(2, len(compute))) if d == 1 or held_bytes(nbytes, d) <= budget]
+    allowed = [d for d in range(1, max(2, len(compute))) if d == 1 or held_bytes(nbytes, d, 0, enclosing) <= budget]
     times = {d: modelled_step(compute, gather, d, backward, loss, tail) for d in allowed}
     best = min(times.values())
     return min(d for d, t in times.items() if t <= best * (1 + tolerance))

@@ -137,9 +137,9 @@ class TransformerLM(nn.Module):
         Not the default: interleaved with the whole wrapping in one process (small model, 2 ranks,
         calibrated link; ``benchmarks/bench_deferred_steps.py --compare split``) it gained once on a
         loaded box (2026-11-27: 1.03x ideal against 1.18x) and not on a quiet one (2026-12-03:
-        split / whole per round 1.049, 1.023, 0.950 in three runs); and the nested groups (the
-        block's forward holds its MLP's) are outside the byte model the prefetch choosers fit their
-        budget with (``scheduler/held_bytes.py``), which then undercounts by the block's group."""
+        split / whole per round 1.049, 1.023, 0.950 in three runs). The block's group stays
+        unsharded around its MLP's groups; the prefetch choosers' byte model counts it
+        (``scheduler/held_bytes.py``, [Note: the bytes a plan holds])."""
         first = self.blocks[0]
         split = [first.up, first.down] if split_first_block else []
         if self.head.weight is self.tok.weight:

@@ -75,27 +75,27 @@ def _fsdp2_groups(model: nn.Module) -> list[_Group]:
 
 def modelled_peak(model: nn.Module) -> Optional[int]:
     """The most unsharded bytes ``model`` (the root of an ``overlap.shard`` tree) holds at once by
-    ``scheduler.held_bytes.held_bytes``: its agreed forward order, its prefetch depth and the
-    count of its gather-ahead plan, each group at the bytes :class:`UnshardedPeak` counts. None
-    before the first step agreed the order, where a group runs twice in it or one group's forward
-    runs inside another's (the model assumes one group per position, one after the other: a
-    nesting group stays unsharded beside its nested ones), or for a model ``overlap.shard`` did not
-    shard as a root."""
-    from scheduler.held_bytes import held_bytes
+    ``scheduler.held_bytes.held_bytes``: its agreed forward order, the nesting of its groups in the
+    last forward, its prefetch depth and the count of its gather-ahead plan, each group at the
+    bytes :class:`UnshardedPeak` counts. None before the first step agreed the order, where a group
+    runs twice in it, or for a model ``overlap.shard`` did not shard as a root."""
+    from scheduler.held_bytes import enclosing_positions, held_bytes
 
     state = getattr(model, "_overlap_state", None)
     root = None if state is None else state.root
     if root is None or root.owner is not state or root.agreed_order is None or model.prefetch_depth is None:
         return None
     order = root.agreed_order
-    owner = root.owner.index  # the root's forward holds every other one: the model counts it held throughout
-    if len(set(order)) != len(order) or ([i for i in root.post_forward_seq if i != owner]
-                                         != [i for i in root.forward_seq if i != owner]):
+    if len(set(order)) != len(order) or list(root.forward_seq) != list(order):
+        return None
+    try:  # the root's forward holds every other one: the model counts it held throughout
+        enclosing = enclosing_positions(order, root.post_forward_seq, root.owner.index)
+    except ValueError:  # a post-forward missing from the last forward
         return None
     groups = [root.states[i].group for i in order]
     plan = model.gather_ahead
     return held_bytes([0 if g is None else _unsharded_bytes(g) for g in groups], model.prefetch_depth,
-                      plan[0] if plan else 0)
+                      plan[0] if plan else 0, enclosing)
 
 
 class UnshardedPeak:
