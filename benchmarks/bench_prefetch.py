@@ -74,7 +74,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         out[name] = {"step": over_ranks(statistics.median(times)), "comm": comm, "depth": model.prefetch_depth,
                      "decision": model.schedule_decision,
                      "ahead": model.gather_ahead if DEPTHS[name][1] else None,
-                     "deferred": model.deferred_steps if DEPTHS[name][2] else None,
+                     # deferral runs with a gather-ahead plan only: with gather-ahead off, nothing was deferred
+                     "deferred": model.deferred_steps if DEPTHS[name][1] and DEPTHS[name][2] else None,
                      "idle": [s.link_idle_share for s in merged.summary().steps] if merged is not None else [],
                      "losses": torch.stack(step.losses)}
     return out
