@@ -78,8 +78,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     for name, (_, step, _) in runs.items():
         own.setdefault(id(step), name)
     gbps = args.link_gbps
-    calibrated = [calibrate_link(runs[name][1], args.latency_us) for name in own.values()]  # alike on each model
     if gbps is None:  # as the demo: comm ~ compute (its warm-up steps run without the link's delay)
+        calibrated = [calibrate_link(runs[name][1], args.latency_us) for name in own.values()]  # each model alike
         gbps = over_ranks(calibrated[0], dist.ReduceOp.MIN)
     links = {name: EmulatedLink(gbps, args.latency_us) for name in names}
     for name in own.values():
