@@ -74,15 +74,13 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         for name in names:
             model, step = build(name == names[0], True)
             runs[name] = (model, step, lambda: None)
-    own: dict[int, str] = {}  # each model's first setting
-    for name, (_, step, _) in runs.items():
-        own.setdefault(id(step), name)
+    models = names[:1] if args.compare == "deferred" else names  # one setting per model
     gbps = args.link_gbps
     if gbps is None:  # as the demo: comm ~ compute (its warm-up steps run without the link's delay)
-        calibrated = [calibrate_link(runs[name][1], args.latency_us) for name in own.values()]  # each model alike
+        calibrated = [calibrate_link(runs[name][1], args.latency_us) for name in models]  # each model alike
         gbps = over_ranks(calibrated[0], dist.ReduceOp.MIN)
     links = {name: EmulatedLink(gbps, args.latency_us) for name in names}
-    for name in own.values():
+    for name in models:
         with links[name]:  # behind the link, as the demo: the schedule settles before any timed step
             for _ in range(schedule_steps()):
                 runs[name][1]()
@@ -97,12 +95,12 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             for link, out in ((None, unlinked[name]), (links[name], linked[name])):
                 with link if link is not None else contextlib.nullcontext():
                     out.append(settled_step(step, 1))  # from gathers issued behind its own link
-    losses = [torch.stack(runs[name][1].losses) for name in names]
+    steps = [runs[name][1] for name in models]
     if args.compare == "deferred":
-        reference = build(False, False)[1]  # the same steps, deferral off throughout
-        for _ in range(len(runs[names[0]][1].losses)):
-            reference()
-        losses[1] = torch.stack(reference.losses)
+        steps.append(build(False, False)[1])  # the same steps, deferral off throughout
+        for _ in range(len(steps[0].losses)):
+            steps[1]()
+    losses = [torch.stack(step.losses) for step in steps]
     out: dict[str, Any] = {"gbps": gbps, "bitwise": torch.equal(*losses)}
     for name in names:
         model = runs[name][0]

@@ -791,8 +791,9 @@ class _Root:
         self._agree_costs()
         compute, link, backward = self._step_costs(measured_backward)
         loss, tail = self._between
+        enclosing = self._enclosing()
         depth = choose_prefetch_depth(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
-                                      budget, backward=backward, loss=loss, tail=tail, enclosing=self._enclosing())
+                                      budget, backward=backward, loss=loss, tail=tail, enclosing=enclosing)
         for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
             if info is not None and info.size > 1:
                 depth = max(agreement.exchange(info, "prefetch depth", depth))
@@ -800,7 +801,7 @@ class _Root:
         for state in self.states:
             if state.auto_prefetch:
                 state.prefetch = depth
-        self._choose_gather_ahead(depth, budget, compute, link, backward)
+        self._choose_gather_ahead(depth, budget, compute, link, backward, enclosing)
         if measured_backward:  # the steps ran: their seconds are in
             self._choose_deferred_steps(compute, link, backward)
         count, lag = self.gather_ahead or (0, 1)
@@ -874,9 +875,10 @@ class _Root:
         self.schedule_decision = ScheduleDecision(plan, chosen, chosen_s, simple_s, verdict, reason)
 
     def _choose_gather_ahead(self, depth: int, budget: int, compute: list[float], link: list[float],
-                             backward: Optional[list[float]]) -> None:
-        """Plan the gathers issued ahead in backward from this step's costs, if every group with
-        parameters is stepped in backward; agree rank 0's plan (see [Note: gathering ahead in backward])."""
+                             backward: Optional[list[float]], enclosing: Optional[list[frozenset[int]]]) -> None:
+        """Plan the gathers issued ahead in backward from this step's costs (``enclosing``: the nesting
+        :meth:`_enclosing` read), if every group with parameters is stepped in backward; agree rank
+        0's plan (see [Note: gathering ahead in backward])."""
         from scheduler.gather_ahead import choose_gather_ahead
 
         order = self.forward_seq
@@ -886,7 +888,7 @@ class _Root:
             return  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
         plan = choose_gather_ahead(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
                                    depth, budget, backward=backward, loss=self._between[0], tail=self._between[1],
-                                   enclosing=self._enclosing())
+                                   enclosing=enclosing)
         if self.owner.info.size > 1:
             plan = tuple(agreement.exchange(self.owner.info, "gather ahead", plan)[0])
         self.gather_ahead = plan  # type: ignore[assignment]

@@ -79,7 +79,7 @@ def modelled_peak(model: nn.Module) -> Optional[int]:
     last forward, its prefetch depth and the count of its gather-ahead plan, each group at the
     bytes :class:`UnshardedPeak` counts. None before the first step agreed the order, where a group
     runs twice in it, or for a model ``overlap.shard`` did not shard as a root."""
-    from scheduler.held_bytes import enclosing_positions, held_bytes
+    from scheduler.held_bytes import held_bytes
 
     state = getattr(model, "_overlap_state", None)
     root = None if state is None else state.root
@@ -88,9 +88,8 @@ def modelled_peak(model: nn.Module) -> Optional[int]:
     order = root.agreed_order
     if len(set(order)) != len(order) or list(root.forward_seq) != list(order):
         return None
-    try:  # the root's forward holds every other one: the model counts it held throughout
-        enclosing = enclosing_positions(order, root.post_forward_seq, root.owner.index)
-    except ValueError:  # a post-forward missing from the last forward
+    enclosing = root._enclosing()  # the root itself is counted held throughout, not as enclosing
+    if enclosing is None:  # a post-forward missing from the last forward
         return None
     groups = [root.states[i].group for i in order]
     plan = model.gather_ahead
