@@ -115,7 +115,8 @@ def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[to
     ``group`` is the process group's name, kept on the work (for the profiler and errors) with the
     collective's per-group sequence number. ``op`` (the reduce op, or ``src=<rank>`` of a broadcast)
     is part of the fingerprint that debug mode checks across ranks first (``overlap.desync``), and
-    so is ``where``, the sharded module the collective is for (its fqn), when there is one.
+    so is ``where``, the sharded module the collective is for (its fqn), when there is one (the
+    profiler keeps it too: ``CollectiveRecord.module``).
     ``finish`` (CPU only) completes the output once the work is waited, before any reader.
     Raises before issuing during CUDA graph capture, and on CUDA unless ``device`` is the current
     device and this rank's (``overlap.streams``: [Note: no collectives in CUDA graph capture],
@@ -138,8 +139,9 @@ def _issue(kind: str, device: torch.device, launch: Launch, buffers: Sequence[to
                 event = torch.cuda.Event()
                 event.record(stream)
             return track(InflightWork(kind, nbytes, buffers, event=event, device=device, group=group, seq=seq,
-                                      issue_stream=current))
-        return track(InflightWork(kind, nbytes, buffers, work=launch(True), group=group, seq=seq, finish=finish))
+                                      issue_stream=current, where=where))
+        return track(InflightWork(kind, nbytes, buffers, work=launch(True), group=group, seq=seq, finish=finish,
+                                  where=where))
 
 
 class _Plan:

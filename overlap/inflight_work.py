@@ -71,6 +71,7 @@ class InflightWork:
         seq: int = -1,
         issue_stream: Optional["torch.cuda.Stream"] = None,
         finish: Optional[Callable[[], None]] = None,
+        where: str = "",
     ) -> None:
         self.kind = kind
         self._finish = finish  # CPU: completes the collective's output after the host wait, before any reader
@@ -86,7 +87,8 @@ class InflightWork:
         self._shapes = tuple((b.dtype, b.shape) for b in self._buffers)  # for errors, after release
         self._host_waited = False
         # overlap.profiler: one global check when no profiler runs (see set_recorder)
-        self._record = _recorder.on_issue(kind, nbytes, group, work, event, device) if _recorder is not None else None
+        self._record = (_recorder.on_issue(kind, nbytes, group, work, event, device, where)
+                        if _recorder is not None else None)
 
     def is_done(self) -> bool:
         """Non-blocking: has the collective finished?"""
@@ -213,7 +215,10 @@ class Recorder(Protocol):
     """Sees every collective as it is issued (``overlap.profiler`` installs one while it records)."""
 
     def on_issue(self, kind: str, nbytes: int, group: str, work: Optional[dist.Work],
-                 event: Optional["torch.cuda.Event"], device: Optional[torch.device]) -> Optional[WaitRecord]: ...
+                 event: Optional["torch.cuda.Event"], device: Optional[torch.device],
+                 where: str) -> Optional[WaitRecord]:
+        """``where``: the sharded module the collective is for (its fqn, ``"root"``), ``""`` for
+        a collective of no sharded module (the public ``overlap.*`` collectives)."""
 
 
 _recorder: Optional[Recorder] = None

@@ -522,6 +522,8 @@ def _idle_lines(result: DemoResult) -> list[str]:
         causes = ", ".join(f"{cause} {ms:.1f} ms" for cause, ms in s.link_idle_causes) or "none"
         lines.append(f"  step {s.step} rank {s.rank}: {s.link_idle_ms:.1f} ms of {s.wall_ms:.1f} "
                      f"({100 * s.link_idle_share:.0f}%): {causes}")
+        if s.link_idle_largest:
+            lines.append(f"    longest: {s.describe_largest_idle()}")
     return lines + [""]
 
 
@@ -530,10 +532,13 @@ EXPOSED_SHOWN = 6
 
 
 def module_of(record: Any) -> str:
-    """The module a collective (an ``overlap.profiler`` ``CollectiveRecord``) served: the one named
-    in the region of its first wait (``overlap::pre_forward (blocks.0)``: a gather is waited where its
-    module runs, whoever prefetched it), else in the region it was issued in (a reduce-scatter
-    waited at the end of backward), else ``"root"`` (the root's regions carry no name)."""
+    """The module a collective (an ``overlap.profiler`` ``CollectiveRecord``) served: its ``module``
+    (the runtime's collectives name it), else the one named in the region of its first wait
+    (``overlap::pre_forward (blocks.0)``: a gather is waited where its module runs, whoever
+    prefetched it), else in the region it was issued in, else ``"root"`` (the root's regions carry
+    no name)."""
+    if record.module:
+        return record.module
     for label in (record.wait_label, record.label):
         if label.endswith(")") and " (" in label:
             return label[label.rindex(" (") + 2:-1]

@@ -3,8 +3,10 @@
 Contract: functions of a sequence of ``RankProfile`` (``overlap.profiler.records``) and a path;
 each writes one file and returns the path as a str. Ranks are put on one timeline by their
 ``epoch`` (the earliest is 0). Trace layout: one process per rank (pid = rank); thread 0 is the
-host (``step N`` spans, ``issue <kind>`` instants, ``wait <kind>`` spans), threads 1.. one per
-process group (a span per collective, with its exposed parts as ``exposed`` spans). A path that is
+host (``step N`` spans, ``issue <what>`` instants, ``wait <what>`` spans), threads 1.. one per
+process group (a span per collective, named ``<what>``, with its exposed parts as ``exposed``
+spans); ``<what>`` is the collective's kind and, for the sharded runtime's, the module it carries
+(``CollectiveRecord.what``: ``all_gather blocks.1``). A path that is
 not a non-empty str / ``os.PathLike`` raises ``TypeError`` / ``ValueError``; a failed write raises
 ``OSError`` naming the path. ``plot`` needs matplotlib (``pip install 'triton-overlap[plot]'``).
 """
@@ -56,19 +58,19 @@ def trace_events(ranks: Sequence[RankProfile]) -> list[dict[str, Any]]:
                            "ts": us(s.start), "dur": round((s.end - s.start) * 1e6, 3)})
         stalls = rp.stalls
         for c in rp.collectives:
-            args = {"bytes": c.nbytes, "group": c.group, "label": c.label, "step": c.step,
+            args = {"bytes": c.nbytes, "group": c.group, "module": c.module, "label": c.label, "step": c.step,
                     "exposed_ms": round(1e3 * c.exposed, 4), "hidden_ms": round(1e3 * c.hidden, 4),
                     "GB/s": round(c.gbps, 4), "end_measured": c.end_measured}
             tid = tids[c.group]
-            events.append({"ph": "X", "name": c.kind, "cat": "comm", "pid": pid, "tid": tid,
+            events.append({"ph": "X", "name": c.what, "cat": "comm", "pid": pid, "tid": tid,
                            "ts": us(c.start), "dur": round(c.duration * 1e6, 3), "args": args})
             for a, b in covered_pieces(stalls, c.start, c.end):
                 events.append({"ph": "X", "name": "exposed", "cat": "exposed", "pid": pid, "tid": tid,
                                "ts": us(a), "dur": round((b - a) * 1e6, 3)})
-            events.append({"ph": "i", "name": f"issue {c.kind}", "cat": "issue", "s": "t", "pid": pid,
+            events.append({"ph": "i", "name": f"issue {c.what}", "cat": "issue", "s": "t", "pid": pid,
                            "tid": 0, "ts": us(c.issued), "args": {"label": c.label}})
             if c.wait_start is not None and c.wait_end is not None:
-                events.append({"ph": "X", "name": f"wait {c.kind}", "cat": "wait", "pid": pid, "tid": 0,
+                events.append({"ph": "X", "name": f"wait {c.what}", "cat": "wait", "pid": pid, "tid": 0,
                                "ts": us(c.wait_start), "dur": round((c.wait_end - c.wait_start) * 1e6, 3),
                                "args": {"label": c.wait_label, "exposed_ms": round(1e3 * c.exposed, 4)}})
     return events

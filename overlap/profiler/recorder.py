@@ -4,8 +4,8 @@ Contract. While a :class:`Profiler` is inside its ``with`` block it is the recor
 ``overlap.inflight_work`` (``set_recorder``) and turns on region tracking
 (``overlap.regions.track_labels``); it records, per collective issued through
 ``overlap.collectives._issue`` (the public collectives and the sharded runtime's gathers and
-reduce-scatters alike): kind, bytes, process group name, the step and the ``overlap::...`` region
-path it was issued in, the issue time, the communication's start and end, and its first wait
+reduce-scatters alike): kind, bytes, process group name, the sharded module it is for (if any), the
+step and the ``overlap::...`` region path it was issued in, the issue time, the communication's start and end, and its first wait
 (start, end, region). Times are seconds since the profile started, on the host clock
 (``time.perf_counter``). :meth:`Profiler.rank_profile` turns them into the plain records of
 ``overlap.profiler.records``; :meth:`Profiler.gather` and :func:`merge` combine ranks into a
@@ -76,11 +76,13 @@ _active: Optional["Profiler"] = None
 class _Record:
     """The mutable record of one collective while it is in flight (``inflight_work.WaitRecord``)."""
 
-    __slots__ = ("kind", "nbytes", "group", "step", "label", "issued", "done", "link_start", "link_end",
+    __slots__ = ("kind", "nbytes", "group", "step", "label", "module", "issued", "done", "link_start", "link_end",
                  "wait_start", "wait_end", "wait_label", "_waiting", "cuda")
 
-    def __init__(self, kind: str, nbytes: int, group: str, step: int, label: str, issued: float) -> None:
+    def __init__(self, kind: str, nbytes: int, group: str, step: int, label: str, issued: float,
+                 module: str = "") -> None:
         self.kind, self.nbytes, self.group, self.step, self.label = kind, nbytes, group, step, label
+        self.module = module
         self.issued = issued
         self.done: Optional[float] = None
         self.link_start: Optional[float] = None  # when a modelled link carried it (see _link_span)
@@ -279,13 +281,15 @@ class Profiler:
 
     # inflight_work.Recorder
     def on_issue(self, kind: str, nbytes: int, group: str, work: Optional[dist.Work],
-                 event: Optional["torch.cuda.Event"], device: Optional[torch.device]) -> Optional[_Record]:
-        """Called by ``InflightWork`` for every collective issued while recording."""
+                 event: Optional["torch.cuda.Event"], device: Optional[torch.device],
+                 where: str = "") -> Optional[_Record]:
+        """Called by ``InflightWork`` for every collective issued while recording (``where``: the
+        sharded module it is for, ``""`` for none)."""
         if self._state != "recording":
             return None
         now = _clock()
         label, launched = _label_path(f"overlap::{kind}")  # the launch began as its region was entered
-        record = _Record(kind, nbytes, group, len(self._steps), label, launched if launched is not None else now)
+        record = _Record(kind, nbytes, group, len(self._steps), label, launched if launched is not None else now, where)
         if event is not None and device is not None:
             record.cuda = self._cuda_timing(kind, device)
             self._device = str(device)
@@ -330,7 +334,7 @@ class Profiler:
                 busy_until[r.group] = end
             collectives.append(CollectiveRecord(
                 rank=self.rank, step=r.step, kind=r.kind, nbytes=r.nbytes, group=r.group, label=r.label,
-                issued=issued - t0, start=start - t0, end=end - t0, end_measured=measured,
+                module=r.module, issued=issued - t0, start=start - t0, end=end - t0, end_measured=measured,
                 wait_start=None if w0 is None else w0 - t0, wait_end=None if w1 is None else w1 - t0,
                 wait_label=r.wait_label, exposed=covered(stalls, start, end)))
         return RankProfile(

@@ -25,8 +25,8 @@ import bisect
 import dataclasses
 from typing import Any, Iterable, Optional, Sequence
 
-__all__ = ["CollectiveRecord", "IDLE_CAUSES", "RankProfile", "StepRecord", "covered", "covered_pieces",
-           "hidden_fraction", "link_idle", "union"]
+__all__ = ["CollectiveRecord", "IDLE_CAUSES", "IdlePiece", "RankProfile", "StepRecord", "covered", "covered_pieces",
+           "hidden_fraction", "link_idle", "link_idle_pieces", "union"]
 
 
 def hidden_fraction(comm: float, exposed: float) -> float:
@@ -56,6 +56,15 @@ class CollectiveRecord:
     wait_label: str
     exposed: float
     """Seconds of ``[start, end]`` during which this rank was stalled on a wait."""
+    module: str = ""
+    """The sharded module whose parameters or gradients it carries (its fqn; ``"root"``), ``""`` for
+    a collective of no sharded module (the public ``overlap.*`` collectives). Not the module named
+    in ``label``: a prefetch is issued in the region of the module running then."""
+
+    @property
+    def what(self) -> str:
+        """``kind``, followed by ``module`` when there is one (``"all_gather blocks.1"``)."""
+        return f"{self.kind} {self.module}" if self.module else self.kind
 
     @property
     def duration(self) -> float:
@@ -132,9 +141,27 @@ AHEAD_LABEL = "overlap::gather_ahead"
 _GRADIENT_KINDS = ("reduce_scatter", "all_reduce")
 
 
+@dataclasses.dataclass(frozen=True)
+class IdlePiece:
+    """One piece of a rank's idle link (see :func:`link_idle_pieces`)."""
+
+    start: float
+    end: float
+    cause: str
+    """One of :data:`IDLE_CAUSES`."""
+    ended_by: Optional[CollectiveRecord]
+    """The collective whose start ended the piece, the one it names the cause from: the next
+    to go on the link (possibly in a later step); None when none started after it."""
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
 def link_idle(rank: RankProfile, start: float, end: float) -> list[tuple[float, float, str]]:
     """The pieces of ``[start, end]`` during which no collective of ``rank`` was on the link and the
-    rank was not stalled in a wait, each with its cause (one of :data:`IDLE_CAUSES`).
+    rank was not stalled in a wait, each with its cause (one of :data:`IDLE_CAUSES`):
+    :func:`link_idle_pieces` as ``(start, end, cause)``.
 
     [Note: link idle while compute ran]
     At comm >= compute every millisecond the link sits idle while compute runs is a millisecond
@@ -163,26 +190,34 @@ def link_idle(rank: RankProfile, start: float, end: float) -> list[tuple[float, 
     Collectives of every step count, so a gather issued by ``prefetch_next_step`` in one step
     fills the link in the next.
     """
+    return [(p.start, p.end, p.cause) for p in link_idle_pieces(rank, start, end)]
+
+
+def link_idle_pieces(rank: RankProfile, start: float, end: float) -> list[IdlePiece]:
+    """:func:`link_idle`'s pieces, each with the collective that ended it (``IdlePiece.ended_by``):
+    which gather or reduce-scatter the link was idle before, for a report to name."""
     busy = union([(c.start, c.end) for c in rank.collectives] + rank.stalls)
     ordered = sorted((c for c in rank.collectives if c.start >= start - 1e-9), key=lambda c: c.start)
     starts = [c.start for c in ordered]
-    pieces: list[tuple[float, float, str]] = []
+    pieces: list[IdlePiece] = []
     cursor = start
     for lo, hi in busy + [(end, end)]:
         lo, hi = min(max(lo, start), end), min(hi, end)
         if lo > cursor:
-            pieces.append((cursor, lo, _idle_cause(starts, ordered, cursor, lo, end)))
+            nxt = bisect.bisect_left(starts, lo - 1e-9)  # the next collective on the link (a piece may end at a stall)
+            ended_by = ordered[nxt] if nxt < len(ordered) else None
+            pieces.append(IdlePiece(cursor, lo, _idle_cause(starts, ordered, nxt, cursor, end), ended_by))
         cursor = max(cursor, hi)
         if cursor >= end:
             break
     return pieces
 
 
-def _idle_cause(starts: Sequence[float], ordered: Sequence[CollectiveRecord], since: float, at: float,
+def _idle_cause(starts: Sequence[float], ordered: Sequence[CollectiveRecord], i: int, since: float,
                 end: float) -> str:
-    """Why the link was idle from ``since`` until ``at`` (in a window ending at ``end``): from the next
-    collective to start there or later (``ordered`` by ``starts``; see [Note: link idle while compute ran])."""
-    i = bisect.bisect_left(starts, at - 1e-9)  # the next collective on the link (a piece may end at a stall)
+    """Why the link was idle from ``since`` until ``ordered[i]`` started (in a window ending at
+    ``end``; ``i == len(ordered)``: none started after): from that collective and the ones after it
+    (``ordered`` by ``starts``; see [Note: link idle while compute ran])."""
     if i == len(starts):
         return IDLE_CAUSES[0]
     c = ordered[i]

@@ -20,9 +20,12 @@ from typing import Any, Optional, Sequence, TextIO
 
 from overlap.profiler import export
 from overlap.profiler.records import (IDLE_CAUSES, CollectiveRecord, RankProfile, StepRecord, covered,
-                                      hidden_fraction, link_idle, union)
+                                      IdlePiece, hidden_fraction, link_idle_pieces, union)
 
-__all__ = ["CommSummary", "ProfileResult", "Report", "StepSummary"]
+__all__ = ["CommSummary", "IdleSummary", "ProfileResult", "Report", "StepSummary"]
+
+LARGEST_IDLE_PIECES = 3
+"""How many of a step's idle-link pieces ``StepSummary.link_idle_largest`` keeps, the longest first."""
 
 
 class _CommEfficiency:
@@ -66,7 +69,8 @@ class StepSummary(_CommEfficiency):
     ``compute_ms``: the step's wall time minus its stalls; ``link_idle_ms``: the part of the step
     window with nothing of this rank on the link while it computed, and ``link_idle_causes`` its
     split by cause (``(cause, ms)`` in ``IDLE_CAUSES`` order, causes with time only; see [Note:
-    link idle while compute ran] in ``overlap.profiler.records``)."""
+    link idle while compute ran] in ``overlap.profiler.records``); ``link_idle_largest``: its
+    ``LARGEST_IDLE_PIECES`` longest pieces, with what ended each."""
 
     rank: int
     step: int
@@ -79,11 +83,32 @@ class StepSummary(_CommEfficiency):
     nbytes: int
     link_idle_ms: float = 0.0
     link_idle_causes: tuple[tuple[str, float], ...] = ()
+    link_idle_largest: tuple["IdleSummary", ...] = ()
 
     @property
     def link_idle_share(self) -> float:
         """``link_idle_ms`` over the step's wall time, 0..1."""
         return self.link_idle_ms / self.wall_ms if self.wall_ms > 0 else 0.0
+
+    def describe_largest_idle(self) -> str:
+        """``link_idle_largest`` as one line of text (``"-"`` for none)."""
+        return "; ".join(map(str, self.link_idle_largest)) or "-"
+
+
+@dataclasses.dataclass(frozen=True)
+class IdleSummary:
+    """One piece of a step's idle link (``overlap.profiler.records.IdlePiece``), in milliseconds
+    from the step's start: where it was, why, and which collective ended it (``before``: its
+    ``CollectiveRecord.what`` with ``" (step N)"`` when it belongs to another step; ``""``: none)."""
+
+    at_ms: float
+    ms: float
+    cause: str
+    before: str
+
+    def __str__(self) -> str:
+        before = f" before {self.before}" if self.before else ""
+        return f"{self.ms:.1f} ms from {self.at_ms:.1f} ms{before} ({self.cause})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +130,7 @@ class Report:
                 d["gbps"] = s.gbps
             else:
                 d["link_idle_causes"] = dict(s.link_idle_causes)
+                d["link_idle_largest"] = [dataclasses.asdict(p) for p in s.link_idle_largest]
             return d
 
         return {"rows": [row(r) for r in self.rows], "kinds": [row(r) for r in self.kinds],
@@ -130,6 +156,10 @@ class Report:
         out += [f"{s.rank:>4}  {s.step:>4} {s.wall_ms:>9.2f} {s.compute_ms:>10.2f} {s.comm_ms:>9.2f} "
                 f"{s.exposed_ms:>10.2f} {100 * s.efficiency:>6.0f}% {s.count:>6} {s.link_idle_ms:>12.2f}  "
                 + (", ".join(f"{cause} {ms:.2f}" for cause, ms in s.link_idle_causes) or "-") for s in self.steps]
+        if any(s.link_idle_largest for s in self.steps):
+            out += ["", "longest idle-link pieces per step (from the step's start; before: the collective that "
+                        "ended the piece):"]
+            out += [f"{s.rank:>4}  {s.step:>4}  {s.describe_largest_idle()}" for s in self.steps if s.link_idle_largest]
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -180,16 +210,18 @@ class ProfileResult:
                 mine = [c for c in rp.collectives if c.step == s.step]
                 busy = union((c.start, c.end) for c in mine)
                 stalled = covered(stalls, s.start, s.end)
-                idle = link_idle(rp, s.start, s.end)
-                by_cause = {cause: 1e3 * sum(b - a for a, b, c in idle if c == cause) for cause in IDLE_CAUSES}
+                idle = link_idle_pieces(rp, s.start, s.end)
+                by_cause = {cause: 1e3 * sum(p.seconds for p in idle if p.cause == cause) for cause in IDLE_CAUSES}
+                longest = sorted(idle, key=lambda p: -p.seconds)[:LARGEST_IDLE_PIECES]
                 steps.append(StepSummary(
                     rank=rp.rank, step=s.step, wall_ms=1e3 * (s.end - s.start),
                     compute_ms=1e3 * (s.end - s.start - stalled),
                     comm_ms=1e3 * sum(b - a for a, b in busy),
                     exposed_ms=1e3 * sum(covered(stalls, a, b) for a, b in busy),
                     stalled_ms=1e3 * stalled, count=len(mine), nbytes=sum(c.nbytes for c in mine),
-                    link_idle_ms=1e3 * sum(b - a for a, b, _ in idle),
-                    link_idle_causes=tuple((c, ms) for c, ms in by_cause.items() if ms > 0)))
+                    link_idle_ms=1e3 * sum(p.seconds for p in idle),
+                    link_idle_causes=tuple((c, ms) for c, ms in by_cause.items() if ms > 0),
+                    link_idle_largest=tuple(_idle_summary(p, s) for p in longest)))
         everything = self.collectives
         total = CommSummary(self.ranks[0].rank if len(self.ranks) == 1 else -1, "total", "", len(everything),
                             sum(c.nbytes for c in everything), 1e3 * sum(c.duration for c in everything),
@@ -221,3 +253,10 @@ class ProfileResult:
         parts marked; the link idle while compute ran, coloured by cause). Needs matplotlib (``pip install
         'triton-overlap[plot]'``); returns the path."""
         return export.plot(self.ranks, path)
+
+
+def _idle_summary(piece: IdlePiece, step: StepRecord) -> IdleSummary:
+    """``piece`` of ``step``'s window as an :class:`IdleSummary`."""
+    ended_by = piece.ended_by
+    before = "" if ended_by is None else ended_by.what + ("" if ended_by.step == step.step else f" (step {ended_by.step})")
+    return IdleSummary(1e3 * (piece.start - step.start), 1e3 * piece.seconds, piece.cause, before)

@@ -126,7 +126,7 @@ class InflightSampler:
     def __init__(self) -> None:
         self.samples: list[int] = []
 
-    def on_issue(self, kind: str, nbytes: int, group: str, work: Any, event: Any, device: Any) -> None:
+    def on_issue(self, kind: str, nbytes: int, group: str, work: Any, event: Any, device: Any, where: str) -> None:
         self.samples.append(overlap.inflight_bytes() + nbytes)
         return None
 

@@ -209,18 +209,24 @@ def test_demo_tensor_parallel_compares_with_torch_tp(tmp_path: object, capsys: p
     assert collectives["tp"] >= collectives["tp-chunks1"] > 0, collectives
 
 
-def _record(label: str, wait_label: str) -> CollectiveRecord:
+def _record(label: str, wait_label: str, module: str = "") -> CollectiveRecord:
     return CollectiveRecord(rank=0, step=0, kind="all_gather", nbytes=8, group="g", label=label, issued=0.0,
                             start=0.0, end=1.0, end_measured=True, wait_start=None, wait_end=None,
-                            wait_label=wait_label, exposed=0.0)
+                            wait_label=wait_label, exposed=0.0, module=module)
 
 
-@pytest.mark.parametrize("label, wait_label, module", [
-    ("overlap::pre_forward (tok)", "overlap::pre_forward (head)", "head"),  # prefetched by tok, waited by head
-    ("overlap::end_backward/overlap::gather_ahead", "overlap::pre_forward (blocks.0)", "blocks.0"),
-    ("overlap::reduce_scatter (blocks.0)", "overlap::end_backward", "blocks.0"),  # waited at the end
-    ("overlap::reduce_scatter", "overlap::end_backward", "root"),  # the root's regions name no module
-    ("overlap::end_backward/overlap::gather_ahead", "", "root"),  # never waited, issued unnamed
+@pytest.mark.parametrize("label, wait_label, recorded, module", [
+    # recorded by the runtime: what the collective carries, whatever the regions say (a prefetch of
+    # blocks.2 held for the budget and first waited where blocks.3's was admitted)
+    ("overlap::pre_forward (blocks.1)/overlap::held_for_budget", "overlap::pre_forward (blocks.1)", "blocks.2",
+     "blocks.2"),
+    ("overlap::reduce_scatter", "overlap::end_backward", "root", "root"),
+    # not recorded (a collective issued for no sharded module): told from the regions
+    ("overlap::pre_forward (tok)", "overlap::pre_forward (head)", "", "head"),  # prefetched by tok, waited by head
+    ("overlap::end_backward/overlap::gather_ahead", "overlap::pre_forward (blocks.0)", "", "blocks.0"),
+    ("overlap::reduce_scatter (blocks.0)", "overlap::end_backward", "", "blocks.0"),  # waited at the end
+    ("overlap::reduce_scatter", "overlap::end_backward", "", "root"),  # the root's regions name no module
+    ("overlap::end_backward/overlap::gather_ahead", "", "", "root"),  # never waited, issued unnamed
 ])
-def test_exposed_waits_are_told_by_the_module_served(label: str, wait_label: str, module: str) -> None:
-    assert module_of(_record(label, wait_label)) == module
+def test_exposed_waits_are_told_by_the_module_served(label: str, wait_label: str, recorded: str, module: str) -> None:
+    assert module_of(_record(label, wait_label, recorded)) == module

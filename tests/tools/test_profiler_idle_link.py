@@ -26,7 +26,7 @@ from torch import nn
 import overlap
 from overlap.profiler import RankProfile, merge
 from overlap.profiler.records import (AHEAD_LABEL, BUDGET_LABEL, IDLE_CAUSES, CollectiveRecord, StepRecord, covered,
-                                      link_idle, union)
+                                      link_idle, link_idle_pieces, union)
 
 STEPS = 3
 # 4 blocks of 64 -> 128 -> 64 (33 KiB of fp32 per block): at 0.05 Gbit/s a block's gather takes
@@ -86,6 +86,18 @@ def test_idle_link_matches_the_emulated_links_busy_record(distributed, prefetch:
         not_idle = union(busy + stalls)
         assert [s for s, *_ in res["steps"]] == list(range(STEPS))
         assert len(profile.steps) == STEPS, profile.steps
+        # every collective names the sharded module it carries (the root holds no parameters): the
+        # one whose region issued a reduce-scatter, and the one whose pre-forward / pre-backward
+        # waited for a gather (a prefetch is issued in another module's region, and under a budget
+        # it can first be waited where the next one is admitted: the regions do not say what a
+        # gather carries, so those are not compared)
+        assert {c.module for c in profile.collectives} == {"0", "1", "2", "3"}, profile.collectives
+        for c in profile.collectives:
+            if c.kind == "all_gather" and budget is not None:
+                continue
+            named = c.wait_label if c.kind == "all_gather" else c.label
+            if named.endswith(")") and " (" in named:
+                assert named.endswith(f" ({c.module})"), (rank, c.kind, c.module, c.label, c.wait_label)
         for (step, idle_ms, causes, wall_ms), window in zip(res["steps"], profile.steps):
             a, b = window.start + offset, window.end + offset
             expected = (b - a) - covered(not_idle, a, b)
@@ -102,10 +114,40 @@ def test_idle_link_matches_the_emulated_links_busy_record(distributed, prefetch:
 
 
 def _record(kind: str, start: float, end: float, label: str = "", wait: tuple[float, float] | None = None,
-            step: int = 0) -> CollectiveRecord:
+            step: int = 0, module: str = "") -> CollectiveRecord:
     return CollectiveRecord(rank=0, step=step, kind=kind, nbytes=8, group="g", label=label, issued=start,
                             start=start, end=end, end_measured=True, wait_start=None if wait is None else wait[0],
-                            wait_end=None if wait is None else wait[1], wait_label="", exposed=0.0)
+                            wait_end=None if wait is None else wait[1], wait_label="", exposed=0.0, module=module)
+
+
+def test_idle_pieces_name_the_collective_that_ended_them_by_hand() -> None:
+    # window [0, 10]: idle [0, 1.5) before blocks.0's gather [1.5, 3]; idle [3, 7) before blocks.1's
+    # reduce-scatter [7, 8]; idle [8, 10] with nothing after it in the window but the next step's
+    # public all-gather [12, 13] (no module: named by its kind)
+    records = (
+        _record("all_gather", 1.5, 3.0, module="blocks.0"),
+        _record("reduce_scatter", 7.0, 8.0, module="blocks.1"),
+        _record("all_gather", 12.0, 13.0, step=1),
+    )
+    rank = RankProfile(rank=0, world_size=2, epoch=0.0, device="cpu",
+                       steps=(StepRecord(0, 0, 0.0, 10.0), StepRecord(0, 1, 10.0, 14.0)), collectives=records)
+    pieces = link_idle_pieces(rank, 0.0, 10.0)
+    assert [(p.start, p.end, p.ended_by) for p in pieces] == [(0.0, 1.5, records[0]), (3.0, 7.0, records[1]),
+                                                              (8.0, 10.0, records[2])]
+    assert [(a, b, cause) for a, b, cause in link_idle(rank, 0.0, 10.0)] == [(p.start, p.end, p.cause) for p in pieces]
+    assert link_idle_pieces(rank, 10.0, 14.0)[-1].ended_by is None  # idle after the last collective: none ended it
+    steps = merge(rank).summary().steps
+    # the longest first, in ms (the records are in seconds) from the step's start; another step's collective says which step
+    assert [str(s) for s in steps[0].link_idle_largest] == [
+        "4000.0 ms from 3000.0 ms before reduce_scatter blocks.1 (waiting on gradients)",
+        "2000.0 ms from 8000.0 ms before all_gather (step 1) (nothing issued yet)",
+        "1500.0 ms from 0.0 ms before all_gather blocks.0 (nothing issued yet)"]
+    assert [str(s) for s in steps[1].link_idle_largest] == ["2000.0 ms from 0.0 ms before all_gather (nothing issued yet)",
+                                                            "1000.0 ms from 3000.0 ms (nothing issued yet)"]
+    table = merge(rank).summary().table()
+    assert "longest idle-link pieces per step" in table and "before reduce_scatter blocks.1" in table
+    names = {e["name"] for e in merge(rank).trace_events() if e.get("cat") in ("comm", "issue")}
+    assert {"all_gather blocks.0", "issue reduce_scatter blocks.1", "all_gather"} <= names, names
 
 
 def test_idle_pieces_and_causes_by_hand() -> None:
