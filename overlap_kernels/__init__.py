@@ -6,7 +6,8 @@ it (kernel, checks, public function, its ``torch.ops.overlap.*`` op, torch fallb
 collectives, ``overlap_kernels.chunk_place`` and ``overlap_kernels.chunk_pack`` (one chunk buffer each, see
 ``overlap_kernels.chunk_layout``). What they share: the layout of shards and flat
 buffers (``ShardLayout``), the launch and its tables (``overlap_kernels._launch``), the device-side helpers
-(``overlap_kernels._jit``), the argument checks (``overlap_kernels._checks``), the torch fallback's plans
+(``overlap_kernels._jit``; every helper is declared with ``overlap_kernels._device_function``), the
+argument checks (``overlap_kernels._checks``), the torch fallback's plans
 (``overlap_kernels._torch_fallback``), the supported dtypes (``overlap_kernels._dtypes``), the ``torch.library``
 plumbing (``overlap_kernels.library``) and the device memory of the tables (``overlap_kernels.table_memory``).
 Importing this package registers the ops. Knows nothing of process groups.

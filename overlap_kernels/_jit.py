@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import os
 
-import triton
 import triton.language as tl
+
+from overlap_kernels._device_function import device_function
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 """Whether ``triton.jit`` made interpreter kernels (read once, as Triton does at decoration time)."""
@@ -40,7 +41,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "ye
 _INTERPRETED = tl.constexpr(INTERPRET)
 
 
-@triton.jit
+@device_function
 def _to_bf16_rtne(x):
     """float32 -> bfloat16, round to nearest even; every NaN becomes 0x7FC0 (c10's scalar rule)."""
     u = x.to(tl.uint32, bitcast=True)
@@ -49,14 +50,14 @@ def _to_bf16_rtne(x):
     return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-@triton.jit
+@device_function
 def _bf16_to_f32(x):
     """bfloat16 -> float32, exact for every value (subnormals and NaN payloads included): a bfloat16
     is the upper half of a float32."""
     return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@device_function
 def _from_float32(x, TO: tl.constexpr):
     if _INTERPRETED and TO == tl.bfloat16:
         y = _to_bf16_rtne(x)
@@ -65,7 +66,7 @@ def _from_float32(x, TO: tl.constexpr):
     return y
 
 
-@triton.jit
+@device_function
 def _to_float32(x):
     if _INTERPRETED and x.dtype == tl.bfloat16:
         y = _bf16_to_f32(x)
@@ -74,7 +75,7 @@ def _to_float32(x):
     return y
 
 
-@triton.jit
+@device_function
 def convert(x, TO: tl.constexpr):
     """``x.to(TO)``, rounding as torch does.
 
@@ -102,7 +103,7 @@ def convert(x, TO: tl.constexpr):
     return y
 
 
-@triton.jit
+@device_function
 def block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK: tl.constexpr):
     """This program's block: ``(addr, group, tensor_start, flat_start, n_valid, n_total, aligned)``.
 
@@ -124,14 +125,14 @@ def block_run(blocks_ptr, runs_ptr, pointers_ptr, BLOCK: tl.constexpr):
     return addr, group, tensor_start, flat_start, tl.load(row + 3) - start, tl.load(row + 4) - start, aligned
 
 
-@triton.jit
+@device_function
 def vector_lanes(BLOCK: tl.constexpr, VEC: tl.constexpr):
     """A block's element offsets on an aligned unmasked path: ``arange(0, BLOCK)``, ``VEC``
     consecutive elements per thread ([Note: per-thread width])."""
     return tl.max_contiguous(tl.arange(0, BLOCK), VEC)
 
 
-@triton.jit
+@device_function
 def scalar_lanes(BLOCK: tl.constexpr):
     """A block's element offsets on an unaligned or masked path, shaped ``(1, BLOCK)``.
 
@@ -144,7 +145,7 @@ def scalar_lanes(BLOCK: tl.constexpr):
     return tl.max_contiguous(tl.arange(0, BLOCK), 1)[None, :]
 
 
-@triton.jit
+@device_function
 def _at(addr, start, DT: tl.constexpr, ALIGNED: tl.constexpr):
     """Element ``start`` of the tensor at ``addr`` (dtype ``DT``); ``ALIGNED``: both are 16-aligned
     (bytes, elements), which lets Triton vectorize. (``tl.multiple_of`` marks the op that defines a
@@ -157,12 +158,12 @@ def _at(addr, start, DT: tl.constexpr, ALIGNED: tl.constexpr):
     return ptr + start
 
 
-@triton.jit
+@device_function
 def _load(addr, start, offs, mask, other, DT: tl.constexpr, TO: tl.constexpr, ALIGNED: tl.constexpr):
     return convert(tl.load(_at(addr, start, DT, ALIGNED) + offs, mask=mask, other=other), TO)
 
 
-@triton.jit
+@device_function
 def load_as(addr, group, start, offs, mask, other, DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr,
             DT3: tl.constexpr, NUM_GROUPS: tl.constexpr, TO: tl.constexpr, ALIGNED: tl.constexpr):
     """Elements ``start + offs`` of the tensor at ``addr`` (dtype ``DT{group}``), converted to ``TO``."""
@@ -183,12 +184,12 @@ def load_as(addr, group, start, offs, mask, other, DT0: tl.constexpr, DT1: tl.co
     return x
 
 
-@triton.jit
+@device_function
 def _store(addr, start, offs, x, mask, DT: tl.constexpr, ALIGNED: tl.constexpr):
     tl.store(_at(addr, start, DT, ALIGNED) + offs, convert(x, DT), mask=mask)
 
 
-@triton.jit
+@device_function
 def store_as(addr, group, start, offs, x, mask, DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr,
              DT3: tl.constexpr, NUM_GROUPS: tl.constexpr, ALIGNED: tl.constexpr):
     """Store ``x`` converted to ``DT{group}`` at elements ``start + offs`` of the tensor at ``addr``."""

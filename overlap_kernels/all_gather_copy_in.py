@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from overlap_kernels import _checks, _launch, _torch_fallback, library, prepared_launch
+from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import block_run, load_as, scalar_lanes, vector_lanes
 from overlap_kernels.layout import ShardLayout
 
@@ -37,7 +38,7 @@ OP = "all_gather_copy_in"
 
 
 # ------------------------------------------------------------------------------------------- kernel
-@triton.jit
+@device_function
 def _copy_in(
     addr, group, src_start, offs, dst, mask, other, store_mask,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from overlap_kernels import _checks, _launch, _torch_fallback, library, prepared_launch
+from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import block_run, scalar_lanes, store_as, vector_lanes
 from overlap_kernels.layout import ShardLayout
 
@@ -35,7 +36,7 @@ OP = "all_gather_copy_out"
 
 
 # ------------------------------------------------------------------------------------------- kernel
-@triton.jit
+@device_function
 def _copy_out(
     src, offs, addr, group, dst_start, mask,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,

@@ -84,8 +84,9 @@ test (``test_cuda_kernels_equal_the_torch_fallback``) is what proves the result.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
+
+from overlap_kernels._device_function import device_function
 
 QMAX = 127
 """The largest int8 code used: symmetric, so -128 never appears and negation is exact."""
@@ -97,7 +98,7 @@ FORMATS = ("int8", "fp8")
 """The codes a block can be quantized to (one byte per element, one float32 scale per block)."""
 
 
-@triton.jit
+@device_function
 def _e4m3_code(c):
     """int8 byte of float8_e4m3fn ``c`` rounded to nearest even, for float32 ``|c| <= 448`` (exact
     integer arithmetic: [Note: why the arithmetic is bitwise portable])."""
@@ -112,7 +113,7 @@ def _e4m3_code(c):
     return tl.where(bits < 0, code - 128, code).to(tl.int8)
 
 
-@triton.jit
+@device_function
 def _e4m3_value(q):
     """float32 value of the float8_e4m3fn byte ``q`` (int8), exactly: its float32 bits assembled
     from the byte's unsigned bits with 32-bit integer ops ([Note: decoding e4m3 without sign
@@ -126,7 +127,7 @@ def _e4m3_value(q):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@device_function
 def quantize_rows(x, FP8: tl.constexpr):
     """``(q int8[R, Q], scale float32[R])`` of the float32 tile ``x`` ``[R, Q]``, each row a block
     (see the module's table; ``FP8``: e4m3 codes, else int8)."""
@@ -150,7 +151,7 @@ def quantize_rows(x, FP8: tl.constexpr):
     return q, scale
 
 
-@triton.jit
+@device_function
 def dequantize_block(q, scale, FP8: tl.constexpr):
     """float32 ``value(q) * scale`` of one-byte codes ``q`` and their block's float32 ``scale``
     (a tile ``[R, Q]`` of blocks takes scales ``[R, 1]``)."""

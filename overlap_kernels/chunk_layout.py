@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from overlap_kernels._checks import check_dtype
+from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import INTERPRET
 from overlap_kernels._launch import triton_enabled
 from overlap_kernels.library import use_dispatcher
@@ -122,7 +122,7 @@ def launch(kernel: Any, grid: tuple[int, ...], args: Sequence[object], kwargs: d
     kernel[grid](*args, **kwargs)
 
 
-@triton.jit
+@device_function
 def buffer_element(pieces_ptr, w, outer, width, inner, BLOCK: tl.constexpr):
     """This program's ``BLOCK`` elements of a ``(w, outer, width, inner)`` chunk buffer: their flat
     offsets, and per element ``(o, t, i)`` (outer index, row within the piece, inner index), its

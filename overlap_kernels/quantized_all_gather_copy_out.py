@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from overlap_kernels import _checks, _launch
+from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import store_as
 from overlap_kernels.block_quantization import dequantize_block, dequantize_elements_torch
 from overlap_kernels.quantized_copy_in import QUANTIZED_DTYPES
@@ -56,7 +57,7 @@ def _quantized_all_gather_copy_out_kernel(
                          NUM_GROUPS, BLOCK, FP8, VEC, BLOCKS_PER_PROGRAM, False)
 
 
-@triton.jit
+@device_function
 def _dequantize_tile(addr, group, tensor_start, codes_ptr, codes_start, n_valid, scale, DT0: tl.constexpr,
                      DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
                      BLOCK: tl.constexpr, FP8: tl.constexpr, VEC: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from overlap_kernels import _checks, _launch
+from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import load_as
 from overlap_kernels.block_quantization import quantize_blocks_torch, quantize_rows
 from overlap_kernels.layout import ShardLayout
@@ -65,7 +66,7 @@ def _quantized_copy_in_kernel(
     tl.store(scales_ptr + (slot * slot_bytes + slot_numel) // 4 + first_block + rows, scale, mask=present)
 
 
-@triton.jit
+@device_function
 def _quantize_tile(addr, group, tensor_start, codes_ptr, codes_start, n_valid, length, DT0: tl.constexpr,
                    DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
                    BLOCK: tl.constexpr, FP8: tl.constexpr, VEC: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,

@@ -81,6 +81,7 @@ import triton
 import triton.language as tl
 
 from overlap_kernels import _launch, table_memory
+from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import vector_lanes
 from overlap_kernels.block_quantization import FORMATS
 from overlap_kernels.layout import ShardLayout
@@ -245,7 +246,7 @@ def quantized_layout(layout: ShardLayout, block: int, format: str = "int8") -> Q
 
 
 # ----------------------------------------------------------------------------- device side, launch
-@triton.jit
+@device_function
 def program_blocks(blocks_ptr, pointers_ptr, g):
     """Program ``g``'s blocks: ``(flat_start, length, addr, group, tensor_start, n_valid,
     first_block)`` ([Note: segment tables]); ``addr`` / ``group``: its parameter's tensor and dtype
@@ -256,7 +257,7 @@ def program_blocks(blocks_ptr, pointers_ptr, g):
             tl.load(row + 3), tl.load(row + 4), tl.load(row + 5))
 
 
-@triton.jit
+@device_function
 def aligned_full_block(addr, tensor_start, codes_start, n_valid, length, TILE: tl.constexpr):
     """Whether a program takes [Note: the aligned full-block path]: all ``TILE`` elements of its
     blocks valid and in the slot (``n_valid``, ``length``), the tensor side 16-byte aligned (address,
@@ -266,14 +267,14 @@ def aligned_full_block(addr, tensor_start, codes_start, n_valid, length, TILE: t
             & ((codes_start % 16) == 0))
 
 
-@triton.jit
+@device_function
 def aligned(offset):
     """``offset`` (a multiple of 16 on the aligned path) rebuilt as a product by 16, from which
     Triton infers the divisibility that lets it vectorize (as ``overlap_kernels._jit._at`` does)."""
     return (offset // 16) * 16
 
 
-@triton.jit
+@device_function
 def tile_offsets(BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr):
     """``[BLOCKS_PER_PROGRAM, BLOCK]`` element offsets of a program's tile from its first element
     (row ``j``: block ``j``); ``ALIGNED``: ``VEC`` consecutive elements per thread ([Note: the
@@ -285,7 +286,7 @@ def tile_offsets(BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.
     return tl.arange(0, BLOCKS_PER_PROGRAM)[:, None] * BLOCK + cols[None, :]
 
 
-@triton.jit
+@device_function
 def codes_at(codes_ptr, start, offs, ALIGNED: tl.constexpr):
     """Pointers to the codes of a tile whose first code is byte ``start`` of the buffer (``ALIGNED``:
     ``start`` is a multiple of 16, rebuilt so that Triton sees it: ``aligned``)."""
@@ -294,7 +295,7 @@ def codes_at(codes_ptr, start, offs, ALIGNED: tl.constexpr):
     return codes_ptr + start + offs
 
 
-@triton.jit
+@device_function
 def tile_rows(length, BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
     """``(rows [BLOCKS_PER_PROGRAM], present)``: each row's block number within the program, and
     whether the program has that block (``length`` slot elements)."""

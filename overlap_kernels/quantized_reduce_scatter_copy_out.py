@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from overlap_kernels import _checks, _launch
+from overlap_kernels._device_function import device_function
 from overlap_kernels._dtypes import as_float32
 from overlap_kernels._jit import load_as, store_as
 from overlap_kernels.block_quantization import dequantize_block
@@ -59,7 +60,7 @@ def _quantized_reduce_scatter_copy_out_kernel(
                   WORLD_SIZE, FP8, VEC, BLOCKS_PER_PROGRAM, False)
 
 
-@triton.jit
+@device_function
 def _sum_tile(addr, group, tensor_start, codes_ptr, scales_ptr, flat_start, length, n_valid, first_block, slot_bytes,
               slot_numel, scale, DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr,
               NUM_GROUPS: tl.constexpr, BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,

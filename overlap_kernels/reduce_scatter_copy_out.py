@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from overlap_kernels import _checks, _launch, _torch_fallback, library, prepared_launch
+from overlap_kernels._device_function import device_function
 from overlap_kernels._dtypes import as_float32, compute_dtype
 from overlap_kernels._jit import block_run, convert, load_as, scalar_lanes, store_as, vector_lanes
 from overlap_kernels.layout import ShardLayout
@@ -40,7 +41,7 @@ OP = "reduce_scatter_copy_out"
 
 
 # ------------------------------------------------------------------------------------------- kernel
-@triton.jit
+@device_function
 def _unpack(
     src, offs, addr, group, dst_start, mask, other, scale,
     DT0: tl.constexpr, DT1: tl.constexpr, DT2: tl.constexpr, DT3: tl.constexpr, NUM_GROUPS: tl.constexpr,
