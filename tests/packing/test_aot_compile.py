@@ -309,18 +309,16 @@ def _ptxas_version(arch: int) -> str:
     return get_ptxas_version(arch)
 
 
-def _compile_all(out: str, arch: int) -> None:
-    """Every case compiled for ``arch``, the reports written to ``out`` (JSON)."""
+def _compile_all(out: str, arch: int, wanted: set[str]) -> None:
+    """The cases whose ids are in ``wanted`` compiled for ``arch``, the reports written to ``out``
+    (JSON, keyed ``{id}-sm{arch}``)."""
     from triton import knobs
 
     knobs.nvidia.dump_ptxas_log = True
-    results = {}
-    for case in CASES + MIXED_CASES:
-        results[f"{case.id}-sm{arch}"] = _compile(_kernel_call(case), arch)
-    for tp_case in TP_CASES:
-        results[f"{_tp_id(*tp_case)}-sm{arch}"] = _compile(_tp_kernel_call(*tp_case), arch)
-    for quantized_case in QUANTIZED_CASES:
-        results[f"{_quantized_id(*quantized_case)}-sm{arch}"] = _compile(_quantized_kernel_call(*quantized_case), arch)
+    calls = [(case.id, _kernel_call, (case,)) for case in CASES + MIXED_CASES]
+    calls += [(_tp_id(*tp_case), _tp_kernel_call, tp_case) for tp_case in TP_CASES]
+    calls += [(_quantized_id(*q_case), _quantized_kernel_call, q_case) for q_case in QUANTIZED_CASES]
+    results = {f"{cid}-sm{arch}": _compile(make(*args), arch) for cid, make, args in calls if cid in wanted}
     Path(out).write_text(json.dumps(results))
 
 
@@ -337,10 +335,33 @@ def _bundled_ptxas() -> Path | None:
 pytestmark = pytest.mark.skipif(_bundled_ptxas() is None, reason="needs Triton's NVIDIA backend with its bundled ptxas")
 
 
+def _case_id(name: str, value: object) -> str | None:
+    """The compile id of a test's parameter ``name`` = ``value`` (None: not a case)."""
+    if name == "case":
+        return value.id
+    if name == "tp_case":
+        return _tp_id(*value)
+    if name == "quantized_case":
+        return _quantized_id(*value)
+    return None
+
+
+def _selected_case_ids(items: list[pytest.Item]) -> set[str]:
+    """The compile ids the selected tests of this module read, and always the first case (the
+    toolchain test reads whichever packing cases were compiled)."""
+    wanted = {CASES[0].id}
+    for item in items:
+        if item.module.__name__ == __name__ and hasattr(item, "callspec"):
+            wanted.update(filter(None, (_case_id(k, v) for k, v in item.callspec.params.items())))
+    return wanted
+
+
 @pytest.fixture(scope="session")
-def compiled() -> dict[str, dict]:
-    """Every case compiled for every target, once per session: a subprocess per target, side by side
-    (each is one core's work for most of a minute)."""
+def compiled(request: pytest.FixtureRequest) -> dict[str, dict]:
+    """The cases the selected tests read (:func:`_selected_case_ids`) compiled for every target,
+    once per session: a subprocess per target, side by side (each is one core's work for up to a
+    minute)."""
+    wanted = sorted(_selected_case_ids(request.session.items))
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")}
     # This checkout's kernels, whatever an installed copy points at (a script's sys.path[0] is its folder).
@@ -350,7 +371,7 @@ def compiled() -> dict[str, dict]:
         for arch in TARGETS:  # a fresh cache each: every compile runs ptxas; output to a file (no pipe to fill)
             with open(Path(tmp, f"sm{arch}.log"), "w") as log:
                 procs[arch] = subprocess.Popen(
-                    [sys.executable, __file__, str(Path(tmp, f"sm{arch}.json")), str(arch)], cwd=REPO,
+                    [sys.executable, __file__, str(Path(tmp, f"sm{arch}.json")), str(arch), *wanted], cwd=REPO,
                     env=dict(env, TRITON_CACHE_DIR=str(Path(tmp, f"cache{arch}"))), stdout=log,
                     stderr=subprocess.STDOUT)
         results: dict[str, dict] = {}
@@ -365,11 +386,19 @@ def compiled() -> dict[str, dict]:
         return results
 
 
-def _ids(cases: list[Case]) -> list[str]:
-    return [c.id for c in cases]
+# [Note: fp16 cases under slow]: a case that reads or writes fp16 only (every kernel, 9 dtype pairs)
+# is under `slow`, so the default suite compiles 54 cases per target instead of 97 (test_aot_compile
+# took 69-74 s of the default suite on the 2-core CI box, the most of any fixture, cold or warm:
+# every compile runs ptxas). fp16 and bf16 take the same 16-bit paths (vector widths, registers);
+# the default suite still compiles fp16 conversions in each kernel's mixed-dtype launch.
+def _param(dtypes: tuple[str, ...], *values: object, id: str) -> object:
+    """``pytest.param(*values)``, under ``slow`` where ``dtypes`` (what the case reads and writes)
+    hold fp16."""
+    marks = [pytest.mark.slow] if "fp16" in dtypes else []
+    return pytest.param(*values, id=id, marks=marks)
 
 
-@pytest.mark.parametrize("case", CASES + MIXED_CASES, ids=_ids(CASES + MIXED_CASES))
+@pytest.mark.parametrize("case", [_param((case.src, case.dst), case, id=case.id) for case in CASES + MIXED_CASES])
 def test_aot_compile_launch_configuration(compiled: dict[str, dict], case: Case) -> None:
     """What the launcher hands Triton: argument types, 16-byte divisible pointers, constexprs."""
     r = compiled[f"{case.id}-sm90"]
@@ -393,13 +422,12 @@ def test_aot_compile_launch_configuration(compiled: dict[str, dict], case: Case)
         assert c["ACCUMULATE"] == str("accumulate" in case.mode)
 
 
-ALL = [(case, arch) for case in CASES for arch in TARGETS]
-ALL_IDS = [f"{case.id}-sm{arch}" for case, arch in ALL]
-ALL_MIXED = [(case, arch) for case in MIXED_CASES for arch in TARGETS]
-ALL_MIXED_IDS = [f"{case.id}-sm{arch}" for case, arch in ALL_MIXED]
+ALL = [_param((case.src, case.dst), case, arch, id=f"{case.id}-sm{arch}") for case in CASES for arch in TARGETS]
+ALL_MIXED = [_param((case.src, case.dst), case, arch, id=f"{case.id}-sm{arch}")
+             for case in MIXED_CASES for arch in TARGETS]
 
 
-@pytest.mark.parametrize(("case", "arch"), ALL + ALL_MIXED, ids=ALL_IDS + ALL_MIXED_IDS)
+@pytest.mark.parametrize(("case", "arch"), ALL + ALL_MIXED)
 def test_aot_compile_resources(compiled: dict[str, dict], case: Case, arch: int) -> None:
     """No spills, registers within budget, no shared memory (no layout conversion)."""
     r = compiled[f"{case.id}-sm{arch}"]
@@ -425,7 +453,7 @@ def expected_vector_accesses(case: Case) -> Counter:
     return out
 
 
-@pytest.mark.parametrize(("case", "arch"), ALL, ids=ALL_IDS)
+@pytest.mark.parametrize(("case", "arch"), ALL)
 def test_aot_compile_vector_accesses(compiled: dict[str, dict], case: Case, arch: int) -> None:
     accesses = compiled[f"{case.id}-sm{arch}"]["accesses"]
     vector = Counter({k: n for k, n in accesses.items() if re.search(r"\.v\d", k)})
@@ -433,7 +461,7 @@ def test_aot_compile_vector_accesses(compiled: dict[str, dict], case: Case, arch
     assert vector["st.global.v4.b32"] == ELEMENTS_PER_THREAD * DTYPES[case.dst] // 16  # 128-bit stores
 
 
-@pytest.mark.parametrize(("case", "arch"), ALL_MIXED, ids=ALL_MIXED_IDS)
+@pytest.mark.parametrize(("case", "arch"), ALL_MIXED)
 def test_aot_compile_vector_accesses_mixed(compiled: dict[str, dict], case: Case, arch: int) -> None:
     """Three dtype groups, a branch each: 128-bit stores (the widest destination's 4 elements per
     thread), and no vector access wider than 128 bits."""
@@ -442,8 +470,8 @@ def test_aot_compile_vector_accesses_mixed(compiled: dict[str, dict], case: Case
     assert all(re.search(r"\.v[24]\.b32$", k) for k in accesses if re.search(r"\.v\d", k)), accesses
 
 
-@pytest.mark.parametrize(("tp_case", "arch"), [(c, a) for c in TP_CASES for a in TARGETS],
-                         ids=[f"{_tp_id(*c)}-sm{a}" for c in TP_CASES for a in TARGETS])
+@pytest.mark.parametrize(("tp_case", "arch"), [_param((c[1],), c, a, id=f"{_tp_id(*c)}-sm{a}")
+                                               for c in TP_CASES for a in TARGETS])
 def test_aot_compile_chunk_kernels(compiled: dict[str, dict], tp_case: tuple[str, str, str], arch: int) -> None:
     """The chunk kernels compile for sm_80/sm_90: no spills, no shared memory, registers within
     ``TP_REGISTER_BUDGET``, 16-byte divisible buffers, and the epilogue without fused multiply-adds
@@ -489,10 +517,11 @@ def test_aot_compile_toolchain(compiled: dict[str, dict], arch: int) -> None:
         pytest.skip(f"no toolchain recorded for Triton {triton.__version__} (recorded: "
                     f"{sorted(TOOLCHAIN)}): record it and revisit the driver statement above")
     target, ptx_version, release = TOOLCHAIN[version][arch]
-    for case in CASES + MIXED_CASES:
-        r = compiled[f"{case.id}-sm{arch}"]
+    packing = [compiled[key] for key in (f"{case.id}-sm{arch}" for case in CASES + MIXED_CASES) if key in compiled]
+    assert packing, "the fixture compiles at least the first case"
+    for r in packing:
         assert (r["ptx_target"], r["ptx_version"], r["ptxas_release"]) == (target, ptx_version, release)
 
 
 if __name__ == "__main__":
-    _compile_all(sys.argv[1], int(sys.argv[2]))
+    _compile_all(sys.argv[1], int(sys.argv[2]), set(sys.argv[3:]))

@@ -490,10 +490,10 @@ def _three_ways(build: Callable[[], Any], x0: torch.Tensor) -> dict[str, Any]:
     return result
 
 
-def _sp_mlp(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
-    """Per sequence dim (0: Megatron's [seq, batch, hidden]; 1: [batch, seq, hidden]): the sequence-
-    parallel MLP three ways (:func:`_three_ways`; 1 all-gather and 1 reduce-scatter each way per
-    graph without the split)."""
+def _sp_mlp(rank: int, world_size: int, dims: tuple[int, ...] = (0, 1)) -> dict[int, dict[str, Any]]:
+    """Per sequence dim in ``dims`` (0: Megatron's [seq, batch, hidden]; 1: [batch, seq, hidden]):
+    the sequence-parallel MLP three ways (:func:`_three_ways`; 1 all-gather and 1 reduce-scatter
+    each way per graph without the split)."""
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
@@ -516,7 +516,7 @@ def _sp_mlp(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
                                                 "down": RowwiseParallel(output_layouts=Shard(dim))})
 
     results: dict[int, dict[str, Any]] = {}
-    for dim in (0, 1):
+    for dim in dims:
         torch.manual_seed(1 + rank)
         x0 = torch.randn(SEQ // world_size, BATCH, HIDDEN)
         if dim == 1:
@@ -559,9 +559,9 @@ def _counts(graph: str) -> dict[str, int]:
 
 
 def _blocks(rank: int, world_size: int) -> dict[str, Any]:
-    """:func:`_sp_mlp`, :func:`_titan_attention` and :func:`_sp_attention` on one set of ranks (each
-    start-up warms Inductor anew)."""
-    return {"sp_mlp": _sp_mlp(rank, world_size), "titan": _titan_attention(rank, world_size),
+    """:func:`_sp_mlp` (sequence first), :func:`_titan_attention` and :func:`_sp_attention` on one
+    set of ranks (each start-up warms Inductor anew)."""
+    return {"sp_mlp": _sp_mlp(rank, world_size, (0,)), "titan": _titan_attention(rank, world_size),
             "sp_attention": _sp_attention(rank, world_size)}
 
 
@@ -572,17 +572,11 @@ def compiled_blocks() -> list[dict[str, Any]]:
     return run_distributed(_blocks, 2, timeout=400)
 
 
-def _assert_per_chunk(orders: list[list[str]], where: str, expected: bool = True) -> None:
-    """[Note: ops per chunk between split matmuls]: whether each graph (forward, backward) issues its
-    first scatter chunk before it waits for its last gather chunk, as when the ops between its split
-    matmuls run chunk by chunk (with the batch cut)."""
-    for order in orders:
-        assert scatter_before_last_gather_wait(order) == expected, f"{where}: {order}"
-
-
-def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: list[dict[str, Any]]) -> None:
+def _check_sp_mlp(by_rank: list[dict[int, dict[str, Any]]]) -> None:
+    """Each rank's sequence-parallel MLP (:func:`_sp_mlp`) per sequence dim: split in 2 chunks in
+    forward and backward, bitwise plain compile, close to eager."""
     names = ["out", "x.grad", "up.weight.grad", "up.bias.grad", "down.weight.grad", "down.bias.grad"]
-    for rank, by_dim in enumerate(r["sp_mlp"] for r in compiled_blocks):
+    for rank, by_dim in enumerate(by_rank):
         for dim, r in by_dim.items():
             where = f"rank {rank}, sequence dim {dim}"
             # forward: gather -> up, down -> scatter; backward: the mirror (gather of the output
@@ -598,6 +592,30 @@ def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: 
                 assert torch.equal(a, c), f"{where}: {name}: split under the hook differs from plain compile"
                 # Eager DTensor sums the bias gradients in another order: ~1 ulp apart.
                 torch.testing.assert_close(a, e, msg=lambda m: f"{where}: {name} vs eager: {m}")
+
+
+def _assert_per_chunk(orders: list[list[str]], where: str, expected: bool = True) -> None:
+    """[Note: ops per chunk between split matmuls]: whether each graph (forward, backward) issues its
+    first scatter chunk before it waits for its last gather chunk, as when the ops between its split
+    matmuls run chunk by chunk (with the batch cut)."""
+    for order in orders:
+        assert scatter_before_last_gather_wait(order) == expected, f"{where}: {order}"
+
+
+def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: list[dict[str, Any]]) -> None:
+    """Megatron's layout, [seq, batch, hidden]: the chunks cut the sequence."""
+    _check_sp_mlp([r["sp_mlp"] for r in compiled_blocks])
+
+
+# The default suite's batch-first blocks are the two attention plans below (the batch cut, the ops
+# between split matmuls per chunk); this MLP is their third, on its own ranks: two more compiles per
+# rank, about a sixth of this file's time on the 2-core CI box.
+@pytest.mark.slow
+def test_sequence_parallel_mlp_batch_first_compiled_with_split_collectives() -> None:
+    """[batch, seq, hidden]: the chunks cut the batch, the relu runs per chunk."""
+    from overlap.testing import run_distributed
+
+    _check_sp_mlp(run_distributed(_sp_mlp, 2, (1,), timeout=400))
 
 
 _ATTENTION_GRADS = ["out", "x.grad", *(f"{p}.grad" for p in ("norm.weight", "norm.bias", "wq.weight", "wq.bias",
