@@ -18,7 +18,7 @@ nothing left to patch, since the launch's patch already replaced every builtin (
 check reads: ``tl.load`` is no longer a builtin). The scope they record is dropped and the launch
 restores the language when it ends, so the repeat changes nothing. It costs a few hundred µs per
 call, and the packing kernels call helpers in every block of every program:
-``tests/packing/test_kernels_ops.py`` took 75 s in one process on this project's 2-core CI box, 43 s
+``tests/packing/test_kernels_ops.py`` took 75 s in one process on this project's 2-core CI box, 41 s
 without the repeat (torch 2.13, Triton 3.9, 2026-12-04). What the call then runs is what it ran
 before: the helper's rewritten function, with the same arguments, and an exception from it wrapped
 in ``InterpreterError`` as the interpreter wraps it. Every kernel test compares the interpreted

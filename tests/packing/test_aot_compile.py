@@ -386,8 +386,8 @@ def compiled(request: pytest.FixtureRequest) -> dict[str, dict]:
         return results
 
 
-# [Note: fp16 cases under slow]: a case that reads or writes fp16 only (every kernel, 9 dtype pairs)
-# is under `slow`, so the default suite compiles 54 cases per target instead of 97 (test_aot_compile
+# [Note: fp16 cases under slow]: a case that reads or writes fp16 (every kernel; 5 of the 9 dtype
+# pairs) is under `slow`, so the default suite compiles 54 cases per target instead of 97 (test_aot_compile
 # took 69-74 s of the default suite on the 2-core CI box, the most of any fixture, cold or warm:
 # every compile runs ptxas). fp16 and bf16 take the same 16-bit paths (vector widths, registers);
 # the default suite still compiles fp16 conversions in each kernel's mixed-dtype launch.

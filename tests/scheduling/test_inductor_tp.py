@@ -490,7 +490,7 @@ def _three_ways(build: Callable[[], Any], x0: torch.Tensor) -> dict[str, Any]:
     return result
 
 
-def _sp_mlp(rank: int, world_size: int, dims: tuple[int, ...] = (0, 1)) -> dict[int, dict[str, Any]]:
+def _sp_mlp(rank: int, world_size: int, dims: tuple[int, ...]) -> dict[int, dict[str, Any]]:
     """Per sequence dim in ``dims`` (0: Megatron's [seq, batch, hidden]; 1: [batch, seq, hidden]):
     the sequence-parallel MLP three ways (:func:`_three_ways`; 1 all-gather and 1 reduce-scatter
     each way per graph without the split)."""
@@ -572,6 +572,14 @@ def compiled_blocks() -> list[dict[str, Any]]:
     return run_distributed(_blocks, 2, timeout=400)
 
 
+def _assert_per_chunk(orders: list[list[str]], where: str, expected: bool = True) -> None:
+    """[Note: ops per chunk between split matmuls]: whether each graph (forward, backward) issues its
+    first scatter chunk before it waits for its last gather chunk, as when the ops between its split
+    matmuls run chunk by chunk (with the batch cut)."""
+    for order in orders:
+        assert scatter_before_last_gather_wait(order) == expected, f"{where}: {order}"
+
+
 def _check_sp_mlp(by_rank: list[dict[int, dict[str, Any]]]) -> None:
     """Each rank's sequence-parallel MLP (:func:`_sp_mlp`) per sequence dim: split in 2 chunks in
     forward and backward, bitwise plain compile, close to eager."""
@@ -592,14 +600,6 @@ def _check_sp_mlp(by_rank: list[dict[int, dict[str, Any]]]) -> None:
                 assert torch.equal(a, c), f"{where}: {name}: split under the hook differs from plain compile"
                 # Eager DTensor sums the bias gradients in another order: ~1 ulp apart.
                 torch.testing.assert_close(a, e, msg=lambda m: f"{where}: {name} vs eager: {m}")
-
-
-def _assert_per_chunk(orders: list[list[str]], where: str, expected: bool = True) -> None:
-    """[Note: ops per chunk between split matmuls]: whether each graph (forward, backward) issues its
-    first scatter chunk before it waits for its last gather chunk, as when the ops between its split
-    matmuls run chunk by chunk (with the batch cut)."""
-    for order in orders:
-        assert scatter_before_last_gather_wait(order) == expected, f"{where}: {order}"
 
 
 def test_sequence_parallel_mlp_compiled_with_split_collectives(compiled_blocks: list[dict[str, Any]]) -> None:
