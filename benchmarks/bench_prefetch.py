@@ -11,7 +11,8 @@ runs the trial that verifies its choice against the simple schedule; every run t
 losses compare step by step). Then ``--rounds`` rounds of one linked step
 per depth, interleaved, each after an untimed linked step of the same run (gather-ahead leaves the
 next step's first gathers in flight: the timed step must start from its own run's), so a shared machine's slow drifts fall on both alike; medians of the
-slowest rank. After the timed rounds, two profiled steps per depth give the link-idle share
+slowest rank. After the timed rounds, two profiled steps per depth (after a warm-up step the profile
+records but does not report) give the link-idle share
 (``overlap.profile()``: the part of each step with nothing of the rank on the link while it
 computed). Losses are checked bitwise between all runs.
 
@@ -66,8 +67,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (model, step, link, times) in runs.items():
         comm = over_ranks(link.stats().emulated_seconds / (2 * args.rounds))
-        with link, profile() as prof:
-            for _ in range(2):
+        with link, profile(warmup=1) as prof:  # the first step recorded, not reported: its gathers ahead
+            for _ in range(1 + 2):
                 step()
                 prof.step()
         merged = prof.gather(dst=0)

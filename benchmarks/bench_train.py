@@ -32,7 +32,8 @@ schedule (the decision is printed beside the mode).
 beside torch FSDP2 (default settings), on 2 and 4 ranks, at 0.5x, 1x and 2x the calibrated link
 bandwidth (calibrated per world size, as above; 0.5x: comm ~ 2x compute). Per cell: the hidden
 share, step / ideal ``max(compute, comm)``, step vs FSDP2's, the link's idle time while compute ran
-(``overlap.profile()`` over :data:`PROFILED_STEPS` linked steps, mean per step and rank), the peak
+(``overlap.profile()`` over :data:`PROFILED_STEPS` linked steps after a warm-up one it does not report,
+mean per step and rank), the peak
 unsharded MB against FSDP2's, the depth and schedule decision (model's choice kept by the
 trial, or the simple plan), and the steady step the chooser's model gave the chosen and the simple
 plan from the recorded costs (agreed over the ranks): beside the measured step it says how much of
@@ -120,8 +121,8 @@ def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
         with link, UnshardedPeak(ours.model) as counter:  # type: ignore[attr-defined]
             for _ in range(MEMORY_STEPS):
                 ours()
-        with link, profile() as prof:
-            for _ in range(PROFILED_STEPS):
+        with link, profile(warmup=1) as prof:  # the first step recorded, not reported: its gathers ahead
+            for _ in range(1 + PROFILED_STEPS):
                 ours()
                 prof.step()
         merged = prof.gather(dst=0)

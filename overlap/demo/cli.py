@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="emulated latency per collective in microseconds (default 20)")
     demo.add_argument("--profile-steps", type=_int_at_least(0), default=2, metavar="P",
                       help="steps of overlap.shard (and no-overlap) run under overlap.profile() after the timed "
-                           "ones, for the trace and timeline (default 2; 0: no profile, nothing written)")
+                           "ones, for the trace and timeline, after one warm-up step it records but does not "
+                           "report (default 2; 0: no profile, nothing written)")
     demo.add_argument("--prefetch", type=_prefetch, default="auto", metavar="D",
                       help="overlap.shard's prefetch: auto (default: the depth chosen from the first steps' "
                            "measured costs, then verified by a timed trial against depth 1 with nothing gathered "

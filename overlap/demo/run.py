@@ -26,7 +26,8 @@ FSDP2 alike) run under :class:`~overlap.demo.unsharded_peak.UnshardedPeak`, whic
 bytes of unsharded parameters held at once, the same way for both runtimes: what prefetching and
 gathering ahead cost in memory, on CPU too. Then a few more steps of each ``overlap.shard`` mode run
 under ``overlap.profile()``
-(so profiling does not skew the timings); every rank's records are merged on rank 0, which returns
+(so profiling does not skew the timings), the first of them a warm-up step it records but does not
+report (:data:`PROFILE_WARMUP_STEPS`); every rank's records are merged on rank 0, which returns
 them for the Chrome trace and the PNG timeline (:func:`write_outputs`).
 
 Losses are checked: ``overlap.shard`` and ``overlap.no_overlap`` must agree bitwise (turning overlap
@@ -114,6 +115,10 @@ SETTLE_STEPS = 1
 """Untimed steps behind the same link before each timed one (``paired_steps``' ``settle``): gathers
 issued at the end of backward (gather-ahead) land in the next step, so a timed linked step must
 follow a linked one, and a timed step without the link must not wait out a linked step's gathers."""
+PROFILE_WARMUP_STEPS = 1
+"""Steps ``overlap.profile`` records before the ``profile_steps`` it reports (``warmup``): the gathers
+the step before issued for the first reported step are then on its link ([Note: warm-up steps of a
+profile] in ``overlap/profiler/recorder.py``)."""
 
 MEMORY_STEPS = 2
 """Untimed steps behind the link, after the timed ones, over which each sharded mode's peak
@@ -339,7 +344,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     settle = schedule_steps()
     per_mode = max(0, cfg.warmup - 1) + 2 * cfg.steps * (1 + SETTLE_STEPS)
     total = (6 if calibrate else 0) + sum(per_mode + (1 if m in TP_MODES else settle) for m in cfg.modes)
-    total += cfg.profile_steps * sum(m in PROFILED for m in cfg.modes)
+    total += (PROFILE_WARMUP_STEPS + cfg.profile_steps) * sum(m in PROFILED for m in cfg.modes)
     total += MEMORY_STEPS * sum(m not in TP_MODES for m in cfg.modes)
     progress = _Progress(total, enabled=cfg.progress and rank == 0)
     parameters = 0
@@ -415,8 +420,9 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         if cfg.profile_steps and mode in PROFILED:
             progress.start(f"profiling {MODE_NAMES[mode]}")
             dist.barrier()
-            with link(), profile() as prof:
-                for _ in range(cfg.profile_steps):
+            # one more step, recorded but not reported: [Note: warm-up steps of a profile]
+            with link(), profile(warmup=PROFILE_WARMUP_STEPS) as prof:
+                for _ in range(PROFILE_WARMUP_STEPS + cfg.profile_steps):
                     step()
                     prof.step()
             merged = prof.gather(dst=0)
@@ -556,7 +562,7 @@ def _exposed_lines(result: DemoResult) -> list[str]:
         return []
     exposed: dict[tuple[str, str], float] = {}
     for rank in ranks:
-        for c in rank.collectives:
+        for c in rank.reported_collectives:
             key = (c.kind, module_of(c))
             exposed[key] = exposed.get(key, 0.0) + c.exposed
     shown = sorted(exposed.items(), key=lambda kv: -kv[1])[:EXPOSED_SHOWN]

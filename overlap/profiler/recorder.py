@@ -41,6 +41,19 @@ regions one boolean check (``overlap.inflight_work.set_recorder``, ``overlap.reg
 While recording, each collective costs a record, a queue entry for its group's watcher thread and
 a region-path lookup.
 
+[Note: warm-up steps of a profile]
+A profile sees only what is issued inside its ``with`` block. A training loop that leaves collectives
+in flight from one step to the next (the next step's gathers issued at the end of backward:
+``overlap.prefetch_next_step``, the demo's gather-ahead) starts its first profiled step with gathers
+on the link that the profile never saw issued, so the idle-link report counts that time as idle and
+the step's waits on them as nobody's; a barrier before the profile (the demo lines its ranks up) lets
+those gathers land early, which makes the first step's forward wait less than a steady step's. On the
+demo (2026-12-04, 2 ranks, 2 profiled steps) the first step read 30-34% of the link idle and the
+second 7-9%. ``overlap.profile(warmup=k)`` records the first ``k`` steps, so their collectives are on
+the link and their waits are stalls in the steps after, but leaves them out of ``RankProfile.steps``
+and of every figure of the report (per step, per label, per kind, total); the Chrome trace and the
+PNG timeline still show their collectives. One warm-up step suffices for gathers issued one step ahead.
+
 Concurrency contract. One profiler records at a time per process (entering a second raises).
 Records are made on the threads that issue and wait collectives; CPU completion times are written
 by the group's watcher thread (one float store each). A collective issued while recording and waited
@@ -197,15 +210,20 @@ def _label_path(own: str) -> tuple[str, Optional[float]]:
 class Profiler:
     """Records every collective issued inside its ``with`` block (see the module docstring).
 
-    Use through :func:`profile`. ``step()`` marks step boundaries; ``report()``,
+    Use through :func:`profile`. ``step()`` marks step boundaries (the first ``warmup`` steps are
+    recorded but not reported: [Note: warm-up steps of a profile]); ``report()``,
     ``export_chrome_trace(path)``, ``plot(path)`` work during or after recording; ``gather()`` merges
     ranks. A profiler records once: enter a new one for a new session.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, warmup: int = 0) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"overlap.profile: enabled must be a bool, got {type(enabled).__name__}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"overlap.profile: warmup must be an int >= 0 (steps recorded but not reported), "
+                             f"got {warmup!r}")
         self.enabled = enabled
+        self.warmup = warmup
         self._state = "new"  # new -> recording -> done
         self._records: list[_Record] = []
         self._steps: list[tuple[float, float]] = []  # closed steps (start, end), raw clock
@@ -339,8 +357,8 @@ class Profiler:
                 wait_label=r.wait_label, exposed=covered(stalls, start, end)))
         return RankProfile(
             rank=self.rank, world_size=self.world_size, epoch=self._epoch, device=self._device,
-            steps=tuple(StepRecord(self.rank, i, a - t0, b - t0) for i, (a, b) in enumerate(steps)),
-            collectives=tuple(collectives))
+            steps=tuple(StepRecord(self.rank, i, a - t0, b - t0) for i, (a, b) in enumerate(steps) if i >= self.warmup),
+            collectives=tuple(collectives), warmup_steps=self.warmup)
 
     def _times(self, r: _Record) -> tuple[float, float, bool, Optional[float], Optional[float]]:
         """(issued, end, end measured?, stall start, stall end) of one record on the host clock."""
@@ -414,9 +432,10 @@ class Profiler:
         return self.result.plot(path)
 
 
-def profile(enabled: bool = True) -> Profiler:
-    """A :class:`Profiler` to use as ``with overlap.profile() as prof:``; ``enabled=False`` records nothing."""
-    return Profiler(enabled)
+def profile(enabled: bool = True, warmup: int = 0) -> Profiler:
+    """A :class:`Profiler` to use as ``with overlap.profile() as prof:``; ``enabled=False`` records
+    nothing; the first ``warmup`` steps are recorded but not reported ([Note: warm-up steps of a profile])."""
+    return Profiler(enabled, warmup)
 
 
 def merge(*profiles: Union[RankProfile, ProfileResult, Profiler]) -> ProfileResult:

@@ -118,7 +118,21 @@ class RankProfile:
     """``time.time()`` when the profile started: aligns ranks on one timeline."""
     device: str
     steps: tuple[StepRecord, ...]
+    """The reported steps: every step but the first ``warmup_steps``."""
     collectives: tuple[CollectiveRecord, ...]
+    """Every collective recorded, the warm-up steps' included: one issued in a warm-up step may be on
+    the link in the first reported one (a gather issued at the end of a step), which the idle-link
+    report must see ([Note: warm-up steps of a profile])."""
+    warmup_steps: int = 0
+    """Steps recorded before the reported ones (``overlap.profile(warmup=...)``), left out of
+    ``steps`` and of every figure a report gives."""
+
+    @property
+    def reported_collectives(self) -> tuple[CollectiveRecord, ...]:
+        """The collectives issued in the reported steps (not in a warm-up step)."""
+        if not self.warmup_steps:
+            return self.collectives
+        return tuple(c for c in self.collectives if c.step >= self.warmup_steps)
 
     @property
     def stalls(self) -> list[tuple[float, float]]:

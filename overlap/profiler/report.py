@@ -200,7 +200,7 @@ class ProfileResult:
         for rp in self.ranks:
             by_label: dict[tuple[str, str], list[CollectiveRecord]] = {}
             by_kind: dict[tuple[str, str], list[CollectiveRecord]] = {}
-            for c in rp.collectives:
+            for c in rp.reported_collectives:  # not a warm-up step's: [Note: warm-up steps of a profile]
                 by_label.setdefault((c.kind, c.label), []).append(c)
                 by_kind.setdefault((c.kind, ""), []).append(c)
             rows += _summaries(rp.rank, by_label)
@@ -222,7 +222,7 @@ class ProfileResult:
                     link_idle_ms=1e3 * sum(p.seconds for p in idle),
                     link_idle_causes=tuple((c, ms) for c, ms in by_cause.items() if ms > 0),
                     link_idle_largest=tuple(_idle_summary(p, s) for p in longest)))
-        everything = self.collectives
+        everything = [c for r in self.ranks for c in r.reported_collectives]
         total = CommSummary(self.ranks[0].rank if len(self.ranks) == 1 else -1, "total", "", len(everything),
                             sum(c.nbytes for c in everything), 1e3 * sum(c.duration for c in everything),
                             1e3 * sum(c.exposed for c in everything))

@@ -41,7 +41,10 @@ def _mlp(blocks: int = 4, dim: int = 64) -> nn.Sequential:
                            for _ in range(blocks)])
 
 
-def _idle_rank(rank: int, world: int, prefetch: int, budget: int | None = None) -> dict[str, Any]:
+def _idle_rank(rank: int, world: int, prefetch: int, budget: int | None = None, ahead: bool = False) -> dict[str, Any]:
+    """``STEPS`` profiled steps of a sharded MLP behind the link; ``ahead``: each step ends by issuing the
+    next forward's first gathers (``overlap.prefetch_next_step``), and the profile records one warm-up
+    step before them ([Note: warm-up steps of a profile] in ``overlap/profiler/recorder.py``)."""
     from overlap.testing import current_link
 
     link = current_link()
@@ -57,26 +60,31 @@ def _idle_rank(rank: int, world: int, prefetch: int, budget: int | None = None) 
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
+        if ahead:
+            overlap.prefetch_next_step(model)
 
     step()  # warm-up: the forward order is agreed here
+    warmup = int(ahead)
     brackets: list[tuple[float, float]] = []  # time.monotonic() just before and after each prof.step()
-    with overlap.profile() as prof:
+    with overlap.profile(warmup=warmup) as prof:
         link.reset_stats()  # the link's busy record starts with the profile
-        for _ in range(STEPS):
+        for _ in range(warmup + STEPS):
             step()
             before = time.monotonic()
             prof.step()
             brackets.append((before, time.monotonic()))
     profile = prof.rank_profile()
     report = prof.report(show=False)
-    return {"brackets": brackets, "busy": link.busy_intervals(), "profile": profile,
+    return {"brackets": brackets[warmup:], "busy": link.busy_intervals(), "profile": profile,
             "steps": [(s.step, s.link_idle_ms, dict(s.link_idle_causes), s.wall_ms) for s in report.steps]}
 
 
 @pytest.mark.torch_kernels  # a training loop: the packing kernels are checked in packing/
-@pytest.mark.parametrize("prefetch, budget", [(0, None), (1, None), (2, BLOCK_GATHER)])
-def test_idle_link_matches_the_emulated_links_busy_record(distributed, prefetch: int, budget: int | None) -> None:
-    for rank, res in enumerate(distributed(_idle_rank, 2, prefetch, budget, link=LINK, timeout=120)):
+@pytest.mark.parametrize("prefetch, budget, ahead", [(0, None, False), (1, None, False), (2, BLOCK_GATHER, False),
+                                                     (1, None, True)], ids=["0", "1", "budget", "1-ahead"])
+def test_idle_link_matches_the_emulated_links_busy_record(distributed, prefetch: int, budget: int | None,
+                                                          ahead: bool) -> None:
+    for rank, res in enumerate(distributed(_idle_rank, 2, prefetch, budget, ahead, link=LINK, timeout=120)):
         profile: RankProfile = res["profile"]
         busy = union(i for intervals in res["busy"].values() for i in intervals)
         # profile time -> time.monotonic(): step k's end lies inside bracket k; take the tightest one
@@ -84,7 +92,7 @@ def test_idle_link_matches_the_emulated_links_busy_record(distributed, prefetch:
         offset = sum(res["brackets"][k]) / 2 - profile.steps[k].end
         stalls = [(a + offset, b + offset) for a, b in profile.stalls]
         not_idle = union(busy + stalls)
-        assert [s for s, *_ in res["steps"]] == list(range(STEPS))
+        assert [s for s, *_ in res["steps"]] == list(range(int(ahead), int(ahead) + STEPS))
         assert len(profile.steps) == STEPS, profile.steps
         # every collective names the sharded module it carries (the root holds no parameters): the
         # one whose region issued a reduce-scatter, and the one whose pre-forward / pre-backward
@@ -104,7 +112,9 @@ def test_idle_link_matches_the_emulated_links_busy_record(distributed, prefetch:
             where = f"rank {rank}, step {step}, prefetch {prefetch}"
             assert abs(1e-3 * idle_ms - expected) <= 1e-3, (where, idle_ms, 1e3 * expected)
             assert 0 < idle_ms < wall_ms, where  # this workload leaves the link idle part of the time
-            if budget is None:
+            if ahead:  # the next step's gathers are issued at the step's end, after the last reduce-scatter
+                assert set(causes) <= {IDLE_CAUSES[0], IDLE_CAUSES[2], IDLE_CAUSES[3]}, (where, causes)
+            elif budget is None:
                 assert set(causes) <= set(IDLE_CAUSES[::2]), (where, causes)
             else:  # one block's gather at a time: each next one is held until the last landed, then packed
                 assert causes.get("waiting on the byte budget", 0) > 0, (where, causes)
