@@ -10,6 +10,11 @@
     prof.export_chrome_trace("trace.json")   # Perfetto / chrome://tracing
     prof.plot("timeline.png")                # needs matplotlib: pip install 'triton-overlap[plot]'
 
+A loop that issues the next step's gathers at the end of a step (``overlap.prefetch_next_step``)
+starts each step with collectives in flight: ``overlap.profile(warmup=1)`` records a first step
+without reporting it, so that the reported ones see those gathers ([Note: warm-up steps of a profile]
+in ``recorder``).
+
 Across ranks: ``merged = prof.gather()`` (every rank calls it) returns on rank 0 a
 :class:`ProfileResult` of every rank's records, which has the same ``report`` /
 ``export_chrome_trace`` / ``plot``; :func:`merge` combines :class:`RankProfile` objects that reached
