@@ -28,7 +28,7 @@ import _common  # noqa: F401 (first: sys.path)
 import torch
 from _common import parse
 from overlap.demo.model import MODEL_SIZES
-from overlap.testing import run_distributed, settled_step
+from overlap.testing import profiled_steps, run_distributed, settled_step
 from report import emit
 
 DEPTHS: dict[str, Any] = {"prefetch=1": (1, True, True), 'prefetch="auto", no gather-ahead': ("auto", False, True),
@@ -41,7 +41,6 @@ DEPTHS: dict[str, Any] = {"prefetch=1": (1, True, True), 'prefetch="auto", no ga
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from overlap.demo.model import TransformerLM, token_batch
     from overlap.demo.training import TrainStep, make_optimizer, schedule_steps, shard_for_mode
-    from overlap.profiler import profile
     from overlap.testing import EmulatedLink, over_ranks
 
     size = MODEL_SIZES[args.model]
@@ -67,10 +66,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (model, step, link, times) in runs.items():
         comm = over_ranks(link.stats().emulated_seconds / (2 * args.rounds))
-        with link, profile(warmup=1) as prof:  # the first step recorded, not reported: its gathers ahead
-            for _ in range(1 + 2):
-                step()
-                prof.step()
+        with link:  # a warm-up step first, recorded but not reported: its gathers ahead
+            prof = profiled_steps(step, 2)
         merged = prof.gather(dst=0)
         out[name] = {"step": over_ranks(statistics.median(times)), "comm": comm, "depth": model.prefetch_depth,
                      "decision": model.schedule_decision,

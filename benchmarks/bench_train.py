@@ -52,7 +52,7 @@ from typing import Any
 from _common import PAIRED_HEADER, mlp_parser, mlp_step, paired_cells, parse, rank_input  # first: sys.path
 from overlap.demo.training import calibrate_link, schedule_steps
 from overlap.demo.unsharded_peak import UnshardedPeak
-from overlap.testing import EmulatedLink, PairedTimes, over_ranks, paired_steps, run_distributed
+from overlap.testing import EmulatedLink, PairedTimes, over_ranks, paired_steps, profiled_steps, run_distributed
 from scheduler.schedule_trial import describe
 from report import emit
 
@@ -102,8 +102,6 @@ PROFILED_STEPS = 2
 
 
 def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from overlap.profiler import profile
-
     x = rank_input(args.batch, args.dim, rank)
     calibrated = args.link_gbps
     if calibrated is None:
@@ -121,10 +119,8 @@ def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
         with link, UnshardedPeak(ours.model) as counter:  # type: ignore[attr-defined]
             for _ in range(MEMORY_STEPS):
                 ours()
-        with link, profile(warmup=1) as prof:  # the first step recorded, not reported: its gathers ahead
-            for _ in range(1 + PROFILED_STEPS):
-                ours()
-                prof.step()
+        with link:  # a warm-up step first, recorded but not reported: its gathers ahead
+            prof = profiled_steps(ours, PROFILED_STEPS)
         merged = prof.gather(dst=0)
         fsdp2 = mlp_step("fsdp2", args.blocks, args.dim, x)
         fsdp2_times = paired_steps(fsdp2, args.steps, gbps, args.latency_us, warmup=2)

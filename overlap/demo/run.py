@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from overlap.demo.model import MODEL_SIZES, TransformerLM, token_batch
 from overlap.demo.training import TrainStep, calibrate_link, make_optimizer, schedule_steps, shard_for_mode
-from overlap.testing.exposed import PairedTimes
+from overlap.testing.exposed import PROFILE_WARMUP_STEPS, PairedTimes, profiled_steps
 
 __all__ = [
     "COMPARABLE", "DemoConfig", "DemoResult", "FSDP2_LOSS_RTOL", "MODE_NAMES", "ModeResult", "format_report",
@@ -115,10 +115,6 @@ SETTLE_STEPS = 1
 """Untimed steps behind the same link before each timed one (``paired_steps``' ``settle``): gathers
 issued at the end of backward (gather-ahead) land in the next step, so a timed linked step must
 follow a linked one, and a timed step without the link must not wait out a linked step's gathers."""
-PROFILE_WARMUP_STEPS = 1
-"""Steps ``overlap.profile`` records before the ``profile_steps`` it reports (``warmup``): the gathers
-the step before issued for the first reported step are then on its link ([Note: warm-up steps of a
-profile] in ``overlap/profiler/recorder.py``)."""
 
 MEMORY_STEPS = 2
 """Untimed steps behind the link, after the timed ones, over which each sharded mode's peak
@@ -335,7 +331,6 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     """The demo on one rank of an initialized default process group; rank 0 returns the figures
     (other ranks None). Every rank must call it with the same ``cfg``."""
     from overlap.demo.unsharded_peak import UnshardedPeak, modelled_peak
-    from overlap.profiler import profile
     from overlap.testing import EmulatedLink, paired_steps
 
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
@@ -420,11 +415,8 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         if cfg.profile_steps and mode in PROFILED:
             progress.start(f"profiling {MODE_NAMES[mode]}")
             dist.barrier()
-            # one more step, recorded but not reported: [Note: warm-up steps of a profile]
-            with link(), profile(warmup=PROFILE_WARMUP_STEPS) as prof:
-                for _ in range(PROFILE_WARMUP_STEPS + cfg.profile_steps):
-                    step()
-                    prof.step()
+            with link():  # one more step first, recorded but not reported: [Note: warm-up steps of a profile]
+                prof = profiled_steps(step, cfg.profile_steps)
             merged = prof.gather(dst=0)
         ahead = getattr(step.model, "gather_ahead", None) if mode not in TP_MODES else None
         modelled_step = getattr(step.model, "modelled_step", None) if mode not in TP_MODES else None

@@ -19,14 +19,21 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from overlap.testing.emulated_link import EmulatedLink
 
-__all__ = ["PairedTimes", "interleaved_steps", "over_ranks", "paired_steps"]
+if TYPE_CHECKING:
+    from overlap.profiler import Profiler
+
+__all__ = ["PROFILE_WARMUP_STEPS", "PairedTimes", "interleaved_steps", "over_ranks", "paired_steps", "profiled_steps"]
+
+PROFILE_WARMUP_STEPS = 1
+""":func:`profiled_steps`' default ``warmup``: one step recorded before the reported ones suffices for
+gathers issued one step ahead ([Note: warm-up steps of a profile] in ``overlap/profiler/recorder.py``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,19 @@ class PairedTimes:
         when nothing was hideable). Not the profiler's ``efficiency`` (hidden / all communication)."""
         hideable = min(self.comm, self.unlinked)
         return max(0.0, min(1.0, (self.comm - self.exposed) / hideable)) if hideable > 0 else 0.0
+
+
+def profiled_steps(step: Callable[[], object], steps: int, warmup: int = PROFILE_WARMUP_STEPS) -> Profiler:
+    """``warmup + steps`` calls of ``step`` under ``overlap.profile(warmup=warmup)``, ``prof.step()``
+    after each, so the ``steps`` it reports start with what the step before left in flight on their
+    link; returns the profiler (``gather`` / ``report`` it)."""
+    from overlap.profiler import profile  # on use: the profiler imports the runtime
+
+    with profile(warmup=warmup) as prof:
+        for _ in range(warmup + steps):
+            step()
+            prof.step()
+    return prof
 
 
 def over_ranks(value: float, op: dist.ReduceOp = dist.ReduceOp.MAX) -> float:

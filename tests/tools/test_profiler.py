@@ -303,6 +303,25 @@ def test_warmup_steps_are_recorded_but_not_reported() -> None:
     assert cold.stalled_ms < 1 and cold.link_idle_ms > 30, cold  # the 50 ms wait on it: no stall
 
 
+def test_profiled_steps_runs_the_warmup_step_first() -> None:
+    """``overlap.testing.profiled_steps``: ``warmup + steps`` calls, each ended by ``prof.step()``, the
+    first ``warmup`` recorded and not reported."""
+    from overlap.testing import PROFILE_WARMUP_STEPS, profiled_steps
+
+    calls = []
+
+    def step() -> None:
+        calls.append(len(calls))
+        _work("all_gather", 10 * len(calls)).wait()
+
+    prof = profiled_steps(step, 2)
+    assert calls == list(range(PROFILE_WARMUP_STEPS + 2)) and not prof.recording and _off()
+    report = prof.report(show=False)
+    assert [(s.step, s.nbytes) for s in report.steps] == [(PROFILE_WARMUP_STEPS + i, 10 * (PROFILE_WARMUP_STEPS + i + 1))
+                                                         for i in range(2)]
+    assert len(prof.collectives) == PROFILE_WARMUP_STEPS + 2 and report.total.count == 2
+
+
 def test_report_prints_the_table(capsys) -> None:
     with overlap.profile() as prof:
         _work().wait()
