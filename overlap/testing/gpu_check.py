@@ -519,9 +519,11 @@ H100 machine's 16 cores)."""
 
 def suite_argv(python: str, cpus: int, has_xdist: bool) -> list[str]:
     """The opt-in ``default suite`` row's command: the CPU suite's default selection (GPU tests
-    included) with one xdist worker per core but two, so the rows' own ranks have cores left."""
+    included) with one xdist worker per core but two, so the rows' own ranks have cores left. Its
+    summary lists failures, errors and each skip with its reason (``-rfEs``): which tests a GPU
+    machine skips is part of what the row proves."""
     workers = ["-n", str(max(1, cpus - 2))] if has_xdist else []
-    return [python, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *workers, "tests"]
+    return [python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *workers, "tests"]
 
 
 def main(skip_bench: bool = False, suite: bool = False, log_dir: Optional[Path] = None) -> int:

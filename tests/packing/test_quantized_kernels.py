@@ -480,6 +480,7 @@ def test_bad_input_names_the_argument() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or _launch.INTERPRET,
                     reason="compiled Triton kernels need a CUDA device (and TRITON_INTERPRET unset)")
 @pytest.mark.parametrize("per_program", [1, None])

@@ -101,6 +101,7 @@ def test_the_suite_row_runs_the_default_selection_with_cores_left_for_the_ranks(
     assert argv[:3] == ["python3", "-m", "pytest"] and argv[-1] == "tests"
     assert argv[argv.index("-n") + 1] == "14"
     assert "-m" not in argv[3:], "a marker selection would leave out part of the default suite"
+    assert "-rfEs" in argv, "the log must say which tests were skipped on the GPU machine, and why"
     assert gpu_check.suite_argv("python3", cpus=2, has_xdist=True)[-2:] == ["1", "tests"]
     assert "-n" not in gpu_check.suite_argv("python3", cpus=16, has_xdist=False)
     from overlap.demo.cli import build_parser
