@@ -46,13 +46,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import re
 import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -303,6 +306,15 @@ def _quantized_kernel_call(op: str, fmt: str, per_program: int | None) -> _Recor
     return call
 
 
+CASE_PARAMETERS: dict[str, tuple[Callable[[Any], str], Callable[[Any], object], list]] = {
+    "case": (operator.attrgetter("id"), _kernel_call, CASES + MIXED_CASES),
+    "tp_case": (lambda v: _tp_id(*v), lambda v: _tp_kernel_call(*v), TP_CASES),
+    "quantized_case": (lambda v: _quantized_id(*v), lambda v: _quantized_kernel_call(*v), QUANTIZED_CASES),
+}
+"""A test parameter that names a compiled case -> (its compile id, the kernel call to compile, every
+value it takes): what the compile subprocess compiles and what the selected tests read, in one place."""
+
+
 def _ptxas_version(arch: int) -> str:
     from triton.backends.nvidia.compiler import get_ptxas_version
 
@@ -315,10 +327,11 @@ def _compile_all(out: str, arch: int, wanted: set[str]) -> None:
     from triton import knobs
 
     knobs.nvidia.dump_ptxas_log = True
-    calls = [(case.id, _kernel_call, (case,)) for case in CASES + MIXED_CASES]
-    calls += [(_tp_id(*tp_case), _tp_kernel_call, tp_case) for tp_case in TP_CASES]
-    calls += [(_quantized_id(*q_case), _quantized_kernel_call, q_case) for q_case in QUANTIZED_CASES]
-    results = {f"{cid}-sm{arch}": _compile(make(*args), arch) for cid, make, args in calls if cid in wanted}
+    results = {}
+    for compile_id, make, values in CASE_PARAMETERS.values():
+        for value in values:
+            if (cid := compile_id(value)) in wanted:
+                results[f"{cid}-sm{arch}"] = _compile(make(value), arch)
     Path(out).write_text(json.dumps(results))
 
 
@@ -337,13 +350,8 @@ pytestmark = pytest.mark.skipif(_bundled_ptxas() is None, reason="needs Triton's
 
 def _case_id(name: str, value: object) -> str | None:
     """The compile id of a test's parameter ``name`` = ``value`` (None: not a case)."""
-    if name == "case":
-        return value.id
-    if name == "tp_case":
-        return _tp_id(*value)
-    if name == "quantized_case":
-        return _quantized_id(*value)
-    return None
+    kind = CASE_PARAMETERS.get(name)
+    return None if kind is None else kind[0](value)
 
 
 def _selected_case_ids(items: list[pytest.Item]) -> set[str]:
