@@ -76,8 +76,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             runs[name] = (model, step, lambda: None)
     models = names[:1] if args.compare == "deferred" else names  # one setting per model
     gbps = args.link_gbps
-    if gbps is None:  # as the demo: comm ~ compute (its warm-up steps run without the link's delay)
-        calibrated = [calibrate_link(runs[name][1], args.latency_us) for name in models]  # each model alike
+    if gbps is None:  # as the demo: comm ~ compute, on steps after prefetch="auto" has settled
+        calibrated = [calibrate_link(runs[name][1], args.latency_us, warmup=schedule_steps())  # each model alike
+                      for name in models]
         gbps = over_ranks(calibrated[0], dist.ReduceOp.MIN)
     links = {name: EmulatedLink(gbps, args.latency_us) for name in names}
     for name in models:

@@ -111,6 +111,9 @@ TP_MODES: tuple[str, ...] = ("tp", "tp-chunks1", "tp-torch")
 (torch's order: one collective, one matmul) and torch's ``parallelize_module``, one plan."""
 PROFILED: tuple[str, ...] = ("overlap", "no-overlap", "tp", "tp-chunks1")
 """Modes whose collectives ``overlap.profile()`` sees (FSDP2's are torch's own)."""
+CALIBRATION_STEPS = 3
+"""Timed steps of the calibration probe (their median is the compute the link is sized to), after
+as many untimed ones as its mode runs before its own timed steps."""
 SETTLE_STEPS = 1
 """Untimed steps behind the same link before each timed one (``paired_steps``' ``settle``): gathers
 issued at the end of backward (gather-ahead) land in the next step, so a timed linked step must
@@ -336,9 +339,16 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     size = MODEL_SIZES[cfg.model]
     calibrate = cfg.link_gbps is None
-    settle = schedule_steps()
+    schedule = schedule_steps()
+
+    def settle(mode: str) -> int:
+        """Untimed steps of ``mode`` behind the link before anything of it is timed: until
+        ``prefetch="auto"`` has recorded its costs and run its trial (tensor parallelism: one)."""
+        return 1 if mode in TP_MODES else schedule
+
     per_mode = max(0, cfg.warmup - 1) + 2 * cfg.steps * (1 + SETTLE_STEPS)
-    total = (6 if calibrate else 0) + sum(per_mode + (1 if m in TP_MODES else settle) for m in cfg.modes)
+    total = (settle(cfg.main_mode) + CALIBRATION_STEPS + 1 if calibrate else 0)
+    total += sum(per_mode + settle(m) for m in cfg.modes)
     total += (PROFILE_WARMUP_STEPS + cfg.profile_steps) * sum(m in PROFILED for m in cfg.modes)
     total += MEMORY_STEPS * sum(m not in TP_MODES for m in cfg.modes)
     progress = _Progress(total, enabled=cfg.progress and rank == 0)
@@ -386,7 +396,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
     if gbps is None:
         progress.start(f"calibrating the link on {MODE_NAMES[cfg.main_mode]}'s compute side")
         probe = build(cfg.main_mode)
-        gbps = calibrate_link(probe, cfg.latency_us, steps=2, warmup=1)
+        gbps = calibrate_link(probe, cfg.latency_us, steps=CALIBRATION_STEPS, warmup=settle(cfg.main_mode))
         del probe
     modes: dict[str, ModeResult] = {}
     local: dict[str, list[torch.Tensor]] = {}
@@ -394,7 +404,7 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         progress.start(MODE_NAMES[mode])
         step = build(mode)
         with link():  # behind the link: prefetch="auto" records its costs and runs its trial in these
-            for _ in range(settle if mode not in TP_MODES else 1):
+            for _ in range(settle(mode)):
                 step()
         times = paired_steps(step, cfg.steps, gbps, cfg.latency_us, warmup=max(0, cfg.warmup - 1), link=link(),
                              settle=SETTLE_STEPS)

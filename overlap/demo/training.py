@@ -156,11 +156,17 @@ def calibrated_gbps(compute_s: float, collectives: int, wire_bytes: float, laten
 
 def calibrate_link(step: Callable[[], object], latency_us: float, steps: int = 3, warmup: int = 2) -> float:
     """The link bandwidth (Gbit/s) at which one ``step``'s communication takes about as long as its
-    compute side: the median of ``steps`` runs without link delay (after ``warmup``), then one more
-    run counts what it sends (:func:`measure_traffic`), then :func:`calibrated_gbps`."""
-    from overlap.testing import paired_steps
+    compute side: the median of ``steps`` runs without link delay (after ``warmup`` untimed ones),
+    then one more run counts what it sends (:func:`measure_traffic`), then :func:`calibrated_gbps`.
 
-    compute = paired_steps(step, steps, 1e6, 0.0, warmup=warmup).unlinked
+    ``warmup`` must cover the steps that are slower than the ones the link is calibrated for: a
+    step with ``prefetch="auto"`` records its costs and runs its trial in its first
+    ``schedule_steps()`` steps (1.2-1.8x a settled step on the 2-core box, torch 2.13 and 2.14),
+    so the demo warms its probe up through all of them (a link calibrated on those steps made the
+    demo's comm 1.5-2.1x its compute instead of about equal)."""
+    from overlap.testing import interleaved_steps
+
+    (compute,) = interleaved_steps(step, steps, [None], warmup=warmup)
     return calibrated_gbps(compute, *measure_traffic(step), latency_us)
 
 
