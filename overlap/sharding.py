@@ -797,11 +797,11 @@ class _Root:
         for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
             if info is not None and info.size > 1:
                 depth = max(agreement.exchange(info, "prefetch depth", depth))
+        depth = self._choose_gather_ahead(depth, budget, compute, link, backward, enclosing)
         self.chosen_depth = depth
         for state in self.states:
             if state.auto_prefetch:
                 state.prefetch = depth
-        self._choose_gather_ahead(depth, budget, compute, link, backward, enclosing)
         if measured_backward:  # the steps ran: their seconds are in
             self._choose_deferred_steps(compute, link, backward)
         count, lag = self.gather_ahead or (0, 1)
@@ -875,23 +875,27 @@ class _Root:
         self.schedule_decision = ScheduleDecision(plan, chosen, chosen_s, simple_s, verdict, reason)
 
     def _choose_gather_ahead(self, depth: int, budget: int, compute: list[float], link: list[float],
-                             backward: Optional[list[float]], enclosing: Optional[list[frozenset[int]]]) -> None:
+                             backward: Optional[list[float]], enclosing: Optional[list[frozenset[int]]]) -> int:
         """Plan the gathers issued ahead in backward from this step's costs (``enclosing``: the nesting
         :meth:`_enclosing` read), if every group with parameters is stepped in backward; agree rank
-        0's plan (see [Note: gathering ahead in backward])."""
-        from scheduler.gather_ahead import choose_gather_ahead
+        0's plan (see [Note: gathering ahead in backward]). Returns the depth to run: ``depth``, or a
+        deeper one where that and its plan model a shorter step (``scheduler.gather_ahead.choose_schedule``,
+        [Note: a deeper depth for gathering ahead]), agreed with the plan."""
+        from scheduler.gather_ahead import choose_schedule
 
         order = self.forward_seq
         groups = [self.states[i].group for i in order]
         if (len(set(order)) != len(order) or self.owner.replicate is not None
                 or not all(g is None or g.reduced_hooks for g in groups) or not any(groups)):
-            return  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
-        plan = choose_gather_ahead(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
-                                   depth, budget, backward=backward, loss=self._between[0], tail=self._between[1],
-                                   enclosing=enclosing)
+            return depth  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
+        depth, plan = choose_schedule(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
+                                      depth, budget, backward=backward, loss=self._between[0], tail=self._between[1],
+                                      enclosing=enclosing)
         if self.owner.info.size > 1:
-            plan = tuple(agreement.exchange(self.owner.info, "gather ahead", plan)[0])
+            depth, count, lag = agreement.exchange(self.owner.info, "gather ahead", [depth, *plan])[0]
+            plan = (count, lag)
         self.gather_ahead = plan  # type: ignore[assignment]
+        return depth
 
     def _choose_deferred_steps(self, compute: list[float], link: list[float], backward: Optional[list[float]]) -> None:
         """Pick the groups whose in-backward step moves into the end-of-step chain, from this step's

@@ -39,6 +39,22 @@ and its held bytes fit the budget, so the choice never loses to the schedule wit
 as the model goes.
 
 The bytes a plan holds are ``scheduler.held_bytes``'s ([Note: the bytes a plan holds]).
+
+[Note: a deeper depth for gathering ahead]
+The depth is chosen first, on the prefetch model's cold step (``scheduler.prefetch_depth``), where
+every depth past the one that keeps forward's link queue full ties, so ties go to the shallowest.
+But a deeper depth keeps more of forward's last groups into backward ([Note: kept for backward] in
+``overlap/sharding.py``): fewer re-gathers on backward's link, which leaves room there for gathers
+issued ahead, and those shorten the next forward, which is link-bound when comm ~ compute. That
+gain is visible only in the steady state with a plan, so ``choose_schedule`` takes the depth
+chosen and its plan, then tries each deeper depth the budget allows with its own best plan, and
+moves only where the steady step is shorter by more than ``tolerance``; among those, the shortest,
+ties to the shallower. On the demo's recorded costs (2 ranks, small model, the calibrated link,
+2026-12-04) the cold choice was depth 2 with nothing ahead (179.4 ms modelled); depth 3 with the
+first 2 reduced groups ahead models 176.2 ms. Interleaved in one run on the 2-core box
+(``benchmarks/RESULTS.md``), forced depths with their chosen plans ran 0.93-0.97x the step of the
+cold choice; with ``choose_schedule`` in the runtime, ``prefetch="auto"`` chose depth 3 with (2, 1)
+and ran 0.88x ``prefetch=1``'s step (``benchmarks/bench_prefetch.py``, 2026-12-05).
 """
 from __future__ import annotations
 
@@ -48,7 +64,7 @@ from scheduler.held_bytes import held_bytes
 from scheduler.prefetch_depth import check_costs
 from scheduler.replayed_step import step_ends
 
-__all__ = ["choose_gather_ahead", "modelled_steady_step", "held_bytes"]
+__all__ = ["choose_gather_ahead", "choose_schedule", "modelled_steady_step", "held_bytes"]
 
 LAGS = (1, 2, 3)
 """The issue points tried: right after the reduce-scatter of the group reduced 1, 2 or 3 after."""
@@ -91,3 +107,29 @@ def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbyte
             if t < best and t < fallback * (1 - tolerance):
                 best, plan = t, (count, lag)
     return plan
+
+
+def choose_schedule(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], depth: int,
+                    budget: int, tolerance: float = 0.01, backward: Optional[Sequence[float]] = None,
+                    loss: float = 0.0, tail: float = 0.0,
+                    enclosing: Optional[Sequence[AbstractSet[int]]] = None) -> tuple[int, tuple[int, int]]:
+    """``(depth, (count, lag))``: the prefetch ``depth`` already chosen with its gather-ahead plan
+    (:func:`choose_gather_ahead`), or a deeper depth and its plan where that models a steady step
+    shorter by more than ``tolerance`` within ``budget`` (see [Note: a deeper depth for gathering
+    ahead]). Never shallower than ``depth``."""
+    check_costs(compute, gather, nbytes, "position", backward)
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+    costs = dict(backward=backward, loss=loss, tail=tail)
+    plan = choose_gather_ahead(compute, gather, nbytes, depth, budget, tolerance=tolerance, enclosing=enclosing, **costs)
+    chosen, at_depth = (depth, plan), modelled_steady_step(compute, gather, depth, *plan, **costs)
+    best = at_depth
+    for deeper in range(depth + 1, len(compute)):
+        if held_bytes(nbytes, deeper, 0, enclosing) > budget:
+            break  # held bytes only grow with the depth
+        deeper_plan = choose_gather_ahead(compute, gather, nbytes, deeper, budget, tolerance=tolerance,
+                                          enclosing=enclosing, **costs)
+        t = modelled_steady_step(compute, gather, deeper, *deeper_plan, **costs)
+        if t < at_depth * (1 - tolerance) and t < best * (1 - tolerance):
+            best, chosen = t, (deeper, deeper_plan)
+    return chosen

@@ -41,7 +41,7 @@ def _train(rank: int, world_size: int, in_backward: bool, defer: bool, plan: tup
     # This rank's process only: the plan from step 0's costs, run on untried, as the asserts count.
     cost_samples.COST_SAMPLES = 1
     schedule_trial.TRIAL_ROUNDS = 0
-    gather_ahead.choose_gather_ahead = lambda *args, **kwargs: plan
+    gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, plan)
     prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: DEPTH
     deferred_steps.choose_deferred_steps = lambda c, g, s, first, candidates, backward=None: (
         list(candidates) if defer else [])

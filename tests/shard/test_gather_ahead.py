@@ -22,7 +22,7 @@ import overlap
 from models import LR, SEED, TinyLM, assert_same_run, local_batch, make_batch, make_optimizer, make_optimizer_in_backward
 from overlap.sharding import sharded_states
 from scheduler import cost_samples, gather_ahead, prefetch_depth, schedule_trial
-from scheduler.gather_ahead import choose_gather_ahead, held_bytes, modelled_steady_step
+from scheduler.gather_ahead import choose_gather_ahead, choose_schedule, held_bytes, modelled_steady_step
 
 pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
 
@@ -58,7 +58,7 @@ def _train(rank: int, world_size: int, in_backward: bool, plan: Optional[tuple[i
     cost_samples.COST_SAMPLES = 1  # this rank's process only: the plan from step 0's costs, as the asserts count
     if plan is not None:  # this rank's process only; depth 1, so the end of backward gathers 2 groups
         schedule_trial.TRIAL_ROUNDS = 0  # the forced plan runs on (the model's choice goes through the trial)
-        gather_ahead.choose_gather_ahead = lambda *args, **kwargs: plan
+        gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, plan)
         prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED_DEPTH
     model = _sharded()
     model.set_gather_ahead(enabled)
@@ -134,7 +134,7 @@ def test_gather_ahead_for_a_group_the_next_forward_skips(distributed, world_size
 
 
 def _exit_with_gathers_in_flight(rank: int, world_size: int) -> list[int]:
-    gather_ahead.choose_gather_ahead = lambda *args, **kwargs: (LAYERS + 1, 1)
+    gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, (LAYERS + 1, 1))
     cost_samples.COST_SAMPLES = 1  # chosen in step 0: step 1 gathers ahead
     schedule_trial.TRIAL_ROUNDS = 0  # the forced plan runs on, untried
     model = _sharded()
@@ -157,7 +157,8 @@ def _held_within_budget(rank: int, world_size: int, slack: int) -> dict[str, Any
     """The chooser on :data:`SYNTHETIC_COSTS` with the real bytes and the real budget
     (``max_inflight_bytes``): the budget exactly what one group ahead needs, plus ``slack``."""
     real = gather_ahead.choose_gather_ahead
-    gather_ahead.choose_gather_ahead = lambda c, g, nbytes, depth, budget, **kw: real(*SYNTHETIC_COSTS, nbytes, depth, budget)
+    gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kw: (
+        depth, real(*SYNTHETIC_COSTS, nbytes, depth, budget))
     prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED_DEPTH
     cost_samples.COST_SAMPLES = 1  # chosen in step 0: every step holds gathers ahead
     schedule_trial.TRIAL_ROUNDS = 0  # the forced plan runs on, untried
@@ -213,6 +214,69 @@ def test_chooser_keeps_the_held_bytes_within_the_budget() -> None:
     assert held_bytes(nbytes, 1, 0) == 100 + 1100  # the root, and the largest 1 + depth window after it
     # Two gathered ahead (positions 4, 5): forward at 2 holds the root, 2, 3 and both (held once).
     assert held_bytes(nbytes, 1, 2) == 100 + 300 + 400 + 500 + 600
+
+
+
+DEMO_COSTS = dict(
+    compute=[1.44e-3, 0.74e-3, 9.30e-3, 9.10e-3, 9.18e-3, 8.92e-3, 2.58e-3],
+    gather=[0.58e-3, 4.12e-3, 12.48e-3, 12.26e-3, 12.02e-3, 12.35e-3, 3.96e-3],
+    nbytes=[133120, 1048576, 3159040, 3159040, 3159040, 3159040, 1048576],
+    backward=[0.0, 0.97e-3, 21.42e-3, 21.71e-3, 21.87e-3, 19.76e-3, 5.78e-3],
+    loss=1.57e-3, tail=4.77e-3)
+"""What ``prefetch="auto"`` recorded on the demo (2 ranks, model small, the calibrated link, the 2-core
+box, 2026-12-04; rounded): the root, tok, four blocks, head. The cold model ties every depth from 2."""
+
+
+def _steady(depth: int, plan: tuple[int, int], **costs: Any) -> float:
+    c = {k: v for k, v in costs.items() if k != "nbytes"}
+    return modelled_steady_step(c.pop("compute"), c.pop("gather"), depth, *plan, **c)
+
+
+def test_schedule_goes_deeper_where_a_plan_gains_there() -> None:
+    """At depth 2 nothing ahead pays; at depth 3 (one re-gather fewer in backward) gathering the
+    first 2 reduced groups ahead does, by more than the 1% tolerance."""
+    c = DEMO_COSTS
+    at_2 = choose_gather_ahead(c["compute"], c["gather"], c["nbytes"], 2, 10**12, backward=c["backward"],
+                               loss=c["loss"], tail=c["tail"])
+    assert at_2 == (0, 1)
+    depth, plan = choose_schedule(c["compute"], c["gather"], c["nbytes"], 2, 10**12, backward=c["backward"],
+                                  loss=c["loss"], tail=c["tail"])
+    assert (depth, plan) == (3, (2, 1))
+    assert _steady(depth, plan, **c) < 0.99 * _steady(2, at_2, **c)
+
+
+def test_schedule_stays_within_the_budget_and_never_models_slower() -> None:
+    c = DEMO_COSTS
+    kw = dict(backward=c["backward"], loss=c["loss"], tail=c["tail"])
+    # A budget one byte short of depth 3's held bytes: depth 2 and its own plan.
+    short = held_bytes(c["nbytes"], 3, 0) - 1
+    assert choose_schedule(c["compute"], c["gather"], c["nbytes"], 2, short, **kw) == (
+        2, choose_gather_ahead(c["compute"], c["gather"], c["nbytes"], 2, short, **kw))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(2, 8, (1,), generator=gen))
+        compute, gather, backward = (torch.rand(n, generator=gen, dtype=torch.float64).mul(0.02).tolist()
+                                     for _ in range(3))
+        nbytes = torch.randint(1, 1000, (n,), generator=gen).tolist()
+        budget = int(torch.randint(0, 6000, (1,), generator=gen))
+        depth = int(torch.randint(1, max(2, n), (1,), generator=gen))
+        kw = dict(backward=backward, loss=0.001, tail=0.002)
+        d, plan = choose_schedule(compute, gather, nbytes, depth, budget, **kw)
+        at_depth = choose_gather_ahead(compute, gather, nbytes, depth, budget, **kw)
+        assert d >= depth
+        if d == depth:
+            assert plan == at_depth
+        else:  # deeper only within the budget and where the model gains by more than the tolerance
+            assert held_bytes(nbytes, d, 0) <= budget and (plan[0] == 0 or held_bytes(nbytes, d, plan[0]) <= budget)
+            steady = dict(backward=backward, loss=0.001, tail=0.002)
+            assert (modelled_steady_step(compute, gather, d, *plan, **steady)
+                    < 0.99 * modelled_steady_step(compute, gather, depth, *at_depth, **steady))
+
+
+@pytest.mark.parametrize("depth", [0, -1, True, 1.5])
+def test_schedule_bad_depth(depth: object) -> None:
+    with pytest.raises(ValueError, match="depth must be an int >= 1"):
+        choose_schedule([0.1, 0.1], [0.1, 0.1], [1, 1], depth, 10)  # type: ignore[arg-type]
 
 
 # Forward positions: the root (held the whole step), then four groups; hand-computed below.

@@ -67,7 +67,7 @@ def _train(rank: int, world_size: int, verdict: Optional[bool], trial: bool = Tr
     cost_samples.COST_SAMPLES = 1
     schedule_trial.TRIAL_ROUNDS = ROUNDS
     prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED[0]
-    gather_ahead.choose_gather_ahead = lambda *args, **kwargs: FORCED[1]
+    gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, FORCED[1])
     if verdict is not None:
         schedule_verification.decide = lambda c, s: Verdict(verdict, min(c), min(s), len(c))
     budget = None if plain else _forced_plan_budget()
@@ -141,7 +141,7 @@ def _gather_ahead_off(rank: int, world_size: int) -> Any:
 
     cost_samples.COST_SAMPLES = 1
     prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: 1
-    gather_ahead.choose_gather_ahead = lambda *args, **kwargs: (1, 1)
+    gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, (1, 1))
     model = _sharded(1 << 30)
     model.set_gather_ahead(False)
     overlap.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-3)

@@ -72,7 +72,7 @@ def _peak(rank: int, world_size: int, runtime: str, prefetch: int,
     ``prefetch`` and the gather-ahead plan to ``plan`` (in this rank's process only)."""
     torch.set_num_threads(1)
     if plan is not None:
-        gather_ahead.choose_gather_ahead = lambda *args, **kwargs: plan
+        gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, plan)
         prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: prefetch
         cost_samples.COST_SAMPLES = 1  # chosen in step 0: steps 1 and 2 run the plan
         schedule_trial.TRIAL_ROUNDS = 0  # the forced plan runs on, untried
