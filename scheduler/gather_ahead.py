@@ -48,9 +48,9 @@ But a deeper depth keeps more of forward's last groups into backward ([Note: kep
 issued ahead, and those shorten the next forward, which is link-bound when comm ~ compute. That
 gain is visible only in the steady state with a plan, so ``choose_schedule`` takes the depth
 chosen and its plan, then tries each deeper depth the budget allows with its own best plan, and
-moves only where the steady step is shorter by more than ``tolerance``; among those, the shortest,
-ties to the shallower. On the demo's recorded costs (2 ranks, small model, the calibrated link,
-2026-12-04) the cold choice was depth 2 with nothing ahead (179.4 ms modelled); depth 3 with the
+moves to it only where its steady step is shorter than the choice so far by more than
+``tolerance`` (a deeper depth within the tolerance of a shallower one leaves the shallower). On
+the demo's recorded costs (2 ranks, small model, the calibrated link, 2026-12-04) the cold choice was depth 2 with nothing ahead (179.4 ms modelled); depth 3 with the
 first 2 reduced groups ahead models 176.2 ms. Interleaved in one run on the 2-core box
 (``benchmarks/RESULTS.md``), forced depths with their chosen plans ran 0.93-0.97x the step of the
 cold choice; with ``choose_schedule`` in the runtime, ``prefetch="auto"`` chose depth 3 with (2, 1)
@@ -114,22 +114,21 @@ def choose_schedule(compute: Sequence[float], gather: Sequence[float], nbytes: S
                     loss: float = 0.0, tail: float = 0.0,
                     enclosing: Optional[Sequence[AbstractSet[int]]] = None) -> tuple[int, tuple[int, int]]:
     """``(depth, (count, lag))``: the prefetch ``depth`` already chosen with its gather-ahead plan
-    (:func:`choose_gather_ahead`), or a deeper depth and its plan where that models a steady step
-    shorter by more than ``tolerance`` within ``budget`` (see [Note: a deeper depth for gathering
-    ahead]). Never shallower than ``depth``."""
+    (:func:`choose_gather_ahead`), or a deeper depth and its plan within ``budget`` where that models
+    a steady step shorter than the choice so far (shallower) by more than ``tolerance`` (see [Note:
+    a deeper depth for gathering ahead]). Never shallower than ``depth``."""
     check_costs(compute, gather, nbytes, "position", backward)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be an int >= 1, got {depth!r}")
     costs = dict(backward=backward, loss=loss, tail=tail)
     plan = choose_gather_ahead(compute, gather, nbytes, depth, budget, tolerance=tolerance, enclosing=enclosing, **costs)
-    chosen, at_depth = (depth, plan), modelled_steady_step(compute, gather, depth, *plan, **costs)
-    best = at_depth
+    chosen, best = (depth, plan), modelled_steady_step(compute, gather, depth, *plan, **costs)
     for deeper in range(depth + 1, len(compute)):
         if held_bytes(nbytes, deeper, 0, enclosing) > budget:
             break  # held bytes only grow with the depth
         deeper_plan = choose_gather_ahead(compute, gather, nbytes, deeper, budget, tolerance=tolerance,
                                           enclosing=enclosing, **costs)
         t = modelled_steady_step(compute, gather, deeper, *deeper_plan, **costs)
-        if t < at_depth * (1 - tolerance) and t < best * (1 - tolerance):
+        if t < best * (1 - tolerance):  # so the choice so far keeps its near-ties
             best, chosen = t, (deeper, deeper_plan)
     return chosen

@@ -216,7 +216,6 @@ def test_chooser_keeps_the_held_bytes_within_the_budget() -> None:
     assert held_bytes(nbytes, 1, 2) == 100 + 300 + 400 + 500 + 600
 
 
-
 DEMO_COSTS = dict(
     compute=[1.44e-3, 0.74e-3, 9.30e-3, 9.10e-3, 9.18e-3, 8.92e-3, 2.58e-3],
     gather=[0.58e-3, 4.12e-3, 12.48e-3, 12.26e-3, 12.02e-3, 12.35e-3, 3.96e-3],
