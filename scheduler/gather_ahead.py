@@ -50,8 +50,9 @@ gain is visible only in the steady state with a plan, so ``choose_schedule`` tak
 chosen and its plan, then tries each deeper depth the budget allows with its own best plan, and
 moves to it only where its steady step is shorter than the choice so far by more than
 ``tolerance`` (a deeper depth within the tolerance of a shallower one leaves the shallower). On
-the demo's recorded costs (2 ranks, small model, the calibrated link, 2026-12-04) the cold choice was depth 2 with nothing ahead (179.4 ms modelled); depth 3 with the
-first 2 reduced groups ahead models 176.2 ms. Interleaved in one run on the 2-core box
+the demo's recorded costs (2 ranks, small model, the calibrated link, 2026-12-04) the cold choice
+was depth 2 with nothing ahead (179.4 ms modelled); depth 3 with the first 2 reduced groups ahead
+models 176.2 ms. Interleaved in one run on the 2-core box
 (``benchmarks/RESULTS.md``), forced depths with their chosen plans ran 0.93-0.97x the step of the
 cold choice; with ``choose_schedule`` in the runtime, ``prefetch="auto"`` chose depth 3 with (2, 1)
 and ran 0.88x ``prefetch=1``'s step (``benchmarks/bench_prefetch.py``, 2026-12-05).
