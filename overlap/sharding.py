@@ -516,6 +516,8 @@ class _Root:
         self.in_forward = False
         self.in_backward = False
         self.backward_count = 0
+        self.synced_backward_count = 0  # backward passes that reduced gradients (not all under no_sync)
+        self._last_backward_synced = True
         self.forward_seq: list[int] = []  # pre-forward order of this step (state indices)
         self.post_forward_seq: list[int] = []  # post-forward order: reversed, when backward needs each
         self._outstanding: list[InflightWork] = []  # runtime collectives not yet waited, issue order
@@ -837,12 +839,13 @@ class _Root:
             self._decide(chosen, None, "the model's choice, not verified (the trial is off)")
             return
         settle = 1 if ahead_runs else 0  # gathers cross the step boundary: see the Note
-        self._trial = ScheduleTrial((self.owner.info, self.owner.replicate), rounds, settle, self.backward_count)
+        self._trial = ScheduleTrial((self.owner.info, self.owner.replicate), rounds, settle, self.backward_count,
+                                    self.synced_backward_count, mid_cycle=not self._last_backward_synced)
 
     def _run_trial(self) -> None:
         """A forward starts during the trial: run the plan of this trial step, or apply the verdict."""
         assert self._trial is not None
-        plan = self._trial.at_forward_start(self.backward_count)
+        plan = self._trial.at_forward_start(self.backward_count, self.synced_backward_count)
         chosen = self._modelled[0]
         if plan is not None:
             self._apply_plan(chosen if plan == schedule_trial.CHOSEN else SIMPLE_PLAN)
@@ -1036,6 +1039,9 @@ class _Root:
     def _begin_backward(self) -> None:
         self.in_backward = True
         self.backward_count += 1
+        self._last_backward_synced = any(s.sync_grads for s in self.states)
+        if self._last_backward_synced:
+            self.synced_backward_count += 1
         self._reset_backward()
         # A module's parameters are first needed in backward where its last forward use ended, and
         # its gradients are complete where its first forward use began.
@@ -1452,7 +1458,7 @@ def shard(
     mesh: Any = None,
     mp: Optional[MixedPrecision] = None,
     reshard_after_forward: bool = True,
-    prefetch: Union[int, str] = 1,
+    prefetch: Union[int, str] = "auto",
     max_inflight_bytes: Optional[int] = None,
     compress: Optional[Compression] = None,
 ) -> nn.Module:
@@ -1465,9 +1471,11 @@ def shard(
     DeviceMesh: ``mesh=mesh["dp"]`` here, ``mesh["tp"]`` there) are sharded as FSDP2 shards them
     (see [Note: sharding tensor-parallel parameters] there).
 
-    ``prefetch``: groups whose all-gathers are issued ahead of the one running, in forward and in
-    backward (an int >= 0), or ``"auto"``: the depth chosen from this model's measured costs and a
-    byte budget, ``max_inflight_bytes`` or by default a quarter of the free memory.
+    ``prefetch``: ``"auto"`` (the default): the depth chosen from this model's measured costs and a
+    byte budget, ``max_inflight_bytes`` or by default a quarter of the free memory, and kept only if
+    it beats depth 1 in a timed trial on the first steps (below); or a fixed number of groups whose
+    all-gathers are issued ahead of the one running, in forward and in backward (an int >= 0; 1 is
+    FSDP2's schedule, and ``overlap.fully_shard``'s default).
 
     [Note: prefetch="auto"]
     The first step records the forward order with nothing prefetched, so it also measures, per

@@ -81,12 +81,12 @@ def _mesh():
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)
 
 
-def _model(mesh, compress: overlap.Compression | None) -> TinyLM:
+def _model(mesh, compress: overlap.Compression | None, prefetch: int | str = "auto") -> TinyLM:
     torch.manual_seed(SEED)
     model = TinyLM()
     for block in model.blocks:
-        overlap.shard(block, mesh=mesh, compress=compress)
-    overlap.shard(model, mesh=mesh, compress=compress)
+        overlap.shard(block, mesh=mesh, compress=compress, prefetch=prefetch)
+    overlap.shard(model, mesh=mesh, compress=compress, prefetch=prefetch)
     return model
 
 
@@ -252,7 +252,9 @@ def _no_sync_in_backward(rank: int, world: int, compress: overlap.Compression) -
     mesh = _mesh()
     out = {}
     for mode in ("plain", "in_backward"):
-        model = _model(mesh, compress)
+        # a fixed depth: prefetch="auto" agrees its choice and trial steps across every rank (a few
+        # bytes per step of its first ones), no_sync or not; this test counts the gradients' bytes
+        model = _model(mesh, compress, prefetch=1)
         if mode == "plain":
             opt = make_optimizer(model.parameters())
         else:

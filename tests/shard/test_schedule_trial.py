@@ -135,6 +135,62 @@ def test_the_trial_switches_plans_bitwise_within_the_budget_and_decides_alike(di
     assert len({repr(runs["real verdict"]["decision"]) for runs in per_rank}) == 1
 
 
+CYCLES = 1 + len(trial_steps(ROUNDS, settle=0)) + 1
+"""Accumulation cycles: the one whose no_sync micro-batch records, the trial's, one on the decided plan."""
+
+
+def _accumulating(rank: int, world_size: int, auto: bool) -> dict[str, Any]:
+    """``CYCLES`` AdamW steps of TinyLM over two micro-batches each, the first under ``no_sync``
+    (auto: the plan forced to depth 2, nothing ahead; else ``prefetch=0``)."""
+    from scheduler import cost_samples, gather_ahead, prefetch_depth, schedule_trial
+
+    torch.set_num_threads(1)
+    cost_samples.COST_SAMPLES = 1
+    schedule_trial.TRIAL_ROUNDS = ROUNDS
+    prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED[0]
+    gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, None)
+    torch.manual_seed(SEED)
+    model = TinyLM(layers=LAYERS)
+    for block in model.blocks:
+        overlap.shard(block, prefetch="auto" if auto else 0)
+    overlap.shard(model, prefetch="auto" if auto else 0)
+    opt = make_optimizer(model.parameters())
+    losses, plans = [], []
+    for step in range(CYCLES):
+        first, second = local_batch(make_batch(step), rank, world_size).chunk(2)
+        with overlap.no_sync(model):
+            loss = model.loss(first)
+            plans.append(model._overlap_state.prefetch)
+            loss.backward()
+        losses.append(loss.detach())
+        loss = model.loss(second)
+        plans.append(model._overlap_state.prefetch)
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"losses": torch.stack(losses), "plans": plans, "decision": model.schedule_decision,
+            "params": {n: p.to_local().clone() for n, p in model.named_parameters()}}
+
+
+def _accumulating_runs(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    return {"plain": _accumulating(rank, world_size, False), "auto": _accumulating(rank, world_size, True)}
+
+
+def test_the_trial_times_whole_accumulation_cycles_bitwise(distributed) -> None:
+    # [Note: what a trial step is] in overlap/schedule_verification.py: the choice is made after the
+    # first (no_sync) micro-batch, so the rest of that cycle runs the simple plan untimed; then each
+    # trial step is one whole cycle, both micro-batches on one plan, and the verdict comes after them.
+    for runs in distributed(_accumulating_runs, 2):
+        auto = runs["auto"]
+        assert_same_run(auto, runs["plain"], "auto")
+        per_cycle = [1] + [FORCED[0] if s.plan == CHOSEN else 1 for s in trial_steps(ROUNDS, settle=0)]
+        final = auto["decision"].plan[0]
+        # the first cycle records (its prefetch reads 1 until the choice), its second micro-batch untimed
+        assert auto["plans"] == [d for d in per_cycle for _ in range(2)] + [final, final], auto["plans"]
+        assert auto["decision"].verdict is not None and auto["decision"].verdict.samples == ROUNDS
+
+
 def _gather_ahead_off(rank: int, world_size: int) -> Any:
     """The forced plan at depth 1 with gather-ahead turned off by the user: it runs as the simple plan."""
     from scheduler import cost_samples, gather_ahead, prefetch_depth
@@ -218,13 +274,51 @@ def test_the_trial_times_the_slowest_rank_and_skips_forwards_without_backward(mo
         return [value, (value[0], 9.0)]  # the other rank took 9 s
 
     monkeypatch.setattr(schedule_verification.agreement, "exchange", exchange)
-    trial = schedule_verification.ScheduleTrial([_fake_group(), None], rounds=1, settle=0, backward_count=5)
-    assert trial.at_forward_start(5) == SIMPLE  # the first trial step starts
-    assert trial.at_forward_start(5) == SIMPLE  # a forward without backward: not a trial step
-    assert trial.at_forward_start(6) == CHOSEN and [p for p, _ in seen] == [0]  # the simple step ended, agreed
-    assert trial.at_forward_start(7) is None  # the chosen step ended: the verdict
+    trial = schedule_verification.ScheduleTrial([_fake_group(), None], rounds=1, settle=0, backward_count=5,
+                                                synced_count=5)
+    assert trial.at_forward_start(5, 5) == SIMPLE  # the first trial step starts
+    assert trial.at_forward_start(5, 5) == SIMPLE  # a forward without backward: not a trial step
+    assert trial.at_forward_start(6, 6) == CHOSEN and [p for p, _ in seen] == [0]  # the simple step ended, agreed
+    assert trial.at_forward_start(7, 7) is None  # the chosen step ended: the verdict
     assert trial.times == {SIMPLE: [9.0], CHOSEN: [9.0]} and trial.verdict == Verdict(False, 9.0, 9.0, 1)
-    assert trial.at_forward_start(8) is None and len(seen) == 2  # over: nothing more is agreed
+    assert trial.at_forward_start(8, 8) is None and len(seen) == 2  # over: nothing more is agreed
+
+
+def test_a_trial_step_is_a_whole_gradient_accumulation_cycle(monkeypatch) -> None:
+    # [Note: what a trial step is]: two micro-batches per step, the first under no_sync. Timed per
+    # backward, the simple plan would always get the no_sync micro-batch and the chosen plan the
+    # reducing one; as whole cycles, each plan's step holds both, and is timed from its first
+    # forward (an evaluation forward before it not counted) to the forward after its reduction.
+    from overlap import schedule_verification
+
+    clock = [0.0]
+    monkeypatch.setattr(schedule_verification.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(schedule_verification.agreement, "exchange", lambda info, point, value: [value])
+    trial = schedule_verification.ScheduleTrial([_fake_group()], rounds=2, settle=0, backward_count=10,
+                                                synced_count=5)
+    plans: list[Optional[str]] = []
+    backwards = synced = 0
+    for step in range(4):
+        if step == 1:  # an evaluation forward: it ends step 0, and the clock restarts at the next forward
+            assert trial.at_forward_start(10 + backwards, 5 + synced) == CHOSEN
+            clock[0] += 50.0
+        for micro_batch, reduces, seconds in ((0, False, 3.0), (1, True, 7.0 if step % 2 else 5.0)):
+            plans.append(trial.at_forward_start(10 + backwards, 5 + synced))
+            clock[0] += seconds
+            backwards, synced = backwards + 1, synced + reduces
+    assert plans == [SIMPLE, SIMPLE, CHOSEN, CHOSEN, SIMPLE, SIMPLE, CHOSEN, CHOSEN]
+    assert trial.at_forward_start(10 + backwards, 5 + synced) is None
+    assert trial.times == {SIMPLE: [8.0, 8.0], CHOSEN: [10.0, 10.0]}  # each a whole cycle: 3 + 5 or 3 + 7
+    assert trial.verdict == Verdict(False, 10.0, 8.0, 2)
+
+
+def test_only_no_sync_backwards_never_end_a_trial_step(monkeypatch) -> None:
+    from overlap import schedule_verification
+
+    monkeypatch.setattr(schedule_verification.agreement, "exchange", lambda info, point, value: [value])
+    trial = schedule_verification.ScheduleTrial([_fake_group()], rounds=1, settle=0, backward_count=0, synced_count=0)
+    assert [trial.at_forward_start(b, 0) for b in range(5)] == [SIMPLE] * 5
+    assert trial.position == 0 and trial.times == {SIMPLE: [], CHOSEN: []} and trial.verdict is None
 
 
 def test_a_rank_at_another_trial_step_is_a_desync_on_every_rank(monkeypatch) -> None:
@@ -233,7 +327,7 @@ def test_a_rank_at_another_trial_step_is_a_desync_on_every_rank(monkeypatch) -> 
 
     monkeypatch.setattr(schedule_verification.agreement, "exchange",
                         lambda info, point, value: [value, (value[0] + 1, 0.1)])
-    trial = schedule_verification.ScheduleTrial([_fake_group()], rounds=1, settle=0, backward_count=0)
-    trial.at_forward_start(0)
+    trial = schedule_verification.ScheduleTrial([_fake_group()], rounds=1, settle=0, backward_count=0, synced_count=0)
+    trial.at_forward_start(0, 0)
     with pytest.raises(DesyncError, match="rank 0: step 0; rank 1: step 1"):
-        trial.at_forward_start(1)
+        trial.at_forward_start(1, 1)

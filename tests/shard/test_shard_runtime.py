@@ -330,9 +330,9 @@ def _overlap_structure_rank(rank: int, world: int) -> dict[str, Any]:
     for a, b in zip(blocks, blocks[1:]):
         a.following.append(b)
     model = nn.Sequential(*blocks)
-    for b in blocks:
-        overlap.shard(b)
-    overlap.shard(model)
+    for b in blocks:  # depth 1 from the first step (prefetch="auto" records its first steps unprefetched)
+        overlap.shard(b, prefetch=1)
+    overlap.shard(model, prefetch=1)
     x = torch.randn(32, 64)
     out: dict[str, Any] = {}
     for mode in ("overlap", "no_overlap"):

@@ -153,9 +153,9 @@ def _sharded_rank(rank: int, world: int, out_dir: str) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)])
-    for block in model:
-        overlap.shard(block)
-    overlap.shard(model)
+    for block in model:  # a fixed depth: prefetch="auto"'s first steps would agree their choice on the link too
+        overlap.shard(block, prefetch=1)
+    overlap.shard(model, prefetch=1)
     x = torch.randn(8, 16)
     model(x).sum().backward()  # the first step agrees the order across ranks (not profiled)
     link = current_link()
