@@ -23,6 +23,7 @@ beside it) is ``bench_runtime_cost.py``'s.
 
     python benchmarks/bench_train.py [--world-size 2] [--steps 8] [--markdown benchmarks/RESULTS.md]
     python benchmarks/bench_train.py --grid [--steps 6] [--markdown benchmarks/RESULTS.md]
+    python benchmarks/bench_train.py --default-vs-depth-1 [--steps 12] [--markdown benchmarks/RESULTS.md]
 
 ``prefetch="auto"`` modes first run ``overlap.demo.training.schedule_steps()`` untimed steps behind
 the link: the steps that record its costs and the trial that verifies its choice against the simple
@@ -40,6 +41,12 @@ plan from the recorded costs (agreed over the ranks): beside the measured step i
 what is left the model itself expects from the recorded costs, and how much is the execution's.
 ``--world-size`` is ignored there.
 
+``--default-vs-depth-1``: ``overlap.shard``'s default (``prefetch="auto"``) against a fixed
+``prefetch=1`` (FSDP2's schedule), the user's plain loop (AdamW after backward), at the grid's cells:
+two models from the same weights, their linked steps interleaved round by round (the first of each
+pair alternating), after the auto model's settling steps behind the link; medians of the slowest
+rank, their ratio, the decision, and each one's peak unsharded MB. ``--world-size`` is ignored there.
+
 Packing runs the torch path on CPU here (no TRITON_INTERPRET): the Triton kernels are for GPUs.
 The modes, the training step and the link calibration are ``overlap.demo.training``'s (shared with
 the demo); the MLP is ``_common.mlp``.
@@ -52,7 +59,8 @@ from typing import Any
 from _common import PAIRED_HEADER, mlp_parser, mlp_step, paired_cells, parse, rank_input  # first: sys.path
 from overlap.demo.training import calibrate_link, schedule_steps
 from overlap.demo.unsharded_peak import UnshardedPeak
-from overlap.testing import EmulatedLink, PairedTimes, over_ranks, paired_steps, profiled_steps, run_distributed
+from overlap.testing import (EmulatedLink, PairedTimes, over_ranks, paired_steps, profiled_steps, run_distributed,
+                             settled_step)
 from scheduler.schedule_trial import describe
 from report import emit
 
@@ -135,6 +143,56 @@ def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
     return cells
 
 
+def _versus_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import statistics
+
+    x = rank_input(args.batch, args.dim, rank)
+    calibrated = args.link_gbps
+    if calibrated is None:
+        calibrated = calibrate_link(mlp_step("overlap", args.blocks, args.dim, x), args.latency_us)
+    cells = []
+    for factor in GRID_FACTORS:
+        link = EmulatedLink(calibrated * factor, args.latency_us)
+        fixed = mlp_step("overlap", args.blocks, args.dim, x, prefetch=1)
+        default = mlp_step("overlap", args.blocks, args.dim, x, prefetch="auto")
+        with link:  # the default's recorded steps and trial (each step timed alone), as many for depth 1
+            for step in (fixed, default):
+                for _ in range(schedule_steps()):
+                    step()
+        times: dict[str, list[float]] = {"fixed": [], "default": []}
+        for r in range(args.steps):
+            for name in ("fixed", "default") if r % 2 == 0 else ("default", "fixed"):
+                with link:
+                    times[name].append(settled_step(fixed if name == "fixed" else default))
+        peaks = {}
+        for name, step in (("fixed", fixed), ("default", default)):
+            with link, UnshardedPeak(step.model) as counter:  # type: ignore[attr-defined]
+                for _ in range(MEMORY_STEPS):
+                    step()
+            peaks[name] = over_ranks(counter.peak)
+        cells.append({"factor": factor, "gbps": calibrated * factor,
+                      **{name: over_ranks(statistics.median(t)) for name, t in times.items()},
+                      **{f"peak {name}": peak for name, peak in peaks.items()},
+                      "depth": default.model.prefetch_depth,  # type: ignore[attr-defined]
+                      "decision": default.model.schedule_decision})  # type: ignore[attr-defined]
+    return cells
+
+
+def _versus(args: argparse.Namespace) -> None:
+    rows = []
+    for world in GRID_WORLDS:
+        for c in run_distributed(_versus_rank, world, args, timeout=1800)[0]:
+            rows.append([str(world), f"{c['factor']:g}x ({c['gbps']:.3g} Gbit/s)", f"{1e3 * c['fixed']:.1f}",
+                         f"{1e3 * c['default']:.1f}", f"{c['default'] / c['fixed']:.2f}x", str(c["depth"]),
+                         str(c["decision"]), f"{c['peak fixed'] / 2**20:.3g} / {c['peak default'] / 2**20:.3g}"])
+    emit(f"overlap.shard's default (prefetch=\"auto\") vs prefetch=1, {args.blocks} MLP blocks of width {args.dim}, "
+         f"AdamW after backward, CPU ranks (gloo), link bandwidth x the calibrated one (comm ~ compute at 1x, "
+         f"calibrated per world size) + {args.latency_us:g} µs; medians of {args.steps} interleaved linked steps "
+         "each, slowest rank",
+         ["ranks", "link", "prefetch=1 step ms", "default step ms", "default / prefetch=1", "depth",
+          "schedule decision", "peak unsharded MB, prefetch=1 / default"], rows, args.markdown)
+
+
 GRID_HEADER = ["ranks", "link", "step ms", "compute ms", "comm ms", "hidden", "step / ideal", "step vs FSDP2",
                "link idle ms per step (share)", "peak unsharded MB ours / FSDP2 (extra, in groups)", "depth",
                "schedule decision (trial: least timed step, chosen vs simple)",
@@ -204,9 +262,14 @@ def main(argv: list[str] | None = None) -> None:
                    "calibrated link), for this MLP and for the demo, instead of the modes side by side")
     p.add_argument("--grid-demo-model", default="small", help="the demo's model size in the grid (tiny, small, "
                    "medium; none: leave the demo out; default small)")
+    p.add_argument("--default-vs-depth-1", action="store_true", help="overlap.shard's default (prefetch='auto') "
+                   "against prefetch=1, interleaved, at the grid's cells, instead of the modes side by side")
     args = parse(p, argv)
     if args.grid:
         _grid(args)
+        return
+    if args.default_vs_depth_1:
+        _versus(args)
         return
     r = run_distributed(_train_rank, args.world_size, args, timeout=900)[0]
     fsdp2 = r["torch FSDP2 (default)"].linked
