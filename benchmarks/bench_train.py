@@ -75,11 +75,25 @@ MEMORY_STEPS = 2
 step boundary with gathers issued ahead, as in the demo)."""
 
 
+def _calibrated_gbps(args: argparse.Namespace, x: Any) -> float:
+    """``--link-gbps``, or the bandwidth at which one step's comm ~ this runtime's own compute side."""
+    if args.link_gbps is not None:
+        return args.link_gbps
+    return calibrate_link(mlp_step("overlap", args.blocks, args.dim, x), args.latency_us)
+
+
+def _unsharded_peak(step: Any, link: EmulatedLink) -> tuple[int, int]:
+    """The most unsharded bytes a rank held over ``MEMORY_STEPS`` untimed steps of ``step`` behind
+    ``link`` (the largest over ranks), and this rank's largest group's bytes."""
+    with link, UnshardedPeak(step.model) as counter:
+        for _ in range(MEMORY_STEPS):
+            step()
+    return over_ranks(counter.peak), counter.largest_group
+
+
 def _train_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     x = rank_input(args.batch, args.dim, rank)
-    gbps = args.link_gbps
-    if gbps is None:  # one step's comm ~ this runtime's own compute side
-        gbps = calibrate_link(mlp_step("overlap", args.blocks, args.dim, x), args.latency_us)
+    gbps = _calibrated_gbps(args, x)
     out: dict[str, Any] = {"gbps": gbps}
     for name, mode in MODES.items():
         step = mlp_step(mode, args.blocks, args.dim, x, optimizer_in_backward="optimizer in backward" in name,
@@ -92,10 +106,7 @@ def _train_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, An
         # at the step boundary: each timed step follows an untimed one of its kind (as in the grid)
         settle = 1 if "prefetch auto" in name and "optimizer in backward" in name else 0
         out[name] = paired_steps(step, args.steps, gbps, args.latency_us, warmup=2, settle=settle)
-        with EmulatedLink(gbps, args.latency_us), UnshardedPeak(step.model) as counter:  # type: ignore[attr-defined]
-            for _ in range(MEMORY_STEPS):
-                step()
-        out[f"peak {name}"] = over_ranks(counter.peak)
+        out[f"peak {name}"] = _unsharded_peak(step, EmulatedLink(gbps, args.latency_us))[0]
         if "prefetch auto" in name:
             out[f"depth {name}"] = step.model.prefetch_depth
             out[f"decision {name}"] = str(step.model.schedule_decision)
@@ -111,9 +122,7 @@ PROFILED_STEPS = 2
 
 def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     x = rank_input(args.batch, args.dim, rank)
-    calibrated = args.link_gbps
-    if calibrated is None:
-        calibrated = calibrate_link(mlp_step("overlap", args.blocks, args.dim, x), args.latency_us)
+    calibrated = _calibrated_gbps(args, x)
     cells = []
     for factor in GRID_FACTORS:
         gbps = calibrated * factor
@@ -124,20 +133,15 @@ def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
                 ours()
         # gathers issued at the end of backward land in the next step: each timed step follows one of its kind
         times = paired_steps(ours, args.steps, gbps, args.latency_us, warmup=0, settle=1)
-        with link, UnshardedPeak(ours.model) as counter:  # type: ignore[attr-defined]
-            for _ in range(MEMORY_STEPS):
-                ours()
+        peak, largest = _unsharded_peak(ours, link)
         with link:  # a warm-up step first, recorded but not reported: its gathers ahead
             prof = profiled_steps(ours, PROFILED_STEPS)
         merged = prof.gather(dst=0)
         fsdp2 = mlp_step("fsdp2", args.blocks, args.dim, x)
         fsdp2_times = paired_steps(fsdp2, args.steps, gbps, args.latency_us, warmup=2)
-        with link, UnshardedPeak(fsdp2.model) as fsdp2_counter:  # type: ignore[attr-defined]
-            for _ in range(MEMORY_STEPS):
-                fsdp2()
         cells.append({"factor": factor, "gbps": gbps, "times": times, "fsdp2": fsdp2_times,
-                      "peak": over_ranks(counter.peak), "fsdp2 peak": over_ranks(fsdp2_counter.peak),
-                      "largest": counter.largest_group, "profile": merged,
+                      "peak": peak, "fsdp2 peak": _unsharded_peak(fsdp2, link)[0],
+                      "largest": largest, "profile": merged,
                       "depth": ours.model.prefetch_depth,  # type: ignore[attr-defined]
                       "decision": ours.model.schedule_decision})  # type: ignore[attr-defined]
     return cells
@@ -147,9 +151,7 @@ def _versus_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[s
     import statistics
 
     x = rank_input(args.batch, args.dim, rank)
-    calibrated = args.link_gbps
-    if calibrated is None:
-        calibrated = calibrate_link(mlp_step("overlap", args.blocks, args.dim, x), args.latency_us)
+    calibrated = _calibrated_gbps(args, x)
     cells = []
     for factor in GRID_FACTORS:
         link = EmulatedLink(calibrated * factor, args.latency_us)
@@ -164,15 +166,9 @@ def _versus_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[s
             for name in ("fixed", "default") if r % 2 == 0 else ("default", "fixed"):
                 with link:
                     times[name].append(settled_step(fixed if name == "fixed" else default))
-        peaks = {}
-        for name, step in (("fixed", fixed), ("default", default)):
-            with link, UnshardedPeak(step.model) as counter:  # type: ignore[attr-defined]
-                for _ in range(MEMORY_STEPS):
-                    step()
-            peaks[name] = over_ranks(counter.peak)
         cells.append({"factor": factor, "gbps": calibrated * factor,
                       **{name: over_ranks(statistics.median(t)) for name, t in times.items()},
-                      **{f"peak {name}": peak for name, peak in peaks.items()},
+                      "peak fixed": _unsharded_peak(fixed, link)[0], "peak default": _unsharded_peak(default, link)[0],
                       "depth": default.model.prefetch_depth,  # type: ignore[attr-defined]
                       "decision": default.model.schedule_decision})  # type: ignore[attr-defined]
     return cells
