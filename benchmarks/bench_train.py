@@ -1,10 +1,11 @@
 """Sharded training step, side by side in one run: overlap.shard vs torch FSDP2 vs overlap off vs ideal.
 
 On ``--world-size`` gloo ranks, an MLP of ``--blocks`` blocks, each sharded, trained with AdamW.
-Modes: ``overlap.shard``; ``overlap.shard`` with ``prefetch="auto"`` (the depth chosen from the first
-step's measured costs, run behind the link, printed beside the mode); ``overlap.shard`` with each group's AdamW stepped in backward as soon as
-its gradients are reduced (``overlap.optimizer_in_backward``); both together (the demo's settings); ``overlap.shard`` under ``overlap.no_overlap`` (every collective completes
-before anything else runs); torch FSDP2 ``fully_shard`` with default settings, and with explicit
+Modes: ``overlap.shard`` with ``prefetch=1`` (FSDP2's schedule); with ``prefetch="auto"``, its default
+(the depth chosen from the first steps' measured costs, run behind the link, printed beside the
+mode); with ``prefetch=1`` and each group's AdamW stepped in backward as soon as its gradients are
+reduced (``overlap.optimizer_in_backward``); both together (the demo's settings); ``overlap.shard``
+under ``overlap.no_overlap`` (every collective completes before anything else runs, at depth 1); torch FSDP2 ``fully_shard`` with default settings, and with explicit
 forward/backward prefetch of one module. Each mode alternates steps without and with the emulated
 link's delay: the unlinked step is the mode's *compute side* (math, packing, gloo's real loopback
 transfers, runtime bookkeeping: on a 2-core box far more than the math alone), and what a linked
@@ -65,8 +66,8 @@ from scheduler.schedule_trial import describe
 from report import emit
 
 # Display name -> overlap.demo.training mode.
-MODES = {"overlap.shard": "overlap", "overlap.shard, prefetch auto": "overlap",
-         "overlap.shard, optimizer in backward": "overlap",
+MODES = {"overlap.shard, prefetch=1": "overlap", "overlap.shard, prefetch auto (the default)": "overlap",
+         "overlap.shard, prefetch=1, optimizer in backward": "overlap",
          "overlap.shard, prefetch auto + optimizer in backward": "overlap",
          "overlap.shard, overlap off": "no-overlap",
          "torch FSDP2 (default)": "fsdp2", "torch FSDP2 (explicit prefetch)": "fsdp2-prefetch"}

@@ -52,9 +52,9 @@ def _soak_rank(rank: int, world: int, steps: int, jitter_us: float) -> dict[str,
     with single_threaded(), link:
         torch.manual_seed(0)
         model = TinyLM(**SMALL_SIZES)
-        for block in model.blocks:
-            overlap.shard(block)
-        overlap.shard(model)
+        for block in model.blocks:  # a fixed depth: the runs compare collective counts, which
+            overlap.shard(block, prefetch=1)  # prefetch="auto"'s timed choice could change with the jitter
+        overlap.shard(model, prefetch=1)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
         losses = []
         for step in range(steps):
