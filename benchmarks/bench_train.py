@@ -55,6 +55,7 @@ the demo); the MLP is ``_common.mlp``.
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any
 
 from _common import PAIRED_HEADER, mlp_parser, mlp_step, paired_cells, parse, rank_input  # first: sys.path
@@ -149,29 +150,27 @@ def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
 
 
 def _versus_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    import statistics
-
     x = rank_input(args.batch, args.dim, rank)
     calibrated = _calibrated_gbps(args, x)
     cells = []
     for factor in GRID_FACTORS:
         link = EmulatedLink(calibrated * factor, args.latency_us)
-        fixed = mlp_step("overlap", args.blocks, args.dim, x, prefetch=1)
-        default = mlp_step("overlap", args.blocks, args.dim, x, prefetch="auto")
+        steps = {"fixed": mlp_step("overlap", args.blocks, args.dim, x, prefetch=1),
+                 "default": mlp_step("overlap", args.blocks, args.dim, x, prefetch="auto")}
         with link:  # the default's recorded steps and trial (each step timed alone), as many for depth 1
-            for step in (fixed, default):
+            for step in steps.values():
                 for _ in range(schedule_steps()):
                     step()
-        times: dict[str, list[float]] = {"fixed": [], "default": []}
+        times: dict[str, list[float]] = {name: [] for name in steps}
         for r in range(args.steps):
             for name in ("fixed", "default") if r % 2 == 0 else ("default", "fixed"):
                 with link:
-                    times[name].append(settled_step(fixed if name == "fixed" else default))
+                    times[name].append(settled_step(steps[name]))
+        default = steps["default"].model  # type: ignore[attr-defined]
         cells.append({"factor": factor, "gbps": calibrated * factor,
                       **{name: over_ranks(statistics.median(t)) for name, t in times.items()},
-                      "peak fixed": _unsharded_peak(fixed, link)[0], "peak default": _unsharded_peak(default, link)[0],
-                      "depth": default.model.prefetch_depth,  # type: ignore[attr-defined]
-                      "decision": default.model.schedule_decision})  # type: ignore[attr-defined]
+                      **{f"peak {name}": _unsharded_peak(step, link)[0] for name, step in steps.items()},
+                      "depth": default.prefetch_depth, "decision": default.schedule_decision})
     return cells
 
 

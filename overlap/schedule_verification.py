@@ -18,9 +18,9 @@ cycle: timed per backward, a cycle of two micro-batches would time one plan alwa
 micro-batch and the other never, and the verdict would compare the two phases instead of the
 plans. A trial chosen in the middle of a cycle (its costs recorded on a ``no_sync`` micro-batch)
 starts with the next cycle; the rest of the cycle runs the simple plan, untimed. Forwards before a
-step's first backward (an evaluation under ``no_grad`` between training
-steps) are not the step's: its clock restarts at each of them. A loop that never reduces (only
-``no_sync`` backwards) never ends a trial step, and runs the simple plan.
+step's first backward (an evaluation under ``no_grad`` between training steps) are not the step's:
+its clock restarts at each of them. A loop that never reduces (only ``no_sync`` backwards) never
+ends a trial step, and runs the simple plan.
 """
 from __future__ import annotations
 

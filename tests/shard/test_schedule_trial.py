@@ -55,19 +55,26 @@ def _forced_plan_budget() -> int:
     return held_bytes(nbytes, FORCED[0], FORCED[1][0])
 
 
+def _force_choice(ahead: Optional[tuple[int, int]]) -> None:
+    """This rank's choosers pick depth ``FORCED[0]`` with gather-ahead ``ahead`` after one recorded
+    step, and the trial runs ``ROUNDS`` rounds."""
+    from scheduler import cost_samples, gather_ahead, prefetch_depth, schedule_trial
+
+    cost_samples.COST_SAMPLES = 1
+    schedule_trial.TRIAL_ROUNDS = ROUNDS
+    prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED[0]
+    gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, ahead)
+
+
 def _train(rank: int, world_size: int, verdict: Optional[bool], trial: bool = True,
            plain: bool = False) -> dict[str, Any]:
     """``STEPS`` AdamW steps of TinyLM (plain: ``prefetch=0``, AdamW after backward; else
     ``prefetch="auto"`` with the optimizer in backward, the plan forced to :data:`FORCED`, the
     verdict forced to ``verdict`` (None: the real one), the trial on or off)."""
     from overlap import schedule_verification
-    from scheduler import cost_samples, gather_ahead, prefetch_depth, schedule_trial
 
     torch.set_num_threads(1)
-    cost_samples.COST_SAMPLES = 1
-    schedule_trial.TRIAL_ROUNDS = ROUNDS
-    prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED[0]
-    gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, FORCED[1])
+    _force_choice(FORCED[1])
     if verdict is not None:
         schedule_verification.decide = lambda c, s: Verdict(verdict, min(c), min(s), len(c))
     budget = None if plain else _forced_plan_budget()
@@ -142,13 +149,8 @@ CYCLES = 1 + len(trial_steps(ROUNDS, settle=0)) + 1
 def _accumulating(rank: int, world_size: int, auto: bool) -> dict[str, Any]:
     """``CYCLES`` AdamW steps of TinyLM over two micro-batches each, the first under ``no_sync``
     (auto: the plan forced to depth 2, nothing ahead; else ``prefetch=0``)."""
-    from scheduler import cost_samples, gather_ahead, prefetch_depth, schedule_trial
-
     torch.set_num_threads(1)
-    cost_samples.COST_SAMPLES = 1
-    schedule_trial.TRIAL_ROUNDS = ROUNDS
-    prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED[0]
-    gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, None)
+    _force_choice(None)
     torch.manual_seed(SEED)
     model = TinyLM(layers=LAYERS)
     for block in model.blocks:
@@ -302,7 +304,7 @@ def test_a_trial_step_is_a_whole_gradient_accumulation_cycle(monkeypatch) -> Non
         if step == 1:  # an evaluation forward: it ends step 0, and the clock restarts at the next forward
             assert trial.at_forward_start(10 + backwards, 5 + synced) == CHOSEN
             clock[0] += 50.0
-        for micro_batch, reduces, seconds in ((0, False, 3.0), (1, True, 7.0 if step % 2 else 5.0)):
+        for reduces, seconds in ((False, 3.0), (True, 7.0 if step % 2 else 5.0)):
             plans.append(trial.at_forward_start(10 + backwards, 5 + synced))
             clock[0] += seconds
             backwards, synced = backwards + 1, synced + reduces
