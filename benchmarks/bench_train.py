@@ -145,7 +145,8 @@ def _grid_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
                       "peak": peak, "fsdp2 peak": _unsharded_peak(fsdp2, link)[0],
                       "largest": largest, "profile": merged,
                       "depth": ours.model.prefetch_depth,  # type: ignore[attr-defined]
-                      "decision": ours.model.schedule_decision})  # type: ignore[attr-defined]
+                      "decision": ours.model.schedule_decision,  # type: ignore[attr-defined]
+                      "floor": ours.model.step_floor})  # type: ignore[attr-defined]
     return cells
 
 
@@ -192,12 +193,13 @@ def _versus(args: argparse.Namespace) -> None:
 GRID_HEADER = ["ranks", "link", "step ms", "compute ms", "comm ms", "hidden", "step / ideal", "step vs FSDP2",
                "link idle ms per step (share)", "peak unsharded MB ours / FSDP2 (extra, in groups)", "depth",
                "schedule decision (trial: least timed step, chosen vs simple)",
-               "modelled step ms, chosen / simple plan"]
+               "modelled step ms, chosen / simple plan", "floor ms (x ideal): no exact schedule goes below"]
 
 
 def _grid_row(world: int, link: str, m: PairedTimes, fsdp2: PairedTimes, profile: Any, peak: int, fsdp2_peak: int,
-              largest: int, depth: Any, decision: Any) -> list[str]:
-    """One cell of the grid as a row of :data:`GRID_HEADER`."""
+              largest: int, depth: Any, decision: Any, floor: Any) -> list[str]:
+    """One cell of the grid as a row of :data:`GRID_HEADER` (``floor``: the model's ``step_floor``, from
+    the recorded costs: [Note: the end-of-step chain's floor])."""
     steps = profile.summary().steps if profile is not None else []
     idle_ms = sum(s.link_idle_ms for s in steps) / max(1, len(steps))
     idle_share = sum(s.link_idle_share for s in steps) / max(1, len(steps))
@@ -212,7 +214,8 @@ def _grid_row(world: int, link: str, m: PairedTimes, fsdp2: PairedTimes, profile
     return [str(world), link, f"{1e3 * m.linked:.1f}", f"{1e3 * m.unlinked:.1f}", f"{1e3 * m.comm:.1f}",
             f"{100 * m.hidden_share:.0f}%", f"{m.linked / max(m.unlinked, m.comm):.2f}x",
             f"{m.linked / fsdp2.linked:.2f}x", f"{idle_ms:.1f} ({100 * idle_share:.0f}%)",
-            f"{peak / 2**20:.3g} / {fsdp2_peak / 2**20:.3g} ({extra:+.2f} groups)", str(depth), told, modelled]
+            f"{peak / 2**20:.3g} / {fsdp2_peak / 2**20:.3g} ({extra:+.2f} groups)", str(depth), told, modelled,
+            "-" if floor is None else f"{1e3 * floor.seconds:.1f} ({floor.ratio():.2f}x)"]
 
 
 def _demo_grid(args: argparse.Namespace) -> list[list[str]]:
@@ -232,7 +235,8 @@ def _demo_grid(args: argparse.Namespace) -> list[list[str]]:
             ours, fsdp2 = r.modes["overlap"], r.modes["fsdp2"]
             rows.append((world, factor, _grid_row(
                 world, f"{factor:g}x ({r.link_gbps:.3g} Gbit/s)", ours.times, fsdp2.times, ours.profile,
-                ours.unsharded_peak, fsdp2.unsharded_peak, ours.largest_group, ours.depth, ours.schedule)))
+                ours.unsharded_peak, fsdp2.unsharded_peak, ours.largest_group, ours.depth, ours.schedule,
+                ours.step_floor)))
     return [row for _, _, row in sorted(rows, key=lambda x: x[:2])]
 
 
@@ -241,7 +245,8 @@ def _grid(args: argparse.Namespace) -> None:
     for world in GRID_WORLDS:
         for c in run_distributed(_grid_rank, world, args, timeout=1800)[0]:
             rows.append(_grid_row(world, f"{c['factor']:g}x ({c['gbps']:.3g} Gbit/s)", c["times"], c["fsdp2"],
-                                  c["profile"], c["peak"], c["fsdp2 peak"], c["largest"], c["depth"], c["decision"]))
+                                  c["profile"], c["peak"], c["fsdp2 peak"], c["largest"], c["depth"], c["decision"],
+                                  c["floor"]))
     common = (f"CPU ranks (gloo), link bandwidth x the calibrated one (comm ~ compute at 1x, calibrated per world "
               f"size) + {args.latency_us:g} µs; medians of {args.steps} paired steps, slowest rank; link idle over "
               f"{PROFILED_STEPS} profiled steps")

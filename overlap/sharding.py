@@ -171,6 +171,7 @@ from overlap.schedule_verification import ScheduleTrial
 from overlap.streams import comm_stream
 from scheduler import schedule_trial
 from scheduler.schedule_trial import Plan, ScheduleDecision, Verdict
+from scheduler.step_floor import StepFloor, step_floor
 
 __all__ = ["shard", "no_sync", "no_overlap", "prefetch_next_step", "ShardedModule", "sharded_states"]
 
@@ -271,6 +272,16 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         costs are made of] in ``scheduler/prefetch_depth.py``); None before that, or on a non-root."""
         root = self._overlap_state.root
         return root.modelled_step if root is not None and root.owner is self._overlap_state else None
+
+    @property
+    def step_floor(self) -> "Optional[StepFloor]":
+        """With ``prefetch="auto"`` and every group stepped in backward: the least seconds per step any
+        schedule keeping this step's math reaches on one link, from the recorded steps' costs (the
+        end-of-step chain's floor, ``scheduler.step_floor``: [Note: the end-of-step chain's floor]);
+        None before that, where the optimizer steps outside backward (its time is not measured), or
+        on a non-root."""
+        root = self._overlap_state.root
+        return root.step_floor if root is not None and root.owner is self._overlap_state else None
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters (no-op if sharded)."""
@@ -546,6 +557,8 @@ class _Root:
         self._backward_position: Optional[int] = None  # the recording backward's running position
         self._position_of: dict[int, int] = {}  # the recording backward: state index -> forward position
         self.modelled_step: Optional[float] = None  # seconds: the chosen plan's modelled steady step
+        # the floor no exact schedule goes below, from the same costs ([Note: the end-of-step chain's floor])
+        self.step_floor: Optional[StepFloor] = None
         # the trial of the choice against the simple plan ([Note: verifying the choice by a trial])
         self._trial: Optional[ScheduleTrial] = None
         self._modelled: tuple[Plan, float, float] = ((1, None), 0.0, 0.0)  # the model's plan, its and simple's step
@@ -804,8 +817,10 @@ class _Root:
         for state in self.states:
             if state.auto_prefetch:
                 state.prefetch = depth
-        if measured_backward:  # the steps ran: their seconds are in
-            self._choose_deferred_steps(compute, link, backward)
+        if measured_backward and self.gather_ahead is not None:  # the steps ran in backward: their seconds are in
+            seconds = self._agreed_step_seconds()
+            self._choose_deferred_steps(compute, link, backward, seconds)
+            self.step_floor = step_floor(compute, link, backward, loss, tail, seconds)
         count, lag = self.gather_ahead or (0, 1)
         self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward, loss=loss, tail=tail)
         self._start_trial(modelled_step(compute, link, 1, backward, loss, tail))
@@ -900,19 +915,24 @@ class _Root:
         self.gather_ahead = plan  # type: ignore[assignment]
         return depth
 
-    def _choose_deferred_steps(self, compute: list[float], link: list[float], backward: Optional[list[float]]) -> None:
+    def _agreed_step_seconds(self) -> list[float]:
+        """Per forward position, the seconds its group's in-backward optimizer step took in the last
+        recorded step (``ParamGroup.reduced_hooks_seconds``), agreed: the low median over ranks."""
+        seconds = [g.reduced_hooks_seconds if g is not None else 0.0
+                   for g in (self.states[i].group for i in self.forward_seq)]
+        if self.owner.info.size > 1:
+            seconds = _low_median_per_entry(agreement.exchange(self.owner.info, "step seconds", seconds))
+        return seconds
+
+    def _choose_deferred_steps(self, compute: list[float], link: list[float], backward: Optional[list[float]],
+                               seconds: list[float]) -> None:
         """Pick the groups whose in-backward step moves into the end-of-step chain, from this step's
-        costs and each group's measured step seconds (agreed: the low median over ranks); only with a
+        costs and each group's step ``seconds`` (:meth:`_agreed_step_seconds`); only with a
         gather-ahead plan (every group stepped in backward). See [Note: deferred optimizer steps]."""
         from scheduler.deferred_steps import choose_deferred_steps
 
-        if self.gather_ahead is None:
-            return
         order = self.forward_seq
         groups = [self.states[i].group for i in order]
-        seconds = [g.reduced_hooks_seconds if g is not None else 0.0 for g in groups]
-        if self.owner.info.size > 1:
-            seconds = _low_median_per_entry(agreement.exchange(self.owner.info, "step seconds", seconds))
         chain = {s.index for s in self._first_groups(order)}
         first = 1 + max(p for p, i in enumerate(order) if i in chain) if chain else 0
         ahead = set(range(len(order) - self.gather_ahead[0], len(order)))

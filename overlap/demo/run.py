@@ -236,6 +236,9 @@ class ModeResult:
     """``overlap.shard``'s groups whose optimizer step runs in the end-of-step chain (``deferred_steps``
     of the sharded model: [Note: deferred optimizer steps] in ``overlap/sharding.py``); None where it
     does not apply."""
+    step_floor: Any = None
+    """``overlap.shard``'s ``step_floor`` (a ``scheduler.step_floor.StepFloor``: the least step any exact
+    schedule of its groups reaches, from rank 0's recorded costs); None where it does not apply."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,8 +435,9 @@ def rank_main(rank: int, world_size: int, cfg: DemoConfig) -> Optional[DemoResul
         modelled_step = getattr(step.model, "modelled_step", None) if mode not in TP_MODES else None
         decision = getattr(step.model, "schedule_decision", None) if mode not in TP_MODES else None
         deferred = getattr(step.model, "deferred_steps", None) if mode not in TP_MODES else None
+        floor = getattr(step.model, "step_floor", None) if mode not in TP_MODES else None
         modes[mode] = ModeResult(times, _global_losses(local[mode]), merged, mode_depth, ahead, peak, largest,
-                                 modelled, modelled_step, decision, deferred)
+                                 modelled, modelled_step, decision, deferred, floor)
         del step
     progress.finish()
     bitwise = None
@@ -679,7 +683,20 @@ def _depth_lines(result: DemoResult) -> list[str]:
     if ours.modelled_step is not None:
         lines.append(f"overlap.shard modelled step {ours.modelled_step * 1e3:.1f} ms (the chooser's model, from the "
                      f"recorded steps' costs, rank 0) vs measured {ours.times.linked * 1e3:.1f} ms")
+    if ours.step_floor is not None:
+        lines.append(_floor_line(ours.step_floor))
     return lines
+
+
+def _floor_line(floor: Any) -> str:
+    """What bounds ``overlap.shard``'s step from below ([Note: the end-of-step chain's floor])."""
+    ms = 1e3
+    chain = (f"the end-of-step chain of the first {floor.chain} groups: {floor.chain_link * ms:.1f} ms of link beside "
+             f"{floor.chain_host * ms:.1f} ms of host work, {floor.exposed * ms:.1f} ms exposed" if floor.chain
+             else "no chain exposed")
+    return (f"overlap.shard floor: no exact schedule of these groups on this link goes below "
+            f"{floor.seconds * ms:.1f} ms per step = {floor.ratio():.2f}x max(compute {floor.compute * ms:.1f}, "
+            f"comm {floor.link * ms:.1f}) (recorded costs, rank 0; {chain})")
 
 
 def _loss_line(result: DemoResult) -> str:

@@ -23,6 +23,7 @@ from models import SEED, TinyLM, assert_same_run, local_batch, make_batch, make_
 from overlap import param_group, sharding
 from scheduler import cost_samples, deferred_steps, gather_ahead, prefetch_depth, schedule_trial
 from scheduler.deferred_steps import chain_slack, choose_deferred_steps
+from scheduler.step_floor import StepFloor
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
 
@@ -94,7 +95,7 @@ def _train(rank: int, world_size: int, in_backward: bool, defer: bool, plan: tup
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    return {"losses": torch.stack(losses), "logs": logs, "deferred": model.deferred_steps,
+    return {"losses": torch.stack(losses), "logs": logs, "deferred": model.deferred_steps, "floor": model.step_floor,
             "params": {n: p.to_local().clone() for n, p in model.named_parameters()}}
 
 
@@ -123,7 +124,8 @@ def _assert_deferred_into_the_chain(log: list[tuple[str, str]], deferred: list[s
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_deferred_steps_are_bitwise_the_plain_loop(distributed, world_size: int) -> None:
-    for runs in distributed(_runs, world_size, link=(0.002, 0.0), timeout=600):
+    per_rank = distributed(_runs, world_size, link=(0.002, 0.0), timeout=600)
+    for runs in per_rank:
         for what, run in runs.items():
             assert_same_run(run, runs["plain"], what)
         assert runs["plain"]["deferred"] is None  # no optimizer in backward: no plan
@@ -140,6 +142,15 @@ def test_deferred_steps_are_bitwise_the_plain_loop(distributed, world_size: int)
             # reduces nothing (no_sync), its second one defers as any step does.
             for log in logs[1:]:
                 _assert_deferred_into_the_chain(log, deferred)
+    # The floor ([Note: the end-of-step chain's floor]) comes with the steps' seconds, so only with the
+    # optimizer in backward, and from agreed costs: every rank reports the same one.
+    floors = [{what: run["floor"] for what, run in runs.items()} for runs in per_rank]
+    assert all(f["plain"] is None for f in floors)
+    for what in ("in backward", "deferred", "deferred, one ahead"):
+        assert isinstance(floors[0][what], StepFloor), what
+        assert all(f[what] == floors[0][what] for f in floors), what
+        floor = floors[0][what]
+        assert floor.seconds >= max(floor.compute, floor.link) > 0, what
 
 
 def test_set_deferred_steps_refuses_a_non_bool(single_rank_group) -> None:

@@ -19,6 +19,7 @@ import io
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -68,6 +69,9 @@ def _check_report(out: str, folder: str, modes: tuple[str, ...]) -> None:
     # The chooser's memory model (held_bytes) holds what the counter measured on the demo's model.
     modelled = [line for line in out.splitlines() if line.startswith("peak unsharded modelled by")]
     assert len(modelled) == 1 and modelled[0].endswith(" MB, as counted"), out
+    # The floor of an exact step (optimizer in backward, prefetch="auto": the demo's settings).
+    floor = [line for line in out.splitlines() if line.startswith("overlap.shard floor: no exact schedule")]
+    assert len(floor) == 1 and re.search(r"goes below [0-9.]+ ms per step = [0-9.]+x max\(compute", floor[0]), out
     exposed = [line for line in out.splitlines() if line.startswith("exposed waits per step by collective and module")]
     assert len(exposed) == 1, out
     idle = [line for line in out.splitlines() if line.startswith("  step ") and " rank " in line]
