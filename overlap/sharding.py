@@ -764,14 +764,18 @@ class _Root:
             self._costs = [_low_median_per_entry([r[p] for r in per_rank]) for p in range(len(self._costs))]
             self._between = _low_median_per_entry([r[-1] for r in per_rank])
 
-    def _step_costs(self, measured_backward: bool) -> tuple[list[float], list[float], Optional[list[float]]]:
-        """``(compute, link, backward)`` per forward position for the choosers: the packing counts
-        as compute ([Note: what the step's costs are made of]); backward None where a position's
-        backward was not measured (then the model takes twice forward)."""
+    def _step_costs(self, measured_backward: bool) -> tuple[list[float], list[float], Optional[list[float]],
+                                                             list[float]]:
+        """``(compute, link, backward, reduce)`` per forward position for the choosers: the packing
+        counts as compute ([Note: what the step's costs are made of]); backward None where a
+        position's backward was not measured (then the model takes twice forward); ``reduce`` each
+        reduce-scatter's seconds on the link ([Note: a reduce-scatter's seconds])."""
         compute = [c + pack for c, _, pack, _ in self._costs]
         link = [max(0.0, gather - pack) for _, gather, pack, _ in self._costs]
         backward = [b for *_, b in self._costs]
-        return compute, link, (backward if measured_backward and all(b >= 0 for b in backward) else None)
+        groups = (self.states[i].group for i in self.forward_seq)
+        reduce = [_reduce_seconds(g, seconds) for g, seconds in zip(groups, link)]
+        return compute, link, (backward if measured_backward and all(b >= 0 for b in backward) else None), reduce
 
     def _choose_depth(self, measured_backward: bool) -> None:
         """Keep this recorded step's costs as a sample; after ``COST_SAMPLES`` recorded steps, choose the
@@ -804,26 +808,28 @@ class _Root:
             device = next((g.sharded[0]._local_tensor.device for g in groups if g is not None), torch.device("cpu"))
             budget = default_prefetch_budget(device)
         self._agree_costs()
-        compute, link, backward = self._step_costs(measured_backward)
+        compute, link, backward, reduce = self._step_costs(measured_backward)
         loss, tail = self._between
         enclosing = self._enclosing()
         depth = choose_prefetch_depth(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
-                                      budget, backward=backward, loss=loss, tail=tail, enclosing=enclosing)
+                                      budget, backward=backward, loss=loss, tail=tail, enclosing=enclosing,
+                                      reduce=reduce)
         for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
             if info is not None and info.size > 1:
                 depth = max(agreement.exchange(info, "prefetch depth", depth))
-        depth = self._choose_gather_ahead(depth, budget, compute, link, backward, enclosing)
+        depth = self._choose_gather_ahead(depth, budget, compute, link, backward, enclosing, reduce)
         self.chosen_depth = depth
         for state in self.states:
             if state.auto_prefetch:
                 state.prefetch = depth
         if measured_backward and self.gather_ahead is not None:  # the steps ran in backward: their seconds are in
             seconds = self._agreed_step_seconds()
-            self._choose_deferred_steps(compute, link, backward, seconds)
-            self.step_floor = step_floor(compute, link, backward, loss, tail, seconds)
+            self._choose_deferred_steps(compute, link, backward, seconds, reduce)
+            self.step_floor = step_floor(compute, link, backward, loss, tail, seconds, reduce=reduce)
         count, lag = self.gather_ahead or (0, 1)
-        self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward, loss=loss, tail=tail)
-        self._start_trial(modelled_step(compute, link, 1, backward, loss, tail))
+        self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward, loss=loss,
+                                                  tail=tail, reduce=reduce)
+        self._start_trial(modelled_step(compute, link, 1, backward, loss, tail, reduce=reduce))
 
     def _enclosing(self) -> Optional[list[frozenset[int]]]:
         """Per position of this step's forward order, the positions whose forward ran around it (a
@@ -893,7 +899,8 @@ class _Root:
         self.schedule_decision = ScheduleDecision(plan, chosen, chosen_s, simple_s, verdict, reason)
 
     def _choose_gather_ahead(self, depth: int, budget: int, compute: list[float], link: list[float],
-                             backward: Optional[list[float]], enclosing: Optional[list[frozenset[int]]]) -> int:
+                             backward: Optional[list[float]], enclosing: Optional[list[frozenset[int]]],
+                             reduce: list[float]) -> int:
         """Plan the gathers issued ahead in backward from this step's costs (``enclosing``: the nesting
         :meth:`_enclosing` read), if every group with parameters is stepped in backward; agree rank
         0's plan (see [Note: gathering ahead in backward]). Returns the depth to run: ``depth``, or a
@@ -908,7 +915,7 @@ class _Root:
             return depth  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
         depth, plan = choose_schedule(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
                                       depth, budget, backward=backward, loss=self._between[0], tail=self._between[1],
-                                      enclosing=enclosing)
+                                      enclosing=enclosing, reduce=reduce)
         if self.owner.info.size > 1:
             depth, count, lag = agreement.exchange(self.owner.info, "gather ahead", [depth, *plan])[0]
             plan = (count, lag)
@@ -925,7 +932,7 @@ class _Root:
         return seconds
 
     def _choose_deferred_steps(self, compute: list[float], link: list[float], backward: Optional[list[float]],
-                               seconds: list[float]) -> None:
+                               seconds: list[float], reduce: list[float]) -> None:
         """Pick the groups whose in-backward step moves into the end-of-step chain, from this step's
         costs and each group's step ``seconds`` (:meth:`_agreed_step_seconds`); only with a
         gather-ahead plan (every group stepped in backward). See [Note: deferred optimizer steps]."""
@@ -938,7 +945,7 @@ class _Root:
         ahead = set(range(len(order) - self.gather_ahead[0], len(order)))
         candidates = [p for p in range(len(order) - 1, first - 1, -1)
                       if p not in ahead and groups[p] is not None and order[p] != self.owner.index]
-        chosen = choose_deferred_steps(compute, link, seconds, first, candidates, backward)
+        chosen = choose_deferred_steps(compute, link, seconds, first, candidates, backward, reduce=reduce)
         self.deferred_steps = frozenset(order[p] for p in chosen)
 
     def gather_now(self, state: ShardState) -> None:
@@ -1339,6 +1346,30 @@ def _kept_for_backward(order: list[int], depth: int, owner: int) -> frozenset[in
             kept.add(position)
         later.add(index)
     return frozenset(kept)
+
+
+def _reduce_seconds(group: Optional[ParamGroup], gather_seconds: float) -> float:
+    """The link seconds of ``group``'s reduce-scatter, from its all-gather's measured ``gather_seconds``.
+
+    [Note: a reduce-scatter's seconds]
+    The choosers' model replays each group's reduce-scatter on the link. It first took one as long
+    as the group's all-gather, which holds where both move the same bytes. They often do not: mixed
+    precision with a float32 ``reduce_dtype`` over bfloat16 parameters (torchtitan's default)
+    reduces twice the gather's bytes, and compression quantizes the two directions differently
+    (int8 gather: 0.53x bfloat16's bytes; int8 reduce: 0.28x float32's), so the model misplaced the
+    end-of-step chain and understated the floor. Both collectives are rings over the same ranks
+    that put ``(w-1)/w`` of their buffer on each rank's wire, so a reduce-scatter is taken to cost
+    the gather's measured seconds per byte times its own bytes (``reduce_bytes``, exact, the same on
+    every rank: the agreed seconds give agreed results; the per-collective latency is scaled with the
+    bytes too, a few tens of µs off where the ratio is not 1). It is not timed itself: a recorded step
+    that waited for each reduce-scatter at issue, as it waits for each gather, would run the
+    epilogues (and in-backward optimizer steps) inside backward instead of at its end, where the
+    steps it models run them, and so mismeasure the end of backward's host work (``tail``).
+    """
+    if group is None:
+        return 0.0
+    gathered = group.all_gather_bytes()
+    return gather_seconds * (group.reduce_bytes() / gathered) if gathered > 0 else 0.0
 
 
 def _low_median_per_entry(per_rank: list[list[float]]) -> list[float]:

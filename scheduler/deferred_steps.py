@@ -9,7 +9,8 @@ Inputs, per forward position (the agreed forward order; one group per position):
 
 ==============  ================================================================================
 ``compute``     seconds of the position's forward on the compute side (with its gather's packing)
-``gather``      seconds its all-gather occupies the link (its reduce-scatter is taken as the same)
+``gather``      seconds its all-gather occupies the link
+``reduce``      seconds its reduce-scatter occupies the link (None: ``gather``'s)
 ``backward``    seconds of the position's backward (None: twice ``compute``)
 ``step``        seconds of its optimizer math (the group's in-backward step, measured on the host)
 ``first``       the chain's positions: ``0 .. first - 1``, the next forward's first groups, which
@@ -20,8 +21,8 @@ Inputs, per forward position (the agreed forward order; one group per position):
 
 [Note: filling the end-of-step chain]
 The first groups of forward are reduced last, so a step ends with a chain on the link: their
-reduce-scatters, then (after their steps) the next forward's gathers of the same groups, each
-direction ``sum(gather[:first])``. Beside it the host has only the backward of the chain's groups
+reduce-scatters, then (after their steps) the next forward's gathers of the same groups:
+``sum(reduce[:first]) + sum(gather[:first])``. Beside it the host has only the backward of the chain's groups
 after the first of them is reduced (``backward[:first - 1]``; the first one's backward comes
 before its reduce-scatter), their steps, and the next forward of the chain's groups before the
 last (``compute[:first - 1]``). The rest is the chain's slack: link time the host cannot fill. Every
@@ -41,26 +42,27 @@ __all__ = ["chain_slack", "choose_deferred_steps"]
 
 
 def chain_slack(compute: Sequence[float], gather: Sequence[float], step: Sequence[float], first: int,
-                backward: Optional[Sequence[float]] = None) -> float:
+                backward: Optional[Sequence[float]] = None, reduce: Optional[Sequence[float]] = None) -> float:
     """Seconds of the end-of-step chain's link time the host work beside it leaves unfilled (>= 0;
     see [Note: filling the end-of-step chain])."""
-    _check(compute, gather, step, backward)
+    _check(compute, gather, step, backward, reduce)
     n = len(compute)
     if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= n:
         raise ValueError(f"first must be an int in 0..{n} (forward positions), got {first!r}")
     if first == 0:
         return 0.0
     back = backward if backward is not None else [2 * c for c in compute]
-    link = 2 * sum(gather[:first])
+    link = sum(gather[:first]) + sum((gather if reduce is None else reduce)[:first])
     host = sum(back[: first - 1]) + sum(step[:first]) + sum(compute[: first - 1])
     return max(0.0, link - host)
 
 
 def choose_deferred_steps(compute: Sequence[float], gather: Sequence[float], step: Sequence[float], first: int,
-                          candidates: Sequence[int], backward: Optional[Sequence[float]] = None) -> list[int]:
+                          candidates: Sequence[int], backward: Optional[Sequence[float]] = None,
+                          reduce: Optional[Sequence[float]] = None) -> list[int]:
     """The longest prefix of ``candidates`` whose steps' summed seconds fit in the chain's slack
     (``chain_slack``); ``[]`` where nothing fits."""
-    slack = chain_slack(compute, gather, step, first, backward)
+    slack = chain_slack(compute, gather, step, first, backward, reduce)
     n = len(compute)
     if any(isinstance(p, bool) or not isinstance(p, int) or not first <= p < n for p in candidates) \
             or len(set(candidates)) != len(candidates):
@@ -77,11 +79,12 @@ def choose_deferred_steps(compute: Sequence[float], gather: Sequence[float], ste
 
 
 def _check(compute: Sequence[float], gather: Sequence[float], step: Sequence[float],
-           backward: Optional[Sequence[float]]) -> None:
+           backward: Optional[Sequence[float]], reduce: Optional[Sequence[float]] = None) -> None:
     n = len(compute)
-    if len(gather) != n or len(step) != n or (backward is not None and len(backward) != n):
-        raise ValueError(f"compute, gather, step (and backward) must have one entry per forward position, got "
-                         f"lengths {n}, {len(gather)}, {len(step)}"
-                         + ("" if backward is None else f", {len(backward)}"))
-    if any(not math.isfinite(x) or x < 0 for x in [*compute, *gather, *step, *(backward or ())]):
-        raise ValueError("compute, gather, step and backward must be finite seconds >= 0")
+    if len(gather) != n or len(step) != n or any(v is not None and len(v) != n for v in (backward, reduce)):
+        raise ValueError(f"compute, gather, step (and backward, reduce) must have one entry per forward position, "
+                         f"got lengths {n}, {len(gather)}, {len(step)}"
+                         + "".join(f", {name} {len(v)}" for name, v in (("backward", backward), ("reduce", reduce))
+                                   if v is not None))
+    if any(not math.isfinite(x) or x < 0 for x in [*compute, *gather, *step, *(backward or ()), *(reduce or ())]):
+        raise ValueError("compute, gather, step, backward and reduce must be finite seconds >= 0")

@@ -8,7 +8,7 @@ Inputs, per forward position (the agreed forward order; one group per position):
 
 ==============  ================================================================================
 ``compute``     seconds of the position's forward on the compute stream (with its gather's packing)
-``gather``      seconds its all-gather occupies the link (its reduce-scatter is taken as the same)
+``gather``      seconds its all-gather occupies the link (``reduce``: its reduce-scatter's, default the same)
 ``backward``    seconds of the position's backward (optional: twice ``compute``)
 ``nbytes``      bytes its all-gather brings in: what a gather issued ahead holds until forward
 ``depth``       the prefetch depth already chosen (``scheduler.prefetch_depth``)
@@ -73,11 +73,11 @@ LAGS = (1, 2, 3)
 
 def modelled_steady_step(compute: Sequence[float], gather: Sequence[float], depth: int, count: int,
                          lag: int = 1, steps: int = 4, backward: Optional[Sequence[float]] = None,
-                         loss: float = 0.0, tail: float = 0.0) -> float:
+                         loss: float = 0.0, tail: float = 0.0, reduce: Optional[Sequence[float]] = None) -> float:
     """Seconds per step in the steady state of ``steps`` replayed steps with the first ``count``
     reduced groups gathered ahead at ``lag`` (see [Note: choosing the gathers issued ahead]): the
     mean of the second half of the steps."""
-    ends = step_ends(compute, gather, depth, steps, count, lag, backward, loss, tail)
+    ends = step_ends(compute, gather, depth, steps, count, lag, backward, loss, tail, reduce)
     if not ends:
         return 0.0
     half = len(ends) // 2
@@ -87,24 +87,26 @@ def modelled_steady_step(compute: Sequence[float], gather: Sequence[float], dept
 def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], depth: int,
                         budget: int, tolerance: float = 0.01,
                         backward: Optional[Sequence[float]] = None, loss: float = 0.0,
-                        tail: float = 0.0, enclosing: Optional[Sequence[AbstractSet[int]]] = None) -> tuple[int, int]:
+                        tail: float = 0.0, enclosing: Optional[Sequence[AbstractSet[int]]] = None,
+                        reduce: Optional[Sequence[float]] = None) -> tuple[int, int]:
     """``(count, lag)``: how many of the first reduced groups to gather ahead in backward, and at
     which issue point (see [Note: choosing the gathers issued ahead]); ``(0, 1)`` where nothing
     modelled is faster by more than ``tolerance`` or fits ``budget``. ``enclosing``: nested groups,
     as ``scheduler.held_bytes.held_bytes`` takes them (None: one after the other)."""
-    check_costs(compute, gather, nbytes, "position", backward)
+    check_costs(compute, gather, nbytes, "position", backward, reduce)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"depth must be an int >= 0, got {depth!r}")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise ValueError(f"budget must be an int >= 0 (bytes), got {budget!r}")
     n = len(compute)
-    best, plan = modelled_steady_step(compute, gather, depth, 0, backward=backward, loss=loss, tail=tail), (0, 1)
+    costs = dict(backward=backward, loss=loss, tail=tail, reduce=reduce)
+    best, plan = modelled_steady_step(compute, gather, depth, 0, **costs), (0, 1)
     fallback = best
     for count in range(1, n + 1):
         if held_bytes(nbytes, depth, count, enclosing) > budget:
             break
         for lag in LAGS:
-            t = modelled_steady_step(compute, gather, depth, count, lag, backward=backward, loss=loss, tail=tail)
+            t = modelled_steady_step(compute, gather, depth, count, lag, **costs)
             if t < best and t < fallback * (1 - tolerance):
                 best, plan = t, (count, lag)
     return plan
@@ -113,15 +115,16 @@ def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbyte
 def choose_schedule(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], depth: int,
                     budget: int, tolerance: float = 0.01, backward: Optional[Sequence[float]] = None,
                     loss: float = 0.0, tail: float = 0.0,
-                    enclosing: Optional[Sequence[AbstractSet[int]]] = None) -> tuple[int, tuple[int, int]]:
+                    enclosing: Optional[Sequence[AbstractSet[int]]] = None,
+                    reduce: Optional[Sequence[float]] = None) -> tuple[int, tuple[int, int]]:
     """``(depth, (count, lag))``: the prefetch ``depth`` already chosen with its gather-ahead plan
     (:func:`choose_gather_ahead`), or a deeper depth and its plan within ``budget`` where that models
     a steady step shorter than the choice so far (shallower) by more than ``tolerance`` (see [Note:
     a deeper depth for gathering ahead]). Never shallower than ``depth``."""
-    check_costs(compute, gather, nbytes, "position", backward)
+    check_costs(compute, gather, nbytes, "position", backward, reduce)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be an int >= 1, got {depth!r}")
-    costs = dict(backward=backward, loss=loss, tail=tail)
+    costs = dict(backward=backward, loss=loss, tail=tail, reduce=reduce)
     plan = choose_gather_ahead(compute, gather, nbytes, depth, budget, tolerance=tolerance, enclosing=enclosing, **costs)
     chosen, best = (depth, plan), modelled_steady_step(compute, gather, depth, *plan, **costs)
     for deeper in range(depth + 1, len(compute)):

@@ -18,6 +18,7 @@ Inputs, per group in the order compute needs them (the agreed forward order):
                 root and forward's ``1 + depth`` window; [Note: the bytes a plan holds])
 ``loss``        host seconds between forward's end and backward's start (optional: 0)
 ``tail``        host seconds at the end of backward after its reduce-scatters landed (optional: 0)
+``reduce``      seconds its reduce-scatter occupies the link (optional: ``gather``'s)
 ==============  ================================================================================
 
 [Note: choosing the prefetch depth]
@@ -28,7 +29,7 @@ a FIFO link], the model gather-ahead's choice replays too): forward issues at th
 ``j`` the gathers of groups ``j+1 .. j+d``; the last group and the ``d`` before it stay unsharded
 into backward (the runtime's [Note: kept for backward]: backward needs them first, and holding
 them costs what re-gathering them ``d`` ahead would); backward re-gathers the rest the same way in
-reverse, and each group's reduce-scatter (taken to cost what its gather costs) is queued when its
+reverse, and each group's reduce-scatter (its measured ``reduce`` seconds) is queued when its
 backward ends. The depth is the smallest ``d`` whose modelled step is within ``tolerance`` of the
 best over every ``d`` the budget allows (the root's group with any group and the ``d`` after it,
 together, within ``budget``: ``scheduler.held_bytes``), so ties go to the shallower, cheaper depth. Where the link is the bottleneck every
@@ -80,38 +81,41 @@ __all__ = ["choose_prefetch_depth", "modelled_step", "check_costs"]
 
 
 def modelled_step(compute: Sequence[float], gather: Sequence[float], depth: int,
-                  backward: Optional[Sequence[float]] = None, loss: float = 0.0, tail: float = 0.0) -> float:
+                  backward: Optional[Sequence[float]] = None, loss: float = 0.0, tail: float = 0.0,
+                  reduce: Optional[Sequence[float]] = None) -> float:
     """Seconds of one step (forward and backward) at prefetch ``depth`` from a cold start, under the
     model of [Note: choosing the prefetch depth] (``scheduler.replayed_step``)."""
-    ends = step_ends(compute, gather, depth, backward=backward, loss=loss, tail=tail)
+    ends = step_ends(compute, gather, depth, backward=backward, loss=loss, tail=tail, reduce=reduce)
     return ends[0] if ends else 0.0
 
 
 def check_costs(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int], entry: str,
-                backward: Optional[Sequence[float]] = None) -> None:
+                backward: Optional[Sequence[float]] = None, reduce: Optional[Sequence[float]] = None) -> None:
     """Refuse cost lists of different lengths (one entry per ``entry``) or times that are not finite
     seconds >= 0 (``ValueError``)."""
     if not (len(compute) == len(gather) == len(nbytes)):
         raise ValueError(f"compute, gather and nbytes must have one entry per {entry}, got lengths "
                          f"{len(compute)}, {len(gather)}, {len(nbytes)}")
-    if backward is not None and len(backward) != len(compute):
-        raise ValueError(f"backward must have one entry per {entry} (or be None), got length {len(backward)} "
-                         f"for {len(compute)}")
-    if any(not math.isfinite(x) or x < 0 for x in [*compute, *gather, *(backward or ())]):
-        raise ValueError("compute, gather and backward must be finite seconds >= 0")
+    for name, values in (("backward", backward), ("reduce", reduce)):
+        if values is not None and len(values) != len(compute):
+            raise ValueError(f"{name} must have one entry per {entry} (or be None), got length {len(values)} "
+                             f"for {len(compute)}")
+    if any(not math.isfinite(x) or x < 0 for x in [*compute, *gather, *(backward or ()), *(reduce or ())]):
+        raise ValueError("compute, gather, backward and reduce must be finite seconds >= 0")
 
 
 def choose_prefetch_depth(compute: Sequence[float], gather: Sequence[float], nbytes: Sequence[int],
                           budget: int, tolerance: float = 0.01, backward: Optional[Sequence[float]] = None,
                           loss: float = 0.0, tail: float = 0.0,
-                          enclosing: Optional[Sequence[AbstractSet[int]]] = None) -> int:
+                          enclosing: Optional[Sequence[AbstractSet[int]]] = None,
+                          reduce: Optional[Sequence[float]] = None) -> int:
     """The prefetch depth for groups with these costs (see [Note: choosing the prefetch depth]): at
     least 1, at most ``len(compute) - 1`` (or 1 for fewer than two groups). ``enclosing``: nested
     groups, as ``scheduler.held_bytes.held_bytes`` takes them (None: one after the other)."""
-    check_costs(compute, gather, nbytes, "group", backward)
+    check_costs(compute, gather, nbytes, "group", backward, reduce)
     if not (isinstance(budget, int) and budget >= 0):
         raise ValueError(f"budget must be an int >= 0 (bytes), got {budget!r}")
     allowed = [d for d in range(1, max(2, len(compute))) if d == 1 or held_bytes(nbytes, d, 0, enclosing) <= budget]
-    times = {d: modelled_step(compute, gather, d, backward, loss, tail) for d in allowed}
+    times = {d: modelled_step(compute, gather, d, backward, loss, tail, reduce) for d in allowed}
     best = min(times.values())
     return min(d for d, t in times.items() if t <= best * (1 + tolerance))

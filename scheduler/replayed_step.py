@@ -10,7 +10,9 @@ Inputs, per group in the order compute needs them (the agreed forward order; one
 ==============  ================================================================================
 ``compute``     seconds the compute stream spends on the group's forward (its compute, and the
                 host's packing of its gather where the host issues the kernels)
-``gather``      seconds its all-gather occupies the link (its reduce-scatter is taken as the same)
+``gather``      seconds its all-gather occupies the link
+``reduce``      seconds its reduce-scatter occupies the link (default: ``gather``; the runtime measures
+                it: a mixed-precision reduce in float32 moves twice a bfloat16 gather's bytes)
 ``backward``    seconds of the group's backward on the compute stream (default: twice ``compute``)
 ``depth``       prefetch depth: groups gathered ahead of the running one
 ``ahead``       gather-ahead: the first ``ahead`` groups reduced in backward (the last ``ahead``
@@ -54,16 +56,21 @@ __all__ = ["step_ends"]
 
 def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, steps: int = 1, ahead: int = 0,
               lag: int = 1, backward: Optional[Sequence[float]] = None, loss: float = 0.0,
-              tail: float = 0.0) -> list[float]:
+              tail: float = 0.0, reduce: Optional[Sequence[float]] = None) -> list[float]:
     """The time each of ``steps`` consecutive steps ends, from a cold start at 0 (an empty link,
     nothing gathered), under [Note: replaying a step on a FIFO link]; ``[]`` for no groups.
     ``backward``: each group's backward seconds (None: twice its ``compute``); ``loss``, ``tail``:
-    the host's seconds after forward and at the end of backward (finite, >= 0)."""
+    the host's seconds after forward and at the end of backward (finite, >= 0); ``reduce``: each
+    group's reduce-scatter seconds on the link (None: its ``gather``'s)."""
     n = len(compute)
     if backward is None:
         backward = [2 * c for c in compute]
     elif len(backward) != n:
         raise ValueError(f"backward must have one entry per group ({n}), got {len(backward)}")
+    if reduce is None:
+        reduce = gather
+    elif len(reduce) != n:
+        raise ValueError(f"reduce must have one entry per group ({n}), got {len(reduce)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= n:
@@ -101,7 +108,7 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
                 if regathered[k] == math.inf:
                     regathered[k] = run(now, gather[k])
             now = max(now, regathered[j]) + backward[j]
-            reduced[j] = run(now, gather[j])
+            reduced[j] = run(now, reduce[j])
             if j + lag < n and j + lag in gathered_ahead:
                 now = max(now, reduced[j + lag])  # its step must have run
                 landed[j + lag] = run(now, gather[j + lag])

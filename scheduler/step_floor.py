@@ -3,7 +3,7 @@
 Contract: a pure function of numbers (no torch, no process groups). Inputs, per forward position
 (the agreed forward order; one group per position), as the schedule choosers take them
 (``scheduler.replayed_step``): ``compute`` (a position's forward on the compute side), ``gather`` (its
-all-gather's seconds on the link; its reduce-scatter is taken as the same), ``backward`` (None:
+all-gather's seconds on the link), ``reduce`` (its reduce-scatter's; None: ``gather``), ``backward`` (None:
 twice ``compute``), ``loss`` and ``tail`` (the host's seconds between forward and backward, and at the
 end of backward), and ``step``: seconds of each group's optimizer math where it runs on the compute
 side inside the step (an optimizer stepped in backward), already part of ``backward`` and ``tail``
@@ -12,7 +12,7 @@ side inside the step (an optimizer stepped in backward), already part of ``backw
 [Note: the end-of-step chain's floor]
 Every schedule that keeps the step's math (the plain loop's, bitwise) on one link that carries one
 collective at a time is bound by two things. The link must carry every group's gather and
-reduce-scatter once: ``link = 2 * sum(gather)``. And the first groups of forward are reduced last:
+reduce-scatter once: ``link = sum(gather) + sum(reduce)``. And the first groups of forward are reduced last:
 for a position ``p``, from the moment its backward ends (``t0``) to the moment its next forward
 starts (``t1``), the link must carry the reduce-scatters of positions ``0 .. p`` (none can start
 before ``t0``: theirs end after ``p``'s), then their next-step gathers (each after its group's
@@ -71,23 +71,25 @@ class StepFloor:
 
 
 def step_floor(compute: Sequence[float], gather: Sequence[float], backward: Optional[Sequence[float]] = None,
-               loss: float = 0.0, tail: float = 0.0, step: Optional[Sequence[float]] = None) -> StepFloor:
+               loss: float = 0.0, tail: float = 0.0, step: Optional[Sequence[float]] = None,
+               reduce: Optional[Sequence[float]] = None) -> StepFloor:
     """The floor of an exact step from per-position costs (see [Note: the end-of-step chain's floor]).
     Raises ``ValueError`` for lists of different lengths or times that are not finite seconds >= 0."""
     n = len(compute)
-    for name, values in (("gather", gather), ("backward", backward), ("step", step)):
+    for name, values in (("gather", gather), ("reduce", reduce), ("backward", backward), ("step", step)):
         if values is not None and len(values) != n:
             raise ValueError(f"{name} must have one entry per forward position ({n}), got {len(values)}")
     back = list(backward) if backward is not None else [2 * c for c in compute]
     steps = list(step) if step is not None else [0.0] * n
+    reduces = list(reduce) if reduce is not None else list(gather)
     if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0
-           for x in [*compute, *gather, *back, *steps, loss, tail]):
-        raise ValueError("compute, gather, backward, step, loss and tail must be finite seconds >= 0")
+           for x in [*compute, *gather, *reduces, *back, *steps, loss, tail]):
+        raise ValueError("compute, gather, reduce, backward, step, loss and tail must be finite seconds >= 0")
     compute_s = sum(compute) + sum(back) + loss + tail
-    link_s = 2 * sum(gather)
+    link_s = sum(gather) + sum(reduces)
     exposed, chain, chain_link, chain_host = 0.0, 0, 0.0, 0.0
     for p in range(n):
-        window_link = 2 * sum(gather[: p + 1])
+        window_link = sum(gather[: p + 1]) + sum(reduces[: p + 1])
         window_host = sum(back[:p]) + sum(compute[:p]) + tail + sum(steps[p + 1:])
         if window_link - window_host > exposed:
             exposed, chain, chain_link, chain_host = window_link - window_host, p + 1, window_link, window_host

@@ -71,6 +71,22 @@ def test_measured_backward_replaces_twice_forward() -> None:
     assert modelled_step(compute, gather, 1) == modelled_step(compute, gather, 1, backward=[2.0] * 4)
 
 
+def test_a_reduce_scatter_of_twice_the_bytes_holds_the_link_twice_as_long() -> None:
+    # [Note: a reduce-scatter's seconds]: the step by hand above (depth 1, backward 4), with each
+    # reduce-scatter taking 3 (a float32 reduction of bfloat16 parameters) instead of 1.5. Forward is
+    # unchanged (compute ends at 7, link free at 6). Backward: 3 runs 7..11, RS3 11..14; 2 runs
+    # 11..15, its re-gather of 1 (issued at 11) queued behind RS3: 14..15.5; RS2 15.5..18.5; 1 runs
+    # 15.5..19.5 (waits for its re-gather), the re-gather of 0 (issued at 15) 18.5..20; RS1 20..23;
+    # 0 runs 20..24 (waits for its re-gather), RS0 24..27: the step ends at 27.
+    compute, gather, backward = [1.0] * 4, [1.5] * 4, [4.0] * 4
+    assert modelled_step(compute, gather, 1, backward, reduce=[3.0] * 4) == pytest.approx(27.0)
+    assert modelled_step(compute, gather, 1, backward, reduce=[1.5] * 4) == modelled_step(compute, gather, 1, backward)
+    with pytest.raises(ValueError, match="reduce must have one entry per group"):
+        choose_prefetch_depth(compute, gather, [1] * 4, BIG, reduce=[1.0])
+    with pytest.raises(ValueError, match="finite seconds"):
+        choose_prefetch_depth(compute, gather, [1] * 4, BIG, reduce=[1.0, 1.0, 1.0, -1.0])
+
+
 def test_the_host_work_between_the_groups_is_on_the_step() -> None:
     # [Note: the host work between the groups]: the step by hand above, with the loss run between
     # forward's end (7) and backward, and the tail after the last reduce-scatter landed (24.5): the

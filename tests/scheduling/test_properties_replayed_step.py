@@ -9,7 +9,10 @@ Properties, against references that do not replay anything:
 * with no link time a step is its compute, forward plus backward at twice that (three times the
   sum), whatever the depth or the gathers ahead;
 * with no compute the link never idles, so a step is the link's work: every gather, the re-gathers
-  of all but the ``1 + depth`` groups kept for backward, and every reduce-scatter;
+  of all but the ``1 + depth`` groups kept for backward, and every reduce-scatter (at its own
+  ``reduce`` seconds where they are given);
+* ``reduce`` left out is ``reduce=gather``, and a longer reduce-scatter never ends a step earlier
+  (the replay is made of sums and maxima only);
 * extra steps do not change earlier ones, and steps end in order.
 
 Float sums in a different order differ in the last bits, hence the relative 1e-9.
@@ -63,6 +66,34 @@ def test_without_compute_the_link_never_idles(cg: tuple, depth: int) -> None:
     assert modelled_step(compute, gather, depth) == pytest.approx(link_work, rel=REL)
 
 
+@given(costs(), st.integers(0, 10), st.data())
+def test_without_compute_the_link_carries_each_reduce_scatter_at_its_own_cost(cg: tuple, depth: int,
+                                                                              data: st.DataObject) -> None:
+    gather = cg[1]
+    reduce = data.draw(st.lists(SECONDS, min_size=len(gather), max_size=len(gather)))
+    compute = [0.0] * len(gather)
+    kept = max(0, len(gather) - 1 - depth)
+    link_work = sum(gather) + sum(gather[:kept]) + sum(reduce)
+    assert modelled_step(compute, gather, depth, reduce=reduce) == pytest.approx(link_work, rel=REL)
+
+
+@given(costs(min_groups=1), st.integers(0, 10), st.integers(1, 4), st.data())
+def test_a_longer_reduce_scatter_never_ends_a_step_earlier(cg: tuple, depth: int, steps: int,
+                                                          data: st.DataObject) -> None:
+    compute, gather = cg
+    n = len(compute)
+    count = data.draw(st.integers(0, n))
+    lag = data.draw(st.sampled_from(LAGS))
+    backward = data.draw(st.lists(SECONDS, min_size=n, max_size=n))
+    reduce = data.draw(st.lists(SECONDS, min_size=n, max_size=n))
+    longer = [r + extra for r, extra in zip(reduce, data.draw(st.lists(SECONDS, min_size=n, max_size=n)))]
+    assert step_ends(compute, gather, depth, steps, count, lag, backward) == step_ends(
+        compute, gather, depth, steps, count, lag, backward, reduce=list(gather))
+    base = step_ends(compute, gather, depth, steps, count, lag, backward, reduce=reduce)
+    slower = step_ends(compute, gather, depth, steps, count, lag, backward, reduce=longer)
+    assert all(s >= b * (1 - REL) - 1e-12 for s, b in zip(slower, base))
+
+
 @given(costs(min_groups=1), st.integers(0, 10), st.integers(1, 5), st.data())
 def test_later_steps_do_not_change_earlier_ones(cg: tuple, depth: int, steps: int, data: st.DataObject) -> None:
     compute, gather = cg
@@ -80,3 +111,5 @@ def test_no_groups_and_bad_input() -> None:
         step_ends([1.0, 1.0], [1.0, 1.0], 1, ahead=3)
     with pytest.raises(ValueError, match="steps must be an int >= 1"):
         step_ends([1.0], [1.0], 1, steps=0)
+    with pytest.raises(ValueError, match="reduce must have one entry per group"):
+        step_ends([1.0, 1.0], [1.0, 1.0], 1, reduce=[1.0])

@@ -2,7 +2,8 @@
 
 The floor is only worth printing if no schedule goes below it, so the property test replays every
 plan the choosers can pick (depth, gathers ahead and their issue point, with loss and tail) on
-costs drawn by Hypothesis and requires ``K - 1`` replayed steps to take at least ``(K - 1) *
+costs drawn by Hypothesis (reduce-scatters as long as their gathers, or of their own drawn
+seconds) and requires ``K - 1`` replayed steps to take at least ``(K - 1) *
 compute + (K - 2) * exposed`` (the windows of steps ``1 .. K - 2`` lie whole between the first and
 the last step's end). Float sums in another order differ in the last bits,
 hence the relative 1e-9. The hand-worked cases pin which chain binds and what counts beside it.
@@ -29,6 +30,18 @@ def test_the_chain_of_the_first_groups_binds_where_the_first_block_is_big() -> N
     assert floor.exposed == 24.0
     assert floor.seconds == 70.0 + 24.0
     assert floor.ratio() == pytest.approx(94.0 / 70.0)
+
+
+def test_reduce_scatters_of_their_own_cost_lengthen_the_link_and_the_chain() -> None:
+    # the case above with each reduce-scatter twice its gather (float32 reductions, bfloat16 gathers)
+    compute, gather = [1.0, 1.0, 10.0, 10.0], [0.5, 4.0, 12.0, 12.0]
+    floor = step_floor(compute, gather, loss=1.0, tail=3.0, reduce=[2 * g for g in gather])
+    assert floor.link == 28.5 + 57.0
+    # p = 3 now binds: 85.5 of link beside backward 2 + 2 + 20, forward 1 + 1 + 10, tail 3
+    assert (floor.chain, floor.chain_link, floor.chain_host) == (4, 85.5, 39.0)
+    assert floor.seconds == 70.0 + 46.5
+    assert step_floor(compute, gather, loss=1.0, tail=3.0, reduce=list(gather)) == step_floor(
+        compute, gather, loss=1.0, tail=3.0)
 
 
 def test_steps_of_later_groups_count_beside_the_chain_and_a_compute_bound_step_has_no_floor_above_compute() -> None:
@@ -62,6 +75,8 @@ def test_no_groups_and_bad_input() -> None:
         step_floor([1.0, 1.0], [1.0])
     with pytest.raises(ValueError, match="step must have one entry per forward position"):
         step_floor([1.0], [1.0], step=[1.0, 1.0])
+    with pytest.raises(ValueError, match="reduce must have one entry per forward position"):
+        step_floor([1.0], [1.0], reduce=[1.0, 1.0])
     with pytest.raises(ValueError, match="finite seconds >= 0"):
         step_floor([1.0], [float("nan")])
     with pytest.raises(ValueError, match="finite seconds >= 0"):
@@ -80,10 +95,11 @@ def test_no_replayed_plan_goes_below_the_floor(data: st.DataObject, n: int, dept
     compute = data.draw(st.lists(SECONDS, min_size=n, max_size=n))
     gather = data.draw(st.lists(SECONDS, min_size=n, max_size=n))
     backward = data.draw(st.lists(SECONDS, min_size=n, max_size=n))
+    reduce = data.draw(st.one_of(st.none(), st.lists(SECONDS, min_size=n, max_size=n)))
     loss, tail = data.draw(SECONDS), data.draw(SECONDS)
     count = data.draw(st.integers(0, n))
-    ends = step_ends(compute, gather, depth, steps, count, lag, backward, loss, tail)
-    floor = step_floor(compute, gather, backward, loss, tail)
+    ends = step_ends(compute, gather, depth, steps, count, lag, backward, loss, tail, reduce)
+    floor = step_floor(compute, gather, backward, loss, tail, reduce=reduce)
     span = ends[-1] - ends[0]
     bound = (steps - 1) * floor.compute + (steps - 2) * floor.exposed
     assert span >= bound * (1 - REL) - 1e-9

@@ -44,7 +44,7 @@ def _train(rank: int, world_size: int, in_backward: bool, defer: bool, plan: tup
     schedule_trial.TRIAL_ROUNDS = 0
     gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, plan)
     prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: DEPTH
-    deferred_steps.choose_deferred_steps = lambda c, g, s, first, candidates, backward=None: (
+    deferred_steps.choose_deferred_steps = lambda c, g, s, first, candidates, backward=None, reduce=None: (
         list(candidates) if defer else [])
     events: list[tuple[str, int]] = []
     group_cls = param_group.ParamGroup
@@ -170,6 +170,8 @@ def test_chain_slack_is_the_chains_link_time_less_the_host_work_beside_it() -> N
     assert chain_slack(compute, gather, step, 2) == 60.0 - (2.0 + 0.75 + 1.0)
     assert chain_slack(compute, gather, step, 0, backward) == 0.0
     assert chain_slack(compute, [0.0] * 4, step, 3, backward) == 0.0  # host-bound chain: no slack
+    # reduce-scatters of their own seconds (twice the gathers): the chain carries 30 + 60
+    assert chain_slack(compute, gather, step, 2, backward, reduce=[2 * g for g in gather]) == 90.0 - (3.0 + 0.75 + 1.0)
 
 
 def test_chooser_defers_the_longest_prefix_that_fits_the_slack() -> None:

@@ -219,6 +219,41 @@ def test_the_loss_and_the_end_of_backward_are_measured_apart_from_the_link(distr
     assert plain["loss"] < LOSS_S and plain["tail"] < LATENCY_S / 2, plain
 
 
+def _link_costs_seen(rank: int, world_size: int) -> list[tuple[list[float], list[float]]]:
+    """The ``(gather, reduce)`` link seconds handed to ``choose_prefetch_depth`` for TinyLM sharded
+    per block behind a slow emulated link: fp32 throughout, then bfloat16 parameters with float32
+    gradient reductions ([Note: a reduce-scatter's seconds])."""
+    from overlap.testing import emulated_link
+    from scheduler import prefetch_depth
+
+    seen: list[tuple[list[float], list[float]]] = []
+    prefetch_depth.choose_prefetch_depth = lambda compute, gather, *args, **kwargs: seen.append(
+        (list(gather), list(kwargs["reduce"]))) or 1
+    torch.set_num_threads(1)
+    for mp in (None, overlap.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)):
+        torch.manual_seed(SEED)
+        model = TinyLM()
+        for block in model.blocks:
+            overlap.shard(block, mp=mp)
+        overlap.shard(model, mp=mp)
+        with emulated_link(0.5, 100.0):
+            for step in range(COST_SAMPLES):
+                model.loss(local_batch(make_batch(step), rank, world_size)).backward()
+    return seen
+
+
+def test_the_choosers_get_each_reduce_scatters_own_link_seconds(distributed) -> None:
+    # [Note: a reduce-scatter's seconds]: a float32 reduction of bfloat16 parameters moves twice the
+    # gather's bytes, so the model replays it on the link for twice the gather's measured seconds;
+    # where both move the same bytes, for the same seconds (what the model took before)
+    per_rank = distributed(_link_costs_seen, 2, timeout=300)
+    assert per_rank[0] == per_rank[1]  # agreed costs, the same bytes: the same numbers on every rank
+    (fp32_gather, fp32_reduce), (mp_gather, mp_reduce) = per_rank[0]
+    assert len(fp32_gather) == len(mp_gather) == 3 and all(g > 0 for g in fp32_gather + mp_gather)
+    assert fp32_reduce == fp32_gather
+    assert mp_reduce == [2 * g for g in mp_gather]
+
+
 STALL_S = 0.4
 """Seconds the host stalls right after booking blocks.0's gather on the link, in the first recorded step."""
 LINK_S = 0.1
