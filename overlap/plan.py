@@ -16,19 +16,25 @@ inter-node bandwidth (one NIC per GPU, as on current GPU nodes).
 Full sharding: one group of every GPU. HSDP: a shard group per node (intra-node link) and a
 replicate group per local rank across nodes (inter-node link); the gradient's all-reduce moves the
 ``1/G`` shard.
-The schedule is the runtime's, with ``prefetch=1`` and ``reshard_after_forward``: forward waits
-block ``i``'s all-gather, issues block ``i+1``'s, computes; backward runs the blocks in reverse (the
-last block stays gathered), issuing the previous block's all-gather before computing, then the
-block's reduce-scatter, then (HSDP) its all-reduce once the reduce-scatter is done; the step ends
-when the last reduction lands. Not modelled: the root group (embedding, head), the optimizer step,
-contention between tiers, congestion, and tree or hierarchical algorithms that NCCL may pick at
-scale (so latency-bound predictions at thousands of GPUs are pessimistic).
+The schedule is the runtime's at a fixed prefetch depth ``d`` (``prefetch``, default 1: FSDP2's;
+``overlap.shard``'s default chooses ``d`` from measured costs), replayed by the one model behind the
+runtime's own schedule choices (``scheduler.replayed_step``, [Note: replaying a step on a FIFO link]),
+from a cold start: forward issues block ``i``'s all-gather and the ``d`` after it, waits for ``i``'s,
+computes; the last block and the ``d`` before it stay gathered into backward ([Note: kept for
+backward] in ``overlap/sharding.py``); backward runs the blocks in reverse, re-gathering ``d`` ahead,
+then queues each block's reduce-scatter, then (HSDP) its all-reduce on the replicate link once the
+reduce-scatter is done; the step ends when the last reduction lands. Not modelled: the root group
+(embedding, head), the optimizer step, contention between tiers, congestion, and tree or
+hierarchical algorithms that NCCL may pick at scale (so latency-bound predictions at thousands of
+GPUs are pessimistic).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from typing import Iterable, Optional
+
+from scheduler.replayed_step import step_ends
 
 __all__ = ["LinkCost", "Topology", "ModelCost", "Prediction", "predict", "table"]
 
@@ -141,20 +147,6 @@ class Prediction:
         return 1.0 if comm == 0 else max(0.0, 1.0 - self.exposed_seconds / comm)
 
 
-class _Link:
-    """A FIFO link: a collective starts when issued and the link is free."""
-
-    def __init__(self) -> None:
-        self.free_at = 0.0
-        self.busy = 0.0
-
-    def run(self, issued: float, seconds: float) -> float:
-        start = max(issued, self.free_at)
-        self.free_at = start + seconds
-        self.busy += seconds
-        return self.free_at
-
-
 def _collective_costs(model: ModelCost, topology: Topology, strategy: str) -> tuple[float, float, float]:
     """Seconds of one block's all-gather, reduce-scatter and cross-replica all-reduce (0: none)."""
     if strategy == "full":
@@ -171,36 +163,25 @@ def _collective_costs(model: ModelCost, topology: Topology, strategy: str) -> tu
     return gather, reduce, all_reduce
 
 
-def predict(model: ModelCost, topology: Topology, strategy: str = "full") -> Prediction:
-    """Replay one step of the runtime's schedule (see [Note: the step model])."""
+def predict(model: ModelCost, topology: Topology, strategy: str = "full", prefetch: int = 1) -> Prediction:
+    """Replay one step of the runtime's schedule at prefetch depth ``prefetch`` (an int >= 0; see
+    [Note: the step model])."""
     if not isinstance(model, ModelCost):
         raise TypeError(f"predict: model must be an overlap.plan.ModelCost, got {type(model).__name__}")
     if not isinstance(topology, Topology):
         raise TypeError(f"predict: topology must be an overlap.plan.Topology, got {type(topology).__name__}")
     if strategy not in STRATEGIES:
         raise ValueError(f"predict: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"predict: prefetch must be an int >= 0 (blocks gathered ahead), got {prefetch!r}")
     gather, reduce, all_reduce = _collective_costs(model, topology, strategy)
-    shard_link, replicate_link = _Link(), _Link()
-    n, now = model.blocks, 0.0
-    # Forward: block i waits its gather; block i+1's gather is issued as block i starts.
-    gathered = shard_link.run(0.0, gather)
-    for i in range(n):
-        now = max(now, gathered)
-        if i + 1 < n:
-            gathered = shard_link.run(now, gather)
-        now += model.forward_seconds
-    # Backward, in reverse: the last block is still gathered; each block prefetches the previous one.
-    gathered, reductions = now, []
-    for i in reversed(range(n)):
-        now = max(now, gathered)
-        if i > 0:
-            gathered = shard_link.run(now, gather)
-        now += model.backward
-        reduced = shard_link.run(now, reduce)
-        reductions.append(replicate_link.run(reduced, all_reduce) if all_reduce else reduced)
-    step = max([now, *reductions])
+    n = model.blocks
+    (step,) = step_ends([model.forward_seconds] * n, [gather] * n, prefetch, backward=[model.backward] * n,
+                        reduce=[reduce] * n, replicate=[all_reduce] * n if all_reduce else None)
+    regathered = max(0, n - 1 - prefetch)  # all but the blocks kept gathered into backward
+    shard_busy = (n + regathered) * gather + n * reduce
     compute = n * (model.forward_seconds + model.backward)
-    return Prediction(strategy, topology.gpus, step, compute, shard_link.busy, replicate_link.busy)
+    return Prediction(strategy, topology.gpus, step, compute, shard_busy, n * all_reduce)
 
 
 def table(model: ModelCost, gpus_per_node: int, intra: LinkCost, inter: LinkCost,

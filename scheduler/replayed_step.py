@@ -21,6 +21,8 @@ Inputs, per group in the order compute needs them (the agreed forward order; one
 ``loss``        host seconds between forward's end and backward's start (the caller's loss)
 ``tail``        host seconds at the end of backward once its reduce-scatters landed (the last
                 groups' epilogues and optimizer steps) before the next forward's gathers go out
+``replicate``   seconds of the group's cross-replica all-reduce (HSDP) on a second FIFO link,
+                issued when its reduce-scatter lands (None: no replicas)
 ==============  ================================================================================
 
 [Note: replaying a step on a FIFO link]
@@ -33,10 +35,11 @@ is done and its gather has landed. One step:
 * the last group and the ``depth`` before it stay unsharded into backward (the runtime's [Note:
   kept for backward]); the host then runs the loss (``loss``);
 * backward, in reverse: issue the re-gathers of ``j, j-1 .. j-depth`` not yet held, wait for
-  ``j``'s, compute its backward, then queue ``j``'s reduce-scatter; where ``j + lag`` is
-  gathered ahead, the host waits for that group's reduce-scatter (its step must have run) and
-  issues its next-step gather;
-* the end of backward waits for every reduce-scatter and runs the host's ``tail`` (a step's end),
+  ``j``'s, compute its backward, then queue ``j``'s reduce-scatter (with ``replicate``, its
+  all-reduce goes on the second link when the reduce-scatter lands: the group's gradients are final
+  when that lands); where ``j + lag`` is gathered ahead, the host waits for that group's final
+  gradients (its step must have run) and issues its next-step gather;
+* the end of backward waits for every reduction and runs the host's ``tail`` (a step's end),
   then issues the next forward's first ``1 + depth`` gathers (``prefetch_next_step``; the link is
   empty there), then the planned gathers ahead whose point did not come.
 
@@ -56,12 +59,14 @@ __all__ = ["step_ends"]
 
 def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, steps: int = 1, ahead: int = 0,
               lag: int = 1, backward: Optional[Sequence[float]] = None, loss: float = 0.0,
-              tail: float = 0.0, reduce: Optional[Sequence[float]] = None) -> list[float]:
+              tail: float = 0.0, reduce: Optional[Sequence[float]] = None,
+              replicate: Optional[Sequence[float]] = None) -> list[float]:
     """The time each of ``steps`` consecutive steps ends, from a cold start at 0 (an empty link,
     nothing gathered), under [Note: replaying a step on a FIFO link]; ``[]`` for no groups.
     ``backward``: each group's backward seconds (None: twice its ``compute``); ``loss``, ``tail``:
     the host's seconds after forward and at the end of backward (finite, >= 0); ``reduce``: each
-    group's reduce-scatter seconds on the link (None: its ``gather``'s)."""
+    group's reduce-scatter seconds on the link (None: its ``gather``'s); ``replicate``: each group's
+    cross-replica all-reduce seconds on a second link (None: none)."""
     n = len(compute)
     if backward is None:
         backward = [2 * c for c in compute]
@@ -71,6 +76,8 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
         reduce = gather
     elif len(reduce) != n:
         raise ValueError(f"reduce must have one entry per group ({n}), got {len(reduce)}")
+    if replicate is not None and len(replicate) != n:
+        raise ValueError(f"replicate must have one entry per group ({n}), got {len(replicate)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= n:
@@ -80,13 +87,18 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
             raise ValueError(f"{name} must be finite seconds >= 0, got {value!r}")
     if n == 0:
         return []
-    link_free = 0.0
+    link_free = replica_free = 0.0
     gathered_ahead = set(range(n - ahead, n))  # forward positions; backward reduces n-1 first
 
     def run(at: float, seconds: float) -> float:
         nonlocal link_free
         link_free = max(link_free, at) + seconds
         return link_free
+
+    def run_replica(at: float, seconds: float) -> float:
+        nonlocal replica_free
+        replica_free = max(replica_free, at) + seconds
+        return replica_free
 
     now = 0.0
     landed = [math.inf] * n
@@ -109,6 +121,8 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
                     regathered[k] = run(now, gather[k])
             now = max(now, regathered[j]) + backward[j]
             reduced[j] = run(now, reduce[j])
+            if replicate is not None:  # the group's gradients are final when its all-reduce lands
+                reduced[j] = run_replica(reduced[j], replicate[j])
             if j + lag < n and j + lag in gathered_ahead:
                 now = max(now, reduced[j + lag])  # its step must have run
                 landed[j + lag] = run(now, gather[j + lag])

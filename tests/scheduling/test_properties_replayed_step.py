@@ -12,7 +12,8 @@ Properties, against references that do not replay anything:
   of all but the ``1 + depth`` groups kept for backward, and every reduce-scatter (at its own
   ``reduce`` seconds where they are given);
 * ``reduce`` left out is ``reduce=gather``, and a longer reduce-scatter never ends a step earlier
-  (the replay is made of sums and maxima only);
+  (the replay is made of sums and maxima only); all-reduces of no seconds on the replicate link
+  change nothing, and longer ones never end a step earlier;
 * extra steps do not change earlier ones, and steps end in order.
 
 Float sums in a different order differ in the last bits, hence the relative 1e-9.
@@ -92,6 +93,9 @@ def test_a_longer_reduce_scatter_never_ends_a_step_earlier(cg: tuple, depth: int
     base = step_ends(compute, gather, depth, steps, count, lag, backward, reduce=reduce)
     slower = step_ends(compute, gather, depth, steps, count, lag, backward, reduce=longer)
     assert all(s >= b * (1 - REL) - 1e-12 for s, b in zip(slower, base))
+    assert step_ends(compute, gather, depth, steps, count, lag, backward, reduce=reduce, replicate=[0.0] * n) == base
+    replicas = step_ends(compute, gather, depth, steps, count, lag, backward, reduce=reduce, replicate=longer)
+    assert all(s >= b * (1 - REL) - 1e-12 for s, b in zip(replicas, base))
 
 
 @given(costs(min_groups=1), st.integers(0, 10), st.integers(1, 5), st.data())
@@ -113,3 +117,5 @@ def test_no_groups_and_bad_input() -> None:
         step_ends([1.0], [1.0], 1, steps=0)
     with pytest.raises(ValueError, match="reduce must have one entry per group"):
         step_ends([1.0, 1.0], [1.0, 1.0], 1, reduce=[1.0])
+    with pytest.raises(ValueError, match="replicate must have one entry per group"):
+        step_ends([1.0, 1.0], [1.0, 1.0], 1, replicate=[1.0])

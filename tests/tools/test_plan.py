@@ -41,9 +41,15 @@ def test_comm_bound_step_is_the_link_time_plus_the_compute_at_the_edges() -> Non
     model = ModelCost(blocks=4, param_bytes=100 * MB, forward_seconds=1e-5, backward_seconds=1e-5)
     p = predict(model, Topology(2, 1, INTRA, INTER), "full")
     link = p.shard_link_seconds
-    assert link == pytest.approx(4 * 2 * _seconds(100.0, 50 * MB) + 3 * _seconds(100.0, 50 * MB))
+    # 4 gathers and 4 reduce-scatters; re-gathered in backward: all but the last block and the one
+    # before it, which stay gathered at depth 1 (the runtime's [Note: kept for backward])
+    assert link == pytest.approx(4 * 2 * _seconds(100.0, 50 * MB) + 2 * _seconds(100.0, 50 * MB))
     # The link never idles once started, except while the first forward and the last backward compute.
     assert link < p.step_seconds <= link + 2e-5 + 1e-12
+    # two ahead: one block fewer to re-gather, and the step one gather shorter
+    deeper = predict(model, Topology(2, 1, INTRA, INTER), "full", prefetch=2)
+    assert deeper.shard_link_seconds == pytest.approx(link - _seconds(100.0, 50 * MB))
+    assert deeper.shard_link_seconds < deeper.step_seconds <= deeper.shard_link_seconds + 2e-5 + 1e-12
 
 
 def test_hsdp_on_one_node_is_full_sharding() -> None:
@@ -59,6 +65,20 @@ def test_hsdp_moves_gathers_to_the_fast_tier_and_adds_the_shard_all_reduce() -> 
     all_reduce = _seconds(100.0, 2 * 0.5 * 16 * MB / 4)  # the 1/4 shard, ring all-reduce over 2 nodes
     assert math.isclose(p.step_seconds, gather + gather + all_reduce, rel_tol=1e-12)  # gather, reduce, AR
     assert math.isclose(p.replicate_link_seconds, all_reduce, rel_tol=1e-12)
+
+
+def test_hsdp_all_reduces_queue_on_the_replicate_link() -> None:
+    # 2 blocks, no compute, both kept gathered into backward: gathers 0 and 1 back to back (2g), then
+    # RS1 (g: the same bytes) and AR1 after it; RS0 lands at 2g + 2g, before AR1 is done (an
+    # all-reduce here, a, is longer than g), so AR0 waits for AR1: the step is 2g + g + 2a
+    model = ModelCost(blocks=2, param_bytes=16 * MB, forward_seconds=0.0, backward_seconds=0.0)
+    p = predict(model, Topology(2, 4, INTRA, INTER), "hsdp")
+    gather = _seconds(800.0, 0.75 * 16 * MB)
+    all_reduce = _seconds(100.0, 2 * 0.5 * 16 * MB / 4)
+    assert all_reduce > gather
+    assert math.isclose(p.step_seconds, 3 * gather + 2 * all_reduce, rel_tol=1e-12)
+    assert math.isclose(p.replicate_link_seconds, 2 * all_reduce, rel_tol=1e-12)
+    assert math.isclose(p.shard_link_seconds, 4 * gather, rel_tol=1e-12)
 
 
 def test_latency_is_paid_per_ring_hop() -> None:
@@ -82,6 +102,7 @@ def test_table_lists_every_size() -> None:
     (lambda: Topology(0, 8, INTRA, INTER), "Topology.nodes must be an int >= 1"),
     (lambda: ModelCost(blocks=0, param_bytes=1.0, forward_seconds=1.0), "ModelCost.blocks must be an int >= 1"),
     (lambda: predict(ModelCost(1, 1.0, 1.0), Topology(1, 1, INTRA, INTER), "zero3"), "strategy must be one of"),
+    (lambda: predict(ModelCost(1, 1.0, 1.0), Topology(1, 1, INTRA, INTER), prefetch=-1), "prefetch must be an int"),
     (lambda: table(ModelCost(1, 1.0, 1.0), 8, INTRA, INTER, gpus=(12,)), "12 GPUs is not a multiple"),
 ])
 def test_bad_input_names_the_argument(make, match: str) -> None:
