@@ -764,16 +764,16 @@ class _Root:
             self._costs = [_low_median_per_entry([r[p] for r in per_rank]) for p in range(len(self._costs))]
             self._between = _low_median_per_entry([r[-1] for r in per_rank])
 
-    def _step_costs(self, measured_backward: bool) -> tuple[list[float], list[float], Optional[list[float]],
-                                                             list[float]]:
-        """``(compute, link, backward, reduce)`` per forward position for the choosers: the packing
-        counts as compute ([Note: what the step's costs are made of]); backward None where a
-        position's backward was not measured (then the model takes twice forward); ``reduce`` each
-        reduce-scatter's seconds on the link ([Note: a reduce-scatter's seconds])."""
+    def _step_costs(self, measured_backward: bool, groups: list[Optional[ParamGroup]],
+                    ) -> tuple[list[float], list[float], Optional[list[float]], list[float]]:
+        """``(compute, link, backward, reduce)`` per forward position (``groups``: each one's group) for
+        the choosers: the packing counts as compute ([Note: what the step's costs are made of]);
+        backward None where a position's backward was not measured (then the model takes twice
+        forward); ``reduce`` each reduce-scatter's seconds on the link ([Note: a reduce-scatter's
+        seconds])."""
         compute = [c + pack for c, _, pack, _ in self._costs]
         link = [max(0.0, gather - pack) for _, gather, pack, _ in self._costs]
         backward = [b for *_, b in self._costs]
-        groups = (self.states[i].group for i in self.forward_seq)
         reduce = [_reduce_seconds(g, seconds) for g, seconds in zip(groups, link)]
         return compute, link, (backward if measured_backward and all(b >= 0 for b in backward) else None), reduce
 
@@ -808,7 +808,7 @@ class _Root:
             device = next((g.sharded[0]._local_tensor.device for g in groups if g is not None), torch.device("cpu"))
             budget = default_prefetch_budget(device)
         self._agree_costs()
-        compute, link, backward, reduce = self._step_costs(measured_backward)
+        compute, link, backward, reduce = self._step_costs(measured_backward, groups)
         loss, tail = self._between
         enclosing = self._enclosing()
         depth = choose_prefetch_depth(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],

@@ -29,7 +29,7 @@ a FIFO link], the model gather-ahead's choice replays too): forward issues at th
 ``j`` the gathers of groups ``j+1 .. j+d``; the last group and the ``d`` before it stay unsharded
 into backward (the runtime's [Note: kept for backward]: backward needs them first, and holding
 them costs what re-gathering them ``d`` ahead would); backward re-gathers the rest the same way in
-reverse, and each group's reduce-scatter (its measured ``reduce`` seconds) is queued when its
+reverse, and each group's reduce-scatter (its ``reduce`` seconds) is queued when its
 backward ends. The depth is the smallest ``d`` whose modelled step is within ``tolerance`` of the
 best over every ``d`` the budget allows (the root's group with any group and the ``d`` after it,
 together, within ``budget``: ``scheduler.held_bytes``), so ties go to the shallower, cheaper depth. Where the link is the bottleneck every

@@ -11,8 +11,9 @@ Inputs, per group in the order compute needs them (the agreed forward order; one
 ``compute``     seconds the compute stream spends on the group's forward (its compute, and the
                 host's packing of its gather where the host issues the kernels)
 ``gather``      seconds its all-gather occupies the link
-``reduce``      seconds its reduce-scatter occupies the link (default: ``gather``; the runtime measures
-                it: a mixed-precision reduce in float32 moves twice a bfloat16 gather's bytes)
+``reduce``      seconds its reduce-scatter occupies the link (default: ``gather``; the runtime derives
+                it from the gather's measured seconds per byte: a mixed-precision reduce in float32
+                moves twice a bfloat16 gather's bytes)
 ``backward``    seconds of the group's backward on the compute stream (default: twice ``compute``)
 ``depth``       prefetch depth: groups gathered ahead of the running one
 ``ahead``       gather-ahead: the first ``ahead`` groups reduced in backward (the last ``ahead``
@@ -57,6 +58,20 @@ from typing import Optional, Sequence
 __all__ = ["step_ends"]
 
 
+class _FifoLink:
+    """A link that carries one collective at a time, in issue order."""
+
+    __slots__ = ("free_at",)
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+
+    def run(self, at: float, seconds: float) -> float:
+        """A collective issued at ``at`` for ``seconds``: when it lands."""
+        self.free_at = max(self.free_at, at) + seconds
+        return self.free_at
+
+
 def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, steps: int = 1, ahead: int = 0,
               lag: int = 1, backward: Optional[Sequence[float]] = None, loss: float = 0.0,
               tail: float = 0.0, reduce: Optional[Sequence[float]] = None,
@@ -87,19 +102,9 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
             raise ValueError(f"{name} must be finite seconds >= 0, got {value!r}")
     if n == 0:
         return []
-    link_free = replica_free = 0.0
+    link, replica_link = _FifoLink(), _FifoLink()
+    run = link.run
     gathered_ahead = set(range(n - ahead, n))  # forward positions; backward reduces n-1 first
-
-    def run(at: float, seconds: float) -> float:
-        nonlocal link_free
-        link_free = max(link_free, at) + seconds
-        return link_free
-
-    def run_replica(at: float, seconds: float) -> float:
-        nonlocal replica_free
-        replica_free = max(replica_free, at) + seconds
-        return replica_free
-
     now = 0.0
     landed = [math.inf] * n
     ends: list[float] = []
@@ -122,7 +127,7 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
             now = max(now, regathered[j]) + backward[j]
             reduced[j] = run(now, reduce[j])
             if replicate is not None:  # the group's gradients are final when its all-reduce lands
-                reduced[j] = run_replica(reduced[j], replicate[j])
+                reduced[j] = replica_link.run(reduced[j], replicate[j])
             if j + lag < n and j + lag in gathered_ahead:
                 now = max(now, reduced[j + lag])  # its step must have run
                 landed[j + lag] = run(now, gather[j + lag])
