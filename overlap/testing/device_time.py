@@ -46,6 +46,17 @@ of them (a call that issues hundreds of launches could also fill the GPU's launc
 sleeps, which blocks the host: that reads as not held)."""
 
 
+# The CUDA calls, by name (tests on CPU put a scripted GPU in their place).
+_Event = torch.cuda.Event
+_synchronize = torch.cuda.synchronize
+_device_context = torch.cuda.device
+_sleep = cuda_sleep
+
+
+def _cold_cache(device: torch.device) -> torch.Tensor:
+    return torch.empty(CACHE_BYTES, dtype=torch.int8, device=device)
+
+
 def device_ms(fn: Callable[[], object], device: torch.device, calls: int = 40,
               ) -> Optional[tuple[float, float, float]]:
     """``(median, p20, p80)`` ms of ``fn``'s work on the GPU per call, or ``None`` when the host could
@@ -54,23 +65,23 @@ def device_ms(fn: Callable[[], object], device: torch.device, calls: int = 40,
         raise ValueError(f"device_ms: device must be a CUDA torch.device, got {device!r}")
     if not isinstance(calls, int) or calls < 2:
         raise ValueError(f"device_ms: calls must be an int >= 2, got {calls!r}")
-    with torch.cuda.device(device):
-        cache = torch.empty(CACHE_BYTES, dtype=torch.int8, device=device)
+    with _device_context(device):
+        cache = _cold_cache(device)
         fn()  # warm: first-call builds (tables, compiled kernels) are not device time
-        torch.cuda.synchronize(device)
+        _synchronize(device)
         start = time.perf_counter()
         for _ in range(3):
             cache.zero_()
             fn()
         host_s = (time.perf_counter() - start) / 3
-        torch.cuda.synchronize(device)
+        _synchronize(device)
         calls = max(2, min(calls, int(MAX_HOLD_SECONDS / (2 * host_s))))
         for attempt in range(ATTEMPTS):
             hold_s = 2 * calls * host_s * 4**attempt + 1e-3
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
-            cuda_sleep(hold_s, device)
-            gate = torch.cuda.Event()
+            starts = [_Event(enable_timing=True) for _ in range(calls)]
+            ends = [_Event(enable_timing=True) for _ in range(calls)]
+            _sleep(hold_s, device)
+            gate = _Event()
             gate.record()
             for begin, end in zip(starts, ends):
                 cache.zero_()
@@ -78,7 +89,7 @@ def device_ms(fn: Callable[[], object], device: torch.device, calls: int = 40,
                 fn()
                 end.record()
             held = not gate.query()
-            torch.cuda.synchronize(device)
+            _synchronize(device)
             if held:
                 times = [b.elapsed_time(e) for b, e in zip(starts, ends)]
                 cuts = statistics.quantiles(times, n=10, method="inclusive")
