@@ -817,14 +817,14 @@ class _Root:
         for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
             if info is not None and info.size > 1:
                 depth = max(agreement.exchange(info, "prefetch depth", depth))
-        depth = self._choose_gather_ahead(depth, budget, compute, link, backward, enclosing, reduce)
+        depth = self._choose_gather_ahead(depth, budget, groups, compute, link, backward, enclosing, reduce)
         self.chosen_depth = depth
         for state in self.states:
             if state.auto_prefetch:
                 state.prefetch = depth
         if measured_backward and self.gather_ahead is not None:  # the steps ran in backward: their seconds are in
-            seconds = self._agreed_step_seconds()
-            self._choose_deferred_steps(compute, link, backward, seconds, reduce)
+            seconds = self._agreed_step_seconds(groups)
+            self._choose_deferred_steps(groups, compute, link, backward, seconds, reduce)
             self.step_floor = step_floor(compute, link, backward, loss, tail, seconds, reduce=reduce)
         count, lag = self.gather_ahead or (0, 1)
         self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward, loss=loss,
@@ -898,9 +898,9 @@ class _Root:
         self.modelled_step = chosen_s if plan == chosen else simple_s
         self.schedule_decision = ScheduleDecision(plan, chosen, chosen_s, simple_s, verdict, reason)
 
-    def _choose_gather_ahead(self, depth: int, budget: int, compute: list[float], link: list[float],
-                             backward: Optional[list[float]], enclosing: Optional[list[frozenset[int]]],
-                             reduce: list[float]) -> int:
+    def _choose_gather_ahead(self, depth: int, budget: int, groups: list[Optional[ParamGroup]], compute: list[float],
+                             link: list[float], backward: Optional[list[float]],
+                             enclosing: Optional[list[frozenset[int]]], reduce: list[float]) -> int:
         """Plan the gathers issued ahead in backward from this step's costs (``enclosing``: the nesting
         :meth:`_enclosing` read), if every group with parameters is stepped in backward; agree rank
         0's plan (see [Note: gathering ahead in backward]). Returns the depth to run: ``depth``, or a
@@ -909,7 +909,6 @@ class _Root:
         from scheduler.gather_ahead import choose_schedule
 
         order = self.forward_seq
-        groups = [self.states[i].group for i in order]
         if (len(set(order)) != len(order) or self.owner.replicate is not None
                 or not all(g is None or g.reduced_hooks for g in groups) or not any(groups)):
             return depth  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
@@ -922,24 +921,23 @@ class _Root:
         self.gather_ahead = plan  # type: ignore[assignment]
         return depth
 
-    def _agreed_step_seconds(self) -> list[float]:
-        """Per forward position, the seconds its group's in-backward optimizer step took in the last
-        recorded step (``ParamGroup.reduced_hooks_seconds``), agreed: the low median over ranks."""
-        seconds = [g.reduced_hooks_seconds if g is not None else 0.0
-                   for g in (self.states[i].group for i in self.forward_seq)]
+    def _agreed_step_seconds(self, groups: list[Optional[ParamGroup]]) -> list[float]:
+        """Per forward position (``groups``: each one's group), the seconds its group's in-backward
+        optimizer step took in the last recorded step (``ParamGroup.reduced_hooks_seconds``), agreed:
+        the low median over ranks."""
+        seconds = [g.reduced_hooks_seconds if g is not None else 0.0 for g in groups]
         if self.owner.info.size > 1:
             seconds = _low_median_per_entry(agreement.exchange(self.owner.info, "step seconds", seconds))
         return seconds
 
-    def _choose_deferred_steps(self, compute: list[float], link: list[float], backward: Optional[list[float]],
-                               seconds: list[float], reduce: list[float]) -> None:
+    def _choose_deferred_steps(self, groups: list[Optional[ParamGroup]], compute: list[float], link: list[float],
+                               backward: Optional[list[float]], seconds: list[float], reduce: list[float]) -> None:
         """Pick the groups whose in-backward step moves into the end-of-step chain, from this step's
         costs and each group's step ``seconds`` (:meth:`_agreed_step_seconds`); only with a
         gather-ahead plan (every group stepped in backward). See [Note: deferred optimizer steps]."""
         from scheduler.deferred_steps import choose_deferred_steps
 
         order = self.forward_seq
-        groups = [self.states[i].group for i in order]
         chain = {s.index for s in self._first_groups(order)}
         first = 1 + max(p for p, i in enumerate(order) if i in chain) if chain else 0
         ahead = set(range(len(order) - self.gather_ahead[0], len(order)))
