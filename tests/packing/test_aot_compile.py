@@ -33,10 +33,10 @@ Checked per compile:
 
 Toolchain and driver: with triton 3.9's wheel (torch 2.15), sm_80 code comes from its ptxas 12.9
 (PTX ISA 8.8) and sm_90 code (``sm_90a``) from its ``ptxas-blackwell`` 13.4 (PTX ISA 9.4); with
-triton 3.8's (torch 2.14) both come from ptxas 12.9 (PTX ISA 8.8), with 3.6's (torch 2.11) from
-ptxas 12.8 (PTX ISA 8.7). Triton loads the cubin, so the driver must support the CUDA major version
+triton 3.8's (torch 2.14) both come from ptxas 12.9 (PTX ISA 8.8), with 3.6's (torch 2.11) and
+3.7's (torch 2.12) from ptxas 12.8 (PTX ISA 8.7). Triton loads the cubin, so the driver must support the CUDA major version
 of the ptxas that built it: a CUDA 12 driver (R525 or newer, minor-version compatibility) for A100,
-and for H100 a CUDA 12 driver with Triton 3.6 or 3.8 but a CUDA 13 driver (R580 or newer) with
+and for H100 a CUDA 12 driver with Triton 3.6, 3.7 or 3.8 but a CUDA 13 driver (R580 or newer) with
 Triton 3.9. On an older H100 driver, point
 ``TRITON_PTXAS_BLACKWELL_PATH`` at a CUDA 12.x ptxas. ``test_aot_compile_toolchain`` pins these
 versions per Triton release, so a Triton upgrade that changes them fails there (a release not
@@ -66,11 +66,13 @@ MIXED_REGISTER_BUDGET = 48
 
 TOOLCHAIN = {
     (3, 6): {80: ("sm_80", "8.7", "12.8"), 90: ("sm_90a", "8.7", "12.8")},
+    (3, 7): {80: ("sm_80", "8.7", "12.8"), 90: ("sm_90a", "8.7", "12.8")},
     (3, 8): {80: ("sm_80", "8.8", "12.9"), 90: ("sm_90a", "8.8", "12.9")},
     (3, 9): {80: ("sm_80", "8.8", "12.9"), 90: ("sm_90a", "9.4", "13.4")},
 }
 """Triton (major, minor) -> target arch -> (PTX ``.target``, PTX ``.version``, ptxas release) of the
-ptxas bundled in that Triton's wheel: the two ends of the supported range, and torch 2.14's 3.8."""
+ptxas bundled in that Triton's wheel: the two ends of the supported range, torch 2.12's 3.7 and
+torch 2.14's 3.8."""
 
 TARGETS = (80, 90)
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}  # name -> bytes
