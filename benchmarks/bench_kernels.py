@@ -190,20 +190,29 @@ def quantized_rows(names: Sequence[str], chosen: dict[str, Workload], world_size
 
 
 # ------------------------------------------------------------------------------------------ timers
-def device_time(fn: Callable[[], object], device: torch.device) -> tuple[float, float, float] | None:
-    """``fn``'s time on the GPU with its host time hidden (median, p20, p80 ms: [Note: device time vs
-    wall time] in ``overlap.testing.device_time``); ``None`` on CPU or when ``fn`` waits for the GPU."""
-    return device_ms(fn, device) if device.type == "cuda" else None
+DeviceTime = tuple[float, float, float] | str | None
+"""``(median, p20, p80)`` ms; ``None``: no device time (CPU, or the op waits for the GPU); a string:
+the timer's error, kept in the table."""
 
 
-def device_cells(timed: tuple[float, float, float] | None,
-                 *references: tuple[float, float, float] | None) -> list[object]:
+def device_time(fn: Callable[[], object], device: torch.device) -> DeviceTime:
+    """``fn``'s time on the GPU with its host time hidden ([Note: device time vs wall time] in
+    ``overlap.testing.device_time``)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return device_ms(fn, device)
+    except Exception as e:  # noqa: BLE001 -- a timer first run on a GPU machine: say so, keep the other tables
+        return f"{type(e).__name__}: {e}"[:60]
+
+
+def device_cells(timed: DeviceTime, *references: DeviceTime) -> list[object]:
     """A CUDA row's device cells: the op's device ms (p20-p80), then each reference's median over the
     op's (``"-"`` where one has no device time)."""
-    if timed is None:
-        return ["- (waits for the GPU)", *["-"] * len(references)]
+    if not isinstance(timed, tuple):
+        return [f"- ({timed or 'waits for the GPU'})", *["-"] * len(references)]
     ms, lo, hi = timed
-    return [f"{ms:.4f} ({lo:.4f}-{hi:.4f})", *("-" if r is None else r[0] / ms for r in references)]
+    return [f"{ms:.4f} ({lo:.4f}-{hi:.4f})", *(r[0] / ms if isinstance(r, tuple) else "-" for r in references)]
 
 
 def time_cuda(fn: Callable[[], object]) -> tuple[float, float, float]:
