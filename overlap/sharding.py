@@ -811,13 +811,13 @@ class _Root:
         compute, link, backward, reduce = self._step_costs(measured_backward, groups)
         loss, tail = self._between
         enclosing = self._enclosing()
-        depth = choose_prefetch_depth(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
-                                      budget, backward=backward, loss=loss, tail=tail, enclosing=enclosing,
-                                      reduce=reduce)
+        nbytes = [g.all_gather_bytes() if g is not None else 0 for g in groups]
+        depth = choose_prefetch_depth(compute, link, nbytes, budget, backward=backward, loss=loss, tail=tail,
+                                      enclosing=enclosing, reduce=reduce)
         for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
             if info is not None and info.size > 1:
                 depth = max(agreement.exchange(info, "prefetch depth", depth))
-        depth = self._choose_gather_ahead(depth, budget, groups, compute, link, backward, enclosing, reduce)
+        depth = self._choose_gather_ahead(depth, budget, groups, nbytes, compute, link, backward, enclosing, reduce)
         self.chosen_depth = depth
         for state in self.states:
             if state.auto_prefetch:
@@ -898,11 +898,12 @@ class _Root:
         self.modelled_step = chosen_s if plan == chosen else simple_s
         self.schedule_decision = ScheduleDecision(plan, chosen, chosen_s, simple_s, verdict, reason)
 
-    def _choose_gather_ahead(self, depth: int, budget: int, groups: list[Optional[ParamGroup]], compute: list[float],
-                             link: list[float], backward: Optional[list[float]],
+    def _choose_gather_ahead(self, depth: int, budget: int, groups: list[Optional[ParamGroup]], nbytes: list[int],
+                             compute: list[float], link: list[float], backward: Optional[list[float]],
                              enclosing: Optional[list[frozenset[int]]], reduce: list[float]) -> int:
-        """Plan the gathers issued ahead in backward from this step's costs (``enclosing``: the nesting
-        :meth:`_enclosing` read), if every group with parameters is stepped in backward; agree rank
+        """Plan the gathers issued ahead in backward from this step's costs (``groups`` and ``nbytes``:
+        each forward position's group and its gather's bytes; ``enclosing``: the nesting :meth:`_enclosing`
+        read), if every group with parameters is stepped in backward; agree rank
         0's plan (see [Note: gathering ahead in backward]). Returns the depth to run: ``depth``, or a
         deeper one where that and its plan model a shorter step (``scheduler.gather_ahead.choose_schedule``,
         [Note: a deeper depth for gathering ahead]), agreed with the plan."""
@@ -912,9 +913,8 @@ class _Root:
         if (len(set(order)) != len(order) or self.owner.replicate is not None
                 or not all(g is None or g.reduced_hooks for g in groups) or not any(groups)):
             return depth  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
-        depth, plan = choose_schedule(compute, link, [g.all_gather_bytes() if g is not None else 0 for g in groups],
-                                      depth, budget, backward=backward, loss=self._between[0], tail=self._between[1],
-                                      enclosing=enclosing, reduce=reduce)
+        depth, plan = choose_schedule(compute, link, nbytes, depth, budget, backward=backward, loss=self._between[0],
+                                      tail=self._between[1], enclosing=enclosing, reduce=reduce)
         if self.owner.info.size > 1:
             depth, count, lag = agreement.exchange(self.owner.info, "gather ahead", [depth, *plan])[0]
             plan = (count, lag)
