@@ -66,7 +66,7 @@ import torch
 
 from _common import add_world_size, parse, parser  # first: sys.path
 import overlap_kernels
-from overlap_kernels import ShardLayout, _compiled_launch, _launch, prepared_launch
+from overlap_kernels import ShardLayout, _compiled_launch, _launch, native_passes, prepared_launch
 from overlap_kernels.all_gather_copy_in import _all_gather_copy_in
 from overlap_kernels.all_gather_copy_out import _all_gather_copy_out
 from overlap_kernels.reduce_scatter_copy_in import _reduce_scatter_copy_in
@@ -382,8 +382,8 @@ def _lists_at_new_addresses(layout: ShardLayout, dtype: torch.dtype, device: tor
 def _runtime_copy_in_read(grads: list[torch.Tensor], layout: ShardLayout, scale: float, dtype: torch.dtype,
                           owned: prepared_launch.OwnedLists) -> torch.Tensor:
     """The reduce-scatter copy-in as ``ParamGroup.issue_reduce`` calls it: the gradients' dtypes read
-    (one C pass, which also picks the reduce dtype there) and handed in."""
-    return _reduce_scatter_copy_in(grads, layout, scale, dtype, tuple(map(_DTYPE, grads)), owned=owned)
+    (one pass, which also picks the reduce dtype there) and handed in."""
+    return _reduce_scatter_copy_in(grads, layout, scale, dtype, native_passes.dtypes(grads, build=False), owned=owned)
 
 
 def plain_copy(nbytes: int, device: torch.device) -> Callable[[], object]:
@@ -432,15 +432,16 @@ def host_us_side_by_side(fns: dict[str, Callable[[], object]], device: torch.dev
     of ``HOST_CALLS`` back-to-back calls after a warm-up call each. On CPU: the fastest round's
     thread CPU time (a loaded box slows some rounds, never speeds one up); on CUDA: the median
     round's wall time, the device synchronized between rounds, never inside one. A name ending in
-    ``UNCACHED`` runs under ``prepared_launch.uncached()`` (the path before prepared launches)."""
+    ``UNCACHED`` runs under ``prepared_launch.uncached()`` (the path before prepared launches), one
+    ending in ``PYTHON_PASSES`` under ``native_passes.python_passes()`` ([Note: native passes])."""
     def run(name: str) -> None:
-        with prepared_launch.uncached() if name.endswith(UNCACHED) else contextlib.nullcontext():
+        with _mode(name):
             for _ in range(HOST_CALLS):
                 fns[name]()
 
     names = list(fns)
     for name in names:
-        with prepared_launch.uncached() if name.endswith(UNCACHED) else contextlib.nullcontext():
+        with _mode(name):
             fns[name]()
     clock = time.perf_counter if device.type == "cuda" else time.thread_time
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -456,6 +457,13 @@ def host_us_side_by_side(fns: dict[str, Callable[[], object]], device: torch.dev
 
 
 UNCACHED = " (uncached)"
+PYTHON_PASSES = " (Python passes)"
+
+
+def _mode(name: str) -> contextlib.AbstractContextManager:
+    if name.endswith(UNCACHED):
+        return prepared_launch.uncached()
+    return native_passes.python_passes() if name.endswith(PYTHON_PASSES) else contextlib.nullcontext()
 
 
 def host_target_us(num_params: int) -> float:
@@ -463,8 +471,9 @@ def host_target_us(num_params: int) -> float:
     return 15 + 0.05 * num_params
 
 
-HOST_HEADER = ["workload", "params", "op", "public µs, uncached", "public µs", "runtime launcher µs, uncached",
-               "runtime launcher µs, before (b8a9964)", "runtime launcher µs", "torch path µs",
+HOST_HEADER = ["workload", "params", "op", "public µs, uncached", "public µs, Python passes", "public µs",
+               "runtime launcher µs, uncached", "runtime launcher µs, before (b8a9964)",
+               "runtime launcher µs, Python passes", "runtime launcher µs", "torch path µs",
                "target µs (15 + 0.05/param)", "public / target", "runtime / target"]
 
 
@@ -481,8 +490,9 @@ def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> li
         target = host_target_us(case.layout.num_params)
         for op in (*OPS, INTO_EXISTING, NEW_ADDRESSES):
             plain_op = "reduce_scatter_copy_out" if op == INTO_EXISTING else op
-            fns = {"public" + UNCACHED: case.fused[plain_op], "public": case.fused[plain_op],
-                   "runtime" + UNCACHED: case.runtime[op], "runtime before": case.runtime_before[op],
+            fns = {"public" + UNCACHED: case.fused[plain_op], "public" + PYTHON_PASSES: case.fused[plain_op],
+                   "public": case.fused[plain_op], "runtime" + UNCACHED: case.runtime[op],
+                   "runtime before": case.runtime_before[op], "runtime" + PYTHON_PASSES: case.runtime[op],
                    "runtime": case.runtime[op]}
             if device.type == "cuda":
                 us = host_us_side_by_side({**fns, "torch": case.torch_path[plain_op]}, device)
@@ -490,8 +500,9 @@ def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> li
                 with _launch.launches_stubbed() as launched:
                     us = host_us_side_by_side(fns, device)
                 assert launched[0] > 0, "the Triton path was not taken"
-            rows.append([workload.name, case.layout.num_params, op, us["public" + UNCACHED], us["public"],
-                         us["runtime" + UNCACHED], us["runtime before"], us["runtime"], us.get("torch", "-"), target,
+            rows.append([workload.name, case.layout.num_params, op, us["public" + UNCACHED],
+                         us["public" + PYTHON_PASSES], us["public"], us["runtime" + UNCACHED], us["runtime before"],
+                         us["runtime" + PYTHON_PASSES], us["runtime"], us.get("torch", "-"), target,
                          us["public"] / target, us["runtime"] / target])
         del case
     return rows
@@ -660,7 +671,8 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     host_where = ("CUDA, back-to-back calls, no sync; median round's wall time" if device.type == "cuda"
                   else "CPU, Triton path with the kernel launch stubbed out (host preparation only); fastest "
                        "round's thread CPU time")
-    emit(f"Packing ops, host µs per call, uncached (before prepared launches) and cached side by side — {host_where}; "
+    emit(f"Packing ops, host µs per call, uncached (before prepared launches), with the Python passes and as they run "
+         f"(native passes: {native_passes.status()}) side by side — {host_where}; "
          f"{HOST_ROUNDS} interleaved rounds of {HOST_CALLS} calls; world size {args.world_size}, rank 0, "
          f"{short(DTYPE_PAIRS[0][0])} params / {short(DTYPE_PAIRS[0][1])} comm",
          HOST_HEADER, host, args.markdown)

@@ -139,7 +139,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from overlap_kernels import ShardLayout, prepared_launch
+from overlap_kernels import ShardLayout, native_passes, prepared_launch
 from overlap_kernels._launch import PackedPlacement
 # The ops without argument checks (the runtime builds every argument from the layout):
 from overlap_kernels.all_gather_copy_in import _all_gather_copy_in
@@ -749,9 +749,9 @@ class ParamGroup:
         layout = self._reduce_layout(indices)
         if self.compression is not None and self.quantized_reduce is not None:
             return self._issue_quantized_reduce(grads, indices, layout)
-        # the gradients' dtypes, read (one C pass) where the reduce dtype needs them: handed to the
+        # the gradients' dtypes, read (one pass) where the reduce dtype needs them: handed to the
         # copy-in, whose new address sets then need only their contiguity read
-        read = None if self.mp.effective_reduce_dtype is not None else tuple(map(_DTYPE, grads))
+        read = None if self.mp.effective_reduce_dtype is not None else native_passes.dtypes(grads, build=False)
         dtype = self.mp.effective_reduce_dtype or widest_dtype(read)
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             pre_scale, post_scale = _average_scales(dtype, self.data_parallel_size)

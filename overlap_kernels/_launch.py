@@ -38,9 +38,10 @@ Launches pass ``enable_fp_fusion=False`` so that scale-then-accumulate rounds li
 [Note: host cost of a launch]
 On a GPU the host time of an op is what the overlap must hide behind, and a group has hundreds of
 small parameters. A repeated call is a *prepared launch* ([Note: prepared launches] in
-``overlap_kernels.prepared_launch``): one C call checks the list against a fingerprint (type, device,
-dtype, shape, strides), one ``map`` pass reads the addresses that key the prepared launch, and
-nothing else is per tensor. What follows is the path of a first call (and of
+``overlap_kernels.prepared_launch``): one pass checks the list against a fingerprint (type, device,
+dtype, shape, strides), one pass reads the addresses that key the prepared launch, and nothing else
+is per tensor; each is one C++ loop where the native passes are built ([Note: native passes] in
+``overlap_kernels.native_passes``). What follows is the path of a first call (and of
 ``prepared_launch.uncached``). Per call, a launch reads each tensor twice, by C-level ``map`` passes with no
 Python bytecode per tensor: its data address and its dtype (the pointer-table key; the public ops'
 checks add one pass per rule, [Note: checks at C speed] in ``overlap_kernels._checks``, and hand the
@@ -51,7 +52,8 @@ width. A cached pointer table is a pure function of its key, so a stale entry ca
 tensor freed and another allocated at the same address with the same dtype gets the same,
 correct, table, and a change of address or dtype misses the cache. The reads that remain are the
 floor of a Python launcher that must not trust its caller: about 0.05 µs per tensor per pass on
-the 2-core CI box (``benchmarks/bench_kernels.py``'s host table, with the kernel launch stubbed).
+the 2-core CI box, 0.002-0.008 µs as native passes (``benchmarks/bench_kernels.py``'s host table,
+with the kernel launch stubbed).
 On CUDA the launch itself then skips Triton's per-call JIT path ([Note: launching the compiled
 kernel] in ``overlap_kernels._compiled_launch``). No cheaper fingerprint exists for a list the caller hands in: a tensor object keeps its identity
 and often its address through ``set_``, ``resize_``, ``as_strided_`` and ``.data =``, none of which
@@ -83,14 +85,12 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap_kernels import _compiled_launch, table_memory
-from overlap_kernels._checks import DTYPE
+from overlap_kernels import _compiled_launch, native_passes, table_memory
 from overlap_kernels._dtypes import MAX_DTYPE_GROUPS, TRITON_DTYPES, as_float32, compute_dtype
 from overlap_kernels._jit import INTERPRET
 from overlap_kernels.layout import ShardLayout
 
 POINTER_CACHE_SIZE = 64
-_DATA_PTR = torch.Tensor.data_ptr
 GPU_MAX_BLOCK = 4096
 INTERPRET_MAX_BLOCK = 1 << 16  # the interpreter pays per program, not per element
 
@@ -148,8 +148,9 @@ def triton_enabled(device: torch.device) -> bool:
 
 
 def increment_version(tensors: Sequence[torch.Tensor]) -> None:
-    """Tell autograd that the kernel wrote ``tensors`` in place behind its back."""
-    torch.autograd.graph.increment_version(list(tensors))
+    """Tell autograd that the kernel wrote ``tensors`` in place behind its back (one C++ loop:
+    [Note: native passes] in ``overlap_kernels.native_passes``)."""
+    native_passes.increment_version(tensors)
 
 
 # ------------------------------------------------------------------------------------------- tables
@@ -174,7 +175,7 @@ class PointerTable:
     torch_dtypes: tuple[torch.dtype, ...]  # the distinct dtypes of the tensors, in group order
     groups: np.ndarray  # int64 (N,), on the host: the second column (each tensor's dtype group)
 
-    def moved(self, addresses: tuple[int, ...], device: torch.device) -> PointerTable:
+    def moved(self, addresses: native_passes.Addresses, device: torch.device) -> PointerTable:
         """This table with ``addresses`` in its first column (tensors of the same dtypes, in the same
         order, at other addresses): one host array filled and uploaded, nothing read of a tensor and
         nothing cached ([Note: a miss of a prepared launch] in ``overlap_kernels.prepared_launch``)."""
@@ -231,9 +232,9 @@ def pointer_table(layout: ShardLayout, tensors: Sequence[torch.Tensor], device: 
     """Addresses and dtype groups of ``tensors`` (contiguous, checked); the key is read by two
     C-level passes over the list ([Note: host cost of a launch]), one when the caller's checks
     hand over ``dtypes`` (each tensor's, in order)."""
-    addresses = tuple(map(_DATA_PTR, tensors))
+    addresses = native_passes.addresses(tensors)
     if dtypes is None:
-        dtypes = tuple(map(DTYPE, tensors))
+        dtypes = native_passes.dtypes(tensors)
     key = ("pointers", device, addresses, dtypes)
     table = layout._device_cache.get(key)
     if table is None:
@@ -338,14 +339,14 @@ def packed_pointer_table(layout: ShardLayout, storage: torch.UntypedStorage, pla
     return table
 
 
-def _new_pointer_table(layout: ShardLayout, key: tuple, addresses: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
+def _new_pointer_table(layout: ShardLayout, key: tuple, addresses: native_passes.Addresses, dtypes: tuple[torch.dtype, ...],
                        device: torch.device) -> PointerTable:
     """The table of ``addresses`` and ``dtypes``, cached on ``layout`` under ``key`` (whose value it
     is a function of); the layout keeps the ``POINTER_CACHE_SIZE`` newest, and drops the oldest
     (its device copy is released once the kernels that may read it have run: [Note: table
     lifetime] in ``overlap_kernels.table_memory``)."""
     groups = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}  # first-seen order, one C pass
-    column = np.zeros(len(addresses), dtype=np.int64)
+    column = np.zeros(len(dtypes), dtype=np.int64)
     if len(groups) > 1:
         column[:] = list(map(groups.__getitem__, dtypes))
     group_dtypes = [TRITON_DTYPES[d] for d in groups]
@@ -360,12 +361,12 @@ def _new_pointer_table(layout: ShardLayout, key: tuple, addresses: tuple[int, ..
     return table
 
 
-def _pointer_rows(addresses: tuple[int, ...], groups: np.ndarray, dtypes: tuple[tl.dtype, ...], num_groups: int,
+def _pointer_rows(addresses: native_passes.Addresses, groups: np.ndarray, dtypes: tuple[tl.dtype, ...], num_groups: int,
                   torch_dtypes: tuple[torch.dtype, ...], device: torch.device) -> PointerTable:
     """The table of ``addresses`` and their dtype ``groups`` (column), uploaded to ``device`` as a
     table later launches may read (``cached``), not cached here."""
-    rows = np.empty((len(addresses), 2), dtype=np.int64)
-    rows[:, 0] = addresses
+    rows = np.empty((len(groups), 2), dtype=np.int64)
+    rows[:, 0] = native_passes.address_column(addresses)
     rows[:, 1] = groups
     memory = to_device([rows], device, cached=True)
     return PointerTable(pointers=memory.tensors[0], memory=memory, dtypes=dtypes, num_groups=num_groups,
@@ -495,7 +496,7 @@ class PreparedLaunch:
     def of(call: KernelCall) -> PreparedLaunch:
         return PreparedLaunch(call.kernel, call.blocks, call.pointers, call.args[1:], call.constexprs)
 
-    def moved(self, addresses: tuple[int, ...]) -> PreparedLaunch:
+    def moved(self, addresses: native_passes.Addresses) -> PreparedLaunch:
         """This launch over tensors of the same dtypes at ``addresses``: the same grid, constexprs and
         block table, a pointer table with ``addresses`` (``PointerTable.moved``)."""
         return PreparedLaunch(self.kernel, self.blocks, self.pointers.moved(addresses, self.blocks.device), self.tail,

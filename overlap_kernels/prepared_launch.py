@@ -18,14 +18,17 @@ rule (type, device, dtype, shape, contiguity, address: five to seven C-level pas
 then hashed the address list, looked the block table up, rebuilt the vector width, the constexprs
 and a ``KernelCall``. Now:
 
-* **checks**: a list is described once by a C++ ``TensorGuards`` (torch's Dynamo guard for tensor
-  arguments: exact Python type, dispatch keys, device, dtype, ``requires_grad``, sizes, strides,
-  checked per tensor in one C call, about 65 ns a tensor on the 2-core CI box). A list whose guard
+* **checks**: a list is described once by a ``Guard``: a native description ([Note: native
+  passes] in ``overlap_kernels.native_passes``: exact Python type, dispatch keys, device, dtype,
+  ``requires_grad``, sizes, strides, compared in one C++ loop, about 8 ns a tensor on the 2-core CI
+  box) or, where the extension is not built, torch's C++ ``TensorGuards`` (Dynamo's guard for
+  tensor arguments, the same properties, about 55 ns a tensor from Python). A list whose guard
   passes has every property the op's checks read, so their result (kept in the fingerprint) holds
   again; a list that fails every guard of its configuration is checked in full and, when it is
   plain contiguous tensors, remembered (``MAX_FINGERPRINTS`` per configuration, oldest dropped).
-  A torch without ``TensorGuards`` (or whose constructor differs) takes the full checks every time.
-* **launch**: the data addresses (one ``map`` of ``data_ptr``, about 55 ns a tensor) key the
+  Without either (or with a ``TensorGuards`` constructor that differs) every call takes the full checks.
+* **launch**: the data addresses (one native pass, about 6 ns a tensor; a ``map`` of ``data_ptr``,
+  about 55 ns, without the extension) key the
   prepared launch; storage offsets are inside the addresses, dtypes and strides inside the
   fingerprint. The ``MAX_LAUNCHES`` newest address sets per fingerprint are kept.
 
@@ -42,7 +45,8 @@ and the placement, whose size is checked against the storage at every call (a st
 What stays per call and per tensor: the guard and the address pass (public ops), the address pass
 alone for the runtime's copy-ins ([Note: lists the runtime owns]), nothing at all for packed
 placements (the runtime's copy-out into its unsharded parameters, and the reduce-scatter copy-out
-into new gradients). On the 2-core CI box, 300 parameters: about 20 + 16 µs for the two passes.
+into new gradients). On the 2-core CI box, 300 parameters: about 2.5 + 1.8 µs for the two passes
+natively, 17 + 17 µs with the Python passes.
 
 [Note: lists the runtime owns]
 The runtime's copy-ins read lists it made itself: a group's shards (the local tensors of the
@@ -99,13 +103,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 import struct
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from overlap_kernels import _launch
+from overlap_kernels import _launch, native_passes
 from overlap_kernels.layout import ShardLayout
 
 MAX_FINGERPRINTS = 4
@@ -116,9 +119,6 @@ MAX_LAUNCHES = _launch.POINTER_CACHE_SIZE
 """Address sets kept per fingerprint (the runtime's gradients move between a few addresses)."""
 
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
-_DATA_PTR = torch.Tensor.data_ptr
-_IS_CONTIGUOUS = torch.Tensor.is_contiguous
-_DTYPE = operator.attrgetter("dtype")
 _TensorGuards = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), "TensorGuards", None)
 _enabled = True
 
@@ -149,11 +149,43 @@ class Fingerprint:
     """One kind of list under one op configuration: its guard, what the op's checks returned for it
     (``checked``), each tensor's dtype in order, and its prepared launches by address set."""
 
-    guard: object  # torch._C._dynamo.guards.TensorGuards
+    guard: Guard | None  # None: an owned list's ([Note: lists the runtime owns])
     size: int
     dtypes: tuple[torch.dtype, ...]
     checked: object
     launches: dict[tuple[int, ...], _launch.PreparedLaunch] = dataclasses.field(default_factory=dict)
+
+
+class Guard:
+    """Whether a list still has every property a fingerprint recorded of it: exact Python type,
+    dispatch keys, device, dtype, ``requires_grad``, sizes and strides of each tensor, and the
+    list's length. Native (``native_passes.Description``: one C++ loop) where that is built, else
+    torch's ``TensorGuards``. A fingerprint is matched only while the passes are those it was made
+    under (``native``), so that the two are timed apart in one process (``bench_kernels``)."""
+
+    __slots__ = ("matches", "native")
+
+    def __init__(self, matches: Callable[[Sequence[torch.Tensor]], bool], native: bool) -> None:
+        self.matches, self.native = matches, native
+
+
+def _guard(tensors: Sequence[torch.Tensor]) -> Guard | None:
+    """A guard of ``tensors`` (exact ``torch.Tensor`` / ``nn.Parameter`` objects), ``None`` when this
+    torch has no usable ``TensorGuards`` and the native passes are unavailable."""
+    description = native_passes.describe(tensors)
+    if description is not None:
+        return Guard(description.matches, True)
+    if _TensorGuards is None:
+        return None
+    try:
+        guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                              dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        if not guard.check(*tensors):  # a guard that refuses its own list would never hit
+            return None
+    except (TypeError, RuntimeError, SystemError):  # another torch's constructor: no fast path
+        return None
+    check = guard.check
+    return Guard(lambda listed: check(*listed), False)
 
 
 def _slot(layout: ShardLayout, config: tuple) -> list[Fingerprint]:
@@ -171,9 +203,9 @@ def find(layout: ShardLayout, config: tuple, tensors: object) -> Fingerprint | N
     slot = layout._device_cache.get(config)
     if not slot or type(tensors) not in (list, tuple):
         return None
-    n = len(tensors)
+    n, native = len(tensors), native_passes.active()
     for fingerprint in slot:
-        if fingerprint.size == n and fingerprint.guard.check(*tensors):
+        if fingerprint.size == n and fingerprint.guard.native is native and fingerprint.guard.matches(tensors):
             return fingerprint
     return None
 
@@ -184,18 +216,14 @@ def remember(layout: ShardLayout, config: tuple, tensors: Sequence[torch.Tensor]
     one's, in order, when the checks read them) under ``config``; ``None`` when it cannot be made:
     the cache is off, an item is not exactly a ``torch.Tensor`` / ``nn.Parameter``, one is not
     contiguous, or this torch has no usable ``TensorGuards``."""
-    if not _enabled or _TensorGuards is None or not set(map(type, tensors)) <= _PLAIN:
+    if not _enabled or not set(map(type, tensors)) <= _PLAIN:
         return None
-    if not all(map(_IS_CONTIGUOUS, tensors)):
+    if not native_passes.contiguous(tensors):
         return None
-    try:
-        guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                              dynamic_dims_strides=[list(t.stride()) for t in tensors])
-        if not guard.check(*tensors):  # a guard that refuses its own list would never hit
-            return None
-    except (TypeError, RuntimeError, SystemError):  # another torch's constructor: no fast path
+    guard = _guard(tensors)
+    if guard is None:
         return None
-    fingerprint = Fingerprint(guard, len(tensors), tuple(map(_DTYPE, tensors)) if dtypes is None else dtypes, checked)
+    fingerprint = Fingerprint(guard, len(tensors), native_passes.dtypes(tensors) if dtypes is None else dtypes, checked)
     slot = _slot(layout, config)
     if len(slot) >= MAX_FINGERPRINTS:
         slot.pop()
@@ -253,9 +281,9 @@ def launch_owned(owned: OwnedLists, layout: ShardLayout, config: tuple, tensors:
     if (entry is not None and entry[1].size == len(tensors) and (dtypes is None or dtypes == entry[1].dtypes)
             and launch(entry[1], tensors, flat, build, dtypes_read=dtypes_read and dtypes is not None)):
         return True
-    if not all(map(_IS_CONTIGUOUS, tensors)):
+    if not native_passes.contiguous(tensors):
         return False
-    read = dtypes if dtypes_read and dtypes is not None else tuple(map(_DTYPE, tensors))
+    read = dtypes if dtypes_read and dtypes is not None else native_passes.dtypes(tensors)
     if dtypes is not None and read != dtypes:  # the uncached path reads them as ``dtypes``: let it
         return False
     fingerprint = Fingerprint(None, len(tensors), read, None)
@@ -266,7 +294,7 @@ def launch_owned(owned: OwnedLists, layout: ShardLayout, config: tuple, tensors:
 def _describes(fingerprint: Fingerprint, tensors: Sequence[torch.Tensor], dtypes_read: bool) -> bool:
     """Does an owned ``fingerprint`` hold for ``tensors`` (contiguous, its dtypes; ``dtypes_read``:
     the caller has just read them)? Read once per new address set."""
-    return all(map(_IS_CONTIGUOUS, tensors)) and (dtypes_read or tuple(map(_DTYPE, tensors)) == fingerprint.dtypes)
+    return native_passes.contiguous(tensors) and (dtypes_read or native_passes.dtypes(tensors) == fingerprint.dtypes)
 
 
 def launch(fingerprint: Fingerprint, tensors: Sequence[torch.Tensor], flat: torch.Tensor,
@@ -278,7 +306,7 @@ def launch(fingerprint: Fingerprint, tensors: Sequence[torch.Tensor], flat: torc
     checks a new address set as the guard would have: every tensor contiguous and of the
     fingerprint's dtypes (not read again when ``dtypes_read``), else nothing launches and ``False``
     is returned."""
-    addresses = tuple(map(_DATA_PTR, tensors))
+    addresses = native_passes.addresses(tensors)
     launches = fingerprint.launches
     prepared = launches.get(addresses)
     if prepared is None:

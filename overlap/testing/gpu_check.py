@@ -6,6 +6,10 @@ CUDA device is visible). Each row is one check; a row that cannot run here says 
 =================  ==================================================================================
 row                what it checks
 =================  ==================================================================================
+native passes      the packing ops' per-tensor passes built as a C++ extension against this torch
+                   ([Note: native passes] in ``overlap_kernels.native_passes``; first, so that every
+                   later row and process uses it) and checked on CUDA tensors against their Python
+                   definitions; SKIP without a compiler or Python headers (the Python passes run)
 gpu tests          ``pytest -m gpu`` from this checkout (needs pytest and the ``tests/`` folder), in its
                    own process while the next four rows run
 packing ops        the six packing / chunk ops on the GPU against their pure-torch references on the
@@ -495,6 +499,43 @@ def format_table(rows: Sequence[CheckRow], title: str) -> str:
     return "\n".join(lines)
 
 
+def native_passes_row(device: torch.device) -> CheckRow:
+    """The native passes built (or found built) and loaded, each against its Python definition on
+    ``device``'s tensors; SKIP where this machine cannot build them (no compiler, no Python headers,
+    turned off), FAIL where it should have and did not, or a pass differs."""
+    from overlap_kernels import native_passes
+
+    start = time.perf_counter()
+    module = native_passes.loaded()
+    status = native_passes.status()
+    if module is None:
+        cannot = status.startswith(("unavailable: no ", "unavailable: built on Linux only", "off"))
+        return CheckRow("native passes", None if cannot else False, time.perf_counter() - start,
+                        f"{status}; the Python passes run")
+    built_s = time.perf_counter() - start
+    tensors = [torch.randn(5, device=device), torch.zeros(3, 4, dtype=torch.bfloat16, device=device).t(),
+               torch.nn.Parameter(torch.zeros(2, 1, device=device)), torch.empty(0, device=device)]
+    problems = []
+    if native_passes.address_column(native_passes.addresses(tensors)).tolist() != [t.data_ptr() for t in tensors]:
+        problems.append("addresses")
+    if native_passes.contiguous(tensors) is not all(t.is_contiguous() for t in tensors):
+        problems.append("contiguous")
+    if native_passes.dtypes(tensors) != tuple(t.dtype for t in tensors):
+        problems.append("dtypes")
+    description = native_passes.describe(tensors)
+    elsewhere = [torch.empty_like(t, device="meta") for t in tensors]  # the same but for the device
+    if description is None or not description.matches(tensors) or description.matches(elsewhere):
+        problems.append("guard")
+    versions = [t._version for t in tensors]
+    native_passes.increment_version(tensors)
+    if [t._version for t in tensors] != [v + 1 for v in versions]:
+        problems.append("increment_version")
+    detail = f"loaded in {built_s:.1f} s (built if new); " + (
+        f"differs from the Python definition: {', '.join(problems)}" if problems
+        else "addresses, contiguous, dtypes, guard, increment_version equal their Python definitions")
+    return CheckRow("native passes", not problems, time.perf_counter() - start, detail)
+
+
 def _reported(row: CheckRow) -> CheckRow:
     """``row``, after one progress line on stderr: what finished is known even if the check is cut off
     before its table (a machine's time limit)."""
@@ -539,6 +580,7 @@ def main(skip_bench: bool = False, suite: bool = False, log_dir: Optional[Path] 
 
     device = torch.device("cuda", torch.cuda.current_device())
     python = sys.executable
+    native = _reported(_guarded("native passes", lambda: native_passes_row(device)))
     # The GPU tests run in their own process beside the in-process rows (both only check values; the
     # benchmarks below run alone): the whole check then fits its five minutes on one H100.
     gpu_tests = _started_row("gpu tests", [python, "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "-p",
@@ -549,7 +591,7 @@ def main(skip_bench: bool = False, suite: bool = False, log_dir: Optional[Path] 
         _reported(_guarded("streams", _streams_row)),
         _reported(_guarded("cuda graphs", lambda: _cuda_graph_row(device))),
     ]
-    rows.insert(0, _reported(gpu_tests(240)))
+    rows[:0] = [native, _reported(gpu_tests(240))]
     for bench, options in BENCHMARKS.items():
         if skip_bench:
             rows.append(CheckRow(bench, None, 0.0, "--skip-bench"))

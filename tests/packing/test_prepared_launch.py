@@ -26,6 +26,7 @@ from overlap_kernels import (
     _launch,
     all_gather_copy_in,
     all_gather_copy_in_ref,
+    native_passes,
     prepared_launch,
 )
 from overlap_kernels.all_gather_copy_in import _all_gather_copy_in
@@ -252,15 +253,41 @@ def test_bitwise_equal_to_the_uncached_path(op: str, path: str) -> None:
             assert_bitwise(b, a)
 
 
-def test_without_tensor_guards_every_call_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A torch without a usable ``TensorGuards`` takes the full checks every time, with the same results."""
+def test_without_tensor_guards_or_native_passes_every_call_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch without a usable ``TensorGuards``, where the native passes are unavailable, takes the
+    full checks every time, with the same results."""
     monkeypatch.setattr(prepared_launch, "_TensorGuards", None)
     layout = _layout()
     t = _inputs(layout, seed=8)
-    for op in OPS:
-        _checked_against_reference(op, layout, t)
-        _checked_against_reference(op, layout, t)
+    with native_passes.python_passes():
+        for op in OPS:
+            _checked_against_reference(op, layout, t)
+            _checked_against_reference(op, layout, t)
     assert not _fingerprints(layout)
+
+
+@pytest.mark.parametrize("guards", ["native", "TensorGuards"])
+def test_either_guard_keeps_the_cache_exact(guards: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native guard where it is built, torch's ``TensorGuards`` otherwise: each is the only one
+    asked on a repeated call, and every change of ``CHANGES`` misses it (results the reference's)."""
+    if guards == "native" and native_passes.loaded() is None:
+        pytest.skip(f"the native passes are not built here: {native_passes.status()}")
+
+    def not_asked(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the other guard was asked")
+
+    scope = contextlib.nullcontext() if guards == "native" else native_passes.python_passes()
+    if guards == "native":
+        monkeypatch.setattr(prepared_launch, "_TensorGuards", not_asked)
+    with scope:
+        for op in OPS:
+            for change in sorted(CHANGES):
+                layout, t = _layout(), _inputs(_layout(), seed=12)
+                _checked_against_reference(op, layout, t)
+                _checked_against_reference(op, layout, t)
+                CHANGES[change](t[LIST_OF[op]])
+                _checked_against_reference(op, layout, t)
+                assert len(_fingerprints(layout)) == (1 if change == "data pointer" else 2), (op, change)
 
 
 def test_a_list_that_cannot_be_fingerprinted_takes_the_uncached_path() -> None:
@@ -323,18 +350,20 @@ def test_an_owned_list_reads_only_addresses_on_a_repeated_call(op: str, monkeypa
     def no_reads(*args: object) -> bool:
         raise AssertionError("a repeated call of an owned list read more than the addresses")
 
-    monkeypatch.setattr(prepared_launch, "_TensorGuards", no_reads)
-    monkeypatch.setattr(prepared_launch, "_IS_CONTIGUOUS", no_reads)
-    monkeypatch.setattr(prepared_launch, "_DTYPE", no_reads)
     built: list[object] = []
-    monkeypatch.setattr(_launch.PreparedLaunch, "of", staticmethod(lambda call: built.append(call)))
     for seed in (2, 3):  # new values in the same tensors, and a new list of them: hits
         for x in t[OWNED_OPS[op]]:
             x.copy_(make_tensor(x.shape, x.dtype, seed, specials=False))
         t[OWNED_OPS[op]] = list(t[OWNED_OPS[op]])
         with prepared_launch.uncached():
             expected = _owned_call(op, layout, t, owned).cpu().clone()
-        assert_bitwise(_owned_call(op, layout, t, owned).cpu(), expected)
+        with monkeypatch.context() as patched:  # the owned call reads nothing but the addresses
+            patched.setattr(prepared_launch, "_TensorGuards", no_reads)
+            for read in ("describe", "contiguous", "dtypes"):
+                patched.setattr(native_passes, read, no_reads)
+            patched.setattr(_launch.PreparedLaunch, "of", staticmethod(lambda call: built.append(call)))
+            got = _owned_call(op, layout, t, owned)
+        assert_bitwise(got.cpu(), expected)
     assert not built and _owned_launches(owned) == 1
 
 
@@ -422,7 +451,7 @@ def test_a_launch_made_from_another_is_the_one_built_from_scratch() -> None:
     for t in (first, second):
         _owned_checked("reduce_scatter_copy_in", layout, {"fulls": t}, owned)
     (fingerprint,) = [f for _, f in owned._fingerprints.values()]
-    moved = fingerprint.launches[tuple(x.data_ptr() for x in second)]
+    moved = fingerprint.launches[native_passes.addresses(second)]
     rs_input = torch.empty(layout.buffer_numel, dtype=bf16, device=kernel_device())
     built = _launch.PreparedLaunch.of(_launch.scaled_kernel_call(
         reduce_scatter_copy_in_kernel, layout, None, True, second, rs_input, 0.5, (bf16,)))
@@ -454,7 +483,7 @@ def test_a_list_at_new_addresses_every_call_keeps_the_caches_bounded(monkeypatch
         checked(alive[-1])
         (fingerprint,) = [f for _, f in owned._fingerprints.values()]
         assert len(fingerprint.launches) == min(seed + 1, 3)
-        tables.append(weakref.ref(fingerprint.launches[tuple(x.data_ptr() for x in alive[-1])].pointers))
+        tables.append(weakref.ref(fingerprint.launches[native_passes.addresses(alive[-1])].pointers))
         assert set(layout._device_cache) == cached_keys
     gc.collect()
     assert [table() is not None for table in tables] == [False] * 6 + [True] * 3

@@ -142,3 +142,14 @@ def test_log_dir_keeps_each_subprocess_rows_whole_output(tmp_path) -> None:
     from overlap.demo.cli import build_parser
 
     assert build_parser().parse_args(["check-gpu", "--log-dir", str(tmp_path)]).log_dir == tmp_path
+
+
+def test_the_native_passes_row_checks_each_pass_against_its_definition() -> None:
+    """On this machine's CPU tensors (CI builds the extension); the row skips where it cannot build."""
+    from overlap_kernels import native_passes
+
+    row = gpu_check.native_passes_row(torch.device("cpu"))
+    if native_passes.loaded() is None:
+        assert row.ok is None and native_passes.status() in row.detail
+    else:
+        assert row.ok is True, row.detail
