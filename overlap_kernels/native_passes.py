@@ -57,6 +57,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -272,7 +273,8 @@ def _built() -> tuple[Path | None, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine; the others wait for it
         if path.exists():
             return path, ""
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        # a name no other process writes, even on another host sharing this cache (where flock may not hold)
+        partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
         errors = []
         for standard in ("c++20", "c++17"):  # torch 2.13+ builds with C++20, older with C++17
             _log.info("overlap_kernels: building the native passes (%s, once per torch build)", standard)

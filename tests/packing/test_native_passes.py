@@ -233,3 +233,14 @@ def test_the_build_key_follows_the_compiler_and_the_source(monkeypatch: pytest.M
     assert native_passes.build_key() != key
     command = native_passes.compile_command(tmp_path / "out.so", "c++20")
     assert f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}" in command and str(source) in command
+
+
+def test_a_cache_folder_that_cannot_be_made_leaves_the_python_passes(fresh_state: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache path under a file (as an unwritable home would): the reason is stated, nothing raises."""
+    blocker = fresh_state / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("OVERLAP_NATIVE_CACHE", str(blocker / "native"))
+    tensors = [torch.randn(2)]
+    assert native_passes.addresses(tensors) == (tensors[0].data_ptr(),)
+    assert native_passes.status().startswith("unavailable: ") and "Error" in native_passes.status()
