@@ -32,7 +32,8 @@ alone takes the whole per-parameter budget and a public op made three (benchmark
 fields directly (about 5-15 ns a tensor).
 
 The extension is ``native_passes.cpp`` next to this file, compiled the first time a pass is needed,
-against the installed torch and Python, by the C++ compiler (``$CXX``, else ``c++``) in one
+against the installed torch and Python, by the C++ compiler (``$CXX``, else the first of ``c++``,
+``g++``, ``clang++`` found) in one
 process per machine (a file lock; the others wait and load it), and kept under
 ``$OVERLAP_NATIVE_CACHE`` (default ``~/.cache/triton-overlap/native``) keyed on the source, the torch
 build, the Python ABI and the flags: a torch upgrade builds a new one. A build takes about 11 s on the
@@ -226,6 +227,20 @@ def _load_once() -> None:
         _tried = True
 
 
+COMPILERS = ("c++", "g++", "clang++")
+"""Looked for in this order when ``$CXX`` is not set."""
+
+
+def compiler() -> str | None:
+    """``$CXX`` if set (and found), else the first of ``COMPILERS`` on the ``PATH``; ``None``: none."""
+    named = os.environ.get("CXX")
+    for candidate in (named,) if named else COMPILERS:
+        found = shutil.which(candidate)
+        if found is not None:
+            return found
+    return None
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("OVERLAP_NATIVE_CACHE") or Path.home() / ".cache" / "triton-overlap" / "native")
 
@@ -239,7 +254,7 @@ def compile_command(output: Path, standard: str) -> list[str]:
                 sysconfig.get_paths()["include"]]
     libraries = [root / "lib"]
     return [
-        os.environ.get("CXX") or "c++", f"-std={standard}", "-O2", "-shared", "-fPIC", "-w",
+        compiler() or "c++", f"-std={standard}", "-O2", "-shared", "-fPIC", "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *[f"-I{p}" for p in includes], str(SOURCE), "-o", str(output),
         *[f"-L{p}" for p in libraries], "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
@@ -251,7 +266,7 @@ def build_key() -> str:
     """What the built file depends on: the source, the torch build, the Python ABI, the compiler."""
     parts = [SOURCE.read_bytes(), torch.__version__.encode(), str(torch.version.git_version).encode(),
              sys.version.encode(), str(sysconfig.get_config_var("EXT_SUFFIX")).encode(),
-             (os.environ.get("CXX") or "c++").encode()]
+             str(compiler()).encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
 
 
@@ -259,9 +274,8 @@ def _built() -> tuple[Path | None, str]:
     """The built extension's path (building it now if needed), or ``None`` and why not."""
     if not sys.platform.startswith("linux"):
         return None, f"built on Linux only (this is {sys.platform})"
-    compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        return None, f"no C++ compiler ({compiler!r} not found; set CXX)"
+    if compiler() is None:
+        return None, f"no C++ compiler ({os.environ.get('CXX') or ' / '.join(COMPILERS)} not found; set CXX)"
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         return None, "no Python headers (Python.h) for this interpreter"
     directory = cache_dir()

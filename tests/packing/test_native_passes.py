@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
@@ -56,9 +55,8 @@ def _lists() -> dict[str, list[torch.Tensor]]:
 
 
 def _compiler_and_headers() -> str | None:
-    compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler!r})"
+    if native_passes.compiler() is None:
+        return f"no C++ compiler ({os.environ.get('CXX') or ' / '.join(native_passes.COMPILERS)})"
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         return "no Python headers"
     if not native_passes.enabled_by_environment():
