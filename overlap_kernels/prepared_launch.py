@@ -153,7 +153,7 @@ class Fingerprint:
     size: int
     dtypes: tuple[torch.dtype, ...]
     checked: object
-    launches: dict[tuple[int, ...], _launch.PreparedLaunch] = dataclasses.field(default_factory=dict)
+    launches: dict[native_passes.Addresses, _launch.PreparedLaunch] = dataclasses.field(default_factory=dict)
 
 
 class Guard:
@@ -215,7 +215,7 @@ def remember(layout: ShardLayout, config: tuple, tensors: Sequence[torch.Tensor]
     """A fingerprint of ``tensors`` (which the caller has checked, or vouches for; ``dtypes``: each
     one's, in order, when the checks read them) under ``config``; ``None`` when it cannot be made:
     the cache is off, an item is not exactly a ``torch.Tensor`` / ``nn.Parameter``, one is not
-    contiguous, or this torch has no usable ``TensorGuards``."""
+    contiguous, or there is no guard (no native passes and no usable ``TensorGuards``)."""
     if not _enabled or not set(map(type, tensors)) <= _PLAIN:
         return None
     if not native_passes.contiguous(tensors):
