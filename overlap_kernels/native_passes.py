@@ -153,10 +153,15 @@ def _python_dtypes(tensors: Sequence[torch.Tensor]) -> tuple[torch.dtype, ...]:
     return tuple(map(_DTYPE, tensors))
 
 
+def _usable(build: bool = True) -> ModuleType | None:
+    """The extension if on and loaded; built now first if ``build`` and not tried yet."""
+    return _module if _enabled and (_tried or not build) else loaded()
+
+
 def _natively_or(name: str, tensors: Sequence[torch.Tensor], python: Callable, build: bool = True):
     """The extension's ``name`` over ``tensors`` (built now if ``build`` and not tried yet), or
     ``python(tensors)`` where it is off, unavailable or hands the list back (``None``)."""
-    module = _module if _enabled and (_tried or not build) else loaded()
+    module = _usable(build)
     if module is not None and type(tensors) in (list, tuple):
         read = getattr(module, name)(tensors)
         if read is not None:
@@ -174,7 +179,7 @@ def address_column(addresses: Addresses) -> np.ndarray:
 def increment_version(tensors: Sequence[torch.Tensor]) -> None:
     """``torch.autograd.graph.increment_version`` over ``tensors`` (tensors made under inference
     mode have no version counter and are skipped)."""
-    module = _module if _enabled and _tried else loaded()
+    module = _usable()
     if module is not None and type(tensors) in (list, tuple):
         module.increment_version(tensors)
     else:

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sysconfig
 from collections.abc import Callable
@@ -31,15 +32,7 @@ class _Subclass(torch.Tensor):
 def _mode(mode: str):
     if mode == "native" and native_passes.loaded() is None:
         pytest.skip(f"the native passes are not built here: {native_passes.status()}")
-    return native_passes.python_passes() if mode == "python" else _Nothing()
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    return native_passes.python_passes() if mode == "python" else contextlib.nullcontext()
 
 
 def _lists() -> dict[str, list[torch.Tensor]]:
