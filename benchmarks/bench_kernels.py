@@ -33,7 +33,9 @@ call, as autograd hands them over on CPU: every call a miss), beside the target 
 Each is timed twice in the same interleaved rounds: as it runs (a repeated call is a prepared
 launch, [Note: prepared launches] in ``overlap_kernels.prepared_launch``) and under
 ``prepared_launch.uncached()`` (every tensor checked and every launch built at every call, as
-before prepared launches).
+before prepared launches). The quantized ops of ``overlap.Compression`` (the runtime's packing path
+when it compresses) get a host table of their own, as the runtime calls them, with the Python
+passes and as they run.
 On CUDA: wall time of back-to-back calls, nothing synchronized, and the torch path's the same way.
 On CPU: the same calls with the kernel launch stubbed out (``overlap_kernels._launch.launches_stubbed``):
 everything the host does up to the launch, which on a GPU is followed by Triton's own launch cost.
@@ -508,6 +510,38 @@ def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> li
     return rows
 
 
+QUANTIZED_HOST_HEADER = ["workload", "params", "format", "op", "µs, Python passes", "µs",
+                         "target µs (15 + 0.05/param)", "µs / target"]
+
+
+def quantized_host_rows(names: Sequence[str], world_size: int, device: torch.device,
+                        cuda_scale: int = 1) -> list[list[object]]:
+    """Host µs per call of the four quantized ops as the runtime calls them (``quantized_case``),
+    int8 and fp8, with the Python passes and as they run, beside issue 28's target (they are the
+    runtime's packing path under ``overlap.Compression``); on CPU the kernel launch is stubbed out.
+    Workloads divided by ``cuda_scale`` on CUDA (the GB/s tables' scale: the host side does not
+    depend on the bytes), by 64 on CPU (only the shapes need to exist)."""
+    rows: list[list[object]] = []
+    for name in names:
+        workload = workloads(cuda_scale if device.type == "cuda" else 64)[name]
+        target = host_target_us(len(workload.shapes))
+        for fmt in ("int8", "fp8"):
+            _, case = quantized_case(workload, world_size, fmt, device)  # built on the path it will run
+            fns = {}
+            for op, (fn, _) in case.items():
+                fns[op + PYTHON_PASSES] = fns[op] = fn
+            if device.type == "cuda":
+                us = host_us_side_by_side(fns, device)
+            else:
+                with _launch.launches_stubbed() as launched:
+                    us = host_us_side_by_side(fns, device)
+                assert launched[0] > 0, "the Triton path was not taken"
+            rows += [[workload.name, len(workload.shapes), fmt, op, us[op + PYTHON_PASSES], us[op], target,
+                      us[op] / target] for op in case]
+            del case
+    return rows
+
+
 # --------------------------------------------------------------------------- launch breakdown (CUDA)
 BREAKDOWN = ["our preparation µs", "device tables + device context µs", "Triton JIT launch µs",
              "direct launch µs (runtime)", "compiled-kernel launcher alone µs"]
@@ -676,6 +710,10 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
          f"{HOST_ROUNDS} interleaved rounds of {HOST_CALLS} calls; world size {args.world_size}, rank 0, "
          f"{short(DTYPE_PAIRS[0][0])} params / {short(DTYPE_PAIRS[0][1])} comm",
          HOST_HEADER, host, args.markdown)
+    emit(f"Quantized packing ops (overlap.Compression, block {QUANTIZED_BLOCK}), host µs per call as the runtime "
+         f"calls them, with the Python passes and as they run (native passes: {native_passes.status()}) — "
+         f"{host_where}; {HOST_ROUNDS} interleaved rounds of {HOST_CALLS} calls; world size {args.world_size}, rank 0",
+         QUANTIZED_HOST_HEADER, quantized_host_rows(names, args.world_size, device, scale), args.markdown)
     if device.type == "cuda" and _launch.triton_enabled(device):
         emit(f"Packing ops, where the runtime launcher's host µs go — CUDA, each part timed alone, back-to-back "
              f"calls; world size {args.world_size}, rank 0; median of {HOST_SAMPLES} x {HOST_CALLS} calls",

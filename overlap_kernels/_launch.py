@@ -135,6 +135,14 @@ def launches_stubbed() -> Iterator[list[int]]:
         _stubbed_launches = before
 
 
+def count_stubbed_launch() -> bool:
+    """Under ``launches_stubbed``: count one launch and return ``True`` (the caller launches nothing)."""
+    if _stubbed_launches is None:
+        return False
+    _stubbed_launches[0] += 1
+    return True
+
+
 # ----------------------------------------------------------------------------------------- dispatch
 def triton_enabled(device: torch.device) -> bool:
     """Triton kernel (compiled on CUDA, interpreted on CPU) or the torch fallback ([Note: torch fallback]);
@@ -468,8 +476,7 @@ def launch(kernel: triton.JITFunction, blocks: BlockTable, pointers: PointerTabl
     if blocks.num_blocks == 0:
         return
     kwargs = launch_constexprs(blocks, pointers, constexprs)
-    if _stubbed_launches is not None:
-        _stubbed_launches[0] += 1
+    if count_stubbed_launch():
         return
     device = blocks.device
     if device.type == "cuda":

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap_kernels import _checks, _launch
+from overlap_kernels import _checks, _launch, native_passes
 from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import load_as
 from overlap_kernels.block_quantization import quantize_blocks_torch, quantize_rows
@@ -141,7 +141,8 @@ def _quantized_copy_in(tensors: Sequence[torch.Tensor], qlayout: QuantizedLayout
         with torch.no_grad():
             _quantized_copy_in_torch(tensors, qlayout, rank, q_output)
         return q_input, q_output
-    tensors = [t.contiguous() for t in tensors]
+    if not native_passes.contiguous(tensors):  # one pass; a contiguous copy only where one is strided
+        tensors = [t.contiguous() for t in tensors]
     table = qlayout.segment_table(rank, device)
     pointers = _launch.pointer_table(qlayout.layout, tensors, device, dtypes)
     launch(_quantized_copy_in_kernel, table, pointers, q_output.view(torch.int8), q_output.view(torch.float32),

@@ -146,6 +146,7 @@ class QuantizedLayout:
         """Elements of each block, ``<= block`` (host int64)."""
         self.param_blocks: tuple[int, ...] = tuple(counts)
         """Blocks of each parameter's region (the same in every slot)."""
+        self._largest_param_blocks = max(counts, default=0)  # read at every launch
         self.slot_bytes = layout.slot_numel + 4 * self.num_blocks
         self.buffer_bytes = self.world_size * self.slot_bytes
 
@@ -187,7 +188,7 @@ class QuantizedLayout:
         """Blocks per kernel program now: ``BLOCKS_PER_PROGRAM``, or ``blocks_per_program``'s choice
         for this layout ([Note: several blocks per program])."""
         if BLOCKS_PER_PROGRAM is None:
-            return blocks_per_program(self.block, max(self.param_blocks, default=0))
+            return blocks_per_program(self.block, self._largest_param_blocks)
         if isinstance(BLOCKS_PER_PROGRAM, bool) or not isinstance(BLOCKS_PER_PROGRAM, int) or BLOCKS_PER_PROGRAM < 1 \
                 or BLOCKS_PER_PROGRAM & (BLOCKS_PER_PROGRAM - 1):
             raise ValueError(f"overlap_kernels.quantized_layout.BLOCKS_PER_PROGRAM must be None or a power of two >= 1, "
@@ -330,6 +331,8 @@ def launch(kernel: triton.JITFunction, table: SegmentTable, pointers: _launch.Po
     if table.num_programs == 0:
         return
     kwargs, options = launch_arguments(table, pointers, constexprs)
+    if _launch.count_stubbed_launch():
+        return
     device = table.blocks.device
     if device.type == "cuda":
         _launch.cuda_launch(kernel, table.num_programs, (table.memory, pointers.memory), args, kwargs, options, device)

@@ -398,6 +398,49 @@ class _nothing:
         return None
 
 
+# ------------------------------------------------------------------------------- host side
+@requires_triton_on_cpu
+@pytest.mark.parametrize("format", FORMATS)
+def test_strided_tensors_quantize_as_their_contiguous_copies(format: str) -> None:
+    """The copy-in reads its tensors in one contiguity pass and copies only a list that has a strided
+    tensor: gradients and shards with transposed strides give the codes and scales of their
+    contiguous copies, and are left as they were."""
+    shapes = [(33, 17), (16,), (7, 31)]
+    layout = ShardLayout(shapes, 2)
+    qlayout = QuantizedLayout(layout, 32, format)
+    strided = [t.t().contiguous().t() for t in _tensors([(33, 17)], [f32], 3)] + _tensors(shapes[1:], FLOATS, 4)
+    assert strided[0].shape == (33, 17) and not strided[0].is_contiguous()
+    before = [t.clone() for t in strided]
+    contiguous = [t.contiguous() for t in strided]
+    assert torch.equal(_quantized_copy_in(strided, qlayout, None)[0], _quantized_copy_in(contiguous, qlayout, None)[0])
+    shards = [layout.shard(t, 1) for t in strided]
+    assert torch.equal(_quantized_copy_in(shards, qlayout, 1)[0],
+                       _quantized_copy_in([s.contiguous() for s in shards], qlayout, 1)[0])
+    assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(strided, before))
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_launches_stubbed_runs_the_quantized_ops_up_to_the_kernel(format: str) -> None:
+    """``benchmarks/bench_kernels.py``'s quantized host table: under ``launches_stubbed`` each of the
+    four ops builds its tables and arguments and counts one launch, writing nothing."""
+    shapes = [(8, 5), (3,)]
+    layout = ShardLayout(shapes, 2)
+    qlayout = QuantizedLayout(layout, 32, format)
+    fulls = _tensors(shapes, [f32], 5)
+    buffer = torch.full((qlayout.buffer_bytes,), 9, dtype=torch.uint8)
+    outs = [torch.full(s, 7.0) for s in shapes]
+    grads = [torch.full(layout.shard_shape(i, 0), 7.0) for i in range(len(shapes))]
+    with _launch.launches_stubbed() as launched:
+        _quantized_copy_in([layout.shard(t, 0) for t in fulls], qlayout, 0)
+        _quantized_copy_in(fulls, qlayout, None)
+        _quantized_all_gather_copy_out(buffer, qlayout, outs)
+        _quantized_reduce_scatter_copy_out(buffer, grads, qlayout, 0, 0.5, True)
+    assert launched == [4]
+    assert all(bool((t == 7.0).all()) for t in outs + grads), "a stubbed launch writes nothing"
+    assert bool((buffer == 9).all())
+    assert _launch._stubbed_launches is None
+
+
 # ------------------------------------------------------------------------------- layout and bytes
 def test_quantized_layout_bytes_and_blocks() -> None:
     """Blocks start at each parameter's region and never span two; bytes on the link of a large
