@@ -666,12 +666,17 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
                    help="quantization blocks per program of the quantized kernels to time, each a row (powers of "
                         "two; 0, the default: the runtime's choice, overlap_kernels.quantized_layout.blocks_per_program; "
                         "1: one block per program)")
+    p.add_argument("--quantized-scale", type=int, default=None,
+                   help="divide the quantized GB/s table's workload dimensions by this (default: the other "
+                        "tables' scale; 1: full size, where a kernel outlasts its launch: issue 30's large workloads)")
     p.add_argument("--only-quantized", action="store_true", help="only the quantized table")
     p.add_argument("--profile-launch", action="store_true",
                    help="also print each runtime launcher's top functions by own time under cProfile (stdout only)")
     args = parse(p, argv)
     if args.world_size < 1:
         p.error("--world-size must be >= 1")
+    if args.quantized_scale is not None and args.quantized_scale < 1:
+        p.error(f"--quantized-scale must be >= 1, got {args.quantized_scale}")
     if any(n < 0 or n & (n - 1) for n in args.quantized_blocks_per_program):
         p.error(f"--quantized-blocks-per-program must be 0 or powers of two, got {args.quantized_blocks_per_program}")
     device = torch.device(args.device)
@@ -689,11 +694,12 @@ def main(argv: Sequence[str] | None = None) -> list[list[object]]:
     scaled = f"dimensions / {scale}" if scale > 1 else "full size"
 
     def quantized_table() -> list[list[object]]:
-        rows = quantized_rows(names, chosen, args.world_size, device, timer, args.quantized_num_warps,
+        q_scale = args.quantized_scale or scale
+        rows = quantized_rows(names, workloads(q_scale), args.world_size, device, timer, args.quantized_num_warps,
                               args.quantized_vector_path, args.quantized_blocks_per_program)
         emit(f"Quantized packing ops (overlap.Compression, block {QUANTIZED_BLOCK}; fp32 shards -> bf16 parameters, "
              f"bf16 gradients -> fp32 sharded gradients) vs plain copy — {path_label(device)}; world size "
-             f"{args.world_size}, rank 0; workloads {scaled}",
+             f"{args.world_size}, rank 0; workloads {f'dimensions / {q_scale}' if q_scale > 1 else 'full size'}",
              ["workload", "format", "op", "warps", "vector path", "blocks/program", "MB", "ms (p20-p80)", "GB/s",
               "copy GB/s", "vs copy", *(["device ms (p20-p80)", "vs copy, device"] if device.type == "cuda" else [])], rows,
              args.markdown)
