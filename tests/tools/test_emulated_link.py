@@ -422,7 +422,10 @@ def test_functional_waits_sleep_once_per_collective_on_the_group_fifo(distribute
         model = res["model"]
         assert 0.25 < model < 0.5 and res["correct"]
         assert res["issue"] < 0.25 * model, f"the collective blocked at issue: {res}"
-        assert model <= res["first_wait"] <= 1.25 * model, res
+        # The upper bounds sit halfway to the wrong answers (a wait that sleeps twice: 2x the model;
+        # a third transfer in the FIFO: 3x), not at a timing goal: a loaded 2-core box delays a
+        # sleeper's wake-up by tens of ms, and this test failed once in a suite run (1.25x before).
+        assert model <= res["first_wait"] <= 1.5 * model, res
         assert res["second_wait"] < 0.25 * model, f"a second wait slept again: {res}"
         assert res["wait_cpu"] < 0.1 * res["wait_wall"], f"waiting burnt CPU: {res}"
         assert 2 * model <= res["after_eager"] <= 2.5 * model, res
