@@ -105,7 +105,7 @@ def max_world_size() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m overlap`` parser (sub-commands ``demo`` and ``check-gpu``)."""
+    """The ``python -m overlap`` parser (sub-commands ``demo``, ``check-gpu`` and ``build-native``)."""
     from overlap.demo.run import COMPARABLE, FSDP2_LOSS_RTOL, MODEL_SIZES
 
     parser = argparse.ArgumentParser(prog="python -m overlap", description="triton-overlap command line.")
@@ -194,7 +194,30 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                        help="write each subprocess row's whole output (the GPU tests, the benchmarks, the "
                             "suite) to DIR/<row>.log (created), e.g. DIR/default-suite.log")
+    commands.add_parser(
+        "build-native",
+        help="build the packing launcher's native passes now, once per torch build, and say where (or why not)",
+        description=(
+            "Compiles overlap_kernels/native_passes.cpp against the installed torch into its cache "
+            "(OVERLAP_NATIVE_CACHE, default ~/.cache/triton-overlap/native), as the first launch on the Triton "
+            "path otherwise does (11-14 s on a 2-core box): in a container image, or before a job, so that no "
+            "rank builds during its first step. Prints the status and the built file. Exit codes: 0 built or "
+            "already cached, 1 not available here (the reason is printed; the packing ops then run the same "
+            "passes in Python: slower, same results)."),
+    )
     return parser
+
+
+def _build_native() -> int:
+    """``build-native``: build (or find) the native passes; 0 when they are usable, else 1."""
+    from overlap_kernels import native_passes
+
+    module = native_passes.loaded()
+    print(f"native passes: {native_passes.status()}")
+    if module is None:
+        return 1
+    print(f"built: {module.__file__}")
+    return 0
 
 
 def _torchrun_env(parser: argparse.ArgumentParser) -> Optional[tuple[int, int, int]]:
@@ -332,5 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from overlap.testing import gpu_check
 
         return gpu_check.main(skip_bench=args.skip_bench, suite=args.suite, log_dir=args.log_dir)
+    if args.command == "build-native":
+        return _build_native()
     parser.error(f"unknown command {args.command!r}")  # unreachable: argparse checks choices
     return 2

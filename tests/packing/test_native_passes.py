@@ -66,6 +66,21 @@ def test_the_extension_builds_where_a_compiler_and_python_headers_exist() -> Non
     assert native_passes.status() == "native" and native_passes.active()
 
 
+def test_the_build_native_command_builds_ahead_and_names_the_file(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m overlap build-native``: what the first launch would build, built now (or found in
+    the cache), and where."""
+    missing = _compiler_and_headers()
+    if missing is not None:
+        pytest.skip(f"cannot build the native passes here: {missing}")
+    from overlap.demo.cli import main
+
+    assert main(["build-native"]) == 0
+    out = capsys.readouterr().out
+    assert "native passes: native" in out, out
+    built = Path(out.split("built: ", 1)[1].strip())
+    assert built.is_file() and built.parent == native_passes.cache_dir(), out
+
+
 # ---------------------------------------------------------------------- the passes = their definitions
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(_lists()))
@@ -204,6 +219,17 @@ def test_a_machine_that_cannot_build_it_says_why_and_runs_the_python_passes(
     assert native_passes.addresses(tensors) == tuple(t.data_ptr() for t in tensors)
     assert native_passes.contiguous(tensors) is False and native_passes.describe(tensors) is None
     assert not list(fresh_state.glob("*.so")), "a failed build left a file behind"
+
+
+def test_the_build_native_command_says_why_not_and_exits_1(fresh_state: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from overlap.demo.cli import main
+
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert main(["build-native"]) == 1
+    out = capsys.readouterr().out
+    assert "native passes: unavailable: no C++ compiler (/nonexistent/c++ not found; set CXX)" in out, out
+    assert "built:" not in out and not list(fresh_state.iterdir())
 
 
 def test_the_torch_fallbacks_caller_never_builds_it(fresh_state: Path) -> None:
