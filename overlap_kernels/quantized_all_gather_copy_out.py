@@ -30,8 +30,8 @@ from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import store_as
 from overlap_kernels.block_quantization import dequantize_block, dequantize_elements_torch
 from overlap_kernels.quantized_copy_in import QUANTIZED_DTYPES
-from overlap_kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
-                                      tile_rows)
+from overlap_kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, pointer_table, program_blocks,
+                                      tile_offsets, tile_rows)
 
 OP = "quantized_all_gather_copy_out"
 
@@ -117,7 +117,7 @@ def _quantized_all_gather_copy_out(q_output: torch.Tensor, qlayout: QuantizedLay
             _quantized_all_gather_copy_out_torch(q_output, qlayout, outs)
         return
     table = qlayout.segment_table(None, device)
-    pointers = _launch.pointer_table(qlayout.layout, outs, device)
+    pointers = pointer_table(qlayout, ("all-gather copy-out",), outs, device)
     launch(_quantized_all_gather_copy_out_kernel, table, pointers, q_output.view(torch.int8),
            q_output.view(torch.float32), table.programs_per_slot, qlayout.slot_bytes, qlayout.layout.slot_numel,
            BLOCK=qlayout.block, FP8=qlayout.format == "fp8")

@@ -37,8 +37,8 @@ from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import load_as
 from overlap_kernels.block_quantization import quantize_blocks_torch, quantize_rows
 from overlap_kernels.layout import ShardLayout
-from overlap_kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
-                                      tile_rows)
+from overlap_kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, pointer_table, program_blocks,
+                                      tile_offsets, tile_rows)
 
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The parameter-side dtypes the quantized ops take."""
@@ -144,7 +144,7 @@ def _quantized_copy_in(tensors: Sequence[torch.Tensor], qlayout: QuantizedLayout
     if not native_passes.contiguous(tensors):  # one pass; a contiguous copy only where one is strided
         tensors = [t.contiguous() for t in tensors]
     table = qlayout.segment_table(rank, device)
-    pointers = _launch.pointer_table(qlayout.layout, tensors, device, dtypes)
+    pointers = pointer_table(qlayout, ("copy-in", rank), tensors, device, dtypes)
     launch(_quantized_copy_in_kernel, table, pointers, q_output.view(torch.int8), q_output.view(torch.float32),
            0 if rank is None else rank, table.programs_per_slot, qlayout.slot_bytes, qlayout.layout.slot_numel,
            BLOCK=qlayout.block, FP8=qlayout.format == "fp8")

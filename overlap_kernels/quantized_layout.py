@@ -74,13 +74,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from overlap_kernels import _launch, table_memory
+from overlap_kernels import _launch, native_passes, table_memory
 from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import vector_lanes
 from overlap_kernels.block_quantization import FORMATS
@@ -216,7 +217,9 @@ def blocks_per_program(block: int, largest_param_blocks: int) -> int:
     """Blocks per kernel program ([Note: several blocks per program]): ``ELEMENTS_PER_PROGRAM //
     block``, but no more than the largest parameter's ``largest_param_blocks`` rounded up to a power
     of two (a layout of small parameters keeps small tiles); at least 1."""
-    return max(1, min(ELEMENTS_PER_PROGRAM // block, triton.next_power_of_2(max(1, largest_param_blocks))))
+    # 1 << (n - 1).bit_length() is triton.next_power_of_2(n) for n >= 1, without the ~3 µs of calling
+    # Triton's constexpr function from Python at every launch
+    return max(1, min(ELEMENTS_PER_PROGRAM // block, 1 << (max(1, largest_param_blocks) - 1).bit_length()))
 
 
 def _programs(qlayout: QuantizedLayout, rank: int | None, per_program: int) -> np.ndarray:
@@ -322,6 +325,41 @@ def launch_arguments(table: SegmentTable, pointers: _launch.PointerTable,
                   VEC=vec, BLOCKS_PER_PROGRAM=table.blocks_per_program, **constexprs)
     warps = NUM_WARPS or warps_per_block(constexprs["BLOCK"] * table.blocks_per_program, vec)
     return kwargs, dict(num_warps=warps, enable_fp_fusion=False)
+
+
+def pointer_table(qlayout: QuantizedLayout, role: tuple, tensors: Sequence[torch.Tensor], device: torch.device,
+                  dtypes: tuple[torch.dtype, ...] | None = None) -> _launch.PointerTable:
+    """The pointer table of ``tensors`` (contiguous) for one list of one quantized op (``role``: which),
+    from the tables of that role, keyed on the addresses alone (the ``POINTER_CACHE_SIZE`` newest,
+    each with its list's per-tensor dtypes, compared at a hit: nothing hashed per tensor). A new
+    address set with the dtypes of the newest table reuses its dtype groups (``PointerTable.moved``,
+    [Note: a miss of a prepared launch] in ``overlap_kernels.prepared_launch``); other dtypes get a
+    table from ``_launch.pointer_table``. The runtime's gradients come at new addresses at every step
+    on CPU, where a new table per address set from ``_launch.pointer_table`` (dtype groups, a key
+    hashed over every dtype, an insert into the layout's cache) cost a reduction copy-in ~25 µs at
+    300 parameters. A table is a pure function of the addresses and dtypes, so none can go stale;
+    one made during CUDA graph capture is not kept."""
+    addresses = native_passes.addresses(tensors)
+    if dtypes is None:
+        dtypes = native_passes.dtypes(tensors)
+    key = ("quantized pointers", role, device)
+    tables = qlayout.layout._device_cache.get(key)
+    if tables is None:
+        tables = qlayout.layout._device_cache[key] = {}
+    entry = tables.get(addresses)
+    if entry is not None and entry[0] == dtypes:
+        return entry[1]
+    newest = tables[next(reversed(tables))] if tables else None
+    if newest is not None and newest[0] == dtypes:
+        table = newest[1].moved(addresses, device)
+    else:
+        table = _launch.pointer_table(qlayout.layout, tensors, device, dtypes)
+    if not table.memory.in_graph:
+        tables.pop(addresses, None)  # re-inserted as the newest
+        if len(tables) >= _launch.POINTER_CACHE_SIZE:
+            del tables[next(iter(tables))]
+        tables[addresses] = (dtypes, table)
+    return table
 
 
 def launch(kernel: triton.JITFunction, table: SegmentTable, pointers: _launch.PointerTable, *args: object,

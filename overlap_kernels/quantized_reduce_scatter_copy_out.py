@@ -33,8 +33,8 @@ from overlap_kernels._jit import load_as, store_as
 from overlap_kernels.block_quantization import dequantize_block
 from overlap_kernels.quantized_all_gather_copy_out import _check_buffer, dequantized
 from overlap_kernels.quantized_copy_in import QUANTIZED_DTYPES
-from overlap_kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, program_blocks, tile_offsets,
-                                      tile_rows)
+from overlap_kernels.quantized_layout import (QuantizedLayout, aligned_full_block, codes_at, launch, pointer_table, program_blocks,
+                                      tile_offsets, tile_rows)
 
 OP = "quantized_reduce_scatter_copy_out"
 
@@ -118,7 +118,7 @@ def _quantized_reduce_scatter_copy_out(received: torch.Tensor, outs: Sequence[to
             _quantized_reduce_scatter_copy_out_torch(received, outs, qlayout, rank, scale, accumulate)
         return
     table = qlayout.segment_table(rank, device)
-    pointers = _launch.pointer_table(qlayout.layout, outs, device)
+    pointers = pointer_table(qlayout, ("reduce-scatter copy-out", rank), outs, device)
     launch(_quantized_reduce_scatter_copy_out_kernel, table, pointers, received.view(torch.int8),
            received.view(torch.float32), qlayout.slot_bytes, qlayout.layout.slot_numel,
            1.0 if scale is None else as_float32(scale), BLOCK=qlayout.block, HAS_SCALE=scale is not None,

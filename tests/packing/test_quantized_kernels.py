@@ -441,6 +441,62 @@ def test_launches_stubbed_runs_the_quantized_ops_up_to_the_kernel(format: str) -
     assert _launch._stubbed_launches is None
 
 
+def _same_table(a: _launch.PointerTable, b: _launch.PointerTable) -> bool:
+    return (torch.equal(a.pointers, b.pointers) and a.dtypes == b.dtypes and a.num_groups == b.num_groups
+            and a.torch_dtypes == b.torch_dtypes)
+
+
+def test_pointer_tables_per_role_are_the_tables_of_their_addresses_and_dtypes() -> None:
+    """``quantized_layout.pointer_table``: a list at new addresses with the dtypes of the role's newest
+    table gets that table moved; other dtypes get a table of their own; each is the table
+    ``_launch.pointer_table`` builds for the list. A repeated address set is the same table; each
+    role keeps the ``POINTER_CACHE_SIZE`` newest; roles do not mix."""
+    shapes = [(6, 5), (4,), (3, 3)]
+    layout = ShardLayout(shapes, 2)
+    qlayout = QuantizedLayout(layout, 32)
+    lists = [_tensors(shapes, [f32, bf16], seed) for seed in range(_launch.POINTER_CACHE_SIZE + 8)]
+    other_dtypes = _tensors(shapes, [f16], 99)
+    role = ("copy-in", None)
+    first = quantized_layout.pointer_table(qlayout, role, lists[0], CPU)
+    assert _same_table(first, _launch.pointer_table(layout, lists[0], CPU))
+    moved = quantized_layout.pointer_table(qlayout, role, lists[1], CPU)
+    assert moved is not first and _same_table(moved, _launch.pointer_table(layout, lists[1], CPU))
+    assert quantized_layout.pointer_table(qlayout, role, lists[0], CPU) is first  # a hit
+    own = quantized_layout.pointer_table(qlayout, role, other_dtypes, CPU)
+    assert own.torch_dtypes == (f16,) and _same_table(own, _launch.pointer_table(layout, other_dtypes, CPU))
+    after = quantized_layout.pointer_table(qlayout, role, lists[2], CPU)  # the newest is f16's: built anew
+    assert _same_table(after, _launch.pointer_table(layout, lists[2], CPU))
+    for tensors in lists:
+        assert _same_table(quantized_layout.pointer_table(qlayout, role, tensors, CPU),
+                           _launch.pointer_table(layout, tensors, CPU))
+    kept = layout._device_cache[("quantized pointers", role, CPU)]
+    assert len(kept) == _launch.POINTER_CACHE_SIZE
+    other_role = quantized_layout.pointer_table(qlayout, ("all-gather copy-out",), lists[-1], CPU)
+    assert other_role is not quantized_layout.pointer_table(qlayout, role, lists[-1], CPU)
+    assert _same_table(other_role, _launch.pointer_table(layout, lists[-1], CPU))
+
+
+@requires_triton_on_cpu
+@pytest.mark.parametrize("format", FORMATS)
+def test_gradients_at_new_addresses_every_call_quantize_as_the_fallback(format: str) -> None:
+    """The reduce copy-in as the runtime calls it on CPU, a list of gradients at new addresses every
+    call (moved pointer tables), and the copy-outs into new outputs: bitwise the torch fallback."""
+    shapes = [(9, 7), (5,), (33,)]
+    layout = ShardLayout(shapes, 2)
+    qlayout = QuantizedLayout(layout, 32, format)
+    lists = [_tensors(shapes, [bf16, f32], seed) for seed in range(3)]  # all alive: three address sets
+    for seed, grads in enumerate(lists):
+        expected = torch.empty(qlayout.buffer_bytes, dtype=torch.uint8)
+        _quantized_copy_in_torch(grads, qlayout, None, expected)
+        got = _quantized_copy_in(grads, qlayout, None)[0]
+        assert torch.equal(got, expected), seed
+        outs_triton = [torch.empty(layout.shard_shape(i, 1)) for i in range(len(shapes))]
+        outs_torch = [torch.empty(layout.shard_shape(i, 1)) for i in range(len(shapes))]
+        _quantized_reduce_scatter_copy_out(got, outs_triton, qlayout, 1, 0.5, False)
+        _quantized_reduce_scatter_copy_out_torch(expected, outs_torch, qlayout, 1, 0.5, False)
+        assert all(torch.equal(a, b) for a, b in zip(outs_triton, outs_torch)), seed
+
+
 # ------------------------------------------------------------------------------- layout and bytes
 def test_quantized_layout_bytes_and_blocks() -> None:
     """Blocks start at each parameter's region and never span two; bytes on the link of a large
