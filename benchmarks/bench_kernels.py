@@ -510,6 +510,10 @@ def host_rows(names: Sequence[str], world_size: int, device: torch.device) -> li
     return rows
 
 
+QUANTIZED_NEW_ADDRESSES = "quantized reduce_scatter copy-in, gradients at new addresses"
+"""Quantized host table only: every call packs another list of gradients at addresses of its own, as
+the runtime's gradients come on CPU at every step (``NEW_ADDRESS_LISTS`` lists, more than a role keeps:
+``overlap_kernels.quantized_layout.pointer_table``)."""
 QUANTIZED_HOST_HEADER = ["workload", "params", "format", "op", "µs, Python passes", "µs",
                          "target µs (15 + 0.05/param)", "µs / target"]
 
@@ -526,10 +530,12 @@ def quantized_host_rows(names: Sequence[str], world_size: int, device: torch.dev
         workload = workloads(cuda_scale if device.type == "cuda" else 64)[name]
         target = host_target_us(len(workload.shapes))
         for fmt in ("int8", "fp8"):
-            _, case = quantized_case(workload, world_size, fmt, device)  # built on the path it will run
-            fns = {}
-            for op, (fn, _) in case.items():
-                fns[op + PYTHON_PASSES] = fns[op] = fn
+            qlayout, case = quantized_case(workload, world_size, fmt, device)  # built on the path it will run
+            fns = {op: fn for op, (fn, _) in case.items()}
+            # the reduction's copy-in as on CPU at every step: gradients at new addresses (a table moved)
+            next_fresh = itertools.cycle(_lists_at_new_addresses(qlayout.layout, torch.bfloat16, device)).__next__
+            fns[QUANTIZED_NEW_ADDRESSES] = lambda: _quantized_copy_in(next_fresh(), qlayout, None)
+            fns.update({op + PYTHON_PASSES: fn for op, fn in fns.items()})
             if device.type == "cuda":
                 us = host_us_side_by_side(fns, device)
             else:
@@ -537,7 +543,7 @@ def quantized_host_rows(names: Sequence[str], world_size: int, device: torch.dev
                     us = host_us_side_by_side(fns, device)
                 assert launched[0] > 0, "the Triton path was not taken"
             rows += [[workload.name, len(workload.shapes), fmt, op, us[op + PYTHON_PASSES], us[op], target,
-                      us[op] / target] for op in case]
+                      us[op] / target] for op in (*case, QUANTIZED_NEW_ADDRESSES)]
             del case
     return rows
 
