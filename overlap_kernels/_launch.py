@@ -353,13 +353,7 @@ def _new_pointer_table(layout: ShardLayout, key: tuple, addresses: native_passes
     is a function of); the layout keeps the ``POINTER_CACHE_SIZE`` newest, and drops the oldest
     (its device copy is released once the kernels that may read it have run: [Note: table
     lifetime] in ``overlap_kernels.table_memory``)."""
-    groups = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}  # first-seen order, one C pass
-    column = np.zeros(len(dtypes), dtype=np.int64)
-    if len(groups) > 1:
-        column[:] = list(map(groups.__getitem__, dtypes))
-    group_dtypes = [TRITON_DTYPES[d] for d in groups]
-    table = _pointer_rows(addresses, column, tuple(group_dtypes + group_dtypes[:1] * (MAX_DTYPE_GROUPS - len(group_dtypes))),
-                          len(group_dtypes), tuple(groups), device)
+    table = built_pointer_table(addresses, dtypes, device)
     if not table.memory.in_graph:
         keys = layout._device_cache.setdefault("pointer table keys", collections.deque())
         if len(keys) >= POINTER_CACHE_SIZE:
@@ -367,6 +361,19 @@ def _new_pointer_table(layout: ShardLayout, key: tuple, addresses: native_passes
         layout._device_cache[key] = table
         keys.append(key)
     return table
+
+
+def built_pointer_table(addresses: native_passes.Addresses, dtypes: tuple[torch.dtype, ...],
+                        device: torch.device) -> PointerTable:
+    """The table of ``addresses`` and ``dtypes`` (each tensor's, in order), uploaded to ``device``,
+    cached nowhere: its dtype groups in first-seen order."""
+    groups = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}  # first-seen order, one C pass
+    column = np.zeros(len(dtypes), dtype=np.int64)
+    if len(groups) > 1:
+        column[:] = list(map(groups.__getitem__, dtypes))
+    group_dtypes = [TRITON_DTYPES[d] for d in groups]
+    return _pointer_rows(addresses, column, tuple(group_dtypes + group_dtypes[:1] * (MAX_DTYPE_GROUPS - len(group_dtypes))),
+                         len(group_dtypes), tuple(groups), device)
 
 
 def _pointer_rows(addresses: native_passes.Addresses, groups: np.ndarray, dtypes: tuple[tl.dtype, ...], num_groups: int,

@@ -334,10 +334,10 @@ def pointer_table(qlayout: QuantizedLayout, role: tuple, tensors: Sequence[torch
     each with its list's per-tensor dtypes, compared at a hit: nothing hashed per tensor). A new
     address set with the dtypes of the newest table reuses its dtype groups (``PointerTable.moved``,
     [Note: a miss of a prepared launch] in ``overlap_kernels.prepared_launch``); other dtypes get a
-    table from ``_launch.pointer_table``. The runtime's gradients come at new addresses at every step
-    on CPU, where a new table per address set from ``_launch.pointer_table`` (dtype groups, a key
-    hashed over every dtype, an insert into the layout's cache) cost a reduction copy-in ~25 µs at
-    300 parameters. A table is a pure function of the addresses and dtypes, so none can go stale;
+    table built (``_launch.built_pointer_table``), kept here only. The runtime's gradients come at
+    new addresses at every step on CPU, where a new table per address set from
+    ``_launch.pointer_table`` (dtype groups, a key hashed over every dtype, an insert into the
+    layout's cache) cost a reduction copy-in ~25 µs at 300 parameters. A table is a pure function of the addresses and dtypes, so none can go stale;
     one made during CUDA graph capture is not kept."""
     addresses = native_passes.addresses(tensors)
     if dtypes is None:
@@ -353,7 +353,7 @@ def pointer_table(qlayout: QuantizedLayout, role: tuple, tensors: Sequence[torch
     if newest is not None and newest[0] == dtypes:
         table = newest[1].moved(addresses, device)
     else:
-        table = _launch.pointer_table(qlayout.layout, tensors, device, dtypes)
+        table = _launch.built_pointer_table(addresses, dtypes, device)
     if not table.memory.in_graph:
         tables.pop(addresses, None)  # re-inserted as the newest
         if len(tables) >= _launch.POINTER_CACHE_SIZE:
