@@ -88,7 +88,7 @@ import triton.language as tl
 from overlap_kernels import _compiled_launch, native_passes, table_memory
 from overlap_kernels._dtypes import MAX_DTYPE_GROUPS, TRITON_DTYPES, as_float32, compute_dtype
 from overlap_kernels._jit import INTERPRET
-from overlap_kernels.layout import ShardLayout
+from overlap_kernels.layout import ShardLayout, next_power_of_two
 
 POINTER_CACHE_SIZE = 64
 GPU_MAX_BLOCK = 4096
@@ -202,7 +202,7 @@ def _pick_block(max_run: int, device: torch.device) -> tuple[int, int, int]:
     step of the scalar paths (4 per thread on a GPU, the whole block under the interpreter, which
     pays per step: [Note: per-thread width] in ``overlap_kernels._jit``)."""
     cap = GPU_MAX_BLOCK if device.type == "cuda" else INTERPRET_MAX_BLOCK
-    block = min(cap, max(128, triton.next_power_of_2(max(max_run, 1))))
+    block = min(cap, max(128, next_power_of_two(max_run)))
     num_warps = 8 if block >= 4096 else 4
     return block, num_warps, min(block, 4 * 32 * num_warps) if device.type == "cuda" else block
 

@@ -29,6 +29,7 @@ from overlap_kernels._checks import check_dtype
 from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import INTERPRET
 from overlap_kernels._launch import triton_enabled
+from overlap_kernels.layout import next_power_of_two
 from overlap_kernels.library import use_dispatcher
 
 _PIECES_CACHE: dict[tuple, torch.Tensor] = {}
@@ -96,7 +97,7 @@ def launch_block(total: int, device: torch.device) -> int:
     """Elements per program: 1024 on a GPU; under the interpreter up to 64K (it pays per program)."""
     if device.type == "cuda":
         return 1024
-    return max(16, min(1 << 16, 1 << max(0, (total - 1).bit_length())))
+    return max(16, min(1 << 16, next_power_of_two(total)))
 
 
 def use_triton(tensors: Sequence[torch.Tensor]) -> bool:

@@ -49,6 +49,13 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``): ``triton.next_power_of_2`` for
+    ``n >= 1``, in plain Python. Triton's is a constexpr function whose call from Python costs
+    about 2.5 µs (Triton 3.9), which a launch path cannot afford per call."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 class ShardLayout:
     """Sharding of ``N`` parameters (given by their full shapes) over ``world_size`` ranks.
 

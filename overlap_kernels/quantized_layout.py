@@ -85,7 +85,7 @@ from overlap_kernels import _launch, native_passes, table_memory
 from overlap_kernels._device_function import device_function
 from overlap_kernels._jit import vector_lanes
 from overlap_kernels.block_quantization import FORMATS
-from overlap_kernels.layout import ShardLayout
+from overlap_kernels.layout import ShardLayout, next_power_of_two
 
 __all__ = ["BLOCKS", "QuantizedLayout", "SegmentTable", "blocks_per_program", "quantized_layout"]
 
@@ -217,9 +217,7 @@ def blocks_per_program(block: int, largest_param_blocks: int) -> int:
     """Blocks per kernel program ([Note: several blocks per program]): ``ELEMENTS_PER_PROGRAM //
     block``, but no more than the largest parameter's ``largest_param_blocks`` rounded up to a power
     of two (a layout of small parameters keeps small tiles); at least 1."""
-    # 1 << (n - 1).bit_length() is triton.next_power_of_2(n) for n >= 1, without the ~3 µs of calling
-    # Triton's constexpr function from Python at every launch
-    return max(1, min(ELEMENTS_PER_PROGRAM // block, 1 << (max(1, largest_param_blocks) - 1).bit_length()))
+    return max(1, min(ELEMENTS_PER_PROGRAM // block, next_power_of_two(largest_param_blocks)))
 
 
 def _programs(qlayout: QuantizedLayout, rank: int | None, per_program: int) -> np.ndarray:

@@ -116,6 +116,7 @@ from overlap.groups import GroupInfo
 from overlap.regions import region
 from overlap.tensor_parallelism.chunk_trial import trial_seconds
 from overlap.tensor_parallelism.collective_matmul import SeqLayout, _ChunkedGather
+from overlap_kernels.layout import next_power_of_two
 from scheduler.collective_matmul import MIN_ROWS
 
 __all__ = ["CALIBRATION_BYTES", "KINDS", "MARGIN", "MAX_CHUNKS", "MIN_ROWS", "TRIAL_BUDGET_S", "TRIAL_MARGIN",
@@ -386,7 +387,7 @@ def _host_cost(info: GroupInfo, device: torch.device) -> Optional[HostCost]:
 
 
 def _bucket(rows: int) -> int:
-    return 1 << max(0, rows - 1).bit_length()
+    return next_power_of_two(rows)
 
 
 def _gemm_cost(work: Workload, info: GroupInfo, device: torch.device) -> Optional[GemmCost]:

@@ -17,6 +17,7 @@ import triton.language as tl
 from kernel_cases import kernel_device, requires_kernels
 from overlap_kernels import ShardLayout
 from overlap_kernels import _jit, _launch
+from overlap_kernels.layout import next_power_of_two
 
 WORLD_SIZES = (1, 2, 3, 4, 8)
 ALIGN = 16  # documented: every parameter's region in a slot starts at a multiple of 16 elements
@@ -239,3 +240,11 @@ def test_device_side_block_offsets_beyond_int32() -> None:
         [0, HUGE + ALIGN + 3 * 2**31, 2 * 5, ALIGN],
     ]
     assert out.cpu().tolist() == expected
+
+
+def test_next_power_of_two_is_tritons_and_one_at_most_one() -> None:
+    """``next_power_of_two``, the launch paths' plain-Python rounding, is ``triton.next_power_of_2``
+    from 1 up (every n to 4096 and around each power of two to 2**40), and 1 for 0 and below."""
+    ns = list(range(1, 4097)) + [(1 << k) + d for k in range(12, 41) for d in (-1, 0, 1)]
+    assert [next_power_of_two(n) for n in ns] == [triton.next_power_of_2(n) for n in ns]
+    assert [next_power_of_two(n) for n in (0, -1, -7)] == [1, 1, 1]
