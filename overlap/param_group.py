@@ -1148,25 +1148,40 @@ class ParamGroup:
         """World size 1 fast path of the reduce-scatter: the full gradient is the shard's gradient;
         with a cast (``casts_shards``) it is rounded to the reduce dtype and cast to the shard's,
         as the packed path's copy-in and copy-out would (one foreach cast for the new gradients, one
-        foreach add for the accumulated ones)."""
+        foreach add for the accumulated ones).
+
+        Runs once per group per step inside backward, between the blocks' kernels: the getters and
+        setters of both parameter lists run without torch-function lookups ([Note: the shards'
+        getters without lookups]), and where the unsharded parameters alias the shards
+        (``aliases_shards``) no dtype is read: autograd gives a parameter's gradient the parameter's
+        dtype (the shard's here), and ``.grad``'s setter refuses any other."""
         assert self.unsharded is not None
         reduce_dtype = self.mp.effective_reduce_dtype if self.casts_shards else None
+        same_dtype = self.aliases_shards and not self.has_tp_params
         moved, fresh_src, fresh_dst, acc_src, acc_dst = [], [], [], [], []
         unsharded, sharded, tp_specs, has_tp = self.unsharded, self.sharded, self.tp_specs, self.has_tp_params
-        with _NoGrad():
+        with _NoGrad(), self._unsharded_getters(), self._shard_getters():
             for i in indices:
                 u, s = unsharded[i], sharded[i]
                 grad = self.unsharded_grad(i) if has_tp and tp_specs[i] is not None else u.grad
                 if grad is None:
                     continue
-                local = s._local_tensor  # type: ignore[attr-defined]
                 u.grad = None
+                moved.append(s)
+                existing = s.grad
+                if same_dtype:
+                    if existing is None:
+                        s.grad = _dtensor(grad, s._spec)  # type: ignore[attr-defined]
+                    else:
+                        acc_src.append(grad)
+                        acc_dst.append(existing._local_tensor)
+                    continue
+                local = s._local_tensor  # type: ignore[attr-defined]
                 if reduce_dtype is not None and not _widens_exactly(grad.dtype, reduce_dtype):
                     grad = grad.to(reduce_dtype)  # the reduction's rounding, as the packed path has it
                 if has_tp and grad.shape != local.shape:  # else the shapes are the layout's, equal
                     grad = grad.view(local.shape)
-                moved.append(s)
-                if s.grad is None:
+                if existing is None:
                     if grad.dtype == local.dtype:
                         s.grad = _dtensor(grad, s._spec)  # type: ignore[attr-defined]
                         continue
@@ -1176,7 +1191,7 @@ class ParamGroup:
                     fresh_dst.append(target)
                 else:
                     acc_src.append(grad if grad.dtype == local.dtype else grad.to(local.dtype))
-                    acc_dst.append(s.grad._local_tensor)  # type: ignore[union-attr]
+                    acc_dst.append(existing._local_tensor)
             if fresh_dst:
                 torch._foreach_copy_(fresh_dst, fresh_src)
             if acc_dst:
