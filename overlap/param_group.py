@@ -299,6 +299,9 @@ class ParamGroup:
         self.reduced_hooks_seconds = 0.0
         """Host seconds the ``reduced_hooks`` took the last time they ran (the optimizer math the
         runtime may move: [Note: deferred optimizer steps])."""
+        self.registers_unsharded = False
+        """Did ``to_unsharded`` register parameters on the modules last, rather than ``to_sharded``?
+        (The end of a step re-registers the sharded ones only where the unsharded ones are.)"""
         self.to_sharded()
 
     def _to_dtensor_param(self, full: torch.Tensor, tp_spec: Optional[DTensorSpec],
@@ -363,11 +366,13 @@ class ParamGroup:
     def to_sharded(self) -> None:
         """Register the sharded parameters on their modules (between steps)."""
         self._register(self.sharded)
+        self.registers_unsharded = False
 
     def to_unsharded(self) -> None:
         """Register the unsharded parameters on their modules (while the forward runs)."""
         assert self.unsharded is not None and self.is_unsharded
         self._register(self.unsharded)
+        self.registers_unsharded = True
 
     def _register(self, params: list[nn.Parameter]) -> None:
         for parameters, name, i in self._slots:

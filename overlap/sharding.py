@@ -1318,7 +1318,8 @@ class _Root:
                     continue  # its next-step gather is in flight (see [Note: gathering ahead in backward])
                 if not (self.in_backward and not state.reshard_after_backward):
                     state.group.reshard()
-                    state.group.to_sharded()
+                    if state.group.registers_unsharded:  # else done by its reduction, the usual case
+                        state.group.to_sharded()
         self._ahead = set()
         for state in self._deferring:  # a backward cut short: its deferred groups stay unstepped
             state.group.defer_reduced_hooks = False  # type: ignore[union-attr]
