@@ -148,6 +148,31 @@ def _train(model: nn.Module, parts: Any, divide: int) -> dict[str, Any]:
     return out
 
 
+def _compare_with_fsdp2_and_unsharded(results: dict[str, Any]) -> list[str]:
+    """``torch_tp+shard`` is FSDP2 on the same torch TP bitwise (bf16: but for FSDP2's bf16 tp
+    reduction before torch 2.15, ``BF16_TOL``); ``fsdp2`` and ``tp+shard`` match the unsharded model
+    (``TOL``): first-step gradients, final parameters, clip norms."""
+    problems: list[str] = []
+    want = results["fsdp2"]
+    for what in ("grads", "params"):
+        for n, value in results["torch_tp+shard"][what].items():
+            problems += _close(f"torch_tp+shard {what} {n} vs FSDP2", value, want[what][n], None)
+    problems += _close("torch_tp+shard clip_grad_norm_ vs FSDP2", results["torch_tp+shard"]["norm"], want["norm"], None)
+    ours_bf16, theirs_bf16 = results["torch_tp+shard:bf16"], results["fsdp2:bf16"]
+    for what in ("grads", "params"):
+        for n, value in ours_bf16[what].items():
+            # bitwise, but for what FSDP2 before torch 2.15 reduces over tp in bf16 (BF16_TOL)
+            tol = None if FSDP2_TP_GRADS_IN_REDUCE_DTYPE or (what == "grads" and "norm" not in n) else BF16_TOL
+            problems += _close(f"torch_tp+shard bf16 {what} {n} vs FSDP2 bf16", value, theirs_bf16[what][n], tol)
+    for variant in ("fsdp2", "tp+shard"):
+        for what in ("grads", "params"):
+            for n, value in results[variant][what].items():
+                problems += _close(f"{variant} {what} {n} vs unsharded", value, results["unsharded"][what][n], TOL)
+        problems += _close(f"{variant} clip_grad_norm_ vs unsharded", results[variant]["norm"],
+                           results["unsharded"]["norm"], TOL)
+    return problems
+
+
 def _fsdp_tp_rank(rank: int, world: int, path: str) -> list[str]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -175,23 +200,7 @@ def _fsdp_tp_rank(rank: int, world: int, path: str) -> list[str]:
                 or o.to_local().shape != t.to_local().shape):
             problems.append(f"{k}: {getattr(o, 'placements', type(o).__name__)} local "
                             f"{tuple(o.to_local().shape)}; FSDP2: {t.placements} local {tuple(t.to_local().shape)}")
-    want = results["fsdp2"]
-    for what in ("grads", "params"):
-        for n, value in results["torch_tp+shard"][what].items():
-            problems += _close(f"torch_tp+shard {what} {n} vs FSDP2", value, want[what][n], None)
-    problems += _close("torch_tp+shard clip_grad_norm_ vs FSDP2", results["torch_tp+shard"]["norm"], want["norm"], None)
-    ours_bf16, theirs_bf16 = results["torch_tp+shard:bf16"], results["fsdp2:bf16"]
-    for what in ("grads", "params"):
-        for n, value in ours_bf16[what].items():
-            # bitwise, but for what FSDP2 before torch 2.15 reduces over tp in bf16 (BF16_TOL)
-            tol = None if FSDP2_TP_GRADS_IN_REDUCE_DTYPE or (what == "grads" and "norm" not in n) else BF16_TOL
-            problems += _close(f"torch_tp+shard bf16 {what} {n} vs FSDP2 bf16", value, theirs_bf16[what][n], tol)
-    for variant in ("fsdp2", "tp+shard"):
-        for what in ("grads", "params"):
-            for n, value in results[variant][what].items():
-                problems += _close(f"{variant} {what} {n} vs unsharded", value, results["unsharded"][what][n], TOL)
-        problems += _close(f"{variant} clip_grad_norm_ vs unsharded", results[variant]["norm"],
-                           results["unsharded"]["norm"], TOL)
+    problems += _compare_with_fsdp2_and_unsharded(results)
     sd_o_tp = get_model_state_dict(models["tp+shard"])
     for k, v in sd_o_tp.items():
         problems += _close(f"tp+shard state dict {k} vs unsharded", _full(v), results["unsharded"]["params"][k], TOL)
@@ -245,5 +254,27 @@ def test_fsdp_with_tensor_parallel_four_ranks(distributed: Any, tmp_path: Any) -
     """overlap.shard over dp on torch TP is FSDP2 bitwise; over overlap.tensor_parallel it matches
     the unsharded model; specs, clip norms, state dicts and DCP as FSDP2's."""
     results = distributed(_fsdp_tp_rank, 4, str(tmp_path / "ckpt"), timeout=280)
+    for rank, problems in enumerate(results):
+        assert problems == [], f"rank {rank}: " + "\n".join(problems)
+
+
+def _one_dp_rank(rank: int, world: int) -> list[str]:
+    """Mesh ``("dp", "tp") = (1, world)``: one data-parallel rank, so ``overlap.shard`` hands each
+    gradient to its shard without packing ([Note: world size 1] in ``overlap/param_group.py``), here
+    tensor-parallel gradients: a norm's ``Partial()`` one all-reduced over tp first, bf16 ones cast."""
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    _, tp_rank = mesh.get_coordinate()
+    ref = Stack()
+    results = {"unsharded": _train(copy.deepcopy(ref), lambda t: t, 1)}
+    for variant in ("fsdp2", "torch_tp+shard", "tp+shard", "fsdp2:bf16", "torch_tp+shard:bf16"):
+        results[variant] = _train(_build(variant, ref, mesh), lambda t: _local_part(t, 1, 0, world, tp_rank), 1)
+    return _compare_with_fsdp2_and_unsharded(results)
+
+
+@pytest.mark.timeout(200)
+def test_one_data_parallel_rank_with_tensor_parallel(distributed: Any) -> None:
+    """overlap.shard over a dp dim of one rank on torch TP is FSDP2 bitwise, fp32 and bf16; over
+    overlap.tensor_parallel it matches the unsharded model."""
+    results = distributed(_one_dp_rank, 2, timeout=180)
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}: " + "\n".join(problems)
