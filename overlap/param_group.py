@@ -299,9 +299,6 @@ class ParamGroup:
         self.reduced_hooks_seconds = 0.0
         """Host seconds the ``reduced_hooks`` took the last time they ran (the optimizer math the
         runtime may move: [Note: deferred optimizer steps])."""
-        self.registers_unsharded = False
-        """Did ``to_unsharded`` register parameters on the modules last, rather than ``to_sharded``?
-        (The end of a step re-registers the sharded ones only where the unsharded ones are.)"""
         self.to_sharded()
 
     def _to_dtensor_param(self, full: torch.Tensor, tp_spec: Optional[DTensorSpec],
@@ -366,13 +363,17 @@ class ParamGroup:
     def to_sharded(self) -> None:
         """Register the sharded parameters on their modules (between steps)."""
         self._register(self.sharded)
-        self.registers_unsharded = False
 
     def to_unsharded(self) -> None:
         """Register the unsharded parameters on their modules (while the forward runs)."""
         assert self.unsharded is not None and self.is_unsharded
         self._register(self.unsharded)
-        self.registers_unsharded = True
+
+    def sharded_registered(self) -> bool:
+        """Are the sharded parameters the ones on the modules (as ``to_sharded`` left them)? One
+        dict read: the first location's."""
+        parameters, name, i = self._slots[0]
+        return parameters.get(name) is self.sharded[i]
 
     def _register(self, params: list[nn.Parameter]) -> None:
         for parameters, name, i in self._slots:
@@ -1174,28 +1175,24 @@ class ParamGroup:
                 u.grad = None
                 moved.append(s)
                 existing = s.grad
-                if same_dtype:
-                    if existing is None:
-                        s.grad = _dtensor(grad, s._spec)  # type: ignore[attr-defined]
-                    else:
-                        acc_src.append(grad)
-                        acc_dst.append(existing._local_tensor)
-                    continue
-                local = s._local_tensor  # type: ignore[attr-defined]
-                if reduce_dtype is not None and not _widens_exactly(grad.dtype, reduce_dtype):
-                    grad = grad.to(reduce_dtype)  # the reduction's rounding, as the packed path has it
-                if has_tp and grad.shape != local.shape:  # else the shapes are the layout's, equal
-                    grad = grad.view(local.shape)
+                if not same_dtype:
+                    local = s._local_tensor  # type: ignore[attr-defined]
+                    if reduce_dtype is not None and not _widens_exactly(grad.dtype, reduce_dtype):
+                        grad = grad.to(reduce_dtype)  # the reduction's rounding, as the packed path has it
+                    if has_tp and grad.shape != local.shape:  # else the shapes are the layout's, equal
+                        grad = grad.view(local.shape)
+                    if grad.dtype != local.dtype:
+                        if existing is None:  # a new gradient in the shard's dtype: cast by one foreach copy
+                            target = torch.empty_like(local)
+                            s.grad = _dtensor(target, s._spec)  # type: ignore[attr-defined]
+                            fresh_src.append(grad)
+                            fresh_dst.append(target)
+                            continue
+                        grad = grad.to(local.dtype)
                 if existing is None:
-                    if grad.dtype == local.dtype:
-                        s.grad = _dtensor(grad, s._spec)  # type: ignore[attr-defined]
-                        continue
-                    target = torch.empty_like(local)
-                    s.grad = _dtensor(target, s._spec)  # type: ignore[attr-defined]
-                    fresh_src.append(grad)
-                    fresh_dst.append(target)
+                    s.grad = _dtensor(grad, s._spec)  # type: ignore[attr-defined]
                 else:
-                    acc_src.append(grad if grad.dtype == local.dtype else grad.to(local.dtype))
+                    acc_src.append(grad)
                     acc_dst.append(existing._local_tensor)
             if fresh_dst:
                 torch._foreach_copy_(fresh_dst, fresh_src)

@@ -1318,7 +1318,7 @@ class _Root:
                     continue  # its next-step gather is in flight (see [Note: gathering ahead in backward])
                 if not (self.in_backward and not state.reshard_after_backward):
                     state.group.reshard()
-                    if state.group.registers_unsharded:  # else done by its reduction, the usual case
+                    if not state.group.sharded_registered():  # else done by its reduction, the usual case
                         state.group.to_sharded()
         self._ahead = set()
         for state in self._deferring:  # a backward cut short: its deferred groups stay unstepped
