@@ -32,13 +32,24 @@ overlap.shard's own optimizer with the steady-state gathering off (``TORCHS_LOOP
 ``OMP_NUM_THREADS=1`` on a shared small box: the fused CPU kernels' thread barriers stall whenever a
 core is busy (fused AdamW measured 718 ms per step with threads under load, 0.4 ms without).
 
+A third table splits the small config's step into its phases (``zero_grad``, the forward with the
+loss's ``sum()``, backward, the optimizer step), host ms each, the same interleaved way, with one
+more mode: ``NOOP_HOOKS``, the plain model carrying the kinds of hooks the runtime registers, each
+doing nothing. Its phases above plain's are torch's hook mechanism; overlap.shard's above it are the
+runtime's own work (the last column, µs per block). On CPU an instruction of the runtime's takes
+2-3x the time of one of plain's (Python calls and attribute reads, against plain's count that
+includes the CPU kernels' dense loops: benchmarks/RESULTS.md), so a phase's time, not its
+instruction count (``bench_host_instructions.py``), is what a GPU host would see grow.
+
 Then ``torch.profiler`` (CPU activity) records ``--profile-steps`` steps of each sharded mode of the
 ``small`` config and prints its top host costs: self CPU µs per step of the top ``--top`` ops. A
 last table (``differing_host_costs``) profiles plain and overlap.shard again with ``record_shapes``
 and takes the ops whose host time grows most from plain to overlap.shard. For each of their costliest
 (input shapes, input strides, thread) variants it gives the calls per step and µs per call in both
 modes, so a GPU run shows whether an op costs more per call on the same inputs, on other inputs or
-on another thread (input strides need torch 2.13 or newer, else "-").
+on another thread (input strides need torch 2.13 or newer, else "-"). The runtime's regions are
+named per module (``overlap::pre_forward (blocks.3)``); both profile tables add them up per kind
+(``overlap::pre_forward (every module)``), so that a cost paid once per block ranks by its total.
 
 ``--statistic min`` reports the fastest sample of each mode instead of the median (on a box
 loaded by other work the minimum is the least disturbed; ratios stay within one table).
@@ -49,9 +60,11 @@ loaded by other work the minimum is the least disturbed; ratios stay within one 
 from __future__ import annotations
 
 import contextlib
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -150,6 +163,104 @@ def with_torchs_init_group_loop(step: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+NOOP_HOOKS = "plain + no-op hooks"
+"""The phase table's control mode: the plain model with the kinds of hooks ``overlap.shard`` puts on a
+block, each doing nothing: a forward pre-hook taking kwargs (prepended) and a forward hook per block,
+the forward hook registering a pre-hook on the output's autograd node each forward, and a
+post-accumulate-grad hook per parameter. Its phases above plain's are torch's hook mechanism."""
+
+PHASES = ("zero_grad", "forward", "backward", "optimizer step")
+"""The phase table's rows, in step order (forward includes the loss's ``sum()``)."""
+
+STEP_SUM = "the phases summed"
+"""The phase table's last row: each mode's phase values added up."""
+
+
+class _NoopNodeHook:
+    """A node pre-hook that does nothing (the runtime's is an object too: ``_OutputHook``)."""
+
+    __slots__ = ()
+
+    def __call__(self, *_: object) -> None:
+        return None
+
+
+_NOOP_NODE_HOOK = _NoopNodeHook()
+
+
+def _noop_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    return None
+
+
+def _noop_post_forward(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    if output.grad_fn is not None:
+        output.grad_fn.register_prehook(_NOOP_NODE_HOOK)
+
+
+def _noop_grad_hook(param: torch.Tensor) -> None:
+    return None
+
+
+def add_noop_hooks(model: nn.Module) -> None:
+    """``NOOP_HOOKS``' hooks on every block of ``model`` (an ``nn.Sequential`` of blocks)."""
+    for block in model:
+        block.register_forward_pre_hook(_noop_pre_forward, with_kwargs=True, prepend=True)
+        block.register_forward_hook(_noop_post_forward)
+        for param in block.parameters():
+            param.register_post_accumulate_grad_hook(_noop_grad_hook)
+
+
+def make_phases(mode: str, blocks: int, d: int, tokens: int, device: torch.device) -> list[Callable[[], None]]:
+    """``mode``'s step as its ``PHASES``, called in order (``NOOP_HOOKS``: plain with the no-op hooks)."""
+    model, x = make_model("plain" if mode == NOOP_HOOKS else mode, blocks, d, tokens, device)
+    if mode == NOOP_HOOKS:
+        add_noop_hooks(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loss: list[torch.Tensor] = []
+    return [lambda: opt.zero_grad(set_to_none=True), lambda: loss.append(model(x).sum()),
+            lambda: loss.pop().backward(), opt.step]
+
+
+def timed_phases(phases: list[Callable[[], None]], steps: int, device: torch.device) -> list[float]:
+    """Host seconds per step of each phase over ``steps`` steps (a device synchronize after each
+    step, outside the timing: a host-bound step's GPU waits for the host anyway)."""
+    totals = [0.0] * len(phases)
+    clock = time.perf_counter
+    for _ in range(steps):
+        for i, phase in enumerate(phases):
+            start = clock()
+            phase()
+            totals[i] += clock() - start
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return [t / steps for t in totals]
+
+
+def phase_rows(blocks: int, d: int, tokens: int, device: torch.device, steps: int, repeats: int,
+               statistic: str = "median") -> list[list[str]]:
+    """Per phase and mode (plain, ``NOOP_HOOKS``, the sharded modes): host ms, vs plain, and µs per
+    block over ``NOOP_HOOKS`` (for the sharded modes: their own work above torch's hook mechanism)."""
+    modes = ["plain", NOOP_HOOKS, *[m for m in MODES if m != "plain"]]
+    parts = {mode: make_phases(mode, blocks, d, tokens, device) for mode in modes}
+    for mode in modes:
+        timed_phases(parts[mode], 2, device)  # warm-up: the first step records schedules
+    samples: dict[str, list[list[float]]] = {m: [] for m in modes}
+    for r in range(repeats):
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            samples[mode].append(timed_phases(parts[mode], steps, device))
+    reduce = STATISTICS[statistic]
+    value = {m: [reduce([s[i] for s in samples[m]]) for i in range(len(PHASES))] for m in modes}
+    def ms(mode: str, i: Optional[int]) -> float:  # i None: the phases summed
+        return 1e3 * (sum(value[mode]) if i is None else value[mode][i])
+
+    rows = []
+    for i, phase in [*enumerate(PHASES), (None, STEP_SUM)]:
+        for mode in modes:
+            over = "-" if mode in ("plain", NOOP_HOOKS) else f"{1e3 * (ms(mode, i) - ms(NOOP_HOOKS, i)) / blocks:+.1f}"
+            rows.append([phase, mode, f"{ms(mode, i):.3f}", f"{ms(mode, i) / ms('plain', i):.2f}x", over])
+    return rows
+
+
 STATISTICS = {"median": statistics.median, "min": min}
 """--statistic: how the samples of a mode become its number."""
 
@@ -207,6 +318,16 @@ def interleaved(fns: dict[str, Callable[[], None]], steps: int, repeats: int,
     return samples
 
 
+_PER_MODULE_REGION = re.compile(r"^(overlap::\S+) \(.+\)$")
+
+
+def op_kind(name: str) -> str:
+    """A profiler event's name with a runtime region's module left out (``overlap::pre_forward
+    (blocks.3)`` -> ``overlap::pre_forward (every module)``), other names as they are."""
+    found = _PER_MODULE_REGION.match(name)
+    return f"{found.group(1)} (every module)" if found else name
+
+
 def top_host_costs(step: Callable[[], None], steps: int, top: int) -> list[tuple[str, float, float]]:
     """(op, self CPU µs per step, calls per step) of the ``top`` ops by self CPU time over ``steps``
     profiled steps."""
@@ -216,8 +337,13 @@ def top_host_costs(step: Callable[[], None], steps: int, top: int) -> list[tuple
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return [(e.key, e.self_cpu_time_total / steps, e.count / steps) for e in events]
+    totals: dict[str, list[float]] = {}
+    for e in prof.key_averages():
+        total = totals.setdefault(op_kind(e.key), [0.0, 0.0])
+        total[0] += e.self_cpu_time_total
+        total[1] += e.count
+    ranked = sorted(totals.items(), key=lambda item: item[1][0], reverse=True)[:top]
+    return [(name, us / steps, count / steps) for name, (us, count) in ranked]
 
 
 InputsKey = tuple[str, str, str, str]
@@ -243,7 +369,7 @@ def host_cost_by_inputs(step: Callable[[], None], steps: int) -> dict[InputsKey,
         if e.name == STEP_MARK:
             continue
         strides = getattr(e, "structured_input_strides", None)  # not on every torch version
-        key = (e.name, str(e.input_shapes), "-" if strides is None else str(strides),
+        key = (op_kind(e.name), str(e.input_shapes), "-" if strides is None else str(strides),
                "main" if e.thread == main_thread else "other")
         cost = costs.setdefault(key, [0.0, 0.0])
         cost[0] += e.self_cpu_time_total / steps
@@ -331,6 +457,12 @@ def main(argv: list[str] | None = None) -> None:
     emit(f"Optimizer step alone over the small config's {params} parameters ({args.blocks} blocks, "
          f"d={d}), world size 1 — {where}; {stat} of {args.repeats} interleaved rounds of {args.steps} steps",
          ["optimizer", "mode", "step µs", "host µs", "step vs plain"], opt_rows, args.markdown)
+    with single_rank_group(device):
+        rows_by_phase = phase_rows(args.blocks, d, tokens_small, device, args.steps, args.repeats, args.statistic)
+    emit(f"The small config's step by phase ({args.blocks} blocks, d={d}), host ms, world size 1 — {where}; {stat} "
+         f"of {args.repeats} interleaved rounds of {args.steps} steps; '{NOOP_HOOKS}': plain with the runtime's "
+         f"kinds of hooks doing nothing (torch's hook mechanism)",
+         ["phase", "mode", "host ms", "vs plain", f"µs per block over '{NOOP_HOOKS}'"], rows_by_phase, args.markdown)
     prof_rows = [[mode, name, f"{us:.0f}", f"{calls:g}"] for mode, ops in profiles.items() for name, us, calls in ops]
     emit(f"Top host costs of the small config ({args.blocks} blocks): torch.profiler self CPU µs per step, "
          f"{args.profile_steps} profiled steps per mode", ["mode", "op", "self CPU µs per step", "calls per step"],

@@ -34,7 +34,8 @@ bench_kernels      ``benchmarks/bench_kernels.py --device cuda --quick --quantiz
                    appended to ``benchmarks/RESULTS.md``
                    (timings are reported, never checked)
 bench_host_bound   ``benchmarks/bench_host_bound.py``: plain vs overlap.shard vs FSDP2 on a host-bound
-                   and a GPU-bound step, with the profiler's top host costs, appended the same way
+                   and a GPU-bound step, the host-bound step by phase beside torch's hook mechanism
+                   alone, with the profiler's top host costs, appended the same way
 default suite      only with ``--suite``: ``pytest tests`` with the CPU suite's default selection (the GPU
                    tests among it), one xdist worker per core but two, last and alone
 =================  ==================================================================================
