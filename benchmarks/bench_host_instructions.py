@@ -11,10 +11,12 @@ the ratio to plain's same phase.
 
 Why instructions: on a shared 2-core box a step's time drifts by up to 1.6x within minutes, while an
 instruction count does not depend on load; it is exact from run to run (``PYTHONHASHSEED=0``,
-``OMP_NUM_THREADS=1``). It is not time: cache misses are not counted, and the runtime's tensor calls
-run cold between the blocks' kernels (benchmarks/RESULTS.md), so a step's time ratio is larger than
-its instruction ratio. A change that removes instructions from the runtime's path removes time; the
-table says how much of the gap to plain it is.
+``OMP_NUM_THREADS=1``). It is not time: an instruction of the runtime's (Python calls, attribute
+reads, bindings) takes 2-3x the time of one of plain's, whose count includes the CPU kernels' dense
+loops, so a step's time ratio is larger than its instruction ratio (measured, with cache misses and
+the collector ruled out: benchmarks/RESULTS.md, 2026-12-06; ``bench_host_bound.py``'s phase table
+times the same phases). A change that removes instructions from the runtime's path removes time;
+the table says how much of the gap to plain it is.
 
 Before the counted steps each child checks, once outside callgrind's collection, that nothing in
 its phase calls ``functools.reduce`` itself (a nested call would stop the collection early); if
