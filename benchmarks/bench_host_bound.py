@@ -250,6 +250,7 @@ def phase_rows(blocks: int, d: int, tokens: int, device: torch.device, steps: in
             samples[mode].append(timed_phases(parts[mode], steps, device))
     reduce = STATISTICS[statistic]
     value = {m: [reduce([s[i] for s in samples[m]]) for i in range(len(PHASES))] for m in modes}
+
     def ms(mode: str, i: Optional[int]) -> float:  # i None: the phases summed
         return 1e3 * (sum(value[mode]) if i is None else value[mode][i])
 
