@@ -8,7 +8,8 @@ steps, at world size 1 (in this process) and 2 (gloo ranks, also HSDP on a 2x1 m
 DTensor path (torch raises); its reference is fused SGD over plain tensors holding the same rows.
 Engagement is read from the module's counters: the local path ran where expected, and fell back
 where a precondition fails (mixed placements at one index, a plain parameter in the group,
-``Partial``); FSDP2's parameters are never touched. The comparison with FSDP2's state dicts is in
+``Partial``, a DTensor learning rate, buffers to create beside one laid out unlike its parameter,
+state loaded beside parameters of another layout); FSDP2's parameters are never touched. The comparison with FSDP2's state dicts is in
 ``tests/clients/test_clients.py`` (full optimizer state bitwise FSDP2's, sharded entries alike).
 """
 from __future__ import annotations
@@ -243,6 +244,95 @@ def test_mixed_specs_fall_back_to_the_dtensor_path(single_rank_group: dist.Proce
     assert local["error"] == reference["error"]
     assert (local["error"] is not None) == (change == "partial"), local["error"]
     assert len(local["values"]) == len(reference["values"])
+    assert all(torch.equal(a, b) for a, b in zip(local["values"], reference["values"]))
+
+
+def _changed_run(local_step: bool, change: str) -> dict[str, Any]:
+    """Two foreach=False steps over a sharded :class:`Net`, ``change`` applied before the second:
+    ``"DTensor lr"`` (AdamW) makes the learning rate a 0-dim ``Replicate()`` DTensor (not a plain
+    scalar); ``"buffers relaid"`` (SGD with momentum) swaps one momentum buffer for a
+    ``Replicate()`` DTensor of the same rows and drops another, which the step then creates beside
+    it. At world size 1 the DTensor path gives the same values; the local path must not run."""
+    previous = overlap.set_local_optimizer_step(local_step)
+    try:
+        net = _sharded_net()
+        params = list(net.parameters())
+        mesh = params[0].device_mesh
+        if change == "DTensor lr":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-2, foreach=False)
+        else:
+            opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False)
+        counts = []
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            net(_batch(step, 0)).square().sum().backward()
+            if step == 1 and change == "DTensor lr":
+                opt.param_groups[0]["lr"] = DTensor.from_local(torch.tensor(1e-2), mesh, [Replicate()])
+            elif step == 1:
+                first, second = [p for p in params if p.dim() > 0][:2]  # Shard(0) parameters
+                buffer = opt.state[first]["momentum_buffer"]
+                opt.state[first]["momentum_buffer"] = DTensor.from_local(buffer._local_tensor.clone(), mesh, [Replicate()])
+                del opt.state[second]["momentum_buffer"]
+            engaged, fell_back = los.engaged, los.fell_back
+            opt.step()
+            counts.append((los.engaged - engaged, los.fell_back - fell_back))
+        values = [p._local_tensor.detach().clone() for p in params]
+        values += [t._local_tensor if isinstance(t, DTensor) else t
+                   for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        return {"values": values, "counts": counts}
+    finally:
+        overlap.set_local_optimizer_step(previous)
+
+
+@pytest.mark.parametrize("change", ["DTensor lr", "buffers relaid"])
+def test_a_step_the_local_path_cannot_take_falls_back(single_rank_group: dist.ProcessGroup, change: str) -> None:
+    """(engaged, fell back) per step, and the values (parameters and optimizer state) bitwise the
+    DTensor path's: a tensor hyperparameter that is a DTensor, or buffers the step would create
+    beside one laid out unlike its parameter, send the step to torch's DTensor path."""
+    local, reference = _changed_run(True, change), _changed_run(False, change)
+    assert local["counts"] == [(1, 0), (0, 1)], local["counts"]
+    assert reference["counts"] == [(0, 0), (0, 0)], reference["counts"]
+    assert len(local["values"]) == len(reference["values"])
+    assert all(torch.equal(a, b) for a, b in zip(local["values"], reference["values"]))
+
+
+def _state_moved_to_replicated_params(local_step: bool) -> dict[str, Any]:
+    """An AdamW state stepped over a sharded :class:`Net` (``Shard(0)`` DTensors), loaded into an
+    optimizer over the same values as ``Replicate()`` DTensor parameters (marked as the runtime's),
+    then stepped there with given gradients: the state tensors are the same objects, laid out
+    unlike the new parameters."""
+    previous = overlap.set_local_optimizer_step(local_step)
+    try:
+        net = _sharded_net()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=False)
+        net(_batch(0, 0)).square().sum().backward()
+        opt.step()
+        replicated = []
+        for p in net.parameters():
+            q = nn.Parameter(DTensor.from_local(p._local_tensor.detach().clone(), p.device_mesh, [Replicate()]))
+            setattr(q, los.MARK, object())  # as if the runtime had made it
+            q.grad = DTensor.from_local(torch.full_like(p._local_tensor, 0.5), p.device_mesh, [Replicate()])
+            replicated.append(q)
+        moved = torch.optim.AdamW(replicated, lr=1e-2, foreach=False)
+        moved.load_state_dict(opt.state_dict())
+        engaged, fell_back = los.engaged, los.fell_back
+        moved.step()
+        values = [q._local_tensor.clone() for q in replicated]
+        values += [t._local_tensor for state in moved.state.values() for t in state.values() if isinstance(t, DTensor)]
+        return {"values": values, "counts": (los.engaged - engaged, los.fell_back - fell_back)}
+    finally:
+        overlap.set_local_optimizer_step(previous)
+
+
+def test_state_laid_out_unlike_its_parameters_falls_back(single_rank_group: dist.ProcessGroup) -> None:
+    """State tensors already accepted beside one parameter list are checked again beside another:
+    ``Shard(0)`` state with ``Replicate()`` parameters falls back, with the DTensor path's values
+    (at world size 1 the same rows; on 2 ranks the local path would have stepped rows of other
+    shapes and raised)."""
+    local, reference = _state_moved_to_replicated_params(True), _state_moved_to_replicated_params(False)
+    assert local["counts"] == (0, 1), local["counts"]
+    assert reference["counts"] == (0, 0)
+    assert len(local["values"]) == len(reference["values"]) > 0
     assert all(torch.equal(a, b) for a, b in zip(local["values"], reference["values"]))
 
 
