@@ -7,7 +7,9 @@ differs (on every rank, and on one rank only), one rank's file truncated. Each m
 ``CheckpointLoadError`` on every rank, naming the failing ranks, and leave every parameter and
 optimizer state bitwise as it was. A good checkpoint must load bitwise equal to ``dcp.load``'s own
 load (checked on a second copy of the model). The reference for "what DCP alone does" is run too: a
-flipped bit loads silently with ``dcp.load``, and a truncated file raises after writing.
+flipped bit loads silently with ``dcp.load``, and a truncated file raises after writing. A second
+test loads the DCP recipe's ``Stateful`` application state and a non-tensor value over uneven shards,
+and damages the non-tensor value's record.
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from torch import nn
 import overlap
 
 
-def _trained(out_features: int = 6, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _trained(out_features: int = 6, dtype: torch.dtype = torch.float32, hidden: int = 32,
+             ) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, out_features)).to(dtype)
+    model = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, out_features)).to(dtype)
     overlap.shard(model[0])
     overlap.shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -78,12 +81,16 @@ def _truncate(name: str) -> Callable[[str], None]:
     return damage
 
 
-def _flip_bit(path: str) -> None:
-    """Flip one bit in the middle of the largest tensor record (inside its data bytes)."""
+def _flip_bit(path: str, fqn: str | None = None) -> None:
+    """Flip one bit in the middle of the largest tensor record, or of the record of key ``fqn``
+    (inside its data bytes)."""
     import torch.distributed.checkpoint as dcp
 
     storage = dcp.FileSystemReader(path).read_metadata().storage_data
-    info = max(storage.values(), key=lambda s: s.length)
+    if fqn is None:
+        info = max(storage.values(), key=lambda s: s.length)
+    else:
+        info = next(info for index, info in storage.items() if index.fqn == fqn)
     with open(os.path.join(path, info.relative_path), "r+b") as f:
         f.seek(info.offset + info.length // 2)
         byte = f.read(1)[0]
@@ -207,3 +214,65 @@ def test_a_damaged_or_mismatched_checkpoint_changes_nothing_on_any_rank(distribu
     results = distributed(_rank, world, str(tmp_path))
     _check(results, world)
     assert any(r["dcp_flipped_wrong"] for r in results)  # what dcp.load alone does: a wrong value, silently
+
+
+class _AppState:
+    """The DCP recipe's application state, a ``Stateful``: a model, its optimizer and a step count
+    behind one entry (``state_dict`` / ``load_state_dict`` through torch's state-dict helpers)."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+        self.model, self.opt, self.step = model, opt, step
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(_state_dict(self.model, self.opt), step=self.step)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.opt, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"])
+        self.step = state_dict["step"]
+
+
+NOTE = "a non-tensor value of some size " * 64  # a torch.save record (BYTE_IO) long enough to damage
+
+
+def _rank_stateful(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A ``Stateful`` entry and a non-tensor value, over a model whose shards are uneven on 2 ranks
+    (5 rows: 3 and 2; 1 row: 1 and none): a bit flipped in the non-tensor value's record, then the
+    good checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    good = os.path.join(root, "good")
+    saved_model, saved_opt = _trained(out_features=1, hidden=5)
+    dcp.save({"app": _AppState(saved_model, saved_opt, step=7), "note": NOTE}, checkpoint_id=good)
+    saved = _snapshot(saved_model, saved_opt)
+
+    model, opt = _trained(out_features=1, hidden=5)
+    _step(model, opt, seed=2)  # now differs from the checkpoint
+    app = _AppState(model, opt, step=0)
+    out: dict[str, Any] = {}
+    flipped = _damaged_copy(good, os.path.join(root, "flipped_note"), lambda p: _flip_bit(p, "note"))
+    target = {"app": app, "note": "old"}
+    out["flipped_note"] = _attempt(lambda: overlap.load_checkpoint(target, checkpoint_id=flipped), model, opt)
+    out["flipped_note"]["kept"] = (target["note"], app.step) == ("old", 0)
+    overlap.load_checkpoint(target, checkpoint_id=good)
+    out["good"] = {"equals_saved": _same(_snapshot(model, opt), saved), "step": app.step,
+                   "note": target["note"] == NOTE}
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_stateful_entries_uneven_shards_and_non_tensor_records(distributed, tmp_path, world: int) -> None:
+    """As ``dcp.load``: a ``Stateful`` entry is loaded through its ``load_state_dict`` (tensors and
+    non-tensor values alike) and a top-level non-tensor value is replaced; a model whose shards are
+    uneven loads bitwise. A flipped bit in a non-tensor value's record (a ``torch.save`` record like a
+    tensor's) fails its CRC32 on every rank, with nothing changed: parameters, optimizer state, the
+    ``Stateful``'s step and the value."""
+    for rank, r in enumerate(distributed(_rank_stateful, world, str(tmp_path))):
+        got = r["flipped_note"]
+        assert got["error"] is not None and "nothing was loaded" in got["error"], (rank, got)
+        assert got["unchanged"] and got["kept"], (rank, got)
+        assert got["failed"] == list(range(world)), (rank, got)
+        assert "fails its CRC32 check" in got["error"], (rank, got)
+        assert r["good"] == {"equals_saved": True, "step": 7, "note": True}, (rank, r["good"])

@@ -247,6 +247,28 @@ def test_full_state_dict_round_trip_is_bitwise(distributed, world_size: int) -> 
         assert torch.equal(res["loaded"], res["loss"]), (rank, res["loaded"], res["loss"])
 
 
+def test_full_state_dict_is_a_snapshot(single_rank_group) -> None:
+    """Every entry of ``full_state_dict`` is a copy, not a view of the live model: a sharded group's
+    parameters, and what no group owns (a ``BatchNorm1d``'s running statistics and counter, a
+    ``Linear`` of the unsharded root). A training forward and an in-place update afterwards leave the
+    returned dict as it was (it is what a checkpoint of that moment holds)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    overlap.shard(model[0])  # the root is not sharded: model[1] and model[2] belong to no group
+    sd = overlap.full_state_dict(model, rank0_only=False)
+    before = {k: v.clone() for k, v in sd.items()}
+    model.train()
+    model(torch.randn(8, 3)).sum().backward()  # updates the running statistics in place
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).add_(1.0)  # as an optimizer step would
+    assert list(sd) == list(before)
+    changed = [k for k in sd if not torch.equal(sd[k], before[k])]
+    assert not changed, changed
+    now = overlap.full_state_dict(model, rank0_only=False)  # the model did change: the check can fail
+    assert all(not torch.equal(now[k], before[k]) for k in ("0.weight", "1.running_mean", "2.weight"))
+
+
 # -- parameters are this rank's shards ---------------------------------------------------------------
 
 
