@@ -190,6 +190,8 @@ def _exchanges(rank: int, world_size: int) -> dict:
     before = desync._seqs["0"]
     out["different"] = agreement.exchange(info, "test", "x" * (rank * 100))  # lengths differ too
     out["different_cost"] = desync._seqs["0"] - before
+    # only the middle rank differs: the first and last ranks agreeing must not pass for everyone's
+    out["middle_differs"] = agreement.exchange(info, "test", "B" if rank == 1 else "A")
     before = desync._seqs["0"]
     try:
         agreement.exchange(info, "test", lambda: None)
@@ -203,5 +205,6 @@ def test_exchange_returns_every_ranks_value() -> None:
     for r in run_distributed(_exchanges, 3, timeout=60):
         assert r["same"] == [{"a": [1, 2]}] * 3 and r["same_cost"] == 1
         assert r["different"] == ["", "x" * 100, "x" * 200] and r["different_cost"] == 2
+        assert r["middle_differs"] == ["A", "B", "A"], r["middle_differs"]
         assert "overlap agreement 'test': value must be picklable, got function" in r["unpicklable"]
         assert r["unpicklable_cost"] == 0

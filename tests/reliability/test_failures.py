@@ -160,6 +160,18 @@ def _assert_survivors_named_the_collective(err: DistributedTestError, survivors:
         assert DESCRIBED.search(failure.traceback), failure.traceback
 
 
+def test_a_timeout_at_a_groups_first_collective_names_the_ranks_behind(single_rank_group) -> None:
+    """Sequence numbers start at 0: a wait that times out at a group's very first collective names
+    the ranks that have not issued it, as at any later one (here the one rank, which reported no
+    collective on the group)."""
+    from overlap import errors
+
+    for seq in (0, 1):
+        e = errors.collective_failure("wait for all_gather", datetime.timedelta(seconds=2), None, "", seq, {})
+        assert isinstance(e, overlap.CollectiveTimeoutError) and e.missing == {0: None}, (seq, e.missing)
+        assert f"ranks that have not issued #{seq} on group '': 0" in str(e), str(e)
+
+
 def test_killed_rank_makes_the_others_raise() -> None:
     err, seconds = _run_failing(1, "exit")
     assert err.failures[1].exitcode == 9 and err.failures[1].traceback is None

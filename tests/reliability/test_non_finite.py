@@ -6,7 +6,9 @@ unsharded parameter, before the reduce-scatter packs it). With the check on, eve
 the others naming the producing rank; nothing of that group is written (the sharded ``.grad`` stays
 as it was) and the parameters are unchanged, also with mixed precision and with the optimizer
 stepped in backward. With the check off, the same NaN spreads silently to every rank's parameters
-(what the check is for), and clean training is bitwise the same with the check on and off.
+(what the check is for), and clean training is bitwise the same with the check on and off. The
+flags alone: NaN, inf and -inf found in fp32, bf16 and fp16 reduce-scatter inputs, the largest finite
+values not flagged; the error names global ranks, and each non-finite rank its own parameter.
 """
 from __future__ import annotations
 
@@ -157,3 +159,44 @@ def test_the_flag_and_its_environment_variable(monkeypatch) -> None:
             overlap.check_finite_enabled()
     finally:
         overlap.set_check_finite(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_flags_find_nan_and_inf_in_every_reduce_dtype_and_nothing_in_large_finite_values(dtype) -> None:
+    """``finite_check.local_flags`` and ``bad_slots`` on a reduce-scatter input as the reduction packs
+    it, in each reduce dtype: a NaN, an inf or a -inf anywhere flags this rank's slot; finite values
+    up to the dtype's largest (whose squares overflow) flag nothing (the flag is the largest
+    magnitude, not a norm that could overflow)."""
+    from overlap import finite_check
+
+    largest = torch.finfo(dtype).max
+    clean = torch.full((64,), largest, dtype=dtype)
+    clean[::2] = -largest
+    flags = finite_check.local_flags(clean, 1, 3)
+    assert finite_check.bad_slots(flags) == [] and flags.tolist() == [0.0, float(largest), 0.0], flags
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        packed = torch.ones(64, dtype=dtype)
+        packed[37] = bad
+        assert finite_check.bad_slots(finite_check.local_flags(packed, 1, 3)) == [1], (dtype, bad)
+    assert finite_check.bad_slots(finite_check.local_flags(torch.empty(0, dtype=dtype), 1, 3)) == []
+
+
+def test_the_error_names_global_ranks_and_each_bad_rank_its_own_parameters() -> None:
+    """``finite_check.raise_non_finite`` over a group whose slots are global ranks 2 and 3 (an HSDP
+    shard group, or a sub-group): the ranks named are global ones; with both slots non-finite, each
+    rank's error names its own first parameter (it is not a bystander), the other's names it too."""
+    from overlap import finite_check
+
+    def error(flags: list[float], slot: int, fqns: list[str]) -> finite_check.NonFiniteError:
+        values = torch.tensor(flags, dtype=torch.float64)
+        check = finite_check.FiniteCheck(values, None, values, slot, (2, 3), 5)
+        with pytest.raises(finite_check.NonFiniteError) as caught:
+            finite_check.raise_non_finite(check, finite_check.bad_slots(values), fqns, "blocks.1")
+        return caught.value
+
+    one = error([0.0, float("nan")], 0, [])
+    assert one.ranks == (3,) and one.step == 5 and "on rank(s) 3 at step 5" in str(one), str(one)
+    assert "this rank's were finite" in str(one)
+    both = error([float("nan"), float("inf")], 1, ["blocks.1.weight"])
+    assert both.ranks == (2, 3) and both.fqns == ("blocks.1.weight",)
+    assert "on rank 3 at step 5" in str(both) and "parameter 'blocks.1.weight' first" in str(both), str(both)
