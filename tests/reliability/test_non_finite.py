@@ -21,14 +21,14 @@ from torch import nn
 
 import overlap
 
-_POISON: dict[str, Any] = {"value": None, "rank": None}
+_POISON: dict[str, Any] = {"value": None, "rank": None, "index": 3}
 
 
 def _poison_hook(grad: torch.Tensor) -> torch.Tensor:
     if _POISON["value"] is None or _POISON["rank"] != dist.get_rank():
         return grad
     grad = grad.clone()
-    grad.view(-1)[3] = _POISON["value"]
+    grad.view(-1)[_POISON["index"]] = _POISON["value"]
     return grad
 
 
@@ -58,9 +58,10 @@ def _locals(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _train(steps: int, check: bool, poison: Any = None, poison_step: int = -1, mp: Any = None,
-           in_backward: bool = False, hsdp: bool = False) -> dict[str, Any]:
-    """``steps`` AdamW steps; at ``poison_step`` the last rank's gradient of ``2.0.weight`` gets
-    ``poison``. Returns the error (if any), the parameters before that step and at the end, and
+           in_backward: bool = False, hsdp: bool = False, index: int = 3) -> dict[str, Any]:
+    """``steps`` AdamW steps; at ``poison_step`` the last rank's gradient of ``2.0.weight`` (16 x 16)
+    gets ``poison`` at flat ``index`` (3: in the first rank's shard; 200, row 12: in the second
+    one's on 2 ranks, so the producer finds it in its own slot of the packed input). Returns the error (if any), the parameters before that step and at the end, and
     the sharded gradient of the poisoned group after the error."""
     mesh = None
     if hsdp:  # two replicas of one shard each: the flags travel over the replicas only
@@ -76,7 +77,7 @@ def _train(steps: int, check: bool, poison: Any = None, poison_step: int = -1, m
     before = _locals(model)
     with overlap.check_finite(check):
         for step in range(steps):
-            _POISON.update(value=poison if step == poison_step else None, rank=dist.get_world_size() - 1)
+            _POISON.update(value=poison if step == poison_step else None, rank=dist.get_world_size() - 1, index=index)
             before = _locals(model)
             try:
                 model(_batch(step)).square().sum().backward()
@@ -98,7 +99,7 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
     return {
         **hsdp,
         "nan": _train(3, True, float("nan"), poison_step=1),
-        "inf": _train(2, True, float("-inf"), poison_step=0),
+        "inf": _train(2, True, float("-inf"), poison_step=0, index=200),
         "nan_mp": _train(2, True, float("nan"), poison_step=1, mp=bf16),
         "nan_in_backward": _train(2, True, float("nan"), poison_step=1, in_backward=True),
         "nan_off": _train(3, False, float("nan"), poison_step=1),
