@@ -673,6 +673,29 @@ def test_set_local_optimizer_step_and_env(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # ------------------------------------------------------------------------------------ world size 2
+def _state_of_another_shape(rank: int) -> dict[str, Any]:
+    """One foreach=False AdamW step, then the ``exp_avg`` of the (7, 5) weight replaced by a
+    ``Shard(0)`` DTensor of global shape (6, 5): local rows 3 and 3 against the weight's 4 and 3, so
+    on rank 1 alone the local shapes agree. The step's outcome and (engaged, fell back) counts."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    net = _sharded_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=False)
+    net(_batch(0, rank)).square().sum().backward()
+    opt.step()
+    weight = net.blocks[0][0].weight
+    opt.state[weight]["exp_avg"] = distribute_tensor(torch.zeros(6, 5), weight.device_mesh, [Shard(0)])
+    opt.zero_grad(set_to_none=True)
+    net(_batch(1, rank)).square().sum().backward()
+    engaged, fell_back = los.engaged, los.fell_back
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as e:
+        error = type(e).__name__
+    return {"error": error, "counts": (los.engaged - engaged, los.fell_back - fell_back)}
+
+
 def _rank_world2(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -682,6 +705,7 @@ def _rank_world2(rank: int, world_size: int) -> dict[str, Any]:
     results["hsdp"] = _local_vs_dtensor_path(rank, hsdp, ("adamw-foreach", "adamw-single", "sgd-momentum-foreach",
                                                           *(("adamw-fused",) if FUSED_CPU else ())))
     results["hsdp_placements"] = sorted({str(p.placements) for p in _sharded_net(hsdp).parameters()})
+    results["state_of_another_shape"] = _state_of_another_shape(rank)
     return results
 
 
@@ -704,3 +728,12 @@ def test_hsdp_local_step_is_the_dtensor_path_bitwise(world2: list[dict[str, Any]
     for rank, result in enumerate(world2):
         assert result["hsdp_placements"] == ["(Replicate(), Replicate())", "(Replicate(), Shard(dim=0))"]
         _check_local_vs_dtensor_path(result["hsdp"], f"HSDP rank {rank}")
+
+
+def test_state_of_another_global_shape_falls_back_on_every_rank(world2: list[dict[str, Any]]) -> None:
+    """State whose global shape differs from its parameter's sends every rank to torch's DTensor path
+    (which refuses the step on each), also the rank whose local shapes happen to agree: no rank
+    steps locally while another raises."""
+    for rank, result in enumerate(world2):
+        got = result["state_of_another_shape"]
+        assert got == {"error": "RuntimeError", "counts": (0, 1)}, (rank, got)
