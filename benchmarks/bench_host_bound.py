@@ -64,7 +64,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -118,14 +118,13 @@ def make_model(mode: str, blocks: int, d: int, tokens: int,
 
 
 def make_step(mode: str, blocks: int, d: int, tokens: int, device: torch.device) -> Callable[[], None]:
-    """One training step of ``mode`` on a freshly built model (same seed in every mode)."""
-    model, x = make_model(mode, blocks, d, tokens, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    """One training step of ``mode`` on a freshly built model (same seed in every mode): its
+    ``make_phases`` in order."""
+    phases = make_phases(mode, blocks, d, tokens, device)
 
     def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        model(x).sum().backward()
-        opt.step()
+        for phase in phases:
+            phase()
 
     return step
 
@@ -242,12 +241,7 @@ def phase_rows(blocks: int, d: int, tokens: int, device: torch.device, steps: in
     block over ``NOOP_HOOKS`` (for the sharded modes: their own work above torch's hook mechanism)."""
     modes = ["plain", NOOP_HOOKS, *[m for m in MODES if m != "plain"]]
     parts = {mode: make_phases(mode, blocks, d, tokens, device) for mode in modes}
-    for mode in modes:
-        timed_phases(parts[mode], 2, device)  # warm-up: the first step records schedules
-    samples: dict[str, list[list[float]]] = {m: [] for m in modes}
-    for r in range(repeats):
-        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
-            samples[mode].append(timed_phases(parts[mode], steps, device))
+    samples = interleaved(parts, steps, repeats, device, timer=timed_phases)
     reduce = STATISTICS[statistic]
     value = {m: [reduce([s[i] for s in samples[m]]) for i in range(len(PHASES))] for m in modes}
 
@@ -307,15 +301,17 @@ def timed(step: Callable[[], None], steps: int, device: torch.device) -> tuple[f
     return host / steps, (time.perf_counter() - start) / steps
 
 
-def interleaved(fns: dict[str, Callable[[], None]], steps: int, repeats: int,
-                device: torch.device) -> dict[str, list[tuple[float, float]]]:
+def interleaved(fns: dict[str, Any], steps: int, repeats: int, device: torch.device,
+                timer: Callable[[Any, int, torch.device], Any] = timed) -> dict[str, list[Any]]:
+    """``timer(fns[name], steps, device)`` per name, ``repeats`` rounds in an order rotated each round,
+    after a 2-step warm-up of each (the first step records schedules, compiles kernels)."""
     for fn in fns.values():
-        timed(fn, 2, device)  # warm-up: the first step records schedules, compiles kernels
+        timer(fn, 2, device)
     names = list(fns)
-    samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    samples: dict[str, list[Any]] = {n: [] for n in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            samples[name].append(timed(fns[name], steps, device))
+            samples[name].append(timer(fns[name], steps, device))
     return samples
 
 

@@ -45,9 +45,9 @@ import torch
 from _common import parse, parser  # first: sys.path
 from report import emit
 
-from bench_host_bound import CPU_SMALL, MODES, make_model, single_rank_group
+from bench_host_bound import CPU_SMALL, MODES, make_phases, single_rank_group
 
-PHASES = ("zero", "forward", "backward", "optimizer")
+PHASES = ("zero", "forward", "backward", "optimizer")  # the names of bench_host_bound.PHASES here
 MARKER = "functools_reduce"  # the C function of functools.reduce: callgrind collects inside it only
 _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 
@@ -78,15 +78,7 @@ def child(mode: str, phase: str, blocks: int, steps: int, warmup: int) -> None:
     d, tokens = CPU_SMALL
     device = torch.device("cpu")
     with single_rank_group(device):
-        model, x = make_model(mode, blocks, d, tokens, device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        loss: list[torch.Tensor] = []
-        parts = {
-            "zero": lambda: opt.zero_grad(set_to_none=True),
-            "forward": lambda: loss.append(model(x).sum()),
-            "backward": lambda: loss.pop().backward(),
-            "optimizer": opt.step,
-        }
+        parts = dict(zip(PHASES, make_phases(mode, blocks, d, tokens, device)))  # bench_host_bound's step, in order
         for i in range(warmup + 1 + steps):
             for name, fn in parts.items():
                 if i == warmup and name == phase:
