@@ -189,11 +189,15 @@ def test_fused_sgd_runs_as_on_plain_tensors(single_rank_group: dist.ProcessGroup
 
 
 def _mixed_run(local_step: bool, change: str) -> dict[str, Any]:
-    """Two foreach=False AdamW steps over a sharded :class:`Net`, where ``change`` is applied before
-    the second: ``"replicated state"`` swaps one exp_avg for a ``Replicate()`` DTensor of the same
-    values (at world size 1 the same local rows: the DTensor path redistributes it as a no-op),
-    ``"plain param"`` steps a plain parameter in the same group, ``"partial"`` steps a marked
-    ``Partial()`` DTensor parameter with its gradient."""
+    """Two foreach=False AdamW steps (SGD with momentum for ``"buffers relaid"``) over a sharded
+    :class:`Net`, where ``change`` is applied before the second: ``"replicated state"`` swaps one
+    exp_avg for a ``Replicate()`` DTensor of the same values (at world size 1 the same local rows:
+    the DTensor path redistributes it as a no-op), ``"plain param"`` steps a plain parameter in the
+    same group, ``"partial"`` steps a marked ``Partial()`` DTensor parameter with its gradient,
+    ``"DTensor lr"`` makes the learning rate a 0-dim ``Replicate()`` DTensor (not a plain scalar),
+    ``"buffers relaid"`` swaps one momentum buffer for a ``Replicate()`` DTensor of the same rows
+    and drops another, which the step then creates beside it. The values: parameters, then the
+    optimizer state's tensors."""
     previous = overlap.set_local_optimizer_step(local_step)
     try:
         net = _sharded_net()
@@ -206,7 +210,10 @@ def _mixed_run(local_step: bool, change: str) -> dict[str, Any]:
             p = nn.Parameter(DTensor.from_local(torch.arange(6.0).reshape(2, 3), mesh, [Partial()]))
             setattr(p, los.MARK, object())  # as if the runtime had made it
             extra = [p]
-        opt = torch.optim.AdamW(params + extra, lr=1e-2, foreach=False)
+        if change == "buffers relaid":
+            opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False)
+        else:
+            opt = torch.optim.AdamW(params + extra, lr=1e-2, foreach=False)
         counts = []
         for step in range(2):
             opt.zero_grad(set_to_none=True)
@@ -218,6 +225,13 @@ def _mixed_run(local_step: bool, change: str) -> dict[str, Any]:
             if step == 1 and change == "replicated state":
                 state = opt.state[next(p for p in params if p.dim() > 0)]  # a Shard(0) parameter
                 state["exp_avg"] = DTensor.from_local(state["exp_avg"]._local_tensor.clone(), mesh, [Replicate()])
+            elif step == 1 and change == "DTensor lr":
+                opt.param_groups[0]["lr"] = DTensor.from_local(torch.tensor(1e-2), mesh, [Replicate()])
+            elif step == 1 and change == "buffers relaid":
+                first, second = [p for p in params if p.dim() > 0][:2]  # Shard(0) parameters
+                buffer = opt.state[first]["momentum_buffer"]
+                opt.state[first]["momentum_buffer"] = DTensor.from_local(buffer._local_tensor.clone(), mesh, [Replicate()])
+                del opt.state[second]["momentum_buffer"]
             engaged, fell_back = los.engaged, los.fell_back
             try:
                 opt.step()
@@ -226,6 +240,8 @@ def _mixed_run(local_step: bool, change: str) -> dict[str, Any]:
                 return {"values": [], "counts": counts, "error": str(e)}
             counts.append((los.engaged - engaged, los.fell_back - fell_back))
         values = [(p._local_tensor if isinstance(p, DTensor) else p).detach().clone() for p in params + extra]
+        values += [t._local_tensor if isinstance(t, DTensor) else t
+                   for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
         return {"values": values, "counts": counts, "error": None}
     finally:
         overlap.set_local_optimizer_step(previous)
@@ -233,65 +249,19 @@ def _mixed_run(local_step: bool, change: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("change, counts", [("replicated state", [(1, 0), (0, 1)]),
                                             ("plain param", [(0, 1), (0, 1)]),
-                                            ("partial", [(0, 1)])])
+                                            ("partial", [(0, 1)]),
+                                            ("DTensor lr", [(1, 0), (0, 1)]),
+                                            ("buffers relaid", [(1, 0), (0, 1)])])
 def test_mixed_specs_fall_back_to_the_dtensor_path(single_rank_group: dist.ProcessGroup, change: str,
                                                    counts: list[tuple[int, int]]) -> None:
-    """(engaged, fell back) per step, and the outcome of the DTensor path: the same values bitwise,
-    or the same error (torch refuses to update a ``Partial()`` parameter in place)."""
+    """(engaged, fell back) per step, and the outcome of the DTensor path: the same values
+    (parameters and optimizer state) bitwise, or the same error (torch refuses to update a
+    ``Partial()`` parameter in place)."""
     local, reference = _mixed_run(True, change), _mixed_run(False, change)
     assert local["counts"] == counts, local["counts"]
     assert reference["counts"] == [(0, 0)] * len(counts)
     assert local["error"] == reference["error"]
     assert (local["error"] is not None) == (change == "partial"), local["error"]
-    assert len(local["values"]) == len(reference["values"])
-    assert all(torch.equal(a, b) for a, b in zip(local["values"], reference["values"]))
-
-
-def _changed_run(local_step: bool, change: str) -> dict[str, Any]:
-    """Two foreach=False steps over a sharded :class:`Net`, ``change`` applied before the second:
-    ``"DTensor lr"`` (AdamW) makes the learning rate a 0-dim ``Replicate()`` DTensor (not a plain
-    scalar); ``"buffers relaid"`` (SGD with momentum) swaps one momentum buffer for a
-    ``Replicate()`` DTensor of the same rows and drops another, which the step then creates beside
-    it. At world size 1 the DTensor path gives the same values; the local path must not run."""
-    previous = overlap.set_local_optimizer_step(local_step)
-    try:
-        net = _sharded_net()
-        params = list(net.parameters())
-        mesh = params[0].device_mesh
-        if change == "DTensor lr":
-            opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-2, foreach=False)
-        else:
-            opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False)
-        counts = []
-        for step in range(2):
-            opt.zero_grad(set_to_none=True)
-            net(_batch(step, 0)).square().sum().backward()
-            if step == 1 and change == "DTensor lr":
-                opt.param_groups[0]["lr"] = DTensor.from_local(torch.tensor(1e-2), mesh, [Replicate()])
-            elif step == 1:
-                first, second = [p for p in params if p.dim() > 0][:2]  # Shard(0) parameters
-                buffer = opt.state[first]["momentum_buffer"]
-                opt.state[first]["momentum_buffer"] = DTensor.from_local(buffer._local_tensor.clone(), mesh, [Replicate()])
-                del opt.state[second]["momentum_buffer"]
-            engaged, fell_back = los.engaged, los.fell_back
-            opt.step()
-            counts.append((los.engaged - engaged, los.fell_back - fell_back))
-        values = [p._local_tensor.detach().clone() for p in params]
-        values += [t._local_tensor if isinstance(t, DTensor) else t
-                   for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-        return {"values": values, "counts": counts}
-    finally:
-        overlap.set_local_optimizer_step(previous)
-
-
-@pytest.mark.parametrize("change", ["DTensor lr", "buffers relaid"])
-def test_a_step_the_local_path_cannot_take_falls_back(single_rank_group: dist.ProcessGroup, change: str) -> None:
-    """(engaged, fell back) per step, and the values (parameters and optimizer state) bitwise the
-    DTensor path's: a tensor hyperparameter that is a DTensor, or buffers the step would create
-    beside one laid out unlike its parameter, send the step to torch's DTensor path."""
-    local, reference = _changed_run(True, change), _changed_run(False, change)
-    assert local["counts"] == [(1, 0), (0, 1)], local["counts"]
-    assert reference["counts"] == [(0, 0), (0, 0)], reference["counts"]
     assert len(local["values"]) == len(reference["values"])
     assert all(torch.equal(a, b) for a, b in zip(local["values"], reference["values"]))
 
