@@ -74,7 +74,10 @@ STEP_FACTOR = 5.0
 FLOOR_ENV = "OVERLAP_WAIT_TIMEOUT_FLOOR"
 _floor_s: Optional[float] = None  # DEFAULT_FLOOR_S or OVERLAP_WAIT_TIMEOUT_FLOOR, read at the first wait
 _slowest_step_s = 0.0
-_group_timeouts: dict[str, tuple[object, datetime.timedelta]] = {}  # name -> (process group, its timeout)
+_group_timeouts: dict[tuple[str, str], tuple[object, datetime.timedelta]] = {}
+"""(group name, device type) -> (the process group it named when read, its backend's timeout): a group
+destroyed and made again under the same name (names restart from the same counter after
+``destroy_process_group``) is a new object, so its timeout is read again."""
 
 
 # torch's waits take whole milliseconds (less reaches them as 0: "no timeout"); the upper end keeps the
@@ -167,14 +170,15 @@ def _group_timeout(group: str, device_type: str) -> datetime.timedelta:
         pg = c10d._resolve_process_group(group) if group else c10d._get_default_group()
     except (RuntimeError, ValueError):  # destroyed, or never initialized
         return c10d.default_pg_timeout
-    cached = _group_timeouts.get(group)
+    key = (group, device_type)
+    cached = _group_timeouts.get(key)
     if cached is not None and cached[0] is pg:
         return cached[1]
     try:
         timeout = pg._get_backend(torch.device(device_type)).options._timeout
     except (RuntimeError, AttributeError):  # no backend for this device, or no options on it
         timeout = c10d.default_pg_timeout
-    _group_timeouts[group] = (pg, timeout)
+    _group_timeouts[key] = (pg, timeout)
     return timeout
 
 

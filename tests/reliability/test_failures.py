@@ -231,6 +231,32 @@ def test_default_follows_the_slowest_step_and_the_floor(monkeypatch: pytest.Monk
         overlap.set_wait_timeout(previous)
 
 
+def _timeouts_of_recreated_groups(rank: int, world_size: int) -> dict:
+    """The group's own timeout (``set_wait_timeout(None)``) of WORLD and of a subgroup, read once,
+    then again after both are destroyed and made anew with other timeouts: torch names the new ones
+    as it named the old (``''`` / ``'1'``: its group counter restarts), so a timeout cached by
+    name alone would be the old one."""
+    import torch.distributed as dist
+
+    overlap.set_wait_timeout(None)
+    sub = dist.new_group([0], timeout=datetime.timedelta(seconds=4))
+    before = (overlap.wait_timeout().total_seconds(), overlap.wait_timeout(sub.group_name).total_seconds())
+    name = sub.group_name
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=9))
+    sub = dist.new_group([0], timeout=datetime.timedelta(seconds=6))
+    after = (overlap.wait_timeout().total_seconds(), overlap.wait_timeout(sub.group_name).total_seconds())
+    return {"before": before, "after": after, "same name": sub.group_name == name}
+
+
+def test_wait_timeout_follows_a_group_made_again_under_the_same_name() -> None:
+    r = run_distributed(_timeouts_of_recreated_groups, 1, timeout=60, pg_timeout=3.0)[0]
+    assert r["same name"], "premise: the new subgroup has the old one's name"
+    assert r["before"] == (3.0, 4.0)
+    assert r["after"] == (9.0, 6.0), "the new groups' own timeouts, not the destroyed ones'"
+
+
 def _rank_stays_after_its_error(rank: int, world_size: int) -> dict:
     """Rank 1 raises inside block 1's forward at step 1, catches it and stays alive (its connections
     open) until rank 0 is done; rank 0 goes on into the step and must time out by the default."""
