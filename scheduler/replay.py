@@ -24,7 +24,9 @@ Contracts:
 
 * A result never waits later than its first use: replay waits are at or before it, and a result
   that is still pending when it is used waits then (the AsyncTensor contract), whatever the
-  schedule says. A result never used in the step waits at the step's end.
+  schedule says. A result never used in the step waits at the step's end if it is still alive
+  (the step holds results weakly: one the caller dropped unused can be read by nothing, and is left
+  to its collective, whose buffers the issuing code keeps until it completes).
 * Agreement: after each recording step, ranks compare the schedules' signatures (collective kinds,
   groups, shapes, dtypes, in order) through ``group``; on a mismatch every rank raises an error
   naming, per rank, the first collective on which they differ. Whether the next step records again

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from scheduler import AsyncTensor, is_pending, wait_tensor
+from scheduler.async_tensor import set_observer
 
 FINAL = torch.arange(1.0, 13.0).view(3, 4)
 
@@ -47,6 +48,11 @@ CONSUMERS = {
     "numpy": lambda t: torch.from_numpy(t.numpy().copy()),
     "cat_with_plain": lambda t: torch.cat([torch.zeros(1, 4), t])[1:],
     "copy_into": lambda t: torch.empty(3, 4).copy_(t),
+    # Passed by keyword, as an input and as the output an op writes into (a write that did not wait
+    # would be overwritten by the collective's late result).
+    "keyword_input": lambda t: torch.mul(torch.full((3, 4), 2.0), other=t),
+    "keyword_weight": lambda t: torch.nn.functional.linear(torch.ones(2, 4), weight=t),
+    "keyword_out": lambda t: (torch.add(torch.ones(3, 4), 1, out=t), t)[1] * 1,
     "module_call": lambda t: torch.nn.functional.linear(t, torch.eye(4)),
     "sum": lambda t: t.sum().expand(1) * 0 + t.sum(),
     "clone": lambda t: t.clone(),
@@ -87,6 +93,8 @@ def test_metadata_does_not_wait() -> None:
     assert t.dim() == 2 and t.numel() == 12 and t.size(0) == 3 and t.stride() == (4, 1)
     assert t.is_contiguous() and not t.requires_grad and len(t) == 3
     {t: 1}  # hashing (dict keys in a runtime) must not wait either
+    t.requires_grad = False  # neither does setting metadata (a runtime marking a gathered parameter)
+    t.grad = None
     assert completion.waits == 0 and is_pending(t)
 
 
@@ -122,6 +130,29 @@ def test_failed_wait_leaves_the_tensor_pending() -> None:
     assert is_pending(t), "after a failed wait a later use must not read unfinished data"
     t + 1
     assert _Fails.calls == 2 and not is_pending(t)
+
+
+def test_a_wait_refused_by_the_observer_leaves_the_tensor_pending() -> None:
+    """``WaitObserver.on_wait`` may raise (the scheduler's verify mode does): the tensor then keeps its
+    completion, so a later use still waits, once, and reads the final data, not the placeholder."""
+
+    class _Refuses:
+        def on_issue(self, pending: AsyncTensor, kind: str, group: str) -> None:
+            pass
+
+        def on_wait(self, pending: AsyncTensor, func: object) -> None:
+            raise RuntimeError("first used somewhere else")
+
+    t, completion = _pending()
+    previous = set_observer(_Refuses())
+    try:
+        with pytest.raises(RuntimeError, match="somewhere else"):
+            t + 1
+    finally:
+        set_observer(previous)
+    assert is_pending(t) and completion.waits == 0
+    assert torch.equal(t + 1, FINAL + 1) and completion.waits == 1
+    assert not is_pending(t)
 
 
 def test_op_after_wait_is_a_plain_tensor_op() -> None:

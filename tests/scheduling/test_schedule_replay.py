@@ -2,11 +2,14 @@
 mismatches handled, ranks agree, verify mode.
 
 Rank functions run on gloo ranks behind an emulated link slow enough that a collective is still in
-flight at its first use, so a wait at the wrong place would read unfinished data.
+flight at its first use, so a wait at the wrong place would read unfinished data. The tests of how a
+single process's step leaves its schedule issue fake collectives instead (``AsyncTensor`` over a
+completion that writes the result only when waited: a missed wait reads zeros).
 """
 from __future__ import annotations
 
 import contextlib
+import re
 
 from typing import Any, Optional
 
@@ -16,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 import overlap
-from scheduler import ScheduleMismatchError, Scheduler, is_pending
+from overlap.testing import run_distributed
+from scheduler import AsyncTensor, ScheduleMismatchError, Scheduler, is_pending, replay
 from scheduler.schedule import Schedule, first_difference
 
 SLOW_LINK = (0.5, 2000.0)  # 0.5 Gbit/s, 2 ms per collective: results are in flight at first use
@@ -121,10 +125,13 @@ class Layered(nn.Module):
         self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
         self.shards = nn.ParameterList(nn.Parameter(torch.randn(width // world, width) / width) for _ in range(layers))
         self.skip: Optional[int] = None
+        self.peek = False  # read the first gather right after issuing it (before its scheduled wait)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         order = [i for i in range(len(self.blocks)) if i != self.skip]
         pending = overlap.all_gather(self.shards[order[0]])
+        if self.peek:
+            pending.sum()
         for n, i in enumerate(order):
             following = overlap.all_gather(self.shards[order[n + 1]]) if n + 1 < len(order) else None
             x = self.blocks[i](x, pending)
@@ -132,11 +139,13 @@ class Layered(nn.Module):
         return x.square().mean()
 
 
-def _train(model: Layered, steps: int, sched: Optional[Scheduler], skip_at: Optional[int], rank: int) -> list:
+def _train(model: Layered, steps: int, sched: Optional[Scheduler], skip_at: Optional[int], rank: int,
+           peek_at: Optional[tuple[int, int]] = None) -> list:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
         model.skip = 1 if step == skip_at else None
+        model.peek = peek_at == (step, rank)
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + rank))
         with (sched.step() if sched is not None else contextlib.nullcontext()):
             loss = model(x)
@@ -147,11 +156,12 @@ def _train(model: Layered, steps: int, sched: Optional[Scheduler], skip_at: Opti
     return losses
 
 
-def _replay_equals_first_use(rank: int, world: int, steps: int, skip_at: Optional[int]) -> dict[str, Any]:
+def _replay_equals_first_use(rank: int, world: int, steps: int, skip_at: Optional[int],
+                             peek_at: Optional[tuple[int, int]] = None) -> dict[str, Any]:
     reference = _train(Layered(), steps, None, skip_at, rank)
     model = Layered()
     sched = Scheduler(model)
-    losses = _train(model, steps, sched, skip_at, rank)
+    losses = _train(model, steps, sched, skip_at, rank, peek_at)
     return {"same": all(torch.equal(a, b) for a, b in zip(losses, reference)),
             "recorded": sched.steps_recorded, "replayed": sched.steps_replayed,
             "fallback": sched.steps_fallen_back, "reason": sched.last_fallback_reason}
@@ -163,12 +173,45 @@ def test_replay_for_50_steps_equals_first_use_waits(distributed) -> None:
         assert (res["recorded"], res["replayed"], res["fallback"]) == (1, 49, 0)
 
 
-def test_changed_control_flow_falls_back_and_records_again(distributed) -> None:
-    for res in distributed(_replay_equals_first_use, 2, 8, 4, link=FAST_LINK):
+def _leaving_the_schedule(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    """Every rank skips a block at step 4 of 8; rank 1 alone reads a result early at step 2 of 5, with the
+    agreement ``overlap`` installs and with torch's (``set_exchange(None)``)."""
+    out = {"every rank": _replay_equals_first_use(rank, world, 8, 4),
+           "one rank": _replay_equals_first_use(rank, world, 5, None, peek_at=(2, 1))}
+    previous = replay.set_exchange(None)
+    try:
+        out["one rank, torch's agreement"] = _replay_equals_first_use(rank, world, 5, None, peek_at=(2, 1))
+    finally:
+        replay.set_exchange(previous)
+    return out
+
+
+@pytest.fixture(scope="module")
+def left_the_schedule() -> list[dict[str, dict[str, Any]]]:
+    return run_distributed(_leaving_the_schedule, 2, link=FAST_LINK, timeout=60)
+
+
+def test_changed_control_flow_falls_back_and_records_again(left_the_schedule) -> None:
+    for ranks in left_the_schedule:
+        res = ranks["every rank"]
         assert res["same"]  # the fallback step still waited before every use
         # step 0 records, 1-3 replay, 4 leaves the schedule (fallback), 5 records, 6-7 replay
         assert (res["recorded"], res["replayed"], res["fallback"]) == (2, 5, 1)
         assert "point" in res["reason"] or "collective" in res["reason"]
+
+
+@pytest.mark.parametrize("agreement", ["one rank", "one rank, torch's agreement"])
+def test_a_step_left_on_one_rank_falls_back_on_every_rank(left_the_schedule, agreement: str) -> None:
+    """Rank 1 alone uses a result before its scheduled wait at step 2: every rank falls back there (the
+    ranks decide together, through ``overlap``'s agreement or torch's all-reduce, so they never disagree on
+    when the next recording step's agreement runs), step 3 records on both, step 4 replays; losses
+    bitwise the unscheduled loop's."""
+    rank0, rank1 = (ranks[agreement] for ranks in left_the_schedule)
+    for res in (rank0, rank1):
+        assert res["same"]
+        assert (res["recorded"], res["replayed"], res["fallback"]) == (2, 2, 1)
+    assert rank0["reason"] == "another rank left the schedule"
+    assert "before its scheduled wait" in rank1["reason"]
 
 
 def _steady_state_has_no_dispatch_mode(rank: int, world: int) -> list[bool]:
@@ -187,26 +230,51 @@ def test_replay_steps_run_without_a_dispatch_mode(distributed) -> None:
         assert seen == [True, False, False]  # only the recording step counts ops
 
 
-def _desynchronized(rank: int, world: int) -> str:
-    model = nn.Linear(2, 2)
-    sched = Scheduler(model)
-    a, b = torch.ones(4, 2), torch.ones(2, 4)
+def _step_error(sched: Scheduler, issue: Any) -> str:
     try:
         with sched.step():
-            first, second = (a, b) if rank == 0 else (b, a)  # same bytes, different order of shapes
-            overlap.wait(overlap.all_reduce(first))
-            overlap.wait(overlap.all_reduce(second))
+            issue()
     except ScheduleMismatchError as e:
         return str(e)
     return "no error"
 
 
-def test_desynchronized_schedules_raise_on_every_rank(distributed) -> None:
-    messages = distributed(_desynchronized, 2, timeout=60)
-    for message in messages:
+def _desynchronized(rank: int, world: int) -> dict[str, str]:
+    model = nn.Linear(2, 2)
+    a, b = torch.ones(4, 2), torch.ones(2, 4)
+    first, second = (b, a) if rank == world - 1 else (a, b)  # the last rank alone: same bytes, other order of shapes
+
+    def desynchronized() -> None:
+        overlap.wait(overlap.all_reduce(first))
+        overlap.wait(overlap.all_reduce(second))
+
+    own = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
+    return {"world": _step_error(Scheduler(model), desynchronized),
+            "own group": _step_error(Scheduler(model, group=own),
+                                     lambda: overlap.wait(overlap.all_reduce(torch.ones(rank + 1), group=own)))}
+
+
+@pytest.fixture(scope="module")
+def desynchronized() -> list[dict[str, str]]:
+    return run_distributed(_desynchronized, 3, timeout=60)
+
+
+def test_desynchronized_schedules_raise_on_every_rank(desynchronized) -> None:
+    """3 ranks, the last alone issuing its two all-reduces in the other order: every rank raises,
+    naming each rank's first differing collective (a check of two ranks out of three would see none)."""
+    for res in desynchronized:
+        message = res["world"]
         assert "collective 0" in message
-        assert "rank 0: #0 all_reduce" in message and "4x2" in message
-        assert "rank 1: #0 all_reduce" in message and "2x4" in message
+        for rank, shape in ((0, "4x2"), (1, "4x2"), (2, "2x4")):
+            assert re.search(rf"rank {rank}: #0 all_reduce\(group=[^,]*, {shape}, float32\)", message), message
+
+
+def test_a_scheduler_agrees_through_its_own_group(desynchronized) -> None:
+    """A scheduler built with ``group=`` compares schedules with that group's ranks only: each rank's
+    scheduler on its own 1-rank group records collectives of other shapes and groups than its peers'
+    without an error (agreeing over the default group instead would raise on every rank)."""
+    for res in desynchronized:
+        assert res["own group"] == "no error"
 
 
 def _verify(rank: int, world: int, verify: bool) -> dict[str, Any]:
@@ -280,6 +348,109 @@ def test_steps_do_not_nest_and_an_error_leaves_it_usable() -> None:
     with sched.step():
         model(torch.ones(1, 2))
     assert sched.steps_fallen_back == 1  # without its hooks the step has no points: it left the schedule
+
+
+class _FillOnWait:
+    """A fake collective's completion: writes ``value`` into the result only when waited; counts its waits."""
+
+    def __init__(self, result: torch.Tensor, value: torch.Tensor) -> None:
+        self.result, self.value, self.waits = result, value, 0
+
+    def wait(self) -> None:
+        self.waits += 1
+        self.result.copy_(self.value)
+
+
+class Local(nn.Module):
+    """Two blocks and two fake collectives in one process: #0 (8x8) issued at the start and used after
+    block b, #1 issued at the start and never used. ``change`` makes a step leave that schedule in one
+    way (``LEAVES``) or run one more op between two points, its points unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = Block(), Block()
+        self.change: Optional[str] = None
+        self.completions: list[_FillOnWait] = []
+        self.results: list[torch.Tensor] = []  # kept: the scheduler holds results weakly
+
+    def _collective(self, value: torch.Tensor) -> torch.Tensor:
+        result = torch.zeros_like(value)
+        self.completions.append(_FillOnWait(result, value))
+        self.results.append(AsyncTensor.wrap(result, self.completions[-1], "all_reduce", "fake"))
+        return self.results[-1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        change = self.change
+        w = torch.linspace(-1.0, 1.0, 64).view(8, 8)
+        g = self._collective(w.double() if change == "another dtype" else w)
+        if change not in ("one collective fewer", "issued after another point"):
+            self._collective(torch.ones(4))
+        if change == "one more collective":
+            self._collective(torch.ones(4))
+        if change == "used before its scheduled wait":
+            g.sum()
+        h = self.a(x)
+        if change == "issued after another point":
+            self._collective(torch.ones(4))
+        if change == "more ops between points":
+            h = h * 1
+        return (self.b(h) @ g.float()).sum()
+
+
+LEAVES = {  # how a step leaves the schedule -> the reason it falls back with
+    "one collective fewer": "1 collectives were issued, the schedule has 2",
+    "one more collective": "collective 2 (all_reduce) was not in the schedule (2 collectives)",
+    "another dtype": "collective 0 is ('all_reduce', 'fake', (8, 8), 'float64'), the schedule has "
+                     "('all_reduce', 'fake', (8, 8), 'float32')",
+    "issued after another point": "collective 1 was issued after point 4, the schedule has 0",
+    "used before its scheduled wait": "collective 0 (all_reduce) was used by sum before its scheduled wait",
+}
+
+
+@pytest.mark.parametrize("change", sorted(LEAVES))
+def test_each_way_of_leaving_the_schedule_falls_back_and_records_again(change: str) -> None:
+    """One process, fake collectives: steps 0-1 record and replay; steps 2-4 change the step in one way,
+    its module points kept: step 2 falls back naming why, 3 records the changed step, 4 replays it. Every
+    collective waits exactly once in every step and each loss is bitwise the unscheduled model's."""
+    model, reference = Local(), Local()
+    sched = Scheduler(model)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    for step in range(5):
+        model.change = reference.change = change if step >= 2 else None
+        model.completions.clear()
+        model.results.clear()
+        with sched.step():
+            loss = model(x)
+        assert [c.waits for c in model.completions] == [1] * len(model.completions), step
+        assert torch.equal(loss, reference(x)), step
+        if step == 2:
+            assert (sched.steps_fallen_back, sched.last_fallback_reason) == (1, LEAVES[change])
+    assert (sched.steps_recorded, sched.steps_replayed, sched.steps_fallen_back) == (2, 2, 1)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_verify_mode_names_a_point_reached_after_other_ops(verify: bool) -> None:
+    """A replay step that runs one more op between block a and block b: verify mode raises at block b's
+    start, before any result is used, naming the point and both op counts; without verify the ops are
+    not counted and the step replays."""
+    model = Local()
+    sched = Scheduler(model, verify=verify)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        with sched.step():
+            model(x)
+    model.change = "more ops between points"
+    if not verify:
+        with sched.step():
+            model(x)
+        assert (sched.steps_recorded, sched.steps_replayed, sched.steps_fallen_back) == (1, 2, 0)
+        return
+    with pytest.raises(ScheduleMismatchError, match=r"verify: forward_pre\(b\) was reached after") as info:
+        with sched.step():
+            model(x)
+    reached, recorded = map(int, re.search(r"after (\d+) ops, the schedule recorded (\d+)", str(info.value)).groups())
+    assert reached == recorded + 1
 
 
 def test_first_difference_names_each_rank() -> None:
