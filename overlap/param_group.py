@@ -58,7 +58,14 @@ replicate group sees the same sequence on every rank. In debug mode (``overlap.d
 collective first checks its fingerprint with its group's ranks, a wait that crosses groups: issued
 at timing-dependent points, an all-reduce's check and a reduce-scatter's could wait on each other
 around the mesh, so there the all-reduce is issued right after its reduce-scatter, which it waits
-for (slower, deterministic). ``no_sync`` skips both.
+for (slower, deterministic). With ``max_inflight_bytes`` the budget's waits cross groups the same
+way (a rank waiting for room before its all-reduce for a reduce-scatter that a slower shard peer
+has not issued yet, that peer waiting before it for an all-reduce its own fast replica peer holds
+back, and so on around the mesh: a hang), so on CPU an all-reduce under a budget is issued at a
+point in the program instead of a time: at the next reduction's issue, before it (waiting for its
+own reduce-scatter, which had a block's backward to finish), or at the end of backward. Every rank
+then issues every collective in the same order, and each budget wait is for one issued earlier,
+which all of its ranks issue without waiting on a later one. ``no_sync`` skips both.
 
 [Note: sharding tensor-parallel parameters]
 A parameter that tensor parallelism made a DTensor (``overlap.tensor_parallel`` or torch's

@@ -538,6 +538,9 @@ class _Root:
         """False when every group has one data-parallel rank: then nothing is ever gathered, prefetched
         or stale, and the per-block hooks skip asking (see [Note: world size 1] in param_group.py)."""
         self.auto_prefetch = self.communicates and any(s.auto_prefetch for s in self.states)
+        self.budgeted = any(s.max_inflight_bytes is not None for s in self.states)
+        """Some group issues under ``max_inflight_bytes``: then HSDP's all-reduces on CPU go out at
+        fixed points of the program, not when a poll finds them ready ([Note: hybrid sharding])."""
         self.chosen_depth: Optional[int] = None  # prefetch="auto": the depth chosen and agreed
         self.recording_costs = False  # this forward measures per-position costs (auto, order not agreed yet)
         # per forward position: [compute, gather, packing, backward] seconds, gather = packing + link wait
@@ -1144,6 +1147,8 @@ class _Root:
         if group is None:
             return
         if state.sync_grads:
+            if self.budgeted:
+                self._issue_budgeted_all_reduces()
             with region(state.regions.reduce_scatter):
                 held = contextlib.nullcontext()
                 indices = None  # read by issue_reduce, unless the cap needs them first: one read either way
@@ -1218,10 +1223,22 @@ class _Root:
         for state, pending in self._pending_reduces:
             if not pending.needs_all_reduce:
                 continue
+            if self.budgeted:
+                break  # issued at the next reduction instead: see _issue_budgeted_all_reduces
             if pending.work is not None and not pending.work.is_done():
                 break
             self._all_reduce(state, pending)
         self._run_early_epilogues()
+
+    def _issue_budgeted_all_reduces(self) -> None:
+        """Before a reduction when some group has ``max_inflight_bytes`` (``budgeted``): issue the
+        cross-replica all-reduces still held back (HSDP on CPU), oldest first, each after its
+        reduce-scatter (waited for), at this point of the program on every rank, never at whichever
+        poll first finds one ready, so the budget's waits cannot go around the mesh (see
+        [Note: hybrid sharding])."""
+        for state, pending in self._pending_reduces:
+            if pending.needs_all_reduce:
+                self._all_reduce(state, pending)
 
     def _run_early_epilogues(self, through: Optional[ShardState] = None) -> bool:
         """Run the epilogues of the pending reductions, oldest first, while each one's group may

@@ -7,11 +7,14 @@ waits (on the host, oldest first) until it fits. See [Note: the process-wide in-
 """
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 
 import overlap
 from overlap import inflight_work
+from overlap.inflight_work import InflightWork
 from overlap.testing import run_distributed
 
 ROWS = 4096  # one rank's all-gather input: 4096 float32 = 16 KiB; the gathered result on 2 ranks: 32 KiB
@@ -74,3 +77,47 @@ def test_set_max_inflight_bytes_checks_and_returns_the_previous_cap() -> None:
         assert inflight_work.max_inflight_bytes() == 1 << 20
     finally:
         assert inflight_work.set_max_inflight_bytes(None) == 1 << 20
+
+
+class _QueuedWork:
+    """A ``dist.Work`` stand-in that finishes only when waited (or when the test says so), logging the wait."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name, self.done = log, name, False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        self.log.append(self.name)
+        self.done = True
+        return True
+
+
+@pytest.fixture
+def no_works_in_flight():
+    """An empty in-flight registry and no budget, before and after the test."""
+    inflight_work._inflight.clear()
+    yield
+    inflight_work._inflight.clear()
+    inflight_work.set_max_inflight_bytes(None)
+
+
+def test_make_room_waits_for_the_oldest_only_until_the_new_collective_fits(no_works_in_flight) -> None:
+    """``make_room(n)`` waits on the host for the collectives in flight oldest first, and only while
+    ``inflight_bytes() + n`` is over the budget: one that fits exactly goes at once, a finished one
+    is swept, not waited ([Note: the process-wide in-flight budget])."""
+    waited: list[str] = []
+    works = {name: _QueuedWork(waited, name) for name in "abc"}
+    for i, (name, work) in enumerate(works.items()):
+        inflight_work.track(InflightWork("all_gather", 10, [torch.zeros(1)], work=work, seq=i))
+    inflight_work.set_max_inflight_bytes(35)
+    inflight_work.make_room(5)  # 30 + 5: fits exactly
+    assert waited == [] and overlap.inflight_bytes() == 30
+    inflight_work.make_room(6)  # 36: the oldest goes, then 26 fits
+    assert waited == ["a"] and overlap.inflight_bytes() == 20
+    works["b"].done = True  # finished, nobody waited: the sweep forgets it
+    inflight_work.make_room(25)  # c and 25 fit once b is swept
+    assert waited == ["a"] and overlap.inflight_bytes() == 10
+    inflight_work.make_room(26)  # over even alone once c is waited: c goes, then it goes alone
+    assert waited == ["a", "c"] and overlap.inflight() == []

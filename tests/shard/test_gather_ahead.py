@@ -8,7 +8,8 @@ ahead may only move when a gather happens, never what it gathers. The plan is fo
 (``(count, lag)``: every group, the first two, none) so that each issue point is exercised whatever
 the model would choose on this box; one run keeps the model's own choice. Covered: ``no_sync``
 micro-batches, a shard edited in place between steps (picked up: gathered again), a step that skips
-the group gathered ahead for it, a rank exiting with gathers in flight.
+the group gathered ahead for it, a rank exiting with gathers in flight, ranks whose choosers pick
+different plans (rank 0's runs on every rank).
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class _nothing:
 
 def _runs(rank: int, world_size: int, skip: bool) -> dict[str, dict[str, Any]]:
     groups = LAYERS + 1
-    return {
+    out = {
         "plain": _train(rank, world_size, False, None, skip),
         "none ahead": _train(rank, world_size, True, (0, 1), skip),
         "all ahead, lag 1": _train(rank, world_size, True, (groups, 1), skip),
@@ -104,6 +105,11 @@ def _runs(rank: int, world_size: int, skip: bool) -> dict[str, dict[str, Any]]:
         "model's choice": _train(rank, world_size, True, None, skip),
         "all planned, turned off": _train(rank, world_size, True, (groups, 1), skip, enabled=False),
     }
+    # Each rank's chooser picks another plan (budgets read per rank can differ): rank 0's must run.
+    # In debug mode, so that ranks on different plans raise DesyncError instead of hanging.
+    with overlap.debug():
+        out["rank-dependent choice"] = _train(rank, world_size, True, [(groups, 1), (2, 2), (0, 1)][rank], skip)
+    return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -119,6 +125,10 @@ def test_gather_ahead_is_bitwise_the_plain_loop(distributed, world_size: int) ->
         # and those issued in backward stayed in flight past its end.
         assert [len(a) for a in runs["all ahead, lag 1"]["ahead"]] == [groups] * STEPS
         assert all(not a for a in runs["all planned, turned off"]["ahead"])
+        # One plan on every rank, rank 0's, whatever each rank's chooser picked (the gathers it issues
+        # in backward are collectives: a rank on another plan would issue them in another order).
+        assert runs["rank-dependent choice"]["plan"] == (groups, 1)
+        assert runs["rank-dependent choice"]["ahead"] == runs["all ahead, lag 1"]["ahead"]
         # Nothing ahead in backward: the next forward's first 1 + depth groups, at its end; two
         # ahead: those and the two groups reduced first (the last two blocks).
         first = 1 + FORCED_DEPTH

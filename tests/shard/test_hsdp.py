@@ -5,11 +5,13 @@ Checked against the unsharded single-process run (the tolerances of ``models.py`
 tolerances]: the sums differ from the unsharded ones in order only) and against torch's FSDP2 HSDP on
 the same mesh, side by side in one rank function: losses, final parameters, parameters bitwise equal
 across replicas after every step, the DTensor placements, mixed precision, ``no_sync`` (no traffic
-across replicas inside it), full state dicts and DCP resume at another mesh.
+across replicas inside it), full state dicts and DCP resume at another mesh; ``prefetch="auto"``'s
+depth agreed across replicas and ``max_inflight_bytes`` over the all-reduces (bitwise the run without).
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import pytest
@@ -31,6 +33,7 @@ from models import (
     TinyLM,
     local_batch,
     make_batch,
+    make_optimizer_in_backward,
     max_rel_dev,
     shard_rows,
     train_ranks,
@@ -63,12 +66,13 @@ class ScaledLM(TinyLM):
         return super().forward(tokens) * self.temperature
 
 
-def _hsdp_model(mesh, mp: Any = None, with_scalar: bool = False, prefetch: int | str = "auto") -> TinyLM:
+def _hsdp_model(mesh, mp: Any = None, with_scalar: bool = False, prefetch: int | str = "auto",
+                max_inflight_bytes: int | None = None) -> TinyLM:
     torch.manual_seed(SEED)
     model = ScaledLM() if with_scalar else TinyLM()
     for block in model.blocks:
-        overlap.shard(block, mesh=mesh, mp=mp, prefetch=prefetch)
-    overlap.shard(model, mesh=mesh, mp=mp, prefetch=prefetch)
+        overlap.shard(block, mesh=mesh, mp=mp, prefetch=prefetch, max_inflight_bytes=max_inflight_bytes)
+    overlap.shard(model, mesh=mesh, mp=mp, prefetch=prefetch, max_inflight_bytes=max_inflight_bytes)
     return model
 
 
@@ -226,6 +230,92 @@ def test_hsdp_no_sync_sends_nothing_across_replicas(distributed) -> None:
             scale = want[name].abs().max().item()
             torch.testing.assert_close(grad, want[name][start:stop], rtol=1e-5, atol=1e-5 * scale,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+# -- prefetch="auto" and max_inflight_bytes -------------------------------------------------------------
+
+
+class _InflightSampler:
+    """An ``overlap.inflight_work`` recorder: each runtime collective's bytes, and the bytes in flight
+    once it is on its way (the agreements' own small gathers, waited at once, left out)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.samples: list[int] = []
+
+    def on_issue(self, kind: str, nbytes: int, *rest: Any) -> None:
+        if kind != "agree":
+            self.sizes.append(nbytes)
+            self.samples.append(overlap.inflight_bytes() + nbytes)
+
+
+def _late_backward(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+    output.register_hook(lambda grad: time.sleep(0.02))
+
+
+def _auto_depth_and_budget(rank: int, world_size: int) -> dict[str, Any]:
+    """3 steps of TinyLM under HSDP over 2 replicas, ``prefetch="auto"`` chosen after one recorded
+    step (no trial), the chooser of each rank picking ``1 +`` its replica's index, the optimizer
+    stepped in backward; without a budget, then with ``max_inflight_bytes`` set to the largest
+    collective of the first run.
+
+    On a 2x2 mesh, ranks 1 and 2 (one per replica, in different shard groups) start each block's
+    backward 20 ms late. Without a budget an all-reduce on CPU goes out when a poll finds its
+    reduce-scatter done, at points that differ between ranks; under a budget that made the host
+    waits go around the mesh (rank 0 waiting for room before its all-reduce for a reduce-scatter
+    rank 1 had not issued, rank 1 for an all-reduce rank 3 held back, rank 3 for rank 2, rank 2 for
+    rank 0): a hang, before [Note: hybrid sharding] put them at fixed points."""
+    from overlap.inflight_work import set_recorder
+    from scheduler import cost_samples, prefetch_depth, schedule_trial
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)
+    replica = mesh.get_local_rank("replicate")
+    cost_samples.COST_SAMPLES = 1
+    schedule_trial.TRIAL_ROUNDS = 0  # the agreed choice runs at once
+    prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: 1 + replica
+    out: dict[str, Any] = {}
+    for what in ("free", "capped"):
+        model = _hsdp_model(mesh, max_inflight_bytes=out.get("budget"))
+        if rank in (1, 2):
+            for block in model.blocks:
+                block.register_forward_hook(_late_backward)
+        make_optimizer_in_backward(model)
+        sampler = _InflightSampler()
+        previous = set_recorder(sampler)
+        try:
+            losses = []
+            for step in range(3):
+                loss = model.loss(local_batch(make_batch(step), rank, world_size))
+                loss.backward()
+                losses.append(loss.detach())
+        finally:
+            set_recorder(previous)
+        out.setdefault("budget", max(sampler.sizes))
+        out[what] = {"losses": torch.stack(losses), "most_in_flight": max(sampler.samples),
+                     "depth": model.prefetch_depth, "gather_ahead": model.gather_ahead,
+                     "deferred": model.deferred_steps, "seen": model.max_inflight_bytes_seen,
+                     "params": {n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+    return out
+
+
+def test_hsdp_auto_depth_is_agreed_across_replicas_and_the_budget_holds(distributed) -> None:
+    """HSDP with ``prefetch="auto"``: one depth on every rank of the mesh, the deepest any rank chose,
+    also where only replicas differ (each shard group agreeing within itself is not enough: [Note:
+    same collectives, same order, on every rank]); no gather-ahead plan (under HSDP no gradient is
+    final before its all-reduce). ``max_inflight_bytes`` holds for the cross-replica all-reduces too,
+    and only delays: bitwise the run without it."""
+    for rank, r in enumerate(distributed(_auto_depth_and_budget, 4)):
+        free, capped = r["free"], r["capped"]
+        assert free["most_in_flight"] > r["budget"], f"rank {rank}: the budget does not bind: {free['most_in_flight']}"
+        assert capped["most_in_flight"] <= r["budget"], (rank, capped["most_in_flight"], r["budget"])
+        assert 0 < capped["seen"] <= r["budget"], (rank, capped["seen"])
+        assert torch.equal(capped["losses"], free["losses"]), rank
+        for name, value in capped["params"].items():
+            assert torch.equal(value, free["params"][name]), (rank, name)
+        for run in (free, capped):
+            assert run["depth"] == 2, f"rank {rank}: depth {run['depth']}, not the deepest replica's choice"
+            assert run["gather_ahead"] is None and run["deferred"] is None, (rank, run["gather_ahead"])
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------

@@ -338,3 +338,16 @@ def test_a_spike_in_one_recorded_step_does_not_reach_the_chooser(distributed, sa
     # one step (which the ranks' low median keeps) is dropped; with one sample it reaches the chooser
     for compute in distributed(_compute_seen_after_a_spike, 2, samples, timeout=300):
         assert (compute[1] >= SPIKE_S) == spike_seen, compute
+
+
+def test_agreed_costs_are_each_entrys_low_median_over_the_ranks() -> None:
+    """The ranks choose from one set of costs: per entry, the low median of the ranks' values
+    ([Note: what the step's costs are made of]). A value some rank measured, and with an even count
+    the smaller middle one: noise only ever adds time, so one rank slowed by its host (a load spike
+    on one of 2 ranks) does not reach the chooser."""
+    from overlap.sharding import _low_median_per_entry
+
+    assert _low_median_per_entry([[1.0, 0.5], [0.2, 9.0]]) == [0.2, 0.5]  # 2 ranks: the smaller
+    assert _low_median_per_entry([[3.0, 1.0], [1.0, 2.0], [2.0, 30.0]]) == [2.0, 2.0]  # 3: the middle one
+    assert _low_median_per_entry([[4.0], [1.0], [3.0], [2.0]]) == [2.0]  # 4: the lower middle
+    assert _low_median_per_entry([[0.1, 0.2]]) == [0.1, 0.2]

@@ -7,8 +7,10 @@ Reference: the plain loop (``prefetch=0``, one AdamW over all parameters after b
 sharding), bitwise: losses and parameters across every switch of plan, with a forward under
 ``no_grad`` in the middle of the trial (not a trial step). The chosen plan is forced (depth 2, one
 group gathered ahead) and so is the verdict (keep / fall back), so each path runs whatever this
-box's timings are; one run keeps the real verdict. The memory budget (``max_inflight_bytes``, set
-to what the forced plan holds) is checked over the trial's steps by the unsharded-bytes counter.
+box's timings are; one run keeps the real verdict. What the module reports after the decision
+(``prefetch_depth``, ``modelled_step``: the modelled seconds are forced too) is the plan that runs.
+The memory budget (``max_inflight_bytes``, set to what the forced plan holds) is checked over the
+trial's steps by the unsharded-bytes counter.
 """
 from __future__ import annotations
 
@@ -55,15 +57,21 @@ def _forced_plan_budget() -> int:
     return held_bytes(nbytes, FORCED[0], FORCED[1][0])
 
 
+MODELLED_S = {"chosen": 0.25, "simple": 0.5}
+"""The seconds per step the model is made to give the chosen plan and the simple plan."""
+
+
 def _force_choice(ahead: Optional[tuple[int, int]]) -> None:
     """This rank's choosers pick depth ``FORCED[0]`` with gather-ahead ``ahead`` after one recorded
-    step, and the trial runs ``ROUNDS`` rounds."""
+    step, modelled at :data:`MODELLED_S`, and the trial runs ``ROUNDS`` rounds."""
     from scheduler import cost_samples, gather_ahead, prefetch_depth, schedule_trial
 
     cost_samples.COST_SAMPLES = 1
     schedule_trial.TRIAL_ROUNDS = ROUNDS
     prefetch_depth.choose_prefetch_depth = lambda *args, **kwargs: FORCED[0]
     gather_ahead.choose_schedule = lambda c, g, nbytes, depth, budget, **kwargs: (depth, ahead)
+    gather_ahead.modelled_steady_step = lambda *args, **kwargs: MODELLED_S["chosen"]
+    prefetch_depth.modelled_step = lambda *args, **kwargs: MODELLED_S["simple"]
 
 
 def _train(rank: int, world_size: int, verdict: Optional[bool], trial: bool = True,
@@ -102,6 +110,7 @@ def _train(rank: int, world_size: int, verdict: Optional[bool], trial: bool = Tr
     decision = model.schedule_decision
     return {"losses": torch.stack(losses), "plans": plans, "decision": decision, "peak": counter.peak,
             "budget": budget, "max_inflight": model.max_inflight_bytes_seen,
+            "depth": model.prefetch_depth, "modelled_step": model.modelled_step,
             "params": {n: p.to_local().clone() for n, p in model.named_parameters()}}
 
 
@@ -130,6 +139,10 @@ def test_the_trial_switches_plans_bitwise_within_the_budget_and_decides_alike(di
             # the unsharded bytes held never exceed the forced plan's (the budget), across every switch
             assert 0 < run["peak"] <= run["budget"], (what, run["peak"], run["budget"])
             assert run["max_inflight"] <= run["budget"]
+            # what the module reports is what runs: the decided plan's depth and its modelled step
+            # (the simple plan's where the trial fell back)
+            assert run["depth"] == final[0], (what, run["depth"], final)
+            assert run["modelled_step"] == MODELLED_S["chosen" if final == FORCED else "simple"], what
         assert runs["kept"]["decision"].plan == FORCED and "kept by the trial" in runs["kept"]["decision"].reason
         fell_back = runs["fell back"]["decision"]
         assert fell_back.plan == simple and "did not win the trial" in fell_back.reason
@@ -137,6 +150,7 @@ def test_the_trial_switches_plans_bitwise_within_the_budget_and_decides_alike(di
         off = runs["trial off"]
         assert off["plans"] == [simple] + [FORCED] * (STEPS - 1), off["plans"]
         assert off["decision"].verdict is None and "trial is off" in off["decision"].reason
+        assert off["depth"] == FORCED[0] and off["modelled_step"] == MODELLED_S["chosen"]
         assert runs["plain"]["decision"] is None  # a fixed depth decides nothing
     # every rank decided the same from the same agreed (slowest-rank) step times
     assert len({repr(runs["real verdict"]["decision"]) for runs in per_rank}) == 1

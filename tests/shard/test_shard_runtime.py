@@ -153,6 +153,64 @@ def test_options_do_not_change_results(distributed) -> None:
         assert runs[2]["max_inflight_seen"] <= max(budget, runs[2]["gather_bytes"]), runs[2]["max_inflight_seen"]
 
 
+class _Collective:
+    """A runtime collective in flight (what ``_Root._admit`` reads): its bytes, whether it is still
+    held, and a host wait that logs it and releases it."""
+
+    def __init__(self, log: list[str], name: str, nbytes: int) -> None:
+        self.log, self.name, self.nbytes, self.pending = log, name, nbytes, True
+
+    def synchronize(self) -> None:
+        self.log.append(self.name)
+        self.pending = False
+
+
+def test_the_budget_waits_for_the_oldest_only_until_the_next_collective_fits() -> None:
+    """``max_inflight_bytes`` in the runtime (``_Root._admit``, on a stand-in root): before a
+    collective is issued, the runtime's collectives in flight are waited oldest first (issue order,
+    as the link serves them) and only while the new one would not fit: one that fits exactly goes at
+    once, one already waited is not counted, and the most bytes in flight it reports
+    (``max_inflight_bytes_seen``) are the ones it let through."""
+    from types import SimpleNamespace
+
+    from overlap.sharding import _Root
+
+    waited: list[str] = []
+    a, b, c = (_Collective(waited, name, 10) for name in "abc")
+    root = SimpleNamespace(_outstanding=[a, b, c], max_inflight_seen=0)
+    _Root._admit(root, 5, 35)  # 30 + 5: fits exactly
+    assert waited == [] and root.max_inflight_seen == 35
+    _Root._admit(root, 6, 35)  # 36: the oldest goes, then 26 fits
+    assert waited == ["a"] and root._outstanding == [b, c] and root.max_inflight_seen == 35
+    b.pending = False  # waited by its consumer: no longer in flight
+    _Root._admit(root, 25, 35)  # c and 25
+    assert waited == ["a"] and root._outstanding == [c]
+    _Root._admit(root, 40, 35)  # over the budget alone: it goes once nothing else is in flight
+    assert waited == ["a", "c"] and root._outstanding == [] and root.max_inflight_seen == 40
+
+
+def test_the_budget_holds_for_the_cross_replica_all_reduce() -> None:
+    """HSDP: a reduce-scatter's all-reduce over the replicas waits for room under ``max_inflight_bytes``
+    like every other collective of the runtime (``_Root._all_reduce``, on a stand-in root), before it
+    is issued. On CPU under a budget it goes out before the next reduction, after later collectives
+    were issued (prefetches in backward), so the admission of those does not cover it."""
+    from types import SimpleNamespace
+
+    from overlap.sharding import _Root
+
+    log: list[str] = []
+    older = _Collective(log, "next reduce-scatter", 16)
+    root = SimpleNamespace(_outstanding=[older], max_inflight_seen=0)
+    root._admit = lambda nbytes, cap: _Root._admit(root, nbytes, cap)
+    root._track = lambda work: root._outstanding.append(work)
+    issued = _Collective(log, "all-reduce", 16)
+    group = SimpleNamespace(issue_all_reduce=lambda pending: log.append("issue all-reduce") or issued)
+    state = SimpleNamespace(group=group, max_inflight_bytes=24)
+    _Root._all_reduce(root, state, SimpleNamespace(rs_output=torch.zeros(4)))  # 16 bytes: 32 > 24
+    assert log == ["next reduce-scatter", "issue all-reduce"] and root._outstanding == [issued]
+    assert root.max_inflight_seen == 16
+
+
 # ------------------------------------------------------------------------------------------------
 def _eval_and_memory_rank(rank: int, world: int) -> dict[str, Any]:
     model = _awkward(shard=True)

@@ -91,6 +91,33 @@ def test_latency_is_paid_per_ring_hop() -> None:
     assert p.step_seconds == pytest.approx(2 * 10e-6)
 
 
+def test_reductions_move_the_gradient_bytes_not_the_parameter_bytes() -> None:
+    """A model whose gradients are reduced in a wider dtype than its parameters are gathered in
+    (``grad_bytes``: bfloat16 parameters, float32 reductions) pays its reduce-scatter, and with HSDP
+    its cross-replica all-reduce of the shard, for the gradient's bytes; the gather for the
+    parameters'."""
+    model = ModelCost(blocks=1, param_bytes=8 * MB, grad_bytes=16 * MB, forward_seconds=0.0, backward_seconds=0.0)
+    full = predict(model, Topology(2, 1, INTRA, INTER), "full")
+    gather, reduce = _seconds(100.0, 0.5 * 8 * MB), _seconds(100.0, 0.5 * 16 * MB)  # 2 ranks across nodes
+    assert math.isclose(full.step_seconds, gather + reduce, rel_tol=1e-12)
+    assert math.isclose(full.shard_link_seconds, gather + reduce, rel_tol=1e-12)
+    hsdp = predict(model, Topology(2, 4, INTRA, INTER), "hsdp")
+    gather, reduce = _seconds(800.0, 0.75 * 8 * MB), _seconds(800.0, 0.75 * 16 * MB)
+    all_reduce = _seconds(100.0, 2 * 0.5 * 16 * MB / 4)  # the 1/4 gradient shard over 2 nodes
+    assert math.isclose(hsdp.step_seconds, gather + reduce + all_reduce, rel_tol=1e-12)
+    assert math.isclose(hsdp.replicate_link_seconds, all_reduce, rel_tol=1e-12)
+
+
+def test_the_replica_all_reduce_pays_latency_per_hop_of_its_ring() -> None:
+    """HSDP on 4 nodes of 2: the shard group's gather and reduce-scatter take 1 hop each, the
+    all-reduce over the 4 replicas 2 * 3 hops (a ring all-reduce: reduce-scatter, then all-gather)."""
+    slow = LinkCost(gbps=1e6, latency_us=10.0)
+    model = ModelCost(blocks=1, param_bytes=0.0, forward_seconds=0.0)
+    p = predict(model, Topology(4, 2, slow, slow), "hsdp")
+    assert p.step_seconds == pytest.approx((1 + 1 + 6) * 10e-6)
+    assert p.replicate_link_seconds == pytest.approx(6 * 10e-6)
+
+
 def test_table_lists_every_size() -> None:
     text = table(ModelCost(blocks=4, param_bytes=MB, forward_seconds=1e-4), 8, INTRA, INTER, gpus=(8, 64))
     assert [line.split()[0] for line in text.splitlines()[1:]] == ["8", "64"]
