@@ -115,7 +115,8 @@ instead of a read of every parameter ([Note: packed placements] in ``overlap_ker
 [Note: world size 1]
 With one rank and no dtype cast the shard *is* the full parameter (the sharding rule gives rank 0
 every row), so each unsharded parameter is a view of its shard's storage: gathering and resharding
-only swap registrations, and a gradient moves to the shard's ``.grad`` without packing. With a
+only swap registrations, and a gradient moves to the shard's ``.grad`` without packing (rounded
+through a narrower ``reduce_dtype`` first, as the reduce-scatter would round it). With a
 cast (mixed precision) a gather is one ``_foreach_copy_`` of the shards into the unsharded
 parameters and a reduction one cast of each gradient (through the reduce dtype) into the shard's
 ``.grad``: the values packing and unpacking would give, without the flat buffers. torch's FSDP2
@@ -356,6 +357,12 @@ class ParamGroup:
         self.casts_shards = self.single_rank and not self.aliases_shards
         """World size 1 with a dtype cast (mixed precision): a gather is one cast of the shards into
         the unsharded parameters, a reduction one cast back (see [Note: world size 1])."""
+        reduce_dtype = self.mp.effective_reduce_dtype
+        self.rounds_aliased_grads = self.aliases_shards and reduce_dtype is not None and not all(
+            _widens_exactly(d, reduce_dtype) for d in self.orig_dtypes)
+        """World size 1 without a parameter cast, but a ``reduce_dtype`` narrower than a shard's: each
+        gradient is rounded through it on its way to the shard, as FSDP2's reduce-scatter and this
+        runtime's at more ranks round it."""
         plain = all(type(p) is DTensor for p in self.sharded) and _DTENSOR_HAS_NO_TORCH_FUNCTION
         self._shard_getters: Callable[[], contextlib.AbstractContextManager] = (
             torch._C.DisableTorchFunctionSubclass if plain else contextlib.nullcontext)
@@ -1159,7 +1166,8 @@ class ParamGroup:
 
     def _move_grads_to_shards(self, indices: tuple[int, ...]) -> None:
         """World size 1 fast path of the reduce-scatter: the full gradient is the shard's gradient;
-        with a cast (``casts_shards``) it is rounded to the reduce dtype and cast to the shard's,
+        with a cast (``casts_shards``, ``rounds_aliased_grads``) it is rounded to the reduce dtype and
+        cast to the shard's,
         as the packed path's copy-in and copy-out would (one foreach cast for the new gradients, one
         foreach add for the accumulated ones).
 
@@ -1169,8 +1177,9 @@ class ParamGroup:
         (``aliases_shards``) no dtype is read: autograd gives a parameter's gradient the parameter's
         dtype (the shard's here), and ``.grad``'s setter refuses any other."""
         assert self.unsharded is not None
-        reduce_dtype = self.mp.effective_reduce_dtype if self.casts_shards else None
-        same_dtype = self.aliases_shards and not self.has_tp_params
+        rounds = self.casts_shards or self.rounds_aliased_grads
+        reduce_dtype = self.mp.effective_reduce_dtype if rounds else None
+        same_dtype = self.aliases_shards and not self.has_tp_params and not rounds
         moved, fresh_src, fresh_dst, acc_src, acc_dst = [], [], [], [], []
         unsharded, sharded, tp_specs, has_tp = self.unsharded, self.sharded, self.tp_specs, self.has_tp_params
         with _NoGrad(), self._unsharded_getters(), self._shard_getters():

@@ -24,7 +24,8 @@ variant runs one GEMM per chunk); ``clip_grad_norm_`` gives FSDP2's total norm; 
 gives full tensors equal to the unsharded model's, ``overlap.full_state_dict`` the same full tensors,
 and ``overlap.load_full_state_dict`` of them into another 2-D model gives them back; a DCP checkpoint of ours loads into the FSDP2 model.
 HSDP + TP (mesh (replicate, shard, tp) = (2, 1, 2): the replicas' all-reduce and the 3-D spec, with a
-shard dim of one rank, all 4 ranks allow) against FSDP2 bitwise.
+shard dim of one rank, all 4 ranks allow) against FSDP2 bitwise. The finite check over the dp
+groups, slices of the mesh: a NaN in one dp rank's inputs is named by its global rank on every rank.
 """
 from __future__ import annotations
 
@@ -220,7 +221,25 @@ def _fsdp_tp_rank(rank: int, world: int, path: str) -> list[str]:
     for k, v in loaded.items():
         problems += _close(f"DCP of tp+shard loaded into FSDP2 {k}", v.full_tensor(),
                            results["tp+shard"]["params"][k], None)
+    problems += _non_finite_names_global_ranks(models["torch_tp+shard"], mesh, dp_rank, tp, tp_rank)
     return problems
+
+
+def _non_finite_names_global_ranks(model: nn.Module, mesh: Any, dp_rank: int, tp: int, tp_rank: int) -> list[str]:
+    """The finite check (``overlap.check_finite``) over a dp group that is a slice of the mesh (global
+    ranks {0, 2} and {1, 3}: a group rank is not the global one): a NaN in dp rank 1's inputs makes
+    every rank raise ``NonFiniteError`` naming the global rank of its dp group's second member."""
+    x, dy = (_local_part(t, 2, dp_rank, tp, tp_rank) for t in _data(9))
+    if dp_rank == 1:
+        x = x.clone()
+        x[0, 0, 0] = float("nan")
+    want = [int(mesh["dp"].mesh[1])]
+    with overlap.check_finite():
+        try:
+            (model(x) * dy).sum().backward()
+        except overlap.NonFiniteError as e:
+            return [] if list(e.ranks) == want else [f"NonFiniteError names ranks {list(e.ranks)}, not {want}"]
+    return ["no NonFiniteError for a NaN in dp rank 1's inputs"]
 
 
 def _hsdp_with_tp(ref: nn.Module) -> list[str]:

@@ -10,7 +10,8 @@ model's; with a parameter frozen between steps, the next step counts one gradien
 reduces every group, the frozen one getting none. With ``max_inflight_bytes`` (whose cap reads
 the reduction's size first) the flags are still read once per reduction, and flags changed between
 forward and backward are seen as without it; the indices of unchanged flags are one tuple, rebuilt
-when a flag changes.
+when a flag changes; each unsharded parameter keeps one post-accumulate-grad hook through any number
+of flag changes.
 """
 from __future__ import annotations
 
@@ -97,10 +98,12 @@ def test_frozen_between_steps_counts_one_fewer(single_rank_group) -> None:
 
 # A shard frozen or unfrozen between its forward and its backward ([Note: a gradient needs both
 # flags] in overlap/param_group.py): the plain model's parameter gets no gradient in that step, and
-# nothing of that step's may reach a later one. The gradients are mostly accumulated over the steps,
-# so a stale unsharded gradient reduced later would show; one step starts from no gradients, so a
-# zero-filled gradient where the plain model has none would show. Every rank computes on the same
-# input: the average of equal gradients over 1 or 2 ranks is exact, so the comparison is bitwise.
+# nothing of that step's may reach a later one; each unsharded parameter keeps the one
+# post-accumulate-grad hook its first gather registered, whatever the flags did since. The gradients
+# are mostly accumulated over the steps, so a stale unsharded gradient reduced later would show; one
+# step starts from no gradients, so a zero-filled gradient where the plain model has none would show.
+# Every rank computes on the same input: the average of equal gradients over 1 or 2 ranks is exact,
+# so the comparison is bitwise.
 _FLAG_STEPS = (  # (gain's requires_grad in the forward, in the backward, zero_grad first), per step
     (True, True, False), (True, False, False), (False, True, True), (True, True, False),
     (True, False, False), (False, True, False), (True, True, False))
@@ -124,6 +127,8 @@ def _flag_changes_run(rank: int, world: int, max_inflight_bytes: Optional[int] =
                              None if p.grad is None else p.grad.clone())  # accumulated in place later
                       for (name, p), (_, q) in zip(plain.named_parameters(), sharded.named_parameters())},
             "unsharded_grads_left": sum(u.grad is not None for u in group.unsharded),
+            # post-accumulate-grad hooks per unsharded parameter: one, however often a flag changed
+            "hooks": [len(u._post_accumulate_grad_hooks or {}) for u in group.unsharded],
         })
     return seen
 
@@ -131,6 +136,8 @@ def _flag_changes_run(rank: int, world: int, max_inflight_bytes: Optional[int] =
 def _check_flag_changes(steps: list[dict[str, object]]) -> None:
     for step, seen in enumerate(steps):
         assert seen["unsharded_grads_left"] == 0, f"step {step}: an unsharded gradient stayed behind"
+        # a hook added again at each change would call the runtime once more per gradient, without bound
+        assert seen["hooks"] == [1, 1, 1], f"step {step}: hooks per unsharded parameter {seen['hooks']}"
         for name, (got, want) in seen["grads"].items():
             assert (got is None) == (want is None), f"step {step}, {name}: {got} vs the plain model's {want}"
             if want is not None:

@@ -128,8 +128,13 @@ def test_training_over_packed_grads_is_bitwise(distributed) -> None:
 
 
 def _freezing_rank(rank: int, world: int) -> dict[str, Any]:
+    import copy
+
+    import torch.distributed as dist
+
     torch.manual_seed(0)
     model = _Model()
+    plain = copy.deepcopy(model)  # the unsharded model, on this rank's batch
     overlap.shard(model)
     (group,) = [s.group for s in sharded_states(model) if s.group is not None]
     torch.manual_seed(1 + rank)
@@ -142,6 +147,16 @@ def _freezing_rank(rank: int, world: int) -> dict[str, Any]:
         return {n: None if p.grad is None else p.grad._local_tensor.clone() for n, p in model.named_parameters()}
 
     first = step()
+    # Every gradient (the 0-dim scale's too, reduced on rank 0 and broadcast) is the average of the two
+    # ranks' unsharded gradients, summed in float32 (the group's reduce dtype: its widest), bitwise.
+    plain(x).sum().backward()
+    full = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    averaged = {}
+    for n, p in plain.named_parameters():
+        total = p.grad.float()
+        dist.all_reduce(total)  # a sum of two: the same in either order
+        averaged[n] = (total * 0.5).to(p.dtype)
+    seen["average_of_the_ranks"] = all(torch.equal(full[n], averaged[n]) for n in averaged)
     model.lin1.requires_grad_(False)  # frozen between steps: the next gather drops its gradients
     frozen = step()
     seen["unsharded_follow"] = [u.requires_grad for u in group.unsharded] == [p.requires_grad for p in group.sharded]
@@ -153,9 +168,17 @@ def _freezing_rank(rank: int, world: int) -> dict[str, Any]:
     model.lin1.requires_grad_(True)  # and unfrozen again
     again = step()
     seen["unfrozen_equal"] = all(torch.equal(again[n], first[n]) for n in first)
+    model.lin2.requires_grad_(False)  # another subset of as many parameters as lin1's freeze left: other shapes
+    other = step()
+    seen["other_subset_none"] = other["lin2.weight"] is None and other["lin2.bias"] is None
+    seen["other_subset_equal"] = all(torch.equal(other[n], first[n]) for n in first if not n.startswith("lin2."))
     return seen
 
 
 def test_freezing_between_steps_reduces_a_subset_into_one_storage(distributed) -> None:
+    """The first step's gradients are the average of the unsharded model's over the ranks, bitwise.
+    Also: two frozen subsets of the same size (lin1's, then lin2's: four of six parameters each)
+    reduce each its own parameters, with the layout and gradient placement of their shapes (cached
+    per set of indices, not per count)."""
     for rank, seen in enumerate(distributed(_freezing_rank, 2)):  # 2 ranks: a sum of two is bitwise in any order
         assert all(seen.values()), (rank, seen)

@@ -278,11 +278,16 @@ def _shard_layout(rank: int, world_size: int) -> dict[str, Any]:
         "params": {n: (isinstance(p, torch.nn.Parameter), type(p), p.placements, tuple(p.shape),
                        p.to_local().detach().clone()) for n, p in model.named_parameters()},
         "tied": model.head.weight is model.tok.weight,
+        # the bytes each shard's memory holds: its rows only, not the full tensor it was cut from
+        "storage": {n: (p.to_local().untyped_storage().nbytes(), p.to_local().numel() * p.element_size())
+                    for n, p in model.named_parameters()},
     }
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_parameters_are_this_ranks_dim0_shards(distributed, world_size: int) -> None:
+    """Also: each shard's local tensor owns memory of its own rows' size (a copy of them, not a view
+    that would keep the full unsharded tensor alive on every rank)."""
     torch.manual_seed(SEED)
     full = {n: p.detach() for n, p in TinyLM().named_parameters()}
     for rank, res in enumerate(distributed(_shard_layout, world_size)):
@@ -294,6 +299,8 @@ def test_parameters_are_this_ranks_dim0_shards(distributed, world_size: int) -> 
             assert shape == tuple(full[name].shape), (name, shape)
             start, stop = shard_rows(full[name].shape[0], world_size, rank)
             assert shard_.shape == (stop - start, *full[name].shape[1:]), (rank, name, shard_.shape)
+        for name, (held, rows) in res["storage"].items():
+            assert held == rows, (rank, name, held, rows)
         # Values: the rule's rows of the unsharded initialisation, bitwise.
         values = {n: s[-1] for n, s in res["params"].items()}
         _assert_rows_match(values, full, world_size, rank, rtol=0, atol=0)

@@ -3,8 +3,10 @@ right after the optimizer step), on gloo CPU ranks.
 
 Every run is compared with the same loop without the prefetch, bitwise: the prefetch may only move
 when a gather happens, never what it gathers. Covered: a parameter changed in place between the
-prefetch and the next forward (it must be gathered again), ``no_sync`` micro-batches, a forward
-that skips the group that was prefetched, and a rank that exits with a prefetch in flight.
+prefetch and the next forward (it must be gathered again), through the DTensor or through its local
+tensor (``to_local()``, as the local optimizer step writes), a group held gathered by ``unshard()``
+across such a change, ``no_sync`` micro-batches, a forward that skips the group that was prefetched,
+and a rank that exits with a prefetch in flight.
 """
 from __future__ import annotations
 
@@ -35,8 +37,12 @@ def _gathers(link) -> int:
 
 def _train(rank: int, world_size: int, prefetch: bool, skip_first_on_odd_steps: bool = False) -> dict[str, Any]:
     """4 AdamW steps; after step 2's optimizer step, one weight is halved in place (after the
-    prefetch, which must then be gathered again); with ``skip_first_on_odd_steps``, odd steps run
-    without blocks[0] (the group the prefetch gathered for them)."""
+    prefetch, which must then be gathered again); after step 1's, one weight of blocks[0] is halved
+    through its local tensor (a write the DTensor's own version counter does not see), and, with
+    ``prefetch``, blocks[1] is gathered by ``unshard()`` before one of its weights is halved (its
+    held unsharded parameters are then old: forward must gather again); with
+    ``skip_first_on_odd_steps``, odd steps run without blocks[0] (the group the prefetch gathered
+    for them)."""
     from overlap.testing import current_link
 
     torch.set_num_threads(1)
@@ -45,24 +51,32 @@ def _train(rank: int, world_size: int, prefetch: bool, skip_first_on_odd_steps: 
     first = model.blocks[0]
     opt = make_optimizer(model.parameters())
     link = current_link()
-    losses, prefetched = [], []
+    losses, prefetched, held = [], [], []
     for step in range(4):
         if skip_first_on_odd_steps:
             model.blocks[0] = first if step % 2 == 0 else nn.Identity()
         loss = model.loss(local_batch(make_batch(step), rank, world_size))
+        if skip_first_on_odd_steps and step % 2:  # the skipped group's prefetch: dropped at the end of forward
+            held.append(first._overlap_state.group.pending_gather is not None)
         loss.backward()
         opt.step()
         if prefetch:
             before = _gathers(link)
             overlap.prefetch_next_step(model)
             prefetched.append(_gathers(link) - before)
+        if step == 1:
+            if prefetch:
+                model.blocks[1].unshard()  # held gathered into the next forward, like a prefetch
+            with torch.no_grad():
+                first.mlp.fc2.weight.to_local().mul_(0.5)  # through the local tensor, after the prefetch
+                model.blocks[1].mlp.fc1.weight.mul_(0.5)  # after the unshard() above
         if step == 2:
             with torch.no_grad():
                 first.mlp.fc1.weight.mul_(0.5)  # in place, after the prefetch packed it
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     model.blocks[0] = first
-    return {"losses": torch.stack(losses), "prefetched": prefetched,
+    return {"losses": torch.stack(losses), "prefetched": prefetched, "held": held,
             "params": {n: p.to_local().clone() for n, p in model.named_parameters()}}
 
 
@@ -78,8 +92,12 @@ def test_prefetch_next_step_changes_nothing_but_when_gathers_run(distributed) ->
 
 
 def test_prefetch_for_a_group_the_next_forward_skips(distributed) -> None:
+    """Also: the forward that skips the prefetched group drops its gather (the group holds no
+    all-gather output into the next step)."""
     for with_prefetch, plain in distributed(_both, 2, link=COUNTING_LINK, skip_first_on_odd_steps=True):
         assert_same_run(with_prefetch, plain)
+        assert with_prefetch["prefetched"] == [2] * 4, with_prefetch["prefetched"]  # blocks[0] was prefetched
+        assert with_prefetch["held"] == [False, False], with_prefetch["held"]
 
 
 def _micro_batches(rank: int, world_size: int, prefetch: bool) -> dict[str, torch.Tensor]:

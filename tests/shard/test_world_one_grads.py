@@ -1,8 +1,11 @@
 """World size 1 moves each unsharded gradient to its shard without packing ([Note: world size 1] in
 ``overlap/param_group.py``): as it is, or cast under mixed precision (rounded through a narrower
-reduce dtype first). Checked against the unsharded model's gradients, bitwise: new gradients, ones
+reduce dtype first, with or without a parameter cast). Checked against the unsharded model's gradients, bitwise: new gradients, ones
 accumulated into, a kept gradient, a ``.grad`` the user assigned, a parameter without a gradient,
-and a group that mixes cast and uncast parameters.
+and a group that mixes cast and uncast parameters. The fp16 reduction runs on a loss scaled by
+2**-20, so that the bf16 gradients lie below fp16's smallest normal value (6.1e-5), where fp16 keeps
+fewer bits than bf16: there the rounding through the reduce dtype changes them (bf16 values of
+ordinary magnitude are exact in fp16, and would not show a rounding left out).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ class _Model(nn.Module):
 
 
 def _world_one_rank(rank: int, world: int, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
-                    odd_dtype: torch.dtype) -> dict[str, Any]:
+                    odd_dtype: torch.dtype, loss_scale: float) -> dict[str, Any]:
     torch.manual_seed(0)
     model = _Model(odd_dtype)
     reference = _Model(odd_dtype)
@@ -45,16 +48,19 @@ def _world_one_rank(rank: int, world: int, param_dtype: Optional[torch.dtype], r
     (group,) = [s.group for s in sharded_states(model) if s.group is not None]
     params = dict(model.named_parameters())
     x = torch.randn(4, 6)
-    reference(x.to(compute)).sum().backward()
+    (reference(x.to(compute)).sum() * loss_scale).backward()
     rounding = reduce_dtype or compute
     want = {n: p.grad.to(rounding).to(params[n].dtype) for n, p in reference.named_parameters() if p.grad is not None}
 
     def backward() -> None:
-        model(x).sum().backward()
+        (model(x).sum() * loss_scale).backward()
 
     seen: dict[str, Any] = {}
     backward()
     fresh = {n: p.grad._local_tensor.clone() for n, p in params.items() if p.grad is not None}
+    # the rounding through the reduce dtype changed some gradient (else this case would check nothing of it)
+    seen["rounding_shows"] = reduce_dtype not in (torch.float16, torch.bfloat16) or any(
+        not torch.equal(p.grad.to(params[n].dtype), want[n]) for n, p in reference.named_parameters() if n in want)
     seen["unused_none"] = params["unused"].grad is None and set(fresh) == set(want)
     seen["values"] = all(torch.equal(fresh[n], want[n]) for n in want)
     seen["specs"] = all(type(params[n].grad).__name__ == "DTensor" and params[n].grad._spec is params[n]._spec
@@ -75,19 +81,24 @@ def _world_one_rank(rank: int, world: int, param_dtype: Optional[torch.dtype], r
     model.zero_grad(set_to_none=True)
     model.use_unused = True  # every parameter gets a gradient
     backward()
-    seen["unused_value"] = torch.equal(params["unused"].grad._local_tensor, torch.full((3,), 4.0))  # 4 rows
+    four_rows = torch.full((3,), 4.0 * loss_scale)  # 1 per row of the batch of 4, scaled
+    seen["unused_value"] = torch.equal(params["unused"].grad._local_tensor, four_rows)
     seen["others_equal_again"] = all(torch.equal(params[n].grad._local_tensor, fresh[n]) for n in fresh)
     return seen
 
 
-@pytest.mark.parametrize("param_dtype, reduce_dtype, odd_dtype", [
-    (None, None, torch.float32),  # the gradients move as they are
-    (torch.bfloat16, None, torch.float32),  # every one cast
-    (torch.bfloat16, torch.float16, torch.float32),  # rounded through a narrower reduce dtype first
-    (torch.bfloat16, torch.float32, torch.float32),  # a wider one: no rounding
-    (torch.bfloat16, None, torch.bfloat16),  # one parameter already bf16: moved as it is, the others cast
+@pytest.mark.parametrize("param_dtype, reduce_dtype, odd_dtype, loss_scale", [
+    (None, None, torch.float32, 1.0),  # the gradients move as they are
+    (torch.bfloat16, None, torch.float32, 1.0),  # every one cast
+    # no parameter cast, a narrower reduce dtype: rounded through it all the same, as FSDP2 and more ranks do
+    (None, torch.bfloat16, torch.float32, 1.0),
+    # rounded through a narrower reduce dtype first: to fp16's subnormals, which hold fewer bits than bf16
+    (torch.bfloat16, torch.float16, torch.float32, 2.0**-20),
+    (torch.bfloat16, torch.float32, torch.float32, 1.0),  # a wider one: no rounding
+    (torch.bfloat16, None, torch.bfloat16, 1.0),  # one parameter already bf16: moved as it is, the others cast
 ])
 def test_world_one_gradients_match_the_unsharded_model(distributed, param_dtype: Optional[torch.dtype],
-                                                       reduce_dtype: Optional[torch.dtype], odd_dtype: torch.dtype) -> None:
-    (seen,) = distributed(_world_one_rank, 1, param_dtype, reduce_dtype, odd_dtype)
+                                                       reduce_dtype: Optional[torch.dtype], odd_dtype: torch.dtype,
+                                                       loss_scale: float) -> None:
+    (seen,) = distributed(_world_one_rank, 1, param_dtype, reduce_dtype, odd_dtype, loss_scale)
     assert all(seen.values()), seen
