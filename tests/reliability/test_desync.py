@@ -324,3 +324,97 @@ def test_two_threads_on_one_group_are_reported_as_such() -> None:
         assert "one thread at a time" in message
         assert r["worker"] == [0.0, 0.0, 1.0, 1.0], "the first thread's collective went through"
         assert r["after"] == [2.0]
+
+
+# ----------------------------------------------------------------------------- which rank said what
+
+
+def _mismatches_named_by_global_rank(rank: int, world_size: int, store_path: str) -> dict:
+    """Four mismatches on 3 ranks, each caught by the debug check, each naming ranks by global rank:
+    the middle rank alone out of step; on a subgroup of ranks 1 and 2 (its group ranks 0 and 1); at
+    three different agreement points; and on WORLD after it was destroyed and made again with the
+    ranks renumbered (new rank = old + 1 mod 3), which torch names as it named the old WORLD, so a side
+    channel kept by name alone would gather in the old order and put each fingerprint under another
+    rank's number. Also whether a group of one rank, checked by nobody, got a side channel."""
+    from overlap.agreement import exchange_on_group
+
+    out: dict = {}
+
+    def caught(name: str, issue) -> None:  # noqa: ANN001 (a thunk)
+        try:
+            issue()
+        except overlap.DesyncError as e:
+            out[name] = {"fingerprints": e.fingerprints, "message": str(e)}
+
+    with overlap.debug():
+        caught("middle", lambda: overlap.all_gather(torch.ones(2 if rank == 1 else 1)))
+        sub, alone = dist.new_group([1, 2]), dist.new_group([0])
+        if rank == 0:
+            overlap.wait(overlap.all_reduce(torch.ones(1), group=alone))
+            out["one-rank channel"] = alone.group_name in desync._channels
+        if rank in (1, 2):
+            caught("subgroup", lambda: overlap.all_gather(torch.ones(rank, 2), group=sub))
+        caught("agreements", lambda: exchange_on_group(dist.group.WORLD, f"point {rank}", 0))
+        name = dist.group.WORLD.group_name
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size),
+                                rank=(rank + 1) % world_size, world_size=world_size)
+        out["same name"] = dist.group.WORLD.group_name == name
+        new_rank = dist.get_rank()
+        caught("remade", lambda: overlap.all_gather(torch.ones(new_rank + 1)))
+        out["new rank"] = new_rank
+    return out
+
+
+@pytest.fixture(scope="module")
+def mismatches_by_global_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    store = tmp_path_factory.mktemp("remade-world") / "store"
+    return run_distributed(_mismatches_named_by_global_rank, 3, str(store), timeout=90)
+
+
+def test_one_rank_out_of_step_between_two_that_agree_is_caught(mismatches_by_global_rank: list[dict]) -> None:
+    """Only the middle of three ranks issues another shape: every rank raises (all fingerprints are
+    compared, not the first with the last)."""
+    for r in mismatches_by_global_rank:
+        fingerprints = r["middle"]["fingerprints"]
+        assert fingerprints[0] == fingerprints[2] != fingerprints[1], fingerprints
+        assert fingerprints[1].endswith("all_gather float32[6]"), fingerprints
+
+
+def test_a_group_of_one_rank_is_not_checked(mismatches_by_global_rank: list[dict]) -> None:
+    """A collective on a group of one rank in debug mode builds no side channel: nobody to compare with."""
+    assert mismatches_by_global_rank[0]["one-rank channel"] is False
+
+
+def test_a_subgroup_mismatch_names_the_global_ranks(mismatches_by_global_rank: list[dict]) -> None:
+    """Subgroup [1, 2]'s ranks say what they issued under their global ranks, 1 and 2 (not their
+    ranks in the subgroup, 0 and 1), in the error and its ``fingerprints``."""
+    assert "subgroup" not in mismatches_by_global_rank[0], "rank 0 is not in the subgroup"
+    for rank in (1, 2):
+        e = mismatches_by_global_rank[rank]["subgroup"]
+        assert set(e["fingerprints"]) == {1, 2}, e["fingerprints"]
+        assert e["fingerprints"][1].endswith("all_gather float32[2, 2]"), e["fingerprints"]
+        assert e["fingerprints"][2].endswith("all_gather float32[4, 2]"), e["fingerprints"]
+        assert f"rank 1: {e['fingerprints'][1]}; rank 2: {e['fingerprints'][2]}" in e["message"]
+
+
+def test_ranks_at_different_agreement_points_get_no_hint_about_modules(mismatches_by_global_rank: list[dict]) -> None:
+    """The "ran different sharded modules" hint is for a rank at an agreement point while another
+    issues a collective; ranks that are all at agreement points, at different ones, do not get it."""
+    for rank, r in enumerate(mismatches_by_global_rank):
+        e = r["agreements"]
+        assert set(e["fingerprints"]) == {0, 1, 2}
+        assert all(f" agree(point {g}) " in text for g, text in e["fingerprints"].items()), e["fingerprints"]
+        assert "different sharded modules" not in e["message"], (rank, e["message"])
+
+
+def test_the_debug_check_follows_a_world_made_again_under_the_same_name(mismatches_by_global_rank: list[dict]) -> None:
+    """After WORLD is destroyed and made again with the ranks renumbered, each rank's fingerprint
+    shows under its new rank: the side channel is built anew for the new group."""
+    assert all(r["same name"] for r in mismatches_by_global_rank), "torch reuses the name (else this tests nothing)"
+    assert sorted(r["new rank"] for r in mismatches_by_global_rank) == [0, 1, 2]
+    for r in mismatches_by_global_rank:
+        fingerprints = r["remade"]["fingerprints"]
+        assert set(fingerprints) == {0, 1, 2}
+        for g, text in fingerprints.items():
+            assert text.endswith(f"all_gather float32[{3 * (g + 1)}]"), fingerprints
