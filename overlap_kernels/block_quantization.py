@@ -21,12 +21,16 @@ dequantized                  ``value(q) * scale`` (float32): 0 for a zero block,
 ===========================  =============================================================
 
 [Note: the per-block error bound]
-int8: for a finite block, ``|x - q * scale| <= absmax / 254 * (1 + 2**-14) + 2**-149``. With ``u =
+int8: for a finite block, ``|x - q * scale| <= absmax / 254 * (1 + 2**-14) + 2**-143``. With ``u =
 2**-24`` (float32's unit roundoff): ``scale = absmax / 127 * (1 + d0)``, ``|d0| <= u``, so half a
 step is ``absmax / 254 * (1 + u)`` (a tie, ``x / scale = k + 1/2``, does reach it: tested); ``x /
 scale`` is rounded (``|x| * u`` after multiplying back by ``scale``) and so is the product ``q *
 scale`` (``<= absmax * (1 + u) * u``): in all ``absmax / 254 * (1 + u + 254 u + 254 u + ...) <
-absmax / 254 * (1 + 2**-14)``. The last term covers subnormal scales.
+absmax / 254 * (1 + 2**-14)``. The last term covers subnormal scales (``absmax < 127 * 2**-126``):
+there ``scale`` is only within ``2**-150`` of ``absmax / 127``, so ``x / scale`` can exceed 127.5
+(142.5 for ``absmax = 570 * 2**-149``, scale ``4 * 2**-149``), the clamp holds the code at 127, and
+the largest elements are off by up to ``127 * 2**-150 < 2**-143`` (62 * 2**-149 there, tested; a first
+version's ``2**-149`` did not cover it). For a normal scale the clamp never acts.
 tests/packing/test_quantized_kernels.py checks it on every block it draws (a first version claimed
 ``1 + 2**-20``; Hypothesis found a tie that exceeds it).
 
@@ -43,7 +47,8 @@ keeps its own relative precision, 1/17 (5.9%), down to ``absmax / 28672`` (e4m3'
 times the scale), and below it an absolute ``scale / 1024 = absmax / 458752``; the worst element
 of a block is off by ``absmax / 17`` (int8: ``absmax / 254``, but no relative bound for small
 elements: one below ``absmax / 254`` may come back as 0).
-No value overflows to NaN: ``|x / scale| <= 448 (1 + u)**2`` and it is clamped to 448 before the
+No value overflows to NaN: ``|x / scale| <= 448 (1 + u)**2`` for a normal scale (a subnormal one
+can leave it far above: 570 for ``absmax = 570 * 2**-149``), and it is clamped to 448 before the
 rounding (e4m3fn has no inf, and its only codes above 448, 0x7F / 0xFF, are NaN: never produced).
 Casting the dequantized value to a 16-bit ``param_dtype`` adds that cast's own rounding.
 
@@ -202,7 +207,7 @@ def error_bound(absmax: torch.Tensor, x: torch.Tensor | None = None, format: str
     dequantized|`` can be for elements ``x`` of finite blocks whose absolute maxima are ``absmax``
     (broadcast alike; ``x`` is needed for fp8, whose bound is relative)."""
     if format == "int8":
-        return absmax / 254 * (1 + 2**-14) + 2**-149
+        return absmax / 254 * (1 + 2**-14) + 2**-143
     if format != "fp8" or x is None:
         raise ValueError(f"error_bound: format must be 'int8', or 'fp8' with x given, got {format!r}")
     return x.abs() / 17 * (1 + 2**-18) + absmax / FP8_MAX / 1024 * (1 + 2**-20) + 2**-140

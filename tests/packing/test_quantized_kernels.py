@@ -359,6 +359,58 @@ def test_fp8_tie_reaches_a_seventeenth_and_subnormals_round_to_even(path: str) -
     assert ((x - y).abs() <= error_bound(torch.full((4,), 448.0), x, "fp8")).all()
 
 
+def _both_paths() -> list[str]:
+    """The paths this process runs: the torch fallback, and Triton where it runs CPU tensors."""
+    return (["triton"] if TRITON_ON_CPU else []) + ["torch"]
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_a_block_whose_scale_is_subnormal_clamps_its_codes(format: str) -> None:
+    """A block whose absolute maximum is a few float32 subnormal steps (``absmax < 2**-135``): its
+    scale is rounded to a multiple of 2**-149 and can come out well below ``absmax / QMAX`` (570 *
+    2**-149 / 127 = 4.49 * 2**-149 rounds to 4 * 2**-149; / 448 = 1.27 * 2**-149 rounds to 2**-149),
+    so ``x / scale`` exceeds the code range (142.5, 570): only the clamp keeps the codes at +-127
+    (not a wrapped -128) and at e4m3's 448 (not the NaN code 0x7F). Both paths give the same bytes
+    and every element stays within ``error_bound`` (int8's largest are off by 62 * 2**-149 here: its
+    last term is ``2**-143``, [Note: the per-block error bound]). Catches a clamp dropped from either
+    int8 path or from the fp8 kernel (no other test draws a value below 2**-135)."""
+    tiny = 2.0**-149
+    x = torch.tensor([570 * tiny, -570 * tiny, 300 * tiny, tiny, 0.0, -3 * tiny])
+    qlayout = QuantizedLayout(ShardLayout([(6,)], 1), 32, format)
+    results = []
+    for path in _both_paths():
+        with _launch.torch_fallback_on_cpu() if path == "torch" else _nothing():
+            buffer = quantized_all_gather_copy_in([x], qlayout, 0)[1]
+            y = quantized_all_gather_copy_out(buffer, qlayout)[0]
+        scale, codes = qlayout.scales(buffer)[0, 0], qlayout.codes(buffer)[0, :6]
+        if format == "int8":
+            assert scale == 4 * tiny and codes[:2].tolist() == [127, -127], (path, scale, codes)
+        else:
+            assert scale == tiny and codes[:2].view(torch.float8_e4m3fn).float().tolist() == [448.0, -448.0], (path, codes)
+        assert ((x - y).abs() <= error_bound(block_absmax(x, 32), x, format)).all(), (path, x - y)
+        results.append((buffer, y))
+    for buffer, y in results[1:]:
+        assert torch.equal(buffer, results[0][0]) and torch.equal(y, results[0][1])
+
+
+def test_the_owners_sum_starts_from_plus_zero_on_both_paths() -> None:
+    """The reduce copy-out sums ``((0 + d_0) + d_1) + ...`` on both paths: an element whose
+    dequantized versions are all -0.0 (fp8 code 0x80: a negative value below half of e4m3's smallest
+    subnormal step times the scale) comes out +0.0, as from the kernel's zero-filled accumulator, with
+    and without a post-scale. Only the sign tells; catches a fallback sum that starts from ``d_0``."""
+    x = torch.tensor([448.0, -1e-6, 1e-6, 3.0])
+    qlayout = QuantizedLayout(ShardLayout([(4,)], 1), 32, "fp8")
+    with _launch.torch_fallback_on_cpu():
+        received = _quantized_copy_in([x], qlayout, None)[0]
+    assert qlayout.codes(received)[0, 1].item() == -128  # 0x80: e4m3's -0.0
+    for path in _both_paths():
+        for scale in (None, 0.5):
+            out = [torch.full((4,), 7.0)]
+            _run(path, _quantized_reduce_scatter_copy_out, _quantized_reduce_scatter_copy_out_torch,
+                 received, out, qlayout, 0, scale, False)
+            assert out[0][1] == 0 and not torch.signbit(out[0][1]), (path, scale, out)
+
+
 # ------------------------------------------------------------------------------------ inf / NaN
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("path", ["triton", "torch"])
@@ -388,6 +440,33 @@ def test_non_finite_values_are_an_error_never_a_finite_result(path: str, bad: fl
     nan_rows = torch.isnan(outs[1]).any(dim=1).nonzero().flatten().tolist()
     assert nan_rows == list(range(20, 31)) and torch.isnan(outs[1][20:30]).all()  # 32 elements: rows 20..30
     assert not torch.isnan(outs[0]).any() and not torch.isnan(outs[1][:20]).any()
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_unusable_blocks_have_zero_codes_on_both_paths(format: str) -> None:
+    """The module's table: the codes of a non-finite block (NaN, inf) and of an all-zero block (one
+    holding -0.0 included: its code is 0x00, not e4m3's -0.0 0x80) are 0, on the kernels and on the
+    torch fallback alike, byte for byte, scales included (NaN for the non-finite blocks). What the
+    block dequantizes to does not tell: NaN times any code is NaN, and -0.0 times 0 is -0.0 only in
+    its sign. Catches a fallback that leaves the rounded values of a non-finite block (int8) or of an
+    unusable block (fp8) in its codes."""
+    x = torch.randn(128, generator=torch.Generator().manual_seed(8))
+    x[3], x[40], x[70] = math.nan, math.inf, -math.inf  # blocks 0, 1 (inf), 2 (-inf); block 3 finite
+    zeros = torch.zeros(40)
+    zeros[[1, 33]] = -0.0  # blocks 0 and 1 of the second parameter: all zeros, two -0.0
+    qlayout = QuantizedLayout(ShardLayout([(128,), (40,)], 1), 32, format)
+    buffers = []
+    for path in _both_paths():
+        with _launch.torch_fallback_on_cpu() if path == "torch" else _nothing():
+            buffer = _quantized_copy_in([x, zeros], qlayout, 0)[1]
+        codes, scales = qlayout.codes(buffer)[0], qlayout.scales(buffer)[0]
+        first, second = qlayout.layout.slot_offsets
+        assert not codes[first: first + 96].any() and codes[first + 96: first + 128].any(), path
+        assert not codes[second: second + 40].any(), path
+        assert torch.isnan(scales[:3]).all() and scales[3] > 0 and (scales[4:] == 0).all(), path
+        buffers.append(buffer)
+    for buffer in buffers[1:]:
+        assert torch.equal(buffer, buffers[0])
 
 
 class _nothing:
@@ -476,6 +555,25 @@ def test_pointer_tables_per_role_are_the_tables_of_their_addresses_and_dtypes() 
     assert _same_table(other_role, _launch.pointer_table(layout, lists[-1], CPU))
 
 
+def test_a_list_at_known_addresses_with_other_dtypes_gets_a_table_of_its_dtypes() -> None:
+    """A pointer table is kept per address set with its list's dtypes, and a hit compares them: a
+    list at the addresses of a kept table but of other dtypes (a freed float32 gradient buffer
+    reused for bfloat16 ones, here two views of one storage) gets a table of its own dtypes, the one
+    ``_launch.pointer_table`` builds, and the float32 list's table stays as it was. Catches a hit
+    taken on the addresses alone (the kernel would then read bfloat16 values as float32)."""
+    layout = ShardLayout([(8,), (4,)], 2)
+    qlayout = QuantizedLayout(layout, 32)
+    storage = torch.randn(16).to(bf16).float()  # the low halves are 0: finite read either way
+    f32s = [storage[:8], storage[8:12]]
+    bf16s = [storage.view(bf16)[:8], storage.view(bf16)[16:20]]
+    assert [t.data_ptr() for t in f32s] == [t.data_ptr() for t in bf16s]
+    role = ("copy-in", None)
+    first = quantized_layout.pointer_table(qlayout, role, f32s, CPU)
+    other = quantized_layout.pointer_table(qlayout, role, bf16s, CPU)
+    assert other.torch_dtypes == (bf16,) and _same_table(other, _launch.pointer_table(layout, bf16s, CPU))
+    assert first.torch_dtypes == (f32,) and _same_table(first, _launch.pointer_table(layout, f32s, CPU))
+
+
 @requires_triton_on_cpu
 @pytest.mark.parametrize("format", FORMATS)
 def test_gradients_at_new_addresses_every_call_quantize_as_the_fallback(format: str) -> None:
@@ -510,6 +608,17 @@ def test_quantized_layout_bytes_and_blocks() -> None:
         assert off + n in set(starts) | {layout.slot_numel}
     assert qlayout.buffer_bytes <= 0.53 * layout.buffer_numel * 2
     assert qlayout.buffer_bytes <= 0.28 * layout.buffer_numel * 4
+
+
+def test_quantized_layouts_are_equal_when_layout_block_and_format_are() -> None:
+    """``QuantizedLayout`` equality and hash follow ``(layout, block, format)``: the same layout and
+    block in int8 and in fp8 are two layouts (their bytes mean different values), as are two blocks;
+    equal ones hash alike. Catches an equality that leaves out the format."""
+    layout = ShardLayout([(8, 2), (5,)], 2)
+    a, b = QuantizedLayout(layout, 32, "int8"), QuantizedLayout(ShardLayout([(8, 2), (5,)], 2), 32, "int8")
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != QuantizedLayout(layout, 32, "fp8") and a != QuantizedLayout(layout, 64, "int8")
+    assert a != QuantizedLayout(ShardLayout([(8, 2), (5,)], 1), 32, "int8") and a != layout
 
 
 @examples
@@ -566,10 +675,18 @@ def test_bad_input_names_the_argument() -> None:
     good = torch.zeros(qlayout.buffer_bytes, dtype=torch.uint8)
     with pytest.raises(TypeError, match="outs must be float32, bfloat16 or float16"):
         quantized_all_gather_copy_out(good, qlayout, [torch.zeros(8, 2, dtype=torch.int32)])
+    # given outs and a dtype: every out must be of that dtype
+    with pytest.raises(TypeError, match=r"outs must be .* tensors of dtype torch.bfloat16, got \['torch.float32'\]"):
+        quantized_all_gather_copy_out(good, qlayout, [torch.zeros(8, 2)], torch.bfloat16)
     with pytest.raises(TypeError, match="accumulate must be a bool"):
         quantized_reduce_scatter_copy_out(good, [torch.zeros(4, 2)], qlayout, 0, None, 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="received must be a contiguous uint8"):
         quantized_reduce_scatter_copy_out(good[:-1], [torch.zeros(4, 2)], qlayout, 0)
+    with pytest.raises(ValueError, match="received must be a contiguous uint8"):  # the right size, strided
+        quantized_reduce_scatter_copy_out(torch.zeros(2 * qlayout.buffer_bytes, dtype=torch.uint8)[::2],
+                                          [torch.zeros(4, 2)], qlayout, 0)
+    with pytest.raises(ValueError, match=r"quantized_reduce_scatter_copy_out: rank must be an int in \[0, 2\), got 2"):
+        quantized_reduce_scatter_copy_out(good, [torch.zeros(4, 2)], qlayout, 2)
     assert 32 in BLOCKS
     for bad in (3, 0, True, 2.0):
         with pytest.MonkeyPatch.context() as m:

@@ -109,3 +109,30 @@ def test_relative_error_of_edge_records() -> None:
     assert overlap.relative_gradient_error([overlap.GradientError("", zero, zero)]) == 0.0
     assert overlap.relative_gradient_error([overlap.GradientError("", one, zero)]) == math.inf
     assert overlap.GradientError("a", one, 4 * one).relative == 0.5
+
+
+def test_take_returns_every_record_in_order_and_clears_the_log() -> None:
+    """The log holds one record per compressed reduction, in order: ``take_gradient_errors`` returns
+    all of them, then nothing until the next record (the 2-rank test above logs one per step; HSDP's
+    logs three). The squared norms are float64 and of the float64 difference: 1 against 2**-30 gives
+    ``(1 - 2**-30)**2``, which a float32 difference would round to 1 (the tests above compare with a
+    relative 1e-6 and do not see it)."""
+    from overlap import gradient_error
+
+    overlap.take_gradient_errors()
+    gradient_error.record("a", torch.tensor([1.0]), torch.tensor([2.0**-30]))
+    gradient_error.record("b", torch.tensor([3.0, 4.0]), torch.zeros(2))
+    taken = overlap.take_gradient_errors()
+    assert [r.module for r in taken] == ["a", "b"]
+    assert all(r.error_sq.dtype == r.exact_sq.dtype == torch.float64 for r in taken)
+    assert float(taken[0].error_sq) == (1.0 - 2.0**-30) ** 2 and float(taken[0].exact_sq) == 2.0**-60
+    assert float(taken[1].error_sq) == 25.0 and float(taken[1].exact_sq) == 0.0
+    assert overlap.take_gradient_errors() == []
+
+
+def test_relative_error_refuses_what_is_not_a_record() -> None:
+    """``relative_gradient_error`` takes ``GradientError`` records only, and says so naming what it got
+    (a tuple of floats, e.g. one read from a record, would otherwise fail on a missing attribute)."""
+    one = torch.tensor(1.0, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"records must be overlap.GradientError objects .*got \['tuple'\]"):
+        overlap.relative_gradient_error([overlap.GradientError("a", one, one), (1.0, 1.0)])  # type: ignore[list-item]
