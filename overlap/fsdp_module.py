@@ -19,9 +19,12 @@ method                            what it does here
 ``set_modules_to_backward_prefetch`` that order, instead of the next ``prefetch`` groups of the
                                   agreed order (the lists are program order: same on every rank)
 ``unshard(async_op)``             issue this module's all-gather now; the returned
-                                  :class:`UnshardHandle`'s ``wait()`` unpacks it; its pre-forward then
-                                  uses it. Every rank must call it at the same point.
-``reshard()``                     free this module's unsharded parameters (``ShardedModule``)
+                                  :class:`UnshardHandle`'s ``wait()`` unpacks it and registers the
+                                  unsharded parameters on the module (as FSDP2: ``module.weight`` is
+                                  then the full tensor); its pre-forward then uses them. Every rank
+                                  must call it at the same point.
+``reshard()``                     free this module's unsharded parameters and register the sharded
+                                  ones again (``ShardedModule``)
 ``set_is_last_backward``          recorded; every backward here already completes its reductions
                                   before it returns, which is what ``True`` asks for
 ``set_post_optim_event``          the current stream waits for the event now, so the next
@@ -54,8 +57,9 @@ __all__ = ["FSDPModuleMethods", "UNSUPPORTED", "UnshardHandle"]
 
 
 class UnshardHandle:
-    """What ``unshard()`` returns: ``wait()`` completes the all-gather and unpacks the unsharded
-    parameters (idempotent; the module's next pre-forward waits anyway if nobody called it)."""
+    """What ``unshard()`` returns: ``wait()`` completes the all-gather, unpacks the unsharded
+    parameters and registers them on the module in place of the sharded ones, as FSDP2's does
+    (idempotent; the module's next pre-forward waits anyway if nobody called it)."""
 
     def __init__(self, states: list[Any]) -> None:
         self._states = states
@@ -65,6 +69,8 @@ class UnshardHandle:
             group = state.group
             if group is not None and (group.pending_gather is not None or group.single_rank):
                 group.finish_gather()
+            if group is not None and group.is_unsharded:
+                group.to_unsharded()
         self._states = []
 
 
@@ -140,7 +146,9 @@ class FSDPModuleMethods:
     def unshard(self, async_op: bool = False) -> UnshardHandle:
         """All-gather this module's own parameters now (not its sharded descendants'). With
         ``async_op`` the gather is in flight on return and the handle's ``wait()`` completes it;
-        without, it is complete. The module's next pre-forward uses it. Every rank must call it at
+        without, it is complete. Once complete, the unsharded parameters are the module's (its
+        ``parameters()`` are plain full tensors, as after FSDP2's ``unshard``) until its next forward
+        ends or ``reshard()``. The module's next pre-forward uses them. Every rank must call it at
         the same point (it issues a collective). Unlike FSDP2, a handle is returned in both cases
         (its ``wait()`` then does nothing)."""
         _check_bool("unshard", "async_op", async_op)

@@ -284,9 +284,14 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         return root.step_floor if root is not None and root.owner is self._overlap_state else None
 
     def reshard(self) -> None:
-        """Free this module's unsharded parameters (no-op if sharded)."""
-        if self._overlap_state.group is not None:
-            self._overlap_state.group.reshard()
+        """Free this module's unsharded parameters and register its sharded ones again, as FSDP2's
+        ``reshard`` (no-op if sharded)."""
+        state = self._overlap_state
+        state.user_unsharded = False
+        if state.group is not None:
+            state.group.reshard()
+            if not state.group.sharded_registered():
+                state.group.to_sharded()
 
 
 

@@ -19,10 +19,15 @@ test_manual_prefetch_matches_fsdp2               ``set_modules_to_forward/backwa
                                                  ``model.unshard()``, ``unshard(async_op=True)`` then
                                                  ``wait()``: bitwise; the prefetch list is followed
 test_ignored_params_match_fsdp2                  ``ignored_params``: left plain, gradients not reduced
-test_unsupported_methods_raise                   every FSDPModule method without a counterpart
+test_unsupported_methods_raise                   every FSDPModule method without a counterpart;
+                                                 how each reshard_after_forward value (None, bools,
+                                                 ints) resolves, the int on a 2-D mesh's shard dim
 test_reshard_to_a_smaller_group_raises           an int reshard_after_forward we cannot honour
                                                  (other bad input: test_bad_input_matrix.py)
 test_not_torchs_fsdp_module                      the documented isinstance choice
+test_a_blocks_mp_policy_reaches_its_inputs_...   a block's output_dtype and cast_forward_inputs=False,
+                                                 as FSDP2 (1 rank, in this process)
+test_shard_placement_fn_is_asked_only_...        not about ignored_params, as FSDP2 (1 rank)
 test_hf_save_pretrained_round_trip               rank 0 writes ``save_pretrained(state_dict=
                                                  overlap.full_state_dict(model))``; from_pretrained
                                                  gives the sharded model's logits, bitwise
@@ -158,11 +163,24 @@ def _unsupported(runtime: str, client: Client, env: Env) -> dict[str, str]:
         except NotImplementedError as e:
             raised[name] = str(e)
     shard_int = {}
-    for value in (1, 2):  # at 2 ranks: 1 keeps the parameters (False), 2 reshards (True), as FSDP2
+    # at 2 ranks: 1 keeps the parameters (False), 2 reshards (True), as FSDP2; None (the default) is True
+    for value in (None, True, False, 1, 2):
         m = build(client)
         fully_shard_of(runtime)(m, mesh=env.mesh, reshard_after_forward=value)
-        shard_int[value] = m._overlap_state.reshard_after_forward
-    return {"raised": raised, "int": shard_int}
+        shard_int[repr(value)] = m._overlap_state.reshard_after_forward  # repr: True and 1 are one dict key
+    # An int counts the ranks of the shard dim: on a 2-D (HSDP) mesh of 2 replicas of 1 shard, 2 is
+    # not a divisor of that 1 (FSDP2 refuses it too), although the mesh has 2 ranks.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    hsdp = init_device_mesh("cpu", (env.world, 1), mesh_dim_names=("replicate", "shard"))
+    hsdp_int = {}
+    for name in RUNTIMES:
+        try:
+            fully_shard_of(name)(build(client), mesh=hsdp, reshard_after_forward=env.world)
+            hsdp_int[name] = "accepted"
+        except ValueError:
+            hsdp_int[name] = "ValueError"
+    return {"raised": raised, "int": shard_int, "hsdp_int": hsdp_int}
 
 
 def _rank_checks(rank: int, world: int) -> dict[str, Any]:
@@ -239,7 +257,8 @@ def test_unsupported_methods_raise(runs) -> None:
     assert sorted(got["raised"]) == sorted(UNSUPPORTED)
     for name, message in got["raised"].items():
         assert name in message and UNSUPPORTED[name] in message
-    assert got["int"] == {1: False, 2: True}
+    assert got["int"] == {"None": True, "True": True, "False": False, "1": False, "2": True}
+    assert got["hsdp_int"] == {"fsdp2": "ValueError", "overlap": "ValueError"}
 
 
 def test_reshard_to_a_smaller_group_raises(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,6 +289,150 @@ def test_not_torchs_fsdp_module() -> None:
                  "set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch", "unshard", "reshard",
                  "set_is_last_backward", "set_post_optim_event", "set_post_optimizer_event"):
         assert callable(getattr(overlap.FSDPModule, name)), name
+
+
+class _Seen(nn.Module):
+    """A linear that records the dtype of each input it gets, then runs in its weight's dtype."""
+
+    def __init__(self, inputs: int, outputs: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(inputs, outputs)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.dtype)
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+def test_a_blocks_mp_policy_reaches_its_inputs_and_outputs_as_in_fsdp2(single_rank_group) -> None:
+    """A non-root block's ``MixedPrecisionPolicy(param_dtype=bf16, output_dtype=fp32,
+    cast_forward_inputs=False)``: the block gets its fp32 input as it is, and its bf16 output is cast
+    to fp32 before the next module sees it, on overlap as on FSDP2 (1 rank, this process). Fails if
+    ``cast_forward_inputs`` is dropped on the way to overlap's policy, or if ``output_dtype`` casts
+    only the root's output (``overlap.shard``'s behaviour) instead of every sharded module's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (1,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=False)
+    seen = {}
+    for runtime in RUNTIMES:
+        torch.manual_seed(0)
+        model = nn.Sequential(_Seen(4, 4), _Seen(4, 2))
+        fully_shard_of(runtime)(model[0], mesh=mesh, mp_policy=policy)
+        fully_shard_of(runtime)(model, mesh=mesh)
+        out = model(torch.randn(3, 4))
+        seen[runtime] = (model[0].seen, model[1].seen, out.dtype)
+    assert seen["overlap"] == seen["fsdp2"] == ([torch.float32], [torch.float32], torch.float32)
+
+
+def test_shard_placement_fn_is_asked_only_about_the_parameters_it_shards(single_rank_group) -> None:
+    """As FSDP2, ``shard_placement_fn`` is called for the parameters that get sharded, not for
+    ``ignored_params``: a function that returns ``Shard(1)`` (which overlap cannot honour) for an
+    ignored parameter is fine, and that parameter stays a plain ``Parameter``. Fails if the ignored
+    parameters are passed to the function (overlap would raise NotImplementedError)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    for runtime in RUNTIMES:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        ignored = model[1].weight
+        asked: list[nn.Parameter] = []
+
+        def placement(p: nn.Parameter) -> Any:
+            asked.append(p)
+            return Shard(1) if p is ignored else None
+
+        fully_shard_of(runtime)(model, mesh=mesh, ignored_params={ignored}, shard_placement_fn=placement)
+        assert asked and all(p is not ignored for p in asked), runtime
+        assert type(model[1].weight) is nn.Parameter, runtime
+
+
+def _unshard_and_reshard(runtime: str) -> dict[str, Any]:
+    """The FSDPModule calls around a step on 1 rank: what ``unshard`` / ``reshard`` leave registered
+    on the block, what its full weight reads after ``set_reshard_after_backward(False)`` and an
+    optimizer step on the shards, and where ``recurse=False`` applies the root's settings. The
+    parameters are cast to bf16 for compute, so that (at 1 rank too) the unsharded parameters are
+    copies of the shards, not views that follow them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # model[1]'s parameters are the root's
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard_of(runtime)(model[0], mesh=mesh, mp_policy=policy)
+    fully_shard_of(runtime)(model, mesh=mesh, mp_policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # over the sharded parameters
+    shard = model[0].weight
+
+    def step() -> None:
+        model(torch.ones(3, 4)).sum().backward()
+
+    out: dict[str, Any] = {}
+    model[0].unshard()
+    weight = model[0].weight
+    out["after unshard"] = (type(weight).__name__, tuple(weight.shape),
+                            torch.equal(weight, shard.full_tensor().to(weight.dtype)))
+    model[0].reshard()
+    out["after reshard"] = type(model[0].weight).__name__
+    handle = model[0].unshard(async_op=True)
+    if handle is not None:
+        handle.wait()
+    out["after unshard(async_op) and wait"] = type(model[0].weight).__name__
+    step()
+    out["after a step"] = [type(p).__name__ for p in model.parameters()]
+    model[0].set_reshard_after_backward(False)
+    model.set_reshard_after_backward(False, recurse=False)
+    opt.zero_grad()
+    step()
+    out["kept after backward"] = [type(p).__name__ for p in model.parameters()]
+    opt.step()  # changes the shards in place while the block's unsharded weight is kept
+    model[0].unshard()
+    weight = model[0].weight.detach()
+    out["unshard after a step reads the new shards"] = torch.equal(weight, shard.full_tensor().to(weight.dtype))
+    return out
+
+
+def test_unshard_and_reshard_leave_the_parameters_fsdp2_leaves(single_rank_group) -> None:
+    """``unshard()`` (and ``unshard(async_op=True)`` once waited) registers the block's full
+    parameters on it, ``reshard()`` the sharded ones again, and ``set_reshard_after_backward(False,
+    recurse=False)`` keeps the root's alone, as FSDP2 on 1 rank (in this process). After an optimizer
+    step on the shards, a kept block's ``unshard()`` reads the new values, where FSDP2 keeps the stale
+    ones."""
+    got = {runtime: _unshard_and_reshard(runtime) for runtime in RUNTIMES}
+    # The one difference: FSDP2's unshard() of a block still unsharded does nothing, so it goes on
+    # reading the values from before the step; the runtime gathers the changed shards again.
+    fresh = {runtime: got[runtime].pop("unshard after a step reads the new shards") for runtime in RUNTIMES}
+    assert fresh == {"overlap": True, "fsdp2": False}
+    assert got["overlap"] == got["fsdp2"], got
+    want = got["overlap"]
+    assert want["after unshard"] == ("Parameter", (4, 4), True)
+    assert want["after reshard"] == "DTensor" and want["after unshard(async_op) and wait"] == "Parameter"
+    assert want["kept after backward"] == ["Parameter"] * 4
+
+
+def test_recurse_false_sets_the_root_alone(single_rank_group) -> None:
+    """``set_reshard_after_backward`` / ``set_reshard_after_forward`` / ``set_requires_gradient_sync``
+    with ``recurse=False`` change the module they are called on and none of its sharded descendants;
+    with the default ``recurse=True``, every one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard_of("overlap")(model[0], mesh=mesh)
+    fully_shard_of("overlap")(model, mesh=mesh)
+    root, block = model._overlap_state, model[0]._overlap_state
+    model.set_reshard_after_backward(False, recurse=False)
+    model.set_reshard_after_forward(False, recurse=False)
+    model.set_requires_gradient_sync(False, recurse=False)
+    assert (root.reshard_after_backward, root.reshard_after_forward, root.sync_grads) == (False, False, False)
+    assert (block.reshard_after_backward, block.reshard_after_forward, block.sync_grads) == (True, True, True)
+    model.set_reshard_after_backward(False)
+    model.set_reshard_after_forward(False)
+    model.set_requires_gradient_sync(False)
+    assert (block.reshard_after_backward, block.reshard_after_forward, block.sync_grads) == (False, False, False)
 
 
 # --------------------------------------------------------------------------------- HF round trip

@@ -101,6 +101,22 @@ def _matches_torch(rank: int, world: int) -> int:
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
             else:
                 _check_equal(f"reduce_scatter_coalesced {op}[{i}]", got, want)
+    # Negative dims count from the end, as in torch (dim=-3 is dim 0 of a 3-dim tensor): a range check
+    # off by one at the low end, or a negative dim used unnormalized, fails here.
+    x = _data(rank, (world * 2, 3, world * 2), torch.float32)
+    for dim in (-1, -2, -3):
+        _check_equal(f"all_gather dim={dim}", overlap.all_gather(x, dim=dim), _ref_all_gather(x, dim % 3))
+        if x.shape[dim] % world == 0:
+            _check_equal(f"reduce_scatter dim={dim}", overlap.reduce_scatter(x, dim=dim),
+                         _ref_reduce_scatter(x, "sum", dim % 3))
+    # avg over coalesced tensors: gloo has no native average, so each result is divided at first use.
+    xs = [_data(rank, (world * 2, 3), torch.float32), _data(rank, (world,), torch.bfloat16)]
+    for i, got in enumerate(overlap.reduce_scatter_coalesced(xs, op="avg")):
+        want = _ref_reduce_scatter(xs[i], "avg")
+        if world > 2 and want.dtype == torch.float32:  # packed into another ring segment, as above
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            _check_equal(f"reduce_scatter_coalesced avg[{i}]", got, want)
     # non-contiguous inputs are copied, not refused
     x = _data(rank, (4, world * 2), torch.float32).t()
     _check_equal("all_gather non-contiguous", overlap.all_gather(x), _ref_all_gather(x, 0))
@@ -184,6 +200,32 @@ def _consumers_see_completed_data(rank: int, world: int) -> None:
     (overlap.all_to_all(xt) * (rank + 1)).sum().backward()
     want = torch.cat([torch.full((2, 3), float(j + 1)) for j in range(world)])
     _check_equal("all_to_all backward", xt.grad, want)
+    # all_reduce(avg)'s adjoint averages too (a sum's adjoint would give world times the gradient).
+    xv = x.clone().requires_grad_(True)
+    (overlap.all_reduce(xv, op="avg") * (rank + 1)).sum().backward()
+    _check_equal("all_reduce avg backward", xv.grad, torch.full_like(x, sum(range(1, world + 1)) / world))
+    # Uneven all_to_all: the adjoint sends each gradient block back where its row came from, so the
+    # split sizes swap roles. Rank r sends 1 + r + 2i rows to rank i: no rank's send and receive
+    # sizes agree, so splits that did not swap fail here.
+    splits_in = [1 + rank + 2 * i for i in range(world)]
+    splits_out = [1 + j + 2 * rank for j in range(world)]
+    xu = _data(rank, (sum(splits_in), 3), torch.float32, salt=3).requires_grad_(True)
+    gu = _data(rank, (sum(splits_out), 3), torch.float32, salt=4)
+    (overlap.all_to_all(xu, splits_out, splits_in) * gu).sum().backward()
+    want = torch.empty(sum(splits_in), 3)
+    dist.all_to_all_single(want, gu, splits_in, splits_out)
+    _check_equal("all_to_all uneven backward", xu.grad, want)
+    # max/min/product reductions have no adjoint here: backward raises instead of returning a sum's
+    # gradient (every rank raises before issuing anything, so none hangs).
+    for name, call in (("reduce_scatter", lambda t: overlap.reduce_scatter(t, op="max")),
+                       ("all_reduce", lambda t: overlap.all_reduce(t, op="min"))):
+        xm = _data(rank, (world * 2, 3), torch.float32).requires_grad_(True)
+        try:
+            call(xm).sum().backward()
+        except RuntimeError as e:
+            assert f"overlap.{name} is not differentiable" in str(e), str(e)
+        else:
+            raise AssertionError(f"{name} backward through a max/min reduction did not raise")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -201,6 +243,11 @@ def _groups_and_bad_input(rank: int, world: int) -> None:
     for group in (None, dist.group.WORLD, mesh1, (mesh2, 0), (mesh2, "dp")):
         _check_equal(f"group {group!r}", overlap.all_gather(x, group=group), want)
     _check_equal("size-1 group", overlap.all_gather(x, group=(mesh2, "tp")), x)
+    # broadcast's src is a rank within the group: rank 1's "tp" group holds only global rank 1, whose
+    # group rank is 0 (src taken as a global rank would name rank 0, outside that group).
+    _check_equal("broadcast in a size-1 group", overlap.broadcast(x, src=0, group=(mesh2, "tp")), x)
+    # op names are case-insensitive ('MAX' is 'max').
+    _check_equal("all_reduce op='MAX'", overlap.all_reduce(x, op="MAX"), _ref_reduce(x, "max"))
 
     def raises(exc, match, fn):
         try:

@@ -209,6 +209,8 @@ MATRIX: dict[str, Bad] = {
                                            "group", "pass (group, dim)"),
     "all_gather mesh dim name unknown": Bad(lambda e: overlap.all_gather(e.x, group=(_two_dim_mesh(e), "pp")),
                                             ValueError, "'pp'", "('dp', 'tp')"),
+    "all_gather mesh dim negative": Bad(lambda e: overlap.all_gather(e.x, group=(_two_dim_mesh(e), -1)), ValueError,
+                                        "group: mesh dim", "0..1"),
     "reduce_scatter op unknown": Bad(lambda e: overlap.reduce_scatter(e.x, op="mean"), ValueError, "op",
                                      "'sum', 'avg', 'max', 'min', 'product'"),
     "reduce_scatter op a ReduceOp": Bad(lambda e: overlap.reduce_scatter(e.x, op=dist.ReduceOp.SUM), TypeError, "op",
@@ -240,6 +242,9 @@ MATRIX: dict[str, Bad] = {
                                             ValueError, "xs", "one device"),
     "all_gather_coalesced needs grad": Bad(lambda e: overlap.all_gather_coalesced([e.x.clone().requires_grad_()]),
                                            RuntimeError, "xs", "torch.no_grad()"),
+    "reduce_scatter_coalesced needs grad": Bad(
+        lambda e: overlap.reduce_scatter_coalesced([e.x.clone().requires_grad_()]), RuntimeError, "xs",
+        "torch.no_grad()"),
     "reduce_scatter_coalesced op unknown": Bad(lambda e: overlap.reduce_scatter_coalesced([e.x], op="mean"),
                                                ValueError, "op", "'sum', 'avg', 'max', 'min', 'product'"),
     "reduce_scatter_coalesced avg of ints": Bad(lambda e: overlap.reduce_scatter_coalesced([e.x, e.xi], op="avg"),

@@ -144,6 +144,12 @@ def _issue(kind: str, rank: int, world_size: int) -> torch.Tensor:
         return overlap.reduce_scatter(torch.ones(world_size * 2))
     if kind == "scatter_max":
         return overlap.reduce_scatter(torch.ones(world_size * 2), op="max")
+    if kind == "reduce_max":
+        return overlap.all_reduce(torch.ones(4, 3), op="max")
+    if kind == "broadcast0":
+        return overlap.broadcast(torch.ones(4, 3), src=0)
+    if kind == "broadcast1":
+        return overlap.broadcast(torch.ones(4, 3), src=1)
     raise ValueError(kind)
 
 
@@ -154,6 +160,10 @@ _DESYNCS = {
     "kind": (["gather4"], ["reduce"]),
     "op": (["scatter_sum"], ["scatter_max"]),
     "order": (["gather4", "reduce"], ["reduce", "gather4"]),
+    # all_reduce's op and broadcast's src are part of the fingerprint too: ranks that disagree on
+    # them would otherwise reduce differently, or each send its own data and wait for none.
+    "all_reduce op": (["reduce"], ["reduce_max"]),
+    "broadcast src": (["broadcast0"], ["broadcast1"]),
 }
 
 

@@ -178,3 +178,56 @@ def test_optimizer_in_backward_bad_input(single_rank_group) -> None:
     with pytest.raises(ValueError, match="state must be a state_dict"):
         second.load_state_dict({"optimizers": []})
     second.load_state_dict(second.state_dict())
+    # A parameter no overlap.shard group owns (left out by ignored_params) would get no optimizer:
+    # refused, naming it, before anything is registered.
+    loose = TinyLM()
+    for block in loose.blocks:
+        overlap.fully_shard(block)
+    overlap.fully_shard(loose, ignored_params={loose.ln_f.weight})
+    with pytest.raises(ValueError, match=r"model has parameters no overlap.shard group owns: \['ln_f.weight'\]"):
+        overlap.optimizer_in_backward(loose, torch.optim.SGD, lr=0.1)
+    assert all(not s.group.reduced_hooks for s in overlap.sharding.sharded_states(loose) if s.group is not None)
+
+
+def test_a_frozen_group_gets_no_optimizer_and_the_rest_steps_as_the_plain_loop(single_rank_group) -> None:
+    """A sharded group whose parameters are all frozen (here the first block) gets no optimizer (torch
+    refuses an optimizer over an empty parameter list), and the others step bitwise as the plain
+    loop's one optimizer does (which skips the frozen parameters: they have no gradient). Fails if
+    optimizer_in_backward builds an optimizer for every group, frozen ones included."""
+    adamw = make_optimizer([nn.Parameter(torch.zeros(1))]).defaults
+    adamw = {k: adamw[k] for k in ("lr", "betas", "eps", "weight_decay", "foreach")}
+
+    def frozen_first_block() -> TinyLM:
+        torch.manual_seed(SEED)
+        model = TinyLM()
+        model.blocks[0].requires_grad_(False)
+        for block in model.blocks:
+            overlap.shard(block)
+        return overlap.shard(model)
+
+    model = frozen_first_block()
+    opt = make_optimizer(model.parameters())
+    plain = _loop(model, 0, 1, lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
+    model = frozen_first_block()
+    in_backward = overlap.optimizer_in_backward(model, torch.optim.AdamW, **adamw)
+    assert len(in_backward.optimizers) == 2  # the second block's and the root's
+    ours = _loop(model, 0, 1, in_backward.step)
+    assert_same_run(plain, ours, "frozen first block")
+    initial = _final_params(frozen_first_block())
+    for name, value in ours["params"].items():
+        assert torch.equal(value, initial[name]) == name.startswith("blocks.0."), name
+
+
+def test_zero_grad_follows_set_to_none_as_torch_optimizers_do(single_rank_group) -> None:
+    """``OptimizerInBackward.zero_grad(set_to_none=False)`` leaves zero-filled gradients, as
+    ``torch.optim.Optimizer.zero_grad(set_to_none=False)`` does, and the default drops them. With
+    ``max_norm`` nothing steps in backward, so the gradients are still there to zero. Fails if the
+    argument is ignored."""
+    model = _sharded()
+    opt = overlap.optimizer_in_backward(model, torch.optim.SGD, max_norm=1.0, lr=0.1)
+    model.loss(make_batch(0)).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and p.grad.to_local().count_nonzero() == 0 for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())

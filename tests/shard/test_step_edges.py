@@ -49,6 +49,7 @@ def _train(rank: int, world_size: int, prefetch: bool, skip_first_on_odd_steps: 
     torch.manual_seed(SEED)
     model = _sharded(TinyLM())
     first = model.blocks[0]
+    held_weight = model.blocks[1].mlp.fc1.weight  # the sharded one: after unshard() the module holds the full one
     opt = make_optimizer(model.parameters())
     link = current_link()
     losses, prefetched, held = [], [], []
@@ -69,7 +70,7 @@ def _train(rank: int, world_size: int, prefetch: bool, skip_first_on_odd_steps: 
                 model.blocks[1].unshard()  # held gathered into the next forward, like a prefetch
             with torch.no_grad():
                 first.mlp.fc2.weight.to_local().mul_(0.5)  # through the local tensor, after the prefetch
-                model.blocks[1].mlp.fc1.weight.mul_(0.5)  # after the unshard() above
+                held_weight.mul_(0.5)  # its shard, after the unshard() above
         if step == 2:
             with torch.no_grad():
                 first.mlp.fc1.weight.mul_(0.5)  # in place, after the prefetch packed it

@@ -114,3 +114,35 @@ def test_exclude_from_ddp_rejects_bad_input() -> None:
         overlap.exclude_from_ddp("model")
     with pytest.raises(ValueError, match="has no module sharded by overlap"):
         overlap.exclude_from_ddp(nn.Linear(2, 2))
+
+
+def test_a_wrapped_layers_state_dict_is_the_layers_own(single_rank_group) -> None:
+    """``wrap(layer).state_dict()`` has the layer's own keys (no ``module.`` prefix), and
+    ``load_state_dict`` takes them: one wrapped layer's state dict loads into another wrapped layer,
+    which then gives the first one's (and its unsharded twin's) output bitwise. Fails if either
+    hook that maps the keys is missing."""
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 3)
+    torch.manual_seed(0)
+    source = overlap.wrap(nn.Linear(4, 3))
+    torch.manual_seed(1)
+    target = overlap.wrap(nn.Linear(4, 3))
+    state = source.state_dict()
+    assert sorted(state) == sorted(plain.state_dict()) == ["bias", "weight"]
+    target.load_state_dict(state)
+    x = torch.randn(2, 4)
+    assert torch.equal(target(x), plain(x))
+
+
+def test_exclude_from_ddp_keeps_what_ddp_was_told_to_ignore_before(single_rank_group) -> None:
+    """``exclude_from_ddp`` adds the sharded parameters to the names DDP ignores: a name the model
+    was given before (torch's ``_set_params_and_buffers_to_ignore_for_model``) stays ignored. Fails
+    if the earlier list is replaced."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _Net()
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["inp.bias"])
+    model.mid = overlap.wrap(model.mid)
+    overlap.exclude_from_ddp(model)
+    ddp = DistributedDataParallel(model)
+    assert ddp.parameters_to_ignore == {"inp.bias", "mid.module.bias", "mid.module.weight"}
