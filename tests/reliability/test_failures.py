@@ -306,3 +306,53 @@ def test_arrivals_publish_only_counts_that_stopped_changing() -> None:
     looks.published = {"0": 9, "1": 2}
     assert looks.due({"0": 9, "1": 2}) is None, "written once"
     assert looks.due({"0": 10, "1": 2}) is None and looks.due({"0": 10, "1": 2}) == {"0": 10, "1": 2}
+
+
+def _ranks_behind_on_a_subgroup(rank: int, world_size: int) -> dict:
+    """On 3 ranks, subgroup [0, 1] runs one all-reduce; rank 0 waits until rank 1, which then stops
+    issuing, has published its counts ([Note: publishing where a rank stopped]), issues the
+    subgroup's next all-reduce and, before rank 1 issues it, asks which ranks have not: the answer
+    must be drawn from the subgroup's ranks (not WORLD's: rank 2 never issues on it) and read rank
+    0's own live counts (any it published are one collective old)."""
+    import torch.distributed as dist
+    from overlap import arrivals, desync
+
+    store = dist.distributed_c10d._get_default_store()
+    sub = dist.new_group([0, 1])
+    if rank in (0, 1):
+        overlap.wait(overlap.all_reduce(torch.ones(2), group=sub))
+    out: dict = {}
+    if rank == 0:
+        import json
+
+        published, deadline = arrivals._store(), time.monotonic() + 30
+        while not (published.check(["1"]) and json.loads(published.get("1")).get(sub.group_name) == 1):
+            assert time.monotonic() < deadline, "rank 1 never published its counts"
+            time.sleep(arrivals.INTERVAL_S / 5)  # rank 1 stopped issuing: it publishes within two looks
+        pending = overlap.all_reduce(torch.ones(2), group=sub)  # #1 on the subgroup
+        out["missing"] = arrivals.missing(sub.group_name, 1, desync._seqs)
+        out["text"] = arrivals.describe_missing(sub.group_name, 1, out["missing"])
+        out["group"] = sub.group_name
+        store.set("asked", "1")
+        overlap.wait(pending)
+    elif rank == 1:
+        store.wait(["asked"], datetime.timedelta(seconds=60))
+        overlap.wait(overlap.all_reduce(torch.ones(2), group=sub))
+    return out
+
+
+def test_the_ranks_behind_are_the_groups_and_this_ranks_own_count_is_live() -> None:
+    """Which ranks have not issued a subgroup's collective: only the subgroup's, this rank's own
+    count read live (see ``_ranks_behind_on_a_subgroup``)."""
+    r0 = run_distributed(_ranks_behind_on_a_subgroup, 3, timeout=60)[0]
+    assert r0["missing"] == {1: 0}, r0
+    assert r0["text"] == f"; ranks that have not issued #1 on group {r0['group']!r}: 1 (last #0)", r0["text"]
+
+
+def test_a_timeout_after_every_rank_issued_says_so() -> None:
+    """A wait can time out with every rank having issued the collective (a slow link): the error then
+    says so, as last reported; with no report to read, it says nothing."""
+    from overlap.arrivals import describe_missing
+
+    assert describe_missing("0", 3, {}) == "; every rank of group '0' has issued #3 (as last reported)"
+    assert describe_missing("0", 3, None) == ""
