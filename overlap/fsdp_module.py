@@ -67,9 +67,11 @@ class UnshardHandle:
     def wait(self) -> None:
         for state in self._states:
             group = state.group
-            if group is not None and (group.pending_gather is not None or group.single_rank):
+            if group is None:
+                continue
+            if group.pending_gather is not None or group.single_rank:
                 group.finish_gather()
-            if group is not None and group.is_unsharded:
+            if group.is_unsharded:
                 group.to_unsharded()
         self._states = []
 

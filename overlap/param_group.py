@@ -389,6 +389,13 @@ class ParamGroup:
         parameters, name, i = self._slots[0]
         return parameters.get(name) is self.sharded[i]
 
+    def reshard_to_sharded(self) -> None:
+        """:meth:`reshard`, then register the sharded parameters unless they already are (as a
+        reduction or a post-forward usually left them): what a module holds between steps."""
+        self.reshard()
+        if not self.sharded_registered():
+            self.to_sharded()
+
     def _register(self, params: list[nn.Parameter]) -> None:
         for parameters, name, i in self._slots:
             parameters[name] = params[i]
@@ -1167,9 +1174,8 @@ class ParamGroup:
     def _move_grads_to_shards(self, indices: tuple[int, ...]) -> None:
         """World size 1 fast path of the reduce-scatter: the full gradient is the shard's gradient;
         with a cast (``casts_shards``, ``rounds_aliased_grads``) it is rounded to the reduce dtype and
-        cast to the shard's,
-        as the packed path's copy-in and copy-out would (one foreach cast for the new gradients, one
-        foreach add for the accumulated ones).
+        cast to the shard's, as the packed path's copy-in and copy-out would (one foreach cast for the
+        new gradients, one foreach add for the accumulated ones).
 
         Runs once per group per step inside backward, between the blocks' kernels: the getters and
         setters of both parameter lists run without torch-function lookups ([Note: the shards'

@@ -289,9 +289,7 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         state = self._overlap_state
         state.user_unsharded = False
         if state.group is not None:
-            state.group.reshard()
-            if not state.group.sharded_registered():
-                state.group.to_sharded()
+            state.group.reshard_to_sharded()
 
 
 
@@ -1153,7 +1151,7 @@ class _Root:
             return
         if state.sync_grads:
             if self.budgeted:
-                self._issue_budgeted_all_reduces()
+                self._issue_held_all_reduces()
             with region(state.regions.reduce_scatter):
                 held = contextlib.nullcontext()
                 indices = None  # read by issue_reduce, unless the cap needs them first: one read either way
@@ -1225,21 +1223,20 @@ class _Root:
         backward."""
         if not self._pending_reduces:
             return
-        for state, pending in self._pending_reduces:
-            if not pending.needs_all_reduce:
-                continue
-            if self.budgeted:
-                break  # issued at the next reduction instead: see _issue_budgeted_all_reduces
-            if pending.work is not None and not pending.work.is_done():
-                break
-            self._all_reduce(state, pending)
+        if not self.budgeted:  # budgeted: issued at the next reduction instead (_issue_held_all_reduces)
+            for state, pending in self._pending_reduces:
+                if not pending.needs_all_reduce:
+                    continue
+                if pending.work is not None and not pending.work.is_done():
+                    break
+                self._all_reduce(state, pending)
         self._run_early_epilogues()
 
-    def _issue_budgeted_all_reduces(self) -> None:
-        """Before a reduction when some group has ``max_inflight_bytes`` (``budgeted``): issue the
-        cross-replica all-reduces still held back (HSDP on CPU), oldest first, each after its
-        reduce-scatter (waited for), at this point of the program on every rank, never at whichever
-        poll first finds one ready, so the budget's waits cannot go around the mesh (see
+    def _issue_held_all_reduces(self) -> None:
+        """Issue the cross-replica all-reduces (HSDP) still held back, oldest first, each after its
+        reduce-scatter, at this point of the program on every rank: at the end of backward, and
+        before each reduction when some group has ``max_inflight_bytes`` (``budgeted``: never at
+        whichever poll first finds one ready, so the budget's waits cannot go around the mesh, see
         [Note: hybrid sharding])."""
         for state, pending in self._pending_reduces:
             if pending.needs_all_reduce:
@@ -1275,9 +1272,7 @@ class _Root:
             tail_start = time.perf_counter()
         with region(self.owner.regions.end_backward), torch.no_grad():
             self._flush_reduces(final=True)
-            for state, pending in self._pending_reduces:
-                if pending.needs_all_reduce:
-                    self._all_reduce(state, pending)
+            self._issue_held_all_reduces()
             if self._choice_pending:  # the link first: what the end of backward does after it is the host's tail
                 waited = time.perf_counter()
                 for _, pending in self._pending_reduces:
@@ -1339,9 +1334,7 @@ class _Root:
                 if state.index in self._ahead and self.in_backward:
                     continue  # its next-step gather is in flight (see [Note: gathering ahead in backward])
                 if not (self.in_backward and not state.reshard_after_backward):
-                    state.group.reshard()
-                    if not state.group.sharded_registered():  # else done by its reduction, the usual case
-                        state.group.to_sharded()
+                    state.group.reshard_to_sharded()
         self._ahead = set()
         for state in self._deferring:  # a backward cut short: its deferred groups stay unstepped
             state.group.defer_reduced_hooks = False  # type: ignore[union-attr]

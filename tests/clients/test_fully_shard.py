@@ -304,37 +304,41 @@ class _Seen(nn.Module):
         return self.lin(x.to(self.lin.weight.dtype))
 
 
-def test_a_blocks_mp_policy_reaches_its_inputs_and_outputs_as_in_fsdp2(single_rank_group) -> None:
+@pytest.fixture
+def one_rank_mesh(single_rank_group) -> Any:
+    """A 1-D device mesh over this process's 1-rank group, for FSDP2 and overlap side by side here."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1,))
+
+
+def test_a_blocks_mp_policy_reaches_its_inputs_and_outputs_as_in_fsdp2(one_rank_mesh) -> None:
     """A non-root block's ``MixedPrecisionPolicy(param_dtype=bf16, output_dtype=fp32,
     cast_forward_inputs=False)``: the block gets its fp32 input as it is, and its bf16 output is cast
     to fp32 before the next module sees it, on overlap as on FSDP2 (1 rank, this process). Fails if
     ``cast_forward_inputs`` is dropped on the way to overlap's policy, or if ``output_dtype`` casts
     only the root's output (``overlap.shard``'s behaviour) instead of every sharded module's."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mesh = init_device_mesh("cpu", (1,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=False)
     seen = {}
     for runtime in RUNTIMES:
         torch.manual_seed(0)
         model = nn.Sequential(_Seen(4, 4), _Seen(4, 2))
-        fully_shard_of(runtime)(model[0], mesh=mesh, mp_policy=policy)
-        fully_shard_of(runtime)(model, mesh=mesh)
+        fully_shard_of(runtime)(model[0], mesh=one_rank_mesh, mp_policy=policy)
+        fully_shard_of(runtime)(model, mesh=one_rank_mesh)
         out = model(torch.randn(3, 4))
         seen[runtime] = (model[0].seen, model[1].seen, out.dtype)
     assert seen["overlap"] == seen["fsdp2"] == ([torch.float32], [torch.float32], torch.float32)
 
 
-def test_shard_placement_fn_is_asked_only_about_the_parameters_it_shards(single_rank_group) -> None:
+def test_shard_placement_fn_is_asked_only_about_the_parameters_it_shards(one_rank_mesh) -> None:
     """As FSDP2, ``shard_placement_fn`` is called for the parameters that get sharded, not for
     ``ignored_params``: a function that returns ``Shard(1)`` (which overlap cannot honour) for an
     ignored parameter is fine, and that parameter stays a plain ``Parameter``. Fails if the ignored
     parameters are passed to the function (overlap would raise NotImplementedError)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    mesh = init_device_mesh("cpu", (1,))
     for runtime in RUNTIMES:
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
         ignored = model[1].weight
@@ -344,21 +348,19 @@ def test_shard_placement_fn_is_asked_only_about_the_parameters_it_shards(single_
             asked.append(p)
             return Shard(1) if p is ignored else None
 
-        fully_shard_of(runtime)(model, mesh=mesh, ignored_params={ignored}, shard_placement_fn=placement)
+        fully_shard_of(runtime)(model, mesh=one_rank_mesh, ignored_params={ignored}, shard_placement_fn=placement)
         assert asked and all(p is not ignored for p in asked), runtime
         assert type(model[1].weight) is nn.Parameter, runtime
 
 
-def _unshard_and_reshard(runtime: str) -> dict[str, Any]:
+def _unshard_and_reshard(runtime: str, mesh: Any) -> dict[str, Any]:
     """The FSDPModule calls around a step on 1 rank: what ``unshard`` / ``reshard`` leave registered
     on the block, what its full weight reads after ``set_reshard_after_backward(False)`` and an
     optimizer step on the shards, and where ``recurse=False`` applies the root's settings. The
     parameters are cast to bf16 for compute, so that (at 1 rank too) the unsharded parameters are
     copies of the shards, not views that follow them."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mesh = init_device_mesh("cpu", (1,))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # model[1]'s parameters are the root's
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -395,13 +397,13 @@ def _unshard_and_reshard(runtime: str) -> dict[str, Any]:
     return out
 
 
-def test_unshard_and_reshard_leave_the_parameters_fsdp2_leaves(single_rank_group) -> None:
+def test_unshard_and_reshard_leave_the_parameters_fsdp2_leaves(one_rank_mesh) -> None:
     """``unshard()`` (and ``unshard(async_op=True)`` once waited) registers the block's full
     parameters on it, ``reshard()`` the sharded ones again, and ``set_reshard_after_backward(False,
     recurse=False)`` keeps the root's alone, as FSDP2 on 1 rank (in this process). After an optimizer
     step on the shards, a kept block's ``unshard()`` reads the new values, where FSDP2 keeps the stale
     ones."""
-    got = {runtime: _unshard_and_reshard(runtime) for runtime in RUNTIMES}
+    got = {runtime: _unshard_and_reshard(runtime, one_rank_mesh) for runtime in RUNTIMES}
     # The one difference: FSDP2's unshard() of a block still unsharded does nothing, so it goes on
     # reading the values from before the step; the runtime gathers the changed shards again.
     fresh = {runtime: got[runtime].pop("unshard after a step reads the new shards") for runtime in RUNTIMES}
@@ -413,16 +415,13 @@ def test_unshard_and_reshard_leave_the_parameters_fsdp2_leaves(single_rank_group
     assert want["kept after backward"] == ["Parameter"] * 4
 
 
-def test_recurse_false_sets_the_root_alone(single_rank_group) -> None:
+def test_recurse_false_sets_the_root_alone(one_rank_mesh) -> None:
     """``set_reshard_after_backward`` / ``set_reshard_after_forward`` / ``set_requires_gradient_sync``
     with ``recurse=False`` change the module they are called on and none of its sharded descendants;
     with the default ``recurse=True``, every one."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    mesh = init_device_mesh("cpu", (1,))
-    fully_shard_of("overlap")(model[0], mesh=mesh)
-    fully_shard_of("overlap")(model, mesh=mesh)
+    fully_shard_of("overlap")(model[0], mesh=one_rank_mesh)
+    fully_shard_of("overlap")(model, mesh=one_rank_mesh)
     root, block = model._overlap_state, model[0]._overlap_state
     model.set_reshard_after_backward(False, recurse=False)
     model.set_reshard_after_forward(False, recurse=False)
