@@ -97,12 +97,18 @@ def _merge_repeated_waits(graph: torch.fx.Graph) -> int:
 
 
 def _frozen(value: Any) -> Any:
+    """``value`` (an op's argument) as a hashable key, equal to another's only where the two are the
+    same argument; ``TypeError`` for a value not comparable as a constant (never merged)."""
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_frozen(v) for v in value))
     if isinstance(value, dict):
         return ("dict", tuple((k, _frozen(v)) for k, v in sorted(value.items())))
-    if isinstance(value, torch.fx.Node) or value is None or isinstance(value, (bool, int, float, str)):
+    if isinstance(value, torch.fx.Node) or value is None:
         return value
+    if isinstance(value, (bool, int, float, str)):
+        # Python has 1 == 1.0 == True and 0.0 == -0.0, but as an op's arguments they give other
+        # result dtypes or zero signs: the type is part of the key, a float's repr keeps its sign
+        return (type(value).__name__, repr(value) if isinstance(value, float) else value)
     if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return value
     raise TypeError  # not comparable as a constant: never merged

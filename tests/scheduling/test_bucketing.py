@@ -6,6 +6,7 @@ unbucketed program (concatenating before a collective does not change any elemen
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -95,15 +96,52 @@ def test_budget_splits_buckets_and_none_or_small_does_nothing() -> None:
     assert bucket_collectives(g, bucket_bytes=68) == 2  # a+b (68 bytes) merge; c starts a new bucket
 
 
-def test_a_barrier_closes_the_bucket() -> None:
+@pytest.mark.parametrize("barrier", [ATEN.add_.Tensor, C10D.all_reduce_.default], ids=["in-place-op", "unknown-c10d-op"])
+def test_a_barrier_closes_the_bucket(barrier: Any) -> None:
+    """An in-place op, or a ``_c10d_functional`` op the passes do not know (the in-place
+    ``all_reduce_``), between two gathers: the second is not merged into the first's bucket (that
+    would issue it before the barrier)."""
+    args = (1.0,) if barrier is ATEN.add_.Tensor else ("sum", "g0")
     g = fx.Graph()
     a, b = _placeholder(g, "a", _meta(4)), _placeholder(g, "b", _meta(4))
     first = _gather(g, a)
-    mutated = g.call_function(ATEN.add_.Tensor, (b, 1.0))  # in place: nothing moves across it
+    mutated = g.call_function(barrier, (b, *args))  # nothing moves across it
     mutated.meta["val"] = _meta(4)
     second = _gather(g, b)
     g.output((first, second, mutated))
     assert bucket_collectives(g, bucket_bytes=1 << 20) == 0
+
+
+def _graph_text(g: fx.Graph) -> list[str]:
+    return [n.format_node() for n in g.nodes]
+
+
+def test_a_collective_waited_twice_stays_out_of_buckets() -> None:
+    """A gather with two waits (torch 2.15 traces them; ``bucket_collectives`` called before
+    ``canonicalize_waits``) is not merged: its rewrite replaces exactly one wait. The graph is left
+    as it was."""
+    g = fx.Graph()
+    a, b = _placeholder(g, "a", _meta(4)), _placeholder(g, "b", _meta(4))
+    ag = _call(g, AG, a, 2, "g0")
+    g.output((_call(g, WAIT, ag), _call(g, WAIT, ag), _gather(g, b)))
+    before = _graph_text(g)
+    assert bucket_collectives(g, bucket_bytes=1 << 20) == 0
+    assert _graph_text(g) == before
+
+
+def test_a_bucket_that_cannot_be_rewritten_leaves_the_graph_as_it_was(caplog: pytest.LogCaptureFixture) -> None:
+    """A gather of a non-contiguous input (a transpose: its flat view for the packing fails) is left
+    unmerged with the reason logged, and the nodes made before the failure are removed again (none
+    is left behind to be issued or computed)."""
+    g = fx.Graph()
+    a, b = _placeholder(g, "a", _meta(4, 2)), _placeholder(g, "b", _meta(8))
+    transposed = _call(g, ATEN.t.default, a)
+    g.output((_gather(g, transposed), _gather(g, b)))
+    before = _graph_text(g)
+    with caplog.at_level(logging.WARNING, logger="scheduler"):
+        assert bucket_collectives(g, bucket_bytes=1 << 20) == 0
+    assert _graph_text(g) == before
+    assert any("left 2 collectives unmerged" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_bad_arguments() -> None:

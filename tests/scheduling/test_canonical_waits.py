@@ -94,6 +94,50 @@ def test_two_collectives_of_one_input_stay_two(single_rank_group) -> None:
     assert _targets(g).count(C10D.all_reduce.default) == 2 and _targets(g).count(WAIT) == 3
 
 
+def test_copies_merge_into_the_first_in_graph_order_not_the_first_made(single_rank_group) -> None:
+    """After two waits become one, the wait's readers are listed in the order their uses were made,
+    not graph order (a node inserted later, or a reader taken over from the second wait): the copy
+    kept is the one earliest in the graph, so every reader of the other still comes after it."""
+    group = single_rank_group.group_name
+    g = fx.Graph()
+    x = g.placeholder("x")
+    ag = call(g, C10D.all_gather_into_tensor.default, x, 1, group, val=meta((ROWS, COLS)))
+    first = call(g, WAIT, ag, name="first")
+    again = call(g, WAIT, ag, name="again")
+    late = call(g, ATEN.neg.default, first, name="late")  # made first, placed last
+    late_user = call(g, ATEN.sin.default, late, name="late_user")
+    with g.inserting_after(again):
+        early = g.call_function(ATEN.neg.default, (again,))
+    with g.inserting_after(early):
+        early_user = g.call_function(ATEN.cos.default, (early,))
+    g.output((early_user, late_user))
+    inputs = [torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(0))]
+    want = module(g)(*inputs)
+    assert canonicalize_waits(g) == 2  # a wait and a neg
+    g.lint()
+    assert len(g.find_nodes(op="call_function", target=ATEN.neg.default)) == 1
+    for w, h in zip(want, module(g)(*inputs)):
+        assert torch.equal(w, h)
+
+
+@pytest.mark.parametrize("dtype, scalars", [(torch.int64, (1, 1.0, True)), (torch.float32, (0.0, -0.0))],
+                         ids=["int-float-bool", "signed-zero"])
+def test_copies_whose_scalars_differ_only_in_type_or_sign_stay_apart(single_rank_group, dtype, scalars) -> None:
+    """``x * 1``, ``x * 1.0`` and ``x * True`` (equal as Python keys) differ in result dtype, and
+    ``x + 0.0`` and ``x + -0.0`` in the sign of a zero: readers of one merged wait that differ only
+    there are not made one copy."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    ag = call(g, C10D.all_gather_into_tensor.default, x, 1, single_rank_group.group_name, val=meta((4,), dtype))
+    op = ATEN.mul.Tensor if dtype is torch.int64 else ATEN.add.Tensor
+    g.output(tuple(call(g, op, call(g, WAIT, ag), s) for s in scalars))
+    inputs = [torch.arange(4) if dtype is torch.int64 else torch.tensor([-0.0, 1.0, -0.0, 2.0])]
+    want = module(g)(*inputs)
+    assert canonicalize_waits(g) == len(scalars) - 1  # the waits only
+    for w, h in zip(want, module(g)(*inputs)):
+        assert w.dtype == h.dtype and torch.equal(w, h) and torch.equal(w.signbit(), h.signbit())
+
+
 @pytest.mark.skipif(WAIT_TENSORS is None, reason=f"torch {torch.__version__} has no _c10d_functional.wait_tensors "
                                                  "(new in 2.15: earlier releases wait each result on its own)")
 def test_wait_tensors_becomes_a_wait_per_result(single_rank_group) -> None:

@@ -89,6 +89,32 @@ def test_same_group_order_is_kept_other_groups_may_pass() -> None:
     _check_topological(gm)
 
 
+def test_group_name_given_by_keyword_is_read_like_a_positional_one() -> None:
+    """``group_name=`` as a keyword: the collectives are still moved (not refused for a missing group
+    name), and two on one group keep their order."""
+    def collective(g: fx.Graph, target: Any, args: tuple, group: str, name: str) -> fx.Node:
+        n = g.call_function(target, args, {"group_name": group})
+        n.name, n.meta["val"] = name, _meta((4, 4))
+        return n
+
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    late = _call(g, ATEN.tanh.default, _call(g, ATEN.mm.default, w, w, name="mm"), name="late")
+    first = collective(g, C10D.all_reduce.default, (late, "sum"), "g0", "first")
+    w1 = _call(g, WAIT, first, name="w1")
+    second = collective(g, C10D.broadcast.default, (x, 0), "g0", "second")
+    w2 = _call(g, WAIT, second, name="w2")
+    other = collective(g, C10D.broadcast.default, (x, 0), "g1", "other")
+    w3 = _call(g, WAIT, other, name="w3")
+    g.output((w1, w2, w3))
+    gm = _module(g)
+    overlap_pass(gm)
+    order = _names(gm)
+    assert _before(order, "first", "second")
+    assert order.index("other") == 2
+    _check_topological(gm)
+
+
 def test_unused_wait_goes_just_before_output() -> None:
     g = fx.Graph()
     x, w = g.placeholder("x"), g.placeholder("w")
@@ -115,19 +141,24 @@ def test_direct_reader_of_a_collective_stays_after_its_wait() -> None:
     assert _names(gm) == ["x", "w", "ar", "mm", "wait", "direct", "output"]
 
 
-def test_wait_on_a_wait_is_an_ordinary_reader() -> None:
-    # funcol.wait_tensor on an already-waited traced result: wait_tensor(wait_tensor(collective)).
+@pytest.mark.parametrize("waits", [2, 3])
+def test_waits_on_a_waited_result_are_ordinary_readers(waits: int) -> None:
+    """funcol.wait_tensor on an already-waited traced result (user code waiting again), once or as a
+    chain: only the first waits on the collective; the others are readers of a waited result (no
+    "not a collective" refusal), and the first still sinks below mm."""
     g = fx.Graph()
     x, w = g.placeholder("x"), g.placeholder("w")
     ar = _call(g, C10D.all_reduce.default, x, "sum", "g0", name="ar", val=_meta((4, 4)))
-    first = _call(g, WAIT, ar, name="first")
-    again = _call(g, WAIT, first, name="again")
-    s = _call(g, ATEN.sum.default, again, name="s")
+    names = ["first", "again", "third"][:waits]
+    last = ar
+    for name in names:
+        last = _call(g, WAIT, last, name=name)
+    s = _call(g, ATEN.sum.default, last, name="s")
     mm = _call(g, ATEN.mm.default, w, w, name="mm")
     g.output((s, mm))
     gm = _module(g)
     overlap_pass(gm)
-    assert _names(gm) == ["x", "w", "ar", "mm", "first", "again", "s", "output"]
+    assert _names(gm) == ["x", "w", "ar", "mm", *names, "s", "output"]
 
 
 def test_coalesced_items_follow_the_collective_and_waits_sink() -> None:
@@ -147,13 +178,26 @@ def test_coalesced_items_follow_the_collective_and_waits_sink() -> None:
     assert _names(gm) == ["x", "y", "w", "co", "i0", "i1", "mm", "s", "w0", "w1", "add", "output"]
 
 
-def test_nothing_crosses_a_mutating_op() -> None:
+BARRIER_OPS = {
+    "in-place": (ATEN.add_.Scalar, lambda a: (a, 1.0)),
+    "mutates-returns-nothing": (ATEN._foreach_add_.Scalar, lambda a: ([a], 1.0)),
+    "side-effectful": (ATEN._assert_async.msg, lambda a: (a, "checked")),
+    "side-effectful-op-packet": (ATEN._assert_async, lambda a: (a, "checked")),  # as symbolic_trace names it
+}
+
+
+@pytest.mark.parametrize("barrier", sorted(BARRIER_OPS))
+def test_nothing_crosses_a_mutating_or_side_effectful_op(barrier: str) -> None:
+    """In-place ops, mutating ops whose schema returns nothing (``_foreach_add_``) and ops that are
+    side-effectful without mutating (``_assert_async``, named by overload or by packet) are all
+    barriers."""
+    op, args = BARRIER_OPS[barrier]
     g = fx.Graph()
     x, w = g.placeholder("x"), g.placeholder("w")
     ar = _call(g, C10D.all_reduce.default, x, "sum", "g0", name="ar", val=_meta((4, 4)))
     wait = _call(g, WAIT, ar, name="wait")
     a = _call(g, ATEN.mm.default, w, w, name="a")
-    _call(g, ATEN.add_.Scalar, a, 1.0, name="mutate")  # barrier: an in-place op
+    _call(g, op, *args(a), name="mutate")
     b = _call(g, ATEN.sin.default, a, name="b")
     late = _call(g, C10D.all_reduce.default, x, "sum", "g1", name="late", val=_meta((4, 4)))
     late_wait = _call(g, WAIT, late, name="late_wait")
@@ -163,6 +207,24 @@ def test_nothing_crosses_a_mutating_op() -> None:
     order = _names(gm)
     # ``wait`` would sink to ``out`` and ``late`` would rise to the top; the barrier stops both.
     assert order == ["x", "w", "ar", "a", "wait", "mutate", "late", "b", "out", "late_wait", "output"]
+
+
+def test_a_constant_read_by_get_attr_is_not_a_barrier() -> None:
+    """A ``get_attr`` (a constant of the module, as make_fx and AOT emit them) is compute: the wait
+    still sinks below the mm and the constant's read."""
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    ar = _call(g, C10D.all_reduce.default, x, "sum", "g0", name="ar", val=_meta((4, 4)))
+    wait = _call(g, WAIT, ar, name="wait")
+    mm = _call(g, ATEN.mm.default, w, w, name="mm")
+    const = g.get_attr("const")
+    add = _call(g, ATEN.add.Tensor, mm, const, name="add")
+    g.output(_call(g, ATEN.add.Tensor, wait, add, name="out"))
+    root = torch.nn.Module()
+    root.register_buffer("const", torch.ones(4, 4))
+    gm = fx.GraphModule(root, g)
+    overlap_pass(gm)
+    assert _names(gm) == ["x", "w", "ar", "mm", "const", "add", "wait", "out", "output"]
 
 
 def test_random_op_is_a_barrier() -> None:
@@ -176,7 +238,7 @@ def test_random_op_is_a_barrier() -> None:
     assert _names(gm) == ["x", "rand", "ar", "wait", "output"]
 
 
-def _three_gathers() -> fx.GraphModule:
+def _three_gathers(dtype: torch.dtype = torch.float32) -> fx.GraphModule:
     g = fx.Graph()
     xs = [g.placeholder(f"x{i}") for i in range(3)]
     w = g.placeholder("w")
@@ -184,7 +246,7 @@ def _three_gathers() -> fx.GraphModule:
     outs = []
     for i, x in enumerate(xs):  # 3 all-gathers of 64 bytes each, each used after one mm
         ag = _call(g, C10D.all_gather_into_tensor.default, x, 2, "g0", name=f"ag{i}",
-                   val=_meta((4, 4)))
+                   val=_meta((4, 4), dtype))
         wt = _call(g, WAIT, ag, name=f"wait{i}")
         h = _call(g, ATEN.mm.default, h, wt, name=f"mm{i}")
         outs.append(h)
@@ -203,23 +265,90 @@ def test_budget_limits_collectives_in_flight() -> None:
     _check_topological(limited)
 
 
-def test_unknown_size_is_not_moved_under_a_budget() -> None:
-    def build() -> fx.GraphModule:
-        g = fx.Graph()
-        x, w = g.placeholder("x"), g.placeholder("w")
-        a = _call(g, ATEN.mm.default, w, w, name="a")
-        ar = _call(g, C10D.all_reduce.default, x, "sum", "g0", name="ar")  # no meta: size unknown
-        wait = _call(g, WAIT, ar, name="wait")
-        b = _call(g, ATEN.mm.default, a, a, name="b")
-        g.output((_call(g, ATEN.add.Tensor, wait, a, name="c"), b))
-        return _module(g)
+def test_budget_counts_each_dtypes_element_size() -> None:
+    """bf16 results are 2 bytes an element: two of the 32-byte gathers fit a 64-byte budget."""
+    gm = _three_gathers(torch.bfloat16)
+    overlap_pass(gm, max_inflight_bytes=64)
+    assert [p[2] for p in _inflight_profile(gm)] == [32, 64, 64]
 
-    gm = build()
+
+def test_budget_reads_sizes_from_tensor_meta_without_val() -> None:
+    """A graph whose nodes carry ``meta["tensor_meta"]`` only (``ShapeProp``) is ordered under a
+    budget as if they carried ``meta["val"]``."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    with_val, with_tensor_meta = _three_gathers(), _three_gathers()
+    for n in with_tensor_meta.graph.nodes:
+        if "val" in n.meta:
+            n.meta["tensor_meta"] = _extract_tensor_metadata(n.meta.pop("val"))
+    overlap_pass(with_val, max_inflight_bytes=128)
+    overlap_pass(with_tensor_meta, max_inflight_bytes=128)
+    assert _names(with_tensor_meta) == _names(with_val)
+    assert _names(with_val) != _names(_three_gathers())
+
+
+def _waited_after_a_barrier(known_size: bool) -> fx.GraphModule:
+    """``a`` issued before an in-place op and waited after it, ``b`` (64 bytes) too; ``tail`` after the
+    waits is independent of them."""
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    a = _call(g, C10D.all_reduce.default, x, "sum", "g0", name="a", val=_meta((4, 4)) if known_size else None)
+    h = _call(g, ATEN.mm.default, w, w, name="h")
+    b = _call(g, C10D.all_reduce.default, h, "sum", "g1", name="b", val=_meta((4, 4)))
+    scratch = _call(g, ATEN.cos.default, w, name="scratch")
+    _call(g, ATEN.add_.Scalar, scratch, 1.0, name="mutate")
+    wait_a = _call(g, WAIT, a, name="wait_a")
+    wait_b = _call(g, WAIT, b, name="wait_b")
+    tail = _call(g, ATEN.mm.default, w, w, name="tail")
+    g.output((_call(g, ATEN.add.Tensor, wait_a, wait_b, name="out"), scratch, tail))
+    return _module(g)
+
+
+@pytest.mark.parametrize("known_size", [True, False], ids=["over-budget", "unknown-size"])
+def test_a_budget_never_pulls_a_wait_above_a_barrier(known_size: bool) -> None:
+    """The budget waits early for a result that does not fit, or at once for one of unknown size; a
+    wait beyond a barrier stays there all the same (the budget is exceeded, not the barrier), and
+    the stretch after the barrier is still reordered (the waits sink below ``tail``)."""
+    gm = _waited_after_a_barrier(known_size)
+    before = _barrier_prefixes(gm)
+    overlap_pass(gm, max_inflight_bytes=64)
+    assert _barrier_prefixes(gm) == before
+    assert _names(gm) == ["x", "w", "a", "h", "b", "scratch", "mutate", "tail", "wait_a", "wait_b", "out", "output"]
+    _check_topological(gm)
+
+
+def _collective_of_unknown_size(val: Any = None) -> fx.GraphModule:
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    a = _call(g, ATEN.mm.default, w, w, name="a")
+    ar = _call(g, C10D.all_reduce.default, x, "sum", "g0", name="ar", val=val)  # no meta: size unknown
+    wait = _call(g, WAIT, ar, name="wait")
+    b = _call(g, ATEN.mm.default, a, a, name="b")
+    g.output((_call(g, ATEN.add.Tensor, wait, a, name="c"), b))
+    return _module(g)
+
+
+def test_unknown_size_is_not_moved_under_a_budget() -> None:
+    gm = _collective_of_unknown_size()
     overlap_pass(gm, max_inflight_bytes=1 << 20)
     assert _names(gm) == ["x", "w", "a", "ar", "wait", "b", "c", "output"]
-    gm = build()
+    gm = _collective_of_unknown_size()
     overlap_pass(gm)  # without a budget the size does not matter
     assert _names(gm) == ["x", "w", "ar", "a", "b", "wait", "c", "output"]
+
+
+def test_a_symbolic_size_is_an_unknown_size_under_a_budget() -> None:
+    """A result with a dynamic dim (a ``SymInt`` in its fake value) has no static size: under a budget
+    it is neither moved nor sized by its hint, like a result without meta."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic_rows = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    val = mode.from_tensor(torch.empty(4, 4), symbolic_context=dynamic_rows)
+    gm = _collective_of_unknown_size(val)
+    overlap_pass(gm, max_inflight_bytes=1 << 20)
+    assert _names(gm) == ["x", "w", "a", "ar", "wait", "b", "c", "output"]
 
 
 def test_graph_without_collectives_is_untouched() -> None:
@@ -237,6 +366,23 @@ def test_overlap_graph_works_on_a_bare_graph() -> None:
     assert overlap_graph(gm.graph) is True
     assert overlap_graph(gm.graph) is False  # already in overlap order
     assert [n.name for n in gm.graph.nodes].index("mm") < [n.name for n in gm.graph.nodes].index("wait")
+
+
+def test_a_change_made_only_by_merging_repeated_waits_is_reported_and_recompiled() -> None:
+    """Two waits of one result become one (``scheduler.canonical_waits``) while the order is already
+    the overlap order: ``overlap_graph`` still reports a change, so ``overlap_pass`` recompiles."""
+    def build() -> fx.GraphModule:
+        g = fx.Graph()
+        x = g.placeholder("x")
+        ag = _call(g, C10D.all_gather_into_tensor.default, x, 2, "g0", name="ag", val=_meta((8, 4)))
+        g.output((_call(g, WAIT, ag, name="first"), _call(g, WAIT, ag, name="again")))
+        return _module(g)
+
+    assert overlap_graph(build().graph) is True
+    gm = build()
+    overlap_pass(gm)
+    assert _names(gm) == ["x", "ag", "first", "output"]
+    assert "again" not in gm.code
 
 
 def _wait_that_feeds_a_collective() -> fx.GraphModule:
@@ -312,11 +458,33 @@ def _bad_read_before_wait(g: fx.Graph, x: fx.Node) -> Any:
     return _call(g, ATEN.add.Tensor, _call(g, WAIT, ar), early)
 
 
+def _bad_coalesced_never_read(g: fx.Graph, x: fx.Node) -> Any:
+    s = _call(g, ATEN.sin.default, x)
+    _call(g, C10D.all_reduce_coalesced.default, [x, x], "sum", "g0")  # no reader, no meta
+    return s
+
+
+def _bad_coalesced_result_never_waited(g: fx.Graph, x: fx.Node) -> Any:
+    s = _call(g, ATEN.sin.default, x)
+    co = _call(g, C10D.all_reduce_coalesced.default, [x, x], "sum", "g0", val=[_meta((4, 4)), _meta((4, 4))])
+    return _call(g, ATEN.add.Tensor, _call(g, WAIT, _call(g, operator.getitem, co, 0)), s)  # item 1: unread
+
+
+def _bad_not_topologically_sorted(g: fx.Graph, x: fx.Node) -> Any:
+    early = _call(g, ATEN.sin.default, x)
+    late = _call(g, ATEN.cos.default, early)
+    early.prepend(late)  # ``late`` now comes before its input
+    return _call(g, WAIT, _call(g, C10D.all_reduce.default, late, "sum", "g0"))
+
+
 BAD_GRAPHS = {
     "wait_on_non_collective": (_bad_wait_on_compute, "not a collective"),
     "collective_never_waited": (_bad_never_waited, "never waited"),
+    "coalesced_collective_never_read": (_bad_coalesced_never_read, "never waited"),
+    "coalesced_result_never_waited": (_bad_coalesced_result_never_waited, "never waited"),
     "unknown_c10d_functional_op": (_bad_unknown_op, "does not know"),
     "read_before_wait": (_bad_read_before_wait, "before its wait"),
+    "not_topologically_sorted": (_bad_not_topologically_sorted, "not topologically sorted"),
 }
 
 
