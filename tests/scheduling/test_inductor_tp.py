@@ -10,6 +10,7 @@ backward (one compile per configuration on each rank, the ranks compile in paral
 """
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ from fake_collectives import AG, ATEN, RS, WAIT, call as _call, collective_order
 from scheduler import overlap_graph
 from scheduler.collective_matmul import decompose_collective_matmuls
 from scheduler.inductor_hook import OverlapGraphPass
+from scheduler.per_chunk_ops import run_ops_per_chunk
 from scheduler.summed_scatters import merge_summed_reduce_scatters
 
 W = 2  # ranks in the fake collectives
@@ -36,24 +38,32 @@ def _run(g: fx.Graph, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _gather_graph(seq: int = 32, gather_dim: int = 0, extra_reader: bool = False,
-                  early_reader: bool = False) -> tuple[fx.Graph, dict]:
+                  early_reader: bool = False, ranks_swapped: bool = False, transposed: bool = False,
+                  full_bias: bool = False) -> tuple[fx.Graph, dict]:
     """Column-parallel linear on the sequence-gathered input (the forward of DTensor's
     ``ColwiseParallel(input_layouts=Shard(0))``): x [seq/W, 2, 8] -> gathered -> [seq*2, 8] rows.
     ``gather_dim`` 1: x [2, seq/W, 8] (``Shard(1)``, batch first); 2: x [2, seq, 4] gathered on the
-    hidden dim (the matmul's columns: not split)."""
+    hidden dim (the matmul's columns: not split). ``ranks_swapped`` (``gather_dim`` > 0): the cat
+    takes the rank blocks last first; ``transposed`` (``gather_dim`` 0): the gathered tensor is
+    permuted to [2, seq, 8] before its rows are taken (the rows are then not blocks of the sequence);
+    ``full_bias``: the bias has the matmul's output shape [seq*2, 12] instead of [12]."""
     g = fx.Graph()
     x, wt, b = g.placeholder("x"), g.placeholder("w"), g.placeholder("b")
     wait = _call(g, WAIT, _call(g, AG, x, W, "0"))
     if gather_dim != 0:  # what funcol emits for a gather on dim d: dim 0, then split and cat on d
         split = _call(g, ATEN.split.Tensor, wait, 2)
-        wait = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)], gather_dim)
+        items = [_call(g, operator.getitem, split, i) for i in range(W)]
+        wait = _call(g, ATEN.cat.default, items[::-1] if ranks_swapped else items, gather_dim)
+    if transposed:
+        wait = _call(g, ATEN.permute.default, wait, [1, 0, 2])
     rows = _call(g, ATEN.reshape.default, wait, [seq * 2, 8])
     total = _call(g, ATEN.sum.default, rows) if early_reader else None  # read before the matmul
     mm = _call(g, ATEN.addmm.default, b, rows, _call(g, ATEN.permute.default, wt, [1, 0]))
     out = _call(g, ATEN.relu.default, _call(g, ATEN.reshape.default, mm, [seq, 2, 12]))
     g.output((out, rows) if extra_reader else (out, total) if early_reader else (out,))
     x_shape = [(seq // W, 2, 8), (2, seq // W, 8), (2, seq, 8 // W)][gather_dim]
-    inputs = {"x": torch.randn(x_shape), "w": torch.randn(12, 8), "b": torch.randn(12)}
+    inputs = {"x": torch.randn(x_shape), "w": torch.randn(12, 8),
+              "b": torch.randn([seq * 2, 12] if full_bias else [12])}
     _set_vals(g, inputs)
     return g, inputs
 
@@ -133,12 +143,10 @@ def test_other_readers_of_the_gathered_rows_read_them_reassembled(early: bool) -
     _check_same_values(g, inputs, before)
 
 
-def test_every_matmul_on_the_gathered_rows_is_split() -> None:
-    """q and k projections of one gathered input (DTensor gathers it once in a compiled graph)."""
-    g, inputs = _gather_graph()
-    mm = next(n for n in g.nodes if n.target is ATEN.addmm.default)
-    with g.inserting_after(mm):
-        k_proj = _call(g, ATEN.mm.default, mm.args[1], mm.args[2])
+def _check_both_projections_split(g: fx.Graph, inputs: dict[str, torch.Tensor], k_proj: fx.Node) -> None:
+    """With ``k_proj`` (a second matmul on the gathered rows) made an output of ``g``: both the q
+    projection and it are split in 2 chunks, q's first, each chunk waited before its first matmul;
+    values bitwise."""
     out = next(n for n in g.nodes if n.op == "output")
     out.args = ((*out.args[0], k_proj),)
     _set_vals(g, inputs)
@@ -146,6 +154,69 @@ def test_every_matmul_on_the_gathered_rows_is_split() -> None:
     assert decompose_collective_matmuls(g, 2) == 1
     order = [t for t in _targets(g) if t in (AG, WAIT, ATEN.addmm.default, ATEN.mm.default)]
     assert order == [AG, AG, WAIT, ATEN.addmm.default, WAIT, ATEN.addmm.default, ATEN.mm.default, ATEN.mm.default]
+    _check_same_values(g, inputs, before)
+
+
+def test_every_matmul_on_the_gathered_rows_is_split() -> None:
+    """q and k projections of one gathered input (DTensor gathers it once in a compiled graph)."""
+    g, inputs = _gather_graph()
+    mm = next(n for n in g.nodes if n.target is ATEN.addmm.default)
+    with g.inserting_after(mm):
+        k_proj = _call(g, ATEN.mm.default, mm.args[1], mm.args[2])
+    _check_both_projections_split(g, inputs, k_proj)
+
+
+def test_matmuls_on_separate_views_of_the_gathered_rows_are_split_in_graph_order() -> None:
+    """q and k projections that each read their own reshape of the gathered input: both are split,
+    q's chunks (first in the graph) before k's, and each chunk's wait before the first matmul that
+    reads it. Values bitwise."""
+    g, inputs = _gather_graph()
+    mm = next(n for n in g.nodes if n.target is ATEN.addmm.default)
+    wait = next(n for n in g.nodes if n.target is WAIT)
+    with g.inserting_before(mm.next):
+        k_rows = _call(g, ATEN.reshape.default, wait, [64, 8])
+        k_proj = _call(g, ATEN.mm.default, k_rows, mm.args[2])
+    _check_both_projections_split(g, inputs, k_proj)
+
+
+def test_a_matmul_reading_the_gathered_rows_as_its_right_operand_reads_them_reassembled() -> None:
+    """A weight gradient ``gy^T @ rows`` in a graph that gathers ``rows`` itself (a backward that
+    recomputes the gather): only matmuls reading the rows as their left operand are split; this one
+    reads the chunks re-assembled, whole (a square weight, so that a chunk of the rows would fit its
+    shape too). Values bitwise."""
+    g, inputs = _gather_graph()
+    mm = next(n for n in g.nodes if n.target is ATEN.addmm.default)
+    with g.inserting_after(next(n for n in g.nodes if n.op == "placeholder")):  # placeholders come first
+        gy = g.placeholder("gy")
+    with g.inserting_before(mm.next):
+        w_grad = _call(g, ATEN.mm.default, _call(g, ATEN.permute.default, gy, [1, 0]), mm.args[1])
+    out = next(n for n in g.nodes if n.op == "output")
+    out.args = ((*out.args[0], w_grad),)
+    inputs["gy"] = torch.randn(64, 8)
+    _set_vals(g, inputs)
+    before = _run(g, inputs)
+    assert decompose_collective_matmuls(g, 2) == 1
+    assert _targets(g).count(ATEN.addmm.default) == 2 and _targets(g).count(ATEN.mm.default) == 1
+    _check_same_values(g, inputs, before)
+
+
+def test_a_matmul_between_a_gather_and_a_scatter_is_split_once(caplog) -> None:
+    """gather -> mm -> reduce-scatter with nothing between: the matmul is pattern (a) and (b) at
+    once; it is split on the gather's side only (2 gathers, the scatter kept whole), and no rewrite
+    of it is tried twice (the second would fail, logging a warning). Values bitwise."""
+    g = fx.Graph()
+    x, wt = g.placeholder("x"), g.placeholder("w")
+    rows = _call(g, ATEN.reshape.default, _call(g, WAIT, _call(g, AG, x, W, "0")), [64, 8])
+    y = _call(g, ATEN.reshape.default, _call(g, ATEN.mm.default, rows, _call(g, ATEN.permute.default, wt, [1, 0])),
+              [32, 2, 8])
+    g.output((_call(g, WAIT, _call(g, RS, y, "sum", W, "0")),))
+    inputs = {"x": torch.randn(16, 2, 8), "w": torch.randn(8, 8)}
+    _set_vals(g, inputs)
+    before = _run(g, inputs)
+    with caplog.at_level(logging.WARNING, logger="scheduler"):
+        assert decompose_collective_matmuls(g, 2) == 1
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert _targets(g).count(AG) == 2 and _targets(g).count(RS) == 1
     _check_same_values(g, inputs, before)
 
 
@@ -208,32 +279,43 @@ def test_batch_first_chunks_cut_the_batch_where_it_divides(chunks: int, cut: int
 
 
 def _summed_scatters_graph(scatter_dim: int = 1, terms: int = 3, op: str = "sum", groups: tuple[str, ...] = ("0",),
-                           wait_reader: bool = False) -> tuple[fx.Graph, dict]:
+                           wait_reader: bool = False, sum_reader: bool = False, bf16_term: bool = False
+                           ) -> tuple[fx.Graph, dict]:
     """torch's sequence-parallel q, k and v in backward, compiled: each projection's input gradient
     (a matmul, viewed) reduce-scattered on its own (:func:`_scattered`), the shards added left to
-    right. ``groups`` cycles over the terms; ``wait_reader``: the first term's shard is also an output."""
+    right (``terms`` 0: one shard added to itself). ``groups`` cycles over the terms; ``wait_reader``:
+    the first term's shard is also an output; ``sum_reader``: the first partial sum is also an
+    output; ``bf16_term``: the first term is cast to bfloat16 before its scatter."""
     g = fx.Graph()
     inputs: dict = {}
-    shards = [_scattered(g, _projection(g, t, 32, scatter_dim, inputs), 32, scatter_dim, op, groups[t % len(groups)])
-              for t in range(terms)]
-    total = shards[0]
-    for other in shards[1:]:
+    shards = []
+    for t in range(max(terms, 1)):
+        y = _projection(g, t, 32, scatter_dim, inputs)
+        if bf16_term and t == 0:
+            y = _call(g, torch.ops.prims.convert_element_type.default, y, torch.bfloat16)
+        shards.append(_scattered(g, y, 32, scatter_dim, op, groups[t % len(groups)]))
+    total, partial = shards[0], None
+    for other in shards[1:] if terms > 0 else shards:
         total = _call(g, ATEN.add.Tensor, total, other)
+        partial = total if partial is None else partial
     out = _call(g, ATEN.neg.default, total)
-    g.output((out, shards[0]) if wait_reader else (out,))
+    g.output((out, shards[0]) if wait_reader else (out, partial) if sum_reader else (out,))
     _set_vals(g, inputs)
     return g, inputs
 
 
 @pytest.mark.parametrize("dim", [0, 1], ids=["seq-first", "batch-first"])
-def test_summed_reduce_scatters_become_one_then_split(dim: int) -> None:
+def test_summed_reduce_scatters_become_one_then_split(dim: int, caplog) -> None:
     """[Note: summed reduce-scatters in compiled graphs]: three reduce-scattered input gradients
     added become one reduce-scatter of their sum (a third of the traffic), which is then pattern
     (c) and split in chunks. Values: the sum is reduced once instead of each term, so they agree up to
-    float rounding (fp32, 1e-5 relative), not bitwise."""
+    float rounding (fp32, 1e-5 relative), not bitwise. The inner ``q + k`` is part of the one match,
+    not a second one (whose rewrite would fail, logging a warning)."""
     g, inputs = _summed_scatters_graph(dim)
     before = _run(g, inputs)
-    assert merge_summed_reduce_scatters(g) == 2
+    with caplog.at_level(logging.WARNING, logger="scheduler"):
+        assert merge_summed_reduce_scatters(g) == 2
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
     assert _targets(g).count(RS) == 1 and _targets(g).count(ATEN.add.Tensor) == 2
     after = _run(g, inputs)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
@@ -249,12 +331,25 @@ def test_summed_reduce_scatters_become_one_then_split(dim: int) -> None:
     lambda: _summed_scatters_graph(groups=("0", "1")),  # different groups
     lambda: _summed_scatters_graph(wait_reader=True),  # a term's shard has another reader
     lambda: _summed_scatters_graph(terms=1),  # nothing to add
-], ids=["avg", "two-groups", "shard-read-elsewhere", "one-term"])
+    lambda: _summed_scatters_graph(terms=0),  # one shard added to itself
+    lambda: _summed_scatters_graph(bf16_term=True),  # one term reduced in bf16, the others in fp32
+], ids=["avg", "two-groups", "shard-read-elsewhere", "one-term", "one-shard-twice", "dtypes-differ"])
 def test_other_sums_of_reduce_scatters_are_left_unchanged(make) -> None:
     g, _ = make()
     code = g.python_code("self").src
     assert merge_summed_reduce_scatters(g) == 0
     assert g.python_code("self").src == code
+
+
+def test_a_partial_sum_read_elsewhere_is_merged_on_its_own() -> None:
+    """``(q + k) + v`` where ``q + k`` is also an output: only q's and k's reduce-scatters merge (the
+    partial sum keeps its reader), then v's shard is added to it. Values within float rounding."""
+    g, inputs = _summed_scatters_graph(sum_reader=True)
+    before = _run(g, inputs)
+    assert merge_summed_reduce_scatters(g) == 1
+    assert _targets(g).count(RS) == 2
+    g.lint()
+    torch.testing.assert_close(_run(g, inputs), before, rtol=1e-5, atol=1e-5)
 
 
 def test_summed_reduce_scatters_merge_only_when_splitting() -> None:
@@ -267,39 +362,60 @@ def test_summed_reduce_scatters_merge_only_when_splitting() -> None:
 
 
 def _mlp_graph(gather_dim: int = 1, late_operand: bool = False, mix_rows: bool = False,
-               overwritten: bool = False) -> tuple[fx.Graph, dict]:
+               overwritten: bool = False, other_operand: str = "", weight_written: bool = False,
+               early_reader: bool = False) -> tuple[fx.Graph, dict]:
     """A sequence-parallel MLP's forward as compiled: gather -> addmm -> reshape -> relu, times a
     broadcast scale ``s`` -> reshape -> mm -> reduce-scatter, on x [2, seq/W, 8] (``gather_dim`` 1:
     ``Shard(1)``, batch first) or [seq/W, 2, 8] (0). ``late_operand``: also times ``tanh(z)``, a
     tensor of the activation's shape made after the first matmul (as a saved activation's
     derivative is in backward); ``mix_rows``: the activation flipped on dim 0 first (rows mixed
     across chunks); ``overwritten``: with ``late_operand``, ``z`` is a copy that is filled in place
-    after the first matmul, before ``tanh`` reads it. The activation is also an output (as a tensor
-    saved for backward is)."""
+    after the first matmul, before ``tanh`` reads it. ``other_operand``: the activation is also
+    multiplied, right after the relu, by ``"per-row"`` a [2, seq, 1] operand (one number per row, as a
+    norm's statistics), ``"batch-mean"`` its own mean over dim 0 (a reduction across the chunks), or
+    ``"transposed"`` an operand of shape [seq, 2, 12] with the activation permuted to that shape and
+    back (dim 0 moved); ``weight_written``: ``w2`` is a copy that is doubled in place
+    after the activation, before the second matmul reads it; ``early_reader``: the gathered rows are
+    also summed before the first matmul (so both gather chunks are waited for before it), an output.
+    The activation is also an output (as a tensor saved for backward is)."""
     seq = 32
     g = fx.Graph()
     x, w1, b1, w2, s, z = (g.placeholder(n) for n in ("x", "w1", "b1", "w2", "s", "z"))
     if overwritten:
         z = _call(g, ATEN.clone.default, z)
+    if weight_written:
+        w2 = _call(g, ATEN.clone.default, w2)
     wait = _call(g, WAIT, _call(g, AG, x, W, "0"))
     if gather_dim:
         split = _call(g, ATEN.split.Tensor, wait, 2)
         wait = _call(g, ATEN.cat.default, [_call(g, operator.getitem, split, i) for i in range(W)], gather_dim)
-    up = _call(g, ATEN.addmm.default, b1, _call(g, ATEN.reshape.default, wait, [seq * 2, 8]),
-               _call(g, ATEN.permute.default, w1, [1, 0]))
+    rows = _call(g, ATEN.reshape.default, wait, [seq * 2, 8])
+    total = _call(g, ATEN.sum.default, rows) if early_reader else None
+    up = _call(g, ATEN.addmm.default, b1, rows, _call(g, ATEN.permute.default, w1, [1, 0]))
     shape = [[seq, 2, 12], [2, seq, 12]][gather_dim]
     h = _call(g, ATEN.reshape.default, up, shape)
     if mix_rows:
         h = _call(g, ATEN.flip.default, h, [0])
     if overwritten:
         _call(g, ATEN.fill_.Scalar, z, 0.5)
-    h = _call(g, ATEN.mul.Tensor, _call(g, ATEN.relu.default, h), s)
+    h = _call(g, ATEN.relu.default, h)
+    if other_operand == "per-row":
+        h = _call(g, ATEN.mul.Tensor, h, _call(g, ATEN.slice.Tensor, z, 2, 0, 1))
+    elif other_operand == "batch-mean":
+        h = _call(g, ATEN.mul.Tensor, h, _call(g, ATEN.mean.dim, h, [0], True))
+    elif other_operand == "transposed":
+        t = _call(g, ATEN.mul.Tensor, _call(g, ATEN.permute.default, h, [1, 0, 2]),
+                  _call(g, ATEN.permute.default, z, [1, 0, 2]))
+        h = _call(g, ATEN.permute.default, t, [1, 0, 2])
+    h = _call(g, ATEN.mul.Tensor, h, s)
     if late_operand:
         h = _call(g, ATEN.mul.Tensor, h, _call(g, ATEN.tanh.default, z))
     act = _call(g, ATEN.reshape.default, h, [seq * 2, 12])
+    if weight_written:
+        _call(g, ATEN.mul_.Tensor, w2, 2.0)
     down = _call(g, ATEN.mm.default, act, _call(g, ATEN.permute.default, w2, [1, 0]))
     out = _scattered(g, _call(g, ATEN.reshape.default, down, [[seq, 2, 8], [2, seq, 8]][gather_dim]), seq, gather_dim)
-    g.output((out, act))
+    g.output((out, act, total) if early_reader else (out, act))
     inputs = {"x": torch.randn([(seq // W, 2, 8), (2, seq // W, 8)][gather_dim]), "w1": torch.randn(12, 8),
               "b1": torch.randn(12), "w2": torch.randn(8, 12), "s": torch.randn(12), "z": torch.randn(shape)}
     _set_vals(g, inputs)
@@ -325,7 +441,12 @@ def test_pointwise_ops_between_split_matmuls_run_per_chunk(late_operand: bool) -
     lambda: _mlp_graph(gather_dim=0),  # the sequence cut: chunks interleave rows, not consecutive
     lambda: _mlp_graph(mix_rows=True),  # a flip on dim 0 mixes the chunks' rows
     lambda: _mlp_graph(late_operand=True, overwritten=True),  # tanh(z) cannot move above z's fill
-], ids=["sequence-cut", "rows-mixed", "operand-written-late"])
+    lambda: _mlp_graph(other_operand="per-row"),  # [2, seq, 1]: neither the activation's rows nor broadcast over them
+    # a reduction over dim 0 reads every chunk's rows; with both gather waits before the first matmul
+    # (an early reader), nothing but that stops the activation's whole from being moved up to chunk 0
+    lambda: _mlp_graph(other_operand="batch-mean", early_reader=True),
+    lambda: _mlp_graph(other_operand="transposed"),  # a permute that moves dim 0 mixes the chunks' rows
+], ids=["sequence-cut", "rows-mixed", "operand-written-late", "per-row-operand", "batch-mean", "transposed"])
 def test_pointwise_ops_stay_whole_where_chunk_rows_are_not_apart(make) -> None:
     """The matmuls are still split, but the activation runs once on the whole tensor and no
     scatter is issued before the last gather chunk is waited for. Values bitwise."""
@@ -338,14 +459,62 @@ def test_pointwise_ops_stay_whole_where_chunk_rows_are_not_apart(make) -> None:
     _check_same_values(g, inputs, before)
 
 
-def _attention_graph(dropout: float) -> tuple[fx.Graph, dict]:
+def test_a_view_that_cuts_a_chunks_rows_reads_the_rebuilt_whole() -> None:
+    """The activation [2, seq, 12] is also viewed as [3, 256] (an output): a chunk's 384 elements
+    are not whole rows of that view, so it is no part of the region; the activation still runs per
+    chunk, and the view reads its whole, rebuilt after the last chunk. Values bitwise."""
+    g, inputs = _mlp_graph()
+    relu = next(n for n in g.nodes if n.target is ATEN.relu.default)
+    with g.inserting_before(relu.next):
+        uneven = _call(g, ATEN.view.default, relu, [3, 256])
+    out = g.output_node()
+    out.args = ((*out.args[0], uneven),)
+    _set_vals(g, inputs)
+    before = _run(g, inputs)
+    assert overlap_graph(g, collective_matmul_chunks=2)
+    assert _targets(g).count(ATEN.relu.default) == 2
+    assert uneven.args[0].target is ATEN.cat.default
+    _check_same_values(g, inputs, before)
+
+
+def test_ops_after_a_write_are_not_moved_above_it() -> None:
+    """The second matmul's weight is doubled in place after the activation: the activation still
+    runs per chunk, but chunk 0's second matmul (and what it needs) is not moved above that write,
+    so it reads the doubled weight as the unrewritten graph does. Values bitwise."""
+    g, inputs = _mlp_graph(weight_written=True)
+    before = _run(g, inputs)
+    assert overlap_graph(g, collective_matmul_chunks=2)
+    assert _targets(g).count(ATEN.relu.default) == 2
+    _check_same_values(g, inputs, before)
+
+
+def test_a_slice_to_the_end_of_the_rows_reads_the_last_chunk() -> None:
+    """``slice(h, 0, start, 2**63 - 1)`` (``h[start:]``, as a traced graph writes it) of exactly the
+    last chunk's rows is that chunk's value, as ``slice(h, 0, start, rows)`` is: the second matmul's
+    last chunk reads the activation's last chunk, not a slice of the rebuilt whole. Values bitwise."""
+    g, inputs = _mlp_graph()
+    before = _run(g, inputs)
+    assert decompose_collective_matmuls(g, 2) == 2
+    down = [n for n in g.nodes if n.target is ATEN.mm.default]
+    last = down[-1].args[0]
+    assert last.target is ATEN.slice.Tensor and last.args[3] == 64
+    last.args = (*last.args[:3], 2**63 - 1)
+    assert run_ops_per_chunk(g) == 1
+    assert [n.args[0].target for n in g.nodes if n.target is ATEN.mm.default] == [ATEN.reshape.default] * 2
+    _check_same_values(g, inputs, before)
+
+
+def _attention_graph(dropout: float, outside_value: bool = False) -> tuple[fx.Graph, dict]:
     """An attention block's forward as compiled with the batch cut in view: x [2, seq/W, 8] gathered
     (``Shard(1)``) -> q, k, v (addmm each) -> heads -> CPU flash attention (``dropout``) -> output
-    projection -> reduce-scatter. The attention's output is also an output (saved for backward)."""
+    projection -> reduce-scatter. The attention's output is also an output (saved for backward).
+    ``outside_value``: v is an input [2, heads, seq, 4] instead (a tensor of the batch made
+    elsewhere, as the saved output and log-sum-exp are for the attention's backward)."""
     seq, heads = 32, 2
     g = fx.Graph()
     x = g.placeholder("x")
     weights = {p: (g.placeholder(f"w{p}"), g.placeholder(f"b{p}")) for p in "qkvo"}
+    value = g.placeholder("v") if outside_value else None
     wait = _call(g, WAIT, _call(g, AG, x, W, "0"))
     split = _call(g, ATEN.split.Tensor, wait, 2)
     rows = _call(g, ATEN.reshape.default,
@@ -356,7 +525,9 @@ def _attention_graph(dropout: float) -> tuple[fx.Graph, dict]:
         y = _call(g, ATEN.addmm.default, b, rows, _call(g, ATEN.permute.default, wt, [1, 0]))
         return _call(g, ATEN.permute.default, _call(g, ATEN.reshape.default, y, [2, seq, heads, 4]), [0, 2, 1, 3])
 
-    flash = _call(g, ATEN._scaled_dot_product_flash_attention_for_cpu.default, *map(projected, "qkv"), dropout, True)
+    q, k = projected("q"), projected("k")
+    flash = _call(g, ATEN._scaled_dot_product_flash_attention_for_cpu.default, q, k,
+                  value if outside_value else projected("v"), dropout, True)
     out = _call(g, operator.getitem, flash, 0)
     merged = _call(g, ATEN.reshape.default, _call(g, ATEN.permute.default, out, [0, 2, 1, 3]), [2 * seq, 8])
     wt, b = weights["o"]
@@ -364,6 +535,8 @@ def _attention_graph(dropout: float) -> tuple[fx.Graph, dict]:
     g.output((_scattered(g, _call(g, ATEN.reshape.default, y, [2, seq, 8]), seq, 1), out))
     inputs = {"x": torch.randn(2, seq // W, 8)}
     inputs.update({f"{k}{p}": torch.randn(8, 8) if k == "w" else torch.randn(8) for p in "qkvo" for k in "wb"})
+    if outside_value:
+        inputs["v"] = torch.randn(2, heads, seq, 4)
     _set_vals(g, inputs)
     return g, inputs
 
@@ -387,6 +560,55 @@ def test_attention_between_split_matmuls_runs_per_chunk_without_dropout() -> Non
     assert collective_order(g) == ["AG", "AG", "wait AG", "wait AG", "RS", "RS", "wait RS", "wait RS"]
 
 
+def _bare_region(whole: Callable[..., fx.Node], shapes: dict[str, list[int]], cat_dim: int = 0,
+                 rows: int = 2) -> tuple[fx.Graph, dict]:
+    """For :func:`run_ops_per_chunk` alone: per name in ``shapes``, inputs ``{name}0`` and
+    ``{name}1`` of that shape, each negated (a chunk's value), joined by a ``cat`` on ``cat_dim``;
+    ``whole`` of those cats; and the two slices of ``rows`` rows on dim 0 of it (what a split
+    matmul's chunks would read), all outputs."""
+    g = fx.Graph()
+    names = [f"{name}{k}" for name in shapes for k in range(2)]
+    parts = dict(zip(names, [g.placeholder(n) for n in names]))
+    cats = {name: _call(g, ATEN.cat.default, [_call(g, ATEN.neg.default, parts[f"{name}{k}"]) for k in range(2)],
+                        cat_dim) for name in shapes}
+    out = whole(g, **cats)
+    g.output((out, *(_call(g, ATEN.slice.Tensor, out, 0, k * rows, (k + 1) * rows) for k in range(2))))
+    inputs = {f"{name}{k}": torch.randn(shape) for name, shape in shapes.items() for k in range(2)}
+    _set_vals(g, inputs)
+    return g, inputs
+
+
+@pytest.mark.parametrize("make", [
+    # a cat on dim 1 is no seed, even where a dim-0 slice has the row count of one of its inputs
+    lambda: _bare_region(lambda g, a: _call(g, ATEN.relu.default, a), {"a": [16, 6]}, cat_dim=1, rows=16),
+    # b [2, 4] broadcast against a [2, 2, 4] meets a's dim 1, not its dim 0 (the two are both 2)
+    lambda: _bare_region(lambda g, a, b: _call(g, ATEN.mul.Tensor, a, b), {"a": [1, 2, 4], "b": [1, 4]}, rows=1),
+    # an in-place pointwise op writes: it may be neither copied per chunk nor moved
+    lambda: _bare_region(lambda g, a: _call(g, ATEN.relu_.default, a), {"a": [1, 4]}, rows=1),
+], ids=["cat-on-dim-1", "broadcast-onto-dim-1", "in-place"])
+def test_bare_regions_whose_ops_may_not_run_per_chunk_are_left_unchanged(make) -> None:
+    """[Note: ops per chunk between split matmuls]: the region starts only at dim-0 cats, and a
+    pointwise op joins it only where it does not write and its region operands have its shape
+    (broadcast tensors come from outside it): these graphs are left unchanged."""
+    g, _ = make()
+    code = g.python_code("self").src
+    assert run_ops_per_chunk(g) == 0
+    assert g.python_code("self").src == code
+
+
+def test_attention_reads_an_outside_tensor_of_the_batch_sliced_per_chunk() -> None:
+    """[Note: ops per chunk between split matmuls]: a tensor the attention reads that has the batch
+    on dim 0 but comes from outside the region (v here) is sliced per chunk like the region's own
+    rows, so each chunk's attention reads its own sequences of it. Values bitwise."""
+    flash = ATEN._scaled_dot_product_flash_attention_for_cpu.default
+    g, inputs = _attention_graph(0.0, outside_value=True)
+    before = _run(g, inputs)
+    assert overlap_graph(g, collective_matmul_chunks=2)
+    assert _targets(g).count(flash) == 2
+    assert collective_order(g) == ["AG", "AG", "wait AG", "RS", "wait AG", "RS", "wait RS", "wait RS"]
+    _check_same_values(g, inputs, before)
+
+
 def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
     g, _ = _gather_graph(seq=48)  # 24 rows of dim 0 per rank, 96 matmul rows
     assert decompose_collective_matmuls(g, 16) == 1
@@ -398,14 +620,23 @@ def test_chunk_count_is_capped_by_min_rows_and_divisibility() -> None:
 @pytest.mark.parametrize("make", [
     lambda: _gather_graph(gather_dim=2),  # gathered on the matmul's columns, not its rows
     lambda: _gather_graph(seq=34),  # 17 rows per rank: not divisible by 2 chunks
+    lambda: _gather_graph(gather_dim=1, ranks_swapped=True),  # the rank blocks out of order: not a gather
+    lambda: _gather_graph(transposed=True),  # the matmul's rows mix the gathered dim with the batch
+    lambda: _gather_graph(full_bias=True),  # a bias of every row, not 1-D
     lambda: _scatter_graph(mm_reader=True),  # the matmul's output has another reader
     lambda: _scatter_graph(terms=3, sum_reader=True),  # a partial sum has another reader
     lambda: _scatter_graph(terms=0),  # y + y: not a sum of distinct matmuls
-], ids=["gather-dim", "not-divisible", "mm-read-elsewhere", "partial-sum-read-elsewhere", "one-term-twice"])
-def test_other_graphs_are_left_unchanged(make) -> None:
+    lambda: _scatter_graph(terms=3, mm_reader=True),  # one term's matmul has another reader
+], ids=["gather-dim", "not-divisible", "ranks-swapped", "transposed", "full-bias", "mm-read-elsewhere",
+        "partial-sum-read-elsewhere", "one-term-twice", "term-mm-read-elsewhere"])
+def test_other_graphs_are_left_unchanged(make, caplog) -> None:
+    """None of these is a match: nothing is rewritten, and no rewrite is tried (one that fails is
+    rolled back with a warning)."""
     g, _ = make()
     code = g.python_code("self").src
-    assert decompose_collective_matmuls(g, 2) == 0
+    with caplog.at_level(logging.WARNING, logger="scheduler"):
+        assert decompose_collective_matmuls(g, 2) == 0
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
     assert g.python_code("self").src == code
 
 
