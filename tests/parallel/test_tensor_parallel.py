@@ -218,7 +218,8 @@ def _two_rank_suite(rank: int, world: int, path: str) -> dict[str, Any]:
             "siblings": _siblings_rank(rank, world),
             "prepared": _prepared_input_rank(rank, world),
             "chosen": _chosen_rank(rank, world),
-            "trial isolation": _trial_isolation_rank(rank, world)}
+            "trial isolation": _trial_isolation_rank(rank, world),
+            "bf16 sums": _bf16_chunk_sums_rank(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -437,16 +438,24 @@ def _siblings_rank(rank: int, world: int) -> dict[str, Any]:
     x = torch.randn(BATCH, 8, 16, generator=gen)
     dys = [torch.randn(BATCH, 8, 16, generator=gen) for _ in range(3)]
     out: dict[str, Any] = {}
+    unused: list[torch.Tensor] = []
 
-    def projections(model: torch.nn.Module, inp: torch.Tensor, used: str, sharded: bool) -> torch.Tensor:
+    def projections(model: torch.nn.Module, inp: torch.Tensor, used: str, sharded: bool,
+                    called: str = "") -> torch.Tensor:
         """sum(proj(norm(inp)) * dy) over the used projections; a sharded projection's output is this
-        rank's output features (its heads) of every position, so it meets those columns of dy."""
+        rank's output features (its heads) of every position, so it meets those columns of dy. The
+        projections in ``called`` run too, their outputs left out of the loss but kept alive (in
+        ``unused``, until the next call) as a caller's would be."""
         h = model.norm(inp)
         loss = torch.zeros(())
+        unused.clear()
         for p, dy in zip("qkv", dys):
-            if p in used:
+            if p in used or p in called:
                 y = getattr(model, f"w{p}")(h)
-                loss = loss + (y * (dy.chunk(world, -1)[rank] if sharded else dy)).sum()
+                if p in used:
+                    loss = loss + (y * (dy.chunk(world, -1)[rank] if sharded else dy)).sum()
+                else:
+                    unused.append(y)
         return loss
 
     def local(t: torch.Tensor) -> torch.Tensor:
@@ -455,13 +464,13 @@ def _siblings_rank(rank: int, world: int) -> dict[str, Any]:
     def grad(loss: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
         return torch.autograd.grad(loss, [inp], retain_graph=True)[0]
 
-    def run(name: str, used: str, times: int) -> None:
+    def run(name: str, used: str, times: int, called: str = "") -> None:
         """Input grad of the used projections, ``times`` backwards over one graph."""
         xr = x.clone().requires_grad_()
         want = _seq_slice(grad(projections(ref, xr, used, False), xr), world, rank) * times
         xl = _seq_slice(x, world, rank).clone().requires_grad_()
         with emulated_link(1e6, 0.0) as link:
-            loss = projections(ours, xl, used, True)
+            loss = projections(ours, xl, used, True, called)
             gathers = _collective_counts(link)[0]
             link.reset_stats()
             got = sum(grad(loss, xl) for _ in range(times))
@@ -469,7 +478,8 @@ def _siblings_rank(rank: int, world: int) -> dict[str, Any]:
         out[name] = (gathers, scatters, _close(f"{name}: input grad", got, want, FP32_TOL))
 
     run("q, k, v", "qkv", 1)
-    run("q, k (v's output unused)", "qk", 1)
+    run("q, k (v not called)", "qk", 1)
+    run("q, k (v called, its output unused)", "qk", 1, called="v")
     run("q alone", "q", 1)
     run("q, k, v, two backwards over the retained graph", "qkv", 2)
 
@@ -502,8 +512,10 @@ def test_sibling_layers_share_one_gather_and_one_reduce_scatter(two_ranks: list[
     """[Note: sibling layers share one gather] and [Note: sibling layers share one reduce-scatter]:
     q, k and v of the sequence-parallel attention (chunks=2) gather their common input once (2 chunk
     collectives, where torch's plan gathers three times) and reduce-scatter its summed gradient
-    once (2, not 6); with v's output unused, q and k share one; a second backward over the retained
-    graph reduce-scatters again; the input gradient matches the unsharded projections in each case.
+    once (2, not 6); with v not called, or called but its output left out of the loss (its
+    backward never runs, so q and k must not leave their sum to it), q and k share one; a second
+    backward over the retained graph reduce-scatters again; the input gradient matches the unsharded
+    projections in each case.
     Under activation checkpointing the recomputed forward shares too and gradients are bitwise the
     plain block's. An input changed in place is gathered again. Whole-block numerics: ``test_numerics_two_ranks``."""
     for rank, results in enumerate(two_ranks):
@@ -511,7 +523,8 @@ def test_sibling_layers_share_one_gather_and_one_reduce_scatter(two_ranks: list[
         assert counts.pop("changed before v") == 4, rank
         # plain: wo's 2 gathers, 2 shared reduce-scatters; checkpointed: the recomputed forward's 2 + 2 on top
         assert counts.pop("checkpointed block, backward") == ([(2, 2), (4, 4)], []), rank
-        assert counts == {"q, k, v": (2, 2, []), "q, k (v's output unused)": (2, 2, []), "q alone": (2, 2, []),
+        assert counts == {"q, k, v": (2, 2, []), "q, k (v not called)": (2, 2, []),
+                          "q, k (v called, its output unused)": (2, 2, []), "q alone": (2, 2, []),
                           "q, k, v, two backwards over the retained graph": (2, 4, [])}, rank
 
 
@@ -586,7 +599,39 @@ def _prepared_input_rank(rank: int, world: int) -> dict[str, Any]:
                     + _close(f"grad {k} vs unsharded", got, want, FP32_TOL)]
         style = "" if prepare is prepare_input else f", {type(prepare).__name__}"
         out[f"plain op {'before' if op_first else 'between'}{style}"] = (results[2][0], results[1][0], problems)
+
+    # inputs torch prepares that are not deferred: a local output asked for, the features sharded
+    for name, prepare, sharded_dim in (
+            ("local output", PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                                use_local_output=True), 1),
+            ("features sharded", PrepareModuleInput(input_layouts=Shard(2), desired_input_layouts=Replicate()), 2)):
+        torch.manual_seed(0)
+        unsharded = _RecordsItsInput(16)
+        runs = []
+        for model in (parallelize_module(copy.deepcopy(unsharded), mesh, {"": prepare, "wq": ColwiseParallel()}),
+                      overlap.tensor_parallel(copy.deepcopy(unsharded), mesh, {"": prepare, "wq": ColwiseParallel()},
+                                              chunks=2)):
+            xin = x.chunk(world, sharded_dim)[rank].clone().requires_grad_()
+            y = model(xin)
+            (y * dy.chunk(world, -1)[rank]).sum().backward()
+            runs.append((model.seen, [y, xin.grad, *(_full(p.grad) for p in model.parameters())]))
+        (theirs_seen, theirs), (ours_seen, ours) = runs
+        out[name] = (ours_seen, theirs_seen, [p for k, (got, want) in enumerate(zip(ours, theirs))
+                                              for p in _close(f"{name}: value {k} vs torch TP", got, want, FP32_TOL)])
     return out
+
+
+class _RecordsItsInput(torch.nn.Module):
+    """One projection ``wq``; records the type of each input its forward is given."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.wq = torch.nn.Linear(dim, dim)
+        self.seen: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(type(x).__name__)
+        return self.wq(x)
 
 
 def test_prepared_input_is_gathered_by_the_layers_that_read_it(two_ranks: list[dict[str, Any]]) -> None:
@@ -596,7 +641,9 @@ def test_prepared_input_is_gathered_by_the_layers_that_read_it(two_ranks: list[d
     each carry 2 all-gathers and 2 reduce-scatters (the other pair: wo's) and no whole one. A plain
     op on the prepared input gathers it whole (reusing the layers' gather when it comes after
     one), and gradients match torch TP and the unsharded module; ``PrepareModuleInputOutput``'s
-    input defers alike."""
+    input defers alike. An input prepared with ``use_local_output=True``, or sharded on its features,
+    is prepared as torch prepares it: the module is given what torch gives it, and the output and
+    gradients match torch TP."""
     for rank, results in enumerate(two_ranks):
         got = results["prepared"]
         torch_whole = {"_c10d_functional.all_gather_into_tensor": 1, "_c10d_functional.reduce_scatter_tensor": 1}
@@ -604,21 +651,176 @@ def test_prepared_input_is_gathered_by_the_layers_that_read_it(two_ranks: list[d
         ours = {DIST_ALL_GATHER: 2, "all_to_all_single": 2}
         assert got.pop("ours") == (ours, ours), rank
         # (our forward gathers, torch's, problems): between the projections the op reuses wq's 2 chunks
+        # not deferred, as torch prepares them: a local output (the module is given a plain tensor)
+        # and a feature-sharded input (no sequence dim to gather along)
+        assert got.pop("local output") == (["Tensor"], ["Tensor"], []), rank
+        assert got.pop("features sharded") == (["DTensor"], ["DTensor"], []), rank
         assert got == {"plain op between": (2, 1, []), "plain op before": (1, 1, []),
                        "plain op between, PrepareModuleInputOutput": (2, 1, [])}, rank
 
 
+def _bf16_chunk_sums_rank(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 row-parallel Linear(2 -> 1) with a sequence-sharded output, chunks=4 over 8 positions,
+    all-ones input, output gradient 256 at position 0 and 1 at positions 4-7: (weight grad, bias
+    grad), full tensors."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    layer = overlap.tensor_parallel(torch.nn.Linear(2, 1).to(torch.bfloat16), mesh,
+                                    RowwiseParallel(output_layouts=Shard(1)), chunks=4)
+    x = torch.ones(1, 8, 2 // world, dtype=torch.bfloat16)
+    dy = torch.tensor([256.0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.bfloat16).view(1, 8, 1)
+    layer(x).backward(dy.chunk(world, 1)[rank])
+    return _full(layer.weight.grad), _full(layer.bias.grad)
+
+
+def test_bf16_weight_and_bias_gradients_are_summed_over_chunks_in_fp32(two_ranks: list[dict[str, Any]]) -> None:
+    """A row-parallel layer's weight and bias gradients, summed piece by piece as the output
+    gradient's chunks land, are summed in fp32 and rounded to bf16 once. The pieces are exact
+    (256, 0 and 1), their sum 260 is too; summed in bf16, 256 + 1 rounds back to 256 at every
+    piece (the bf16 step at 256 is 2), so rank 0's weight column (its own rows first: 256, then
+    four 1s) and the bias (summed by position) would be 256."""
+    for rank, results in enumerate(two_ranks):
+        weight_grad, bias_grad = results["bf16 sums"]
+        assert weight_grad.tolist() == [[260.0, 260.0]], rank
+        assert bias_grad.tolist() == [260.0], rank
+
+
 def test_one_rank_is_the_plain_module(single_rank_group: dist.ProcessGroup) -> None:
-    """On a 1-rank mesh nothing is communicated and the block computes exactly the unsharded block."""
+    """On a 1-rank mesh nothing is communicated (no collective on the link, forward or backward,
+    a prepared input not deferred either) and the block computes exactly the unsharded block."""
+    from overlap.testing import emulated_link
+
     mesh = init_device_mesh("cpu", (1,))
-    for block in ("sp_mlp", "attention", "mlp"):
+    for block in ("sp_mlp", "attention", "mlp", "prepared_attn"):
         ref = make_block(block, True)
         ours = overlap.tensor_parallel(copy.deepcopy(ref), mesh, plan_for(block), chunks=2)
         x = torch.randn(BATCH, 8, 16)
-        y_ref, y_ours = ref(x), ours(x)
-        y_ours = y_ours.to_local() if isinstance(y_ours, DTensor) else y_ours
+        with emulated_link(1e6, 0.0) as link:
+            y_ref, y_ours = ref(x), ours(x)
+            y_ours = y_ours.to_local() if isinstance(y_ours, DTensor) else y_ours
+            y_ours.sum().backward()
+            assert link.stats().by_op == {}, block
         assert torch.equal(y_ours, y_ref), block
-        assert isinstance(ours.wo if block == "attention" else ours.w2, TensorParallelLinear)
+        last = {"attention": "wo", "prepared_attn": "attn.wo"}.get(block, "w2")
+        assert isinstance(ours.get_submodule(last), TensorParallelLinear), block
+
+
+def test_frozen_parameters_stay_frozen_as_torch_tp_leaves_them(single_rank_group: dist.ProcessGroup) -> None:
+    """A parameter that does not need a gradient before parallelizing does not after, as torch's
+    styles keep ``requires_grad``: a frozen colwise weight and a frozen rowwise bias."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    mesh = init_device_mesh("cpu", (1,))
+    frozen = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    frozen[0].weight.requires_grad_(False)
+    frozen[1].bias.requires_grad_(False)
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+    theirs = parallelize_module(copy.deepcopy(frozen), mesh, dict(plan))
+    ours = overlap.tensor_parallel(copy.deepcopy(frozen), mesh, dict(plan))
+    want = {n: p.requires_grad for n, p in theirs.named_parameters()}
+    assert want == {"0.weight": False, "0.bias": True, "1.weight": True, "1.bias": False}
+    assert {n: p.requires_grad for n, p in ours.named_parameters()} == want
+
+
+def test_an_input_without_a_sequence_dim_at_the_declared_shard_is_refused(single_rank_group: dist.ProcessGroup
+                                                                           ) -> None:
+    """A column-parallel layer declared ``Shard(1)`` (a sequence dim) given a 2-D input, whose dim 1
+    is the features: a ``ValueError`` naming the layer and the dims allowed, not a gather of the
+    features."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    mesh = init_device_mesh("cpu", (1,))
+    layer = overlap.tensor_parallel(torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh,
+                                    {"0": ColwiseParallel(input_layouts=Shard(1))})
+    with pytest.raises(ValueError, match=r"'0' got an input of shape \(3, 4\) sharded on dim 1: .* one of 0..0"):
+        layer(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_shard_sizes_follow_dtensors_shard_rule(world: int) -> None:
+    """Each rank's extent of a sequence of 0 to 19 positions is what DTensor's ``Shard`` gives it
+    (torch.chunk's pieces, ranks past the last piece empty), never negative: 5 positions over 4
+    ranks are 2, 2, 1 and 0."""
+    from overlap.tensor_parallelism.collective_matmul import shard_sizes
+
+    for n in range(20):
+        pieces = [len(p) for p in torch.arange(n).chunk(world)] if n else []
+        assert shard_sizes(n, world) == pieces + [0] * (world - len(pieces)), n
+
+
+def test_a_held_gather_is_reused_only_for_the_same_input_layout_and_group() -> None:
+    """[Note: sibling layers share one gather]: the held gather is found again for the same input,
+    layout and group, and not for another group of the same size and rank (a 2-D mesh's other dim
+    gathers other ranks' rows), another layout, or the input changed in place."""
+    from types import SimpleNamespace
+
+    from overlap.tensor_parallelism.collective_matmul import SeqLayout, _SharedGather, _SiblingGrads
+
+    held, grads = _SharedGather(), _SiblingGrads()
+    x, full = torch.randn(2, 4, 3), torch.randn(2, 8, 3)
+    layout = SeqLayout([4, 4], 1, 2, 0)
+    group, other_group = SimpleNamespace(pg=object()), SimpleNamespace(pg=object())
+    held.remember(x, layout, group, full, grads)
+    found = held.lookup(x, layout, group)
+    assert found is not None and found[0] is full and found[1] is grads
+    assert held.lookup(x, layout, other_group) is None
+    assert held.lookup(x, SeqLayout([4, 4], 0, 2, 0), group) is None
+    x.add_(1)
+    assert held.lookup(x, layout, group) is None
+
+
+def test_siblings_outside_a_backward_pass_each_reduce_their_own_gradient() -> None:
+    """[Note: sibling layers share one reduce-scatter]: where the autograd engine cannot say which
+    nodes it will run (outside its own execution, as in a traced backward), no sibling leaves its
+    partial gradient to another: each reduce-scatters its own, which is exact whoever runs."""
+    from overlap.tensor_parallelism.collective_matmul import _SiblingGrads
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return 2 * t
+
+        @staticmethod
+        def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return 2 * g
+
+    t = torch.ones(1, requires_grad=True)
+    first, second = Twice.apply(t).grad_fn, Twice.apply(t).grad_fn
+    siblings = _SiblingGrads()
+    siblings.join(first)
+    siblings.join(second)
+    asked: list[str] = []
+    assert not siblings.defer(first, lambda: asked.append("partial") or torch.ones(1))
+    assert asked == [] and siblings.take() is None
+
+
+def test_each_kind_of_layer_call_hands_the_chunk_choice_its_rows_and_wire_bytes(monkeypatch) -> None:
+    """What a parallelized Linear tells the chunk choice (``Workload``), 2 ranks, fp32, a 6-row
+    input of 4 features, a weight shard of 3 x 4: an all-reduce moves 2 (w - 1) / w of the reduced
+    tensor per rank (a ring's reduce-scatter and all-gather), the output's 6 x 3 for ``all_reduce``
+    and the input gradient's 6 x 4 for ``all_reduce_grad``; a gather or scatter along the sequence
+    moves (w - 1) / w of the whole tensor (every rank's positions: 2 x 5 of them here, ranks of 3
+    and 2 positions), the input's 4 features for ``gather``, the output's 3 for ``scatter``, and
+    caps the count by the widest rank's 3 positions."""
+    from types import SimpleNamespace
+
+    from overlap.tensor_parallelism import layers
+    from overlap.tensor_parallelism.plan import LinearPlan
+
+    asked: list[Any] = []
+    monkeypatch.setattr(layers, "choose_chunks", lambda work, *args: asked.append(work) or 1)
+    plan = LinearPlan("layer", "colwise", Shard(1), Shard(-1), True, None)
+    state = layers._State(plan, SimpleNamespace(device_type="cpu"), SimpleNamespace(size=2, rank=0))
+    weight = torch.empty(3, 4)
+    state.rows_call(torch.empty(2, 3, 4), weight, "all_reduce")
+    state.rows_call(torch.empty(2, 3, 4), weight, "all_reduce_grad")
+    state.seq_call(torch.empty(2, 3, 4), [3, 2], 1, weight, "gather")
+    state.seq_call(torch.empty(2, 5, 4), [3, 2], 1, weight, "scatter")  # a row-parallel input: every position
+    got = [(w.kind, w.rows, w.gemm_rows, w.in_features, w.out_features, w.wire_bytes) for w in asked]
+    assert got == [("all_reduce", 6, 6, 4, 3, 6 * 3 * 4.0), ("all_reduce_grad", 6, 6, 4, 3, 6 * 4 * 4.0),
+                   ("gather", 3, 10, 4, 3, 10 * 4 * 4 / 2), ("scatter", 3, 10, 4, 3, 10 * 3 * 4 / 2)]
 
 
 def test_chunk_count_model_worked_by_hand() -> None:
@@ -637,6 +839,54 @@ def test_chunk_count_model_worked_by_hand() -> None:
     assert modelled_seconds(work, 2, gemm, 1e-4, 0.0, 1e-9, 2) == pytest.approx(19.2e-3)
     with pytest.raises(ValueError, match="kind must be one of"):
         modelled_seconds(Workload("gathr", 200, 400, 64, 64, 8e6), 2, gemm, 1e-4, 0.0, 1e-9, 2)
+    # no transfer to wait for, a GEMM of 1 ms + 1 ms per 100 rows: c = 1 has no head (no rows need no
+    # wait), so no GEMM of 0 rows is charged its fixed cost: 3 G(N) + 2 O = 15.2 ms
+    free = Workload("gather", rows=200, gemm_rows=400, in_features=64, out_features=64, wire_bytes=0.0)
+    assert modelled_seconds(free, 1, GemmCost(1e-3, 1e-5), 1e-4, 0.0, 1e-9, 2) == pytest.approx(15.2e-3)
+
+
+def test_a_choice_is_made_again_behind_another_link(monkeypatch) -> None:
+    """A count chosen behind a slow link (a 20 ms transfer beside 10 ms of GEMM: split, modelled to
+    save over ``TRUSTED_SAVING``, no trial) is not reused behind a link that costs nothing (1)."""
+    from types import SimpleNamespace
+
+    from overlap.tensor_parallelism import chunks as tp_chunks
+
+    figures = {"link": (0.0, 20e-3 / 8e6)}
+    monkeypatch.setattr(tp_chunks, "_host_cost", lambda info, device: tp_chunks.HostCost(50e-6, 0.0, 0.0))
+    monkeypatch.setattr(tp_chunks, "_gemm_cost", lambda work, info, device: tp_chunks.GemmCost(0.0, 10e-3 / 1024))
+    monkeypatch.setattr(tp_chunks, "_link_figures", lambda info, host: figures["link"])
+    info = SimpleNamespace(size=2, pg=SimpleNamespace(group_name="a group of 2"))
+    work = tp_chunks.Workload("gather", 1024, 1024, 64, 64, 8e6)
+    tp_chunks.reset_measurements()
+    try:
+        behind_slow = tp_chunks.choose_chunks(work, info)
+        figures["link"] = (0.0, 0.0)
+        behind_free = tp_chunks.choose_chunks(work, info)
+        assert not tp_chunks._trials
+    finally:
+        tp_chunks.reset_measurements()
+    assert behind_slow > 1 and behind_free == 1, (behind_slow, behind_free)
+
+
+def test_host_and_link_figures_follow_from_the_timed_gathers(monkeypatch) -> None:
+    """[Note: choosing the chunk count]'s figures from injected timings, 4 ranks: a tiny gather takes
+    0.2 ms of host time in 1 chunk and 0.1 ms more per extra chunk, 1.2 ms of wall time; the
+    calibration gather (``CALIBRATION_BYTES`` per rank) 11 ms. So ``O`` = 0.1 ms, ``L`` = 1 ms,
+    and ``s`` = 9.8 ms over the 3 MiB each rank receives (3 other ranks' MiB, not 4)."""
+    from types import SimpleNamespace
+
+    from overlap.tensor_parallelism import chunks as tp_chunks
+
+    def timed(n: int, chunks: int, info: Any, device: torch.device) -> tuple[float, float]:
+        if n == tp_chunks.CALIBRATION_BYTES // 4:
+            return 0.5e-3, 11e-3
+        return 0.2e-3 + 0.1e-3 * (chunks - 1), 1.2e-3 + 0.1e-3 * (chunks - 1)
+
+    monkeypatch.setattr(tp_chunks, "_gather_seconds", timed)
+    per_chunk, latency, per_byte = tp_chunks.measure_host_cost(SimpleNamespace(size=4), torch.device("cpu"))
+    assert per_chunk == pytest.approx(0.1e-3) and latency == pytest.approx(1e-3)
+    assert per_byte == pytest.approx(9.8e-3 / (3 * tp_chunks.CALIBRATION_BYTES))
 
 
 @pytest.mark.parametrize("kind", ["gather", "scatter", "all_reduce", "all_reduce_grad"])
@@ -707,6 +957,9 @@ def test_a_trial_settles_on_the_count_only_where_it_saves_more_than_the_margin()
     assert settled_chunks(4, [[10.0, 9.5], [10.0, 8.0], [10.0, 8.5]]) == 4  # every round won, the quietest by 20%
     assert settled_chunks(4, [[10.0, 10.5], [10.0, 8.0], [10.0, 8.5]]) == 1  # one round lost
     assert settled_chunks(8, [[196e-3, 131e-3], [189e-3, 133e-3]]) == 8  # two rounds, both won
+    # the quietest round is the one whose two passes took least together (the first: the candidate
+    # saves 2%, under the margin), not the one where the candidate was fastest (a slow chunks=1 pass)
+    assert settled_chunks(4, [[10.0, 9.8], [30.0, 9.7]]) == 1
     with pytest.raises(ValueError, match="at least one round"):
         settled_chunks(4, [])
 

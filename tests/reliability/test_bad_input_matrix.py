@@ -143,6 +143,13 @@ def _two_dim_mesh(env: Env) -> Any:
     return init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
 
 
+class _ScaledLinear(nn.Linear):
+    """A Linear whose own ``forward`` doubles the output (``tensor_parallel`` would replace it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
 def _tp_mesh(env: Env) -> Any:
     """The 1-D mesh over every rank that ``overlap.tensor_parallel`` rows parallelize over."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -567,6 +574,12 @@ MATRIX: dict[str, Bad] = {
     "tensor_parallel one linear twice": Bad(
         lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {"0": ColwiseParallel(), "*": RowwiseParallel()}),
         ValueError, "'0'", "one ColwiseParallel or RowwiseParallel"),
+    "tensor_parallel Linear overriding forward": Bad(
+        lambda e: overlap.tensor_parallel(nn.Sequential(_ScaledLinear(3, 4)), _tp_mesh(e), {"0": ColwiseParallel()}),
+        ValueError, "'0'", "overrides nn.Linear.forward"),
+    "tensor_parallel already sharded": Bad(
+        lambda e: overlap.tensor_parallel(e.sharded, _tp_mesh(e), {"0": ColwiseParallel()}), ValueError, "'0'",
+        "already has DTensor parameters"),
     "tensor_parallel chunks zero": Bad(lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {}, chunks=0),
                                        ValueError, "chunks", "None (chosen from measured costs) or an int >= 1"),
     "tensor_parallel chunks a str": Bad(lambda e: overlap.tensor_parallel(e.model, _tp_mesh(e), {}, chunks="2"),
