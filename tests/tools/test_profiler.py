@@ -240,6 +240,37 @@ def test_work_without_signal_completes_at_issue_and_labels_nest() -> None:
     assert c.wait_label == "" and c.wait_start is not None
 
 
+def test_a_recording_starts_with_no_regions_and_a_region_removes_only_its_own_entry() -> None:
+    """``overlap.regions``' label stack across a new recording: a region entered under an earlier
+    recording and still open is not among the new recording's current regions (its entry time
+    predates it), and when it ends it leaves the entries of regions entered since in place."""
+    previous = regions.track_labels(True)
+    try:
+        outer = regions.region("outer")
+        outer.__enter__()
+        regions.track_labels(False)
+        regions.track_labels(True)
+        assert regions.current_regions() == ()
+        with regions.region("inner"):
+            outer.__exit__(None, None, None)
+            assert [name for name, _ in regions.current_regions()] == ["inner"]
+        assert regions.current_regions() == ()
+    finally:
+        regions.track_labels(previous)
+
+
+def test_a_tracked_region_is_recorded_by_torch_profiler_too() -> None:
+    """While ``overlap.profile`` keeps its label stack, a region is also a ``record_function`` range
+    in a torch.profiler trace taken at the same time."""
+    previous = regions.track_labels(True)
+    try:
+        with torch.profiler.profile() as traced, regions.region("overlap::a_tracked_region"):
+            torch.ones(2).add_(1)
+    finally:
+        regions.track_labels(previous)
+    assert "overlap::a_tracked_region" in {event.name for event in traced.events()}
+
+
 def test_first_wait_is_timed_once() -> None:
     with overlap.profile() as prof:
         w = _work(work=_TimerWork(0.02))
