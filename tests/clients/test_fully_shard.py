@@ -488,3 +488,41 @@ def test_hf_save_pretrained_round_trip(tmp_path) -> None:
         for rank_out in results:
             assert torch.equal(rank_out[name], logits), name
             assert torch.equal(rank_out[f"{name}/resharded"], logits), name
+
+
+class _SkipsTail(nn.Module):
+    """``head`` then, unless ``skip_tail`` is set, ``tail``: the two members of one grouped
+    ``fully_shard([head, tail])``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head, self.tail = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.skip_tail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.head(x)
+        return x if self.skip_tail else self.tail(x)
+
+
+def test_a_group_member_skipped_in_one_pass_does_not_hold_the_next(one_rank_mesh) -> None:
+    """A ``fully_shard([head, tail])`` group whose ``tail`` did not run in one forward: the next
+    forward starts the group again at ``head`` (gathered, hooked), and its output and gradients
+    equal FSDP2's, bitwise."""
+    got = {}
+    for runtime in RUNTIMES:
+        torch.manual_seed(0)
+        model = _SkipsTail()
+        fully_shard_of(runtime)([model.head, model.tail], mesh=one_rank_mesh)
+        fully_shard_of(runtime)(model, mesh=one_rank_mesh)
+        x = torch.randn(3, 4)
+        model.skip_tail = True
+        with torch.no_grad():
+            model(x)
+        model.skip_tail = False
+        out = model(x)
+        out.sum().backward()
+        got[runtime] = (out.detach(), [p.grad.full_tensor() for p in model.parameters()])
+    (ours, our_grads), (theirs, their_grads) = got["overlap"], got["fsdp2"]
+    assert torch.equal(ours, theirs)
+    assert len(our_grads) == len(their_grads) == 4
+    assert all(torch.equal(a, b) for a, b in zip(our_grads, their_grads))

@@ -43,12 +43,12 @@ class _Blocks(nn.Module):
         return x
 
 
-def _model(n: int) -> _Blocks:
+def _model(n: int, mesh: object = None) -> _Blocks:
     torch.manual_seed(0)
     model = _Blocks(n)
     for block in model.blocks:
-        overlap.shard(block)
-    overlap.shard(model)
+        overlap.shard(block, mesh=mesh)
+    overlap.shard(model, mesh=mesh)
     return model
 
 
@@ -174,6 +174,30 @@ def test_different_orders_raise_on_every_rank_with_debug_off(monkeypatch: pytest
         assert ("ran the sharded modules in different orders" in r["error"]
                 and "rank 0: ['root', 'blocks.0', 'blocks.1', 'blocks.2']" in r["error"]
                 and "rank 1: ['root', 'blocks.1', 'blocks.0', 'blocks.2']" in r["error"]), r["error"]
+
+
+def _different_orders_across_replicas(rank: int, world_size: int) -> dict:
+    """HSDP on a 2x1 mesh (two replicas of one rank each): the shard groups have nothing to agree,
+    so the replicas must; the second replica runs the blocks in another order."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _model(3, init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")))
+    if rank == world_size - 1:
+        model.route = [1, 0, 2]
+    try:
+        _step(model)
+    except overlap.DesyncError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_different_orders_across_one_rank_shard_groups_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one-rank shard groups the forward order is still agreed across the replicas: a replica
+    that ran the blocks in another order raises ``DesyncError`` on every rank, where its gradient
+    all-reduces would otherwise pair with the wrong blocks' (same shapes) and no error would come."""
+    monkeypatch.delenv(desync.DEBUG_ENV, raising=False)
+    for r in run_distributed(_different_orders_across_replicas, 2, timeout=60, pg_timeout=30):
+        assert r["error"] is not None and "ran the sharded modules in different orders" in r["error"], r
 
 
 def _exchanges(rank: int, world_size: int) -> dict:

@@ -37,11 +37,13 @@ class _Net(nn.Module):
         return x
 
 
-def _train(rank: int, world: int, prefetch: int, unused_forward_at: int = -1, skip_at: int = -1) -> dict[str, Any]:
+def _train(rank: int, world: int, prefetch: int, unused_forward_at: int = -1, skip_at: int = -1,
+           deepen_at: int = -1) -> dict[str, Any]:
     """4 SGD steps of a 5-block MLP sharded per block. Records each all-gather as (step, phase, state
     index): phase "forward" before backward started, "backward" after, and the most blocks unsharded
     at once. ``unused_forward_at``: before that step a forward with grad enabled and no backward;
-    ``skip_at``: that step runs without blocks.2."""
+    ``skip_at``: that step runs without blocks.2; ``deepen_at``: from that step every group's
+    prefetch is one deeper (as the schedule trial's ``_apply_plan`` changes it)."""
     from overlap.param_group import ParamGroup
 
     torch.set_num_threads(1)
@@ -74,6 +76,9 @@ def _train(rank: int, world: int, prefetch: int, unused_forward_at: int = -1, sk
     try:
         for step in range(4):
             step_now[0] = step
+            if step == deepen_at:
+                for state in states:
+                    state.prefetch += 1
             x = torch.randn(3, 6, generator=torch.Generator().manual_seed(10 * step + rank))
             if step == unused_forward_at:
                 model(x).sum()  # grad enabled, no backward
@@ -131,3 +136,20 @@ def test_off_script_steps_fall_back(distributed, world: int, off_script: dict[st
             assert not run["left_unsharded"] and not any(run["left_pending"])
             if "skip_at" in off_script:  # blocks.2 (state 3) did not run: backward re-gathers all others
                 assert [g[2] for g in run["gathers"] if g[0] == 2 and g[1] == "backward"] == [5, 4, 2, 1]
+
+
+def _deepened(rank: int, world: int) -> list[dict[str, Any]]:
+    return [_train(rank, world, 2), _train(rank, world, 1, deepen_at=2)]
+
+
+def test_a_deeper_prefetch_keeps_more_groups_from_the_next_step(distributed) -> None:
+    """A prefetch depth changed between steps (1, then 2 from step 2, the same agreed order) keeps
+    the groups of the new depth from that step on: backward re-gathers what prefetch=2 re-gathers
+    there, with the same values."""
+    for deep, deepened in distributed(_deepened, 2, timeout=300):
+        _same(deepened, deep)
+        for step in range(4):
+            backward = [g[2] for g in deepened["gathers"] if g[0] == step and g[1] == "backward"]
+            want = [5, 4, 3, 2, 1] if step == 0 else [4, 3, 2, 1][1 if step == 1 else 2:]
+            assert backward == want, (step, backward)
+        assert deepened["peak"] <= 3 and not deepened["left_unsharded"]

@@ -391,3 +391,45 @@ def test_gradients_are_dtensors_with_their_parameters_spec(distributed, world_si
         # clip_grad_norm_ reads the DTensor gradients: the norm over the mesh is the unsharded one
         # (summed per rank's shard in another order on 2 ranks, hence a tolerance of a few ulps).
         torch.testing.assert_close(sharded["norm"], plain["norm"], rtol=1e-6, atol=0)
+
+
+class _InputDtypes(torch.nn.Module):
+    """Records the dtypes its forward gets: positional tensors, then keyword tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.seen: list[tuple[torch.dtype, ...]] = []
+
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        self.seen.append(tuple(t.dtype for t in args) + tuple(kwargs[k].dtype for k in sorted(kwargs)))
+        return self.linear(args[0].to(self.linear.weight.dtype)).sum()
+
+
+def test_forward_inputs_are_cast_as_fsdp2_casts_them(single_rank_group) -> None:
+    """``MixedPrecision(param_dtype=bf16)`` casts the floating-point inputs of a sharded module to
+    bf16, positional and keyword ones, several float32 ones together, and leaves integer and bool
+    tensors as they are: the dtypes FSDP2's ``MixedPrecisionPolicy`` gives the same calls."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    f32, i64 = torch.randn(2, 4), torch.arange(2)
+    calls = [
+        ((f32, f32), {}),
+        ((f32, i64), {}),
+        ((f32.bfloat16(), f32), {}),
+        ((f32,), {"scale": f32, "index": i64, "mask": i64 > 0}),
+    ]
+    seen = {}
+    for name in ("overlap", "fsdp2"):
+        module = _InputDtypes()
+        if name == "overlap":
+            overlap.shard(module, mp=overlap.MixedPrecision(param_dtype=torch.bfloat16))
+        else:
+            fully_shard(module, mesh=init_device_mesh("cpu", (1,)),
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        for args, kwargs in calls:
+            module(*args, **kwargs).backward()
+        seen[name] = module.seen
+    assert seen["overlap"] == seen["fsdp2"], seen
+    assert seen["fsdp2"][0] == (torch.bfloat16, torch.bfloat16)  # the reference does cast

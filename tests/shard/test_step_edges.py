@@ -154,3 +154,39 @@ def test_prefetch_next_step_before_any_step_issues_nothing(distributed) -> None:
 def test_prefetch_next_step_refuses_an_unsharded_module() -> None:
     with pytest.raises(TypeError, match="module must be a module sharded by overlap.shard"):
         overlap.prefetch_next_step(TinyLM())
+
+
+def _held_between_micro_batches(rank: int, world_size: int) -> dict[str, Any]:
+    """Three ``no_sync`` micro-batches; the first two with ``set_reshard_after_backward(False)``.
+    Counts the forward's all-gathers of each, and the sharded run's gradients against a plain loop's
+    (``reshard_after_backward`` left on)."""
+    from overlap.testing import current_link
+
+    link = current_link()
+    out: dict[str, Any] = {}
+    for hold in (True, False):
+        torch.manual_seed(SEED)
+        model = _sharded(TinyLM())
+        forward_gathers = []
+        for micro in range(3):
+            last = micro == 2
+            model.set_reshard_after_backward(last or not hold)
+            model.set_requires_gradient_sync(last)
+            before = _gathers(link)
+            loss = model.loss(local_batch(make_batch(micro), rank, world_size))
+            forward_gathers.append(_gathers(link) - before)
+            loss.backward()
+        out[hold] = {"forward_gathers": forward_gathers,
+                     "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()}}
+    return out
+
+
+def test_a_group_held_after_backward_is_not_gathered_again_in_the_next_forward(distributed) -> None:
+    """``set_reshard_after_backward(False)`` keeps the groups unsharded into the next micro-batch's
+    forward, which gathers nothing (FSDP2's accumulation recipe), with the same gradients as the
+    loop that reshards and gathers again."""
+    for res in distributed(_held_between_micro_batches, 2, link=COUNTING_LINK):
+        held, plain = res[True], res[False]
+        assert held["forward_gathers"][1] == 0 and plain["forward_gathers"][1] > 0, (held, plain)
+        assert held["grads"].keys() == plain["grads"].keys()
+        assert all(torch.equal(g, plain["grads"][n]) for n, g in held["grads"].items())
