@@ -150,6 +150,6 @@ def test_a_deeper_prefetch_keeps_more_groups_from_the_next_step(distributed) -> 
         _same(deepened, deep)
         for step in range(4):
             backward = [g[2] for g in deepened["gathers"] if g[0] == step and g[1] == "backward"]
-            want = [5, 4, 3, 2, 1] if step == 0 else [4, 3, 2, 1][1 if step == 1 else 2:]
+            want = {0: [5, 4, 3, 2, 1], 1: [3, 2, 1]}.get(step, [2, 1])  # depth 1 at step 1, 2 from step 2
             assert backward == want, (step, backward)
         assert deepened["peak"] <= 3 and not deepened["left_unsharded"]
