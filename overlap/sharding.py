@@ -325,6 +325,9 @@ class ShardState:
         self.reshard_after_backward = True
         self.is_last_backward = True  # recorded only (see set_is_last_backward)
         self.user_unsharded = False
+        # kept unsharded by the last completed backward (reshard_after_backward off then): the next
+        # forward may find it unsharded even if reshard_after_backward was turned on since
+        self.held_from_backward = False
         self.root: Optional[_Root] = None
         self.index = -1  # position in the root's state list
         self.sync_grads = True
@@ -665,8 +668,10 @@ class _Root:
         for i, state in enumerate(self.states):  # re-claim states a sub-module run alone took over
             state.root, state.index = self, i
         if self.in_backward or any(s.group is not None and s.group.is_unsharded and not _keeps_unsharded(s)
-                                   for s in self.states if s is not self.owner):
+                                   and not s.held_from_backward for s in self.states if s is not self.owner):
             self._finish_step()  # the last forward had no backward (or it was cut short)
+        for state in self.states:
+            state.held_from_backward = False
         if self._choice_pending:  # the recording step's backward did not end: choose from its forward
             self._choose_depth(measured_backward=False)
         if self._trial is not None:
@@ -1333,7 +1338,8 @@ class _Root:
                 state.group.grads_ready.clear()
                 if state.index in self._ahead and self.in_backward:
                     continue  # its next-step gather is in flight (see [Note: gathering ahead in backward])
-                if not (self.in_backward and not state.reshard_after_backward):
+                state.held_from_backward = self.in_backward and not state.reshard_after_backward
+                if not state.held_from_backward:
                     state.group.reshard_to_sharded()
         self._ahead = set()
         for state in self._deferring:  # a backward cut short: its deferred groups stay unstepped

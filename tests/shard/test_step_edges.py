@@ -10,6 +10,7 @@ and a rank that exits with a prefetch in flight.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -157,36 +158,61 @@ def test_prefetch_next_step_refuses_an_unsharded_module() -> None:
 
 
 def _held_between_micro_batches(rank: int, world_size: int) -> dict[str, Any]:
-    """Three ``no_sync`` micro-batches; the first two with ``set_reshard_after_backward(False)``.
-    Counts the forward's all-gathers of each, and the sharded run's gradients against a plain loop's
-    (``reshard_after_backward`` left on)."""
+    """Two steps of three ``no_sync`` micro-batches each, FSDP2's accumulation recipe: the first two
+    with ``set_reshard_after_backward(False)``, the last with it on again (turned on just before its
+    forward). Counts each forward's all-gathers, sharded with and without holding, and with FSDP2
+    holding (its ``dist.all_gather_into_tensor`` calls counted); and the gradients of the sharded
+    runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models import fsdp2_model
     from overlap.testing import current_link
+
+    class CountedAllGathers(TorchDispatchMode):
+        """FSDP2's all-gathers, counted at the dispatcher (its c10d call differs across versions)."""
+        count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if "allgather" in func.name():
+                CountedAllGathers.count += 1
+            return func(*args, **(kwargs or {}))
 
     link = current_link()
     out: dict[str, Any] = {}
-    for hold in (True, False):
+    for run in ("held", "plain", "fsdp2"):
         torch.manual_seed(SEED)
-        model = _sharded(TinyLM())
+        model = fsdp2_model(world_size) if run == "fsdp2" else _sharded(TinyLM())
         forward_gathers = []
-        for micro in range(3):
-            last = micro == 2
-            model.set_reshard_after_backward(last or not hold)
-            model.set_requires_gradient_sync(last)
-            before = _gathers(link)
-            loss = model.loss(local_batch(make_batch(micro), rank, world_size))
-            forward_gathers.append(_gathers(link) - before)
-            loss.backward()
-        out[hold] = {"forward_gathers": forward_gathers,
-                     "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()}}
+        for step in range(2):
+            for micro in range(3):
+                last = micro == 2
+                model.set_reshard_after_backward(last or run == "plain")
+                model.set_requires_gradient_sync(last)
+                before = _gathers(link), CountedAllGathers.count
+                with CountedAllGathers() if run == "fsdp2" else contextlib.nullcontext():
+                    loss = model.loss(local_batch(make_batch(3 * step + micro), rank, world_size))
+                counted = _gathers(link) - before[0] if run != "fsdp2" else CountedAllGathers.count - before[1]
+                forward_gathers.append(counted)
+                loss.backward()
+        out[run] = {"forward_gathers": forward_gathers,
+                    "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()}}
     return out
 
 
 def test_a_group_held_after_backward_is_not_gathered_again_in_the_next_forward(distributed) -> None:
     """``set_reshard_after_backward(False)`` keeps the groups unsharded into the next micro-batch's
     forward, which gathers nothing (FSDP2's accumulation recipe), with the same gradients as the
-    loop that reshards and gathers again."""
+    loop that reshards and gathers again. That holds also for the last micro-batch, whose forward
+    runs after ``set_reshard_after_backward(True)``: the groups the last backward held are not taken
+    for groups a forward without backward left unsharded (which are resharded and gathered again).
+    Each forward gathers what FSDP2's gathers: all groups at a step's first micro-batch, none after."""
     for res in distributed(_held_between_micro_batches, 2, link=COUNTING_LINK):
-        held, plain = res[True], res[False]
-        assert held["forward_gathers"][1] == 0 and plain["forward_gathers"][1] > 0, (held, plain)
+        held, plain, fsdp2 = res["held"], res["plain"], res["fsdp2"]
+        assert plain["forward_gathers"][0] > 0, plain
+        # a step's first micro-batch gathers as the plain loop's does; the rest gather nothing
+        firsts = plain["forward_gathers"][0::3]
+        assert held["forward_gathers"] == [firsts[0], 0, 0, firsts[1], 0, 0], (held, plain)
+        assert all(n > 0 for n in plain["forward_gathers"]), plain
+        assert [n > 0 for n in fsdp2["forward_gathers"]] == [n > 0 for n in held["forward_gathers"]], (held, fsdp2)
         assert held["grads"].keys() == plain["grads"].keys()
         assert all(torch.equal(g, plain["grads"][n]) for n, g in held["grads"].items())
