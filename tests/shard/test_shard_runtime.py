@@ -414,8 +414,7 @@ def test_next_gather_is_in_flight_while_a_block_computes(distributed, monkeypatc
     # takes longer to pack a group (~15 ms) than the link takes to move it. A 64x64 fp32 gather
     # moves 8 KiB to each rank: ~66 ms on this link, far longer than issuing it, and longer than a
     # rank of a loaded 2-core box is usually kept off the CPU (at 13 ms it failed under load).
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("OVERLAP_TEST_START_METHOD", "spawn")  # fork-server ranks keep the first call's mode
+    # (the torch_kernels marker reaches the fork server's ranks: OVERLAP_CPU_KERNELS=torch)
     for r in distributed(_overlap_structure_rank, 2, link=(0.001, 50.0)):
         for entry in r["overlap"]:
             assert entry["next_in_flight"], "the next block's all-gather was not in flight during compute"

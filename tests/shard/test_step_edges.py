@@ -6,11 +6,12 @@ when a gather happens, never what it gathers. Covered: a parameter changed in pl
 prefetch and the next forward (it must be gathered again), through the DTensor or through its local
 tensor (``to_local()``, as the local optimizer step writes), a group held gathered by ``unshard()``
 across such a change, ``no_sync`` micro-batches, a forward that skips the group that was prefetched,
-and a rank that exits with a prefetch in flight.
+and a rank that exits with a prefetch in flight. Besides, what each forward gathers beside FSDP2:
+in its accumulation recipe (groups held between micro-batches by ``set_reshard_after_backward``)
+and after ``unshard()``.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import pytest
@@ -157,62 +158,73 @@ def test_prefetch_next_step_refuses_an_unsharded_module() -> None:
         overlap.prefetch_next_step(TinyLM())
 
 
-def _held_between_micro_batches(rank: int, world_size: int) -> dict[str, Any]:
-    """Two steps of three ``no_sync`` micro-batches each, FSDP2's accumulation recipe: the first two
-    with ``set_reshard_after_backward(False)``, the last with it on again (turned on just before its
-    forward). Counts each forward's all-gathers, sharded with and without holding, and with FSDP2
-    holding (its ``dist.all_gather_into_tensor`` calls counted); and the gradients of the sharded
-    runs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _forward_gathers_beside_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
+    """Each forward's all-gathers on the link (FSDP2's pass through it too) over two steps, the
+    sharded model's and FSDP2's side by side, in two recipes:
 
+    - ``held``: three ``no_sync`` micro-batches per step, FSDP2's accumulation recipe: the first two
+      with ``set_reshard_after_backward(False)``, the last with it on again (turned on just before
+      its forward); ``plain`` is the same loop that reshards after every backward. The gradients
+      of the sharded runs are kept too.
+    - ``unshard``: ``plain`` with ``blocks[0].unshard()`` before each step's first forward, which
+      then has that block's parameters."""
     from models import fsdp2_model
     from overlap.testing import current_link
 
-    class CountedAllGathers(TorchDispatchMode):
-        """FSDP2's all-gathers, counted at the dispatcher (its c10d call differs across versions)."""
-        count = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if "allgather" in func.name():
-                CountedAllGathers.count += 1
-            return func(*args, **(kwargs or {}))
-
     link = current_link()
     out: dict[str, Any] = {}
-    for run in ("held", "plain", "fsdp2"):
-        torch.manual_seed(SEED)
-        model = fsdp2_model(world_size) if run == "fsdp2" else _sharded(TinyLM())
-        forward_gathers = []
-        for step in range(2):
-            for micro in range(3):
-                last = micro == 2
-                model.set_reshard_after_backward(last or run == "plain")
-                model.set_requires_gradient_sync(last)
-                before = _gathers(link), CountedAllGathers.count
-                with CountedAllGathers() if run == "fsdp2" else contextlib.nullcontext():
+    for runtime in ("overlap", "fsdp2"):
+        for recipe in ("held", "plain", "unshard"):
+            torch.manual_seed(SEED)
+            model = fsdp2_model(world_size) if runtime == "fsdp2" else _sharded(TinyLM())
+            forward_gathers = []
+            for step in range(2):
+                for micro in range(3):
+                    last = micro == 2
+                    model.set_reshard_after_backward(last or recipe != "held")
+                    model.set_requires_gradient_sync(last)
+                    if recipe == "unshard" and micro == 0:
+                        model.blocks[0].unshard()
+                    before = _gathers(link)
                     loss = model.loss(local_batch(make_batch(3 * step + micro), rank, world_size))
-                counted = _gathers(link) - before[0] if run != "fsdp2" else CountedAllGathers.count - before[1]
-                forward_gathers.append(counted)
-                loss.backward()
-        out[run] = {"forward_gathers": forward_gathers,
-                    "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()}}
+                    forward_gathers.append(_gathers(link) - before)
+                    loss.backward()
+            out[runtime, recipe] = {"forward_gathers": forward_gathers,
+                                    "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()}}
     return out
 
 
-def test_a_group_held_after_backward_is_not_gathered_again_in_the_next_forward(distributed) -> None:
+@pytest.fixture(scope="module")
+def forward_gathers() -> list[dict[str, Any]]:
+    from overlap.testing import run_distributed
+
+    return run_distributed(_forward_gathers_beside_fsdp2, 2, link=COUNTING_LINK)
+
+
+def test_a_group_held_after_backward_is_not_gathered_again_in_the_next_forward(forward_gathers) -> None:
     """``set_reshard_after_backward(False)`` keeps the groups unsharded into the next micro-batch's
     forward, which gathers nothing (FSDP2's accumulation recipe), with the same gradients as the
     loop that reshards and gathers again. That holds also for the last micro-batch, whose forward
     runs after ``set_reshard_after_backward(True)``: the groups the last backward held are not taken
     for groups a forward without backward left unsharded (which are resharded and gathered again).
-    Each forward gathers what FSDP2's gathers: all groups at a step's first micro-batch, none after."""
-    for res in distributed(_held_between_micro_batches, 2, link=COUNTING_LINK):
-        held, plain, fsdp2 = res["held"], res["plain"], res["fsdp2"]
-        assert plain["forward_gathers"][0] > 0, plain
-        # a step's first micro-batch gathers as the plain loop's does; the rest gather nothing
+    Each forward gathers when FSDP2's does: at a step's first micro-batch, not after."""
+    for res in forward_gathers:
+        held, plain = res["overlap", "held"], res["overlap", "plain"]
         firsts = plain["forward_gathers"][0::3]
-        assert held["forward_gathers"] == [firsts[0], 0, 0, firsts[1], 0, 0], (held, plain)
         assert all(n > 0 for n in plain["forward_gathers"]), plain
-        assert [n > 0 for n in fsdp2["forward_gathers"]] == [n > 0 for n in held["forward_gathers"]], (held, fsdp2)
+        assert held["forward_gathers"] == [firsts[0], 0, 0, firsts[1], 0, 0], (held, plain)
+        fsdp2 = res["fsdp2", "held"]["forward_gathers"]
+        assert [n > 0 for n in fsdp2] == [n > 0 for n in held["forward_gathers"]], (held, fsdp2)
         assert held["grads"].keys() == plain["grads"].keys()
         assert all(torch.equal(g, plain["grads"][n]) for n, g in held["grads"].items())
+
+
+def test_a_forward_after_unshard_gathers_one_group_fewer_as_fsdp2(forward_gathers) -> None:
+    """A forward after ``blocks[0].unshard()`` uses the gathered parameters: it gathers one group
+    fewer than the same forward without, as FSDP2's does, and the gradients are the plain loop's."""
+    for res in forward_gathers:
+        for runtime in ("overlap", "fsdp2"):
+            unshard, plain = res[runtime, "unshard"]["forward_gathers"], res[runtime, "plain"]["forward_gathers"]
+            assert unshard == [n - (i % 3 == 0) for i, n in enumerate(plain)], (runtime, unshard, plain)
+        plain_grads = res["overlap", "plain"]["grads"]
+        assert all(torch.equal(g, plain_grads[n]) for n, g in res["overlap", "unshard"]["grads"].items())
