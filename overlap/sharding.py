@@ -69,7 +69,22 @@ group's last forward call (``_kept_for_backward``). Memory: the same ``1 + prefe
 ``prefetch``-deep lead into backward would hold, and ``prefetch`` re-gathers fewer on the link
 per step. Program order only (the agreed order and the depth), so the same on every rank; a step
 that leaves the order keeps nothing from there on; a forward with no backward after it leaves
-them unsharded until the next forward reshards them, as it did for the last group.
+them unsharded for the next forward, which continues its step ([Note: forwards before one
+backward]).
+
+[Note: forwards before one backward]
+A step may run forward more than once before backward: ``(model(a) + model(b)).backward()``, a
+backward per loss, or a forward whose graph is dropped (a metric read with grad enabled). So a
+root forward that follows a forward (grad enabled) with no backward since continues that step: it
+counts its calls on top of the earlier forward's (a group is reduced once backward has passed all
+of them, [Note: a group is reduced when its backward is done]) and reshards nothing first. Starting
+a new step there instead resharded the groups the first forward kept and forgot its calls: backward
+reduced and resharded a group after the second graph's pass and then met the first graph's saved
+parameters freed. Where a graph is dropped, its calls are never passed: its groups are reduced when
+their gradients are counted complete, or at the end of backward (a group with a parameter that got
+no gradient), later than they could have been, with the same values. Only a backward that was cut short
+(an exception inside it) ends the step at the next forward. FSDP2 keeps no per-step state of
+this kind and gathers what each forward needs (bitwise the same gradients: tests/shard/test_step_edges.py).
 
 [Note: gathering ahead in backward]
 With ``prefetch="auto"`` and every group stepped in backward (``overlap.optimizer_in_backward``), a
@@ -325,9 +340,6 @@ class ShardState:
         self.reshard_after_backward = True
         self.is_last_backward = True  # recorded only (see set_is_last_backward)
         self.user_unsharded = False
-        # kept unsharded by the last completed backward (reshard_after_backward off then): the next
-        # forward may find it unsharded even if reshard_after_backward was turned on since
-        self.held_from_backward = False
         self.root: Optional[_Root] = None
         self.index = -1  # position in the root's state list
         self.sync_grads = True
@@ -563,6 +575,7 @@ class _Root:
         self._forward_end = 0.0  # perf_counter at the recording forward's end
         self._recorded_steps = 0  # steps that recorded costs, on any order
         self._choice_pending = False  # costs recorded, the choice waits for the end of this step's backward
+        self._forward_awaiting_backward = False  # a forward ran (grad enabled) since the last backward
         self._backward_position: Optional[int] = None  # the recording backward's running position
         self._position_of: dict[int, int] = {}  # the recording backward: state index -> forward position
         self.modelled_step: Optional[float] = None  # seconds: the chosen plan's modelled steady step
@@ -667,11 +680,11 @@ class _Root:
         self._last_begin = now
         for i, state in enumerate(self.states):  # re-claim states a sub-module run alone took over
             state.root, state.index = self, i
-        if self.in_backward or any(s.group is not None and s.group.is_unsharded and not _keeps_unsharded(s)
-                                   and not s.held_from_backward for s in self.states if s is not self.owner):
-            self._finish_step()  # the last forward had no backward (or it was cut short)
-        for state in self.states:
-            state.held_from_backward = False
+        # A forward since the last backward (grad enabled) continues the step: see [Note: forwards
+        # before one backward].
+        continuing = self._forward_awaiting_backward and not self.in_backward
+        if self.in_backward:
+            self._finish_step()  # the last backward was cut short
         if self._choice_pending:  # the recording step's backward did not end: choose from its forward
             self._choose_depth(measured_backward=False)
         if self._trial is not None:
@@ -679,7 +692,8 @@ class _Root:
         self.in_forward = True
         self.boundary = None
         for state in self.states:
-            state.reset_backward_tracking()
+            if not continuing:
+                state.reset_backward_tracking()
             state.members_to_run = set()  # a member that did not run last pass does not hold this one
         self.forward_seq = []
         self.post_forward_seq = []
@@ -997,6 +1011,8 @@ class _Root:
                 state.group.reshard()
         if not torch.is_grad_enabled():
             self._finish_step()  # no backward will follow
+        else:
+            self._forward_awaiting_backward = True
 
     def _agree(self, order: list[int]) -> list[int]:
         """Check that every rank ran the groups in the same order; raise ``DesyncError`` on every rank if
@@ -1338,10 +1354,10 @@ class _Root:
                 state.group.grads_ready.clear()
                 if state.index in self._ahead and self.in_backward:
                     continue  # its next-step gather is in flight (see [Note: gathering ahead in backward])
-                state.held_from_backward = self.in_backward and not state.reshard_after_backward
-                if not state.held_from_backward:
+                if not (self.in_backward and not state.reshard_after_backward):
                     state.group.reshard_to_sharded()
         self._ahead = set()
+        self._forward_awaiting_backward = False
         for state in self._deferring:  # a backward cut short: its deferred groups stay unstepped
             state.group.defer_reduced_hooks = False  # type: ignore[union-attr]
             state.group.deferred_reduced = None  # type: ignore[union-attr]
@@ -1428,12 +1444,6 @@ def _refuse_meta(module: nn.Module, fqns: Sequence[str]) -> None:
         f"overlap.shard: {type(module).__name__}'s sharded parameters {shown} are on the meta device (no data), "
         f"so it cannot run forward. Materialize them first: module.to_empty(device=...) (every rank), then "
         f"initialize them (e.g. reset_parameters() on each submodule, or load a checkpoint)")
-
-
-def _keeps_unsharded(state: ShardState) -> bool:
-    """Does ``state`` hold its unsharded parameters into the next forward on purpose (an
-    ``unshard()`` by the user, ``set_reshard_after_backward(False)``)?"""
-    return state.user_unsharded or not state.reshard_after_backward
 
 
 def _leaves(tree: Any) -> Sequence[Any]:

@@ -191,7 +191,44 @@ def _forward_gathers_beside_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
                     loss.backward()
             out[runtime, recipe] = {"forward_gathers": forward_gathers,
                                     "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()}}
+    for runtime in ("overlap", "fsdp2"):
+        for recipe in FORWARDS_BEFORE_BACKWARD:
+            out[runtime, recipe] = _forwards_before_backward(runtime, recipe, rank, world_size, link)
     return out
+
+
+FORWARDS_BEFORE_BACKWARD = ("summed", "two backwards", "dropped")
+"""Steps with two forwards before backward: ``summed``, one backward of the two losses' sum;
+``two backwards``, one per loss, in forward order; ``dropped``, the first forward's graph dropped
+(its loss only read), the second's backward."""
+
+
+def _forwards_before_backward(runtime: str, recipe: str, rank: int, world_size: int, link: Any) -> dict[str, Any]:
+    """Three AdamW steps of ``recipe`` (:data:`FORWARDS_BEFORE_BACKWARD`): each step's full gradients
+    and all-gathers."""
+    from models import fsdp2_model
+
+    torch.manual_seed(SEED)
+    model = fsdp2_model(world_size) if runtime == "fsdp2" else _sharded(TinyLM())
+    opt = make_optimizer(model.parameters())
+    grads, gathers = [], []
+    for step in range(3):
+        before = _gathers(link)
+        first, second = (model.loss(local_batch(make_batch(2 * step + i), rank, world_size)) for i in (0, 1))
+        if recipe == "summed":
+            (first + second).backward()
+        elif recipe == "two backwards":
+            first.backward()
+            second.backward()
+        else:
+            first.item()
+            del first
+            second.backward()
+        gathers.append(_gathers(link) - before)
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return {"grads": grads, "gathers": gathers}
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +265,18 @@ def test_a_forward_after_unshard_gathers_one_group_fewer_as_fsdp2(forward_gather
             assert unshard == [n - (i % 3 == 0) for i, n in enumerate(plain)], (runtime, unshard, plain)
         plain_grads = res["overlap", "plain"]["grads"]
         assert all(torch.equal(g, plain_grads[n]) for n, g in res["overlap", "unshard"]["grads"].items())
+
+
+@pytest.mark.parametrize("recipe", FORWARDS_BEFORE_BACKWARD)
+def test_two_forwards_before_backward_train_as_fsdp2(forward_gathers, recipe: str) -> None:
+    """Two forwards before backward ([Note: forwards before one backward]): the second continues the
+    step, so the first's graph finds its groups when backward reaches it (the second forward had
+    resharded them: its backward read freed storage) and every gradient is bitwise FSDP2's, whether
+    the losses are summed, each gets its own backward, or the first graph is dropped. No step gathers
+    more than FSDP2's (after the first, whose order agreement is an all-gather too)."""
+    for res in forward_gathers:
+        ours, fsdp2 = res["overlap", recipe], res["fsdp2", recipe]
+        for step, (got, want) in enumerate(zip(ours["grads"], fsdp2["grads"])):
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[n], want[n]) for n in want), (recipe, step)
+        assert all(g <= f for g, f in zip(ours["gathers"][1:], fsdp2["gathers"][1:])), (ours["gathers"], fsdp2["gathers"])
