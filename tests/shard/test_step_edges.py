@@ -12,6 +12,7 @@ and after ``unshard()``.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -197,10 +198,11 @@ def _forward_gathers_beside_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-FORWARDS_BEFORE_BACKWARD = ("summed", "two backwards", "dropped")
+FORWARDS_BEFORE_BACKWARD = ("summed", "two backwards", "dropped", "inference between")
 """Steps with two forwards before backward: ``summed``, one backward of the two losses' sum;
 ``two backwards``, one per loss, in forward order; ``dropped``, the first forward's graph dropped
-(its loss only read), the second's backward."""
+(its loss only read), the second's backward; ``inference between``, the second forward under
+``torch.inference_mode()``, then the first's backward."""
 
 
 def _forwards_before_backward(runtime: str, recipe: str, rank: int, world_size: int, link: Any) -> dict[str, Any]:
@@ -214,16 +216,20 @@ def _forwards_before_backward(runtime: str, recipe: str, rank: int, world_size: 
     grads, gathers = [], []
     for step in range(3):
         before = _gathers(link)
-        first, second = (model.loss(local_batch(make_batch(2 * step + i), rank, world_size)) for i in (0, 1))
+        first = model.loss(local_batch(make_batch(2 * step), rank, world_size))
+        with torch.inference_mode() if recipe == "inference between" else contextlib.nullcontext():
+            second = model.loss(local_batch(make_batch(2 * step + 1), rank, world_size))
         if recipe == "summed":
             (first + second).backward()
         elif recipe == "two backwards":
             first.backward()
             second.backward()
-        else:
+        elif recipe == "dropped":
             first.item()
             del first
             second.backward()
+        else:
+            first.backward()
         gathers.append(_gathers(link) - before)
         grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
         opt.step()
