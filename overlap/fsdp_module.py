@@ -159,7 +159,6 @@ class FSDPModuleMethods:
             if state.group.stale_gather() or state.group.stale_unsharded():
                 state.group.reshard()
             state.group.issue_gather()
-            state.user_unsharded = True
         handle = UnshardHandle([state])
         if not async_op:
             handle.wait()

@@ -82,9 +82,10 @@ a new step there instead resharded the groups the first forward kept and forgot 
 reduced and resharded a group after the second graph's pass and then met the first graph's saved
 parameters freed. Where a graph is dropped, its calls are never passed: its groups are reduced when
 their gradients are counted complete, or at the end of backward (a group with a parameter that got
-no gradient), later than they could have been, with the same values. Only a backward that was cut short
-(an exception inside it) ends the step at the next forward. FSDP2 keeps no per-step state of
-this kind and gathers what each forward needs (bitwise the same gradients: tests/shard/test_step_edges.py).
+no gradient), later than they could have been, with the same values. Only a backward that was
+cut short (an exception inside it) ends the step at the next forward. FSDP2 keeps no per-step
+state of this kind and gathers what each forward needs (the same gradients, bitwise:
+tests/shard/test_step_edges.py).
 
 [Note: gathering ahead in backward]
 With ``prefetch="auto"`` and every group stepped in backward (``overlap.optimizer_in_backward``), a
@@ -302,7 +303,6 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         """Free this module's unsharded parameters and register its sharded ones again, as FSDP2's
         ``reshard`` (no-op if sharded)."""
         state = self._overlap_state
-        state.user_unsharded = False
         if state.group is not None:
             state.group.reshard_to_sharded()
 
@@ -334,12 +334,11 @@ class ShardState:
         self.modules: list[nn.Module] = [module]  # several for fully_shard([a, b]): one group, see _shard
         self.members_to_run: set[int] = set()  # ids of the members not yet run in this forward pass
         # FSDPModule settings (overlap/fsdp_module.py): explicit prefetch lists (None: the agreed
-        # order), keeping the unsharded parameters after backward, an unshard() by the user.
+        # order), keeping the unsharded parameters after backward.
         self.forward_prefetch: Optional[list[ShardState]] = None
         self.backward_prefetch: Optional[list[ShardState]] = None
         self.reshard_after_backward = True
         self.is_last_backward = True  # recorded only (see set_is_last_backward)
-        self.user_unsharded = False
         self.root: Optional[_Root] = None
         self.index = -1  # position in the root's state list
         self.sync_grads = True
@@ -718,7 +717,6 @@ class _Root:
                 state.group.reshard()
             if self.communicates:
                 self._gather(state)  # no-op when prefetched
-        state.user_unsharded = False
         if state.forward_prefetch is not None:  # set_modules_to_forward_prefetch: the user's list
             self._prefetch_explicit(state.forward_prefetch)
         elif self._on_script and self.communicates:
@@ -748,7 +746,6 @@ class _Root:
             self.gather_now(state)  # the copy-out: the host's
             packing = (issued - now) + (time.perf_counter() - landed)
             self._costs[position][1:3] = [packing + (landed - issued), packing]
-        state.user_unsharded = False
         self._mark = time.perf_counter()
 
     def record_post_forward(self) -> None:
