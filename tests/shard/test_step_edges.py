@@ -161,14 +161,16 @@ def test_prefetch_next_step_refuses_an_unsharded_module() -> None:
 
 def _forward_gathers_beside_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
     """Each forward's all-gathers on the link (FSDP2's pass through it too) over two steps, the
-    sharded model's and FSDP2's side by side, in two recipes:
+    sharded model's and FSDP2's side by side, in three recipes:
 
     - ``held``: three ``no_sync`` micro-batches per step, FSDP2's accumulation recipe: the first two
       with ``set_reshard_after_backward(False)``, the last with it on again (turned on just before
       its forward); ``plain`` is the same loop that reshards after every backward. The gradients
       of the sharded runs are kept too.
     - ``unshard``: ``plain`` with ``blocks[0].unshard()`` before each step's first forward, which
-      then has that block's parameters."""
+      then has that block's parameters.
+
+    Besides, for both, :func:`_forwards_before_backward` of each of :data:`FORWARDS_BEFORE_BACKWARD`."""
     from models import fsdp2_model
     from overlap.testing import current_link
 
@@ -248,9 +250,9 @@ def test_a_group_held_after_backward_is_not_gathered_again_in_the_next_forward(f
     """``set_reshard_after_backward(False)`` keeps the groups unsharded into the next micro-batch's
     forward, which gathers nothing (FSDP2's accumulation recipe), with the same gradients as the
     loop that reshards and gathers again. That holds also for the last micro-batch, whose forward
-    runs after ``set_reshard_after_backward(True)``: the groups the last backward held are not taken
-    for groups a forward without backward left unsharded (which are resharded and gathered again).
-    Each forward gathers when FSDP2's does: at a step's first micro-batch, not after."""
+    runs after ``set_reshard_after_backward(True)``: the groups the last backward held stay, as
+    FSDP2's do (they were gathered again there once). Each forward gathers when FSDP2's does: at a
+    step's first micro-batch, not after."""
     for res in forward_gathers:
         held, plain = res["overlap", "held"], res["overlap", "plain"]
         firsts = plain["forward_gathers"][0::3]
@@ -276,10 +278,11 @@ def test_a_forward_after_unshard_gathers_one_group_fewer_as_fsdp2(forward_gather
 @pytest.mark.parametrize("recipe", FORWARDS_BEFORE_BACKWARD)
 def test_two_forwards_before_backward_train_as_fsdp2(forward_gathers, recipe: str) -> None:
     """Two forwards before backward ([Note: forwards before one backward]): the second continues the
-    step, so the first's graph finds its groups when backward reaches it (the second forward had
-    resharded them: its backward read freed storage) and every gradient is bitwise FSDP2's, whether
-    the losses are summed, each gets its own backward, or the first graph is dropped. No step gathers
-    more than FSDP2's (after the first, whose order agreement is an all-gather too)."""
+    step, so the first's graph finds its groups when backward reaches it (a second forward that
+    started a new step resharded them, and backward read freed storage), and every gradient is
+    bitwise FSDP2's, whether the losses are summed, each gets its own backward, the first graph is
+    dropped or the second forward runs under ``inference_mode``. No step gathers more than FSDP2's
+    (after the first, whose order agreement is an all-gather too)."""
     for res in forward_gathers:
         ours, fsdp2 = res["overlap", recipe], res["fsdp2", recipe]
         for step, (got, want) in enumerate(zip(ours["grads"], fsdp2["grads"])):
