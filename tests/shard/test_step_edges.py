@@ -170,7 +170,8 @@ def _forward_gathers_beside_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
     - ``unshard``: ``plain`` with ``blocks[0].unshard()`` before each step's first forward, which
       then has that block's parameters.
 
-    Besides, for both, :func:`_forwards_before_backward` of each of :data:`FORWARDS_BEFORE_BACKWARD`."""
+    Besides, for both, :func:`_forwards_before_backward` of each of :data:`FORWARDS_BEFORE_BACKWARD`
+    and :func:`_step_gathers` of each of :data:`STEP_RECIPES`."""
     from models import fsdp2_model
     from overlap.testing import current_link
 
@@ -197,7 +198,49 @@ def _forward_gathers_beside_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
     for runtime in ("overlap", "fsdp2"):
         for recipe in FORWARDS_BEFORE_BACKWARD:
             out[runtime, recipe] = _forwards_before_backward(runtime, recipe, rank, world_size, link)
+        for recipe in STEP_RECIPES:
+            out[runtime, recipe] = _step_gathers(runtime, recipe, rank, world_size, link)
     return out
+
+
+STEP_RECIPES = ("one forward per step", "eval between steps", "reshard after the step", "no reshard after forward")
+"""Training loops: ``one forward per step``; an evaluation forward under ``torch.no_grad()``
+before each step; ``reshard()`` of the root after each optimizer step; the blocks sharded with
+``reshard_after_forward=False``."""
+
+
+def _step_gathers(runtime: str, recipe: str, rank: int, world_size: int, link: Any) -> list[int]:
+    """The all-gathers of each of four AdamW steps of ``recipe`` (:data:`STEP_RECIPES`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(SEED)
+    model = TinyLM()
+    keep = {"reshard_after_forward": False} if recipe == "no reshard after forward" else {}
+    if runtime == "fsdp2":
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, **keep)
+        fully_shard(model, mesh=mesh)
+    else:
+        for block in model.blocks:
+            overlap.shard(block, prefetch=1, **keep)
+        overlap.shard(model, prefetch=1)
+    opt = make_optimizer(model.parameters())
+    gathers = []
+    for step in range(4):
+        before = _gathers(link)
+        tokens = local_batch(make_batch(step), rank, world_size)
+        if recipe == "eval between steps":
+            with torch.no_grad():
+                model(tokens[:, :-1])
+        model.loss(tokens).backward()
+        opt.step()
+        opt.zero_grad()
+        if recipe == "reshard after the step":
+            model.reshard()
+        gathers.append(_gathers(link) - before)
+    return gathers
 
 
 FORWARDS_BEFORE_BACKWARD = ("summed", "two backwards", "dropped", "inference between")
@@ -289,3 +332,13 @@ def test_two_forwards_before_backward_train_as_fsdp2(forward_gathers, recipe: st
             assert got.keys() == want.keys()
             assert all(torch.equal(got[n], want[n]) for n in want), (recipe, step)
         assert all(g <= f for g, f in zip(ours["gathers"][1:], fsdp2["gathers"][1:])), (ours["gathers"], fsdp2["gathers"])
+
+
+@pytest.mark.parametrize("recipe", STEP_RECIPES)
+def test_no_step_gathers_more_than_fsdp2(forward_gathers, recipe: str) -> None:
+    """In common training loops (:data:`STEP_RECIPES`) no step all-gathers more than FSDP2's, after
+    the first (whose order agreement is an all-gather too): the groups kept for backward and the
+    gathers issued ahead only ever save gathers."""
+    for res in forward_gathers:
+        ours, fsdp2 = res["overlap", recipe], res["fsdp2", recipe]
+        assert all(0 < g <= f for g, f in zip(ours[1:], fsdp2[1:])), (recipe, ours, fsdp2)
