@@ -679,11 +679,11 @@ class _Root:
         self._last_begin = now
         for i, state in enumerate(self.states):  # re-claim states a sub-module run alone took over
             state.root, state.index = self, i
-        # A forward since the last backward (grad enabled) continues the step: see [Note: forwards
-        # before one backward].
-        continuing = self._forward_awaiting_backward and not self.in_backward
         if self.in_backward:
             self._finish_step()  # the last backward was cut short
+        # A forward since the last backward (grad enabled) continues the step: see [Note: forwards
+        # before one backward].
+        continuing = self._forward_awaiting_backward
         if self._choice_pending:  # the recording step's backward did not end: choose from its forward
             self._choose_depth(measured_backward=False)
         if self._trial is not None:

@@ -333,8 +333,9 @@ def train_ranks(model: nn.Module, rank: int, world_size: int, steps: int = STEPS
     return losses
 
 
-def fsdp2_model(world_size: int, mp_bf16: bool = False) -> nn.Module:
-    """:class:`TinyLM` from ``SEED``, ``fully_shard`` on each block then on the root (torch FSDP2)."""
+def fsdp2_model(world_size: int, mp_bf16: bool = False, reshard_after_forward: bool = True) -> nn.Module:
+    """:class:`TinyLM` from ``SEED``, ``fully_shard`` on each block (with ``reshard_after_forward``)
+    then on the root (torch FSDP2)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -343,7 +344,7 @@ def fsdp2_model(world_size: int, mp_bf16: bool = False) -> nn.Module:
     mesh = init_device_mesh("cpu", (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if mp_bf16 else None, reduce_dtype=torch.float32)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 

@@ -25,13 +25,24 @@ from models import COUNTING_LINK, SEED, TinyLM, assert_same_run, local_batch, ma
 pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
 
 
-def _sharded(model: TinyLM) -> TinyLM:
+def _sharded(model: TinyLM, reshard_after_forward: bool = True) -> TinyLM:
     # depth 1 fixed: prefetch_next_step gathers 1 + depth groups, and prefetch="auto" would choose
     # the depth from this box's timings after three steps
     for block in model.blocks:
-        overlap.shard(block, prefetch=1)
+        overlap.shard(block, prefetch=1, reshard_after_forward=reshard_after_forward)
     overlap.shard(model, prefetch=1)
     return model
+
+
+def _model(runtime: str, world_size: int, reshard_after_forward: bool = True) -> TinyLM:
+    """:class:`TinyLM` from ``SEED``, sharded by ``runtime`` ("overlap": :func:`_sharded`; "fsdp2":
+    ``models.fsdp2_model``)."""
+    from models import fsdp2_model
+
+    if runtime == "fsdp2":
+        return fsdp2_model(world_size, reshard_after_forward=reshard_after_forward)
+    torch.manual_seed(SEED)
+    return _sharded(TinyLM(), reshard_after_forward)
 
 
 def _gathers(link) -> int:
@@ -172,15 +183,13 @@ def _forward_gathers_beside_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
 
     Besides, for both, :func:`_forwards_before_backward` of each of :data:`FORWARDS_BEFORE_BACKWARD`
     and :func:`_step_gathers` of each of :data:`STEP_RECIPES`."""
-    from models import fsdp2_model
     from overlap.testing import current_link
 
     link = current_link()
     out: dict[str, Any] = {}
     for runtime in ("overlap", "fsdp2"):
         for recipe in ("held", "plain", "unshard"):
-            torch.manual_seed(SEED)
-            model = fsdp2_model(world_size) if runtime == "fsdp2" else _sharded(TinyLM())
+            model = _model(runtime, world_size)
             forward_gathers = []
             for step in range(2):
                 for micro in range(3):
@@ -211,21 +220,7 @@ before each step; ``reshard()`` of the root after each optimizer step; the block
 
 def _step_gathers(runtime: str, recipe: str, rank: int, world_size: int, link: Any) -> list[int]:
     """The all-gathers of each of four AdamW steps of ``recipe`` (:data:`STEP_RECIPES`)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(SEED)
-    model = TinyLM()
-    keep = {"reshard_after_forward": False} if recipe == "no reshard after forward" else {}
-    if runtime == "fsdp2":
-        mesh = init_device_mesh("cpu", (world_size,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, **keep)
-        fully_shard(model, mesh=mesh)
-    else:
-        for block in model.blocks:
-            overlap.shard(block, prefetch=1, **keep)
-        overlap.shard(model, prefetch=1)
+    model = _model(runtime, world_size, reshard_after_forward=recipe != "no reshard after forward")
     opt = make_optimizer(model.parameters())
     gathers = []
     for step in range(4):
@@ -253,10 +248,7 @@ FORWARDS_BEFORE_BACKWARD = ("summed", "two backwards", "dropped", "inference bet
 def _forwards_before_backward(runtime: str, recipe: str, rank: int, world_size: int, link: Any) -> dict[str, Any]:
     """Three AdamW steps of ``recipe`` (:data:`FORWARDS_BEFORE_BACKWARD`): each step's full gradients
     and all-gathers."""
-    from models import fsdp2_model
-
-    torch.manual_seed(SEED)
-    model = fsdp2_model(world_size) if runtime == "fsdp2" else _sharded(TinyLM())
+    model = _model(runtime, world_size)
     opt = make_optimizer(model.parameters())
     grads, gathers = [], []
     for step in range(3):
