@@ -207,6 +207,8 @@ class PendingReduce:
     replica_gather: Optional[tuple[torch.Tensor, QuantizedLayout, list[torch.Tensor]]] = None
     """HSDP, compressed: the replicas' quantized all-gather, its layout, and the views of ``rs_output``
     it dequantizes into ([Note: compressing the inter-node tier])."""
+    missing: tuple[int, ...] = ()
+    """Positions (in ``indices``) whose gradient this rank did not have: it sent zeros for them."""
 
 
 class ParamGroup:
@@ -240,6 +242,13 @@ class ParamGroup:
         self.replicas = replicate.size if replicate is not None else 1
         self.data_parallel_size = info.size * self.replicas
         self.single_rank = self.data_parallel_size == 1
+        self.reduction_carries_presence = not self.single_rank and self.quantized_reduce is None
+        """Does the reduction carry which parameters got a gradient on some rank ([Note: a gradient no
+        rank produced])? Not at one data-parallel rank (``_move_grads_to_shards`` sees it) nor in a
+        compressed 1-D reduction."""
+        self._all_present: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        """Per (parameter count, dtype, device), the presence rows of a reduction whose gradients all
+        came: made once, so that the usual reduction allocates nothing for them."""
         """One data-parallel rank: nothing travels (see [Note: world size 1])."""
         self.locations = locations
         self._slots = [(loc.module._parameters, loc.name, i) for i, locs in enumerate(locations) for loc in locs]
@@ -730,14 +739,33 @@ class ParamGroup:
         return grad._local_tensor
 
     def _reduce_layout(self, indices: tuple[int, ...]) -> ShardLayout:
+        """The layout the reduction of ``indices`` packs: their shapes, then, when the reduction carries
+        presence (``reduction_carries_presence``), a ``(world_size, len(indices))`` entry for it."""
         layout = self._reduce_layouts.get(indices)
         if layout is None:
-            if len(indices) == len(self.layout.shapes):
+            if self.reduction_carries_presence:
+                shapes = [self.layout.shapes[i] for i in indices] + [(self.world_size, len(indices))]
+                layout = ShardLayout(shapes, self.world_size)
+            elif len(indices) == len(self.layout.shapes):
                 layout = self.layout
             else:
                 layout = ShardLayout([self.layout.shapes[i] for i in indices], self.world_size)
             self._reduce_layouts[indices] = layout
         return layout
+
+    def _presence_rows(self, count: int, missing: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+        """The rows a reduction of ``count`` parameters sends for [Note: a gradient no rank produced]:
+        ``(world_size, count)``, every row 1 where this rank has the gradient, 0 at ``missing``."""
+        if not missing:
+            key = (count, dtype, device)
+            rows = self._all_present.get(key)
+            if rows is None:
+                rows = self._all_present[key] = torch.ones((self.world_size, count), dtype=dtype, device=device)
+            return rows
+        rows = torch.ones((self.world_size, count), dtype=dtype, device=device)
+        rows[:, list(missing)] = 0
+        return rows
 
     def reduce_bytes(self, indices: Optional[tuple[int, ...]] = None) -> int:
         """Bytes the reduction of ``indices`` (default: ``requires_grad_indices``, read now) moves."""
@@ -755,7 +783,8 @@ class ParamGroup:
         """Pack the unsharded gradients and start their reduce-scatter; the unsharded grads are dropped.
 
         Parameters without a gradient this step (unused on this rank) contribute zeros, so every
-        rank issues the same collective. Returns None when no parameter requires grad. ``indices``:
+        rank issues the same collective; one that no rank had keeps ``.grad`` None ([Note: a gradient
+        no rank produced]). Returns None when no parameter requires grad. ``indices``:
         ``requires_grad_indices`` as the caller read it just before, with nothing run in between
         (default: read here), so that one reduction reads the shards' flags once.
         """
@@ -772,7 +801,7 @@ class ParamGroup:
                 self._check_unsharded_grads(indices)
             self._move_grads_to_shards(indices)
             return None
-        grads = self._take_unsharded_grads(indices)
+        grads, missing = self._take_unsharded_grads(indices)
         layout = self._reduce_layout(indices)
         if self.compression is not None and self.quantized_reduce is not None:
             return self._issue_quantized_reduce(grads, indices, layout)
@@ -780,17 +809,23 @@ class ParamGroup:
         # copy-in, whose new address sets then need only their contiguity read
         read = None if self.mp.effective_reduce_dtype is not None else native_passes.dtypes(grads, build=False)
         dtype = self.mp.effective_reduce_dtype or widest_dtype(read)
+        if self.reduction_carries_presence:
+            grads.append(self._presence_rows(len(indices), missing, dtype, grads[0].device))
+            if read is not None:
+                read = (*read, dtype)
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             pre_scale, post_scale = _average_scales(dtype, self.data_parallel_size)
             rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, read, owned=self._owned_grads)
         hsdp = self.replicas > 1
         if self.world_size == 1:
             return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp,
-                                 finite=self._start_finite_check(rs_input, False) if finite_check.SWITCH.on else None)
+                                 finite=self._start_finite_check(rs_input, False) if finite_check.SWITCH.on else None,
+                                 missing=missing)
         rs_output = torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device)
         work = reduce_scatter_into(rs_output, rs_input, self.info, self.where)
         return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp,
-                             finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None)
+                             finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None,
+                             missing=missing)
 
     def _drop_unreduced_grads(self, indices: tuple[int, ...]) -> None:
         """Drop the unsharded gradients of the parameters outside ``indices`` (their shards do not
@@ -805,12 +840,13 @@ class ParamGroup:
             if i not in keep and u.grad is not None:
                 u.grad = None
 
-    def _take_unsharded_grads(self, indices: tuple[int, ...]) -> list[torch.Tensor]:
+    def _take_unsharded_grads(self, indices: tuple[int, ...]) -> tuple[list[torch.Tensor], tuple[int, ...]]:
         """The unsharded gradients of ``indices`` to reduce (``unsharded_grad``), zeros where a
-        parameter got none this step (every rank issues the same collective); the unsharded
-        parameters' ``.grad`` are dropped. Without tensor-parallel parameters: C-level passes over
-        the list (the getters and setters without torch-function lookups: [Note: the shards'
-        getters without lookups]), a Python step only per missing gradient."""
+        parameter got none this step (every rank issues the same collective), and the positions (in
+        ``indices``) of those zeros; the unsharded parameters' ``.grad`` are dropped. Without
+        tensor-parallel parameters: C-level passes over the list (the getters and setters without
+        torch-function lookups: [Note: the shards' getters without lookups]), a Python step only
+        per missing gradient."""
         assert self.unsharded is not None
         unsharded = self.unsharded
         params = unsharded if len(indices) == len(unsharded) else list(map(unsharded.__getitem__, indices))
@@ -822,13 +858,15 @@ class ParamGroup:
             with self._unsharded_getters():
                 grads = list(map(_GRAD, params))
                 collections.deque(map(setattr, params, repeat("grad"), repeat(None)), maxlen=0)
+        missing: list[int] = []
         if any(map(is_, grads, repeat(None))):
             for j, (u, grad) in enumerate(zip(params, grads)):
                 if grad is None:  # in the dtype autograd gives it: the list's dtypes stay the group's
                     data = _local(u)  # ([Note: lists the runtime owns] in overlap_kernels/prepared_launch.py)
                     dtype = self._tp_reduced_grad_dtype(indices[j]) or data.dtype
                     grads[j] = torch.zeros(data.shape, dtype=dtype, device=data.device)
-        return grads
+                    missing.append(j)
+        return grads, tuple(missing)
 
     def _issue_quantized_reduce(self, grads: list[torch.Tensor], indices: tuple[int, ...],
                                 layout: ShardLayout) -> PendingReduce:
@@ -982,21 +1020,30 @@ class ParamGroup:
         if pending.work is not None:
             pending.work.wait()
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
+            if self.reduction_carries_presence:  # counts as 0 / 1: a block of them quantizes exactly
+                shards[-1].clamp_(max=1)
             slots, _ = _quantized_copy_in(shards, qlayout, None)
             exact = None
             if gradient_error.SWITCH.on and gradient_error.SWITCH.resolve():  # this rank's shards, exact (a copy)
-                exact = _flat_float32(shards)
+                exact = _flat_float32(self._gradient_shards(shards))
         received = torch.empty_like(slots)
         quantized_reduce_into(received, slots, self.replicate, fmt, self.where).wait()
         r = self.replicate.rank
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             summed = summed_slots(received, qlayout, None)[: qlayout.layout.slot_numel]
-            own, gathered = _quantized_copy_in(qlayout.layout.shard_views(summed, r), qlayout, r)
+            owned = qlayout.layout.shard_views(summed, r)
+            if self.reduction_carries_presence:
+                owned[-1].clamp_(max=1)
+            own, gathered = _quantized_copy_in(owned, qlayout, r)
         pending.replica_gather = (gathered, qlayout, shards)
         work = all_gather_into(gathered, own, self.replicate, self.where)
         if exact is not None:  # overlap.gradient_error: the exact float32 sum over the replicas, right behind
             pending.reference = (all_reduce_into(exact, self.replicate, self.where), exact)
         return work
+
+    def _gradient_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``shards`` (one per entry of a reduction's layout) less the presence entry, if carried."""
+        return shards[:-1] if self.reduction_carries_presence else shards
 
     @property
     def finishes_early(self) -> bool:
@@ -1017,9 +1064,12 @@ class ParamGroup:
             return None
         assert not pending.needs_all_reduce
         stream = comm_stream(device, "reduce_scatter" if self.replicate is None else "all_reduce")
+        kept = self._missing_kept(pending)
         targets, accumulate, packed = self._grads_for(pending)
         with torch.cuda.stream(stream):
-            self._copy_out_reduced(pending, targets, accumulate, packed)
+            presence = self._copy_out_reduced(pending, targets, accumulate, packed)
+            if kept is not None:  # reads the presence row on this stream: a host wait, on this rare path only
+                targets = self._drop_grads_no_rank_produced(pending, targets, presence, kept)
             self._run_reduced_hooks(targets)
             return stream.record_event()
 
@@ -1028,11 +1078,59 @@ class ParamGroup:
         With the finite check on, raise ``NonFiniteError`` first if a rank's gradients were not finite."""
         if pending.finite is not None:
             self._raise_if_non_finite(pending)
+        kept = self._missing_kept(pending)
         targets, accumulate, packed = self._grads_for(pending)
-        self._copy_out_reduced(pending, targets, accumulate, packed)
+        presence = self._copy_out_reduced(pending, targets, accumulate, packed)
+        if kept is not None:
+            targets = self._drop_grads_no_rank_produced(pending, targets, presence, kept)
         with _NoGrad():
             self._broadcast_scalar_grads(pending.indices)
         self._run_reduced_hooks(targets)
+
+    def _missing_kept(self, pending: PendingReduce) -> Optional[tuple[bool, ...]]:
+        """For each of ``pending.missing``, does its sharded parameter hold a ``.grad`` from before
+        (kept across steps, a ``no_sync`` micro-batch's)? None when nothing is missing or the
+        reduction carries no presence: nothing to decide."""
+        if not pending.missing or not self.reduction_carries_presence:
+            return None
+        sharded, indices = self.sharded, pending.indices
+        return tuple(sharded[indices[j]].grad is not None for j in pending.missing)
+
+    def _drop_grads_no_rank_produced(self, pending: PendingReduce, targets: list[nn.Parameter],
+                                     presence: Optional[torch.Tensor], kept: tuple[bool, ...]) -> list[nn.Parameter]:
+        """[Note: a gradient no rank produced]: the sharded parameters among ``pending.missing`` that
+        no rank had a gradient for, and that held none before, get ``.grad = None`` back (the
+        reduction made them zeros); returns ``targets`` less those.
+
+        [Note: a gradient no rank produced]
+        A parameter that gets no gradient in a backward (its output dropped, a head the loss leaves
+        out, a branch not taken) keeps ``.grad`` None in a plain model, under FSDP2 (which leaves it
+        out of its reduction) and under DDP with ``find_unused_parameters`` (which all-reduces a
+        bitmap of the used ones), and optimizers skip it: no weight decay, no moment update. Here
+        every rank sends zeros for a gradient it lacks, so that every rank issues the same
+        collective whichever gradients it has (one rank's MoE expert may get no token while
+        another's does: then the average over the ranks is the gradient, as DDP's). Which case it is
+        travels in the same collective: an exact reduction packs, after the gradients, a
+        ``(world_size, n)`` entry whose every row holds this rank's 1 per parameter it has a
+        gradient for, 0 per one it lacks, so each rank's shard of it is (a scaling of) the number
+        of ranks, over the replicas too with HSDP, that had each gradient. A rank that lacked some
+        reads that row after the copy-out (a host wait, on CUDA too, on this path only): where it
+        is 0, no rank had one, and the parameter's ``.grad`` goes back to None, on every rank alike
+        (all read the same counts). Cost on the usual path: ``16 * world_size`` elements or so per
+        reduction (the entry is padded to 16 like every other) and one more entry in the packing
+        launches; nothing is read. At one data-parallel rank there is no reduction
+        (``_move_grads_to_shards`` leaves a missing gradient alone); a compressed reduction does not
+        carry the entry (its counts would share a quantization block with gradients) and keeps the
+        zeros.
+        """
+        assert presence is not None
+        counts = presence.reshape(-1).tolist()
+        dropped = {j for j, had in zip(pending.missing, kept) if not had and counts[j] == 0}
+        if not dropped:
+            return targets
+        for j in dropped:
+            targets[j].grad = None
+        return [p for j, p in enumerate(targets) if j not in dropped]
 
     def _run_reduced_hooks(self, params: list[nn.Parameter]) -> None:
         """The gradients of ``params`` are final for this step: run their post-accumulate-grad hooks,
@@ -1109,7 +1207,11 @@ class ParamGroup:
         placement = self._grad_placements.get(pending.indices)
         if placement is None:
             locals_ = [p._local_tensor for p in targets]  # type: ignore[attr-defined]
-            placement = PackedPlacement.of([t.shape for t in locals_], [t.dtype for t in locals_])
+            shapes, dtypes = [t.shape for t in locals_], [t.dtype for t in locals_]
+            if self.reduction_carries_presence:  # this rank's presence row, last ([Note: a gradient no rank produced])
+                shapes.append(torch.Size((1, len(targets))))
+                dtypes.append(pending.rs_output.dtype)
+            placement = PackedPlacement.of(shapes, dtypes)
             self._grad_placements[pending.indices] = placement
         data = torch.empty(placement.nbytes, dtype=torch.uint8, device=targets[0]._local_tensor.device)
         views = placement.shared_views(data)
@@ -1119,19 +1221,28 @@ class ParamGroup:
         return targets, accumulate, _PackedGrads(data.untyped_storage(), placement, views)
 
     def _copy_out_reduced(self, pending: PendingReduce, targets: list[nn.Parameter], accumulate: bool,
-                          packed: Optional[_PackedGrads]) -> None:
+                          packed: Optional[_PackedGrads]) -> Optional[torch.Tensor]:
+        """Queue the copy-out of ``pending`` into ``targets``' gradients; returns where this rank's
+        presence row lands when the reduction carries one ([Note: a gradient no rank produced])."""
+        presence: Optional[torch.Tensor] = None
+        if self.reduction_carries_presence:
+            presence = (packed.views[-1] if packed is not None
+                        else torch.empty((1, len(targets)), dtype=pending.rs_output.dtype, device=pending.rs_output.device))
+
         def copy_out() -> None:
             with region(self.regions.reduce_scatter_copy_out), _NoGrad():
                 if pending.replica_gather is not None:  # [Note: compressing the inter-node tier]
                     gathered, qlayout, shards = pending.replica_gather
                     _quantized_all_gather_copy_out(gathered, qlayout, shards)
                     if pending.reference is not None:  # what the copy-out below scales, against the exact sum
-                        summed = _flat_float32(shards)
+                        summed = _flat_float32(self._gradient_shards(shards))
                         self._record_gradient_error(pending, lambda: _post_scaled(summed, pending.post_scale))
                 if packed is not None and not self.scalar_indices:  # the views are the layout's rows
                     grads = packed.views
                 else:
                     grads = [_layout_rows(p.grad._local_tensor, self.rank) for p in targets]
+                    if presence is not None:
+                        grads.append(presence)
                 if pending.quantized is not None:
                     _quantized_reduce_scatter_copy_out(pending.rs_output, grads, pending.quantized, self.rank,
                                                        pending.post_scale, accumulate)
@@ -1147,6 +1258,7 @@ class ParamGroup:
                                              else None)  # shared views: one counter for all
 
         _wait_then(pending.work, copy_out)
+        return presence
 
     def _record_gradient_error(self, pending: PendingReduce, compressed: Callable[[], torch.Tensor]) -> None:
         """``overlap.gradient_error``: log ``compressed()``, the compressed average as the copy-out
@@ -1162,7 +1274,7 @@ class ParamGroup:
 
     def _broadcast_scalar_grads(self, indices: tuple[int, ...]) -> None:
         """Replicated (0-dim) parameters: rank 0 holds the reduced gradient; give it to every rank."""
-        scalars = [i for i in self.scalar_indices if i in indices]
+        scalars = [i for i in self.scalar_indices if i in indices and self.sharded[i].grad is not None]
         if not scalars or self.world_size == 1:
             return
         grads = [self.sharded[i].grad._local_tensor for i in scalars]  # type: ignore[union-attr]

@@ -39,7 +39,9 @@ every forward call of the module this step (hooks on the gradients of the call's
 runs a tensor's gradient hooks only after all its consumers ran, and it accumulates a parameter's
 gradient as soon as the op that makes it has run). The second one fires on every rank at the same
 place, also where a parameter got no gradient on some ranks only (a routed expert, a data-dependent
-branch): such a parameter contributes zeros, as with DDP's ``find_unused_parameters``. Where both
+branch): such a parameter contributes zeros, as with DDP's ``find_unused_parameters``, and one that
+no rank has a gradient for keeps ``.grad`` None ([Note: a gradient no rank produced] in
+``overlap/param_group.py``). Where both
 fire, the counted one fires first, and nothing issues a collective between the two: the output
 pre-backward hooks, which prefetch, are node pre-hooks and run after the tensor hooks of the same
 gradient. So the sequence of collectives is the same on every rank. A call that cannot be watched

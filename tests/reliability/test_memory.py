@@ -141,14 +141,17 @@ def _model(budget: Optional[int]) -> TinyLM:
 
 
 def largest_collective_bytes(world: int) -> int:
-    """Bytes of the model's largest collective (float32: a group's all-gather output and its
-    reduce-scatter input are both ``buffer_numel`` elements), from the unsharded model."""
+    """Bytes of the model's largest collective (float32: a group's all-gather output, ``buffer_numel``
+    elements, and its reduce-scatter input, the same shapes and the presence entry of [Note: a
+    gradient no rank produced], ``(world, n)`` for ``n`` parameters), from the unsharded model."""
     torch.manual_seed(0)
     model = TinyLM(**SMALL_SIZES)
     groups = [list(block.parameters()) for block in model.blocks]
     in_blocks = {id(p) for g in groups for p in g}
     groups.append([p for p in model.parameters() if id(p) not in in_blocks])
-    return max(ShardLayout([tuple(p.shape) for p in g], world).buffer_numel * 4 for g in groups)
+    shapes = [[tuple(p.shape) for p in g] for g in groups]
+    return max(max(ShardLayout(s, world).buffer_numel, ShardLayout(s + [(world, len(s))], world).buffer_numel) * 4
+               for s in shapes)
 
 
 def _memory_rank(rank: int, world: int, steps: int) -> dict[str, Any]:

@@ -141,7 +141,8 @@ def test_a_missing_gradient_is_zeros_in_the_dtype_autograd_gives_it(single_rank_
     model(torch.randn(1, 3)).sum().backward()  # the unsharded parameters exist; their gradients moved on
     (group,) = [s.group for s in sharded_states(model) if s.group is not None]
     monkeypatch.setattr(group, "_tp_reduced_grad_dtype", lambda i: torch.float64 if i == 0 else None)
-    grads = group._take_unsharded_grads((0, 1))
+    grads, missing = group._take_unsharded_grads((0, 1))
+    assert missing == (0, 1)
     assert [g.dtype for g in grads] == [torch.float64, torch.float32]
     assert all(not g.any() for g in grads)
 
@@ -195,12 +196,12 @@ def _train_missing(rank: int, kind: str, cached: bool) -> dict[str, Any]:
     for group in groups:
         take = group._take_unsharded_grads
 
-        def keep(indices: tuple[int, ...], take: Callable[..., list[torch.Tensor]] = take) -> list[torch.Tensor]:
-            grads = take(indices)
+        def keep(indices: tuple[int, ...], take: Callable[..., Any] = take) -> tuple[list[torch.Tensor], Any]:
+            grads, missing = take(indices)
             if kind == "a gradient not contiguous" and step_at[0] == CHANGE_AT:
                 grads[0] = _not_contiguous(grads[0])
             kept.append(list(grads))
-            return grads
+            return grads, missing
 
         group._take_unsharded_grads = keep  # type: ignore[method-assign]
     losses = []

@@ -66,7 +66,8 @@ def _grads_rank(rank: int, world: int) -> dict[str, Any]:
                           for g in grads.values() if g._local_tensor.numel())
     seen["specs"] = all(g._spec is p._spec and type(g).__name__ == "DTensor" for g, p in
                         zip(grads.values(), params.values()))
-    keys = [k for k in group.layout._device_cache if isinstance(k, tuple) and k[0] == "packed pointers"]
+    keys = [k for layout in group._reduce_layouts.values() for k in layout._device_cache
+            if isinstance(k, tuple) and k[0] == "packed pointers"]
     seen["kernel_path"] = _launch.triton_enabled(torch.device("cpu"))
     seen["keyed_on_storage"] = storage.data_ptr() in {k[2] for k in keys}
 

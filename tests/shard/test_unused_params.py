@@ -1,12 +1,16 @@
 """Parameters that get no gradient on some ranks only (a data-dependent branch, an MoE expert no
 token was routed to on this rank): every rank must still issue the same collectives in the same
 order, and an unused parameter contributes zeros to the average (DDP ``find_unused_parameters``
-semantics), so training matches the unsharded model on the global batch.
+semantics), so training matches the unsharded model on the global batch. And parameters no rank
+has a gradient for (an output computed and dropped, a head the loss leaves out): their ``.grad``
+stays None, as FSDP2's, plain training's and DDP's ([Note: a gradient no rank produced]).
 
 Tolerance: 1e-5 relative (fp32; the reduce-scatter sums ranks' gradients in another order than one
-process sums the global batch).
+process sums the global batch); against FSDP2, bitwise.
 """
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -120,3 +124,84 @@ def test_rank_dependent_unused_parameters_train_like_unsharded(distributed, worl
         torch.testing.assert_close(r["losses"], want_losses, rtol=RTOL, atol=0)
         for key, value in ref.state_dict().items():
             torch.testing.assert_close(r["full"][key], value, rtol=RTOL, atol=1e-7, msg=key)
+
+
+# ------------------------------------------------------------- a gradient no rank produced
+# [Note: a gradient no rank produced] in overlap/param_group.py: where no rank has a parameter's
+# gradient (an output computed and dropped, a head the loss leaves out), its ``.grad`` stays None, as
+# in a plain model and under FSDP2, so that AdamW's weight decay and moments leave it alone; a
+# gradient accumulated by an earlier micro-batch stays as it was.
+
+class _Dropping(nn.Module):
+    """Three blocks and two heads; ``drop``: the block whose output is computed and dropped;
+    ``use_aux``: whether the loss takes the ``aux`` head (a part of the root's group)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.aux = nn.Linear(8, 3)
+        self.out = nn.Linear(8, 2)
+        self.drop: Optional[int] = None
+        self.use_aux = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            y = torch.tanh(block(x))
+            if i != self.drop:
+                x = y
+        head = self.out(x).sum(1)
+        return head + self.aux(x).sum(1) if self.use_aux else head
+
+
+# per step: (micro-batches, the block dropped in the last one, whether it uses aux); the first
+# micro-batches of a step run under set_requires_gradient_sync(False) and use every parameter
+DROP_SCHEDULE = [(1, None, True), (1, 1, False), (2, 1, True), (1, None, True)]
+
+
+def _dropping_rank(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    out: dict[str, Any] = {}
+    for runtime, shape in (("overlap", (world,)), ("fsdp2", (world,)), ("overlap", (world, 1)), ("fsdp2", (world, 1))):
+        fully_shard = overlap.fully_shard if runtime == "overlap" else torch_fully_shard
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else None)
+        torch.manual_seed(0)
+        model = _Dropping()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5, foreach=False)
+        g = torch.Generator().manual_seed(3)
+        missing = []
+        for micro_batches, drop, use_aux in DROP_SCHEDULE:
+            for m in range(micro_batches):
+                last = m == micro_batches - 1
+                model.set_requires_gradient_sync(last)
+                model.drop, model.use_aux = (drop, use_aux) if last else (None, True)
+                x = torch.randn(4 * world, 6, generator=g).chunk(world)[rank]
+                model(x).pow(2).mean().backward()
+            missing.append(sorted(n for n, p in model.named_parameters() if p.grad is None))
+            opt.step()
+            opt.zero_grad()
+        out[runtime, shape] = {"missing": missing,
+                               "state": {n: p.full_tensor() for n, p in model.named_parameters()}}
+    return out
+
+
+def test_a_gradient_no_rank_produced_stays_none_as_in_fsdp2(distributed) -> None:
+    """2 ranks, 1-D and HSDP ``(2, 1)`` (where the replicas' all-reduce carries the counts): after each
+    step's backward the same parameters have no ``.grad`` as under FSDP2 (a dropped block's and the
+    unused head's in step 2; in step 3 the dropped block keeps the gradient its ``no_sync``
+    micro-batch accumulated), and four AdamW steps with weight decay end bitwise equal to FSDP2's.
+    Fails when the reduction makes their gradients zeros (the decay then moves them)."""
+    for r in distributed(_dropping_rank, 2, timeout=120):
+        for shape in ((2,), (2, 1)):
+            ours, torchs = r["overlap", shape], r["fsdp2", shape]
+            dropped = ["aux.bias", "aux.weight", "blocks.1.bias", "blocks.1.weight"]
+            assert torchs["missing"] == [[], dropped, [], []], torchs["missing"]  # the schedule does what it says
+            assert ours["missing"] == torchs["missing"], shape
+            for name, want in torchs["state"].items():
+                assert torch.equal(ours["state"][name], want), (shape, name)
