@@ -242,10 +242,10 @@ class ParamGroup:
         self.replicas = replicate.size if replicate is not None else 1
         self.data_parallel_size = info.size * self.replicas
         self.single_rank = self.data_parallel_size == 1
-        self.reduction_carries_presence = not self.single_rank and self.quantized_reduce is None
+        self.reduction_carries_presence = not self.single_rank
         """Does the reduction carry which parameters got a gradient on some rank ([Note: a gradient no
-        rank produced])? Not at one data-parallel rank (``_move_grads_to_shards`` sees it) nor in a
-        compressed 1-D reduction."""
+        rank produced])? Not at one data-parallel rank, where nothing is reduced
+        (``_move_grads_to_shards`` sees a missing gradient itself)."""
         self._all_present: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         """Per (parameter count, dtype, device), the presence rows of a reduction whose gradients all
         came: made once, so that the usual reduction allocates nothing for them."""
@@ -804,7 +804,9 @@ class ParamGroup:
         grads, missing = self._take_unsharded_grads(indices)
         layout = self._reduce_layout(indices)
         if self.compression is not None and self.quantized_reduce is not None:
-            return self._issue_quantized_reduce(grads, indices, layout)
+            # each rank's row of 0 / 1 quantizes exactly (blocks never span two entries)
+            grads.append(self._presence_rows(len(indices), missing, torch.float32, grads[0].device))
+            return self._issue_quantized_reduce(grads, indices, layout, missing)
         # the gradients' dtypes, read (one pass) where the reduce dtype needs them: handed to the
         # copy-in, whose new address sets then need only their contiguity read
         read = None if self.mp.effective_reduce_dtype is not None else native_passes.dtypes(grads, build=False)
@@ -869,7 +871,7 @@ class ParamGroup:
         return grads, tuple(missing)
 
     def _issue_quantized_reduce(self, grads: list[torch.Tensor], indices: tuple[int, ...],
-                                layout: ShardLayout) -> PendingReduce:
+                                layout: ShardLayout, missing: tuple[int, ...]) -> PendingReduce:
         """Compressed reduction ([Note: compressed collectives] in ``overlap/compression.py``): quantize
         the gradients into one quantized slot per rank, all-to-all them to their owners; the copy-out
         sums in float32 and averages (``1/w`` after the sum, whatever the reduce dtype)."""
@@ -889,10 +891,16 @@ class ParamGroup:
         if measure:  # overlap.gradient_error: the exact reduce-scatter to compare with
             assert exact is not None
             exact_slot = torch.empty(layout.slot_numel, dtype=torch.float32, device=exact.device)
-            reference = (reduce_scatter_into(exact_slot, exact, self.info, self.where), exact_slot)
+            reference = (reduce_scatter_into(exact_slot, exact, self.info, self.where),
+                         exact_slot[:self._gradients_numel(layout)])
         finite = self._start_finite_check(exact, True) if check else None
         return PendingReduce(work, received, indices, layout, 1.0 / self.world_size, finite=finite, quantized=qlayout,
-                             reference=reference)
+                             reference=reference, missing=missing)
+
+    def _gradients_numel(self, layout: ShardLayout) -> int:
+        """Elements of a slot of reduction ``layout`` before the presence entry, if carried: the
+        gradients' part, which ``overlap.gradient_error`` compares."""
+        return layout.slot_offsets[-1] if self.reduction_carries_presence else layout.slot_numel
 
     @functools.cached_property
     def _finite_slots(self) -> tuple[int, tuple[int, ...]]:
@@ -1119,9 +1127,12 @@ class ParamGroup:
         (all read the same counts). Cost on the usual path: ``16 * world_size`` elements or so per
         reduction (the entry is padded to 16 like every other) and one more entry in the packing
         launches; nothing is read. At one data-parallel rank there is no reduction
-        (``_move_grads_to_shards`` leaves a missing gradient alone); a compressed reduction does not
-        carry the entry (its counts would share a quantization block with gradients) and keeps the
-        zeros.
+        (``_move_grads_to_shards`` leaves a missing gradient alone). Compressed, the counts stay
+        exact: a quantization block never spans two entries, so a block of the entry holds only 0s
+        and 1s (the 1-D reduction quantizes each rank's row, float32; the HSDP replica sum clamps
+        its counts to 1 before each of its two quantizations), which quantize exactly; the owner's
+        float32 sum is a count again. ``overlap.gradient_error`` compares the gradients' part of a
+        slot only.
         """
         assert presence is not None
         counts = presence.reshape(-1).tolist()
@@ -1247,7 +1258,7 @@ class ParamGroup:
                     _quantized_reduce_scatter_copy_out(pending.rs_output, grads, pending.quantized, self.rank,
                                                        pending.post_scale, accumulate)
                     if pending.reference is not None:
-                        quantized, numel = pending.quantized, pending.layout.slot_numel
+                        quantized, numel = pending.quantized, self._gradients_numel(pending.layout)
                         self._record_gradient_error(
                             pending, lambda: summed_slots(pending.rs_output, quantized, pending.post_scale)[:numel])
                 else:

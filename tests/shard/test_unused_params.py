@@ -165,14 +165,17 @@ def _dropping_rank(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     out: dict[str, Any] = {}
-    for runtime, shape in (("overlap", (world,)), ("fsdp2", (world,)), ("overlap", (world, 1)), ("fsdp2", (world, 1))):
-        fully_shard = overlap.fully_shard if runtime == "overlap" else torch_fully_shard
+    int8 = overlap.Compression(reduce="int8")
+    for runtime, shape in (("overlap", (world,)), ("fsdp2", (world,)), ("overlap", (world, 1)), ("fsdp2", (world, 1)),
+                           ("overlap int8", (world,)), ("overlap int8", (world, 1))):
+        fully_shard = torch_fully_shard if runtime == "fsdp2" else overlap.fully_shard
+        kwargs = {"compress": int8} if runtime == "overlap int8" else {}
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else None)
         torch.manual_seed(0)
         model = _Dropping()
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **kwargs)
+        fully_shard(model, mesh=mesh, **kwargs)
         opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5, foreach=False)
         g = torch.Generator().manual_seed(3)
         missing = []
@@ -196,7 +199,9 @@ def test_a_gradient_no_rank_produced_stays_none_as_in_fsdp2(distributed) -> None
     step's backward the same parameters have no ``.grad`` as under FSDP2 (a dropped block's and the
     unused head's in step 2; in step 3 the dropped block keeps the gradient its ``no_sync``
     micro-batch accumulated), and four AdamW steps with weight decay end bitwise equal to FSDP2's.
-    Fails when the reduction makes their gradients zeros (the decay then moves them)."""
+    Compressed (``reduce="int8"``: the 1-D all-to-all, and HSDP's quantized replica sum), the same
+    ``.grad``s are missing. Fails when the reduction makes their gradients zeros (the decay then
+    moves them)."""
     for r in distributed(_dropping_rank, 2, timeout=120):
         for shape in ((2,), (2, 1)):
             ours, torchs = r["overlap", shape], r["fsdp2", shape]
@@ -205,3 +210,4 @@ def test_a_gradient_no_rank_produced_stays_none_as_in_fsdp2(distributed) -> None
             assert ours["missing"] == torchs["missing"], shape
             for name, want in torchs["state"].items():
                 assert torch.equal(ours["state"][name], want), (shape, name)
+            assert r["overlap int8", shape]["missing"] == torchs["missing"], shape

@@ -1,0 +1,261 @@
+"""Training recipes side by side: ``overlap.fully_shard`` vs torch FSDP2 vs plain training, collectives and values.
+
+What is measured. Each recipe is a short training loop a user of FSDP2 writes (gradient accumulation,
+a block whose output is dropped, a frozen block, layer drop, a no_grad forward between backward and
+step, a state-dict round trip, ...). It runs on ``--world-size`` gloo ranks behind the counting link
+(``overlap.testing``: every collective counted, no delay) three ways from one seed: the 4-block
+test-suite ``TinyLM`` under ``overlap.fully_shard`` (the one-line swap), under torch's
+``fully_shard``, and unsharded on the global batch in each rank (the reference). AdamW
+(``foreach=False``, weight decay 0.1), ``--steps`` steps. Per recipe and runtime:
+
+* all-gathers and gradient reductions per step, from step 2 on (step 1 also agrees the forward
+  order: one more all-gather), as ``a..b`` when steps differ;
+* the largest absolute difference of any parameter from the plain run after the last step (both
+  sharded runtimes differ from it by the reduction's summation order: a few 1e-6 on 2 ranks; a
+  recipe one of them gets wrong shows as 1e-3 or more);
+* whether overlap's losses and parameters are bitwise FSDP2's.
+
+An error in a run is shown in its cells (its type and message start), and the others still run.
+The recipes are where faults were found before (two forwards before one backward; FSDP2's
+accumulation recipe; a gradient no rank produced): see ``docs/DESIGN.md``.
+
+Usual command::
+
+    python benchmarks/bench_recipes.py
+    python benchmarks/bench_recipes.py --world-size 3 --recipes plain,discard
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any, Optional, Sequence
+
+import _common
+import torch
+
+import overlap
+from models import COUNTING_LINK, SEED, TinyLM, gradient_reductions, local_batch, make_batch
+from report import emit
+
+
+class RecipeLM(TinyLM):
+    """``TinyLM`` whose forward can run its blocks in another ``order`` (None: all, in order) and
+    compute a block's output and drop it (``discard``)."""
+
+    order: Optional[list[int]] = None
+    discard: tuple[int, ...] = ()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for i in (self.order if self.order is not None else range(len(self.blocks))):
+            y = self.blocks[i](x)
+            if i not in self.discard:
+                x = y
+        return self.head(self.ln_f(x))
+
+
+LAYERS = 4
+
+# recipe -> what it does in a step, before / after the backward (see ``_step``)
+RECIPES = {
+    "plain": "one forward, one backward, step",
+    "no_sync": "a micro-batch under set_requires_gradient_sync(False), then a synced one",
+    "accumulate_synced": "two backwards per step, both synced",
+    "two_forwards": "(loss(a) + loss(b)).backward()",
+    "forward_without_backward": "a forward with grad enabled whose graph is dropped, then the step",
+    "eval_no_grad_between": "a no_grad forward before each step's forward",
+    "no_grad_forward_before_step": "a no_grad forward between backward and optimizer step",
+    "discard": "steps 2-3: block 2's output computed and dropped",
+    "freeze_mid": "step 3: block 0 frozen (requires_grad_(False))",
+    "frozen_from_start": "the position embedding and block 1 frozen before sharding",
+    "layer_drop": "step 2: block 1 skipped",
+    "layer_drop_alt": "every step skips block 1 or block 2, alternating",
+    "reversed": "steps 3-4: blocks run in reverse order",
+    "block_twice": "block 1 called twice per forward",
+    "unshard_async": "blocks[0].unshard(async_op=True).wait() before each forward",
+    "clip": "clip_grad_norm_(0.05) before each step",
+    "zero_grad_keep": "zero_grad(set_to_none=False)",
+    "state_dict_roundtrip": "get / set_model_state_dict after each step",
+    "checkpoint": "checkpoint_wrapper on each block",
+    "explicit_prefetch": "set_modules_to_forward / backward_prefetch on the blocks",
+    "no_reshard_after_forward": "reshard_after_forward=False on the blocks",
+    "reshard_after_step": "model.reshard() after each step",
+}
+
+
+def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(SEED)
+    model = RecipeLM(layers=LAYERS)
+    if recipe == "frozen_from_start":
+        model.pos.weight.requires_grad_(False)
+        model.blocks[1].requires_grad_(False)
+    if runtime == "plain":
+        return model
+    if recipe == "checkpoint":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i in range(LAYERS):
+            model.blocks[i] = checkpoint_wrapper(model.blocks[i])
+    fully_shard = overlap.fully_shard if runtime == "overlap" else torch_fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    kwargs = {"reshard_after_forward": False} if recipe == "no_reshard_after_forward" else {}
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh)
+    if recipe == "explicit_prefetch":
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    return model
+
+
+def _step(model: Any, opt: torch.optim.Optimizer, runtime: str, recipe: str, step: int, batch: torch.Tensor) -> float:
+    """One training step of ``recipe``; returns the (last) loss."""
+    sharded = runtime != "plain"
+    model.order, model.discard = None, ()
+    if recipe == "freeze_mid":
+        model.blocks[0].requires_grad_(step != 2)
+    if recipe == "layer_drop" and step == 1:
+        model.order = [0, 2, 3]
+    if recipe == "layer_drop_alt":
+        model.order = [0, 2, 3] if step % 2 else [0, 1, 3]
+    if recipe == "reversed" and step >= 2:
+        model.order = [3, 2, 1, 0]
+    if recipe == "block_twice":
+        model.order = [0, 1, 1, 2, 3]
+    if recipe == "discard" and step in (1, 2):
+        model.discard = (2,)
+    if recipe == "unshard_async" and sharded:
+        model.blocks[0].unshard(async_op=True).wait()
+    if recipe == "eval_no_grad_between":
+        with torch.no_grad():
+            model(batch[:, :-1])
+    if recipe == "forward_without_backward":
+        model(batch[:, :-1]).sum().item()
+    if recipe == "no_sync":
+        if sharded:
+            model.set_requires_gradient_sync(False)
+        model.loss(batch.flip(0)).backward()
+        if sharded:
+            model.set_requires_gradient_sync(True)
+    if recipe == "accumulate_synced":
+        model.loss(batch.flip(0)).backward()
+    loss = model.loss(batch) + model.loss(batch.flip(0)) if recipe == "two_forwards" else model.loss(batch)
+    loss.backward()
+    if recipe == "no_grad_forward_before_step":
+        with torch.no_grad():
+            model(batch[:, :-1])
+    if recipe == "clip":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    opt.step()
+    opt.zero_grad(set_to_none=recipe != "zero_grad_keep")
+    if recipe == "state_dict_roundtrip" and sharded:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        state = {k: v.detach().clone() for k, v in get_model_state_dict(model).items()}
+        set_model_state_dict(model, state)
+    if recipe == "reshard_after_step" and sharded:
+        model.reshard()
+    return loss.item()
+
+
+def _run(runtime: str, recipe: str, rank: int, world: int, steps: int) -> dict[str, Any]:
+    from overlap.testing import current_link
+
+    link = current_link()
+    model = _build(runtime, recipe, world)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad or recipe == "freeze_mid"],
+                            lr=1e-2, weight_decay=0.1, foreach=False)
+    gathers, reductions, losses = [], [], []
+    for step in range(steps):
+        before = link.stats()
+        batch = make_batch(step)
+        losses.append(_step(model, opt, runtime, recipe, step,
+                            batch if runtime == "plain" else local_batch(batch, rank, world)))
+        after = link.stats()
+        gathers.append(sum(n for op, n in after.by_op.items() if "all_gather" in op)
+                       - sum(n for op, n in before.by_op.items() if "all_gather" in op))
+        reductions.append(gradient_reductions(after) - gradient_reductions(before))
+    # the optimizer's parameters: the sharded ones, whatever a module holds after the step
+    params = [p.full_tensor() if runtime != "plain" else p.detach().clone()
+              for group in opt.param_groups for p in group["params"]]
+    return {"gathers": gathers, "reductions": reductions, "losses": losses, "params": params}
+
+
+def _rank(rank: int, world: int, recipes: Sequence[str], steps: int) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for recipe in recipes:
+        out[recipe] = {}
+        for runtime in ("overlap", "fsdp2", "plain"):
+            try:
+                out[recipe][runtime] = _run(runtime, recipe, rank, world, steps)
+            except Exception as e:  # noqa: BLE001 - shown in the table, the other runs go on
+                out[recipe][runtime] = {"error": f"{type(e).__name__}: {str(e)[:80]}",
+                                        "trace": traceback.format_exc()[-2000:]}
+    return out
+
+
+def _per_step(counts: list[int]) -> str:
+    later = counts[1:] or counts
+    return str(later[0]) if min(later) == max(later) else f"{min(later)}..{max(later)}"
+
+
+def _deviation(run: dict[str, Any], plain: dict[str, Any]) -> str:
+    if "error" in run or "error" in plain:
+        return "-"
+    return f"{max((a - b).abs().max().item() for a, b in zip(run['params'], plain['params'])):.1e}"
+
+
+def rows(results: dict[str, dict[str, Any]]) -> list[list[object]]:
+    table: list[list[object]] = []
+    for recipe, runs in results.items():
+        ours, torchs, plain = runs["overlap"], runs["fsdp2"], runs["plain"]
+        cells: list[object] = [recipe]
+        for key in ("gathers", "reductions"):
+            for run in (ours, torchs):
+                cells.append(run["error"] if "error" in run else _per_step(run[key]))
+        cells += [_deviation(ours, plain), _deviation(torchs, plain)]
+        bitwise: object = "-"
+        if "error" not in ours and "error" not in torchs:
+            bitwise = "yes" if ours["losses"] == torchs["losses"] and all(
+                torch.equal(a, b) for a, b in zip(ours["params"], torchs["params"])) else "no"
+        cells.append(bitwise)
+        table.append(cells)
+    return table
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = _common.parser(__doc__)
+    _common.add_world_size(p)
+    p.add_argument("--steps", type=int, default=4, help="training steps per run (default 4)")
+    p.add_argument("--recipes", default=",".join(RECIPES),
+                   help=f"comma-separated recipes (default all: {', '.join(RECIPES)})")
+    args = _common.parse(p, argv)
+    recipes = args.recipes.split(",")
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        p.error(f"--recipes: unknown {unknown}; choose from {', '.join(RECIPES)}")
+    if args.steps < 2:
+        p.error(f"--steps must be >= 2 (counts are from step 2 on), got {args.steps}")
+    from overlap.testing import run_distributed
+
+    results = run_distributed(_rank, args.world_size, recipes, args.steps, link=COUNTING_LINK, timeout=900)[0]
+    header = ["recipe", "all-gathers / step: overlap", "FSDP2", "reductions / step: overlap", "FSDP2",
+              "max |param - plain|: overlap", "FSDP2", "overlap bitwise FSDP2"]
+    emit(f"Training recipes side by side, TinyLM ({LAYERS} blocks), {args.world_size} gloo ranks, "
+         f"{args.steps} AdamW steps; counts from step 2 on", header, rows(results), args.markdown)
+    legend = "; ".join(f"{name}: {what}" for name, what in RECIPES.items() if name in recipes)
+    print(f"recipes: {legend}")
+    for recipe, runs in results.items():
+        for runtime, run in runs.items():
+            if "trace" in run:
+                print(f"\n{recipe} / {runtime}:\n{run['trace']}")
+
+
+if __name__ == "__main__":
+    main()
