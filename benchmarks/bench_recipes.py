@@ -246,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     results = run_distributed(_rank, args.world_size, recipes, args.steps, link=COUNTING_LINK, timeout=900)[0]
     header = ["recipe", "all-gathers / step: overlap", "FSDP2", "reductions / step: overlap", "FSDP2",
-              "max |param - plain|: overlap", "FSDP2", "overlap bitwise FSDP2"]
+              "max abs(param - plain): overlap", "FSDP2", "overlap bitwise FSDP2"]
     emit(f"Training recipes side by side, TinyLM ({LAYERS} blocks), {args.world_size} gloo ranks, "
          f"{args.steps} AdamW steps; counts from step 2 on", header, rows(results), args.markdown)
     legend = "; ".join(f"{name}: {what}" for name, what in RECIPES.items() if name in recipes)
