@@ -70,7 +70,8 @@ start of backward; on the demo the largest idle piece of the step was there, 75-
 group's last forward call (``_kept_for_backward``). Memory: the same ``1 + prefetch`` groups a
 ``prefetch``-deep lead into backward would hold, and ``prefetch`` re-gathers fewer on the link
 per step. Program order only (the agreed order and the depth), so the same on every rank; a step
-that leaves the order keeps nothing from there on; a forward with no backward after it leaves
+that leaves the order keeps, from there on, the last groups that ran within the same bound
+([Note: kept off script]); a forward with no backward after it leaves
 them unsharded for the next forward, which continues its step ([Note: forwards before one
 backward]).
 
@@ -434,7 +435,8 @@ class ShardState:
             root.post_forward_seq.append(self.index)
             if self.group is not None:
                 self.group.to_sharded()
-                if self.reshard_after_forward and root.owner is not self and not root.kept_for_backward(self):
+                if (self.reshard_after_forward and root.owner is not self and not root.kept_for_backward(self)
+                        and not root.kept_off_script(self)):
                     self.group.reshard()
             if torch.is_grad_enabled():
                 self._hook_outputs(output)
@@ -589,6 +591,8 @@ class _Root:
         self._running: list[int] = []  # positions whose forward is running, innermost last
         self._kept: frozenset[int] = frozenset()  # forward positions kept unsharded for backward
         self._kept_for: Optional[tuple[list[int], int]] = None  # (agreed order, depth) _kept was computed for
+        self._kept_count = 0  # groups kept on script in this forward
+        self._off_script_kept: list[ShardState] = []  # kept off script, oldest first: [Note: kept off script]
         # Gather-ahead (see [Note: gathering ahead in backward]): the agreed (count, lag) plan, None: off.
         self.gather_ahead: Optional[tuple[int, int]] = None
         self._ahead: set[int] = set()  # groups whose next-step gather this backward issued (kept by _finish_step)
@@ -699,6 +703,8 @@ class _Root:
         self.forward_seq = []
         self.post_forward_seq = []
         self._on_script = True
+        self._kept_count = 0
+        self._off_script_kept = []
         self.recording_costs = self.auto_prefetch and self.chosen_depth is None
         self._costs, self._running = [], []
         self._between = [-1.0, -1.0]
@@ -713,6 +719,7 @@ class _Root:
         order = self.agreed_order
         # Prefetch only while this step follows the agreed order (see [Note: same collectives, ...]).
         self._on_script = self._on_script and order is not None and position < len(order) and order[position] == state.index
+        self.make_room_off_script(state)
         if state.group is not None:
             # gathered (or kept unsharded) before its shards changed: gather again, in order
             if (self.communicates and state.group.stale_gather()) or state.group.stale_unsharded():
@@ -990,7 +997,52 @@ class _Root:
         if self._kept_for is None or self._kept_for[0] is not order or self._kept_for[1] != self.owner.prefetch:
             self._kept = _kept_for_backward(order, self.owner.prefetch, self.owner.index)
             self._kept_for = (order, self.owner.prefetch)
-        return position in self._kept
+        kept = position in self._kept
+        self._kept_count += kept
+        return kept
+
+    def _holds_off_script(self) -> bool:
+        return not (self._on_script or self.recording_costs or self.agreed_order is None
+                    or not torch.is_grad_enabled())
+
+    def _hold_at_most(self, count: int, keep: Optional[ShardState] = None) -> None:
+        """Reshard the oldest groups kept off script until at most ``count`` are (never ``keep``)."""
+        held = self._off_script_kept
+        while len(held) > max(count, 0):
+            oldest = held.pop(0)
+            if oldest is not keep:
+                assert oldest.group is not None
+                oldest.group.reshard()
+
+    def kept_off_script(self, state: ShardState) -> bool:
+        """Off the agreed order (grad enabled, the order agreed, not a step that records costs): keep
+        ``state`` unsharded among the last groups that ran. [Note: kept off script]
+
+        On script, the groups kept for backward are known from the agreed order as their forward
+        ends. A step that leaves that order (a skipped block, another branch, layer drop) cannot know
+        which groups will be its last, and kept none from there on: backward then gathered every
+        one of them again (on ``benchmarks/bench_recipes.py``'s alternating layer drop, 2 gathers a
+        step more than on script, and more than FSDP2). So from there each group stays unsharded
+        after its forward, the newest last, within the script's bound: ``1 + prefetch`` groups less
+        those kept on script in this forward, counting the one whose forward runs, so a group's
+        pre-forward reshards the oldest held one first (``make_room_off_script``) and its
+        post-forward joins them. When forward ends, the held ones are the last groups that ran,
+        which backward needs first. Program order only, like the script's choice; a reshard is
+        local to the rank."""
+        if not self._holds_off_script():
+            return False
+        held = self._off_script_kept
+        if state in held:  # ran again: now the newest
+            held.remove(state)
+        held.append(state)
+        self._hold_at_most(1 + self.owner.prefetch - self._kept_count, keep=state)
+        return state in held
+
+    def make_room_off_script(self, state: ShardState) -> None:
+        """Before ``state``'s forward, off script: hold at most ``prefetch`` (less the kept) other
+        groups, so that with ``state`` unsharded the bound holds ([Note: kept off script])."""
+        if self._holds_off_script() and state.group is not None and state not in self._off_script_kept:
+            self._hold_at_most(self.owner.prefetch - self._kept_count)
 
     def end_forward(self) -> None:
         self.in_forward = False
