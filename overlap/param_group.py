@@ -242,14 +242,11 @@ class ParamGroup:
         self.replicas = replicate.size if replicate is not None else 1
         self.data_parallel_size = info.size * self.replicas
         self.single_rank = self.data_parallel_size == 1
-        self.reduction_carries_presence = not self.single_rank
-        """Does the reduction carry which parameters got a gradient on some rank ([Note: a gradient no
-        rank produced])? Not at one data-parallel rank, where nothing is reduced
-        (``_move_grads_to_shards`` sees a missing gradient itself)."""
+        """One data-parallel rank: nothing travels (see [Note: world size 1])."""
         self._all_present: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         """Per (parameter count, dtype, device), the presence rows of a reduction whose gradients all
-        came: made once, so that the usual reduction allocates nothing for them."""
-        """One data-parallel rank: nothing travels (see [Note: world size 1])."""
+        came ([Note: a gradient no rank produced]): made once, so that the usual reduction allocates
+        nothing for them."""
         self.locations = locations
         self._slots = [(loc.module._parameters, loc.name, i) for i, locs in enumerate(locations) for loc in locs]
         """Per location, ``(module._parameters, name, parameter index)``: a module keeps its
@@ -739,11 +736,13 @@ class ParamGroup:
         return grad._local_tensor
 
     def _reduce_layout(self, indices: tuple[int, ...]) -> ShardLayout:
-        """The layout the reduction of ``indices`` packs: their shapes, then, when the reduction carries
-        presence (``reduction_carries_presence``), a ``(world_size, len(indices))`` entry for it."""
+        """The layout the reduction of ``indices`` packs: their shapes, then a ``(world_size,
+        len(indices))`` entry for the presence every reduction carries ([Note: a gradient no rank
+        produced]); at one data-parallel rank, where nothing is reduced (``reduce_bytes`` only),
+        their shapes alone."""
         layout = self._reduce_layouts.get(indices)
         if layout is None:
-            if self.reduction_carries_presence:
+            if not self.single_rank:
                 shapes = [self.layout.shapes[i] for i in indices] + [(self.world_size, len(indices))]
                 layout = ShardLayout(shapes, self.world_size)
             elif len(indices) == len(self.layout.shapes):
@@ -811,10 +810,9 @@ class ParamGroup:
         # copy-in, whose new address sets then need only their contiguity read
         read = None if self.mp.effective_reduce_dtype is not None else native_passes.dtypes(grads, build=False)
         dtype = self.mp.effective_reduce_dtype or widest_dtype(read)
-        if self.reduction_carries_presence:
-            grads.append(self._presence_rows(len(indices), missing, dtype, grads[0].device))
-            if read is not None:
-                read = (*read, dtype)
+        grads.append(self._presence_rows(len(indices), missing, dtype, grads[0].device))
+        if read is not None:
+            read = (*read, dtype)
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             pre_scale, post_scale = _average_scales(dtype, self.data_parallel_size)
             rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, read, owned=self._owned_grads)
@@ -892,15 +890,10 @@ class ParamGroup:
             assert exact is not None
             exact_slot = torch.empty(layout.slot_numel, dtype=torch.float32, device=exact.device)
             reference = (reduce_scatter_into(exact_slot, exact, self.info, self.where),
-                         exact_slot[:self._gradients_numel(layout)])
+                         exact_slot[:layout.slot_offsets[-1]])  # the gradients: before the presence entry
         finite = self._start_finite_check(exact, True) if check else None
         return PendingReduce(work, received, indices, layout, 1.0 / self.world_size, finite=finite, quantized=qlayout,
                              reference=reference, missing=missing)
-
-    def _gradients_numel(self, layout: ShardLayout) -> int:
-        """Elements of a slot of reduction ``layout`` before the presence entry, if carried: the
-        gradients' part, which ``overlap.gradient_error`` compares."""
-        return layout.slot_offsets[-1] if self.reduction_carries_presence else layout.slot_numel
 
     @functools.cached_property
     def _finite_slots(self) -> tuple[int, tuple[int, ...]]:
@@ -1028,30 +1021,24 @@ class ParamGroup:
         if pending.work is not None:
             pending.work.wait()
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
-            if self.reduction_carries_presence:  # counts as 0 / 1: a block of them quantizes exactly
-                shards[-1].clamp_(max=1)
+            shards[-1].clamp_(max=1)  # the presence counts as 0 / 1: a block of them quantizes exactly
             slots, _ = _quantized_copy_in(shards, qlayout, None)
             exact = None
             if gradient_error.SWITCH.on and gradient_error.SWITCH.resolve():  # this rank's shards, exact (a copy)
-                exact = _flat_float32(self._gradient_shards(shards))
+                exact = _flat_float32(shards[:-1])  # the gradients: all but the presence entry
         received = torch.empty_like(slots)
         quantized_reduce_into(received, slots, self.replicate, fmt, self.where).wait()
         r = self.replicate.rank
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             summed = summed_slots(received, qlayout, None)[: qlayout.layout.slot_numel]
             owned = qlayout.layout.shard_views(summed, r)
-            if self.reduction_carries_presence:
-                owned[-1].clamp_(max=1)
+            owned[-1].clamp_(max=1)
             own, gathered = _quantized_copy_in(owned, qlayout, r)
         pending.replica_gather = (gathered, qlayout, shards)
         work = all_gather_into(gathered, own, self.replicate, self.where)
         if exact is not None:  # overlap.gradient_error: the exact float32 sum over the replicas, right behind
             pending.reference = (all_reduce_into(exact, self.replicate, self.where), exact)
         return work
-
-    def _gradient_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``shards`` (one per entry of a reduction's layout) less the presence entry, if carried."""
-        return shards[:-1] if self.reduction_carries_presence else shards
 
     @property
     def finishes_early(self) -> bool:
@@ -1097,15 +1084,15 @@ class ParamGroup:
 
     def _missing_kept(self, pending: PendingReduce) -> Optional[tuple[bool, ...]]:
         """For each of ``pending.missing``, does its sharded parameter hold a ``.grad`` from before
-        (kept across steps, a ``no_sync`` micro-batch's)? None when nothing is missing or the
-        reduction carries no presence: nothing to decide."""
-        if not pending.missing or not self.reduction_carries_presence:
+        (kept across steps, a ``no_sync`` micro-batch's)? None when nothing is missing: nothing to
+        decide."""
+        if not pending.missing:
             return None
         sharded, indices = self.sharded, pending.indices
         return tuple(sharded[indices[j]].grad is not None for j in pending.missing)
 
     def _drop_grads_no_rank_produced(self, pending: PendingReduce, targets: list[nn.Parameter],
-                                     presence: Optional[torch.Tensor], kept: tuple[bool, ...]) -> list[nn.Parameter]:
+                                     presence: torch.Tensor, kept: tuple[bool, ...]) -> list[nn.Parameter]:
         """[Note: a gradient no rank produced]: the sharded parameters among ``pending.missing`` that
         no rank had a gradient for, and that held none before, get ``.grad = None`` back (the
         reduction made them zeros); returns ``targets`` less those.
@@ -1118,7 +1105,7 @@ class ParamGroup:
         every rank sends zeros for a gradient it lacks, so that every rank issues the same
         collective whichever gradients it has (one rank's MoE expert may get no token while
         another's does: then the average over the ranks is the gradient, as DDP's). Which case it is
-        travels in the same collective: an exact reduction packs, after the gradients, a
+        travels in the same collective: every reduction packs, after the gradients, a
         ``(world_size, n)`` entry whose every row holds this rank's 1 per parameter it has a
         gradient for, 0 per one it lacks, so each rank's shard of it is (a scaling of) the number
         of ranks, over the replicas too with HSDP, that had each gradient. A rank that lacked some
@@ -1134,7 +1121,6 @@ class ParamGroup:
         float32 sum is a count again. ``overlap.gradient_error`` compares the gradients' part of a
         slot only.
         """
-        assert presence is not None
         counts = presence.reshape(-1).tolist()
         dropped = {j for j, had in zip(pending.missing, kept) if not had and counts[j] == 0}
         if not dropped:
@@ -1219,9 +1205,9 @@ class ParamGroup:
         if placement is None:
             locals_ = [p._local_tensor for p in targets]  # type: ignore[attr-defined]
             shapes, dtypes = [t.shape for t in locals_], [t.dtype for t in locals_]
-            if self.reduction_carries_presence:  # this rank's presence row, last ([Note: a gradient no rank produced])
-                shapes.append(torch.Size((1, len(targets))))
-                dtypes.append(pending.rs_output.dtype)
+            # this rank's presence row, last ([Note: a gradient no rank produced])
+            shapes.append(torch.Size((1, len(targets))))
+            dtypes.append(pending.rs_output.dtype)
             placement = PackedPlacement.of(shapes, dtypes)
             self._grad_placements[pending.indices] = placement
         data = torch.empty(placement.nbytes, dtype=torch.uint8, device=targets[0]._local_tensor.device)
@@ -1232,13 +1218,11 @@ class ParamGroup:
         return targets, accumulate, _PackedGrads(data.untyped_storage(), placement, views)
 
     def _copy_out_reduced(self, pending: PendingReduce, targets: list[nn.Parameter], accumulate: bool,
-                          packed: Optional[_PackedGrads]) -> Optional[torch.Tensor]:
+                          packed: Optional[_PackedGrads]) -> torch.Tensor:
         """Queue the copy-out of ``pending`` into ``targets``' gradients; returns where this rank's
-        presence row lands when the reduction carries one ([Note: a gradient no rank produced])."""
-        presence: Optional[torch.Tensor] = None
-        if self.reduction_carries_presence:
-            presence = (packed.views[-1] if packed is not None
-                        else torch.empty((1, len(targets)), dtype=pending.rs_output.dtype, device=pending.rs_output.device))
+        presence row lands ([Note: a gradient no rank produced])."""
+        presence = (packed.views[-1] if packed is not None
+                    else torch.empty((1, len(targets)), dtype=pending.rs_output.dtype, device=pending.rs_output.device))
 
         def copy_out() -> None:
             with region(self.regions.reduce_scatter_copy_out), _NoGrad():
@@ -1246,19 +1230,18 @@ class ParamGroup:
                     gathered, qlayout, shards = pending.replica_gather
                     _quantized_all_gather_copy_out(gathered, qlayout, shards)
                     if pending.reference is not None:  # what the copy-out below scales, against the exact sum
-                        summed = _flat_float32(self._gradient_shards(shards))
+                        summed = _flat_float32(shards[:-1])  # all but the presence entry
                         self._record_gradient_error(pending, lambda: _post_scaled(summed, pending.post_scale))
                 if packed is not None and not self.scalar_indices:  # the views are the layout's rows
                     grads = packed.views
                 else:
                     grads = [_layout_rows(p.grad._local_tensor, self.rank) for p in targets]
-                    if presence is not None:
-                        grads.append(presence)
+                    grads.append(presence)
                 if pending.quantized is not None:
                     _quantized_reduce_scatter_copy_out(pending.rs_output, grads, pending.quantized, self.rank,
                                                        pending.post_scale, accumulate)
                     if pending.reference is not None:
-                        quantized, numel = pending.quantized, self._gradients_numel(pending.layout)
+                        quantized, numel = pending.quantized, pending.layout.slot_offsets[-1]  # before the presence
                         self._record_gradient_error(
                             pending, lambda: summed_slots(pending.rs_output, quantized, pending.post_scale)[:numel])
                 else:

@@ -1002,17 +1002,18 @@ class _Root:
         return kept
 
     def _holds_off_script(self) -> bool:
+        """Is this forward off the agreed order where groups are kept off script ([Note: kept off
+        script]): grad enabled, the order agreed, not a step that records costs?"""
         return not (self._on_script or self.recording_costs or self.agreed_order is None
                     or not torch.is_grad_enabled())
 
-    def _hold_at_most(self, count: int, keep: Optional[ShardState] = None) -> None:
-        """Reshard the oldest groups kept off script until at most ``count`` are (never ``keep``)."""
+    def _hold_at_most(self, count: int) -> None:
+        """Reshard the oldest groups kept off script until at most ``count`` are."""
         held = self._off_script_kept
         while len(held) > max(count, 0):
             oldest = held.pop(0)
-            if oldest is not keep:
-                assert oldest.group is not None
-                oldest.group.reshard()
+            assert oldest.group is not None
+            oldest.group.reshard()
 
     def kept_off_script(self, state: ShardState) -> bool:
         """Off the agreed order (grad enabled, the order agreed, not a step that records costs): keep
@@ -1034,9 +1035,12 @@ class _Root:
         held = self._off_script_kept
         if state in held:  # ran again: now the newest
             held.remove(state)
+        room = 1 + self.owner.prefetch - self._kept_count
+        if room < 1:  # the script's kept groups fill the bound: the caller reshards it
+            return False
         held.append(state)
-        self._hold_at_most(1 + self.owner.prefetch - self._kept_count, keep=state)
-        return state in held
+        self._hold_at_most(room)  # the oldest go first: never ``state``, the newest
+        return True
 
     def make_room_off_script(self, state: ShardState) -> None:
         """Before ``state``'s forward, off script: hold at most ``prefetch`` (less the kept) other
