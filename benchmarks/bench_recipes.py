@@ -6,7 +6,8 @@ step, a state-dict round trip, ...). It runs on ``--world-size`` gloo ranks behi
 (``overlap.testing``: every collective counted, no delay) three ways from one seed: the 4-block
 test-suite ``TinyLM`` under ``overlap.fully_shard`` (the one-line swap), under torch's
 ``fully_shard``, and unsharded on the global batch in each rank (the reference). AdamW
-(``foreach=False``, weight decay 0.1), ``--steps`` steps. Per recipe and runtime:
+(``foreach=False`` unless the recipe says, weight decay 0.1), ``--steps`` steps. Per recipe and
+runtime:
 
 * all-gathers and gradient reductions per step, from step 2 on (step 1 also agrees the forward
   order: one more all-gather), as ``a..b`` when steps differ;
@@ -79,6 +80,11 @@ RECIPES = {
     "explicit_prefetch": "set_modules_to_forward / backward_prefetch on the blocks",
     "no_reshard_after_forward": "reshard_after_forward=False on the blocks",
     "reshard_after_step": "model.reshard() after each step",
+    "divide_factor": "set_gradient_divide_factor(1.0) on every module (a summed gradient; the plain "
+                     "loss times the rank count)",
+    "mixed_precision": "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)",
+    "hsdp": "a 2-D mesh: (2, ranks / 2) replicas x shards for an even count above 2, else (ranks, 1)",
+    "foreach": "AdamW(foreach=True)",
 }
 
 
@@ -99,11 +105,23 @@ def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
         for i in range(LAYERS):
             model.blocks[i] = checkpoint_wrapper(model.blocks[i])
     fully_shard = overlap.fully_shard if runtime == "overlap" else torch_fully_shard
-    mesh = init_device_mesh("cpu", (world,))
-    kwargs = {"reshard_after_forward": False} if recipe == "no_reshard_after_forward" else {}
+    if recipe == "hsdp":
+        shape = (2, world // 2) if world > 2 and world % 2 == 0 else (world, 1)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    kwargs: dict[str, Any] = {"reshard_after_forward": False} if recipe == "no_reshard_after_forward" else {}
+    if recipe == "mixed_precision":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
+    if recipe == "divide_factor":  # gloo has no PREMUL_SUM: FSDP2 divides by a factor after a sum only
+        for module in [*model.blocks, model]:
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
     if recipe == "explicit_prefetch":
         blocks = list(model.blocks)
         for i, block in enumerate(blocks):
@@ -114,7 +132,8 @@ def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
     return model
 
 
-def _step(model: Any, opt: torch.optim.Optimizer, runtime: str, recipe: str, step: int, batch: torch.Tensor) -> float:
+def _step(model: Any, opt: torch.optim.Optimizer, runtime: str, recipe: str, step: int, batch: torch.Tensor,
+          world: int) -> float:
     """One training step of ``recipe``; returns the (last) loss."""
     sharded = runtime != "plain"
     model.order, model.discard = None, ()
@@ -146,7 +165,10 @@ def _step(model: Any, opt: torch.optim.Optimizer, runtime: str, recipe: str, ste
     if recipe == "accumulate_synced":
         model.loss(batch.flip(0)).backward()
     loss = model.loss(batch) + model.loss(batch.flip(0)) if recipe == "two_forwards" else model.loss(batch)
-    loss.backward()
+    if recipe == "divide_factor" and not sharded:  # the sharded gradients are summed over the ranks
+        (loss * world).backward()
+    else:
+        loss.backward()
     if recipe == "no_grad_forward_before_step":
         with torch.no_grad():
             model(batch[:, :-1])
@@ -170,13 +192,13 @@ def _run(runtime: str, recipe: str, rank: int, world: int, steps: int) -> dict[s
     link = current_link()
     model = _build(runtime, recipe, world)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad or recipe == "freeze_mid"],
-                            lr=1e-2, weight_decay=0.1, foreach=False)
+                            lr=1e-2, weight_decay=0.1, foreach=recipe == "foreach")
     gathers, reductions, losses = [], [], []
     for step in range(steps):
         before = link.stats()
         batch = make_batch(step)
         losses.append(_step(model, opt, runtime, recipe, step,
-                            batch if runtime == "plain" else local_batch(batch, rank, world)))
+                            batch if runtime == "plain" else local_batch(batch, rank, world), world))
         after = link.stats()
         gathers.append(sum(n for op, n in after.by_op.items() if "all_gather" in op)
                        - sum(n for op, n in before.by_op.items() if "all_gather" in op))

@@ -29,6 +29,11 @@ method                            what it does here
                                   before it returns, which is what ``True`` asks for
 ``set_post_optim_event``          the current stream waits for the event now, so the next
                                   all-gathers are ordered after it (also ``set_post_optimizer_event``)
+``set_gradient_divide_factor``    this module's own gradients (not its sharded descendants', as
+                                  FSDP2) are summed over the data-parallel ranks and divided by the
+                                  factor instead of averaged (also the deprecated
+                                  ``set_reduce_scatter_divide_factor``); at world size 1 too
+``set_force_sum_reduction_for_comms``  recorded: the reductions here always sum and divide after
 ================================  ==================================================================
 
 FSDPModule methods with no counterpart here raise ``NotImplementedError`` naming what to use
@@ -49,6 +54,7 @@ optimizer, which our modules do not need (they are sharded between steps). ``ove
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 from torch import nn
@@ -175,6 +181,33 @@ class FSDPModuleMethods:
 
     set_post_optimizer_event = set_post_optim_event
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's reduced gradients by ``factor`` instead of the number of data-parallel
+        ranks: the gradient is the sum over every rank of the mesh (shards times replicas) divided by
+        ``factor`` (``1.0``: the plain sum, for a loss already normalised over the global batch). As
+        in FSDP2 it applies to this module's own parameters, not its sharded descendants'; call it on
+        each module. How the division is done: [Note: the reduction's average] in
+        ``overlap/param_group.py``."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (0 < factor < float("inf")):
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive finite number, got {factor!r}")
+        group = self._overlap_state.group
+        if group is not None:
+            group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2 for ``set_gradient_divide_factor``, which it calls."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """FSDP2: reduce with sum-only collectives and divide separately. The reductions here always
+        do (a sum, then the division in the copy-out), so this only records ``enable``."""
+        _check_bool("set_force_sum_reduction_for_comms", "enable", enable)
+        group = self._overlap_state.group
+        if group is not None:
+            group.force_sum_reduction_for_comms = enable
+
 
 # FSDPModule methods (torch 2.11-2.15) with no counterpart in this runtime: name -> what to use instead.
 UNSUPPORTED: dict[str, str] = {
@@ -186,15 +219,10 @@ UNSUPPORTED: dict[str, str] = {
     "set_custom_reduce_scatter": "the runtime packs and issues its own reduce-scatters (overlap_kernels/)",
     "set_all_reduce_hook": "register_post_accumulate_grad_hook on the sharded parameters runs after "
                            "each reduction",
-    "set_reduce_scatter_divide_factor": "gradients are always averaged over the data-parallel ranks; "
-                                        "scale the loss instead",
-    "set_gradient_divide_factor": "gradients are always averaged over the data-parallel ranks; scale "
-                                  "the loss instead",
-    "set_force_sum_reduction_for_comms": "gradients are always averaged over the data-parallel ranks; "
-                                         "scale the loss instead",
     "set_allocate_memory_from_process_group_for_comm": "the runtime allocates its own buffers",
     "set_symm_mem_for_comm": "the runtime allocates its own buffers",
-    "set_reduce_scatter_unused_params": "unused parameters are always reduce-scattered (as zeros)",
+    "set_reduce_scatter_unused_params": "unused parameters are always reduce-scattered (as zeros; one no "
+                                        "rank has a gradient for keeps .grad None)",
     "set_reduce_scatter_max_input_buffers": "bound the bytes in flight with "
                                             "fully_shard(..., max_inflight_bytes=)",
     "set_separate_reduce_scatter_group": "reduce-scatters run on the runtime's own stream and group",

@@ -50,8 +50,8 @@ mesh's dim 1 and replicates over dim 0: the sharded parameters are ``(Replicate(
 DTensors (0-dim ones ``(Replicate(), Replicate())``), all-gathers run within the shard group, and a
 gradient is reduce-scattered within the shard group, then summed over the replicas by an all-reduce
 of the reduce-scatter's output, in place (that buffer is the all-reduce's input and output: no
-copy, no extra pass), and finally scaled by ``1/(shards * replicas)``, cast and accumulated by the
-one copy-out. The all-reduce is issued as soon as its reduce-scatter is done: on CUDA at once,
+copy, no extra pass), and finally divided by ``shards * replicas`` ([Note: the reduction's
+average]), cast and accumulated by the one copy-out. The all-reduce is issued as soon as its reduce-scatter is done: on CUDA at once,
 ordered behind it by the streams; on CPU at the first runtime hook after it completed (a non-blocking
 check), or at the end of backward. All-reduces are issued in the reduce-scatters' order, so the
 replicate group sees the same sequence on every rank. In debug mode (``overlap.debug``) each
@@ -138,6 +138,7 @@ from itertools import compress, repeat
 from operator import add, and_, attrgetter, is_, is_not
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -197,7 +198,7 @@ class PendingReduce:
     rs_output: torch.Tensor
     indices: tuple[int, ...]
     layout: ShardLayout
-    post_scale: Optional[float]  # applied by the copy-out (None: the average is already taken)
+    post_scale: Optional[float]  # the copy-out multiplies by it (None: not)
     needs_all_reduce: bool = False  # HSDP: the cross-replica all-reduce is still to be issued
     finite: Optional[finite_check.FiniteCheck] = None  # the finite check's flags (overlap.finite_check), if on
     quantized: Optional[QuantizedLayout] = None  # compressed: rs_output is the received quantized slots
@@ -209,6 +210,9 @@ class PendingReduce:
     it dequantizes into ([Note: compressing the inter-node tier])."""
     missing: tuple[int, ...] = ()
     """Positions (in ``indices``) whose gradient this rank did not have: it sent zeros for them."""
+    post_divisor: Optional[float] = None
+    """The copy-out divides by it (None: not); at most one of it and ``post_scale`` is set ([Note:
+    the reduction's average])."""
 
 
 class ParamGroup:
@@ -243,6 +247,11 @@ class ParamGroup:
         self.data_parallel_size = info.size * self.replicas
         self.single_rank = self.data_parallel_size == 1
         """One data-parallel rank: nothing travels (see [Note: world size 1])."""
+        self.gradient_divide_factor: Optional[float] = None
+        """What the summed gradient is divided by (FSDP2's ``set_gradient_divide_factor``); None: the
+        data-parallel size (the average). See [Note: the reduction's average]."""
+        self.force_sum_reduction_for_comms = False
+        """FSDP2's ``set_force_sum_reduction_for_comms``, recorded: the reductions here always sum."""
         self._all_present: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         """Per (parameter count, dtype, device), the presence rows of a reduction whose gradients all
         came ([Note: a gradient no rank produced]): made once, so that the usual reduction allocates
@@ -814,18 +823,24 @@ class ParamGroup:
         if read is not None:
             read = (*read, dtype)
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
-            pre_scale, post_scale = _average_scales(dtype, self.data_parallel_size)
+            pre_scale, post_scale, post_divisor = _average_scales(dtype, self.divisor, grads[0].device)
             rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, read, owned=self._owned_grads)
         hsdp = self.replicas > 1
         if self.world_size == 1:
             return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp,
                                  finite=self._start_finite_check(rs_input, False) if finite_check.SWITCH.on else None,
-                                 missing=missing)
+                                 missing=missing, post_divisor=post_divisor)
         rs_output = torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device)
         work = reduce_scatter_into(rs_output, rs_input, self.info, self.where)
         return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp,
                              finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None,
-                             missing=missing)
+                             missing=missing, post_divisor=post_divisor)
+
+    @property
+    def divisor(self) -> float:
+        """What a reduction's sum is divided by: the gradient divide factor if set, else the
+        data-parallel size."""
+        return self.data_parallel_size if self.gradient_divide_factor is None else self.gradient_divide_factor
 
     def _drop_unreduced_grads(self, indices: tuple[int, ...]) -> None:
         """Drop the unsharded gradients of the parameters outside ``indices`` (their shards do not
@@ -872,7 +887,7 @@ class ParamGroup:
                                 layout: ShardLayout, missing: tuple[int, ...]) -> PendingReduce:
         """Compressed reduction ([Note: compressed collectives] in ``overlap/compression.py``): quantize
         the gradients into one quantized slot per rank, all-to-all them to their owners; the copy-out
-        sums in float32 and averages (``1/w`` after the sum, whatever the reduce dtype)."""
+        sums in float32 and averages (times ``1/divisor`` after the sum, whatever the reduce dtype)."""
         fmt = self.quantized_reduce
         assert self.compression is not None and self.replicate is None and fmt is not None
         qlayout = quantized_layout(layout, self.compression.block, fmt)
@@ -892,7 +907,7 @@ class ParamGroup:
             reference = (reduce_scatter_into(exact_slot, exact, self.info, self.where),
                          exact_slot[:layout.slot_offsets[-1]])  # the gradients: before the presence entry
         finite = self._start_finite_check(exact, True) if check else None
-        return PendingReduce(work, received, indices, layout, 1.0 / self.world_size, finite=finite, quantized=qlayout,
+        return PendingReduce(work, received, indices, layout, 1.0 / self.divisor, finite=finite, quantized=qlayout,
                              reference=reference, missing=missing)
 
     @functools.cached_property
@@ -1231,7 +1246,7 @@ class ParamGroup:
                     _quantized_all_gather_copy_out(gathered, qlayout, shards)
                     if pending.reference is not None:  # what the copy-out below scales, against the exact sum
                         summed = _flat_float32(shards[:-1])  # all but the presence entry
-                        self._record_gradient_error(pending, lambda: _post_scaled(summed, pending.post_scale))
+                        self._record_gradient_error(pending, lambda: _post_scaled(summed, pending))
                 if packed is not None and not self.scalar_indices:  # the views are the layout's rows
                     grads = packed.views
                 else:
@@ -1249,7 +1264,8 @@ class ParamGroup:
                                              pending.post_scale, accumulate,
                                              packed=None if packed is None else (packed.storage, packed.placement),
                                              versions=grads[:1] if packed is not None and grads is packed.views
-                                             else None)  # shared views: one counter for all
+                                             else None,  # shared views: one counter for all
+                                             post_divisor=pending.post_divisor)
 
         _wait_then(pending.work, copy_out)
         return presence
@@ -1262,7 +1278,7 @@ class ParamGroup:
         work, exact_sum = pending.reference
 
         def compare() -> None:
-            gradient_error.record(self.where, compressed(), _post_scaled(exact_sum, pending.post_scale))
+            gradient_error.record(self.where, compressed(), _post_scaled(exact_sum, pending))
 
         work.wait(then=compare)
 
@@ -1292,6 +1308,7 @@ class ParamGroup:
         rounds = self.casts_shards or self.rounds_aliased_grads
         reduce_dtype = self.mp.effective_reduce_dtype if rounds else None
         same_dtype = self.aliases_shards and not self.has_tp_params and not rounds
+        factor = self.gradient_divide_factor  # FSDP2 divides at world size 1 only by a set factor
         moved, fresh_src, fresh_dst, acc_src, acc_dst = [], [], [], [], []
         unsharded, sharded, tp_specs, has_tp = self.unsharded, self.sharded, self.tp_specs, self.has_tp_params
         with _NoGrad(), self._unsharded_getters(), self._shard_getters():
@@ -1303,6 +1320,8 @@ class ParamGroup:
                 u.grad = None
                 moved.append(s)
                 existing = s.grad
+                if factor is not None:  # in the reduce dtype, by torch's division, as FSDP2's
+                    grad = grad.to(self.mp.effective_reduce_dtype or grad.dtype) / factor
                 if not same_dtype:
                     local = s._local_tensor  # type: ignore[attr-defined]
                     if reduce_dtype is not None and not _widens_exactly(grad.dtype, reduce_dtype):
@@ -1355,9 +1374,11 @@ def _flat_float32(shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in shards]).to(torch.float32)
 
 
-def _post_scaled(summed: torch.Tensor, post_scale: Optional[float]) -> torch.Tensor:
-    """A float32 sum times the reduction's ``post_scale`` as the copy-outs apply it (in float32)."""
-    return summed if post_scale is None else summed * as_float32(post_scale)
+def _post_scaled(summed: torch.Tensor, pending: PendingReduce) -> torch.Tensor:
+    """A float32 sum scaled or divided as ``pending``'s copy-out does it (in float32)."""
+    if pending.post_divisor is not None:
+        return summed / as_float32(pending.post_divisor)
+    return summed if pending.post_scale is None else summed * as_float32(pending.post_scale)
 
 
 @functools.cache
@@ -1372,22 +1393,35 @@ def _widens_exactly(source: torch.dtype, target: torch.dtype) -> bool:
     return t.bits > s.bits and t.eps <= s.eps and t.max >= s.max and t.tiny <= s.tiny
 
 
-def _average_scales(reduce_dtype: torch.dtype, world_size: int) -> tuple[Optional[float], Optional[float]]:
-    """(pre_scale, post_scale) that turn the reduction's sum into the average over the ``world_size``
-    data-parallel ranks (with HSDP: every rank of the mesh, shards times replicas).
+def _average_scales(reduce_dtype: torch.dtype, divisor: float,
+                    device: torch.device) -> tuple[Optional[float], Optional[float], Optional[float]]:
+    """(pre_scale, post_scale, post_divisor) that turn the reduction's sum into the sum divided by
+    ``divisor``: the data-parallel size (the average over every rank of the mesh, with HSDP shards
+    times replicas) or the gradient divide factor.
+
+    [Note: the reduction's average]
+    Other dtypes than fp16 sum, then divide in the copy-out, as torch divides on the reduction's
+    device, which is what FSDP2 does (its average, or the ``div_`` after a sum with a divide factor):
+    on a CPU a true division (``post_divisor``; multiplying by ``1/w`` would be an ulp off when ``w``
+    is no power of two); on CUDA torch divides a tensor by a number as a multiplication by the
+    float32 reciprocal (``post_scale``). FSDP2's NCCL average (``ReduceOp.AVG``) and its
+    ``PREMUL_SUM`` for a divide factor are NCCL's own arithmetic, which no sum followed by a division
+    reproduces bit for bit. With HSDP FSDP2 averages over the shards, then over the replicas: one
+    division by their product is the same quotient unless neither is a power of two.
 
     [Note: fp16 gradients are averaged before they are summed]
     fp16's largest value is 65504: the sum over ranks of gradients whose average fits can overflow
     to inf. In fp16 each rank's gradient is scaled by ``1/w`` in the copy-in, so the collective sums
     values that are already averaged and no partial sum exceeds the largest input (FSDP2's split
-    into ``sqrt(w)`` before and after still overflows at 4 ranks). Other dtypes sum, then scale by
-    ``1/w`` in the copy-out, bitwise as FSDP2 does in fp32 (bf16 shares fp32's range).
+    into ``sqrt(w)`` before and after still overflows at 4 ranks). bf16 shares fp32's range.
     """
-    if world_size == 1:
-        return None, None
+    if divisor == 1:
+        return None, None, None
     if reduce_dtype == torch.float16:
-        return 1.0 / world_size, None
-    return None, 1.0 / world_size
+        return 1.0 / divisor, None, None
+    if device.type == "cuda":
+        return None, float(np.float32(1.0) / np.float32(divisor)), None
+    return None, None, float(divisor)
 
 
 def tp_dtensor(local: torch.Tensor, tp_spec: DTensorSpec) -> DTensor:

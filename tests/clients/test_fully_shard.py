@@ -19,6 +19,10 @@ test_manual_prefetch_matches_fsdp2               ``set_modules_to_forward/backwa
                                                  ``model.unshard()``, ``unshard(async_op=True)`` then
                                                  ``wait()``: bitwise; the prefetch list is followed
 test_ignored_params_match_fsdp2                  ``ignored_params``: left plain, gradients not reduced
+test_gradient_divide_factor_matches_fsdp2        ``set_gradient_divide_factor``: 1.0 (sum) on every
+                                                 module, 3.0 on one block (no power of two: the
+                                                 division is torch's, not times 1/3); losses, grads,
+                                                 parameters bitwise
 test_unsupported_methods_raise                   every FSDPModule method without a counterpart;
                                                  how each reshard_after_forward value (None, bools,
                                                  ints) resolves, the int on a 2-D mesh's shard dim
@@ -151,6 +155,33 @@ def _ignored(runtime: str, client: Client, env: Env) -> dict[str, Any]:
             "grads": full_parameters(model, grads=True)}
 
 
+def _divide_factor(runtime: str, client: Client, env: Env) -> dict[str, Any]:
+    """A loss summed over the global batch's tokens divided by nothing (factor 1.0 on every sharded
+    module, torchtitan's recipe for a loss normalised by the global token count), one block divided
+    by 3 instead. FSDP2 on gloo divides by a factor only with sum-only collectives (gloo has no
+    ``PREMUL_SUM``), so both runs set ``set_force_sum_reduction_for_comms(True)``."""
+    averaged = build(client)  # the default, for the first step's gradients
+    apply_fsdp(fully_shard_of(runtime), averaged, env.mesh, torch.float32, torch.float32)
+    client.loss(averaged, env.local(client, 0)).backward()
+    model = build(client)
+    apply_fsdp(fully_shard_of(runtime), model, env.mesh, torch.float32, torch.float32)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(3.0 if module is model.layers["0"] else 1.0)
+    opt = make_optimizer(model.parameters())
+    losses, grads = [], []
+    for step in range(STEPS):
+        loss = client.loss(model, env.local(client, step))
+        loss.backward()
+        grads.append(full_parameters(model, grads=True))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "params": full_parameters(model),
+            "averaged": full_parameters(averaged, grads=True)}
+
+
 def _unsupported(runtime: str, client: Client, env: Env) -> dict[str, str]:
     from overlap.fsdp_module import UNSUPPORTED
 
@@ -193,6 +224,7 @@ def _rank_checks(rank: int, world: int) -> dict[str, Any]:
         checks.run(f"{runtime}/accumulation", _accumulation, runtime, client, env)
         checks.run(f"{runtime}/prefetch", _manual_prefetch, runtime, client, env)
         checks.run(f"{runtime}/ignored", _ignored, runtime, client, env)
+        checks.run(f"{runtime}/divide_factor", _divide_factor, runtime, client, env)
     checks.run("overlap/unsupported", _unsupported, "overlap", client, env)
     return checks.result()
 
@@ -248,6 +280,23 @@ def test_ignored_params_match_fsdp2(runs) -> None:
         assert torch.equal(got["norm_grad"], want["norm_grad"])  # this rank's own, not reduced
         assert set(max_abs_diff(got["grads"], want["grads"]).values()) == {0.0}
     assert not torch.equal(ours[0]["norm_grad"], ours[1]["norm_grad"])
+
+
+def test_gradient_divide_factor_matches_fsdp2(runs) -> None:
+    fsdp2, ours = _side_by_side(runs, "divide_factor")
+    for want, got in zip(fsdp2, ours):
+        assert got["losses"] == want["losses"]
+        for got_grads, want_grads in zip(got["grads"], want["grads"]):
+            assert set(max_abs_diff(got_grads, want_grads).values()) == {0.0}
+        assert set(max_abs_diff(got["params"], want["params"]).values()) == {0.0}
+    # the factors took effect (first step, same weights and batch): the sums are twice the 2-rank
+    # average (exactly: halving is exact), layer 0's are 2/3 of it (up to the division's rounding)
+    first, averaged = ours[0]["grads"][0], ours[0]["averaged"]
+    for name, grad in first.items():
+        if name.startswith("layers.0."):
+            torch.testing.assert_close(grad * 3, averaged[name] * 2, rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(grad, averaged[name] * 2), name
 
 
 def test_unsupported_methods_raise(runs) -> None:

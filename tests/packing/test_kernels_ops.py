@@ -578,6 +578,14 @@ RS_OUT_BAD: dict[str, BadCase] = {
     "accumulate not a bool": (arg("accumulate", value(1)), TypeError, "accumulate"),
     "scale not a number": (arg("post_scale", value("2")), TypeError, "post_scale"),
     "rank out of range": (arg("rank", value(-1)), ValueError, "rank"),
+    "divisor not a number": (arg("post_divisor", value("3")), TypeError, "post_divisor"),
+    "divisor zero": (arg("post_divisor", value(0.0)), ValueError, "post_divisor"),
+    "divisor zero in float32": (arg("post_divisor", value(1e-50)), ValueError, "post_divisor"),
+    "divisor not finite": (arg("post_divisor", value(float("inf"))), ValueError, "post_divisor"),
+    "divisor and scale": (both(arg("post_divisor", value(3.0)), arg("post_scale", value(0.5))), ValueError,
+                          "post_divisor"),
+    "int slot divided": (both(arg("rs_output", lambda kw: kw["rs_output"].to(i32)), arg("post_divisor", value(3.0))),
+                         TypeError, "post_divisor"),
 }
 
 

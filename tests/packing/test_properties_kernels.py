@@ -93,8 +93,8 @@ TRITON = Path(
     all_gather_copy_in=lambda shards, layout, rank, dtype: all_gather_copy_in(shards, layout, rank, dtype),
     all_gather_copy_out=lambda buffer, layout, outs: all_gather_copy_out(buffer, layout, outs),
     reduce_scatter_copy_in=lambda grads, layout, scale, dtype: reduce_scatter_copy_in(grads, layout, scale, dtype),
-    reduce_scatter_copy_out=lambda slot, grads, layout, rank, scale, acc: reduce_scatter_copy_out(
-        slot, grads, layout, rank, scale, acc),
+    reduce_scatter_copy_out=lambda slot, grads, layout, rank, scale, acc, divisor=None: reduce_scatter_copy_out(
+        slot, grads, layout, rank, scale, acc, divisor),
     exact_casts=False,
 )
 TORCH = Path(
@@ -226,21 +226,23 @@ def test_reduce_scatter_copy_in_equals_reference(path: Path, shapes: list, world
 @given(shapes=SHAPES, world=WORLD, case=CASE, seed=SEED, data=st.data())
 def test_reduce_scatter_copy_out_equals_reference(path: Path, shapes: list, world: int, case: str, seed: int,
                                                   data: st.DataObject) -> None:
-    """Unpacking a reduced slot into a rank's shard gradients: copied, scaled and/or accumulated."""
+    """Unpacking a reduced slot into a rank's shard gradients: copied, scaled or divided, and/or
+    accumulated."""
     dtypes, slot_dtype = DTYPE_CASES[case]
     rank = data.draw(st.integers(0, world - 1), label="rank")
-    modes = [(None, False)]
+    modes = [(None, None, False)]
     if case in FLOAT_CASES:
-        modes += [(s, a) for s in (None, 0.3, 1 / 3, -2.0) for a in (False, True) if s is not None or a]
-    scale, accumulate = data.draw(st.sampled_from(modes), label="(post_scale, accumulate)")
+        modes += [(s, None, a) for s in (None, 0.3, 1 / 3, -2.0) for a in (False, True) if s is not None or a]
+        modes += [(None, d, a) for d in (3.0, 0.7, -6.0) for a in (False, True)]
+    scale, divisor, accumulate = data.draw(st.sampled_from(modes), label="(post_scale, post_divisor, accumulate)")
     layout = ShardLayout(shapes, world)
     slot = make_tensor((layout.slot_numel,), slot_dtype, seed,
                        specials=all(d.is_floating_point for d in dtypes))  # no float -> int UB
     grads = tensors(layout.shard_shapes(rank), dtypes, seed + 1)
     expected = [g.clone() for g in grads]
-    reduce_scatter_copy_out_ref(slot, expected, layout, rank, scale, accumulate)
-    path.reduce_scatter_copy_out(slot, grads, layout, rank, scale, accumulate)
-    plain = scale is None and not accumulate and all(g.dtype == slot_dtype for g in grads)
+    reduce_scatter_copy_out_ref(slot, expected, layout, rank, scale, accumulate, divisor)
+    path.reduce_scatter_copy_out(slot, grads, layout, rank, scale, accumulate, divisor)
+    plain = scale is None and divisor is None and not accumulate and all(g.dtype == slot_dtype for g in grads)
     for got, exp in zip(grads, expected, strict=True):
         check(got, exp, exact=path.exact_casts or plain)
 

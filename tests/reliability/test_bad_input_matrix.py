@@ -347,9 +347,13 @@ MATRIX: dict[str, Bad] = {
         "a list of sharded modules"),
     "FSDPModule post-optimizer event not an event": Bad(
         lambda e: e.sharded.set_post_optim_event(1), ValueError, "event", "torch.Event"),
-    "FSDPModule set_gradient_divide_factor": Bad(
-        lambda e: e.sharded.set_gradient_divide_factor(1.0), NotImplementedError, "set_gradient_divide_factor",
-        "scale the loss instead"),
+    "FSDPModule set_gradient_divide_factor zero": Bad(
+        lambda e: e.sharded.set_gradient_divide_factor(0.0), ValueError, "set_gradient_divide_factor",
+        "factor must be a positive finite number"),
+    "FSDPModule set_gradient_divide_factor not a number": Bad(
+        lambda e: e.sharded.set_gradient_divide_factor("2"), ValueError, "factor", "positive finite number"),
+    "FSDPModule set_force_sum_reduction_for_comms not a bool": Bad(
+        lambda e: e.sharded.set_force_sum_reduction_for_comms(1), ValueError, "enable", "bool"),
     "wrap layer not a module": Bad(lambda e: overlap.wrap("linear"), TypeError, "layer", "torch.nn.Module"),
     "wrap bad option": Bad(lambda e: overlap.wrap(e.model, prefetch=-1), ValueError, "prefetch", "int >= 0"),
     "exclude_from_ddp model not a module": Bad(lambda e: overlap.exclude_from_ddp([e.model]), TypeError, "model",

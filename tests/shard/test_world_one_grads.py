@@ -5,7 +5,9 @@ accumulated into, a kept gradient, a ``.grad`` the user assigned, a parameter wi
 and a group that mixes cast and uncast parameters. The fp16 reduction runs on a loss scaled by
 2**-20, so that the bf16 gradients lie below fp16's smallest normal value (6.1e-5), where fp16 keeps
 fewer bits than bf16: there the rounding through the reduce dtype changes them (bf16 values of
-ordinary magnitude are exact in fp16, and would not show a rounding left out).
+ordinary magnitude are exact in fp16, and would not show a rounding left out). With a gradient
+divide factor (``set_gradient_divide_factor``) each gradient is divided by it in the reduce dtype,
+by torch's division, as FSDP2 does at world size 1.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class _Model(nn.Module):
 
 
 def _world_one_rank(rank: int, world: int, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
-                    odd_dtype: torch.dtype, loss_scale: float) -> dict[str, Any]:
+                    odd_dtype: torch.dtype, loss_scale: float, factor: Optional[float]) -> dict[str, Any]:
     torch.manual_seed(0)
     model = _Model(odd_dtype)
     reference = _Model(odd_dtype)
@@ -45,12 +47,15 @@ def _world_one_rank(rank: int, world: int, param_dtype: Optional[torch.dtype], r
     reference.to(compute)
     mp = overlap.MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     overlap.shard(model, mp=mp)
+    if factor is not None:
+        model.set_gradient_divide_factor(factor)
     (group,) = [s.group for s in sharded_states(model) if s.group is not None]
     params = dict(model.named_parameters())
     x = torch.randn(4, 6)
     (reference(x.to(compute)).sum() * loss_scale).backward()
     rounding = reduce_dtype or compute
-    want = {n: p.grad.to(rounding).to(params[n].dtype) for n, p in reference.named_parameters() if p.grad is not None}
+    want = {n: (p.grad.to(rounding) if factor is None else p.grad.to(rounding) / factor).to(params[n].dtype)
+            for n, p in reference.named_parameters() if p.grad is not None}
 
     def backward() -> None:
         (model(x).sum() * loss_scale).backward()
@@ -81,24 +86,26 @@ def _world_one_rank(rank: int, world: int, param_dtype: Optional[torch.dtype], r
     model.zero_grad(set_to_none=True)
     model.use_unused = True  # every parameter gets a gradient
     backward()
-    four_rows = torch.full((3,), 4.0 * loss_scale)  # 1 per row of the batch of 4, scaled
+    four_rows = torch.full((3,), 4.0 * loss_scale / (factor or 1.0))  # 1 per row of the batch of 4, scaled
     seen["unused_value"] = torch.equal(params["unused"].grad._local_tensor, four_rows)
     seen["others_equal_again"] = all(torch.equal(params[n].grad._local_tensor, fresh[n]) for n in fresh)
     return seen
 
 
-@pytest.mark.parametrize("param_dtype, reduce_dtype, odd_dtype, loss_scale", [
-    (None, None, torch.float32, 1.0),  # the gradients move as they are
-    (torch.bfloat16, None, torch.float32, 1.0),  # every one cast
+@pytest.mark.parametrize("param_dtype, reduce_dtype, odd_dtype, loss_scale, factor", [
+    (None, None, torch.float32, 1.0, None),  # the gradients move as they are
+    (torch.bfloat16, None, torch.float32, 1.0, None),  # every one cast
     # no parameter cast, a narrower reduce dtype: rounded through it all the same, as FSDP2 and more ranks do
-    (None, torch.bfloat16, torch.float32, 1.0),
+    (None, torch.bfloat16, torch.float32, 1.0, None),
     # rounded through a narrower reduce dtype first: to fp16's subnormals, which hold fewer bits than bf16
-    (torch.bfloat16, torch.float16, torch.float32, 2.0**-20),
-    (torch.bfloat16, torch.float32, torch.float32, 1.0),  # a wider one: no rounding
-    (torch.bfloat16, None, torch.bfloat16, 1.0),  # one parameter already bf16: moved as it is, the others cast
+    (torch.bfloat16, torch.float16, torch.float32, 2.0**-20, None),
+    (torch.bfloat16, torch.float32, torch.float32, 1.0, None),  # a wider one: no rounding
+    (torch.bfloat16, None, torch.bfloat16, 1.0, None),  # one parameter already bf16: moved as it is, the others cast
+    (None, None, torch.float32, 1.0, 3.0),  # divided by a factor
+    (torch.bfloat16, torch.float32, torch.float32, 1.0, 3.0),  # divided in the wider reduce dtype, then cast
 ])
 def test_world_one_gradients_match_the_unsharded_model(distributed, param_dtype: Optional[torch.dtype],
                                                        reduce_dtype: Optional[torch.dtype], odd_dtype: torch.dtype,
-                                                       loss_scale: float) -> None:
-    (seen,) = distributed(_world_one_rank, 1, param_dtype, reduce_dtype, odd_dtype, loss_scale)
+                                                       loss_scale: float, factor: Optional[float]) -> None:
+    (seen,) = distributed(_world_one_rank, 1, param_dtype, reduce_dtype, odd_dtype, loss_scale, factor)
     assert all(seen.values()), seen
