@@ -34,6 +34,9 @@ method                            what it does here
                                   factor instead of averaged (also the deprecated
                                   ``set_reduce_scatter_divide_factor``); at world size 1 too
 ``set_force_sum_reduction_for_comms``  recorded: the reductions here always sum and divide after
+``set_requires_all_reduce``       ``True``, or ``False`` where no module in scope is HSDP (there is no
+                                  replica all-reduce to skip, as in FSDP2); ``False`` on an HSDP
+                                  module raises NotImplementedError before anything changes
 ================================  ==================================================================
 
 FSDPModule methods with no counterpart here raise ``NotImplementedError`` naming what to use
@@ -200,6 +203,18 @@ class FSDPModuleMethods:
                       FutureWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """FSDP2: with HSDP, whether the next backwards all-reduce over the replicas (``False``: the
+        reduce-scattered gradients are held until a backward with ``True``). A 1-D mesh has no such
+        all-reduce, so there the setting changes nothing, as in FSDP2. Skipping it on an HSDP
+        module is not supported: ``set_requires_gradient_sync(False)`` skips both reductions."""
+        _check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        states = self._fsdp_states(recurse)
+        if not requires_all_reduce and any(s.group is not None and s.group.replicate is not None for s in states):
+            raise NotImplementedError(
+                "set_requires_all_reduce(False) is not supported by overlap on an HSDP module (a 2-D mesh): "
+                + UNSUPPORTED_HSDP_ALL_REDUCE)
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """FSDP2: reduce with sum-only collectives and divide separately. The reductions here always
         do (a sum, then the division in the copy-out), so this only records ``enable``."""
@@ -211,8 +226,6 @@ class FSDPModuleMethods:
 
 # FSDPModule methods (torch 2.11-2.15) with no counterpart in this runtime: name -> what to use instead.
 UNSUPPORTED: dict[str, str] = {
-    "set_requires_all_reduce": "HSDP's cross-replica all-reduce follows the reduce-scatter; "
-                               "set_requires_gradient_sync(False) skips both",
     "set_unshard_in_backward": "a group resharded after forward is always gathered again in backward; "
                                "pass reshard_after_forward=False to keep it",
     "set_custom_all_gather": "the runtime packs and issues its own all-gathers (overlap_kernels/)",
@@ -231,6 +244,10 @@ UNSUPPORTED: dict[str, str] = {
     "finalize_backward": "every backward finalizes its reductions before it returns",
     "reset_iter_state": "the root's next forward clears a step cut short by an exception",
 }
+
+
+UNSUPPORTED_HSDP_ALL_REDUCE = ("HSDP's cross-replica all-reduce follows the reduce-scatter; "
+                               "set_requires_gradient_sync(False) skips both")
 
 
 def _unsupported(name: str, instead: str) -> Any:

@@ -25,7 +25,8 @@ test_gradient_divide_factor_matches_fsdp2        ``set_gradient_divide_factor``:
                                                  parameters bitwise
 test_unsupported_methods_raise                   every FSDPModule method without a counterpart;
                                                  how each reshard_after_forward value (None, bools,
-                                                 ints) resolves, the int on a 2-D mesh's shard dim
+                                                 ints) resolves, the int on a 2-D mesh's shard dim;
+                                                 ``set_requires_all_reduce(False)`` on HSDP
 test_reshard_to_a_smaller_group_raises           an int reshard_after_forward we cannot honour
                                                  (other bad input: test_bad_input_matrix.py)
 test_not_torchs_fsdp_module                      the documented isinstance choice
@@ -159,7 +160,8 @@ def _divide_factor(runtime: str, client: Client, env: Env) -> dict[str, Any]:
     """A loss summed over the global batch's tokens divided by nothing (factor 1.0 on every sharded
     module, torchtitan's recipe for a loss normalised by the global token count), one block divided
     by 3 instead. FSDP2 on gloo divides by a factor only with sum-only collectives (gloo has no
-    ``PREMUL_SUM``), so both runs set ``set_force_sum_reduction_for_comms(True)``."""
+    ``PREMUL_SUM``), so both runs set ``set_force_sum_reduction_for_comms(True)``; and
+    ``set_requires_all_reduce(False)``, as a client's sum-reduction policy does on every module."""
     averaged = build(client)  # the default, for the first step's gradients
     apply_fsdp(fully_shard_of(runtime), averaged, env.mesh, torch.float32, torch.float32)
     client.loss(averaged, env.local(client, 0)).backward()
@@ -169,6 +171,7 @@ def _divide_factor(runtime: str, client: Client, env: Env) -> dict[str, Any]:
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(3.0 if module is model.layers["0"] else 1.0)
+            module.set_requires_all_reduce(False)  # a 1-D mesh has no replica all-reduce: no effect
     opt = make_optimizer(model.parameters())
     losses, grads = [], []
     for step in range(STEPS):
@@ -211,7 +214,14 @@ def _unsupported(runtime: str, client: Client, env: Env) -> dict[str, str]:
             hsdp_int[name] = "accepted"
         except ValueError:
             hsdp_int[name] = "ValueError"
-    return {"raised": raised, "int": shard_int, "hsdp_int": hsdp_int}
+    hsdp_model = fully_shard_of(runtime)(build(client), mesh=hsdp)
+    hsdp_model.set_requires_all_reduce(True)
+    try:
+        hsdp_model.set_requires_all_reduce(False)
+        skip_all_reduce = "accepted"
+    except NotImplementedError as e:
+        skip_all_reduce = str(e)
+    return {"raised": raised, "int": shard_int, "hsdp_int": hsdp_int, "skip_all_reduce": skip_all_reduce}
 
 
 def _rank_checks(rank: int, world: int) -> dict[str, Any]:
@@ -308,6 +318,8 @@ def test_unsupported_methods_raise(runs) -> None:
         assert name in message and UNSUPPORTED[name] in message
     assert got["int"] == {"None": True, "True": True, "False": False, "1": False, "2": True}
     assert got["hsdp_int"] == {"fsdp2": "ValueError", "overlap": "ValueError"}
+    assert "set_requires_all_reduce(False)" in got["skip_all_reduce"]
+    assert "set_requires_gradient_sync(False)" in got["skip_all_reduce"]
 
 
 def test_reshard_to_a_smaller_group_raises(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -352,6 +352,8 @@ MATRIX: dict[str, Bad] = {
         "factor must be a positive finite number"),
     "FSDPModule set_gradient_divide_factor not a number": Bad(
         lambda e: e.sharded.set_gradient_divide_factor("2"), ValueError, "factor", "positive finite number"),
+    "FSDPModule set_requires_all_reduce not a bool": Bad(
+        lambda e: e.sharded.set_requires_all_reduce("no"), ValueError, "requires_all_reduce", "bool"),
     "FSDPModule set_force_sum_reduction_for_comms not a bool": Bad(
         lambda e: e.sharded.set_force_sum_reduction_for_comms(1), ValueError, "enable", "bool"),
     "wrap layer not a module": Bad(lambda e: overlap.wrap("linear"), TypeError, "layer", "torch.nn.Module"),
