@@ -85,6 +85,7 @@ RECIPES = {
     "mixed_precision": "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)",
     "hsdp": "a 2-D mesh: (2, ranks / 2) replicas x shards for an even count above 2, else (ranks, 1)",
     "foreach": "AdamW(foreach=True)",
+    "optimizer_in_backward": "one AdamW per parameter, stepped in its post-accumulate-grad hook",
 }
 
 
@@ -186,13 +187,36 @@ def _step(model: Any, opt: torch.optim.Optimizer, runtime: str, recipe: str, ste
     return loss.item()
 
 
+class _StepInBackward:
+    """torch's optimizer-in-backward recipe: one AdamW per parameter, stepped and zeroed in the
+    parameter's post-accumulate-grad hook (on a sharded parameter: once its gradient is reduced).
+    ``step`` and ``zero_grad`` do nothing; ``param_groups`` lists the parameters like an optimizer's."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.param_groups = [{"params": params}]
+        self._optimizers = {p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, foreach=False) for p in params}
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, p: torch.Tensor) -> None:
+        self._optimizers[p].step()
+        self._optimizers[p].zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
 def _run(runtime: str, recipe: str, rank: int, world: int, steps: int) -> dict[str, Any]:
     from overlap.testing import current_link
 
     link = current_link()
     model = _build(runtime, recipe, world)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad or recipe == "freeze_mid"],
-                            lr=1e-2, weight_decay=0.1, foreach=recipe == "foreach")
+    params = [p for p in model.parameters() if p.requires_grad or recipe == "freeze_mid"]
+    opt = (_StepInBackward(params) if recipe == "optimizer_in_backward"
+           else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=recipe == "foreach"))
     gathers, reductions, losses = [], [], []
     for step in range(steps):
         before = link.stats()

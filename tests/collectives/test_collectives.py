@@ -121,6 +121,26 @@ def _matches_torch(rank: int, world: int) -> int:
     x = _data(rank, (4, world * 2), torch.float32).t()
     _check_equal("all_gather non-contiguous", overlap.all_gather(x), _ref_all_gather(x, 0))
     _check_equal("reduce_scatter non-contiguous", overlap.reduce_scatter(x), _ref_reduce_scatter(x, "sum"))
+    # The sharded runtime's reduce-scatter (an all-to-all, then a sum of the slots on gloo) adds the
+    # ranks' slots in the order gloo's reduce-scatter does, so its gradients are bitwise FSDP2's at any
+    # world size: shards of an even number of elements, values of mixed magnitudes so that the order
+    # shows. With three or more ranks rank 0's rank-order sum differs somewhere (what the order fixes;
+    # gloo's ring runs down the ranks, so the last rank's order happens to be the rank order).
+    from overlap.collectives import reduce_scatter_into
+    from overlap.groups import resolve_group
+
+    for shard in (16, 1000):
+        x = _data(rank, (world * shard,), torch.float32) * torch.logspace(-4, 4, world * shard)
+        out = torch.empty(shard)
+        reduce_scatter_into(out, x, resolve_group(None)).wait()
+        want = _ref_reduce_scatter(x, "sum")
+        _check_equal(f"reduce_scatter_into {shard}", out, want)
+        rows = _ref_all_gather(x, 0).view(world, world, shard)[:, rank]  # every rank's slot for this shard
+        if world > 2 and shard == 1000 and rank == 0:
+            in_rank_order = rows[0].clone()
+            for row in rows[1:]:
+                in_rank_order += row
+            assert not torch.equal(in_rank_order, want), "the rank-order sum is gloo's here: no order checked"
     return checks
 
 
