@@ -331,9 +331,12 @@ def reduce_scatter_copy_out_ref(
 
 def _divided(slot: torch.Tensor, post_divisor: float) -> torch.Tensor:
     """``slot`` divided by ``post_divisor`` (rounded to float32) in float32 (float64 for a float64
-    slot), the quotient rounded to ``slot``'s dtype: [Note: dividing as the reduction's average]. The
-    divisor is a one-element tensor on the slot's device, so CUDA divides too (a CPU scalar would
-    make it multiply by the reciprocal)."""
+    slot), the quotient rounded to ``slot``'s dtype: [Note: dividing as the reduction's average].
+    torch's CPU division by a number is that (16-bit floats divide in float32); elsewhere the
+    divisor is a one-element tensor on the slot's device, since CUDA's division by a number
+    multiplies by its reciprocal."""
+    if slot.device.type == "cpu":
+        return slot / as_float32(post_divisor)
     wide = torch.float64 if slot.dtype == torch.float64 else torch.float32
     divisor = torch.full((1,), as_float32(post_divisor), dtype=wide, device=slot.device)
     return (slot.to(wide) / divisor).to(slot.dtype)
