@@ -86,6 +86,7 @@ RECIPES = {
     "hsdp": "a 2-D mesh: (2, ranks / 2) replicas x shards for an even count above 2, else (ranks, 1)",
     "foreach": "AdamW(foreach=True)",
     "optimizer_in_backward": "one AdamW per parameter, stepped in its post-accumulate-grad hook",
+    "compile": "each block's forward compiled (module.compile(), Inductor; the plain model's too)",
 }
 
 
@@ -98,6 +99,9 @@ def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
     if recipe == "frozen_from_start":
         model.pos.weight.requires_grad_(False)
         model.blocks[1].requires_grad_(False)
+    if recipe == "compile":
+        for block in model.blocks:
+            block.compile()
     if runtime == "plain":
         return model
     if recipe == "checkpoint":
