@@ -187,6 +187,12 @@ def check_packing_case(case: PackingCase, device: torch.device) -> list[str]:
     want = [g.clone() for g in start]
     reduce_scatter_copy_out_ref(rs_output, want, layout, r, case.scale, case.accumulate)
     expect("reduce_scatter_copy_out", grads, want)
+    if case.scale is not None:  # the division instead ([Note: dividing as the reduction's average])
+        grads = [g.to(device, copy=True) for g in start]
+        reduce_scatter_copy_out(rs_output.to(device), grads, layout, r, None, case.accumulate, post_divisor=3.0)
+        want = [g.clone() for g in start]
+        reduce_scatter_copy_out_ref(rs_output, want, layout, r, None, case.accumulate, post_divisor=3.0)
+        expect("reduce_scatter_copy_out divided by 3", grads, want)
 
     if not any(math.prod(s) > 1 << 24 for s in case.shapes):  # the chunk ops' cases stay small
         problems += _check_chunk_ops(case, device, where)
