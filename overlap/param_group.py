@@ -51,9 +51,9 @@ DTensors (0-dim ones ``(Replicate(), Replicate())``), all-gathers run within the
 gradient is reduce-scattered within the shard group, then summed over the replicas by an all-reduce
 of the reduce-scatter's output, in place (that buffer is the all-reduce's input and output: no
 copy, no extra pass), and finally divided by ``shards * replicas`` ([Note: the reduction's
-average]), cast and accumulated by the one copy-out. The all-reduce is issued as soon as its reduce-scatter is done: on CUDA at once,
-ordered behind it by the streams; on CPU at the first runtime hook after it completed (a non-blocking
-check), or at the end of backward. All-reduces are issued in the reduce-scatters' order, so the
+average]), cast and accumulated by the one copy-out. The all-reduce is issued as soon as its
+reduce-scatter is done: on CUDA at once, ordered behind it by the streams; on CPU at the first
+runtime hook after it completed (a non-blocking check), or at the end of backward. All-reduces are issued in the reduce-scatters' order, so the
 replicate group sees the same sequence on every rank. In debug mode (``overlap.debug``) each
 collective first checks its fingerprint with its group's ranks, a wait that crosses groups: issued
 at timing-dependent points, an all-reduce's check and a reduce-scatter's could wait on each other
@@ -1321,7 +1321,8 @@ class ParamGroup:
                 moved.append(s)
                 existing = s.grad
                 if factor is not None:  # in the reduce dtype, by torch's division, as FSDP2's
-                    grad = grad.to(self.mp.effective_reduce_dtype or grad.dtype) / factor
+                    divided = grad.to(self.mp.effective_reduce_dtype or grad.dtype) / factor
+                    grad = divided.to(grad.dtype) if same_dtype else divided  # else cast below
                 if not same_dtype:
                     local = s._local_tensor  # type: ignore[attr-defined]
                     if reduce_dtype is not None and not _widens_exactly(grad.dtype, reduce_dtype):

@@ -103,6 +103,7 @@ def _world_one_rank(rank: int, world: int, param_dtype: Optional[torch.dtype], r
     (torch.bfloat16, None, torch.bfloat16, 1.0, None),  # one parameter already bf16: moved as it is, the others cast
     (None, None, torch.float32, 1.0, 3.0),  # divided by a factor
     (torch.bfloat16, torch.float32, torch.float32, 1.0, 3.0),  # divided in the wider reduce dtype, then cast
+    (None, torch.float64, torch.float32, 1.0, 3.0),  # no parameter cast: divided in float64, back to float32
 ])
 def test_world_one_gradients_match_the_unsharded_model(distributed, param_dtype: Optional[torch.dtype],
                                                        reduce_dtype: Optional[torch.dtype], odd_dtype: torch.dtype,
