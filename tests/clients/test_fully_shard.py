@@ -27,8 +27,9 @@ test_unsupported_methods_raise                   every FSDPModule method without
                                                  how each reshard_after_forward value (None, bools,
                                                  ints) resolves, the int on a 2-D mesh's shard dim;
                                                  ``set_requires_all_reduce(False)`` on HSDP
-test_three_ranks_are_bitwise_fsdp2               3 ranks (the sum order and the division matter):
-                                                 gradients and parameters bitwise, 3 AdamW steps
+test_three_ranks_are_bitwise_fsdp2               3 ranks (the sum order and the division matter),
+                                                 fp32 and bf16 reductions: gradients and parameters
+                                                 bitwise, 3 AdamW steps
 test_reshard_to_a_smaller_group_raises           an int reshard_after_forward we cannot honour
                                                  (other bad input: test_bad_input_matrix.py)
 test_not_torchs_fsdp_module                      the documented isinstance choice
@@ -324,21 +325,24 @@ def test_unsupported_methods_raise(runs) -> None:
     assert "set_requires_gradient_sync(False)" in got["skip_all_reduce"]
 
 
-def _three_ranks(rank: int, world: int, runtime: str) -> dict[str, Any]:
-    """3 AdamW steps of a stack of Linears sharded layer by layer, on ``world`` ranks; the gradients
-    and parameters after each step."""
+def _three_ranks(rank: int, world: int, runtime: str, bf16: bool) -> dict[str, Any]:
+    """3 AdamW steps of a stack of Linears sharded layer by layer, on ``world`` ranks (``bf16``: with
+    bf16 parameters and reductions); the gradients and parameters after each step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.Linear(48, 24), nn.GELU(), nn.Linear(24, 48))
     fully_shard = fully_shard_of(runtime)
+    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)} if bf16 else {}
     for layer in model[::2]:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **mp)
+    fully_shard(model, **mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     torch.manual_seed(1 + rank)
     seen = []
     for _ in range(3):
         x = torch.randn(5, 24) * torch.logspace(-2, 2, 24)  # mixed magnitudes: the sum order shows
-        model(x).pow(2).mean().backward()
+        model(x).float().pow(2).mean().backward()
         seen.append(full_parameters(model, grads=True))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -346,14 +350,16 @@ def _three_ranks(rank: int, world: int, runtime: str) -> dict[str, Any]:
     return {"seen": seen}
 
 
-def test_three_ranks_are_bitwise_fsdp2() -> None:
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_three_ranks_are_bitwise_fsdp2(bf16: bool) -> None:
     """At 3 ranks the gradients are FSDP2's bit for bit: the sum over the ranks in gloo's
-    reduce-scatter order and the average as torch's division ([Note: the reduction's average]).
-    Every layer's FSDP2 shard has an even number of elements (16 rows of 24 plus 16; 8 rows of 48
-    plus 8): see [Note: client tolerances] in test_clients.py for an odd one."""
+    reduce-scatter order and the average as torch's division, its quotient in the reduce dtype
+    ([Note: the reduction's average]). Every layer's FSDP2 shard has an even number of elements
+    (16 rows of 24 plus 16; 8 rows of 48 plus 8): see [Note: client tolerances] in test_clients.py
+    for an odd one."""
     from overlap.testing import run_distributed
 
-    fsdp2, ours = (run_distributed(_three_ranks, 3, runtime, timeout=TIMEOUT_S, pg_timeout=PG_TIMEOUT_S)
+    fsdp2, ours = (run_distributed(_three_ranks, 3, runtime, bf16, timeout=TIMEOUT_S, pg_timeout=PG_TIMEOUT_S)
                    for runtime in ("fsdp2", "overlap"))
     for want, got in zip(fsdp2, ours):
         for step, (w, g) in enumerate(zip(want["seen"], got["seen"])):
