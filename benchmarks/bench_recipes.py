@@ -86,6 +86,7 @@ RECIPES = {
     "hsdp": "a 2-D mesh: (2, ranks / 2) replicas x shards for an even count above 2, else (ranks, 1)",
     "foreach": "AdamW(foreach=True)",
     "optimizer_in_backward": "one AdamW per parameter, stepped in its post-accumulate-grad hook",
+    "embedding_left_sharded": "the position embedding sharded on its own, set_unshard_in_backward(False)",
     "compile": "each block's forward compiled (module.compile(), Inductor; the plain model's too)",
 }
 
@@ -120,6 +121,9 @@ def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if recipe == "embedding_left_sharded":  # its backward reads the indices only
+        fully_shard(model.pos, mesh=mesh, **kwargs)
+        model.pos.set_unshard_in_backward(False)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})

@@ -37,6 +37,10 @@ method                            what it does here
 ``set_requires_all_reduce``       ``True``, or ``False`` where no module in scope is HSDP (there is no
                                   replica all-reduce to skip, as in FSDP2); ``False`` on an HSDP
                                   module raises NotImplementedError before anything changes
+``set_unshard_in_backward``       ``False``: this module's group, resharded after forward, is not
+                                  gathered again in backward (nor prefetched there): for parameters
+                                  backward never reads, such as an embedding's; the gradients are
+                                  reduced as usual (this module only, as FSDP2)
 ================================  ==================================================================
 
 FSDPModule methods with no counterpart here raise ``NotImplementedError`` naming what to use
@@ -215,6 +219,19 @@ class FSDPModuleMethods:
                 "set_requires_all_reduce(False) is not supported by overlap on an HSDP module (a 2-D mesh): "
                 + UNSUPPORTED_HSDP_ALL_REDUCE)
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """FSDP2: ``False`` when backward reads none of this module's own parameters (an
+        embedding's weight: its gradient needs the indices only). Its group, resharded after
+        forward, is then neither gathered again nor prefetched in backward: one all-gather and the
+        group's unsharded bytes less per step. Gradients still reach the unsharded parameters (autograd
+        accumulates into the tensors it saved, whose storage is freed) and are reduced as usual.
+        A group still unsharded when backward reaches it (``reshard_after_forward=False``, kept for
+        backward, ``unshard()``) is used as it is. Where backward does read a parameter of the
+        module, it reads freed storage and torch raises (a storage of size 0), as under FSDP2.
+        At world size 1 nothing is gathered either way. Applies to this module only, as in FSDP2."""
+        _check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
+        self._overlap_state.unshard_in_backward = unshard_in_backward
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """FSDP2: reduce with sum-only collectives and divide separately. The reductions here always
         do (a sum, then the division in the copy-out), so this only records ``enable``."""
@@ -226,8 +243,6 @@ class FSDPModuleMethods:
 
 # FSDPModule methods (torch 2.11-2.15) with no counterpart in this runtime: name -> what to use instead.
 UNSUPPORTED: dict[str, str] = {
-    "set_unshard_in_backward": "a group resharded after forward is always gathered again in backward; "
-                               "pass reshard_after_forward=False to keep it",
     "set_custom_all_gather": "the runtime packs and issues its own all-gathers (overlap_kernels/)",
     "set_custom_reduce_scatter": "the runtime packs and issues its own reduce-scatters (overlap_kernels/)",
     "set_all_reduce_hook": "register_post_accumulate_grad_hook on the sharded parameters runs after "

@@ -341,6 +341,7 @@ class ShardState:
         self.forward_prefetch: Optional[list[ShardState]] = None
         self.backward_prefetch: Optional[list[ShardState]] = None
         self.reshard_after_backward = True
+        self.unshard_in_backward = True  # False: backward does not gather this group (see set_unshard_in_backward)
         self.is_last_backward = True  # recorded only (see set_is_last_backward)
         self.root: Optional[_Root] = None
         self.index = -1  # position in the root's state list
@@ -1108,7 +1109,7 @@ class _Root:
             self._begin_backward()
         timed = self._choice_pending and self._record_backward_edge(state)
         group = state.group
-        if group is not None and state.index not in self._done:
+        if group is not None and state.index not in self._done and not self._left_sharded_in_backward(state):
             if not group.single_rank:  # (one rank: ``_gather`` issues nothing)
                 self._gather(state)
             group.finish_gather(follow_requires_grad=False)
@@ -1127,21 +1128,31 @@ class _Root:
             return
         self._backward_cursor = pos
         if state.backward_prefetch is not None:  # set_modules_to_backward_prefetch: the user's list
-            self._prefetch_explicit([s for s in state.backward_prefetch if s.index not in self._done])
+            self._prefetch_explicit([s for s in state.backward_prefetch
+                                     if s.index not in self._done and s.unshard_in_backward])
             return
         if not (state.prefetch and self.communicates):  # nothing to prefetch
             return
         # The next `prefetch` distinct groups not yet reduced (a scan that stops there: this runs
         # once per block, so a copy of the rest of the order would make a step quadratic in blocks).
         upcoming: list[int] = []
-        done = self._done
+        done, states = self._done, self.states
         for i in range(pos + 1, len(reverse)):
             index = reverse[i]
-            if index not in done and index not in upcoming:
+            if index not in done and index not in upcoming and states[index].unshard_in_backward:
                 upcoming.append(index)
                 if len(upcoming) == state.prefetch:
                     break
         self._prefetch(state, upcoming)
+
+    @staticmethod
+    def _left_sharded_in_backward(state: ShardState) -> bool:
+        """``set_unshard_in_backward(False)``: the group is not gathered for its backward, unless it
+        is unsharded or being gathered already (then it is used as it is), or at world size 1
+        (nothing travels there)."""
+        group = state.group
+        return (not state.unshard_in_backward and group is not None and not group.is_unsharded
+                and group.pending_gather is None and not group.single_rank)
 
     def _begin_backward(self) -> None:
         self.in_backward = True

@@ -23,6 +23,10 @@ test_gradient_divide_factor_matches_fsdp2        ``set_gradient_divide_factor``:
                                                  module, 3.0 on one block (no power of two: the
                                                  division is torch's, not times 1/3); losses, grads,
                                                  parameters bitwise
+test_an_embedding_left_sharded_in_backward_...   ``tok_embeddings.set_unshard_in_backward(False)``:
+                                                 one all-gather less per step than without it, as
+                                                 in FSDP2; losses and parameters bitwise FSDP2's
+                                                 and the same as without it
 test_unsupported_methods_raise                   every FSDPModule method without a counterpart;
                                                  how each reshard_after_forward value (None, bools,
                                                  ints) resolves, the int on a 2-D mesh's shard dim;
@@ -188,6 +192,43 @@ def _divide_factor(runtime: str, client: Client, env: Env) -> dict[str, Any]:
             "averaged": full_parameters(averaged, grads=True)}
 
 
+def _embedding_left_sharded(runtime: str, client: Client, env: Env) -> dict[str, Any]:
+    """torchtitan's sharding with ``tok_embeddings.set_unshard_in_backward(False)`` (an embedding's
+    backward reads the indices, not the weight), beside the same loop without it: the all-gathers
+    each step issues, and the trained state."""
+    import torch.distributed as dist
+
+    from scheduler.torch_versions import DIST_ALL_GATHER
+
+    issued = [0]
+    gather = getattr(dist, DIST_ALL_GATHER)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:  # both runtimes look it up at each call
+        issued[0] += 1
+        return gather(*args, **kwargs)
+
+    out: dict[str, Any] = {}
+    setattr(dist, DIST_ALL_GATHER, counted)
+    try:
+        for unshard_in_backward in (True, False):
+            model = build(client)
+            apply_fsdp(fully_shard_of(runtime), model, env.mesh, torch.float32, torch.float32)
+            model.tok_embeddings.set_unshard_in_backward(unshard_in_backward)
+            opt, gathers, losses = make_optimizer(model.parameters()), [], []
+            for step in range(STEPS):
+                before = issued[0]
+                loss = client.loss(model, env.local(client, step))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                gathers.append(issued[0] - before)
+                losses.append(loss.item())
+            out[str(unshard_in_backward)] = {"gathers": gathers, "losses": losses, "params": full_parameters(model)}
+    finally:
+        setattr(dist, DIST_ALL_GATHER, gather)
+    return out
+
+
 def _unsupported(runtime: str, client: Client, env: Env) -> dict[str, str]:
     from overlap.fsdp_module import UNSUPPORTED
 
@@ -238,6 +279,7 @@ def _rank_checks(rank: int, world: int) -> dict[str, Any]:
         checks.run(f"{runtime}/prefetch", _manual_prefetch, runtime, client, env)
         checks.run(f"{runtime}/ignored", _ignored, runtime, client, env)
         checks.run(f"{runtime}/divide_factor", _divide_factor, runtime, client, env)
+        checks.run(f"{runtime}/embedding_left_sharded", _embedding_left_sharded, runtime, client, env)
     checks.run("overlap/unsupported", _unsupported, "overlap", client, env)
     return checks.result()
 
@@ -310,6 +352,21 @@ def test_gradient_divide_factor_matches_fsdp2(runs) -> None:
             torch.testing.assert_close(grad * 3, averaged[name] * 2, rtol=1e-6, atol=0)
         else:
             assert torch.equal(grad, averaged[name] * 2), name
+
+
+def test_an_embedding_left_sharded_in_backward_matches_fsdp2(runs) -> None:
+    fsdp2, ours = _side_by_side(runs, "embedding_left_sharded")
+    for want, got in zip(fsdp2, ours):
+        left, usual = got["False"], got["True"]
+        assert left["losses"] == want["False"]["losses"]
+        assert set(max_abs_diff(left["params"], want["False"]["params"]).values()) == {0.0}
+        # the same training as with the embedding gathered in backward, one all-gather less per step,
+        # as FSDP2's
+        assert left["losses"] == usual["losses"]
+        assert set(max_abs_diff(left["params"], usual["params"]).values()) == {0.0}
+
+        assert [a - b for a, b in zip(usual["gathers"], left["gathers"])] == [1] * STEPS
+        assert [a - b for a, b in zip(want["True"]["gathers"], want["False"]["gathers"])] == [1] * STEPS
 
 
 def test_unsupported_methods_raise(runs) -> None:
