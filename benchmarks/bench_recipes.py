@@ -84,6 +84,7 @@ RECIPES = {
                      "loss times the rank count)",
     "mixed_precision": "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)",
     "hsdp": "a 2-D mesh: (2, ranks / 2) replicas x shards for an even count above 2, else (ranks, 1)",
+    "hsdp_partial": "hsdp's mesh; a micro-batch under set_requires_all_reduce(False), then a synced one",
     "foreach": "AdamW(foreach=True)",
     "optimizer_in_backward": "one AdamW per parameter, stepped in its post-accumulate-grad hook",
     "embedding_left_sharded": "the position embedding sharded on its own, set_unshard_in_backward(False)",
@@ -111,7 +112,7 @@ def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
         for i in range(LAYERS):
             model.blocks[i] = checkpoint_wrapper(model.blocks[i])
     fully_shard = overlap.fully_shard if runtime == "overlap" else torch_fully_shard
-    if recipe == "hsdp":
+    if recipe in ("hsdp", "hsdp_partial"):
         shape = (2, world // 2) if world > 2 and world % 2 == 0 else (world, 1)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     else:
@@ -173,6 +174,12 @@ def _step(model: Any, opt: torch.optim.Optimizer, runtime: str, recipe: str, ste
             model.set_requires_gradient_sync(True)
     if recipe == "accumulate_synced":
         model.loss(batch.flip(0)).backward()
+    if recipe == "hsdp_partial":  # reduce-scattered within the shards, summed over the replicas at the last
+        if sharded:
+            model.set_requires_all_reduce(False)
+        model.loss(batch.flip(0)).backward()
+        if sharded:
+            model.set_requires_all_reduce(True)
     loss = model.loss(batch) + model.loss(batch.flip(0)) if recipe == "two_forwards" else model.loss(batch)
     if recipe == "divide_factor" and not sharded:  # the sharded gradients are summed over the ranks
         (loss * world).backward()

@@ -34,9 +34,10 @@ method                            what it does here
                                   factor instead of averaged (also the deprecated
                                   ``set_reduce_scatter_divide_factor``); at world size 1 too
 ``set_force_sum_reduction_for_comms``  recorded: the reductions here always sum and divide after
-``set_requires_all_reduce``       ``True``, or ``False`` where no module in scope is HSDP (there is no
-                                  replica all-reduce to skip, as in FSDP2); ``False`` on an HSDP
-                                  module raises NotImplementedError before anything changes
+``set_requires_all_reduce``       ``False`` with HSDP: backward reduce-scatters within the shard
+                                  group and keeps a partial sum; the next backward with ``True``
+                                  adds it and all-reduces over the replicas (not with a compressed
+                                  replica tier); on a 1-D mesh it changes nothing, as in FSDP2
 ``set_unshard_in_backward``       ``False``: this module's group, resharded after forward, is not
                                   gathered again in backward (nor prefetched there): for parameters
                                   backward never reads, such as an embedding's; the gradients are
@@ -208,16 +209,22 @@ class FSDPModuleMethods:
         self.set_gradient_divide_factor(factor)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """FSDP2: with HSDP, whether the next backwards all-reduce over the replicas (``False``: the
-        reduce-scattered gradients are held until a backward with ``True``). A 1-D mesh has no such
-        all-reduce, so there the setting changes nothing, as in FSDP2. Skipping it on an HSDP
-        module is not supported: ``set_requires_gradient_sync(False)`` skips both reductions."""
+        """FSDP2: with HSDP, whether the next backwards all-reduce over the replicas. ``False``:
+        each backward reduce-scatters within the shard group only and keeps the output as a partial
+        sum; the next backward with ``True`` adds it in, all-reduces over the replicas and sets the
+        gradients (gradient accumulation with one inter-node all-reduce per step; [Note:
+        reductions left partial over the replicas] in ``overlap/param_group.py``). A 1-D mesh has no
+        such all-reduce, so there the setting changes nothing, as in FSDP2. ``False`` on an HSDP
+        module whose replica tier is compressed (``compress=``) raises NotImplementedError before
+        anything changes."""
         _check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
-        states = self._fsdp_states(recurse)
-        if not requires_all_reduce and any(s.group is not None and s.group.replicate is not None for s in states):
+        groups = [s.group for s in self._fsdp_states(recurse) if s.group is not None]
+        if not requires_all_reduce and any(g.quantized_replica_sum is not None for g in groups):
             raise NotImplementedError(
-                "set_requires_all_reduce(False) is not supported by overlap on an HSDP module (a 2-D mesh): "
-                + UNSUPPORTED_HSDP_ALL_REDUCE)
+                "set_requires_all_reduce(False) is not supported by overlap on an HSDP module whose replica "
+                "tier is compressed (compress=): " + UNSUPPORTED_COMPRESSED_PARTIAL)
+        for group in groups:
+            group.requires_all_reduce = requires_all_reduce
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """FSDP2: ``False`` when backward reads none of this module's own parameters (an
@@ -261,8 +268,8 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 
-UNSUPPORTED_HSDP_ALL_REDUCE = ("HSDP's cross-replica all-reduce follows the reduce-scatter; "
-                               "set_requires_gradient_sync(False) skips both")
+UNSUPPORTED_COMPRESSED_PARTIAL = ("the compressed sum over the replicas follows each reduce-scatter; "
+                                  "set_requires_gradient_sync(False) skips both reductions")
 
 
 def _unsupported(name: str, instead: str) -> Any:

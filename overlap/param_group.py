@@ -213,6 +213,9 @@ class PendingReduce:
     post_divisor: Optional[float] = None
     """The copy-out divides by it (None: not); at most one of it and ``post_scale`` is set ([Note:
     the reduction's average])."""
+    partial: bool = False
+    """HSDP under ``requires_all_reduce=False``: no all-reduce, no copy-out; the epilogue adds
+    ``rs_output`` into the group's partial sum ([Note: reductions left partial over the replicas])."""
 
 
 class ParamGroup:
@@ -252,6 +255,12 @@ class ParamGroup:
         data-parallel size (the average). See [Note: the reduction's average]."""
         self.force_sum_reduction_for_comms = False
         """FSDP2's ``set_force_sum_reduction_for_comms``, recorded: the reductions here always sum."""
+        self.requires_all_reduce = True
+        """FSDP2's ``set_requires_all_reduce``: with HSDP, False keeps each reduce-scattered sum
+        as a partial sum instead of summing it over the replicas ([Note: reductions left partial over the replicas])."""
+        self._partial: Optional[tuple[tuple[int, ...], torch.Tensor]] = None
+        """HSDP: (indices, the sum of the reduce-scattered outputs) of the backwards left partial since
+        the last all-reduce ([Note: reductions left partial over the replicas])."""
         self._all_present: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         """Per (parameter count, dtype, device), the presence rows of a reduction whose gradients all
         came ([Note: a gradient no rank produced]): made once, so that the usual reduction allocates
@@ -826,15 +835,16 @@ class ParamGroup:
             pre_scale, post_scale, post_divisor = _average_scales(dtype, self.divisor, grads[0].device)
             rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, read, owned=self._owned_grads)
         hsdp = self.replicas > 1
+        partial = hsdp and not self.requires_all_reduce
         if self.world_size == 1:
-            return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp,
+            return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp and not partial,
                                  finite=self._start_finite_check(rs_input, False) if finite_check.SWITCH.on else None,
-                                 missing=missing, post_divisor=post_divisor)
+                                 missing=missing, post_divisor=post_divisor, partial=partial)
         rs_output = torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device)
         work = reduce_scatter_into(rs_output, rs_input, self.info, self.where)
-        return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp,
+        return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp and not partial,
                              finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None,
-                             missing=missing, post_divisor=post_divisor)
+                             missing=missing, post_divisor=post_divisor, partial=partial)
 
     @property
     def divisor(self) -> float:
@@ -987,20 +997,80 @@ class ParamGroup:
             after = torch.cuda.current_stream() if buffer.device.type == "cuda" else None
         elif buffer.device.type == "cuda":
             after = comm_stream(buffer.device, "reduce_scatter") if rs_work is not None else torch.cuda.current_stream()
+            if self._partial is not None:  # added on the issue stream, which the partial sum was allocated on
+                if rs_work is not None:
+                    rs_work.wait()
+                self._add_partial_sum(pending)
+                after.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(after):
                 work = all_reduce_into(buffer, self.replicate, self.where)
         else:
             if rs_work is not None:
                 rs_work.wait()
+            self._add_partial_sum(pending)
             work = all_reduce_into(buffer, self.replicate, self.where)
-        check = pending.finite
-        if check is not None:  # the flags over the replicas too, right behind (same stream on CUDA)
-            if check.work is not None and buffer.device.type != "cuda":
-                check.work.wait()
-            with torch.cuda.stream(after) if buffer.device.type == "cuda" else contextlib.nullcontext():
-                check.work = all_reduce_into(check.flags, self.replicate, self.where)
+        self._all_reduce_finite_flags(pending, after if buffer.device.type == "cuda" else None)
         pending.work, pending.needs_all_reduce = work, False
         return work
+
+    def _all_reduce_finite_flags(self, pending: PendingReduce, stream: Optional["torch.cuda.Stream"]) -> None:
+        """HSDP: the finite check's flags over the replicas too, right behind the reduction (on
+        ``stream`` on CUDA), so that every rank of the mesh decides alike."""
+        check = pending.finite
+        if check is None:
+            return
+        assert self.replicate is not None
+        if check.work is not None and stream is None:
+            check.work.wait()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            check.work = all_reduce_into(check.flags, self.replicate, self.where)
+
+    def _keep_partial(self, pending: PendingReduce) -> None:
+        """A partial reduction's epilogue, after its reduce-scatter was waited (on CUDA on the issue
+        stream): add its output into the partial sum, or make it the partial sum.
+
+        [Note: reductions left partial over the replicas]
+        FSDP2's ``set_requires_all_reduce(False)`` is HSDP's gradient accumulation across nodes at
+        one all-reduce per step: each micro-batch's backward reduce-scatters within the shard group
+        (the fast tier), and the output, summed over the shard ranks but not yet over the replicas
+        nor divided, is added to a sum the group holds (its size: one rank's slot, in the reduce
+        dtype), leaving the sharded gradients and their hooks untouched. The next backward that
+        all-reduces adds the partial sum to its own output first, then sums over the replicas, divides
+        and copies out as usual, so the gradient is the whole accumulation's average, and the
+        inter-node tier moves one slot per step instead of one per micro-batch (against
+        ``set_requires_gradient_sync(False)``, which holds the unsharded gradients instead: the
+        whole group's size per rank). The presence entry ([Note: a gradient no rank produced]) is
+        summed alike: a gradient any rank had in any micro-batch stays. The finite check still
+        agrees its flags over the replicas at each partial backward. A partial sum lives until an
+        all-reduce takes it (a backward cut short does not drop it). The parameters that require
+        gradients must stay the same between the partial backwards and the one that all-reduces;
+        the compressed replica tier (``compress=`` with HSDP) is not supported.
+        """
+        rows = pending.rs_output
+        if self._partial is None:
+            self._partial = (pending.indices, rows)
+            return
+        self._check_partial_indices(pending.indices)
+        self._partial[1].add_(rows)
+
+    def _add_partial_sum(self, pending: PendingReduce) -> None:
+        """Before the replicas' all-reduce (its reduce-scatter waited): add the partial sum into
+        ``pending``'s output and drop it. On CUDA on the issue stream, where both were allocated
+        and the partial sum was made, so that it is freed behind its last read."""
+        if self._partial is None:
+            return
+        self._check_partial_indices(pending.indices)
+        partial = self._partial[1]
+        self._partial = None
+        pending.rs_output.add_(partial)
+
+    def _check_partial_indices(self, indices: tuple[int, ...]) -> None:
+        assert self._partial is not None
+        if self._partial[0] != indices:
+            raise RuntimeError(
+                f"set_requires_all_reduce(False): the parameters of {self.module_fqn or 'the root'} that "
+                f"require gradients changed between backwards left partial ({len(self._partial[0])} then {len(indices)}); "
+                "keep requires_grad fixed until a backward with set_requires_all_reduce(True)")
 
     def _issue_compressed_replica_sum(self, pending: PendingReduce) -> InflightWork:
         """HSDP with ``compress.reduce``: the sum over the replicas of the reduced shard, compressed.
@@ -1073,6 +1143,8 @@ class ParamGroup:
         if device.type != "cuda" or pending.work is None:
             return None
         assert not pending.needs_all_reduce
+        if pending.partial:  # on the issue stream, in finish_reduce: the partial sum outlives this backward
+            return None
         stream = comm_stream(device, "reduce_scatter" if self.replicate is None else "all_reduce")
         kept = self._missing_kept(pending)
         targets, accumulate, packed = self._grads_for(pending)
@@ -1086,8 +1158,15 @@ class ParamGroup:
     def finish_reduce(self, pending: PendingReduce) -> None:
         """Wait for the reduce-scatter; average, cast and add the result into the sharded ``.grad``s.
         With the finite check on, raise ``NonFiniteError`` first if a rank's gradients were not finite."""
+        if pending.partial:
+            if pending.work is not None:
+                pending.work.wait()
+            self._all_reduce_finite_flags(pending, None)
         if pending.finite is not None:
             self._raise_if_non_finite(pending)
+        if pending.partial:
+            self._keep_partial(pending)
+            return
         kept = self._missing_kept(pending)
         targets, accumulate, packed = self._grads_for(pending)
         presence = self._copy_out_reduced(pending, targets, accumulate, packed)

@@ -30,7 +30,8 @@ test_an_embedding_left_sharded_in_backward_...   ``tok_embeddings.set_unshard_in
 test_unsupported_methods_raise                   every FSDPModule method without a counterpart;
                                                  how each reshard_after_forward value (None, bools,
                                                  ints) resolves, the int on a 2-D mesh's shard dim;
-                                                 ``set_requires_all_reduce(False)`` on HSDP
+                                                 ``set_requires_all_reduce(False)`` on HSDP with a
+                                                 compressed replica tier
 test_three_ranks_are_bitwise_fsdp2               3 ranks (the sum order and the division matter),
                                                  fp32 and bf16 reductions: gradients and parameters
                                                  bitwise, 3 AdamW steps
@@ -258,14 +259,17 @@ def _unsupported(runtime: str, client: Client, env: Env) -> dict[str, str]:
             hsdp_int[name] = "accepted"
         except ValueError:
             hsdp_int[name] = "ValueError"
-    hsdp_model = fully_shard_of(runtime)(build(client), mesh=hsdp)
-    hsdp_model.set_requires_all_reduce(True)
+    import overlap
+
+    compressed = fully_shard_of(runtime)(build(client), mesh=hsdp, compress=overlap.Compression(gather=None,
+                                                                                                 reduce="int8"))
     try:
-        hsdp_model.set_requires_all_reduce(False)
+        compressed.set_requires_all_reduce(False)
         skip_all_reduce = "accepted"
     except NotImplementedError as e:
         skip_all_reduce = str(e)
-    return {"raised": raised, "int": shard_int, "hsdp_int": hsdp_int, "skip_all_reduce": skip_all_reduce}
+    return {"raised": raised, "int": shard_int, "hsdp_int": hsdp_int, "skip_all_reduce": skip_all_reduce,
+            "still_all_reduces": [s.group.requires_all_reduce for s in overlap.sharding.sharded_states(compressed)]}
 
 
 def _rank_checks(rank: int, world: int) -> dict[str, Any]:
@@ -378,8 +382,10 @@ def test_unsupported_methods_raise(runs) -> None:
         assert name in message and UNSUPPORTED[name] in message
     assert got["int"] == {"None": True, "True": True, "False": False, "1": False, "2": True}
     assert got["hsdp_int"] == {"fsdp2": "ValueError", "overlap": "ValueError"}
-    assert "set_requires_all_reduce(False)" in got["skip_all_reduce"]
+    # a compressed replica tier: refused before anything changes
+    assert "set_requires_all_reduce(False)" in got["skip_all_reduce"] and "compress" in got["skip_all_reduce"]
     assert "set_requires_gradient_sync(False)" in got["skip_all_reduce"]
+    assert got["still_all_reduces"] and all(got["still_all_reduces"])
 
 
 def _three_ranks(rank: int, world: int, runtime: str, bf16: bool) -> dict[str, Any]:

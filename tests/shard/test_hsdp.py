@@ -232,6 +232,51 @@ def test_hsdp_no_sync_sends_nothing_across_replicas(distributed) -> None:
                                        msg=lambda m: f"rank {rank} {name}: {m}")
 
 
+def _partial_micro_batches(model: torch.nn.Module, batches: list[torch.Tensor], link, mesh) -> dict[str, Any]:
+    """FSDP2's HSDP accumulation: ``set_requires_all_reduce(False)`` for all but the last
+    micro-batch; replica all-reduces inside and at the last, and which ``.grad`` each backward left."""
+    start = _replica_reductions(link, mesh)
+    grads_after = []
+    for i, tokens in enumerate(batches):
+        model.set_requires_all_reduce(i == len(batches) - 1)
+        model.loss(tokens).backward()
+        grads_after.append([p.grad is not None for p in model.parameters()])
+        if i == len(batches) - 2:
+            inside = _replica_reductions(link, mesh) - start
+    synced = _replica_reductions(link, mesh) - start - inside
+    return {"inside": inside, "synced": synced, "grads_after": grads_after,
+            "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()}}
+
+
+def _partial_traffic(rank: int, world_size: int) -> dict[str, Any]:
+    from overlap.testing import current_link
+
+    torch.set_num_threads(1)
+    link = current_link()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)
+    batches = [local_batch(make_batch(s), rank, world_size) for s in range(3)]
+    out = _partial_micro_batches(_hsdp_model(mesh, prefetch=1), batches, link, mesh)
+    out["groups"] = len(sharded_states(_hsdp_model(mesh, prefetch=1)))
+    out["fsdp2"] = _partial_micro_batches(_fsdp2_hsdp_model(mesh), batches, link, mesh)
+    return out
+
+
+def test_hsdp_requires_all_reduce_false_accumulates_partial_sums_as_fsdp2(distributed) -> None:
+    results = distributed(_partial_traffic, 4, link=COUNTING_LINK)
+    want = _accumulated_reference()
+    for rank, res in enumerate(results):
+        assert res["inside"] == res["fsdp2"]["inside"] == 0, (rank, res["inside"], res["fsdp2"]["inside"])
+        assert res["synced"] == res["groups"], (rank, res["synced"], res["groups"])
+        assert res["grads_after"] == res["fsdp2"]["grads_after"]  # no .grad until the all-reduce, as FSDP2
+        assert not any(res["grads_after"][0]) and all(res["grads_after"][-1])
+        for name, grad in res["grads"].items():
+            assert torch.equal(grad, res["fsdp2"]["grads"][name]), (rank, name)  # the same sums, same order
+            start, stop = shard_rows(want[name].shape[0], 2, rank % 2)
+            scale = want[name].abs().max().item()
+            torch.testing.assert_close(grad, want[name][start:stop], rtol=1e-5, atol=1e-5 * scale,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
 # -- prefetch="auto" and max_inflight_bytes -------------------------------------------------------------
 
 
