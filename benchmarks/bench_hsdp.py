@@ -22,8 +22,18 @@ group's gathers compressed too), and FSDP2 HSDP. Rounds interleave the modes (ro
 first), each mode one step without the link delay and one with it; medians over rounds of the
 slowest rank; bytes per tier are what the emulated link counted on rank 0's groups in a linked step.
 
+With ``--accumulation`` it runs instead HSDP gradient accumulation, ``--micro-batches`` (default 4)
+backwards per optimizer step, three ways for each runtime (``overlap.shard`` and FSDP2): every
+micro-batch reduced in full (``synced``), all but the last under ``set_requires_all_reduce(False)``
+(``partial``: reduce-scattered within the node, summed over the nodes once per step) and all but the
+last under ``set_requires_gradient_sync(False)`` (``no_sync``: nothing reduced until the last;
+unsharded gradients held meanwhile), at the calibrated link (``--link-scale`` scales it). Rounds
+interleave the modes; bytes per tier as for ``--compression``; "bitwise FSDP2" compares the two
+runtimes' parameters after the run, recipe by recipe.
+
     python benchmarks/bench_hsdp.py [--steps 6] [--markdown benchmarks/RESULTS.md]
     python benchmarks/bench_hsdp.py --compression [--link-scale 0.25] [--steps 6]
+    python benchmarks/bench_hsdp.py --accumulation [--micro-batches 4] [--link-scale 1] [--steps 6]
 """
 from __future__ import annotations
 
@@ -61,6 +71,7 @@ def _step(mode: str, hsdp: bool, args: argparse.Namespace, x: Any, compress: Any
                              compress=overlap.Compression(**compress) if compress is not None else None)
     step = TrainStep(lambda _: model(x).square().mean(), torch.optim.AdamW(model.parameters(), lr=1e-3), context)
     step.mesh = mesh  # type: ignore[attr-defined]
+    step.model = model  # type: ignore[attr-defined]
     return step
 
 
@@ -136,6 +147,97 @@ def _compressed_rank(rank: int, world: int, args: argparse.Namespace) -> dict[st
     return out
 
 
+ACCUMULATION_RECIPES = ("synced", "partial", "no_sync")
+
+
+def _accumulation_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    x = rank_input(args.batch, args.dim, rank)
+    calibrated = args.link_gbps
+    if calibrated is None:  # as the default tables: the fully sharded step's comm on the slow tier ~ compute
+        calibrated = calibrate_link(_step("overlap", False, args, x), args.latency_us)
+    inter = calibrated * args.link_scale
+    link = EmulatedLink(inter * args.inter_slowdown, args.latency_us, gpus_per_node=args.gpus_per_node,
+                        inter_node=(inter, args.latency_us))
+    steps: dict[str, Any] = {}
+    for runtime, mode in (("overlap.shard", "overlap"), ("torch FSDP2", "fsdp2")):
+        for recipe in ACCUMULATION_RECIPES:
+            step = _step(mode, True, args, x)
+            model = step.model  # type: ignore[attr-defined]
+            steps[f"{runtime}, {recipe}"] = (step, model, recipe)
+    names = list(steps)
+
+    def run(name: str) -> None:
+        step, model, recipe = steps[name]
+        for micro in range(args.micro_batches):
+            last = micro == args.micro_batches - 1
+            if recipe == "partial":
+                model.set_requires_all_reduce(last)
+            elif recipe == "no_sync":
+                model.set_requires_gradient_sync(last)
+            step.loss_fn(micro).backward()
+        step.optimizer.step()
+        step.optimizer.zero_grad()
+
+    for name in names:  # warm-up: one step without the link, one with
+        run(name)
+        with link:
+            run(name)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    tiers: dict[str, dict[str, float]] = {}
+    for round_ in range(args.steps):
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            dist.barrier()
+            link.reset_stats()
+            start = time.perf_counter()
+            with link:
+                run(name)
+            times[name].append(time.perf_counter() - start)
+            by_group = link.stats_by_group()
+            mesh = steps[name][0].mesh
+            tiers[name] = {tier: by_group[g].wire_bytes if g in by_group else 0
+                           for tier, g in ((t, mesh.get_group(t).group_name) for t in ("shard", "replicate"))}
+    out: dict[str, Any] = {"inter": inter, "calibrated": calibrated}
+    for name in names:
+        out[name] = over_ranks(statistics.median(times[name]))
+        out[name + " bytes"] = tiers[name]
+    for recipe in ACCUMULATION_RECIPES:
+        ours, theirs = (steps[f"{runtime}, {recipe}"][1] for runtime in ("overlap.shard", "torch FSDP2"))
+        same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(ours.parameters(), theirs.parameters()))
+        out[recipe + " bitwise"] = over_ranks(float(not same)) == 0.0
+    return out
+
+
+def _accumulation_main(args: argparse.Namespace) -> None:
+    world = args.nodes * args.gpus_per_node
+    r = run_distributed(_accumulation_rank, world, args, timeout=1800)[0]
+    rows = []
+    for runtime in ("overlap.shard", "torch FSDP2"):
+        synced, synced_bytes = r[f"{runtime}, synced"], r[f"{runtime}, synced bytes"]
+        for recipe in ACCUMULATION_RECIPES:
+            name = f"{runtime}, {recipe}"
+            b = r[name + " bytes"]
+            rows.append([name, f"{1e3 * r[name]:.1f}", f"{r[name] / synced:.2f}x",
+                         f"{b['shard'] / 1e6:.2f} ({b['shard'] / synced_bytes['shard']:.2f}x)",
+                         f"{b['replicate'] / 1e6:.2f} ({b['replicate'] / synced_bytes['replicate']:.2f}x)",
+                         f"{r[f'overlap.shard, {recipe}'] / r[f'torch FSDP2, {recipe}']:.2f}x",
+                         "yes" if r[recipe + " bitwise"] else "no"])
+    link = (f"{args.nodes} nodes x {args.gpus_per_node} CPU ranks (gloo); emulated link "
+            f"{r['inter'] * args.inter_slowdown:.3g} Gbit/s within a node, {r['inter']:.3g} Gbit/s across nodes "
+            f"({args.link_scale:g}x the calibrated {r['calibrated']:.3g}), {args.latency_us:g} µs per collective")
+    emit(f"HSDP gradient accumulation, {args.micro_batches} micro-batches per step, {args.blocks} MLP blocks of "
+         f"width {args.dim}, batch {args.batch}, AdamW, fp32; {link}; medians of {args.steps} interleaved rounds, "
+         "slowest rank",
+         ["runtime, recipe", "step ms (link)", "step vs synced", "MB per step, shard tier (vs synced)",
+          "MB per step, replica tier (vs synced)", "overlap.shard / FSDP2 step", "bitwise FSDP2"],
+         rows, args.markdown)
+
+
 def _compression_main(args: argparse.Namespace) -> None:
     world = args.nodes * args.gpus_per_node
     r = run_distributed(_compressed_rank, world, args, timeout=1800)[0]
@@ -187,11 +289,27 @@ def main(argv: list[str] | None = None) -> None:
     add_link(p, gbps_default="comm of a fully sharded step ~ compute, on the slow tier")
     p.add_argument("--compression", action="store_true",
                    help="run the HSDP modes with compressed collectives side by side instead (see above)")
-    p.add_argument("--link-scale", type=float, default=0.25,
-                   help="with --compression: both tiers' bandwidth as a share of the calibrated ones (default 0.25)")
+    p.add_argument("--link-scale", type=float, default=None,
+                   help="with --compression or --accumulation: both tiers' bandwidth as a share of the calibrated "
+                        "ones (default 0.25 with --compression, 1 with --accumulation)")
+    p.add_argument("--accumulation", action="store_true",
+                   help="run HSDP gradient accumulation side by side instead: synced, partial, no_sync (see above)")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="with --accumulation: backwards per optimizer step (default 4)")
     args = parse(p, argv)
+    if args.compression and args.accumulation:
+        p.error("--compression and --accumulation: choose one")
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    if args.link_scale is not None and not args.link_scale > 0:
+        p.error(f"--link-scale must be > 0, got {args.link_scale}")
     if args.compression:
+        args.link_scale = 0.25 if args.link_scale is None else args.link_scale
         _compression_main(args)
+        return
+    if args.accumulation:
+        args.link_scale = 1.0 if args.link_scale is None else args.link_scale
+        _accumulation_main(args)
         return
 
     world = args.nodes * args.gpus_per_node
