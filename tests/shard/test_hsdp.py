@@ -5,7 +5,8 @@ Checked against the unsharded single-process run (the tolerances of ``models.py`
 tolerances]: the sums differ from the unsharded ones in order only) and against torch's FSDP2 HSDP on
 the same mesh, side by side in one rank function: losses, final parameters, parameters bitwise equal
 across replicas after every step, the DTensor placements, mixed precision, ``no_sync`` (no traffic
-across replicas inside it), full state dicts and DCP resume at another mesh; ``prefetch="auto"``'s
+across replicas inside it), ``set_requires_all_reduce(False)`` micro-batches (no all-reduce inside,
+gradients bitwise FSDP2's, a non-finite gradient raised on every rank), full state dicts and DCP resume at another mesh; ``prefetch="auto"``'s
 depth agreed across replicas and ``max_inflight_bytes`` over the all-reduces (bitwise the run without).
 """
 from __future__ import annotations
@@ -258,6 +259,16 @@ def _partial_traffic(rank: int, world_size: int) -> dict[str, Any]:
     out = _partial_micro_batches(_hsdp_model(mesh, prefetch=1), batches, link, mesh)
     out["groups"] = len(sharded_states(_hsdp_model(mesh, prefetch=1)))
     out["fsdp2"] = _partial_micro_batches(_fsdp2_hsdp_model(mesh), batches, link, mesh)
+    # a non-finite gradient on one rank in a partial backward: the finite check's flags still go over
+    # the replicas, so every rank of the mesh raises (the other replica's shard group too)
+    model = _hsdp_model(mesh, prefetch=1)
+    model.set_requires_all_reduce(False)
+    try:
+        with overlap.check_finite():
+            (model.loss(batches[0]) * (float("nan") if rank == world_size - 1 else 1.0)).backward()
+        out["non_finite"] = "no error"
+    except overlap.NonFiniteError:
+        out["non_finite"] = "NonFiniteError"
     return out
 
 
@@ -269,6 +280,7 @@ def test_hsdp_requires_all_reduce_false_accumulates_partial_sums_as_fsdp2(distri
         assert res["synced"] == res["groups"], (rank, res["synced"], res["groups"])
         assert res["grads_after"] == res["fsdp2"]["grads_after"]  # no .grad until the all-reduce, as FSDP2
         assert not any(res["grads_after"][0]) and all(res["grads_after"][-1])
+        assert res["non_finite"] == "NonFiniteError", rank
         for name, grad in res["grads"].items():
             assert torch.equal(grad, res["fsdp2"]["grads"][name]), (rank, name)  # the same sums, same order
             start, stop = shard_rows(want[name].shape[0], 2, rank % 2)
