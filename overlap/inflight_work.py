@@ -152,6 +152,12 @@ class InflightWork:
         """Not yet waited (or found finished by a sweep)."""
         return self._buffers is not None
 
+    def keep(self, *tensors: torch.Tensor) -> None:
+        """Hold ``tensors`` with this work's buffers, released by the same rule: for tensors read by
+        device work queued on the collective's stream just before it (nothing to hold once released)."""
+        if self._buffers is not None:
+            self._buffers = (*self._buffers, *tensors)
+
     def release(self) -> None:
         """Drop the buffer references now and forget this work: safe once the collective is done, or
         waited on its issue stream (``wait`` defers the release itself when it is not)."""

@@ -257,7 +257,8 @@ class ParamGroup:
         """FSDP2's ``set_force_sum_reduction_for_comms``, recorded: the reductions here always sum."""
         self.requires_all_reduce = True
         """FSDP2's ``set_requires_all_reduce``: with HSDP, False keeps each reduce-scattered sum
-        as a partial sum instead of summing it over the replicas ([Note: reductions left partial over the replicas])."""
+        as a partial sum instead of summing it over the replicas ([Note: reductions left partial
+        over the replicas])."""
         self._partial: Optional[tuple[tuple[int, ...], torch.Tensor]] = None
         """HSDP: (indices, the sum of the reduce-scattered outputs) of the backwards left partial since
         the last all-reduce ([Note: reductions left partial over the replicas])."""
@@ -997,17 +998,19 @@ class ParamGroup:
             after = torch.cuda.current_stream() if buffer.device.type == "cuda" else None
         elif buffer.device.type == "cuda":
             after = comm_stream(buffer.device, "reduce_scatter") if rs_work is not None else torch.cuda.current_stream()
-            if self._partial is not None:  # added on the issue stream, which the partial sum was allocated on
-                if rs_work is not None:
-                    rs_work.wait()
-                self._add_partial_sum(pending)
-                after.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(after):
+                partial = self._take_partial_sum(pending)
+                if partial is not None:  # behind the reduce-scatter on its stream
+                    buffer.add_(partial)
                 work = all_reduce_into(buffer, self.replicate, self.where)
+            if partial is not None:
+                work.keep(partial)  # freed with the all-reduce's buffers, past the add's read
         else:
             if rs_work is not None:
                 rs_work.wait()
-            self._add_partial_sum(pending)
+            partial = self._take_partial_sum(pending)
+            if partial is not None:
+                buffer.add_(partial)
             work = all_reduce_into(buffer, self.replicate, self.where)
         self._all_reduce_finite_flags(pending, after if buffer.device.type == "cuda" else None)
         pending.work, pending.needs_all_reduce = work, False
@@ -1053,16 +1056,15 @@ class ParamGroup:
         self._check_partial_indices(pending.indices)
         self._partial[1].add_(rows)
 
-    def _add_partial_sum(self, pending: PendingReduce) -> None:
-        """Before the replicas' all-reduce (its reduce-scatter waited): add the partial sum into
-        ``pending``'s output and drop it. On CUDA on the issue stream, where both were allocated
-        and the partial sum was made, so that it is freed behind its last read."""
+    def _take_partial_sum(self, pending: PendingReduce) -> Optional[torch.Tensor]:
+        """The partial sum for ``pending``'s all-reduce to add to its output first (None: there is
+        none), handed over: the group holds it no more."""
         if self._partial is None:
-            return
+            return None
         self._check_partial_indices(pending.indices)
         partial = self._partial[1]
         self._partial = None
-        pending.rs_output.add_(partial)
+        return partial
 
     def _check_partial_indices(self, indices: tuple[int, ...]) -> None:
         assert self._partial is not None
@@ -1143,7 +1145,7 @@ class ParamGroup:
         if device.type != "cuda" or pending.work is None:
             return None
         assert not pending.needs_all_reduce
-        if pending.partial:  # on the issue stream, in finish_reduce: the partial sum outlives this backward
+        if pending.partial:  # in finish_reduce, on the issue stream: the partial sum outlives this backward
             return None
         stream = comm_stream(device, "reduce_scatter" if self.replicate is None else "all_reduce")
         kept = self._missing_kept(pending)

@@ -6,7 +6,8 @@ patched to return the stream the "consumer" runs on. Buffers are CPU tensors wat
 references: a buffer is released when the runtime's last reference to it is gone.
 Checked: buffers waited on their issue stream drop at once; waited on another stream they stay held
 until an event recorded on that stream *after* the result's copy-out has completed (never before
-the ordering exists); a sweep releases them then; capture and device errors name the fix.
+the ordering exists); a sweep releases them then; a tensor handed to ``keep`` follows them;
+capture and device errors name the fix.
 The real thing (NCCL, streams, the caching allocator) is in tests/collectives/test_collectives_cuda.py.
 """
 from __future__ import annotations
@@ -136,6 +137,26 @@ def test_wait_on_another_stream_holds_buffers_until_the_consumer_event(scene: Sc
     inflight_work.sweep()
     assert not _alive(ref), "the consumer event completed: the sweep must release the buffers"
     assert inflight_work._deferred == []
+
+
+def test_a_kept_tensor_is_released_with_the_buffers(scene: Scene) -> None:
+    """``InflightWork.keep``: a tensor read just before the collective on its stream (HSDP's partial
+    sum, added into the all-reduce's buffer) follows the buffers' rule, not its own last reference."""
+    ref, buffer = _buffer()
+    kept_ref, kept = _buffer()
+    work, _ = scene.work(buffer)
+    work.keep(kept)
+    del buffer, kept
+    assert _alive(kept_ref), "dropped by the caller while the stream may still read it"
+    scene.current = scene.other
+    work.wait()
+    inflight_work.sweep()
+    assert _alive(kept_ref) and _alive(ref), "released before the consumer stream's event"
+    scene.other.recorded[0].complete()
+    inflight_work.sweep()
+    assert not _alive(kept_ref) and not _alive(ref)
+    work.keep(torch.zeros(4))  # after the release: nothing to hold
+    assert not work.pending
 
 
 def test_later_results_of_a_coalesced_work_keep_their_views(scene: Scene) -> None:
