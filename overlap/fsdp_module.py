@@ -25,6 +25,10 @@ method                            what it does here
                                   must call it at the same point.
 ``reshard()``                     free this module's unsharded parameters and register the sharded
                                   ones again (``ShardedModule``)
+``reset_iter_state()``            on the root after an exception: every group resharded, the step
+                                  forgotten, unreduced gradients and HSDP partial sums discarded
+                                  (``ShardedModule``; without it the next forward cleans up the
+                                  step and keeps the gradients)
 ``set_is_last_backward``          recorded; every backward here already completes its reductions
                                   before it returns, which is what ``True`` asks for
 ``set_post_optim_event``          the current stream waits for the event now, so the next
@@ -264,7 +268,6 @@ UNSUPPORTED: dict[str, str] = {
     "set_keep_unsharded_storage": "use set_reshard_after_backward(False) or reshard_after_forward=False",
     "set_manual_backward_finalization": "every backward finalizes its reductions before it returns",
     "finalize_backward": "every backward finalizes its reductions before it returns",
-    "reset_iter_state": "the root's next forward clears a step cut short by an exception",
 }
 
 

@@ -1045,7 +1045,8 @@ class ParamGroup:
         whole group's size per rank). The presence entry ([Note: a gradient no rank produced]) is
         summed alike: a gradient any rank had in any micro-batch stays. The finite check still
         agrees its flags over the replicas at each partial backward. A partial sum lives until an
-        all-reduce takes it (a backward cut short does not drop it). The parameters that require
+        all-reduce takes it or ``reset_iter_state()`` discards it (a backward cut short alone does
+        not drop it). The parameters that require
         gradients must stay the same between the partial backwards and the one that all-reduces;
         the compressed replica tier (``compress=`` with HSDP) is not supported.
         """
@@ -1055,6 +1056,15 @@ class ParamGroup:
             return
         self._check_partial_indices(pending.indices)
         self._partial[1].add_(rows)
+
+    def discard_unreduced_gradients(self) -> None:
+        """``reset_iter_state``: drop the unsharded gradients and the partial sum over the replicas
+        (what a failed step left towards the next reduction)."""
+        self._partial = None
+        if self.unsharded is not None:
+            with _NoGrad(), self._unsharded_getters():
+                for param in self.unsharded:
+                    param.grad = None
 
     def _take_partial_sum(self, pending: PendingReduce) -> Optional[torch.Tensor]:
         """The partial sum for ``pending``'s all-reduce to add to its output first (None: there is

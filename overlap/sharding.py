@@ -309,6 +309,24 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         if state.group is not None:
             state.group.reshard_to_sharded()
 
+    def reset_iter_state(self) -> None:
+        """FSDP2's recovery after an exception in forward or backward: call it on the root (the
+        outermost sharded module), on every rank, before the next step. Every group is resharded
+        (gathers still in flight are dropped; the in-flight registry keeps their buffers until they
+        complete), the step is forgotten, and what the failed step left towards the next reduction is
+        discarded: the unsharded gradients (a ``no_sync`` accumulation, a backward cut short), the
+        reductions whose epilogue had not run, and HSDP's partial sums (``set_requires_all_reduce
+        (False)``). As in FSDP2 a micro-batch sequence is then lost, and sharded ``.grad``s set by
+        reductions that completed are left as they are (``zero_grad`` clears them). Raises
+        RuntimeError on a sharded module that is not the root."""
+        state = self._overlap_state
+        root = state.root
+        if root is not None and root.owner is not state:
+            raise RuntimeError(f"reset_iter_state must be called on the root sharded module (the outermost one), "
+                               f"not on {type(self).__name__} {state.fqn!r}")
+        if root is not None:
+            root.reset_iter_state()
+
 
 
 
@@ -1412,6 +1430,17 @@ class _Root:
         if group.deferred_reduced is not None:
             with region("overlap::deferred_step"):
                 group.run_deferred_reduced_hooks()
+
+    def reset_iter_state(self) -> None:
+        """``ShardedModule.reset_iter_state``: every group resharded and its unreduced gradient
+        state discarded, the step forgotten."""
+        self._ahead = set()  # resharded too: the next forward gathers what it needs
+        self.in_forward = self.in_backward = False
+        self._running = []
+        self._finish_step()
+        for state in self.states:
+            if state.group is not None:
+                state.group.discard_unreduced_gradients()
 
     def _finish_step(self) -> None:
         """Reshard everything, forget the step (also the clean-up of a step without backward)."""
