@@ -42,6 +42,8 @@ method                            what it does here
                                   group and keeps a partial sum; the next backward with ``True``
                                   adds it and all-reduces over the replicas (not with a compressed
                                   replica tier); on a 1-D mesh it changes nothing, as in FSDP2
+``set_reduce_scatter_unused_params``  accepted, either value: a gradient this rank lacks is always
+                                  reduced as zeros, and one no rank had keeps ``.grad`` None
 ``set_unshard_in_backward``       ``False``: this module's group, resharded after forward, is not
                                   gathered again in backward (nor prefetched there): for parameters
                                   backward never reads, such as an embedding's; the gradients are
@@ -243,6 +245,16 @@ class FSDPModuleMethods:
         _check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
         self._overlap_state.unshard_in_backward = unshard_in_backward
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """FSDP2: whether a parameter without a gradient on this rank is reduced as zeros, so that
+        ranks whose control flow used different parameters (MoE experts, modalities) issue the same
+        collective. The runtime always does (``True``), and a parameter no rank had a gradient for
+        keeps ``.grad`` None ([Note: a gradient no rank produced] in ``overlap/param_group.py``):
+        with ``False`` FSDP2 leaves such a parameter out of its reduction, which gives the same
+        gradients wherever every rank lacks the same ones (and hangs where they differ). Both values
+        are accepted and change nothing."""
+        _check_bool("set_reduce_scatter_unused_params", "reduce_scatter_unused_params", reduce_scatter_unused_params)
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """FSDP2: reduce with sum-only collectives and divide separately. The reductions here always
         do (a sum, then the division in the copy-out), so this only records ``enable``."""
@@ -260,8 +272,6 @@ UNSUPPORTED: dict[str, str] = {
                            "each reduction",
     "set_allocate_memory_from_process_group_for_comm": "the runtime allocates its own buffers",
     "set_symm_mem_for_comm": "the runtime allocates its own buffers",
-    "set_reduce_scatter_unused_params": "unused parameters are always reduce-scattered (as zeros; one no "
-                                        "rank has a gradient for keeps .grad None)",
     "set_reduce_scatter_max_input_buffers": "bound the bytes in flight with "
                                             "fully_shard(..., max_inflight_bytes=)",
     "set_separate_reduce_scatter_group": "reduce-scatters run on the runtime's own stream and group",

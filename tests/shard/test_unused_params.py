@@ -3,7 +3,9 @@ token was routed to on this rank): every rank must still issue the same collecti
 order, and an unused parameter contributes zeros to the average (DDP ``find_unused_parameters``
 semantics), so training matches the unsharded model on the global batch. And parameters no rank
 has a gradient for (an output computed and dropped, a head the loss leaves out): their ``.grad``
-stays None, as FSDP2's, plain training's and DDP's ([Note: a gradient no rank produced]).
+stays None, as FSDP2's, plain training's and DDP's ([Note: a gradient no rank produced]). FSDP2's
+switch for the first case, ``set_reduce_scatter_unused_params(True)``, is accepted (and changes
+nothing here): both runtimes with it, bitwise.
 
 Tolerance: 1e-5 relative (fp32; the reduce-scatter sums ranks' gradients in another order than one
 process sums the global batch); against FSDP2, bitwise.
@@ -124,6 +126,33 @@ def test_rank_dependent_unused_parameters_train_like_unsharded(distributed, worl
         torch.testing.assert_close(r["losses"], want_losses, rtol=RTOL, atol=0)
         for key, value in ref.state_dict().items():
             torch.testing.assert_close(r["full"][key], value, rtol=RTOL, atol=1e-7, msg=key)
+
+
+def _unused_params_side_by_side(rank: int, world: int) -> dict:
+    """FSDP2's MoE setting, ``set_reduce_scatter_unused_params(True)``, on both runtimes' root (the
+    runtime always reduces a missing gradient as zeros: the call changes nothing there)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    out = {}
+    for name, fully_shard in (("overlap", overlap.fully_shard), ("fsdp2", torch_fully_shard)):
+        model = _model()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        if not hasattr(model, "set_reduce_scatter_unused_params"):
+            return {"skip": f"torch {torch.__version__}'s FSDP2 has no set_reduce_scatter_unused_params"}
+        model.set_reduce_scatter_unused_params(True)
+        _train(model, rank, world)
+        out[name] = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def test_reduce_scatter_unused_params_is_accepted_and_matches_fsdp2(distributed) -> None:
+    for r in distributed(_unused_params_side_by_side, 2, timeout=120, pg_timeout=30):
+        if "skip" in r:
+            pytest.skip(r["skip"])
+        for name, value in r["fsdp2"].items():
+            assert torch.equal(r["overlap"][name], value), name
 
 
 # ------------------------------------------------------------- a gradient no rank produced
