@@ -42,6 +42,8 @@ method                            what it does here
                                   group and keeps a partial sum; the next backward with ``True``
                                   adds it and all-reduces over the replicas (not with a compressed
                                   replica tier); on a 1-D mesh it changes nothing, as in FSDP2
+``set_keep_unsharded_storage``    ``True``: resharding leaves the unsharded storage allocated (the
+                                  same address every step, for CUDA graphs; memory held)
 ``set_reduce_scatter_unused_params``  accepted, either value: a gradient this rank lacks is always
                                   reduced as zeros, and one no rank had keeps ``.grad`` None
 ``set_unshard_in_backward``       ``False``: this module's group, resharded after forward, is not
@@ -245,6 +247,17 @@ class FSDPModuleMethods:
         _check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
         self._overlap_state.unshard_in_backward = unshard_in_backward
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """FSDP2: ``True`` keeps the unsharded parameters' storage allocated when they are resharded,
+        so that its address stays the same from step to step (for CUDA graph capture), at the cost
+        of holding it between steps. Resharding still drops the parameters from the module and the
+        next gather refills the storage; the values in between are the last gather's. (At world
+        size 1 without a cast the unsharded parameters are the shards' own storage: nothing to keep.)"""
+        _check_bool("set_keep_unsharded_storage", "keep", keep)
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.keep_unsharded_storage = keep
+
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """FSDP2: whether a parameter without a gradient on this rank is reduced as zeros, so that
         ranks whose control flow used different parameters (MoE experts, modalities) issue the same
@@ -275,7 +288,6 @@ UNSUPPORTED: dict[str, str] = {
     "set_reduce_scatter_max_input_buffers": "bound the bytes in flight with "
                                             "fully_shard(..., max_inflight_bytes=)",
     "set_separate_reduce_scatter_group": "reduce-scatters run on the runtime's own stream and group",
-    "set_keep_unsharded_storage": "use set_reshard_after_backward(False) or reshard_after_forward=False",
     "set_manual_backward_finalization": "every backward finalizes its reductions before it returns",
     "finalize_backward": "every backward finalizes its reductions before it returns",
 }

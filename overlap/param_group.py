@@ -255,6 +255,10 @@ class ParamGroup:
         data-parallel size (the average). See [Note: the reduction's average]."""
         self.force_sum_reduction_for_comms = False
         """FSDP2's ``set_force_sum_reduction_for_comms``, recorded: the reductions here always sum."""
+        self.keep_unsharded_storage = False
+        """FSDP2's ``set_keep_unsharded_storage``: True keeps the unsharded parameters' storage
+        allocated when resharding, so that its address stays the same from step to step (CUDA graph
+        capture) at the cost of holding it; the next gather still refills it."""
         self.requires_all_reduce = True
         """FSDP2's ``set_requires_all_reduce``: with HSDP, False keeps each reduce-scattered sum
         as a partial sum instead of summing it over the replicas ([Note: reductions left partial
@@ -690,8 +694,7 @@ class ParamGroup:
 
         def copy_out() -> None:
             with region(self.regions.all_gather_copy_out), _NoGrad():
-                storage, placement = self._unsharded_storage
-                storage.resize_(placement.nbytes)
+                self._allocate_unsharded_storage()
                 qlayout = self._gather_qlayout
                 if qlayout is not None:
                     self._quantized_copy_out(pending.ag_output, qlayout, outs)
@@ -721,20 +724,26 @@ class ParamGroup:
         parameters, which is what packing then unpacking would give, without the flat buffer."""
         self._unsharded_params(follow_requires_grad)
         with region(self.regions.all_gather_copy_in), _NoGrad():
-            storage, placement = self._unsharded_storage
-            storage.resize_(placement.nbytes)
+            self._allocate_unsharded_storage()
             # [Note: a gather bumps no version counter]
             torch._foreach_copy_(self._unsharded_fill, list(map(_LOCAL, self.sharded)))  # type: ignore[attr-defined]
         self.is_unsharded = True
 
+    def _allocate_unsharded_storage(self) -> None:
+        """Give the unsharded parameters' storage its bytes again, unless it holds them (kept by
+        ``keep_unsharded_storage``): ``resize_`` to the same size re-allocates, and moves it."""
+        storage, placement = self._unsharded_storage
+        if storage.nbytes() != placement.nbytes:
+            storage.resize_(placement.nbytes)
+
     def reshard(self) -> None:
-        """Free the unsharded storage, and drop a gather still in flight without waiting for it (a
-        prefetch for a module that did not run must not stall compute: the in-flight registry keeps
-        its buffers until it completes)."""
+        """Free the unsharded storage (unless ``keep_unsharded_storage``), and drop a gather still in
+        flight without waiting for it (a prefetch for a module that did not run must not stall
+        compute: the in-flight registry keeps its buffers until it completes)."""
         self.pending_gather = None
         if self.is_unsharded:
             assert self.unsharded is not None
-            if not self.aliases_shards:  # aliased storage belongs to the shards
+            if not self.aliases_shards and not self.keep_unsharded_storage:  # aliased: the shards' storage
                 self._unsharded_storage[0].resize_(0)
             self.is_unsharded = False
 

@@ -354,6 +354,8 @@ MATRIX: dict[str, Bad] = {
         lambda e: e.sharded.set_gradient_divide_factor("2"), ValueError, "factor", "positive finite number"),
     "FSDPModule set_requires_all_reduce not a bool": Bad(
         lambda e: e.sharded.set_requires_all_reduce("no"), ValueError, "requires_all_reduce", "bool"),
+    "FSDPModule set_keep_unsharded_storage not a bool": Bad(
+        lambda e: e.sharded.set_keep_unsharded_storage("yes"), ValueError, "keep", "bool"),
     "FSDPModule set_reduce_scatter_unused_params not a bool": Bad(
         lambda e: e.sharded.set_reduce_scatter_unused_params(None), ValueError, "reduce_scatter_unused_params", "bool"),
     "FSDPModule set_unshard_in_backward not a bool": Bad(

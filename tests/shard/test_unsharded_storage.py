@@ -2,7 +2,8 @@
 one storage] in ``overlap/param_group.py``): one ``resize_`` frees or re-allocates them all, each is
 16-byte aligned and contiguous, and the copy-out keys its pointer table on that storage. Training
 through it is checked against the unsharded model and FSDP2 in test_shard_numerics.py; here, the
-storage itself, with mixed dtypes (fp32, bf16 and an int parameter) in one group.
+storage itself, with mixed dtypes (fp32, bf16 and an int parameter) in one group, and with
+``set_keep_unsharded_storage(True)``: allocated at one address across steps, training unchanged.
 """
 from __future__ import annotations
 
@@ -112,3 +113,43 @@ def test_a_gather_bumps_no_version_counter(distributed) -> None:
     *versions, fills_written = seen["versions"]
     assert seen["gathers_in_backward"] and len(versions) == 8 and all(v == versions[0] for v in versions), seen
     assert all(fills_written), fills_written
+
+
+def _kept_storage_rank(rank: int, world: int) -> dict[str, Any]:
+    """``set_keep_unsharded_storage(True)`` (FSDP2's): 3 SGD steps of TinyLM beside the same run
+    without it; each group's unsharded storage after every step (allocated, at one address)."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/shard/", 1)[0])
+    from models import SEED, TinyLM, local_batch, make_batch
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for keep in (True, False):
+        torch.manual_seed(SEED)
+        model = TinyLM()
+        for block in model.blocks:
+            overlap.fully_shard(block)
+        overlap.fully_shard(model)
+        model.set_keep_unsharded_storage(keep)
+        groups = [s.group for s in sharded_states(model) if s.group is not None]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        storages = []
+        for step in range(3):
+            model.loss(local_batch(make_batch(step), rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            storages.append([(g._unsharded_storage[0].nbytes(), g._unsharded_storage[0].data_ptr()) for g in groups])
+        out[keep] = {"storages": storages, "params": {n: p.to_local().clone() for n, p in model.named_parameters()}}
+    return out
+
+
+def test_kept_unsharded_storage_stays_at_one_address_and_trains_the_same(distributed) -> None:
+    for seen in distributed(_kept_storage_rank, 2):
+        kept, freed = seen[True], seen[False]
+        first = kept["storages"][0]
+        assert all(nbytes > 0 for nbytes, _ in first), "resharded storage was freed"
+        assert all(step == first for step in kept["storages"]), "the kept storage moved between steps"
+        assert all(nbytes == 0 for step in freed["storages"] for nbytes, _ in step)
+        for name, value in freed["params"].items():
+            assert torch.equal(kept["params"][name], value), name
