@@ -287,7 +287,8 @@ UNSUPPORTED: dict[str, str] = {
     "set_symm_mem_for_comm": "the runtime allocates its own buffers",
     "set_reduce_scatter_max_input_buffers": "bound the bytes in flight with "
                                             "fully_shard(..., max_inflight_bytes=)",
-    "set_separate_reduce_scatter_group": "reduce-scatters run on the runtime's own stream and group",
+    "set_separate_reduce_scatter_group": "reduce-scatters run on their own stream, over the shard group's own "
+                                         "communicator, which the all-gathers share",
     "set_manual_backward_finalization": "every backward finalizes its reductions before it returns",
     "finalize_backward": "every backward finalizes its reductions before it returns",
 }
