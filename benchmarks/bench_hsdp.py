@@ -29,7 +29,9 @@ micro-batch reduced in full (``synced``), all but the last under ``set_requires_
 last under ``set_requires_gradient_sync(False)`` (``no_sync``: nothing reduced until the last;
 unsharded gradients held meanwhile), at the calibrated link (``--link-scale`` scales it). Rounds
 interleave the modes; bytes per tier as for ``--compression``; "bitwise FSDP2" compares the two
-runtimes' parameters after the run, recipe by recipe.
+runtimes' parameters after the run, recipe by recipe; "held" is what overlap.shard holds towards the
+next reduction just before the last micro-batch (unsharded gradients, partial sums), read from its
+groups (FSDP2's is not read: its internals differ between torch versions).
 
     python benchmarks/bench_hsdp.py [--steps 6] [--markdown benchmarks/RESULTS.md]
     python benchmarks/bench_hsdp.py --compression [--link-scale 0.25] [--steps 6]
@@ -150,6 +152,22 @@ def _compressed_rank(rank: int, world: int, args: argparse.Namespace) -> dict[st
 ACCUMULATION_RECIPES = ("synced", "partial", "no_sync")
 
 
+def _held_between_micro_batches(model: Any) -> int:
+    """Bytes overlap.shard holds towards the next reduction, between two micro-batches: the
+    unsharded gradients (``no_sync``) and the partial sums over the replicas (``partial``)."""
+    from overlap.sharding import sharded_states
+
+    total = 0
+    for state in sharded_states(model):
+        group = state.group
+        if group is None:
+            continue
+        if group._partial is not None:
+            total += group._partial[1].numel() * group._partial[1].element_size()
+        total += sum(p.grad.numel() * p.grad.element_size() for p in group.unsharded or () if p.grad is not None)
+    return total
+
+
 def _accumulation_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import statistics
     import time
@@ -172,6 +190,8 @@ def _accumulation_rank(rank: int, world: int, args: argparse.Namespace) -> dict[
             steps[f"{runtime}, {recipe}"] = (step, model, recipe)
     names = list(steps)
 
+    held: dict[str, int] = {}
+
     def run(name: str) -> None:
         step, model, recipe = steps[name]
         for micro in range(args.micro_batches):
@@ -181,6 +201,8 @@ def _accumulation_rank(rank: int, world: int, args: argparse.Namespace) -> dict[
             elif recipe == "no_sync":
                 model.set_requires_gradient_sync(last)
             step.loss_fn(micro).backward()
+            if micro == args.micro_batches - 2 and name.startswith("overlap"):
+                held[name] = _held_between_micro_batches(model)
         step.optimizer.step()
         step.optimizer.zero_grad()
 
@@ -206,6 +228,7 @@ def _accumulation_rank(rank: int, world: int, args: argparse.Namespace) -> dict[
     for name in names:
         out[name] = over_ranks(statistics.median(times[name]))
         out[name + " bytes"] = tiers[name]
+        out[name + " held"] = over_ranks(float(held.get(name, -1)))
     for recipe in ACCUMULATION_RECIPES:
         ours, theirs = (steps[f"{runtime}, {recipe}"][1] for runtime in ("overlap.shard", "torch FSDP2"))
         same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(ours.parameters(), theirs.parameters()))
@@ -226,7 +249,8 @@ def _accumulation_main(args: argparse.Namespace) -> None:
                          f"{b['shard'] / 1e6:.2f} ({b['shard'] / synced_bytes['shard']:.2f}x)",
                          f"{b['replicate'] / 1e6:.2f} ({b['replicate'] / synced_bytes['replicate']:.2f}x)",
                          f"{r[f'overlap.shard, {recipe}'] / r[f'torch FSDP2, {recipe}']:.2f}x",
-                         "yes" if r[recipe + " bitwise"] else "no"])
+                         "yes" if r[recipe + " bitwise"] else "no",
+                         f"{r[name + ' held'] / 1e6:.2f}" if r[name + " held"] >= 0 else "-"])
     link = (f"{args.nodes} nodes x {args.gpus_per_node} CPU ranks (gloo); emulated link "
             f"{r['inter'] * args.inter_slowdown:.3g} Gbit/s within a node, {r['inter']:.3g} Gbit/s across nodes "
             f"({args.link_scale:g}x the calibrated {r['calibrated']:.3g}), {args.latency_us:g} µs per collective")
@@ -234,7 +258,8 @@ def _accumulation_main(args: argparse.Namespace) -> None:
          f"width {args.dim}, batch {args.batch}, AdamW, fp32; {link}; medians of {args.steps} interleaved rounds, "
          "slowest rank",
          ["runtime, recipe", "step ms (link)", "step vs synced", "MB per step, shard tier (vs synced)",
-          "MB per step, replica tier (vs synced)", "overlap.shard / FSDP2 step", "bitwise FSDP2"],
+          "MB per step, replica tier (vs synced)", "overlap.shard / FSDP2 step", "bitwise FSDP2",
+          "MB held between micro-batches (largest rank)"],
          rows, args.markdown)
 
 
