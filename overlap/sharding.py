@@ -862,12 +862,14 @@ class _Root:
         loss, tail = self._between
         enclosing = self._enclosing()
         nbytes = [g.all_gather_bytes() if g is not None else 0 for g in groups]
+        regathers = self._backward_gathers()
         depth = choose_prefetch_depth(compute, link, nbytes, budget, backward=backward, loss=loss, tail=tail,
-                                      enclosing=enclosing, reduce=reduce)
+                                      enclosing=enclosing, reduce=reduce, backward_gathers=regathers)
         for info in (self.owner.info, self.owner.replicate):  # every rank must prefetch alike
             if info is not None and info.size > 1:
                 depth = max(agreement.exchange(info, "prefetch depth", depth))
-        depth = self._choose_gather_ahead(depth, budget, groups, nbytes, compute, link, backward, enclosing, reduce)
+        depth = self._choose_gather_ahead(depth, budget, groups, nbytes, compute, link, backward, enclosing, reduce,
+                                          regathers)
         self.chosen_depth = depth
         for state in self.states:
             if state.auto_prefetch:
@@ -878,8 +880,14 @@ class _Root:
             self.step_floor = step_floor(compute, link, backward, loss, tail, seconds, reduce=reduce)
         count, lag = self.gather_ahead or (0, 1)
         self.modelled_step = modelled_steady_step(compute, link, depth, count, lag, backward=backward, loss=loss,
-                                                  tail=tail, reduce=reduce)
-        self._start_trial(modelled_step(compute, link, 1, backward, loss, tail, reduce=reduce))
+                                                  tail=tail, reduce=reduce, backward_gathers=regathers)
+        self._start_trial(modelled_step(compute, link, 1, backward, loss, tail, reduce=reduce, backward_gathers=regathers))
+
+    def _backward_gathers(self) -> Optional[list[bool]]:
+        """Per forward position, whether backward gathers its group again (False:
+        ``set_unshard_in_backward(False)``) for the choosers' model; None where every one does."""
+        flags = [self.states[i].unshard_in_backward for i in self.forward_seq]
+        return None if all(flags) else flags
 
     def _enclosing(self) -> Optional[list[frozenset[int]]]:
         """Per position of this step's forward order, the positions whose forward ran around it (a
@@ -950,7 +958,8 @@ class _Root:
 
     def _choose_gather_ahead(self, depth: int, budget: int, groups: list[Optional[ParamGroup]], nbytes: list[int],
                              compute: list[float], link: list[float], backward: Optional[list[float]],
-                             enclosing: Optional[list[frozenset[int]]], reduce: list[float]) -> int:
+                             enclosing: Optional[list[frozenset[int]]], reduce: list[float],
+                             backward_gathers: Optional[list[bool]] = None) -> int:
         """Plan the gathers issued ahead in backward from this step's costs (``groups`` and ``nbytes``:
         each forward position's group and its gather's bytes; ``enclosing``: the nesting :meth:`_enclosing`
         read), if every group with parameters is stepped in backward; agree rank
@@ -964,7 +973,8 @@ class _Root:
                 or not all(g is None or g.reduced_hooks for g in groups) or not any(groups)):
             return depth  # a group used twice, HSDP, or no optimizer in backward: nothing is final early
         depth, plan = choose_schedule(compute, link, nbytes, depth, budget, backward=backward, loss=self._between[0],
-                                      tail=self._between[1], enclosing=enclosing, reduce=reduce)
+                                      tail=self._between[1], enclosing=enclosing, reduce=reduce,
+                                      backward_gathers=backward_gathers)
         if self.owner.info.size > 1:
             depth, count, lag = agreement.exchange(self.owner.info, "gather ahead", [depth, *plan])[0]
             plan = (count, lag)

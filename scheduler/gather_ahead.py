@@ -73,11 +73,13 @@ LAGS = (1, 2, 3)
 
 def modelled_steady_step(compute: Sequence[float], gather: Sequence[float], depth: int, count: int,
                          lag: int = 1, steps: int = 4, backward: Optional[Sequence[float]] = None,
-                         loss: float = 0.0, tail: float = 0.0, reduce: Optional[Sequence[float]] = None) -> float:
+                         loss: float = 0.0, tail: float = 0.0, reduce: Optional[Sequence[float]] = None,
+                         backward_gathers: Optional[Sequence[bool]] = None) -> float:
     """Seconds per step in the steady state of ``steps`` replayed steps with the first ``count``
     reduced groups gathered ahead at ``lag`` (see [Note: choosing the gathers issued ahead]): the
     mean of the second half of the steps."""
-    ends = step_ends(compute, gather, depth, steps, count, lag, backward, loss, tail, reduce)
+    ends = step_ends(compute, gather, depth, steps, count, lag, backward, loss, tail, reduce,
+                     backward_gathers=backward_gathers)
     if not ends:
         return 0.0
     half = len(ends) // 2
@@ -88,18 +90,20 @@ def choose_gather_ahead(compute: Sequence[float], gather: Sequence[float], nbyte
                         budget: int, tolerance: float = 0.01,
                         backward: Optional[Sequence[float]] = None, loss: float = 0.0,
                         tail: float = 0.0, enclosing: Optional[Sequence[AbstractSet[int]]] = None,
-                        reduce: Optional[Sequence[float]] = None) -> tuple[int, int]:
+                        reduce: Optional[Sequence[float]] = None,
+                        backward_gathers: Optional[Sequence[bool]] = None) -> tuple[int, int]:
     """``(count, lag)``: how many of the first reduced groups to gather ahead in backward, and at
     which issue point (see [Note: choosing the gathers issued ahead]); ``(0, 1)`` where nothing
     modelled is faster by more than ``tolerance`` or fits ``budget``. ``enclosing``: nested groups,
-    as ``scheduler.held_bytes.held_bytes`` takes them (None: one after the other)."""
+    as ``scheduler.held_bytes.held_bytes`` takes them (None: one after the other);
+    ``backward_gathers``: as ``scheduler.replayed_step.step_ends`` takes it."""
     check_costs(compute, gather, nbytes, "position", backward, reduce)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"depth must be an int >= 0, got {depth!r}")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise ValueError(f"budget must be an int >= 0 (bytes), got {budget!r}")
     n = len(compute)
-    costs = dict(backward=backward, loss=loss, tail=tail, reduce=reduce)
+    costs = dict(backward=backward, loss=loss, tail=tail, reduce=reduce, backward_gathers=backward_gathers)
     best, plan = modelled_steady_step(compute, gather, depth, 0, **costs), (0, 1)
     fallback = best
     for count in range(1, n + 1):
@@ -116,7 +120,8 @@ def choose_schedule(compute: Sequence[float], gather: Sequence[float], nbytes: S
                     budget: int, tolerance: float = 0.01, backward: Optional[Sequence[float]] = None,
                     loss: float = 0.0, tail: float = 0.0,
                     enclosing: Optional[Sequence[AbstractSet[int]]] = None,
-                    reduce: Optional[Sequence[float]] = None) -> tuple[int, tuple[int, int]]:
+                    reduce: Optional[Sequence[float]] = None,
+                    backward_gathers: Optional[Sequence[bool]] = None) -> tuple[int, tuple[int, int]]:
     """``(depth, (count, lag))``: the prefetch ``depth`` already chosen with its gather-ahead plan
     (:func:`choose_gather_ahead`), or a deeper depth and its plan within ``budget`` where that models
     a steady step shorter than the choice so far (shallower) by more than ``tolerance`` (see [Note:
@@ -124,7 +129,7 @@ def choose_schedule(compute: Sequence[float], gather: Sequence[float], nbytes: S
     check_costs(compute, gather, nbytes, "position", backward, reduce)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be an int >= 1, got {depth!r}")
-    costs = dict(backward=backward, loss=loss, tail=tail, reduce=reduce)
+    costs = dict(backward=backward, loss=loss, tail=tail, reduce=reduce, backward_gathers=backward_gathers)
     plan = choose_gather_ahead(compute, gather, nbytes, depth, budget, tolerance=tolerance, enclosing=enclosing, **costs)
     chosen, best = (depth, plan), modelled_steady_step(compute, gather, depth, *plan, **costs)
     for deeper in range(depth + 1, len(compute)):

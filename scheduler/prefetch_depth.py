@@ -82,10 +82,12 @@ __all__ = ["choose_prefetch_depth", "modelled_step", "check_costs"]
 
 def modelled_step(compute: Sequence[float], gather: Sequence[float], depth: int,
                   backward: Optional[Sequence[float]] = None, loss: float = 0.0, tail: float = 0.0,
-                  reduce: Optional[Sequence[float]] = None) -> float:
+                  reduce: Optional[Sequence[float]] = None,
+                  backward_gathers: Optional[Sequence[bool]] = None) -> float:
     """Seconds of one step (forward and backward) at prefetch ``depth`` from a cold start, under the
     model of [Note: choosing the prefetch depth] (``scheduler.replayed_step``)."""
-    ends = step_ends(compute, gather, depth, backward=backward, loss=loss, tail=tail, reduce=reduce)
+    ends = step_ends(compute, gather, depth, backward=backward, loss=loss, tail=tail, reduce=reduce,
+                     backward_gathers=backward_gathers)
     return ends[0] if ends else 0.0
 
 
@@ -108,14 +110,16 @@ def choose_prefetch_depth(compute: Sequence[float], gather: Sequence[float], nby
                           budget: int, tolerance: float = 0.01, backward: Optional[Sequence[float]] = None,
                           loss: float = 0.0, tail: float = 0.0,
                           enclosing: Optional[Sequence[AbstractSet[int]]] = None,
-                          reduce: Optional[Sequence[float]] = None) -> int:
+                          reduce: Optional[Sequence[float]] = None,
+                          backward_gathers: Optional[Sequence[bool]] = None) -> int:
     """The prefetch depth for groups with these costs (see [Note: choosing the prefetch depth]): at
     least 1, at most ``len(compute) - 1`` (or 1 for fewer than two groups). ``enclosing``: nested
-    groups, as ``scheduler.held_bytes.held_bytes`` takes them (None: one after the other)."""
+    groups, as ``scheduler.held_bytes.held_bytes`` takes them (None: one after the other);
+    ``backward_gathers``: as ``scheduler.replayed_step.step_ends`` takes it."""
     check_costs(compute, gather, nbytes, "group", backward, reduce)
     if not (isinstance(budget, int) and budget >= 0):
         raise ValueError(f"budget must be an int >= 0 (bytes), got {budget!r}")
     allowed = [d for d in range(1, max(2, len(compute))) if d == 1 or held_bytes(nbytes, d, 0, enclosing) <= budget]
-    times = {d: modelled_step(compute, gather, d, backward, loss, tail, reduce) for d in allowed}
+    times = {d: modelled_step(compute, gather, d, backward, loss, tail, reduce, backward_gathers) for d in allowed}
     best = min(times.values())
     return min(d for d, t in times.items() if t <= best * (1 + tolerance))

@@ -75,13 +75,16 @@ class _FifoLink:
 def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, steps: int = 1, ahead: int = 0,
               lag: int = 1, backward: Optional[Sequence[float]] = None, loss: float = 0.0,
               tail: float = 0.0, reduce: Optional[Sequence[float]] = None,
-              replicate: Optional[Sequence[float]] = None) -> list[float]:
+              replicate: Optional[Sequence[float]] = None,
+              backward_gathers: Optional[Sequence[bool]] = None) -> list[float]:
     """The time each of ``steps`` consecutive steps ends, from a cold start at 0 (an empty link,
     nothing gathered), under [Note: replaying a step on a FIFO link]; ``[]`` for no groups.
     ``backward``: each group's backward seconds (None: twice its ``compute``); ``loss``, ``tail``:
     the host's seconds after forward and at the end of backward (finite, >= 0); ``reduce``: each
     group's reduce-scatter seconds on the link (None: its ``gather``'s); ``replicate``: each group's
-    cross-replica all-reduce seconds on a second link (None: none)."""
+    cross-replica all-reduce seconds on a second link (None: none); ``backward_gathers``: per group,
+    whether backward gathers it again when it is not kept (False: ``set_unshard_in_backward(False)``,
+    its backward needs no parameters; None: every group)."""
     n = len(compute)
     if backward is None:
         backward = [2 * c for c in compute]
@@ -93,6 +96,8 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
         raise ValueError(f"reduce must have one entry per group ({n}), got {len(reduce)}")
     if replicate is not None and len(replicate) != n:
         raise ValueError(f"replicate must have one entry per group ({n}), got {len(replicate)}")
+    if backward_gathers is not None and len(backward_gathers) != n:
+        raise ValueError(f"backward_gathers must have one entry per group ({n}), got {len(backward_gathers)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= n:
@@ -118,6 +123,10 @@ def step_ends(compute: Sequence[float], gather: Sequence[float], depth: int, ste
         regathered = [math.inf] * n
         for k in range(max(0, n - 1 - depth), n):  # kept unsharded for backward
             regathered[k] = 0.0
+        if backward_gathers is not None:  # left sharded in backward: nothing to wait for
+            for k in range(n):
+                if not backward_gathers[k]:
+                    regathered[k] = 0.0
         reduced = [math.inf] * n
         landed = [math.inf] * n  # the next forward's gathers
         for j in reversed(range(n)):

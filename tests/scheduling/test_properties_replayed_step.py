@@ -9,8 +9,9 @@ Properties, against references that do not replay anything:
 * with no link time a step is its compute, forward plus backward at twice that (three times the
   sum), whatever the depth or the gathers ahead;
 * with no compute the link never idles, so a step is the link's work: every gather, the re-gathers
-  of all but the ``1 + depth`` groups kept for backward, and every reduce-scatter (at its own
-  ``reduce`` seconds where they are given);
+  of all but the ``1 + depth`` groups kept for backward (and those left sharded in backward,
+  ``backward_gathers``), and every reduce-scatter (at its own ``reduce`` seconds where they are
+  given);
 * ``reduce`` left out is ``reduce=gather``, and a longer reduce-scatter never ends a step earlier
   (the replay is made of sums and maxima only); all-reduces of no seconds on the replicate link
   change nothing, and longer ones never end a step earlier;
@@ -68,6 +69,18 @@ def test_without_compute_the_link_never_idles(cg: tuple, depth: int) -> None:
 
 
 @given(costs(), st.integers(0, 10), st.data())
+def test_a_group_left_sharded_in_backward_is_not_gathered_again(cg: tuple, depth: int, data: st.DataObject) -> None:
+    gather = cg[1]
+    compute = [0.0] * len(gather)
+    regathers = data.draw(st.lists(st.booleans(), min_size=len(gather), max_size=len(gather)))
+    kept = max(0, len(gather) - 1 - depth)
+    link_work = sum(gather) + sum(g for g, again in zip(gather[:kept], regathers) if again) + sum(gather)
+    assert modelled_step(compute, gather, depth, backward_gathers=regathers) == pytest.approx(link_work, rel=REL)
+    assert modelled_step(compute, gather, depth, backward_gathers=[True] * len(gather)) == modelled_step(
+        compute, gather, depth)
+
+
+@given(costs(), st.integers(0, 10), st.data())
 def test_without_compute_the_link_carries_each_reduce_scatter_at_its_own_cost(cg: tuple, depth: int,
                                                                               data: st.DataObject) -> None:
     gather = cg[1]
@@ -119,3 +132,5 @@ def test_no_groups_and_bad_input() -> None:
         step_ends([1.0, 1.0], [1.0, 1.0], 1, reduce=[1.0])
     with pytest.raises(ValueError, match="replicate must have one entry per group"):
         step_ends([1.0, 1.0], [1.0, 1.0], 1, replicate=[1.0])
+    with pytest.raises(ValueError, match="backward_gathers must have one entry per group"):
+        step_ends([1.0, 1.0], [1.0, 1.0], 1, backward_gathers=[False])

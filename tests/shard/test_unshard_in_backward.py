@@ -7,7 +7,7 @@ as a group of its own, between the root's group and the blocks'. Each loop runs 
 with and without the setting, on 2 gloo ranks behind the counting link, and compares losses and
 parameters bitwise and the embedding group's all-gathers issued inside backward. The loops: a fixed
 ``prefetch=1`` (the step's all-gathers counted on the link too), ``prefetch="auto"`` (the recording
-steps and the chosen schedule), and ``no_sync`` micro-batches (the group gathered for each forward,
+steps and the chosen schedule, whose step model is told the group is not gathered again), and ``no_sync`` micro-batches (the group gathered for each forward,
 its unsharded gradients accumulated across them while its storage is freed). FSDP2 side by side:
 ``tests/clients/test_fully_shard.py``.
 """
@@ -72,7 +72,8 @@ def _run(rank: int, world: int, left_sharded: bool, loop: str) -> dict[str, Any]
         link_gathers.append(_gathers(link) - before_link)
         backward_gathers.append(in_backward[0] - before_backward)
     return {"losses": torch.stack(losses), "link_gathers": link_gathers, "backward_gathers": backward_gathers,
-            "params": {n: p.to_local().clone() for n, p in model.named_parameters()}}
+            "params": {n: p.to_local().clone() for n, p in model.named_parameters()},
+            "modelled": state.root._backward_gathers()}  # what the choosers' step model is told
 
 
 def _gathers(link) -> int:
@@ -106,6 +107,8 @@ def test_prefetch_auto_records_and_chooses_with_the_group_left_sharded(loops) ->
         left, usual = rank["auto"]
         assert_same_run(left, usual, "auto")
         assert left["backward_gathers"] == [0] * STEPS
+        # the choosers model no backward gather for the embedding's group (forward position 1, after the root's)
+        assert usual["modelled"] is None and left["modelled"] == [True, False] + [True] * LAYERS
 
 
 def test_no_sync_micro_batches_accumulate_into_the_freed_parameters(loops) -> None:
