@@ -104,6 +104,26 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _scaled_two_tier_link(args: argparse.Namespace, x: Any) -> tuple[EmulatedLink, float, float]:
+    """(link, inter-node Gbit/s, calibrated Gbit/s): both tiers at ``--link-scale`` of the calibrated
+    bandwidths (``--link-gbps``, else the fully sharded step's comm on the slow tier ~ its compute,
+    as the default tables), the intra-node tier ``--inter-slowdown`` times faster."""
+    calibrated = args.link_gbps
+    if calibrated is None:
+        calibrated = calibrate_link(_step("overlap", False, args, x), args.latency_us)
+    inter = calibrated * args.link_scale
+    link = EmulatedLink(inter * args.inter_slowdown, args.latency_us, gpus_per_node=args.gpus_per_node,
+                        inter_node=(inter, args.latency_us))
+    return link, inter, calibrated
+
+
+def _bytes_per_tier(link: EmulatedLink, mesh: Any) -> dict[str, float]:
+    """Wire bytes ``link`` counted since its last reset on ``mesh``'s shard and replicate groups."""
+    by_group = link.stats_by_group()
+    groups = {tier: mesh.get_group(tier).group_name for tier in ("shard", "replicate")}
+    return {tier: by_group[g].wire_bytes if g in by_group else 0 for tier, g in groups.items()}
+
+
 def _compressed_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import statistics
     import time
@@ -111,12 +131,7 @@ def _compressed_rank(rank: int, world: int, args: argparse.Namespace) -> dict[st
     import torch.distributed as dist
 
     x = rank_input(args.batch, args.dim, rank)
-    calibrated = args.link_gbps
-    if calibrated is None:  # as the default tables: the fully sharded step's comm on the slow tier ~ compute
-        calibrated = calibrate_link(_step("overlap", False, args, x), args.latency_us)
-    inter = calibrated * args.link_scale
-    link = EmulatedLink(inter * args.inter_slowdown, args.latency_us, gpus_per_node=args.gpus_per_node,
-                        inter_node=(inter, args.latency_us))
+    link, inter, calibrated = _scaled_two_tier_link(args, x)
     steps = {name: _step(mode, True, args, x, compress) for name, (mode, compress) in COMPRESSED_MODES.items()}
     for step in steps.values():  # warm-up: two steps without the link, one with
         step(), step()
@@ -136,10 +151,7 @@ def _compressed_rank(rank: int, world: int, args: argparse.Namespace) -> dict[st
                 times[name]["linked" if linked else "unlinked"].append(time.perf_counter() - start)
                 if linked:
                     times[name]["comm"].append(link.stats().emulated_seconds)
-                    by_group = link.stats_by_group()
-                    mesh = steps[name].mesh  # type: ignore[attr-defined]
-                    tiers[name] = {tier: by_group[g].wire_bytes if g in by_group else 0
-                                   for tier, g in ((t, mesh.get_group(t).group_name) for t in ("shard", "replicate"))}
+                    tiers[name] = _bytes_per_tier(link, steps[name].mesh)  # type: ignore[attr-defined]
     out: dict[str, Any] = {"intra": inter * args.inter_slowdown, "inter": inter, "calibrated": calibrated}
     for name in names:
         t = times[name]
@@ -176,24 +188,18 @@ def _accumulation_rank(rank: int, world: int, args: argparse.Namespace) -> dict[
     import torch.distributed as dist
 
     x = rank_input(args.batch, args.dim, rank)
-    calibrated = args.link_gbps
-    if calibrated is None:  # as the default tables: the fully sharded step's comm on the slow tier ~ compute
-        calibrated = calibrate_link(_step("overlap", False, args, x), args.latency_us)
-    inter = calibrated * args.link_scale
-    link = EmulatedLink(inter * args.inter_slowdown, args.latency_us, gpus_per_node=args.gpus_per_node,
-                        inter_node=(inter, args.latency_us))
+    link, inter, calibrated = _scaled_two_tier_link(args, x)
     steps: dict[str, Any] = {}
     for runtime, mode in (("overlap.shard", "overlap"), ("torch FSDP2", "fsdp2")):
         for recipe in ACCUMULATION_RECIPES:
-            step = _step(mode, True, args, x)
-            model = step.model  # type: ignore[attr-defined]
-            steps[f"{runtime}, {recipe}"] = (step, model, recipe)
+            steps[f"{runtime}, {recipe}"] = (_step(mode, True, args, x), recipe)
     names = list(steps)
 
     held: dict[str, int] = {}
 
     def run(name: str) -> None:
-        step, model, recipe = steps[name]
+        step, recipe = steps[name]
+        model = step.model  # type: ignore[attr-defined]
         for micro in range(args.micro_batches):
             last = micro == args.micro_batches - 1
             if recipe == "partial":
@@ -220,17 +226,14 @@ def _accumulation_rank(rank: int, world: int, args: argparse.Namespace) -> dict[
             with link:
                 run(name)
             times[name].append(time.perf_counter() - start)
-            by_group = link.stats_by_group()
-            mesh = steps[name][0].mesh
-            tiers[name] = {tier: by_group[g].wire_bytes if g in by_group else 0
-                           for tier, g in ((t, mesh.get_group(t).group_name) for t in ("shard", "replicate"))}
+            tiers[name] = _bytes_per_tier(link, steps[name][0].mesh)
     out: dict[str, Any] = {"inter": inter, "calibrated": calibrated}
     for name in names:
         out[name] = over_ranks(statistics.median(times[name]))
         out[name + " bytes"] = tiers[name]
         out[name + " held"] = over_ranks(float(held.get(name, -1)))
     for recipe in ACCUMULATION_RECIPES:
-        ours, theirs = (steps[f"{runtime}, {recipe}"][1] for runtime in ("overlap.shard", "torch FSDP2"))
+        ours, theirs = (steps[f"{runtime}, {recipe}"][0].model for runtime in ("overlap.shard", "torch FSDP2"))
         same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(ours.parameters(), theirs.parameters()))
         out[recipe + " bitwise"] = over_ranks(float(not same)) == 0.0
     return out

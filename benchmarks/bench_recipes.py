@@ -34,7 +34,7 @@ import _common
 import torch
 
 import overlap
-from models import COUNTING_LINK, SEED, TinyLM, gradient_reductions, local_batch, make_batch
+from models import COUNTING_LINK, SEED, TinyLM, all_gathers, gradient_reductions, local_batch, make_batch
 from report import emit
 
 
@@ -239,8 +239,7 @@ def _run(runtime: str, recipe: str, rank: int, world: int, steps: int) -> dict[s
         losses.append(_step(model, opt, runtime, recipe, step,
                             batch if runtime == "plain" else local_batch(batch, rank, world), world))
         after = link.stats()
-        gathers.append(sum(n for op, n in after.by_op.items() if "all_gather" in op)
-                       - sum(n for op, n in before.by_op.items() if "all_gather" in op))
+        gathers.append(all_gathers(after) - all_gathers(before))
         reductions.append(gradient_reductions(after) - gradient_reductions(before))
     # the optimizer's parameters: the sharded ones, whatever a module holds after the step
     params = [p.full_tensor() if runtime != "plain" else p.detach().clone()

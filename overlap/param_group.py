@@ -1008,18 +1008,14 @@ class ParamGroup:
         elif buffer.device.type == "cuda":
             after = comm_stream(buffer.device, "reduce_scatter") if rs_work is not None else torch.cuda.current_stream()
             with torch.cuda.stream(after):
-                partial = self._take_partial_sum(pending)
-                if partial is not None:  # behind the reduce-scatter on its stream
-                    buffer.add_(partial)
+                partial = self._add_partial_sum(pending)  # behind the reduce-scatter on its stream
                 work = all_reduce_into(buffer, self.replicate, self.where)
             if partial is not None:
                 work.keep(partial)  # freed with the all-reduce's buffers, past the add's read
         else:
             if rs_work is not None:
                 rs_work.wait()
-            partial = self._take_partial_sum(pending)
-            if partial is not None:
-                buffer.add_(partial)
+            self._add_partial_sum(pending)
             work = all_reduce_into(buffer, self.replicate, self.where)
         self._all_reduce_finite_flags(pending, after if buffer.device.type == "cuda" else None)
         pending.work, pending.needs_all_reduce = work, False
@@ -1038,8 +1034,9 @@ class ParamGroup:
             check.work = all_reduce_into(check.flags, self.replicate, self.where)
 
     def _keep_partial(self, pending: PendingReduce) -> None:
-        """A partial reduction's epilogue, after its reduce-scatter was waited (on CUDA on the issue
-        stream): add its output into the partial sum, or make it the partial sum.
+        """A partial reduction's epilogue (``finish_reduce``): wait for its reduce-scatter (on CUDA
+        on the issue stream), run the finite check, then add its output into the partial sum, or
+        make it the partial sum.
 
         [Note: reductions left partial over the replicas]
         FSDP2's ``set_requires_all_reduce(False)`` is HSDP's gradient accumulation across nodes at
@@ -1059,6 +1056,11 @@ class ParamGroup:
         gradients must stay the same between the partial backwards and the one that all-reduces;
         the compressed replica tier (``compress=`` with HSDP) is not supported.
         """
+        if pending.work is not None:
+            pending.work.wait()
+        if pending.finite is not None:  # agreed over the replicas first, so every rank of the mesh raises alike
+            self._all_reduce_finite_flags(pending, None)
+            self._raise_if_non_finite(pending)
         rows = pending.rs_output
         if self._partial is None:
             self._partial = (pending.indices, rows)
@@ -1075,14 +1077,16 @@ class ParamGroup:
                 for param in self.unsharded:
                     param.grad = None
 
-    def _take_partial_sum(self, pending: PendingReduce) -> Optional[torch.Tensor]:
-        """The partial sum for ``pending``'s all-reduce to add to its output first (None: there is
-        none), handed over: the group holds it no more."""
+    def _add_partial_sum(self, pending: PendingReduce) -> Optional[torch.Tensor]:
+        """Before ``pending``'s all-reduce (its reduce-scatter done or ordered before, on the current
+        stream): add the partial sum, if any, into its output and hand it over (the group holds it no
+        more). Returns it (None: there was none), for a caller that must keep it alive."""
         if self._partial is None:
             return None
         self._check_partial_indices(pending.indices)
         partial = self._partial[1]
         self._partial = None
+        pending.rs_output.add_(partial)
         return partial
 
     def _check_partial_indices(self, indices: tuple[int, ...]) -> None:
@@ -1180,14 +1184,10 @@ class ParamGroup:
         """Wait for the reduce-scatter; average, cast and add the result into the sharded ``.grad``s.
         With the finite check on, raise ``NonFiniteError`` first if a rank's gradients were not finite."""
         if pending.partial:
-            if pending.work is not None:
-                pending.work.wait()
-            self._all_reduce_finite_flags(pending, None)
-        if pending.finite is not None:
-            self._raise_if_non_finite(pending)
-        if pending.partial:
             self._keep_partial(pending)
             return
+        if pending.finite is not None:
+            self._raise_if_non_finite(pending)
         kept = self._missing_kept(pending)
         targets, accumulate, packed = self._grads_for(pending)
         presence = self._copy_out_reduced(pending, targets, accumulate, packed)

@@ -39,7 +39,7 @@ __all__ = [
     "ACCUM_SEED", "BETAS", "BF16_LOSS_RTOL", "BF16_MIN_DEV", "COUNTING_LINK", "EPS", "GLOBAL_BATCH",
     "LOSS_RTOL", "LR", "MICRO_BATCHES", "PARAM_ATOL", "PARAM_RTOL", "SEED", "STEPS", "STEP_ATOL",
     "STEP_RTOL", "WEIGHT_DECAY",
-    "Block", "TinyLM", "accumulation_batches", "accumulation_optimizer", "assert_same_run", "block_absmax",
+    "Block", "TinyLM", "accumulation_batches", "accumulation_optimizer", "all_gathers", "assert_same_run", "block_absmax",
     "fsdp2_losses", "fsdp2_model", "global_mean", "gradient_reductions", "load_by_distribute_tensor", "local_batch",
     "make_batch", "make_optimizer", "max_rel_dev",
     "shard_rows", "single_threaded", "SMALL_SIZES", "small_step", "train_ranks", "unsharded_big_step", "unsharded_losses",
@@ -263,6 +263,11 @@ ACCUM_SEED = 100
 # A link fast enough to cost nothing (1 Tbit/s, no latency), for ``run_distributed(..., link=)``: it
 # only counts the collectives a rank issues (overlap.testing.emulated_link).
 COUNTING_LINK = (1000.0, 0.0)
+
+
+def all_gathers(stats) -> int:
+    """All-gathers (plain and coalesced) among a link's counted calls (``overlap.testing.LinkStats``)."""
+    return sum(n for op, n in stats.by_op.items() if "all_gather" in op)
 
 
 def gradient_reductions(stats) -> int:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import overlap
-from models import COUNTING_LINK, SEED, TinyLM, assert_same_run, local_batch, make_batch, make_optimizer
+from models import COUNTING_LINK, SEED, TinyLM, all_gathers, assert_same_run, local_batch, make_batch, make_optimizer
 
 pytestmark = pytest.mark.torch_kernels  # long training loops: packing by the torch fallback (conftest)
 
@@ -44,9 +44,6 @@ def _model(runtime: str, world_size: int, reshard_after_forward: bool = True) ->
     torch.manual_seed(SEED)
     return _sharded(TinyLM(), reshard_after_forward)
 
-
-def _gathers(link) -> int:
-    return sum(n for op, n in link.stats().by_op.items() if "all_gather" in op)
 
 
 def _train(rank: int, world_size: int, prefetch: bool, skip_first_on_odd_steps: bool = False) -> dict[str, Any]:
@@ -76,9 +73,9 @@ def _train(rank: int, world_size: int, prefetch: bool, skip_first_on_odd_steps: 
         loss.backward()
         opt.step()
         if prefetch:
-            before = _gathers(link)
+            before = all_gathers(link.stats())
             overlap.prefetch_next_step(model)
-            prefetched.append(_gathers(link) - before)
+            prefetched.append(all_gathers(link.stats()) - before)
         if step == 1:
             if prefetch:
                 model.blocks[1].unshard()  # held gathered into the next forward, like a prefetch
@@ -198,9 +195,9 @@ def _forward_gathers_beside_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
                     model.set_requires_gradient_sync(last)
                     if recipe == "unshard" and micro == 0:
                         model.blocks[0].unshard()
-                    before = _gathers(link)
+                    before = all_gathers(link.stats())
                     loss = model.loss(local_batch(make_batch(3 * step + micro), rank, world_size))
-                    forward_gathers.append(_gathers(link) - before)
+                    forward_gathers.append(all_gathers(link.stats()) - before)
                     loss.backward()
             out[runtime, recipe] = {"forward_gathers": forward_gathers,
                                     "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()}}
@@ -224,7 +221,7 @@ def _step_gathers(runtime: str, recipe: str, rank: int, world_size: int, link: A
     opt = make_optimizer(model.parameters())
     gathers = []
     for step in range(4):
-        before = _gathers(link)
+        before = all_gathers(link.stats())
         tokens = local_batch(make_batch(step), rank, world_size)
         if recipe == "eval between steps":
             with torch.no_grad():
@@ -234,7 +231,7 @@ def _step_gathers(runtime: str, recipe: str, rank: int, world_size: int, link: A
         opt.zero_grad()
         if recipe == "reshard after the step":
             model.reshard()
-        gathers.append(_gathers(link) - before)
+        gathers.append(all_gathers(link.stats()) - before)
     return gathers
 
 
@@ -252,7 +249,7 @@ def _forwards_before_backward(runtime: str, recipe: str, rank: int, world_size: 
     opt = make_optimizer(model.parameters())
     grads, gathers = [], []
     for step in range(3):
-        before = _gathers(link)
+        before = all_gathers(link.stats())
         first = model.loss(local_batch(make_batch(2 * step), rank, world_size))
         with torch.inference_mode() if recipe == "inference between" else contextlib.nullcontext():
             second = model.loss(local_batch(make_batch(2 * step + 1), rank, world_size))
@@ -267,7 +264,7 @@ def _forwards_before_backward(runtime: str, recipe: str, rank: int, world_size: 
             second.backward()
         else:
             first.backward()
-        gathers.append(_gathers(link) - before)
+        gathers.append(all_gathers(link.stats()) - before)
         grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()

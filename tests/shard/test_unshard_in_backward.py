@@ -7,9 +7,9 @@ as a group of its own, between the root's group and the blocks'. Each loop runs 
 with and without the setting, on 2 gloo ranks behind the counting link, and compares losses and
 parameters bitwise and the embedding group's all-gathers issued inside backward. The loops: a fixed
 ``prefetch=1`` (the step's all-gathers counted on the link too), ``prefetch="auto"`` (the recording
-steps and the chosen schedule, whose step model is told the group is not gathered again), and ``no_sync`` micro-batches (the group gathered for each forward,
-its unsharded gradients accumulated across them while its storage is freed). FSDP2 side by side:
-``tests/clients/test_fully_shard.py``.
+steps and the chosen schedule, whose step model is told the group is not gathered again), and
+``no_sync`` micro-batches (the group gathered for each forward, its unsharded gradients accumulated
+across them while its storage is freed). FSDP2 side by side: ``tests/clients/test_fully_shard.py``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import overlap
-from models import COUNTING_LINK, SEED, TinyLM, assert_same_run, local_batch, make_batch, make_optimizer
+from models import COUNTING_LINK, SEED, TinyLM, all_gathers, assert_same_run, local_batch, make_batch, make_optimizer
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
 
@@ -59,7 +59,7 @@ def _run(rank: int, world: int, left_sharded: bool, loop: str) -> dict[str, Any]
     opt = make_optimizer(model.parameters())
     losses, link_gathers, backward_gathers = [], [], []
     for step in range(STEPS):
-        before_link, before_backward = _gathers(link), in_backward[0]
+        before_link, before_backward = all_gathers(link.stats()), in_backward[0]
         micro_batches = 3 if loop == "no_sync" else 1
         for micro in range(micro_batches):
             tokens = local_batch(make_batch(10 * step + micro), rank, world)
@@ -69,15 +69,12 @@ def _run(rank: int, world: int, left_sharded: bool, loop: str) -> dict[str, Any]
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-        link_gathers.append(_gathers(link) - before_link)
+        link_gathers.append(all_gathers(link.stats()) - before_link)
         backward_gathers.append(in_backward[0] - before_backward)
     return {"losses": torch.stack(losses), "link_gathers": link_gathers, "backward_gathers": backward_gathers,
             "params": {n: p.to_local().clone() for n, p in model.named_parameters()},
             "modelled": state.root._backward_gathers()}  # what the choosers' step model is told
 
-
-def _gathers(link) -> int:
-    return sum(n for op, n in link.stats().by_op.items() if "all_gather" in op)
 
 
 def _loops(rank: int, world: int) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
