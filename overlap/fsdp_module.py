@@ -37,7 +37,13 @@ method                            what it does here
                                   FSDP2) are summed over the data-parallel ranks and divided by the
                                   factor instead of averaged (also the deprecated
                                   ``set_reduce_scatter_divide_factor``); at world size 1 too
-``set_force_sum_reduction_for_comms``  recorded: the reductions here always sum and divide after
+``set_force_sum_reduction_for_comms``  the reductions here always sum and divide after; ``True``
+                                  makes an all-reduce hook see the sum (divided after it)
+``set_all_reduce_hook``           ``hook(output)`` on each reduction's output (this module's own),
+                                  before the sharded gradients are set: averaged (the sum under
+                                  force-sum), after the replica all-reduce with HSDP; CUDA: on the
+                                  epilogue stream or ``stream`` (1-D); elsewhere at the end of
+                                  backward; not with compressed reductions
 ``set_requires_all_reduce``       ``False`` with HSDP: backward reduce-scatters within the shard
                                   group and keeps a partial sum; the next backward with ``True``
                                   adds it and all-reduces over the replicas (not with a compressed
@@ -71,8 +77,9 @@ optimizer, which our modules do not need (they are sharded between steps). ``ove
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
 __all__ = ["FSDPModuleMethods", "UNSUPPORTED", "UnshardHandle"]
@@ -270,19 +277,45 @@ class FSDPModuleMethods:
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """FSDP2: reduce with sum-only collectives and divide separately. The reductions here always
-        do (a sum, then the division in the copy-out), so this only records ``enable``."""
+        do (a sum, then the division in the copy-out); ``True`` changes only what an all-reduce hook
+        sees (:meth:`set_all_reduce_hook`): the sum, divided after the hook, as in FSDP2."""
         _check_bool("set_force_sum_reduction_for_comms", "enable", enable)
         group = self._overlap_state.group
         if group is not None:
             group.force_sum_reduction_for_comms = enable
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: Optional["torch.cuda.Stream"] = None) -> None:
+        """FSDP2: call ``hook(output)`` on each reduction of this module's own gradients, before the
+        sharded gradients are set: ``output`` is this rank's reduced shard (1-D, the reduce dtype;
+        after the all-reduce over the replicas with HSDP), averaged unless
+        ``set_force_sum_reduction_for_comms(True)``; the hook may change it in place (one more
+        all-reduce, over a group of the user's). On CUDA it runs on the reduction's epilogue stream,
+        or on ``stream`` (1-D meshes only, as in FSDP2), queued behind the collective; elsewhere at
+        the end of backward, in the order the reductions were issued. Not with compressed
+        reductions (``compress=`` with ``reduce``): NotImplementedError. Details: [Note: the
+        all-reduce hook] in ``overlap/param_group.py``."""
+        if not callable(hook):
+            raise ValueError(f"set_all_reduce_hook: hook must be callable (hook(output) -> None), got {hook!r}")
+        if stream is not None and not isinstance(stream, torch.Stream):
+            raise ValueError(f"set_all_reduce_hook: stream must be a torch.cuda.Stream or None, got {stream!r}")
+        group = self._overlap_state.group
+        if group is None:
+            return
+        if stream is not None and group.replicate is not None:
+            raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (a 2-D mesh): the hook runs on "
+                             "the stream of the all-reduce over the replicas, as in FSDP2")
+        if group.quantized_reduce is not None or group.quantized_replica_sum is not None:
+            raise NotImplementedError(
+                "set_all_reduce_hook is not supported by overlap with compressed reductions (compress= with "
+                "reduce): the average is computed inside the copy-out kernel, from quantized slots")
+        group.all_reduce_hook, group.all_reduce_hook_stream = hook, stream
 
 
 # FSDPModule methods (torch 2.11-2.15) with no counterpart in this runtime: name -> what to use instead.
 UNSUPPORTED: dict[str, str] = {
     "set_custom_all_gather": "the runtime packs and issues its own all-gathers (overlap_kernels/)",
     "set_custom_reduce_scatter": "the runtime packs and issues its own reduce-scatters (overlap_kernels/)",
-    "set_all_reduce_hook": "register_post_accumulate_grad_hook on the sharded parameters runs after "
-                           "each reduction",
     "set_allocate_memory_from_process_group_for_comm": "the runtime allocates its own buffers",
     "set_symm_mem_for_comm": "the runtime allocates its own buffers",
     "set_reduce_scatter_max_input_buffers": "bound the bytes in flight with "

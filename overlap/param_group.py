@@ -254,7 +254,13 @@ class ParamGroup:
         """What the summed gradient is divided by (FSDP2's ``set_gradient_divide_factor``); None: the
         data-parallel size (the average). See [Note: the reduction's average]."""
         self.force_sum_reduction_for_comms = False
-        """FSDP2's ``set_force_sum_reduction_for_comms``, recorded: the reductions here always sum."""
+        """FSDP2's ``set_force_sum_reduction_for_comms``: the reductions here always sum; True also
+        makes ``all_reduce_hook`` see the sum, divided after it ([Note: the all-reduce hook])."""
+        self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
+        """FSDP2's ``set_all_reduce_hook``: called with each reduction's output before the gradients
+        are set ([Note: the all-reduce hook]); None: no hook."""
+        self.all_reduce_hook_stream: Optional["torch.cuda.Stream"] = None
+        """CUDA, 1-D mesh: the stream the hook runs on (None: the reduction's epilogue stream)."""
         self.keep_unsharded_storage = False
         """FSDP2's ``set_keep_unsharded_storage``: True keeps the unsharded parameters' storage
         allocated when resharding, so that its address stays the same from step to step (CUDA graph
@@ -1155,8 +1161,10 @@ class ParamGroup:
         """May this group's reduce-scatter epilogue run before the end of backward? Not with 0-dim
         parameters: their gradients are broadcast, a collective that must stay at a fixed place; nor
         with the finite check on, so every rank has issued the step's collectives when it raises
-        (``overlap.finite_check``)."""
-        return not self.scalar_indices and not finite_check.SWITCH.on
+        (``overlap.finite_check``); nor, off CUDA, with an all-reduce hook, which communicates
+        ([Note: the all-reduce hook])."""
+        return (not self.scalar_indices and not finite_check.SWITCH.on
+                and (self.all_reduce_hook is None or self.sharded[0].device.type == "cuda"))
 
     def finish_reduce_on_stream(self, pending: PendingReduce) -> Optional["torch.cuda.Event"]:
         """CUDA: queue the epilogue (copy-out, scale, accumulate) on the reduce-scatter's own stream,
@@ -1360,15 +1368,94 @@ class ParamGroup:
                         self._record_gradient_error(
                             pending, lambda: summed_slots(pending.rs_output, quantized, pending.post_scale)[:numel])
                 else:
+                    post_scale, post_divisor = pending.post_scale, pending.post_divisor
+                    if self.all_reduce_hook is not None:
+                        post_scale, post_divisor = self._hook_reduced_output(pending)
                     _reduce_scatter_copy_out(pending.rs_output, grads, pending.layout, self.rank,
-                                             pending.post_scale, accumulate,
+                                             post_scale, accumulate,
                                              packed=None if packed is None else (packed.storage, packed.placement),
                                              versions=grads[:1] if packed is not None and grads is packed.views
                                              else None,  # shared views: one counter for all
-                                             post_divisor=pending.post_divisor)
+                                             post_divisor=post_divisor)
 
         _wait_then(pending.work, copy_out)
         return presence
+
+    def _hook_reduced_output(self, pending: PendingReduce) -> tuple[Optional[float], Optional[float]]:
+        """Hand ``pending``'s reduced gradients (its output less the presence entry) to the
+        all-reduce hook, averaged first unless ``force_sum_reduction_for_comms``; returns the
+        ``(post_scale, post_divisor)`` the copy-out has left to apply.
+
+        [Note: the all-reduce hook]
+        FSDP2's ``set_all_reduce_hook(hook)`` hands each reduction's output to ``hook`` before the
+        sharded gradients are set, for one more reduction the runtime does not know of, done in place
+        (a replica tier of the user's own, a sum over another mesh dimension): after the
+        reduce-scatter on a 1-D mesh, after the all-reduce over the replicas with HSDP. ``hook`` gets a
+        1-D tensor in the reduce dtype: this rank's shard of each gradient of the reduction, one after
+        another, each padded to the runtime's packing (not FSDP2's: a hook should work elementwise,
+        as a collective does). What it holds is what FSDP2's hook holds: the average (or the sum
+        divided by the gradient divide factor), since FSDP2 divides inside its collective when it
+        can; with ``set_force_sum_reduction_for_comms(True)`` the sum, divided after the hook. The
+        runtime divides in the copy-out; with a hook it divides in place first (by torch: the values
+        the copy-out would give, [Note: the reduction's average]) and the copy-out only copies. In
+        fp16 the runtime averages before the sum ([Note: fp16 gradients are averaged before they are
+        summed]), so there the hook sees the average (FSDP2's: the sum divided by about ``sqrt(w)``).
+        At one data-parallel rank the hook gets the gradients concatenated (divided by a set factor),
+        as FSDP2's. No hook runs where nothing is reduced: ``no_sync`` micro-batches, and HSDP's
+        partial backwards (``requires_all_reduce=False``). When: a hook communicates, so it must run
+        at the same point of the program on every rank: on CUDA on the reduction's epilogue stream
+        (or the ``stream`` given), queued right behind the collective as backward issues it, as
+        FSDP2's; elsewhere at the end of backward, in issue order (the group's epilogue no longer
+        finishes early: a host wait at a point that depends on timing can deadlock across groups,
+        [Note: compressing the inter-node tier]). Compressed reductions take no hook: their average
+        is computed inside the copy-out kernel, from quantized slots.
+        """
+        rows = pending.rs_output[: pending.layout.slot_offsets[-1]]
+        post_scale, post_divisor = pending.post_scale, pending.post_divisor
+        if not self.force_sum_reduction_for_comms:
+            if post_divisor is not None:
+                rows.div_(post_divisor)
+            elif post_scale is not None:
+                rows.mul_(post_scale)
+            post_scale = post_divisor = None
+        self._call_all_reduce_hook(rows)
+        return post_scale, post_divisor
+
+    def _call_all_reduce_hook(self, output: torch.Tensor) -> None:
+        """Call the all-reduce hook on ``output``; on CUDA with a hook stream, there, ordered after
+        the current stream and before what the current stream does next."""
+        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
+        assert hook is not None
+        if stream is None or output.device.type != "cuda":
+            hook(output)
+            return
+        current = torch.cuda.current_stream(output.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            hook(output)
+        current.wait_stream(stream)
+
+    def _hook_single_rank_grads(self, indices: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        """One data-parallel rank with an all-reduce hook ([Note: the all-reduce hook]): take the
+        unsharded gradients of ``indices`` (``.grad`` set to None), concatenate them in the reduce
+        dtype, divide by the gradient divide factor if set, hand that to the hook; returns each
+        parameter's view of it, by index (none for a parameter without a gradient)."""
+        assert self.unsharded is not None
+        grads = {}
+        for i in indices:
+            grad = self.unsharded_grad(i)
+            if grad is not None:
+                self.unsharded[i].grad = None
+                grads[i] = grad
+        if not grads:
+            return grads
+        dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads.values()])
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads.values()])
+        if self.gradient_divide_factor is not None:
+            flat.div_(self.gradient_divide_factor)
+        self._call_all_reduce_hook(flat)
+        views = flat.split([g.numel() for g in grads.values()])
+        return {i: v.view(g.shape) for (i, g), v in zip(grads.items(), views)}
 
     def _record_gradient_error(self, pending: PendingReduce, compressed: Callable[[], torch.Tensor]) -> None:
         """``overlap.gradient_error``: log ``compressed()``, the compressed average as the copy-out
@@ -1412,12 +1499,21 @@ class ParamGroup:
         moved, fresh_src, fresh_dst, acc_src, acc_dst = [], [], [], [], []
         unsharded, sharded, tp_specs, has_tp = self.unsharded, self.sharded, self.tp_specs, self.has_tp_params
         with _NoGrad(), self._unsharded_getters(), self._shard_getters():
+            hooked = None
+            if self.all_reduce_hook is not None:  # divided by the factor before the hook
+                hooked = self._hook_single_rank_grads(indices)
+                factor, same_dtype = None, False
             for i in indices:
                 u, s = unsharded[i], sharded[i]
-                grad = self.unsharded_grad(i) if has_tp and tp_specs[i] is not None else u.grad
-                if grad is None:
-                    continue
-                u.grad = None
+                if hooked is None:
+                    grad = self.unsharded_grad(i) if has_tp and tp_specs[i] is not None else u.grad
+                    if grad is None:
+                        continue
+                    u.grad = None
+                else:
+                    grad = hooked.get(i)
+                    if grad is None:
+                        continue
                 moved.append(s)
                 existing = s.grad
                 if factor is not None:  # in the reduce dtype, by torch's division, as FSDP2's

@@ -4,7 +4,9 @@ reduce-scatter stream (see [Note: the reduce-scatter epilogue runs where the col
 
 World size 1 issues no reduce-scatter (a rank's gradient is already its shard), so that test needs two
 GPUs; on one GPU, a root with no parameters of its own sharded over a CUDA mesh (1-D and 1x1 HSDP)
-trains bitwise like the unsharded model. Mixed precision: bf16 gather and compute, fp32 reduce. Tolerance: the bf16 band of the CPU numerics tests
+trains bitwise like the unsharded model. At world size 1 too: ``set_keep_unsharded_storage`` keeps its
+address; ``set_all_reduce_hook`` on a stream of its own gives FSDP2's gradients bitwise, ordered
+before their first reader. Mixed precision: bf16 gather and compute, fp32 reduce. Tolerance: the bf16 band of the CPU numerics tests
 (2e-2 relative on gradients: the sharded run computes in bf16, the reference in fp32).
 Skipped without a GPU (``requires_cuda``); ``pytest -m gpu`` runs it.
 """
@@ -122,3 +124,42 @@ def test_kept_unsharded_storage_keeps_its_address_on_cuda() -> None:
     assert all(n > 0 for n, _ in kept["pointers"][0]) and all(p == kept["pointers"][0] for p in kept["pointers"]), kept
     assert all(n == 0 for step in freed["pointers"] for n, _ in step), freed
     assert all(torch.equal(a, b) for a, b in zip(kept["params"], freed["params"]))
+
+
+def _all_reduce_hook_on_cuda(rank: int, world: int) -> dict:
+    """``set_all_reduce_hook`` at world size 1 on CUDA, the hook on a stream of its own (``stream=``)
+    and slow there (``_sleep``), so that a consumer not ordered after it reads the gradients before it
+    wrote them; overlap and FSDP2 side by side, with a divide factor of 3 before the hook."""
+    import overlap
+    from torch.distributed.fsdp import fully_shard
+
+    grads, seen = {}, {}
+    for runtime, shard in (("overlap", overlap.fully_shard), ("fsdp2", fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64)) for _ in range(3)]).cuda()
+        side = torch.cuda.Stream()
+        calls: list[torch.cuda.Stream] = []
+
+        def hook(output: torch.Tensor) -> None:
+            calls.append(torch.cuda.current_stream())
+            torch.cuda._sleep(20_000_000)
+            output.add_(output.numel() / 1024)
+
+        for block in model:
+            shard(block)
+        shard(model)
+        for module in (*model, model):
+            module.set_gradient_divide_factor(3.0)
+            module.set_all_reduce_hook(hook, stream=side)
+        x = torch.randn(16, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(rank))
+        model(x).square().mean().backward()
+        grads[runtime] = [p.grad.to_local().clone() for p in model.parameters()]  # read on the current stream
+        seen[runtime] = (len(calls), all(s == side for s in calls))
+        torch.cuda.synchronize()
+    return {"seen": seen, "same": [torch.equal(a, b) for a, b in zip(grads["overlap"], grads["fsdp2"])]}
+
+
+def test_an_all_reduce_hook_on_its_stream_matches_fsdp2_on_cuda() -> None:
+    (r,) = run_distributed(_all_reduce_hook_on_cuda, 1, backend="nccl")
+    assert r["seen"]["overlap"] == (4, True), r
+    assert all(r["same"]), r
