@@ -85,6 +85,8 @@ RECIPES = {
     "mixed_precision": "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)",
     "hsdp": "a 2-D mesh: (2, ranks / 2) replicas x shards for an even count above 2, else (ranks, 1)",
     "hsdp_partial": "hsdp's mesh; a micro-batch under set_requires_all_reduce(False), then a synced one",
+    "all_reduce_hook": "hsdp's mesh, sharded over its shard dim only; set_all_reduce_hook sums over the "
+                       "replicas and divides (a replica tier of the user's own)",
     "foreach": "AdamW(foreach=True)",
     "optimizer_in_backward": "one AdamW per parameter, stepped in its post-accumulate-grad hook",
     "embedding_left_sharded": "the position embedding sharded on its own, set_unshard_in_backward(False)",
@@ -112,9 +114,11 @@ def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
         for i in range(LAYERS):
             model.blocks[i] = checkpoint_wrapper(model.blocks[i])
     fully_shard = overlap.fully_shard if runtime == "overlap" else torch_fully_shard
-    if recipe in ("hsdp", "hsdp_partial"):
+    if recipe in ("hsdp", "hsdp_partial", "all_reduce_hook"):
         shape = (2, world // 2) if world > 2 and world % 2 == 0 else (world, 1)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        if recipe == "all_reduce_hook":
+            mesh, replicas = mesh["shard"], mesh.get_group("replicate")
     else:
         mesh = init_device_mesh("cpu", (world,))
     kwargs: dict[str, Any] = {"reshard_after_forward": False} if recipe == "no_reshard_after_forward" else {}
@@ -132,6 +136,13 @@ def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
         for module in [*model.blocks, model]:
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
+    if recipe == "all_reduce_hook":
+        def over_replicas(output: torch.Tensor) -> None:  # the shard group's average, then the replicas'
+            torch.distributed.all_reduce(output, group=replicas)
+            output.div_(shape[0])
+
+        for module in [*model.blocks, model]:
+            module.set_all_reduce_hook(over_replicas)
     if recipe == "explicit_prefetch":
         blocks = list(model.blocks)
         for i, block in enumerate(blocks):
