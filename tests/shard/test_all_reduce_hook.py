@@ -18,8 +18,10 @@ sums in the same order: the divisions by 2 are exact, so bitwise):
 
 On 2 ranks with the Triton kernels (interpreted): a hook that changes nothing leaves training
 bitwise what it is without a hook, in fp32 and with bf16 reductions, with a divide factor of 3 (the
-in-place division before the hook gives the copy-out's quotients). At one rank (this process):
-FSDP2's concatenated gradients, divided by a set factor first. Bad input, in this process.
+in-place division before the hook gives the copy-out's quotients). A hook that raises: its error
+reaches ``backward()``'s caller, and after ``reset_iter_state()`` training is bitwise a run whose hook
+never raised. At one rank (this process): FSDP2's concatenated gradients, divided by a set factor
+first. Bad input, in this process.
 """
 from __future__ import annotations
 
@@ -261,3 +263,51 @@ def test_a_stream_with_hsdp_and_compressed_reductions_raise(distributed) -> None
     for got in distributed(_refused, 2):
         assert got["hsdp"].startswith("ValueError") and "stream cannot be set with HSDP" in got["hsdp"]
         assert got["compressed"].startswith("NotImplementedError") and "compressed reductions" in got["compressed"]
+
+
+def _raising_hook(rank: int, world: int, raises: bool) -> dict[str, Any]:
+    """blocks[1]'s hook raises in the first backward (on every rank); ``reset_iter_state()``, then two
+    steps: their losses and parameters."""
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    model = TinyLM()
+    for module in (*model.blocks, model):
+        overlap.fully_shard(module)
+    armed = [raises]
+
+    def hook(output: torch.Tensor) -> None:
+        if armed[0]:
+            raise ValueError("the user's hook failed")
+
+    model.blocks[1].set_all_reduce_hook(hook)
+    opt = make_optimizer(model.parameters())
+    out: dict[str, Any] = {"error": None}
+    try:
+        model.loss(local_batch(make_batch(0), rank, world)).backward()
+    except ValueError as error:
+        out["error"] = str(error)
+    model.reset_iter_state()
+    opt.zero_grad()
+    armed[0] = False
+    losses = []
+    for step in range(2):
+        loss = model.loss(local_batch(make_batch(step), rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    out.update(losses=torch.stack(losses), params={n: p.to_local().detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
+def test_a_hook_that_raises_reaches_the_caller_and_the_next_steps_are_clean(distributed) -> None:
+    """The hook's error comes out of ``backward()`` on every rank (each rank's hook raised), and after
+    ``reset_iter_state()`` training goes on bitwise as a run whose hook never raised (no reduction of
+    the failed backward left behind)."""
+    failed, clean = distributed(_raising_hook, 2, True), distributed(_raising_hook, 2, False)
+    for rank, (a, b) in enumerate(zip(failed, clean)):
+        assert a["error"] == "the user's hook failed" and b["error"] is None, (rank, a["error"])
+        assert torch.equal(a["losses"], b["losses"]), rank
+        for name, value in a["params"].items():
+            assert torch.equal(value, b["params"][name]), (rank, name)
