@@ -1729,6 +1729,7 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
     if len(devices) > 1:
         where = {str(p.device): locs[0].fqn for p, locs in zip(params, locations)}
         raise ValueError(f"shard: {type(module).__name__} has parameters on several devices ({where}); move them to one")
+    _check_no_all_gather_extension(module, params, locations, caller)
     # A module with no parameters of its own (a root over sharded children) has no device to agree
     # with: the mesh or the backend decides, as for parameters on the meta device.
     device = next(iter(devices), torch.device("meta"))
@@ -1783,6 +1784,24 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
         if isinstance(m, ShardedModule):
             m._overlap_state.name_regions(fqn)
     return module
+
+
+def _check_no_all_gather_extension(module: nn.Module, params: list[nn.Parameter],
+                                   locations: list[list[ParamLocation]], caller: str) -> None:
+    """Refuse, before anything changes, a parameter (or a tensor-parallel parameter's local tensor)
+    defining FSDP2's all-gather extension, ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: a
+    tensor subclass that chooses what travels and builds the unsharded parameter from it (torchao's
+    float8 weights, which gather float8 bytes, and NF4 weights, which gather their packed codes and
+    scales). The runtime packs a shard's values, so it would gather the subclass's high-precision view
+    instead and give back a plain tensor: another computation, silently."""
+    for p, locs in zip(params, locations):
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        if hasattr(local, "fsdp_pre_all_gather"):
+            raise NotImplementedError(
+                f"{caller}: parameter {locs[0].fqn!r} of {type(module).__name__} is a {type(local).__name__}, which "
+                "defines FSDP2's all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather, as torchao's "
+                "float8 and NF4 weights do); overlap gathers the values and cannot run it: shard such modules "
+                "with torch.distributed.fsdp.fully_shard, or make the parameter a plain tensor")
 
 
 def _check_compressible(module: nn.Module, params: list[nn.Parameter], locations: list[list[ParamLocation]],

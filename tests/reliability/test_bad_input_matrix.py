@@ -137,6 +137,24 @@ def _int_param_module() -> nn.Module:
     return m
 
 
+class _GatheredAsBf16(torch.Tensor):
+    """A tensor subclass with FSDP2's all-gather extension (torchao's float8 and NF4 weights have
+    one): it would gather its values as bf16 and build the unsharded parameter from them."""
+
+    def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], None]:
+        return (self.to(bf16),), None
+
+    def fsdp_post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata: None, param_dtype: torch.dtype, *,
+                             out: Any = None) -> Any:
+        return None if out is not None else (outputs[0].to(param_dtype), outputs)
+
+
+def _extension_param_module() -> nn.Module:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].weight = nn.Parameter(model[0].weight.detach().as_subclass(_GatheredAsBf16))
+    return model
+
+
 def _two_dim_mesh(env: Env) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -356,6 +374,16 @@ MATRIX: dict[str, Bad] = {
         lambda e: e.sharded.set_requires_all_reduce("no"), ValueError, "requires_all_reduce", "bool"),
     "FSDPModule set_keep_unsharded_storage not a bool": Bad(
         lambda e: e.sharded.set_keep_unsharded_storage("yes"), ValueError, "keep", "bool"),
+    "FSDPModule set_all_reduce_hook not callable": Bad(
+        lambda e: e.sharded.set_all_reduce_hook(0), ValueError, "hook", "callable"),
+    "FSDPModule set_all_reduce_hook stream not a stream": Bad(
+        lambda e: e.sharded.set_all_reduce_hook(print, stream=0), ValueError, "stream", "torch.cuda.Stream or None"),
+    "fully_shard a parameter with FSDP2's all-gather extension": Bad(
+        lambda e: overlap.fully_shard(_extension_param_module()), NotImplementedError, "'0.weight'",
+        "torch.distributed.fsdp.fully_shard"),
+    "shard a parameter with FSDP2's all-gather extension": Bad(
+        lambda e: overlap.shard(_extension_param_module()), NotImplementedError, "'0.weight'",
+        "torch.distributed.fsdp.fully_shard"),
     "FSDPModule set_reduce_scatter_unused_params not a bool": Bad(
         lambda e: e.sharded.set_reduce_scatter_unused_params(None), ValueError, "reduce_scatter_unused_params", "bool"),
     "FSDPModule set_unshard_in_backward not a bool": Bad(
