@@ -87,11 +87,33 @@ RECIPES = {
     "hsdp_partial": "hsdp's mesh; a micro-batch under set_requires_all_reduce(False), then a synced one",
     "all_reduce_hook": "hsdp's mesh, sharded over its shard dim only; set_all_reduce_hook sums over the "
                        "replicas and divides (a replica tier of the user's own)",
+    "custom_comms": "set_custom_all_gather / set_custom_reduce_scatter on every module: comms whose allocate "
+                    "makes the buffers and whose call runs torch's collective",
     "foreach": "AdamW(foreach=True)",
     "optimizer_in_backward": "one AdamW per parameter, stepped in its post-accumulate-grad hook",
     "embedding_left_sharded": "the position embedding sharded on its own, set_unshard_in_backward(False)",
     "compile": "each block's forward compiled (module.compile(), Inductor; the plain model's too)",
 }
+
+
+class _CustomAllGather:
+    """FSDP2's ``AllGather`` comm at its simplest: a new buffer, torch's all-gather."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:
+        return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _CustomReduceScatter(_CustomAllGather):
+    """FSDP2's ``ReduceScatter`` comm at its simplest: torch's reduce-scatter with the op given."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any = None,
+                 async_op: bool = False) -> Any:
+        return torch.distributed.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                                       async_op=async_op)
 
 
 def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
@@ -143,6 +165,11 @@ def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
 
         for module in [*model.blocks, model]:
             module.set_all_reduce_hook(over_replicas)
+    if recipe == "custom_comms":
+        gather, reduce = _CustomAllGather(), _CustomReduceScatter()
+        for module in [*model.blocks, model]:
+            module.set_custom_all_gather(gather)
+            module.set_custom_reduce_scatter(reduce)
     if recipe == "explicit_prefetch":
         blocks = list(model.blocks)
         for i, block in enumerate(blocks):

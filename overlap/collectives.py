@@ -490,15 +490,24 @@ def reduce_scatter_coalesced(xs: Sequence[torch.Tensor], op: str = "sum", group:
 # ----------------------------------------------------------------------------- in-place building blocks
 
 
-def all_gather_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo, where: str = "") -> InflightWork:
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo, where: str = "",
+                    comm: Optional[Callable[..., Optional[dist.Work]]] = None) -> InflightWork:
     """Issue an all-gather of ``input`` into ``output`` (rank-major, ``w * input.numel()`` elements).
 
     For the sharded runtime, which packs ``input`` as a view of its own slot in ``output`` (in place).
     Returns the in-flight work; the caller waits it (``InflightWork.wait``) before reading ``output``.
     ``where`` (here and in the two below): the sharded module's fqn, part of the debug-mode fingerprint.
+    ``comm``: FSDP2's custom all-gather (``set_custom_all_gather``), called as FSDP2 calls it
+    (``comm(output_tensor=, input_tensor=, group=, async_op=)``) in place of torch's.
     """
-    return _issue("all_gather", output.device, lambda a: _dist_all_gather(output, input, info.pg, a),
-                  (output,), output.numel() * output.element_size(), info.pg.group_name, where=where)
+    if comm is not None:
+        def launch(a: bool) -> Optional[dist.Work]:
+            return comm(output_tensor=output, input_tensor=input, group=info.pg, async_op=a)
+    else:
+        def launch(a: bool) -> Optional[dist.Work]:
+            return _dist_all_gather(output, input, info.pg, a)
+    return _issue("all_gather", output.device, launch, (output,), output.numel() * output.element_size(),
+                  info.pg.group_name, where=where)
 
 
 def _gloo_ring_sum(received: torch.Tensor, out: torch.Tensor, rank: int) -> None:
@@ -516,10 +525,14 @@ def _gloo_ring_sum(received: torch.Tensor, out: torch.Tensor, rank: int) -> None
         out.add_(received[(rank - k) % w])
 
 
-def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo, where: str = "") -> InflightWork:
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo, where: str = "",
+                        comm: Optional[Callable[..., Optional[dist.Work]]] = None) -> InflightWork:
     """Issue a sum reduce-scatter of the rank-major ``input`` into ``output`` (``1/w`` of its elements).
 
     For the sharded runtime. Returns the in-flight work; wait it before reading ``output``.
+    ``comm``: FSDP2's custom reduce-scatter (``set_custom_reduce_scatter``), called as FSDP2 calls it
+    (``comm(output_tensor=, input_tensor=, group=, op=ReduceOp.SUM, async_op=)``) in place of torch's
+    (on gloo too: then its work may not say it is done before it is waited, see below).
 
     [Note: gloo's reduce-scatter cannot say it is done]
     gloo's reduce-scatter works (torch 2.13) never report ``is_completed()`` before they are waited,
@@ -530,6 +543,14 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupIn
     received slots when the work is waited, in the order gloo's reduce-scatter adds them
     (``_gloo_ring_sum``), so the sum is bitwise the one FSDP2 gets from gloo.
     """
+    if comm is not None:
+        pg = info.pg
+
+        def custom(a: bool) -> Optional[dist.Work]:
+            return comm(output_tensor=output, input_tensor=input, group=pg, op=dist.ReduceOp.SUM, async_op=a)
+
+        return _issue("reduce_scatter", output.device, custom, (input, output), input.numel() * input.element_size(),
+                      pg.group_name, "sum", where=where)
     if output.device.type != "cuda" and info.backend == "gloo" and info.size > 1:
         received = torch.empty((info.size, output.numel()), dtype=output.dtype, device=output.device)
         pg, rank = info.pg, info.rank

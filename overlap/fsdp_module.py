@@ -39,6 +39,10 @@ method                            what it does here
                                   ``set_reduce_scatter_divide_factor``); at world size 1 too
 ``set_force_sum_reduction_for_comms``  the reductions here always sum and divide after; ``True``
                                   makes an all-reduce hook see the sum (divided after it)
+``set_custom_all_gather``         the module's all-gathers through FSDP2's ``AllGather`` comm: its
+``set_custom_reduce_scatter``     ``allocate`` makes the buffers the packing kernels fill, its call
+                                  issues the collective (the reduce-scatter with ``op=SUM``); not
+                                  with compressed collectives of the same kind
 ``set_all_reduce_hook``           ``hook(output)`` on each reduction's output (this module's own),
                                   before the sharded gradients are set: averaged (the sum under
                                   force-sum), after the replica all-reduce with HSDP; CUDA: on the
@@ -311,11 +315,46 @@ class FSDPModuleMethods:
                 "reduce): the average is computed inside the copy-out kernel, from quantized slots")
         group.all_reduce_hook, group.all_reduce_hook_stream = hook, stream
 
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """FSDP2: issue this module's all-gathers through ``comm`` (``torch.distributed.fsdp``'s
+        ``AllGather`` interface): ``comm.allocate`` makes the all-gather buffer, which the packing
+        kernel fills, and ``comm(output_tensor=, input_tensor=, group=, async_op=)`` gathers into
+        it ([Note: custom collectives] in ``overlap/param_group.py``). Not with a compressed
+        all-gather (``compress=`` with ``gather``): NotImplementedError."""
+        group = self._custom_comm_group("set_custom_all_gather", comm)
+        if group is None:
+            return
+        if group._gather_qlayout is not None:
+            raise NotImplementedError("set_custom_all_gather is not supported by overlap with a compressed all-gather "
+                                      "(compress= with gather): its bytes are the quantizing kernel's")
+        group.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """FSDP2: issue this module's gradient reduce-scatters through ``comm``
+        (``torch.distributed.fsdp``'s ``ReduceScatter`` interface): ``comm.allocate`` makes the
+        input and output buffers and ``comm(output_tensor=, input_tensor=, group=, op=, async_op=)``
+        reduces, called with ``op=ReduceOp.SUM`` (the runtime divides after; FSDP2 may pass ``AVG``:
+        a comm must honour ``op``); [Note: custom collectives] in ``overlap/param_group.py``. Not
+        with compressed reductions (``compress=`` with ``reduce``): NotImplementedError."""
+        group = self._custom_comm_group("set_custom_reduce_scatter", comm)
+        if group is None:
+            return
+        if group.quantized_reduce is not None or group.quantized_replica_sum is not None:
+            raise NotImplementedError("set_custom_reduce_scatter is not supported by overlap with compressed "
+                                      "reductions (compress= with reduce): their bytes are the quantizing kernel's")
+        group.custom_reduce_scatter = comm
+
+    def _custom_comm_group(self, method: str, comm: Any) -> Any:
+        """The group a custom comm is for (None: this module has no parameters of its own), after
+        checking ``comm`` has FSDP2's ``Comm`` shape: callable, with a callable ``allocate``."""
+        if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+            raise ValueError(f"{method}: comm must be a torch.distributed.fsdp Comm (callable, with a callable "
+                             f"allocate(size, *, dtype, device)), got {comm!r}")
+        return self._overlap_state.group
+
 
 # FSDPModule methods (torch 2.11-2.15) with no counterpart in this runtime: name -> what to use instead.
 UNSUPPORTED: dict[str, str] = {
-    "set_custom_all_gather": "the runtime packs and issues its own all-gathers (overlap_kernels/)",
-    "set_custom_reduce_scatter": "the runtime packs and issues its own reduce-scatters (overlap_kernels/)",
     "set_allocate_memory_from_process_group_for_comm": "the runtime allocates its own buffers",
     "set_symm_mem_for_comm": "the runtime allocates its own buffers",
     "set_reduce_scatter_max_input_buffers": "bound the bytes in flight with "

@@ -136,7 +136,7 @@ import math
 import time
 from itertools import compress, repeat
 from operator import add, and_, attrgetter, is_, is_not
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -261,6 +261,11 @@ class ParamGroup:
         are set ([Note: the all-reduce hook]); None: no hook."""
         self.all_reduce_hook_stream: Optional["torch.cuda.Stream"] = None
         """CUDA, 1-D mesh: the stream the hook runs on (None: the reduction's epilogue stream)."""
+        self.custom_all_gather: Optional[Any] = None
+        self.custom_reduce_scatter: Optional[Any] = None
+        """FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``: a ``Comm`` whose
+        ``allocate`` makes the collective's buffers and whose call issues it (None: torch's); see
+        [Note: custom collectives]."""
         self.keep_unsharded_storage = False
         """FSDP2's ``set_keep_unsharded_storage``: True keeps the unsharded parameters' storage
         allocated when resharding, so that its address stays the same from step to step (CUDA graph
@@ -629,9 +634,13 @@ class ParamGroup:
                 if qlayout is not None:
                     ag_input, ag_output = _quantized_copy_in(shards, qlayout, self.rank)
                 else:  # the shards' own dtypes handed over: no read per shard
-                    ag_input, ag_output = _all_gather_copy_in(
-                        shards, self.layout, self.rank, self.gather_dtype, self.orig_dtypes, owned=self._owned_shards)
-            work = all_gather_into(ag_output, ag_input, self.info, self.where) if self.world_size > 1 else None
+                    comm = self.custom_all_gather
+                    out = (None if comm is None
+                           else _comm_buffer(comm, self.layout.buffer_numel, self.gather_dtype, shards[0].device))
+                    ag_input, ag_output = _all_gather_copy_in(shards, self.layout, self.rank, self.gather_dtype,
+                                                              self.orig_dtypes, owned=self._owned_shards, out=out)
+            work = (all_gather_into(ag_output, ag_input, self.info, self.where, self.custom_all_gather)
+                    if self.world_size > 1 else None)
         self.pending_gather = PendingGather(work, ag_output)
         self._gathered_versions = self._shard_versions()
 
@@ -847,17 +856,20 @@ class ParamGroup:
         grads.append(self._presence_rows(len(indices), missing, dtype, grads[0].device))
         if read is not None:
             read = (*read, dtype)
+        comm = self.custom_reduce_scatter
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             pre_scale, post_scale, post_divisor = _average_scales(dtype, self.divisor, grads[0].device)
-            rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, read, owned=self._owned_grads)
+            out = None if comm is None else _comm_buffer(comm, layout.buffer_numel, dtype, grads[0].device)
+            rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, read, owned=self._owned_grads, out=out)
         hsdp = self.replicas > 1
         partial = hsdp and not self.requires_all_reduce
         if self.world_size == 1:
             return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp and not partial,
                                  finite=self._start_finite_check(rs_input, False) if finite_check.SWITCH.on else None,
                                  missing=missing, post_divisor=post_divisor, partial=partial)
-        rs_output = torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device)
-        work = reduce_scatter_into(rs_output, rs_input, self.info, self.where)
+        rs_output = (torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device) if comm is None
+                     else _comm_buffer(comm, layout.slot_numel, dtype, rs_input.device))
+        work = reduce_scatter_into(rs_output, rs_input, self.info, self.where, comm)
         return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp and not partial,
                              finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None,
                              missing=missing, post_divisor=post_divisor, partial=partial)
@@ -1563,6 +1575,36 @@ _LOCAL_VERSION = attrgetter("_local_tensor._version")
 _LOCAL = attrgetter("_local_tensor")
 _REQUIRES_GRAD = attrgetter("requires_grad")
 _POST_ACCUMULATE_GRAD_HOOKS = attrgetter("_post_accumulate_grad_hooks")
+
+
+def _comm_buffer(comm: Any, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A collective's buffer from a custom ``Comm``'s ``allocate`` ([Note: custom collectives]),
+    checked: a contiguous ``(numel,)`` tensor of ``dtype`` on ``device``.
+
+    [Note: custom collectives]
+    FSDP2's ``set_custom_all_gather(comm)`` / ``set_custom_reduce_scatter(comm)`` hand a group's
+    collectives to a ``Comm`` (``torch.distributed.fsdp``'s ``AllGather`` / ``ReduceScatter``
+    interface): ``comm.allocate(size, dtype=, device=)`` makes each buffer (a memory pool of its own,
+    symmetric memory, a persistent buffer) and ``comm(output_tensor=, input_tensor=, group=, [op=,]
+    async_op=)`` issues the collective. The runtime's packing kernels then write into the buffers
+    ``allocate`` gives (the all-gather's output, whose slot of this rank is the input; the
+    reduce-scatter's input and output), and the call replaces torch's, issued as torch's is (on the
+    collective's stream on CUDA, async elsewhere; a call that returns no work counts as done). The
+    reduce-scatter is called with ``ReduceOp.SUM`` (the runtime divides after: [Note: the
+    reduction's average]), where FSDP2 may pass ``AVG`` or ``PREMUL_SUM``: a comm must honour ``op``.
+    A comm on gloo that returns torch's reduce-scatter work cannot say it is done before it is
+    waited ([Note: gloo's reduce-scatter cannot say it is done] in ``overlap/collectives.py``), so
+    there the group's epilogue waits for the end of backward. Not with compressed collectives of the
+    same kind (refused), nor at one data-parallel rank, where nothing is sent.
+    """
+    buffer = comm.allocate((numel,), dtype=dtype, device=device)
+    if (not isinstance(buffer, torch.Tensor) or tuple(buffer.shape) != (numel,) or buffer.dtype != dtype
+            or buffer.device != device or not buffer.is_contiguous()):
+        got = (f"{buffer.dtype}{list(buffer.shape)} on {buffer.device}" if isinstance(buffer, torch.Tensor)
+               else type(buffer).__name__)
+        raise RuntimeError(f"{type(comm).__name__}.allocate(({numel},), dtype={dtype}, device={device}) returned {got}; "
+                           f"a custom collective's allocate must return a contiguous tensor of that size, dtype and device")
+    return buffer
 
 
 def _flat_float32(shards: list[torch.Tensor]) -> torch.Tensor:

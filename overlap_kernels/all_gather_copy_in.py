@@ -132,18 +132,19 @@ def _(shards, layout_spec, rank, dtype):
 def _all_gather_copy_in(
     shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype,
     dtypes: tuple[torch.dtype, ...] | None = None, fingerprint: prepared_launch.Fingerprint | None = None,
-    owned: prepared_launch.OwnedLists | None = None,
+    owned: prepared_launch.OwnedLists | None = None, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op on checked arguments (``dtype`` given; ``dtypes``: the shards' own, in order, when the
     checks read them; ``fingerprint``: the one the public op found them to match; ``owned``: the
     owner's launches, when the caller owns the shards and says when they change, [Note: lists the
-    runtime owns]): the kernel, or the torch fallback. The launch is a prepared one ([Note:
+    runtime owns]; ``out``: the all-gather buffer to fill, ``(layout.buffer_numel,)`` of ``dtype``,
+    instead of a new one): the kernel, or the torch fallback. The launch is a prepared one ([Note:
     prepared launches] in ``overlap_kernels.prepared_launch``) unless the shards cannot be fingerprinted."""
     device = shards[0].device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
-            return _all_gather_copy_in_torch(shards, layout, rank, dtype, device)
-    ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
+            return _all_gather_copy_in_torch(shards, layout, rank, dtype, device, out)
+    ag_output = out if out is not None else torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]
     config, build = (OP, "runtime", rank, dtype), lambda ordered: _kernel_call(shards, layout, rank, ag_input, ordered)
     if not (prepared_launch.launch_owned(owned, layout, config, shards, ag_input, build, dtypes) if owned is not None
@@ -161,13 +162,14 @@ def _kernel_call(shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int,
 
 # ------------------------------------------------------------------------------ fallback, reference
 def _all_gather_copy_in_torch(
-    shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype, device: torch.device
+    shards: Sequence[torch.Tensor], layout: ShardLayout, rank: int, dtype: torch.dtype, device: torch.device,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op without Triton: the shards packed into the slot by one ``torch._chunk_cat`` or one
-    ``_foreach_copy_`` of views cut like the reference's copies; bitwise equal to
-    ``all_gather_copy_in_ref`` ([Note: torch fallback] in ``overlap_kernels._torch_fallback``)."""
+    """The op without Triton: the shards packed into the slot (of ``out`` if given) by one
+    ``torch._chunk_cat`` or one ``_foreach_copy_`` of views cut like the reference's copies; bitwise
+    equal to ``all_gather_copy_in_ref`` ([Note: torch fallback] in ``overlap_kernels._torch_fallback``)."""
     plan = _torch_fallback.torch_plan(layout, rank)
-    ag_output = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
+    ag_output = out if out is not None else torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     ag_input = ag_output.view(layout.world_size, layout.slot_numel)[rank]
     if _torch_fallback.chunk_cat(shards, plan, 1, ag_input):
         return ag_input, ag_output

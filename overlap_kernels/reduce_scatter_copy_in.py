@@ -144,18 +144,23 @@ def _(grads, layout_spec, pre_scale, dtype):
 def _reduce_scatter_copy_in(
     grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype,
     dtypes: tuple[torch.dtype, ...] | None = None, fingerprint: prepared_launch.Fingerprint | None = None,
-    owned: prepared_launch.OwnedLists | None = None,
+    owned: prepared_launch.OwnedLists | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The op on checked arguments (``dtype`` given; ``dtypes``: the grads' own, in order, when the
     checks read them; ``fingerprint``: the one the public op found them to match; ``owned``: the
     owner's launches, when the caller owns the grads and says when they change, [Note: lists the
-    runtime owns]): the kernel, or the torch fallback. The launch is a prepared one ([Note:
+    runtime owns]; ``out``: the buffer to fill and return, ``(layout.buffer_numel,)`` of ``dtype``,
+    instead of a new one): the kernel, or the torch fallback. The launch is a prepared one ([Note:
     prepared launches] in ``overlap_kernels.prepared_launch``) unless the grads cannot be fingerprinted."""
     device = grads[0].device
     if not _launch.triton_enabled(device):
         with torch.no_grad():  # like the kernel: the buffer carries no autograd history
-            return _reduce_scatter_copy_in_torch(grads, layout, pre_scale, dtype, device)
-    rs_input = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
+            packed = _reduce_scatter_copy_in_torch(grads, layout, pre_scale, dtype, device,
+                                                   out if pre_scale is None else None)
+            if out is None or packed is out:
+                return packed
+            return out.copy_(packed)  # the fallback's scaled and NaN paths make their own buffer
+    rs_input = out if out is not None else torch.empty(layout.buffer_numel, dtype=dtype, device=device)
     config = (OP, "runtime", prepared_launch.scale_key(pre_scale), dtype)
     build = lambda ordered: _kernel_call(grads, layout, pre_scale, rs_input, ordered)  # noqa: E731
     if not (prepared_launch.launch_owned(owned, layout, config, grads, rs_input, build, dtypes, dtypes_read=True)
@@ -176,7 +181,8 @@ def _kernel_call(
 
 # ------------------------------------------------------------------------------ fallback, reference
 def _reduce_scatter_copy_in_torch(
-    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype, device: torch.device
+    grads: Sequence[torch.Tensor], layout: ShardLayout, pre_scale: float | None, dtype: torch.dtype, device: torch.device,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The op without Triton: the grads packed by one ``torch._chunk_cat`` or one ``_foreach_copy_``
     (at most two views per parameter) — with a scale, packed in the compute dtype, then scaled and
@@ -184,7 +190,8 @@ def _reduce_scatter_copy_in_torch(
     when it has cast a NaN ([Note: torch fallback] in ``overlap_kernels._torch_fallback``)."""
     plan = _torch_fallback.torch_plan(layout, None)
     compute = compute_dtype([dtype, *(g.dtype for g in grads)])
-    work = torch.empty(layout.buffer_numel, dtype=dtype if pre_scale is None else compute, device=device)
+    work = (out if out is not None and pre_scale is None
+            else torch.empty(layout.buffer_numel, dtype=dtype if pre_scale is None else compute, device=device))
     if _torch_fallback.chunk_cat(grads, plan, layout.world_size, work):
         casts = False  # (it looked for a NaN before casting)
     else:

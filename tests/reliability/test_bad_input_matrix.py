@@ -374,6 +374,10 @@ MATRIX: dict[str, Bad] = {
         lambda e: e.sharded.set_requires_all_reduce("no"), ValueError, "requires_all_reduce", "bool"),
     "FSDPModule set_keep_unsharded_storage not a bool": Bad(
         lambda e: e.sharded.set_keep_unsharded_storage("yes"), ValueError, "keep", "bool"),
+    "FSDPModule set_custom_all_gather not a Comm": Bad(
+        lambda e: e.sharded.set_custom_all_gather(print), ValueError, "comm", "with a callable allocate"),
+    "FSDPModule set_custom_reduce_scatter not a Comm": Bad(
+        lambda e: e.sharded.set_custom_reduce_scatter(None), ValueError, "comm", "torch.distributed.fsdp Comm"),
     "FSDPModule set_all_reduce_hook not callable": Bad(
         lambda e: e.sharded.set_all_reduce_hook(0), ValueError, "hook", "callable"),
     "FSDPModule set_all_reduce_hook stream not a stream": Bad(
