@@ -43,6 +43,9 @@ method                            what it does here
 ``set_custom_reduce_scatter``     ``allocate`` makes the buffers the packing kernels fill, its call
                                   issues the collective (the reduce-scatter with ``op=SUM``); not
                                   with compressed collectives of the same kind
+``set_allocate_memory_from_process_group_for_comm``  the collectives' buffers from the shard
+                                  group backend's allocator where it has one (NCCL's pool); not
+                                  with a custom comm (ValueError, as FSDP2) nor compression
 ``set_all_reduce_hook``           ``hook(output)`` on each reduction's output (this module's own),
                                   before the sharded gradients are set: averaged (the sum under
                                   force-sum), after the replica all-reduce with HSDP; CUDA: on the
@@ -85,6 +88,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+
+from overlap.param_group import ProcessGroupAllocator
 
 __all__ = ["FSDPModuleMethods", "UNSUPPORTED", "UnshardHandle"]
 
@@ -344,6 +349,25 @@ class FSDPModuleMethods:
                                       "reductions (compress= with reduce): their bytes are the quantizing kernel's")
         group.custom_reduce_scatter = comm
 
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """FSDP2: take this module's collective buffers (the all-gather's, the reduce-scatter's input
+        and output) from the shard group backend's own allocator where it has one (NCCL's memory
+        pool: zero-copy transfers over NVLink SHARP / InfiniBand; gloo has none: plain buffers).
+        As in FSDP2, not together with a custom all-gather or reduce-scatter (ValueError), whose
+        ``allocate`` decides; not with compressed collectives (NotImplementedError)."""
+        _check_bool("set_allocate_memory_from_process_group_for_comm", "enable", enable)
+        group = self._overlap_state.group
+        if group is None:
+            return
+        if enable and (group.custom_all_gather is not None or group.custom_reduce_scatter is not None):
+            raise ValueError("set_allocate_memory_from_process_group_for_comm(True) cannot be used with "
+                             "set_custom_all_gather / set_custom_reduce_scatter: the custom comm's allocate decides")
+        if enable and (group.compression is not None):
+            raise NotImplementedError("set_allocate_memory_from_process_group_for_comm is not supported by overlap "
+                                      "with compressed collectives (compress=): their buffers are the quantizing "
+                                      "kernels'")
+        group.process_group_allocator = ProcessGroupAllocator(group.info.pg) if enable else None
+
     def _custom_comm_group(self, method: str, comm: Any) -> Any:
         """The group a custom comm is for (None: this module has no parameters of its own), after
         checking ``comm`` has FSDP2's ``Comm`` shape: callable, with a callable ``allocate``."""
@@ -355,7 +379,6 @@ class FSDPModuleMethods:
 
 # FSDPModule methods (torch 2.11-2.15) with no counterpart in this runtime: name -> what to use instead.
 UNSUPPORTED: dict[str, str] = {
-    "set_allocate_memory_from_process_group_for_comm": "the runtime allocates its own buffers",
     "set_symm_mem_for_comm": "the runtime allocates its own buffers",
     "set_reduce_scatter_max_input_buffers": "bound the bytes in flight with "
                                             "fully_shard(..., max_inflight_bytes=)",

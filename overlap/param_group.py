@@ -266,6 +266,10 @@ class ParamGroup:
         """FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``: a ``Comm`` whose
         ``allocate`` makes the collective's buffers and whose call issues it (None: torch's); see
         [Note: custom collectives]."""
+        self.process_group_allocator: Optional[ProcessGroupAllocator] = None
+        """FSDP2's ``set_allocate_memory_from_process_group_for_comm(True)``: the collectives' buffers
+        come from the shard group's backend allocator where it has one (a custom comm's ``allocate``
+        comes first)."""
         self.keep_unsharded_storage = False
         """FSDP2's ``set_keep_unsharded_storage``: True keeps the unsharded parameters' storage
         allocated when resharding, so that its address stays the same from step to step (CUDA graph
@@ -634,9 +638,9 @@ class ParamGroup:
                 if qlayout is not None:
                     ag_input, ag_output = _quantized_copy_in(shards, qlayout, self.rank)
                 else:  # the shards' own dtypes handed over: no read per shard
-                    comm = self.custom_all_gather
-                    out = (None if comm is None
-                           else _comm_buffer(comm, self.layout.buffer_numel, self.gather_dtype, shards[0].device))
+                    allocator = self.custom_all_gather or self.process_group_allocator
+                    out = (None if allocator is None
+                           else _comm_buffer(allocator, self.layout.buffer_numel, self.gather_dtype, shards[0].device))
                     ag_input, ag_output = _all_gather_copy_in(shards, self.layout, self.rank, self.gather_dtype,
                                                               self.orig_dtypes, owned=self._owned_shards, out=out)
             work = (all_gather_into(ag_output, ag_input, self.info, self.where, self.custom_all_gather)
@@ -857,9 +861,10 @@ class ParamGroup:
         if read is not None:
             read = (*read, dtype)
         comm = self.custom_reduce_scatter
+        allocator = comm or self.process_group_allocator
         with region(self.regions.reduce_scatter_copy_in), _NoGrad():
             pre_scale, post_scale, post_divisor = _average_scales(dtype, self.divisor, grads[0].device)
-            out = None if comm is None else _comm_buffer(comm, layout.buffer_numel, dtype, grads[0].device)
+            out = None if allocator is None else _comm_buffer(allocator, layout.buffer_numel, dtype, grads[0].device)
             rs_input = _reduce_scatter_copy_in(grads, layout, pre_scale, dtype, read, owned=self._owned_grads, out=out)
         hsdp = self.replicas > 1
         partial = hsdp and not self.requires_all_reduce
@@ -867,8 +872,8 @@ class ParamGroup:
             return PendingReduce(None, rs_input, indices, layout, post_scale, needs_all_reduce=hsdp and not partial,
                                  finite=self._start_finite_check(rs_input, False) if finite_check.SWITCH.on else None,
                                  missing=missing, post_divisor=post_divisor, partial=partial)
-        rs_output = (torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device) if comm is None
-                     else _comm_buffer(comm, layout.slot_numel, dtype, rs_input.device))
+        rs_output = (torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device) if allocator is None
+                     else _comm_buffer(allocator, layout.slot_numel, dtype, rs_input.device))
         work = reduce_scatter_into(rs_output, rs_input, self.info, self.where, comm)
         return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp and not partial,
                              finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None,
@@ -1575,6 +1580,21 @@ _LOCAL_VERSION = attrgetter("_local_tensor._version")
 _LOCAL = attrgetter("_local_tensor")
 _REQUIRES_GRAD = attrgetter("requires_grad")
 _POST_ACCUMULATE_GRAD_HOOKS = attrgetter("_post_accumulate_grad_hooks")
+
+
+class ProcessGroupAllocator:
+    """FSDP2's ``set_allocate_memory_from_process_group_for_comm(True)``: a collective's buffer from
+    the process group backend's own allocator where it has one for the device (NCCL's memory pool,
+    for zero-copy transfers), else a plain ``torch.empty`` (gloo has none)."""
+
+    def __init__(self, pg: dist.ProcessGroup) -> None:
+        self.pg = pg
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        backend = self.pg._get_backend(device)
+        if backend.supports_tensor_alloc(device):
+            return backend.allocate_tensor(math.prod(size), dtype=dtype, device=device)
+        return torch.empty(*size, dtype=dtype, device=device)
 
 
 def _comm_buffer(comm: Any, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
