@@ -46,6 +46,9 @@ method                            what it does here
 ``set_allocate_memory_from_process_group_for_comm``  the collectives' buffers from the shard
                                   group backend's allocator where it has one (NCCL's pool); not
                                   with a custom comm (ValueError, as FSDP2) nor compression
+``set_separate_reduce_scatter_group``  the gradient reductions over a process group of their own
+                                  (same ranks, made once per shard group): they progress beside the
+                                  all-gathers
 ``set_all_reduce_hook``           ``hook(output)`` on each reduction's output (this module's own),
                                   before the sharded gradients are set: averaged (the sum under
                                   force-sum), after the replica all-reduce with HSDP; CUDA: on the
@@ -89,6 +92,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from overlap.groups import separate_group
 from overlap.param_group import ProcessGroupAllocator
 
 __all__ = ["FSDPModuleMethods", "UNSUPPORTED", "UnshardHandle"]
@@ -368,6 +372,19 @@ class FSDPModuleMethods:
                                       "kernels'")
         group.process_group_allocator = ProcessGroupAllocator(group.info.pg) if enable else None
 
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """FSDP2: run the gradient reductions of this module's subtree (``recurse``) or of this module
+        over a process group of their own over the shard group's ranks, so that they progress
+        beside the all-gathers instead of taking turns with them on one communicator (``False``: the
+        shard group again). Every rank of the shard group must call it, in the same order: it makes
+        the group (once per shard group, shared). [Note: a reduce-scatter group of its own] in
+        ``overlap/groups.py``."""
+        _check_bool("set_separate_reduce_scatter_group", "enable", enable)
+        for state in self._fsdp_states(recurse):
+            group = state.group
+            if group is not None:
+                group.reduce_info = separate_group(group.info) if enable and group.world_size > 1 else group.info
+
     def _custom_comm_group(self, method: str, comm: Any) -> Any:
         """The group a custom comm is for (None: this module has no parameters of its own), after
         checking ``comm`` has FSDP2's ``Comm`` shape: callable, with a callable ``allocate``."""
@@ -382,8 +399,6 @@ UNSUPPORTED: dict[str, str] = {
     "set_symm_mem_for_comm": "the runtime allocates its own buffers",
     "set_reduce_scatter_max_input_buffers": "bound the bytes in flight with "
                                             "fully_shard(..., max_inflight_bytes=)",
-    "set_separate_reduce_scatter_group": "reduce-scatters run on their own stream, over the shard group's own "
-                                         "communicator, which the all-gathers share",
     "set_manual_backward_finalization": "every backward finalizes its reductions before it returns",
     "finalize_backward": "every backward finalizes its reductions before it returns",
 }

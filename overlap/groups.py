@@ -94,6 +94,33 @@ def _group_info(pg: dist.ProcessGroup) -> GroupInfo:
     return GroupInfo(pg=pg, rank=dist.get_rank(pg), size=dist.get_world_size(pg), backend=str(dist.get_backend(pg)))
 
 
+_separate_groups: dict[int, tuple[dist.ProcessGroup, GroupInfo]] = {}
+
+
+def separate_group(info: GroupInfo) -> GroupInfo:
+    """A process group of its own over ``info``'s ranks (same backend), made once per group and
+    reused (every module whose shard group is ``info``'s shares it).
+
+    [Note: a reduce-scatter group of its own]
+    FSDP2's ``set_separate_reduce_scatter_group()`` runs the gradient reductions over a communicator
+    of their own: one communicator processes one collective at a time, so over the shard group's
+    the backward's reduce-scatters and all-gathers take turns on the wire, while two communicators
+    let them progress together where the link can carry both (NCCL on a GPU; gloo's process groups
+    each have their own threads). Each group keeps its own order on every rank, so the runtime's
+    rule (same collectives, same order, on every rank) holds group by group. The new group is made
+    with ``dist.new_group(ranks, use_local_synchronization=True)``: only the shard group's ranks
+    take part, and they must all call the setting, in the same order (as in FSDP2). The emulated
+    link (``overlap.testing``) models each process group as a link of its own, so it would time a
+    separate group as twice the bandwidth: compare such runs on real links only.
+    """
+    found = _separate_groups.get(id(info.pg))
+    if found is None or found[0] is not info.pg:  # (the entry holds its group: an id is never reused under it)
+        ranks = [info.global_rank(r) for r in range(info.size)]
+        pg = dist.new_group(ranks, backend=info.backend, use_local_synchronization=True)
+        found = _separate_groups[id(info.pg)] = (info.pg, _group_info(pg))
+    return found[1]
+
+
 _mesh_cache: dict[tuple[int, str], Any] = {}
 
 

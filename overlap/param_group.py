@@ -233,6 +233,10 @@ class ParamGroup:
         compression: Optional[Compression] = None,
     ) -> None:
         self.info = info
+        self.reduce_info = info
+        """The group the gradient reductions run over: ``info``, or a process group of their own over
+        the same ranks (FSDP2's ``set_separate_reduce_scatter_group``: [Note: a reduce-scatter group
+        of its own] in ``overlap/groups.py``)."""
         self.compression = compression if compression is not None and compression.any else None
         """Compressed collectives (``overlap.shard(compress=...)``, [Note: compressed collectives] in
         ``overlap/compression.py``); None: exact."""
@@ -874,7 +878,7 @@ class ParamGroup:
                                  missing=missing, post_divisor=post_divisor, partial=partial)
         rs_output = (torch.empty(layout.slot_numel, dtype=dtype, device=rs_input.device) if allocator is None
                      else _comm_buffer(allocator, layout.slot_numel, dtype, rs_input.device))
-        work = reduce_scatter_into(rs_output, rs_input, self.info, self.where, comm)
+        work = reduce_scatter_into(rs_output, rs_input, self.reduce_info, self.where, comm)
         return PendingReduce(work, rs_output, indices, layout, post_scale, needs_all_reduce=hsdp and not partial,
                              finite=self._start_finite_check(rs_input, True) if finite_check.SWITCH.on else None,
                              missing=missing, post_divisor=post_divisor, partial=partial)
@@ -942,12 +946,12 @@ class ParamGroup:
             if check or measure:  # exact float32 gradients (an extra packing, debug only)
                 exact = _reduce_scatter_copy_in(grads, layout, None, torch.float32)
         received = torch.empty_like(q_input)
-        work = quantized_reduce_into(received, q_input, self.info, fmt, self.where)
+        work = quantized_reduce_into(received, q_input, self.reduce_info, fmt, self.where)
         reference = None
         if measure:  # overlap.gradient_error: the exact reduce-scatter to compare with
             assert exact is not None
             exact_slot = torch.empty(layout.slot_numel, dtype=torch.float32, device=exact.device)
-            reference = (reduce_scatter_into(exact_slot, exact, self.info, self.where),
+            reference = (reduce_scatter_into(exact_slot, exact, self.reduce_info, self.where),
                          exact_slot[:layout.slot_offsets[-1]])  # the gradients: before the presence entry
         finite = self._start_finite_check(exact, True) if check else None
         return PendingReduce(work, received, indices, layout, 1.0 / self.divisor, finite=finite, quantized=qlayout,

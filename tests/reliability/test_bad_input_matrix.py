@@ -380,6 +380,8 @@ MATRIX: dict[str, Bad] = {
         lambda e: e.sharded.set_custom_reduce_scatter(None), ValueError, "comm", "torch.distributed.fsdp Comm"),
     "FSDPModule set_allocate_memory_from_process_group_for_comm not a bool": Bad(
         lambda e: e.sharded.set_allocate_memory_from_process_group_for_comm(1), ValueError, "enable", "bool"),
+    "FSDPModule set_separate_reduce_scatter_group not a bool": Bad(
+        lambda e: e.sharded.set_separate_reduce_scatter_group("yes"), ValueError, "enable", "bool"),
     "FSDPModule set_all_reduce_hook not callable": Bad(
         lambda e: e.sharded.set_all_reduce_hook(0), ValueError, "hook", "callable"),
     "FSDPModule set_all_reduce_hook stream not a stream": Bad(
