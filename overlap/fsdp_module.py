@@ -49,6 +49,9 @@ method                            what it does here
 ``set_separate_reduce_scatter_group``  the gradient reductions over a process group of their own
                                   (same ranks, made once per shard group): they progress beside the
                                   all-gathers
+``set_reduce_scatter_max_input_buffers``  at most that many reduce-scatters hold their input
+                                  buffers; the oldest are waited for before the next reduction
+                                  (default here: no cap; FSDP2's: 1)
 ``set_all_reduce_hook``           ``hook(output)`` on each reduction's output (this module's own),
                                   before the sharded gradients are set: averaged (the sum under
                                   force-sum), after the replica all-reduce with HSDP; CUDA: on the
@@ -385,6 +388,23 @@ class FSDPModuleMethods:
             if group is not None:
                 group.reduce_info = separate_group(group.info) if enable and group.world_size > 1 else group.info
 
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """FSDP2: at most ``max_input_buffers`` gradient reduce-scatters may hold their input buffers
+        at once; before a reduction past that, the oldest are waited for (on CUDA the compute stream
+        waits: FSDP2's stall when a reduce-scatter is exposed; elsewhere the host), trading overlap
+        for memory. Here the default is no cap (every reduction packs into a buffer of its own, held
+        until its collective is done; bound all collectives' bytes with ``max_inflight_bytes``);
+        FSDP2's default is 1. For this module's subtree (``recurse``) or this module."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, "
+                            f"got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be a positive int, "
+                             f"got {max_input_buffers}")
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reduce_scatter_max_input_buffers = max_input_buffers
+
     def _custom_comm_group(self, method: str, comm: Any) -> Any:
         """The group a custom comm is for (None: this module has no parameters of its own), after
         checking ``comm`` has FSDP2's ``Comm`` shape: callable, with a callable ``allocate``."""
@@ -397,8 +417,6 @@ class FSDPModuleMethods:
 # FSDPModule methods (torch 2.11-2.15) with no counterpart in this runtime: name -> what to use instead.
 UNSUPPORTED: dict[str, str] = {
     "set_symm_mem_for_comm": "the runtime allocates its own buffers",
-    "set_reduce_scatter_max_input_buffers": "bound the bytes in flight with "
-                                            "fully_shard(..., max_inflight_bytes=)",
     "set_manual_backward_finalization": "every backward finalizes its reductions before it returns",
     "finalize_backward": "every backward finalizes its reductions before it returns",
 }

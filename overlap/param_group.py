@@ -270,6 +270,10 @@ class ParamGroup:
         """FSDP2's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``: a ``Comm`` whose
         ``allocate`` makes the collective's buffers and whose call issues it (None: torch's); see
         [Note: custom collectives]."""
+        self.reduce_scatter_max_input_buffers: Optional[int] = None
+        """FSDP2's ``set_reduce_scatter_max_input_buffers``: before this group's reduction, at most
+        this many minus one reduce-scatters may still hold their input buffers (the oldest are waited
+        for: ``_Root._hold_reduce_inputs``); None: no cap (the runtime's default; FSDP2's is 1)."""
         self.process_group_allocator: Optional[ProcessGroupAllocator] = None
         """FSDP2's ``set_allocate_memory_from_process_group_for_comm(True)``: the collectives' buffers
         come from the shard group's backend allocator where it has one (a custom comm's ``allocate``

@@ -1131,6 +1131,8 @@ class _Root:
         self._ready: set[int] = set()
         self._pending_reduces: list[tuple[ShardState, PendingReduce]] = []  # epilogue not run yet
         self._reduce_events: list[Any] = []  # CUDA: epilogues queued on the reduce-scatter stream
+        self._reduce_inputs: list[InflightWork] = []
+        """The reduce-scatters issued under a cap on their input buffers (``_hold_reduce_inputs``)."""
 
     def on_pre_backward(self, state: ShardState) -> None:
         if not self.in_backward:
@@ -1273,6 +1275,9 @@ class _Root:
                 if state.max_inflight_bytes is not None:
                     indices = group.requires_grad_indices
                     held = self._admit(group.reduce_bytes(indices), state.max_inflight_bytes)
+                cap = group.reduce_scatter_max_input_buffers
+                if cap is not None:
+                    self._hold_reduce_inputs(cap - 1)
                 with held:
                     try:  # (no cost when nothing is raised)
                         pending = group.issue_reduce(indices)
@@ -1281,6 +1286,8 @@ class _Root:
                         raise
                 if pending is not None:
                     self._track(pending.work)
+                    if cap is not None and pending.work is not None:
+                        self._reduce_inputs.append(pending.work)
                     if pending.needs_all_reduce and (pending.work is None or pending.rs_output.is_cuda
                                                      or group.quantized_replica_sum is not None
                                                      or desync.debug_enabled()):
@@ -1302,6 +1309,17 @@ class _Root:
         ahead = self._ahead_after.get(state.index)
         if ahead is not None:
             self._gather_ahead(self.states[ahead])
+
+    def _hold_reduce_inputs(self, room: int) -> None:
+        """FSDP2's ``set_reduce_scatter_max_input_buffers``: before a reduction, wait for the oldest
+        reduce-scatters still holding their input buffers until at most ``room`` do, releasing them
+        (on CUDA the current stream waits, so the next copy-in is ordered after the collective and
+        reuses its memory; elsewhere the host waits). The point is fixed in the program (every rank
+        issues the same reductions in the same order), so the wait cannot go around the ranks."""
+        held = [w for w in self._reduce_inputs if w.pending]
+        while len(held) > room:
+            held.pop(0).wait()
+        self._reduce_inputs = held
 
     def _gather_ahead(self, state: ShardState) -> None:
         """Issue ``state``'s next-step all-gather now, in backward, after its step: run the epilogues
@@ -1469,6 +1487,7 @@ class _Root:
         self._deferring = []
         self._pending_reduces = []
         self._reduce_events = []
+        self._reduce_inputs = []
         self.in_backward = False
         self._outstanding = [w for w in self._outstanding if w.pending]
 

@@ -382,6 +382,10 @@ MATRIX: dict[str, Bad] = {
         lambda e: e.sharded.set_allocate_memory_from_process_group_for_comm(1), ValueError, "enable", "bool"),
     "FSDPModule set_separate_reduce_scatter_group not a bool": Bad(
         lambda e: e.sharded.set_separate_reduce_scatter_group("yes"), ValueError, "enable", "bool"),
+    "FSDPModule set_reduce_scatter_max_input_buffers zero": Bad(
+        lambda e: e.sharded.set_reduce_scatter_max_input_buffers(0), ValueError, "max_input_buffers", "positive int"),
+    "FSDPModule set_reduce_scatter_max_input_buffers a bool": Bad(
+        lambda e: e.sharded.set_reduce_scatter_max_input_buffers(True), TypeError, "max_input_buffers", "an int"),
     "FSDPModule set_all_reduce_hook not callable": Bad(
         lambda e: e.sharded.set_all_reduce_hook(0), ValueError, "hook", "callable"),
     "FSDPModule set_all_reduce_hook stream not a stream": Bad(
