@@ -89,6 +89,10 @@ RECIPES = {
                        "replicas and divides (a replica tier of the user's own)",
     "custom_comms": "set_custom_all_gather / set_custom_reduce_scatter on every module: comms whose allocate "
                     "makes the buffers and whose call runs torch's collective",
+    "process_group_memory": "set_allocate_memory_from_process_group_for_comm(True) on every module (gloo has no "
+                            "allocator of its own: plain buffers)",
+    "separate_reduce_group": "set_separate_reduce_scatter_group() on the root (FSDP2: where its torch has it, 2.15)",
+    "reduce_input_cap": "set_reduce_scatter_max_input_buffers(1) on the root (FSDP2: where its torch has it, 2.15)",
     "foreach": "AdamW(foreach=True)",
     "optimizer_in_backward": "one AdamW per parameter, stepped in its post-accumulate-grad hook",
     "embedding_left_sharded": "the position embedding sharded on its own, set_unshard_in_backward(False)",
@@ -170,6 +174,13 @@ def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
         for module in [*model.blocks, model]:
             module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(reduce)
+    if recipe == "process_group_memory":
+        for module in [*model.blocks, model]:
+            module.set_allocate_memory_from_process_group_for_comm(True)
+    if recipe == "separate_reduce_group" and hasattr(model, "set_separate_reduce_scatter_group"):
+        model.set_separate_reduce_scatter_group()
+    if recipe == "reduce_input_cap" and hasattr(model, "set_reduce_scatter_max_input_buffers"):
+        model.set_reduce_scatter_max_input_buffers(1)
     if recipe == "explicit_prefetch":
         blocks = list(model.blocks)
         for i, block in enumerate(blocks):
