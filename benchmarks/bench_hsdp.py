@@ -22,6 +22,12 @@ group's gathers compressed too), and FSDP2 HSDP. Rounds interleave the modes (ro
 first), each mode one step without the link delay and one with it; medians over rounds of the
 slowest rank; bytes per tier are what the emulated link counted on rank 0's groups in a linked step.
 
+With ``--hook`` it runs the same way (both tiers at ``--link-scale``, default 1) native HSDP beside
+HSDP built by hand: sharded over the shard dim only, with a ``set_all_reduce_hook`` on every module
+that sums each reduction's output over the replicas and divides, for both runtimes. On CPU the
+runtime runs such hooks at the end of backward ([Note: the all-reduce hook]); FSDP2 runs them
+inline in backward, blocking on gloo.
+
 With ``--accumulation`` it runs instead HSDP gradient accumulation, ``--micro-batches`` (default 4)
 backwards per optimizer step, three ways for each runtime (``overlap.shard`` and FSDP2): every
 micro-batch reduced in full (``synced``), all but the last under ``set_requires_all_reduce(False)``
@@ -36,6 +42,7 @@ groups (FSDP2's is not read: its internals differ between torch versions).
     python benchmarks/bench_hsdp.py [--steps 6] [--markdown benchmarks/RESULTS.md]
     python benchmarks/bench_hsdp.py --compression [--link-scale 0.25] [--steps 6]
     python benchmarks/bench_hsdp.py --accumulation [--micro-batches 4] [--link-scale 1] [--steps 6]
+    python benchmarks/bench_hsdp.py --hook [--link-scale 1] [--steps 6]
 """
 from __future__ import annotations
 
@@ -52,14 +59,22 @@ from report import emit
 MODES = {"overlap.shard, full sharding": ("overlap", False), "overlap.shard, HSDP": ("overlap", True),
          "torch FSDP2, full sharding": ("fsdp2", False), "torch FSDP2, HSDP": ("fsdp2", True)}
 FREE = (1e6, 0.0)  # a link that costs nothing (Gbit/s, µs)
-# --compression: display name -> (overlap.demo.training mode, overlap.Compression keywords or None); all HSDP
-COMPRESSED_MODES = {"overlap.shard HSDP, exact": ("overlap", None),
-                    "overlap.shard HSDP, int8 replica sum": ("overlap", {"gather": None, "reduce": "int8"}),
-                    "overlap.shard HSDP, int8 gather + replica sum": ("overlap", {}),
-                    "torch FSDP2 HSDP": ("fsdp2", None)}
+# --compression and --hook: display name -> (overlap.demo.training mode, overlap.Compression keywords or None,
+# the replica tier by set_all_reduce_hook?); all HSDP. The first mode is the table's "exact", the last FSDP2's.
+COMPRESSED_MODES = {"overlap.shard HSDP, exact": ("overlap", None, False),
+                    "overlap.shard HSDP, int8 replica sum": ("overlap", {"gather": None, "reduce": "int8"}, False),
+                    "overlap.shard HSDP, int8 gather + replica sum": ("overlap", {}, False),
+                    "torch FSDP2 HSDP": ("fsdp2", None, False)}
+HOOK_MODES = {"overlap.shard HSDP, exact": ("overlap", None, False),
+              "overlap.shard, replica sum by set_all_reduce_hook": ("overlap", None, True),
+              "torch FSDP2, replica sum by set_all_reduce_hook": ("fsdp2", None, True),
+              "torch FSDP2 HSDP": ("fsdp2", None, False)}
 
 
-def _step(mode: str, hsdp: bool, args: argparse.Namespace, x: Any, compress: Any = None) -> TrainStep:
+def _step(mode: str, hsdp: bool, args: argparse.Namespace, x: Any, compress: Any = None,
+          hook: bool = False) -> TrainStep:
+    """One mode's training step. ``hook``: HSDP built by hand, sharded over the mesh's shard dim only,
+    with a ``set_all_reduce_hook`` on every module that sums over the replicas and divides."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -69,8 +84,17 @@ def _step(mode: str, hsdp: bool, args: argparse.Namespace, x: Any, compress: Any
     names = ("replicate", "shard") if hsdp else ("shard",)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = mlp(args.blocks, args.dim)
-    context = shard_for_mode(mode, model, list(model), mesh=mesh,
+    context = shard_for_mode(mode, model, list(model), mesh=mesh["shard"] if hook else mesh,
                              compress=overlap.Compression(**compress) if compress is not None else None)
+    if hook:
+        replicas = mesh.get_group("replicate")
+
+        def over_replicas(output: torch.Tensor) -> None:
+            torch.distributed.all_reduce(output, group=replicas)
+            output.div_(args.nodes)
+
+        for module in [*model, model]:
+            module.set_all_reduce_hook(over_replicas)
     step = TrainStep(lambda _: model(x).square().mean(), torch.optim.AdamW(model.parameters(), lr=1e-3), context)
     step.mesh = mesh  # type: ignore[attr-defined]
     step.model = model  # type: ignore[attr-defined]
@@ -132,12 +156,13 @@ def _compressed_rank(rank: int, world: int, args: argparse.Namespace) -> dict[st
 
     x = rank_input(args.batch, args.dim, rank)
     link, inter, calibrated = _scaled_two_tier_link(args, x)
-    steps = {name: _step(mode, True, args, x, compress) for name, (mode, compress) in COMPRESSED_MODES.items()}
+    modes = HOOK_MODES if args.hook else COMPRESSED_MODES
+    steps = {name: _step(mode, True, args, x, compress, hook) for name, (mode, compress, hook) in modes.items()}
     for step in steps.values():  # warm-up: two steps without the link, one with
         step(), step()
         with link:
             step()
-    names = list(COMPRESSED_MODES)
+    names = list(modes)
     times: dict[str, dict[str, list[float]]] = {n: {"unlinked": [], "linked": [], "comm": []} for n in names}
     tiers: dict[str, dict[str, float]] = {}
     for round_ in range(args.steps):
@@ -272,7 +297,7 @@ def _compression_main(args: argparse.Namespace) -> None:
     exact, fsdp2 = r["overlap.shard HSDP, exact"], r["torch FSDP2 HSDP"]
     exact_bytes = r["overlap.shard HSDP, exact bytes"]
     rows = []
-    for name in COMPRESSED_MODES:
+    for name in HOOK_MODES if args.hook else COMPRESSED_MODES:
         m: PairedTimes = r[name]
         b = r[name + " bytes"]
         rows.append([name, f"{1e3 * m.linked:.1f}", f"{1e3 * m.unlinked:.1f}", f"{1e3 * m.comm:.1f}",
@@ -282,7 +307,9 @@ def _compression_main(args: argparse.Namespace) -> None:
     link = (f"{args.nodes} nodes x {args.gpus_per_node} CPU ranks (gloo); emulated link {r['intra']:.3g} Gbit/s "
             f"within a node, {r['inter']:.3g} Gbit/s across nodes ({args.link_scale:g}x the calibrated "
             f"{r['calibrated']:.3g}), {args.latency_us:g} µs per collective")
-    emit(f"HSDP with compressed collectives at a comm-bound link, {args.blocks} MLP blocks of width {args.dim}, "
+    what = ("HSDP, native and with the replica sum by set_all_reduce_hook" if args.hook
+            else "HSDP with compressed collectives at a comm-bound link")
+    emit(f"{what}, {args.blocks} MLP blocks of width {args.dim}, "
          f"batch {args.batch}, AdamW, fp32; {link}; medians of {args.steps} interleaved rounds, slowest rank",
          ["mode", "step ms (link)", "compute side ms", "comm ms on the links", "exposed comm ms",
           "MB per step, shard tier (vs exact)", "MB per step, replica tier (vs exact)",
@@ -322,17 +349,19 @@ def main(argv: list[str] | None = None) -> None:
                         "ones (default 0.25 with --compression, 1 with --accumulation)")
     p.add_argument("--accumulation", action="store_true",
                    help="run HSDP gradient accumulation side by side instead: synced, partial, no_sync (see above)")
+    p.add_argument("--hook", action="store_true",
+                   help="run native HSDP beside HSDP built with set_all_reduce_hook instead (see above)")
     p.add_argument("--micro-batches", type=int, default=4,
                    help="with --accumulation: backwards per optimizer step (default 4)")
     args = parse(p, argv)
-    if args.compression and args.accumulation:
-        p.error("--compression and --accumulation: choose one")
+    if args.compression + args.accumulation + args.hook > 1:
+        p.error("--compression, --accumulation and --hook: choose one")
     if args.micro_batches < 1:
         p.error(f"--micro-batches must be >= 1, got {args.micro_batches}")
     if args.link_scale is not None and not args.link_scale > 0:
         p.error(f"--link-scale must be > 0, got {args.link_scale}")
-    if args.compression:
-        args.link_scale = 0.25 if args.link_scale is None else args.link_scale
+    if args.compression or args.hook:
+        args.link_scale = (0.25 if args.compression else 1.0) if args.link_scale is None else args.link_scale
         _compression_main(args)
         return
     if args.accumulation:
