@@ -500,14 +500,22 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, info: GroupInfo, 
     ``comm``: FSDP2's custom all-gather (``set_custom_all_gather``), called as FSDP2 calls it
     (``comm(output_tensor=, input_tensor=, group=, async_op=)``) in place of torch's.
     """
-    if comm is not None:
-        def launch(a: bool) -> Optional[dist.Work]:
-            return comm(output_tensor=output, input_tensor=input, group=info.pg, async_op=a)
-    else:
-        def launch(a: bool) -> Optional[dist.Work]:
-            return _dist_all_gather(output, input, info.pg, a)
-    return _issue("all_gather", output.device, launch, (output,), output.numel() * output.element_size(),
-                  info.pg.group_name, where=where)
+    call = comm or _torch_all_gather
+    return _issue("all_gather", output.device,
+                  lambda a: call(output_tensor=output, input_tensor=input, group=info.pg, async_op=a),
+                  (output,), output.numel() * output.element_size(), info.pg.group_name, where=where)
+
+
+def _torch_all_gather(*, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                      async_op: bool) -> Optional[dist.Work]:
+    """torch's all-gather, called as a custom ``Comm`` is (``all_gather_into``'s default)."""
+    return _dist_all_gather(output_tensor, input_tensor, group, async_op)
+
+
+def _torch_reduce_scatter(*, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                          op: dist.ReduceOp, async_op: bool) -> Optional[dist.Work]:
+    """torch's reduce-scatter, called as a custom ``Comm`` is (``reduce_scatter_into``'s default)."""
+    return _dist_reduce_scatter(output_tensor, input_tensor, op, group, async_op)
 
 
 def _gloo_ring_sum(received: torch.Tensor, out: torch.Tensor, rank: int) -> None:
@@ -543,15 +551,7 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupIn
     received slots when the work is waited, in the order gloo's reduce-scatter adds them
     (``_gloo_ring_sum``), so the sum is bitwise the one FSDP2 gets from gloo.
     """
-    if comm is not None:
-        pg = info.pg
-
-        def custom(a: bool) -> Optional[dist.Work]:
-            return comm(output_tensor=output, input_tensor=input, group=pg, op=dist.ReduceOp.SUM, async_op=a)
-
-        return _issue("reduce_scatter", output.device, custom, (input, output), input.numel() * input.element_size(),
-                      pg.group_name, "sum", where=where)
-    if output.device.type != "cuda" and info.backend == "gloo" and info.size > 1:
+    if comm is None and output.device.type != "cuda" and info.backend == "gloo" and info.size > 1:
         received = torch.empty((info.size, output.numel()), dtype=output.dtype, device=output.device)
         pg, rank = info.pg, info.rank
 
@@ -561,8 +561,9 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, info: GroupIn
         return _issue("reduce_scatter", output.device, launch, (input, received, output),
                       input.numel() * input.element_size(), pg.group_name, "sum",
                       finish=lambda: _gloo_ring_sum(received, output.view(-1), rank), where=where)
-    op = dist_reduce_op("sum", info)
-    return _issue("reduce_scatter", output.device, lambda a: _dist_reduce_scatter(output, input, op, info.pg, a),
+    op, call = dist_reduce_op("sum", info), comm or _torch_reduce_scatter
+    return _issue("reduce_scatter", output.device,
+                  lambda a: call(output_tensor=output, input_tensor=input, group=info.pg, op=op, async_op=a),
                   (input, output), input.numel() * input.element_size(), info.pg.group_name, "sum", where=where)
 
 

@@ -321,7 +321,7 @@ class FSDPModuleMethods:
         if stream is not None and group.replicate is not None:
             raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (a 2-D mesh): the hook runs on "
                              "the stream of the all-reduce over the replicas, as in FSDP2")
-        if group.quantized_reduce is not None or group.quantized_replica_sum is not None:
+        if group.compresses_reductions:
             raise NotImplementedError(
                 "set_all_reduce_hook is not supported by overlap with compressed reductions (compress= with "
                 "reduce): the average is computed inside the copy-out kernel, from quantized slots")
@@ -351,7 +351,7 @@ class FSDPModuleMethods:
         group = self._custom_comm_group("set_custom_reduce_scatter", comm)
         if group is None:
             return
-        if group.quantized_reduce is not None or group.quantized_replica_sum is not None:
+        if group.compresses_reductions:
             raise NotImplementedError("set_custom_reduce_scatter is not supported by overlap with compressed "
                                       "reductions (compress= with reduce): their bytes are the quantizing kernel's")
         group.custom_reduce_scatter = comm

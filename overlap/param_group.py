@@ -620,6 +620,13 @@ class ParamGroup:
         return hook
 
     @property
+    def compresses_reductions(self) -> bool:
+        """Are this group's gradient reductions compressed (the 1-D reduce-scatter, or HSDP's sum over
+        the replicas)? Their average is then computed inside the quantized copy-out, from quantized
+        slots: no reduced tensor to hand over, no plain buffers."""
+        return self.quantized_reduce is not None or self.quantized_replica_sum is not None
+
+    @property
     def _gather_qlayout(self) -> Optional[QuantizedLayout]:
         """The compressed all-gather's layout (``compress.gather``); None: the gather is exact, or
         moves nothing (a shard group of one rank, e.g. HSDP on an ``(R, 1)`` mesh: quantizing there
@@ -1465,13 +1472,8 @@ class ParamGroup:
         unsharded gradients of ``indices`` (``.grad`` set to None), concatenate them in the reduce
         dtype, divide by the gradient divide factor if set, hand that to the hook; returns each
         parameter's view of it, by index (none for a parameter without a gradient)."""
-        assert self.unsharded is not None
-        grads = {}
-        for i in indices:
-            grad = self.unsharded_grad(i)
-            if grad is not None:
-                self.unsharded[i].grad = None
-                grads[i] = grad
+        taken, missing = self._take_unsharded_grads(indices)
+        grads = {i: g for j, (i, g) in enumerate(zip(indices, taken)) if j not in missing}  # (not the zeros)
         if not grads:
             return grads
         dtype = self.mp.effective_reduce_dtype or widest_dtype([g.dtype for g in grads.values()])
