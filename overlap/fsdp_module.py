@@ -30,7 +30,8 @@ method                            what it does here
                                   (``ShardedModule``; without it the next forward cleans up the
                                   step and keeps the gradients)
 ``set_is_last_backward``          recorded; every backward here already completes its reductions
-                                  before it returns, which is what ``True`` asks for
+                                  before it returns (or, under manual finalization, in
+                                  ``finalize_backward``), which is what ``True`` asks for
 ``set_post_optim_event``          the current stream waits for the event now, so the next
                                   all-gathers are ordered after it (also ``set_post_optimizer_event``)
 ``set_gradient_divide_factor``    this module's own gradients (not its sharded descendants', as
@@ -65,6 +66,11 @@ method                            what it does here
                                   same address every step, for CUDA graphs; memory held)
 ``set_reduce_scatter_unused_params``  accepted, either value: a gradient this rank lacks is always
                                   reduced as zeros, and one no rank had keeps ``.grad`` None
+``set_manual_backward_finalization``  ``True`` (root): each backward leaves its reductions in flight;
+``finalize_backward(async_op)``   reduces what ``no_sync`` backwards accumulated where sync is on
+                                  again, waits and sets the gradients (``async_op``: a handle's
+                                  ``wait()`` does); a forward first finishes the backward implicitly
+                                  ([Note: manual backward finalization] in ``overlap/sharding.py``)
 ``set_unshard_in_backward``       ``False``: this module's group, resharded after forward, is not
                                   gathered again in backward (nor prefetched there): for parameters
                                   backward never reads, such as an embedding's; the gradients are
@@ -165,7 +171,8 @@ class FSDPModuleMethods:
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2: whether the next backward is the last before the optimizer step, so it must wait for
-        its reductions. Every backward here waits for its reductions before it returns, so ``False``
+        its reductions. Every backward here waits for its reductions before it returns (under manual
+        finalization: in ``finalize_backward``), so ``False``
         only records the setting (``state.is_last_backward``); numerics and order are unchanged."""
         _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
         for state in self._fsdp_states(recurse=True):
@@ -405,6 +412,43 @@ class FSDPModuleMethods:
             if state.group is not None:
                 state.group.reduce_scatter_max_input_buffers = max_input_buffers
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """FSDP2 (torch 2.15): on the root, ``True`` makes each backward leave its reductions in
+        flight at its end; :meth:`finalize_backward` then waits for them and sets the sharded
+        gradients ([Note: manual backward finalization] in ``overlap/sharding.py``). RuntimeError on a
+        module that is not the root, and where it would change the mode of a backward running or
+        awaiting finalization."""
+        _check_bool("set_manual_backward_finalization", "enabled", enabled)
+        root = self._root_only("set_manual_backward_finalization")
+        if root is not None:
+            root.check_finalization_mode(enabled)
+        self._overlap_state.manual_backward_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> Any:
+        """FSDP2 (torch 2.15), on the root with manual finalization, after the backward passes and
+        before the gradients are read: the reductions ``no_sync`` backwards accumulated are issued
+        where gradient sync is on now, every reduction is waited for and the sharded ``.grad``s are
+        set. ``async_op=True`` returns a handle whose ``wait()`` does the waiting (forward, backward
+        and another ``finalize_backward`` raise until then). A no-op before the first forward and
+        when nothing is left to finish."""
+        _check_bool("finalize_backward", "async_op", async_op)
+        from overlap.sharding import GradientReductionHandle  # sharding imports this module
+
+        root = self._root_only("finalize_backward")
+        if root is None:
+            return GradientReductionHandle(None, 0.0) if async_op else None
+        return root.finalize_backward(async_op)
+
+    def _root_only(self, method: str) -> Any:
+        """The root's per-step state (None before the first forward), after checking this module is
+        the root (the outermost sharded module that ran): RuntimeError naming ``method`` if not."""
+        state = self._overlap_state
+        root = state.root
+        if root is not None and root.owner is not state:
+            raise RuntimeError(f"{method} must be called on the root sharded module (the outermost one), "
+                               f"not on {type(self).__name__} {state.fqn!r}")
+        return root
+
     def _custom_comm_group(self, method: str, comm: Any) -> Any:
         """The group a custom comm is for (None: this module has no parameters of its own), after
         checking ``comm`` has FSDP2's ``Comm`` shape: callable, with a callable ``allocate``."""
@@ -417,8 +461,6 @@ class FSDPModuleMethods:
 # FSDPModule methods (torch 2.11-2.15) with no counterpart in this runtime: name -> what to use instead.
 UNSUPPORTED: dict[str, str] = {
     "set_symm_mem_for_comm": "the runtime allocates its own buffers",
-    "set_manual_backward_finalization": "every backward finalizes its reductions before it returns",
-    "finalize_backward": "every backward finalizes its reductions before it returns",
 }
 
 

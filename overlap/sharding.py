@@ -136,6 +136,31 @@ This replaces the end-of-step chain of 2026-11-27 (``END_OF_STEP_CHAIN``: gather
 group right after its own step, which lost to the plain end of backward in paired demo runs,
 1.05-1.07x ideal against 1.01-1.02x, and was off by default); it is removed.
 
+[Note: manual backward finalization]
+FSDP2's ``set_manual_backward_finalization(True)`` (torch 2.15; on the root) splits the end of
+backward in two. Autograd's final callback issues the reductions left, in order (and HSDP's held
+all-reduces), and returns with them in flight: nothing is waited for, no epilogue left is run.
+``finalize_backward()`` later does the rest, which is the automatic end of backward
+(``_finish_backward``): it waits, sets the sharded ``.grad``s, reshards, and runs deferred steps and
+gather-ahead. In between, the host is free and the link keeps working.
+
+A backward under ``no_sync`` marks each group it passed (``ShardState.accumulating``).
+``finalize_backward`` first reduces those groups whose sync is on again. So "every micro-batch
+under ``no_sync``, then sync on and finalize" reduces the sum once, as FSDP2's pending
+post-backwards do. That sum is bitwise what a last synced backward would have reduced: autograd
+accumulated it into the same unsharded gradients.
+
+Where a rank must not stall, nothing waits for a call that may never come. A forward (or a second
+backward) that comes first finishes the awaiting backward implicitly: the reductions in flight are
+waited for and their gradients set. Reductions are issued only by the explicit call, so an
+implicit finish never adds a collective. Every rank runs the same program, so the implicit point
+is the same on every rank. ``async_op=True`` returns a handle whose ``wait()`` finishes. Until
+then, forward, backward and another ``finalize_backward`` raise (FSDP2's rule); nothing has
+changed at that point. ``reset_iter_state`` drops it all and invalidates the handle.
+
+Unlike FSDP2 the runtime allows HSDP's partial reductions (``set_requires_all_reduce(False)``)
+here: the finalization is the same end of backward that handles them automatically.
+
 [Note: hooks stay eager under torch.compile]
 The hooks issue collectives, agree the forward order (``overlap.agreement``) in the first step,
 and keep per-step Python state: nothing a graph should capture or guard on. They are wrapped in
@@ -319,11 +344,7 @@ class ShardedModule(FSDPModuleMethods, nn.Module):
         (False)``). As in FSDP2 a micro-batch sequence is then lost, and sharded ``.grad``s set by
         reductions that completed are left as they are (``zero_grad`` clears them). Raises
         RuntimeError on a sharded module that is not the root."""
-        state = self._overlap_state
-        root = state.root
-        if root is not None and root.owner is not state:
-            raise RuntimeError(f"reset_iter_state must be called on the root sharded module (the outermost one), "
-                               f"not on {type(self).__name__} {state.fqn!r}")
+        root = self._root_only("reset_iter_state")
         if root is not None:
             root.reset_iter_state()
 
@@ -361,6 +382,8 @@ class ShardState:
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # False: backward does not gather this group (see set_unshard_in_backward)
         self.is_last_backward = True  # recorded only (see set_is_last_backward)
+        self.manual_backward_finalization = False  # the root's setting: [Note: manual backward finalization]
+        self.accumulating = False  # the last backward passed this group under no_sync: it holds unreduced gradients
         self.root: Optional[_Root] = None
         self.index = -1  # position in the root's state list
         self.sync_grads = True
@@ -400,6 +423,9 @@ class ShardState:
                     root.gather_now(self)
         else:
             if root is None or (root.owner is not self and not root.in_forward):
+                if root is not None and root.awaiting_finalization:  # before this module's states move
+                    root.check_no_gradient_reduction("forward")
+                    root.finish_awaiting()
                 root = _Root(self)  # first forward, or a sub-module run on its own
             if root.owner is self:
                 root.begin_forward()
@@ -559,14 +585,24 @@ class _Root:
     """Per-step state of the outermost sharded module that is running: order, prefetch, reduces."""
 
     def __init__(self, owner: ShardState) -> None:
+        states = sharded_states(owner.module)
+        for state in states:
+            if state is not owner and state.manual_backward_finalization:
+                raise RuntimeError(f"set_manual_backward_finalization must be called on the root sharded module "
+                                   f"(the outermost one), not on {type(state.module).__name__} {state.fqn!r}")
         self.owner = owner
-        self.states = sharded_states(owner.module)
+        self.states = states
         for i, state in enumerate(self.states):
             state.root, state.index = self, i
         self.agreed_order: Optional[list[int]] = None
         self.in_forward = False
         self.in_backward = False
         self.backward_count = 0
+        # [Note: manual backward finalization]: the mode of the backward running or awaiting
+        # finalization (None: none is), whether one awaits it, and an async finalization not waited
+        self._finalization_mode: Optional[bool] = None
+        self.awaiting_finalization = False
+        self.gradient_reduction: Optional[GradientReductionHandle] = None
         self.synced_backward_count = 0  # backward passes that reduced gradients (not all under no_sync)
         self._last_backward_synced = True
         self.forward_seq: list[int] = []  # pre-forward order of this step (state indices)
@@ -698,12 +734,15 @@ class _Root:
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self) -> None:
+        self.check_no_gradient_reduction("forward")
         now = time.perf_counter()
         if self._last_begin is not None:  # the step time the default wait timeout follows
             errors.observe_step(now - self._last_begin)
         self._last_begin = now
         for i, state in enumerate(self.states):  # re-claim states a sub-module run alone took over
             state.root, state.index = self, i
+        if self.awaiting_finalization:
+            self.finish_awaiting()
         if self.in_backward:
             self._finish_step()  # the last backward was cut short
         # A forward since the last backward (grad enabled) continues the step: see [Note: forwards
@@ -1185,6 +1224,10 @@ class _Root:
                 and group.pending_gather is None and not group.single_rank)
 
     def _begin_backward(self) -> None:
+        self.check_no_gradient_reduction("backward")
+        if self.awaiting_finalization:  # a second backward of the same forward (retain_graph)
+            self.finish_awaiting()
+        self._finalization_mode = self.owner.manual_backward_finalization
         self.in_backward = True
         self.backward_count += 1
         self._last_backward_synced = any(s.sync_grads for s in self.states)
@@ -1266,6 +1309,7 @@ class _Root:
         self._done.add(state.index)
         if group is None:
             return
+        state.accumulating = not state.sync_grads
         if state.sync_grads:
             if self.budgeted:
                 self._issue_held_all_reduces()
@@ -1399,10 +1443,27 @@ class _Root:
         return finished
 
     def _end_backward(self) -> None:
-        tail_start = waited = 0.0
+        """Autograd's final callback of a backward: issue the reductions left, in order, then finish
+        the backward (``_finish_backward``), or with manual finalization leave the reductions in
+        flight for ``finalize_backward`` ([Note: manual backward finalization])."""
+        tail_start = 0.0
         if self._choice_pending:
             self._record_backward_edge(None)
             tail_start = time.perf_counter()
+        if self._finalization_mode:
+            with region(self.owner.regions.end_backward), torch.no_grad():
+                self._flush_reduces(final=True)
+                self._issue_held_all_reduces()
+            self.in_backward = self._forward_awaiting_backward = False
+            self.awaiting_finalization = True
+            return
+        self._finish_backward(tail_start)
+
+    def _finish_backward(self, tail_start: float) -> None:
+        """The end of a backward: wait for every reduction, run the epilogues left (the sharded
+        ``.grad``s are set), reshard, and on the recording step choose the schedule; ``tail_start``:
+        where the host's tail began (read on the recording step only)."""
+        waited = 0.0
         with region(self.owner.regions.end_backward), torch.no_grad():
             self._flush_reduces(final=True)
             self._issue_held_all_reduces()
@@ -1459,14 +1520,87 @@ class _Root:
             with region("overlap::deferred_step"):
                 group.run_deferred_reduced_hooks()
 
+    # ------------------------------------------------------------------ manual finalization
+    def check_finalization_mode(self, enabled: bool) -> None:
+        """``set_manual_backward_finalization(enabled)`` on the root: refused where it would change
+        the mode of a backward running or awaiting finalization."""
+        if enabled != self.owner.manual_backward_finalization and (self.in_backward or _autograd_running()):
+            raise RuntimeError("set_manual_backward_finalization cannot change the mode during backward")
+        if self._finalization_mode is not None and enabled != self._finalization_mode:
+            raise RuntimeError("set_manual_backward_finalization cannot change the mode after backward started, "
+                               "until finalize_backward() (or reset_iter_state()) ends that backward")
+
+    def check_no_gradient_reduction(self, what: str) -> None:
+        if self.gradient_reduction is not None:
+            raise RuntimeError(f"the handle finalize_backward(async_op=True) returned must be waited on (wait()) "
+                               f"before {what}")
+
+    def finalize_backward(self, async_op: bool) -> Optional[GradientReductionHandle]:
+        """``finalize_backward`` on the root ([Note: manual backward finalization]): reduce what
+        ``no_sync`` backwards accumulated where gradient sync is on now, then finish the backward
+        (or, ``async_op``, return the handle whose ``wait()`` finishes it)."""
+        self.check_no_gradient_reduction("finalize_backward() again")
+        mode = self._finalization_mode if self._finalization_mode is not None else self.owner.manual_backward_finalization
+        if not mode:
+            raise RuntimeError("finalize_backward requires manual backward finalization: call "
+                               "set_manual_backward_finalization(True) on the root before the backward")
+        if self.in_backward or _autograd_running():
+            raise RuntimeError("finalize_backward must be called after backward completes, not inside it")
+        if self.in_forward or self._forward_awaiting_backward:
+            raise RuntimeError("finalize_backward must not be called between a forward and its backward")
+        tail_start = time.perf_counter() if self._choice_pending else 0.0
+        with region(self.owner.regions.end_backward), torch.no_grad():
+            reduced = self._reduce_accumulated()
+        if not (self.awaiting_finalization or reduced):  # nothing to finish (e.g. a second call)
+            return GradientReductionHandle(None, 0.0) if async_op else None
+        self.awaiting_finalization = False
+        if async_op:
+            self.gradient_reduction = GradientReductionHandle(self, tail_start)
+            return self.gradient_reduction
+        self._resume_end_of_backward(tail_start)
+        return None
+
+    def _reduce_accumulated(self) -> bool:
+        """Issue the reductions of the groups the last backward passed under ``no_sync`` whose
+        gradient sync is on now (their accumulated unsharded gradients), in the last backward's
+        reduction order, then any others in state order; each rank decides from its flags alone,
+        which every rank sets alike. False if there was none."""
+        order = self._reduce_order + [i for i in range(len(self.states)) if i not in self._reduce_order]
+        due = [self.states[i] for i in order if self.states[i].accumulating and self.states[i].sync_grads]
+        for state in due:
+            self._reduce(state)
+        if due:  # what a synced backward would have reduced (the schedule trial counts its steps so)
+            self.synced_backward_count += 1
+            self._last_backward_synced = True
+        return bool(due)
+
+    def finish_awaiting(self) -> None:
+        """A backward awaiting ``finalize_backward`` finished without it (the next forward or
+        backward came first): its reductions are waited and their gradients set, as the automatic
+        end of backward does; nothing accumulated under ``no_sync`` is reduced."""
+        self.awaiting_finalization = False
+        self._resume_end_of_backward(time.perf_counter() if self._choice_pending else 0.0)
+
+    def wait_gradient_reduction(self, handle: GradientReductionHandle, tail_start: float) -> None:
+        if self.gradient_reduction is not handle:
+            raise RuntimeError("this gradient reduction handle was invalidated by reset_iter_state()")
+        self.gradient_reduction = None
+        self._resume_end_of_backward(tail_start)
+
+    def _resume_end_of_backward(self, tail_start: float) -> None:
+        self.in_backward = True  # so _finish_step keeps what the end of a backward keeps
+        self._finish_backward(tail_start)
+
     def reset_iter_state(self) -> None:
         """``ShardedModule.reset_iter_state``: every group resharded and its unreduced gradient
         state discarded, the step forgotten."""
         self._ahead = set()  # resharded too: the next forward gathers what it needs
         self.in_forward = self.in_backward = False
         self._running = []
+        self.gradient_reduction = None  # its handle's wait() raises from now on
         self._finish_step()
         for state in self.states:
+            state.accumulating = False
             if state.group is not None:
                 state.group.discard_unreduced_gradients()
 
@@ -1489,7 +1623,30 @@ class _Root:
         self._reduce_events = []
         self._reduce_inputs = []
         self.in_backward = False
+        self.awaiting_finalization = False
+        self._finalization_mode = None
         self._outstanding = [w for w in self._outstanding if w.pending]
+
+
+def _autograd_running() -> bool:
+    """Is this thread inside an autograd backward (a hook or callback of one)?"""
+    return torch._C._current_graph_task_id() != -1
+
+
+class GradientReductionHandle:
+    """What ``finalize_backward(async_op=True)`` returns: ``wait()`` waits for the reductions, sets
+    the sharded gradients and finishes the backward, once (later calls do nothing). Until then the
+    root refuses forward, backward and another ``finalize_backward``; after ``reset_iter_state()``
+    ``wait()`` raises RuntimeError."""
+
+    def __init__(self, root: Optional[_Root], tail_start: float) -> None:
+        self._root = root
+        self._tail_start = tail_start
+
+    def wait(self) -> None:
+        if self._root is not None:
+            self._root.wait_gradient_reduction(self, self._tail_start)
+            self._root = None
 
 
 def _kept_for_backward(order: list[int], depth: int, owner: int) -> frozenset[int]:

@@ -386,6 +386,10 @@ MATRIX: dict[str, Bad] = {
         lambda e: e.sharded.set_reduce_scatter_max_input_buffers(0), ValueError, "max_input_buffers", "positive int"),
     "FSDPModule set_reduce_scatter_max_input_buffers a bool": Bad(
         lambda e: e.sharded.set_reduce_scatter_max_input_buffers(True), TypeError, "max_input_buffers", "an int"),
+    "FSDPModule set_manual_backward_finalization not a bool": Bad(
+        lambda e: e.sharded.set_manual_backward_finalization(1), ValueError, "enabled", "bool"),
+    "FSDPModule finalize_backward async_op not a bool": Bad(
+        lambda e: e.sharded.finalize_backward(async_op="yes"), ValueError, "async_op", "bool"),
     "FSDPModule set_all_reduce_hook not callable": Bad(
         lambda e: e.sharded.set_all_reduce_hook(0), ValueError, "hook", "callable"),
     "FSDPModule set_all_reduce_hook stream not a stream": Bad(
