@@ -93,6 +93,8 @@ RECIPES = {
                             "allocator of its own: plain buffers)",
     "separate_reduce_group": "set_separate_reduce_scatter_group() on the root (FSDP2: where its torch has it, 2.15)",
     "reduce_input_cap": "set_reduce_scatter_max_input_buffers(1) on the root (FSDP2: where its torch has it, 2.15)",
+    "manual_finalization": "set_manual_backward_finalization(True) on the root; two micro-batches under no_sync, then "
+                           "sync on and finalize_backward() (FSDP2 where its torch has it, 2.15; else no_sync's loop)",
     "foreach": "AdamW(foreach=True)",
     "optimizer_in_backward": "one AdamW per parameter, stepped in its post-accumulate-grad hook",
     "embedding_left_sharded": "the position embedding sharded on its own, set_unshard_in_backward(False)",
@@ -179,6 +181,8 @@ def _build(runtime: str, recipe: str, world: int) -> torch.nn.Module:
             module.set_allocate_memory_from_process_group_for_comm(True)
     if recipe == "separate_reduce_group" and hasattr(model, "set_separate_reduce_scatter_group"):
         model.set_separate_reduce_scatter_group()
+    if recipe == "manual_finalization" and hasattr(model, "set_manual_backward_finalization"):
+        model.set_manual_backward_finalization(True)
     if recipe == "reduce_input_cap" and hasattr(model, "set_reduce_scatter_max_input_buffers"):
         model.set_reduce_scatter_max_input_buffers(1)
     if recipe == "explicit_prefetch":
@@ -215,7 +219,8 @@ def _step(model: Any, opt: torch.optim.Optimizer, runtime: str, recipe: str, ste
             model(batch[:, :-1])
     if recipe == "forward_without_backward":
         model(batch[:, :-1]).sum().item()
-    if recipe == "no_sync":
+    manual = recipe == "manual_finalization" and hasattr(model, "finalize_backward")
+    if recipe in ("no_sync", "manual_finalization"):
         if sharded:
             model.set_requires_gradient_sync(False)
         model.loss(batch.flip(0)).backward()
@@ -230,10 +235,15 @@ def _step(model: Any, opt: torch.optim.Optimizer, runtime: str, recipe: str, ste
         if sharded:
             model.set_requires_all_reduce(True)
     loss = model.loss(batch) + model.loss(batch.flip(0)) if recipe == "two_forwards" else model.loss(batch)
+    if manual:
+        model.set_requires_gradient_sync(False)
     if recipe == "divide_factor" and not sharded:  # the sharded gradients are summed over the ranks
         (loss * world).backward()
     else:
         loss.backward()
+    if manual:  # the sum of both micro-batches, reduced once here
+        model.set_requires_gradient_sync(True)
+        model.finalize_backward()
     if recipe == "no_grad_forward_before_step":
         with torch.no_grad():
             model(batch[:, :-1])
