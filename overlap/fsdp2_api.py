@@ -30,10 +30,12 @@ argument                     here
                              compressed collectives] in ``overlap/compression.py``)
 ===========================  =======================================================================
 
-Every argument is checked before anything changes.
+Every argument is checked before anything changes. ``overlap.register_fsdp_forward_method`` is
+FSDP2's function of that name for these modules (torch's is a no-op on them).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -45,9 +47,10 @@ from torch.distributed.tensor import Shard
 from overlap.compression import Compression, check_compression
 from overlap.mixed_precision import MixedPrecision
 from overlap.optimizer_check import MARK
+from overlap.eager_hooks import eager_hook
 from overlap.sharding import ShardedModule, _cast_floating, _check_options, _shard
 
-__all__ = ["fully_shard"]
+__all__ = ["fully_shard", "register_fsdp_forward_method"]
 
 
 def _mixed_precision(mp_policy: object) -> Optional[MixedPrecision]:
@@ -185,5 +188,42 @@ def fully_shard(
         output_dtype = mp.output_dtype
         for member in modules:
             member.register_forward_hook(lambda _m, _a, out: _cast_floating(out, output_dtype))
+            member._overlap_state.output_cast = output_dtype
     assert all(isinstance(m, ShardedModule) for m in modules)
     return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """FSDP2's ``register_fsdp_forward_method``: ``module.<method_name>(...)`` runs the sharded
+    module's pre-forward and post-forward around it, as a call of ``forward`` does (its parameters
+    gathered and registered unsharded, resharded after, backward hooked, ``output_dtype`` cast where
+    ``fully_shard`` casts ``forward``'s output). For methods that read the module's own parameters
+    without calling ``forward``, such as an encoder's ``encode`` or a generation entry point.
+
+    A no-op on a module that is not sharded, as FSDP2's. torch's own function is a no-op on this
+    runtime's modules (they are not torch ``FSDPModule`` subclasses): import this one from
+    ``overlap`` beside ``fully_shard``. ValueError if ``module`` has no such method."""
+    if not isinstance(module, ShardedModule):
+        return
+    if not isinstance(method_name, str) or not callable(getattr(module, method_name, None)):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    method = getattr(module, method_name)
+    state = module._overlap_state
+    grouped = len(state.modules) > 1
+    pre = eager_hook(state.member_pre_forward if grouped else state.pre_forward)
+    post = eager_hook(state.member_post_forward if grouped else state.post_forward)
+
+    @functools.wraps(method)
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if state.method_running:  # one registered method inside another: the outer one's hooks stand
+            return method(*args, **kwargs)
+        args, kwargs = pre(self, args, kwargs)
+        state.method_running = True  # a forward it calls (generate's) runs inside these hooks
+        try:
+            output = method(*args, **kwargs)
+        finally:
+            state.method_running = False
+        output = post(self, args, output)
+        return output if state.output_cast is None else _cast_floating(output, state.output_cast)
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))

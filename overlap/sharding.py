@@ -382,6 +382,8 @@ class ShardState:
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # False: backward does not gather this group (see set_unshard_in_backward)
         self.is_last_backward = True  # recorded only (see set_is_last_backward)
+        self.output_cast: Optional[torch.dtype] = None  # fully_shard's output_dtype: registered forward methods cast too
+        self.method_running = False  # a registered forward method is running: its own hooks stand for forward's
         self.manual_backward_finalization = False  # the root's setting: [Note: manual backward finalization]
         self.accumulating = False  # the last backward passed this group under no_sync: it holds unreduced gradients
         self.root: Optional[_Root] = None
@@ -413,6 +415,8 @@ class ShardState:
 
     # ------------------------------------------------------------------ hooks
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.method_running:  # forward inside a registered method (generate): the method's hooks ran
+            return self.cast_inputs(args, kwargs)
         if self.group is not None and self.group.on_meta:
             _refuse_meta(module, self.group.on_meta)
         root = self.root
@@ -468,6 +472,8 @@ class ShardState:
         return output
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.method_running:
+            return output
         root = self.root
         assert root is not None
         if root.in_backward:  # recompute: backward reads the parameters next, so no reshard and no hooks
