@@ -206,7 +206,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not isinstance(module, ShardedModule):
         return
     if not isinstance(method_name, str) or not callable(getattr(module, method_name, None)):
-        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+        raise ValueError(f"register_fsdp_forward_method: method_name must name a method of {type(module).__name__}, "
+                         f"got {method_name!r}")
     method = getattr(module, method_name)
     state = module._overlap_state
     grouped = len(state.modules) > 1

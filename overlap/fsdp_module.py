@@ -69,7 +69,8 @@ method                            what it does here
 ``set_manual_backward_finalization``  ``True`` (root): each backward leaves its reductions in flight;
 ``finalize_backward(async_op)``   reduces what ``no_sync`` backwards accumulated where sync is on
                                   again, waits and sets the gradients (``async_op``: a handle's
-                                  ``wait()`` does); a forward first finishes the backward implicitly
+                                  ``wait()`` does); a forward or an optimizer step first finishes
+                                  the backward implicitly
                                   ([Note: manual backward finalization] in ``overlap/sharding.py``)
 ``set_unshard_in_backward``       ``False``: this module's group, resharded after forward, is not
                                   gathered again in backward (nor prefetched there): for parameters
@@ -428,8 +429,9 @@ class FSDPModuleMethods:
         """FSDP2 (torch 2.15), on the root with manual finalization, after the backward passes and
         before the gradients are read: the reductions ``no_sync`` backwards accumulated are issued
         where gradient sync is on now, every reduction is waited for and the sharded ``.grad``s are
-        set. ``async_op=True`` returns a handle whose ``wait()`` does the waiting (forward, backward
-        and another ``finalize_backward`` raise until then). A no-op before the first forward and
+        set. ``async_op=True`` returns a handle whose ``wait()`` does the waiting (forward, backward,
+        another ``finalize_backward`` and an optimizer step over these parameters raise until then).
+        Without the call, the next forward or optimizer step finishes the backward implicitly. A no-op before the first forward and
         when nothing is left to finish."""
         _check_bool("finalize_backward", "async_op", async_op)
         from overlap.sharding import GradientReductionHandle  # sharding imports this module

@@ -10,22 +10,38 @@ parameters at its first step, and again whenever their count changes (``add_para
 raises ``RuntimeError`` before the step runs, naming the replaced parameters and the fix. Between
 those, a step pays one count and one dictionary lookup. A parameter is *replaced* when it carries
 ``overlap.shard``'s mark but is not its group's current sharded parameter.
+
+The same hook first runs what must complete before a step reads gradients (:func:`require_before_step`):
+a root's backward that awaits ``finalize_backward`` ([Note: manual backward finalization] in
+``overlap/sharding.py``). Nothing is registered outside manual finalization: a step pays one
+truth test of an empty dict for it.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["check_optimizer", "install"]
+__all__ = ["check_optimizer", "install", "release_before_step", "require_before_step"]
 
 MARK = "_overlap_sharded_by"
 """Set by ``overlap.shard`` on each parameter it shards and on the DTensor that replaces it."""
 
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _installed = False
+_before_step: dict[int, Callable[[torch.optim.Optimizer], None]] = {}
+
+
+def require_before_step(key: int, finish: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Call ``finish(optimizer)`` before every optimizer step until :func:`release_before_step`
+    (``key``)."""
+    _before_step[key] = finish
+
+
+def release_before_step(key: int) -> None:
+    _before_step.pop(key, None)
 
 
 def install() -> None:
@@ -38,6 +54,9 @@ def install() -> None:
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     check_optimizer(optimizer)
+    if _before_step:
+        for finish in list(_before_step.values()):
+            finish(optimizer)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:

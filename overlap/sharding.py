@@ -150,13 +150,14 @@ under ``no_sync``, then sync on and finalize" reduces the sum once, as FSDP2's p
 post-backwards do. That sum is bitwise what a last synced backward would have reduced: autograd
 accumulated it into the same unsharded gradients.
 
-Where a rank must not stall, nothing waits for a call that may never come. A forward (or a second
-backward) that comes first finishes the awaiting backward implicitly: the reductions in flight are
-waited for and their gradients set. Reductions are issued only by the explicit call, so an
+Where a rank must not stall, nothing waits for a call that may never come. A forward, a second
+backward, or an optimizer step over the root's parameters (the global step pre-hook of
+``overlap/optimizer_check.py``) that comes first finishes the awaiting backward implicitly: the
+reductions in flight are waited for and their gradients set. Reductions are issued only by the explicit call, so an
 implicit finish never adds a collective. Every rank runs the same program, so the implicit point
 is the same on every rank. ``async_op=True`` returns a handle whose ``wait()`` finishes. Until
-then, forward, backward and another ``finalize_backward`` raise (FSDP2's rule); nothing has
-changed at that point. ``reset_iter_state`` drops it all and invalidates the handle.
+then, forward, backward and another ``finalize_backward`` raise (FSDP2's rule), and so does an
+optimizer step over the root's parameters; nothing has changed at that point. ``reset_iter_state`` drops it all and invalidates the handle.
 
 Unlike FSDP2 the runtime allows HSDP's partial reductions (``set_requires_all_reduce(False)``)
 here: the finalization is the same end of backward that handles them automatically.
@@ -1462,6 +1463,7 @@ class _Root:
                 self._issue_held_all_reduces()
             self.in_backward = self._forward_awaiting_backward = False
             self.awaiting_finalization = True
+            optimizer_check.require_before_step(id(self), self._finish_before_step)
             return
         self._finish_backward(tail_start)
 
@@ -1562,6 +1564,7 @@ class _Root:
         self.awaiting_finalization = False
         if async_op:
             self.gradient_reduction = GradientReductionHandle(self, tail_start)
+            optimizer_check.require_before_step(id(self), self._finish_before_step)  # a step before wait() raises
             return self.gradient_reduction
         self._resume_end_of_backward(tail_start)
         return None
@@ -1587,6 +1590,17 @@ class _Root:
         self.awaiting_finalization = False
         self._resume_end_of_backward(time.perf_counter() if self._choice_pending else 0.0)
 
+    def _finish_before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before a step of ``optimizer`` over some of this root's parameters: a backward awaiting
+        finalization is finished implicitly, as by the next forward; an async handle not waited
+        for raises (its gradients are not there yet)."""
+        owned = {id(p) for state in self.states if state.group is not None for p in state.group.sharded}
+        if not any(id(p) in owned for group in optimizer.param_groups for p in group["params"]):
+            return
+        self.check_no_gradient_reduction("the optimizer step")
+        if self.awaiting_finalization:
+            self.finish_awaiting()
+
     def wait_gradient_reduction(self, handle: GradientReductionHandle, tail_start: float) -> None:
         if self.gradient_reduction is not handle:
             raise RuntimeError("this gradient reduction handle was invalidated by reset_iter_state()")
@@ -1604,6 +1618,7 @@ class _Root:
         self.in_forward = self.in_backward = False
         self._running = []
         self.gradient_reduction = None  # its handle's wait() raises from now on
+        optimizer_check.release_before_step(id(self))
         self._finish_step()
         for state in self.states:
             state.accumulating = False
@@ -1631,6 +1646,7 @@ class _Root:
         self.in_backward = False
         self.awaiting_finalization = False
         self._finalization_mode = None
+        optimizer_check.release_before_step(id(self))
         self._outstanding = [w for w in self._outstanding if w.pending]
 
 

@@ -189,5 +189,5 @@ def test_registration_is_a_no_op_on_a_plain_module_and_names_a_missing_method(si
     overlap.register_fsdp_forward_method(plain, "encode")
     assert plain.encode == encode  # unchanged: a bound method equal to the original
     sharded = overlap.fully_shard(Encoder(), mesh=init_device_mesh("cpu", (1,)))
-    with pytest.raises(ValueError, match="no method 'decode'"):
+    with pytest.raises(ValueError, match="method_name must name a method of ShardedEncoder, got 'decode'"):
         overlap.register_fsdp_forward_method(sharded, "decode")

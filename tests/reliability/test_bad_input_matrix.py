@@ -386,6 +386,9 @@ MATRIX: dict[str, Bad] = {
         lambda e: e.sharded.set_reduce_scatter_max_input_buffers(0), ValueError, "max_input_buffers", "positive int"),
     "FSDPModule set_reduce_scatter_max_input_buffers a bool": Bad(
         lambda e: e.sharded.set_reduce_scatter_max_input_buffers(True), TypeError, "max_input_buffers", "an int"),
+    "register_fsdp_forward_method no such method": Bad(
+        lambda e: overlap.register_fsdp_forward_method(e.sharded, "no_such_method"), ValueError, "method_name",
+        "a method of"),
     "FSDPModule set_manual_backward_finalization not a bool": Bad(
         lambda e: e.sharded.set_manual_backward_finalization(1), ValueError, "enabled", "bool"),
     "FSDPModule finalize_backward async_op not a bool": Bad(

@@ -11,7 +11,8 @@ manual loop too where its torch has the method, 2.15):
   which reduces the sum once (automatic: the second micro-batch synced);
 - ``forgotten``: two synced micro-batches, ``finalize_backward()`` only after the second: the next
   forward finishes the first implicitly (automatic: two synced backwards accumulating);
-- ``async``: ``finalize_backward(async_op=True)``, forward refused until ``wait()``.
+- ``async``: ``finalize_backward(async_op=True)``, forward refused until ``wait()``;
+- ``step_first``: no ``finalize_backward()`` at all: the optimizer step finishes the backward first.
 
 Behind a slow emulated link the reductions are still in flight when ``backward()`` returns and some
 sharded gradient is still unset; ``finalize_backward()`` sets them all. The rules (root only, the
@@ -26,6 +27,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import overlap
@@ -34,7 +36,7 @@ from models import SEED, TinyLM, local_batch, make_batch, make_optimizer
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
 
 STEPS = 2
-LOOPS = ("finalize", "accumulate", "forgotten", "async")
+LOOPS = ("finalize", "accumulate", "forgotten", "async", "step_first")
 SLOW_LINK = (0.005, 100.0)  # Gbit/s, µs: a block's reduce-scatter (~20 KB) takes ~30 ms, its backward ~1 ms
 
 
@@ -70,7 +72,7 @@ def _train(model: TinyLM, rank: int, world: int, loop: str, manual: bool) -> dic
     losses = []
     refused = []
     for step in range(STEPS):
-        if loop in ("finalize", "async"):
+        if loop in ("finalize", "async", "step_first"):
             losses.append(_micro(model, rank, world, step))
         elif loop == "accumulate":
             for micro in range(2):
@@ -87,7 +89,7 @@ def _train(model: TinyLM, rank: int, world: int, loop: str, manual: bool) -> dic
             except RuntimeError as e:
                 refused.append("wait" in str(e))
             handle.wait()
-        elif manual:
+        elif manual and loop != "step_first":
             model.finalize_backward()
         opt.step()
         opt.zero_grad()
@@ -102,7 +104,7 @@ def _loops(rank: int, world: int) -> dict[str, Any]:
         for manual in (False, True):
             out[f"{loop}/overlap/{manual}"] = _train(_model("overlap", world, manual), rank, world, loop, manual)
         out[f"{loop}/fsdp2/False"] = _train(_model("fsdp2", world, False), rank, world, loop, False)
-        if _fsdp2_has_manual_finalization() and loop != "forgotten":  # FSDP2 has no implicit finish
+        if _fsdp2_has_manual_finalization() and loop not in ("forgotten", "step_first"):  # no implicit finish there
             out[f"{loop}/fsdp2/True"] = _train(_model("fsdp2", world, True), rank, world, loop, True)
     return out
 
@@ -151,6 +153,13 @@ def _raises(fn: Callable[[], Any], *words: str) -> bool:
     return False
 
 
+def _steps(opt: torch.optim.Optimizer) -> bool:
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return True
+
+
 def _rules(rank: int, world: int) -> dict[str, bool]:
     torch.set_num_threads(1)
     model = _model("overlap", world, manual=False)
@@ -180,6 +189,9 @@ def _rules(rank: int, world: int) -> dict[str, bool]:
     model.loss(batch).backward()
     handle = model.finalize_backward(async_op=True)
     got["no second finalize before wait"] = _raises(lambda: model.finalize_backward(), "wait")
+    opt = make_optimizer(model.parameters())
+    got["no optimizer step before wait"] = _raises(opt.step, "wait", "optimizer step")
+    got["an unrelated optimizer steps"] = _steps(make_optimizer(nn.Linear(2, 2).parameters()))
     model.reset_iter_state()
     got["reset invalidates the handle"] = _raises(handle.wait, "invalidated")
     model.loss(batch).backward()  # training goes on
