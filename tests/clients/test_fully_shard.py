@@ -123,6 +123,27 @@ def _accumulation(runtime: str, client: Client, env: Env) -> dict[str, Any]:
     return {"grads_present": grads_present, "params": full_parameters(model)}
 
 
+def _manual_accumulation(runtime: str, client: Client, env: Env) -> dict[str, Any]:
+    """The accumulation above under torch 2.15's manual backward finalization: every micro-batch
+    under ``no_sync`` keeping the unsharded parameters, then sync and resharding on again and
+    ``finalize_backward()``, which reduces the accumulated sum once."""
+    model = build(client)
+    apply_fsdp(fully_shard_of(runtime), model, env.mesh, torch.float32, torch.float32)
+    model.set_manual_backward_finalization(True)
+    opt = make_optimizer(model.parameters())
+    for step in range(2):
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        for micro in range(MICRO_BATCHES):
+            client.loss(model, env.local(client, 2 * step + micro)).backward()
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+        model.finalize_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"params": full_parameters(model)}
+
+
 def _manual_prefetch(runtime: str, client: Client, env: Env) -> dict[str, Any]:
     """FSDP2's explicit-prefetch recipe: each module prefetches the next two in forward and the
     previous two in backward, the root is unsharded before forward, and one block is gathered by
@@ -280,6 +301,8 @@ def _rank_checks(rank: int, world: int) -> dict[str, Any]:
         for dtype in (torch.float32, torch.bfloat16):
             checks.run(f"{runtime}/titan/{dtype}", _titan, runtime, client, env, dtype)
         checks.run(f"{runtime}/accumulation", _accumulation, runtime, client, env)
+        if runtime == "overlap" or hasattr(torch.distributed.fsdp.FSDPModule, "finalize_backward"):  # 2.15
+            checks.run(f"{runtime}/manual_accumulation", _manual_accumulation, runtime, client, env)
         checks.run(f"{runtime}/prefetch", _manual_prefetch, runtime, client, env)
         checks.run(f"{runtime}/ignored", _ignored, runtime, client, env)
         checks.run(f"{runtime}/divide_factor", _divide_factor, runtime, client, env)
@@ -319,6 +342,16 @@ def test_gradient_accumulation_matches_fsdp2(runs) -> None:
     assert {t for _, t in ours[0]["grads_present"][0]} == {"Parameter"}
     assert {t for _, t in ours[0]["grads_present"][MICRO_BATCHES - 1]} == {"DTensor"}
     assert all(g for step in ours[0]["grads_present"] for g, _ in step)
+
+
+def test_manual_finalization_accumulates_as_fsdp2_accumulates(runs) -> None:
+    """Bitwise FSDP2's automatic accumulation (and FSDP2's own manual loop where its torch has it):
+    the same sum reduced once."""
+    automatic = outcome(runs, "fsdp2/accumulation")
+    for name in ("overlap/manual_accumulation", "fsdp2/manual_accumulation"):
+        if any(name in r["values"] or name in r["errors"] for r in runs):
+            for want, got in zip(automatic, outcome(runs, name)):
+                assert set(max_abs_diff(got["params"], want["params"]).values()) == {0.0}, name
 
 
 def test_manual_prefetch_matches_fsdp2(runs) -> None:
