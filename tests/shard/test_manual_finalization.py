@@ -19,7 +19,8 @@ sharded gradient is still unset; ``finalize_backward()`` sets them all. The rule
 mode fixed per backward, not inside backward nor between a forward and its backward, a handle
 invalidated by ``reset_iter_state``) on 2 ranks too. On 4 ranks, HSDP's partial reductions
 (``set_requires_all_reduce(False)``), which FSDP2 refuses under manual finalization, bitwise the
-automatic loop.
+automatic loop. And ``overlap.shard``'s own schedule (``prefetch="auto"``) with the optimizer
+stepped in backward, the demo's setting, behind a link: bitwise the automatic loop.
 """
 from __future__ import annotations
 
@@ -244,6 +245,38 @@ def test_hsdp_partial_reductions_under_manual_finalization(distributed) -> None:
     """Beyond FSDP2 (which refuses it): the partial sum a micro-batch without the replica all-reduce
     keeps is added by the next one, finalized or not. Fails if finalize_backward drops or repeats it."""
     for rank, res in enumerate(distributed(_hsdp_partial, 4)):
+        assert torch.equal(res[True]["losses"], res[False]["losses"]), rank
+        for name, value in res[False]["params"].items():
+            assert torch.equal(res[True]["params"][name], value), (rank, name)
+
+
+def _in_backward_steps(rank: int, world: int) -> dict[bool, dict[str, Any]]:
+    """``overlap.shard`` with ``prefetch="auto"`` (its choice, trial, gather-ahead and deferred steps,
+    whichever the timing picks) and the optimizer stepped in backward, the demo's setting."""
+    torch.set_num_threads(1)
+    out = {}
+    for manual in (False, True):
+        torch.manual_seed(SEED)
+        model = TinyLM(layers=4)
+        for module in (*model.blocks, model):
+            overlap.shard(module)
+        model.set_manual_backward_finalization(manual)
+        opt = overlap.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-2, foreach=False)
+        losses = []
+        for step in range(8):
+            losses.append(_micro(model, rank, world, step))
+            if manual:
+                model.finalize_backward()
+            opt.step()
+        out[manual] = {"losses": torch.stack(losses),
+                       "params": {n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+    return out
+
+
+def test_manual_finalization_with_the_optimizer_in_backward_and_the_chosen_schedule(distributed) -> None:
+    """The steps the epilogues run, the deferred ones and the next step's gathers issued at the end of
+    backward all move into finalize_backward; fails if one is lost or runs twice."""
+    for rank, res in enumerate(distributed(_in_backward_steps, 2, link=(1.0, 50.0))):
         assert torch.equal(res[True]["losses"], res[False]["losses"]), rank
         for name, value in res[False]["params"].items():
             assert torch.equal(res[True]["params"][name], value), (rank, name)
