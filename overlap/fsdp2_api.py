@@ -19,6 +19,8 @@ argument                     here
                              placement raises NotImplementedError naming the parameter
 ``mp_policy``                torch's ``MixedPrecisionPolicy`` (or ``overlap.MixedPrecision``);
                              ``output_dtype`` casts every sharded module's output, as in FSDP2;
+                             ``reduce_dtype=None`` means what it means to the installed torch's
+                             FSDP2 (from 2.15: the parameters' dtype, not ``param_dtype``);
                              torch 2.15's ``param_dtype_override_fn`` raises NotImplementedError
 ``offload_policy``           the default ``OffloadPolicy()`` only; ``CPUOffloadPolicy`` raises
                              NotImplementedError (use torch's fully_shard for CPU offload)
@@ -35,6 +37,7 @@ FSDP2's function of that name for these modules (torch's is a no-op on them).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Optional, Union
 
@@ -47,6 +50,7 @@ from torch.distributed.tensor import Shard
 from overlap.compression import Compression, check_compression
 from overlap.mixed_precision import MixedPrecision
 from overlap.optimizer_check import MARK
+from scheduler.torch_versions import TORCH_VERSION
 from overlap.eager_hooks import eager_hook
 from overlap.sharding import ShardedModule, _cast_floating, _check_options, _shard
 
@@ -68,6 +72,23 @@ def _mixed_precision(mp_policy: object) -> Optional[MixedPrecision]:
                                   "own group with their own mp_policy")
     return MixedPrecision(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
                           output_dtype=mp_policy.output_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs)
+
+
+def _gradient_dtype_default(mp: Optional[MixedPrecision], mp_policy: object, modules: list[nn.Module],
+                            ignored: frozenset[int]) -> Optional[MixedPrecision]:
+    """torch 2.15 changed what torch's ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=None)``
+    reduces in: before, ``param_dtype``; from 2.15, the parameters' own dtypes (their
+    ``grad_dtype``), promoted over the group, e.g. float32 for float32 parameters computed in
+    bfloat16. ``overlap.MixedPrecision`` keeps the first meaning; under torch 2.15 a torch policy
+    gets the second, the promoted dtype of the parameters this call shards as ``reduce_dtype``."""
+    if (TORCH_VERSION < (2, 15) or mp is None or mp.param_dtype is None or mp.reduce_dtype is not None
+            or isinstance(mp_policy, MixedPrecision)):
+        return mp
+    dtypes = {p.dtype for m in modules for p in m.parameters()
+              if p.is_floating_point() and id(p) not in ignored and not hasattr(p, MARK)}
+    if not dtypes:
+        return mp
+    return dataclasses.replace(mp, reduce_dtype=functools.reduce(torch.promote_types, dtypes))
 
 
 def _check_offload(offload_policy: object) -> None:
@@ -176,6 +197,7 @@ def fully_shard(
         raise TypeError(f"fully_shard: ignored_params must be None or a set of parameters, got "
                         f"{type(ignored_params).__name__}")
     ignored = frozenset(id(p) for p in ignored_params or ())
+    mp = _gradient_dtype_default(mp, mp_policy, modules, ignored)
     reshard = _reshard_after_forward(reshard_after_forward, mesh)
     for member in modules:
         _check_options(member, mp, reshard, prefetch, max_inflight_bytes, caller="fully_shard")

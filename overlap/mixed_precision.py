@@ -17,7 +17,9 @@ class MixedPrecision:
       floating-point forward inputs are cast to it). Sharded parameters (the optimizer's master
       copy) keep their dtype.
     * ``reduce_dtype``: the reduce-scatter of gradients (defaults to ``param_dtype``); the reduced
-      shard is cast back to the sharded parameter's dtype on the way out.
+      shard is cast back to the sharded parameter's dtype on the way out. Where it is wider than
+      ``param_dtype``, micro-batches under ``no_sync`` also accumulate their gradients in it, as
+      FSDP2's do.
     * ``output_dtype``: floating-point outputs of the root module are cast to it.
     * ``cast_forward_inputs``: cast floating-point forward inputs to ``param_dtype`` (FSDP2's
       ``MixedPrecisionPolicy.cast_forward_inputs``); off, the module gets its inputs as they are.

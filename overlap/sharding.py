@@ -217,6 +217,7 @@ from overlap.streams import comm_stream
 from scheduler import schedule_trial
 from scheduler.schedule_trial import Plan, ScheduleDecision, Verdict
 from scheduler.step_floor import StepFloor, step_floor
+from scheduler.torch_versions import TORCH_VERSION
 
 __all__ = ["shard", "no_sync", "no_overlap", "prefetch_next_step", "ShardedModule", "sharded_states"]
 
@@ -1240,6 +1241,10 @@ class _Root:
         self._last_backward_synced = any(s.sync_grads for s in self.states)
         if self._last_backward_synced:
             self.synced_backward_count += 1
+        if ACCUMULATION_CASTS_FIRST and not all(s.sync_grads for s in self.states):
+            for state in self.states:
+                if not state.sync_grads and state.group is not None:
+                    state.group.prepare_accumulation()
         self._reset_backward()
         # A module's parameters are first needed in backward where its last forward use ended, and
         # its gradients are complete where its first forward use began.
@@ -1317,7 +1322,9 @@ class _Root:
         if group is None:
             return
         state.accumulating = not state.sync_grads
-        if state.sync_grads:
+        if not state.sync_grads:
+            group.upcast_accumulated_grads()  # [Note: accumulating in the reduce dtype]
+        else:
             if self.budgeted:
                 self._issue_held_all_reduces()
             with region(state.regions.reduce_scatter):
@@ -1716,6 +1723,10 @@ def _low_median_per_entry(per_rank: list[list[float]]) -> list[float]:
     rank measured, the smaller middle one of an even count (noise only ever adds time)."""
     return [statistics.median_low(entry) for entry in zip(*per_rank)]
 
+
+ACCUMULATION_CASTS_FIRST = TORCH_VERSION >= (2, 15)
+"""FSDP2 from torch 2.15 accumulates a ``no_sync`` micro-batch's gradients in ``reduce_dtype`` from
+their first contribution on (``ParamGroup.prepare_accumulation``); before, it upcasts their sum."""
 
 SIMPLE_PLAN: Plan = (1, None)
 """The simple schedule ``prefetch="auto"``'s choice must beat: depth 1, nothing gathered ahead (FSDP2's
