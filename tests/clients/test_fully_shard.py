@@ -104,10 +104,12 @@ def _titan(runtime: str, client: Client, env: Env, dtype: torch.dtype) -> dict[s
     return {"losses": losses, "norms": norms, "params": full_parameters(model)}
 
 
-def _accumulation(runtime: str, client: Client, env: Env) -> dict[str, Any]:
-    """Two optimizer steps of MICRO_BATCHES micro-batches each, FSDP2's accumulation pattern."""
+def _accumulation(runtime: str, client: Client, env: Env, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Two optimizer steps of MICRO_BATCHES micro-batches each, FSDP2's accumulation pattern;
+    ``dtype``: the parameters' compute dtype (bf16: the micro-batches accumulate in the float32
+    reduce dtype, [Note: accumulating in the reduce dtype])."""
     model = build(client)
-    apply_fsdp(fully_shard_of(runtime), model, env.mesh, torch.float32, torch.float32)
+    apply_fsdp(fully_shard_of(runtime), model, env.mesh, dtype, torch.float32)
     opt = make_optimizer(model.parameters())
     grads_present = []
     for step in range(2):
@@ -301,6 +303,7 @@ def _rank_checks(rank: int, world: int) -> dict[str, Any]:
         for dtype in (torch.float32, torch.bfloat16):
             checks.run(f"{runtime}/titan/{dtype}", _titan, runtime, client, env, dtype)
         checks.run(f"{runtime}/accumulation", _accumulation, runtime, client, env)
+        checks.run(f"{runtime}/accumulation_bf16", _accumulation, runtime, client, env, torch.bfloat16)
         if runtime == "overlap" or hasattr(torch.distributed.fsdp.FSDPModule, "finalize_backward"):  # 2.15
             checks.run(f"{runtime}/manual_accumulation", _manual_accumulation, runtime, client, env)
         checks.run(f"{runtime}/prefetch", _manual_prefetch, runtime, client, env)
@@ -341,6 +344,16 @@ def test_gradient_accumulation_matches_fsdp2(runs) -> None:
     # unsharded gradients (FSDP2 and here); after the synced one, the sharded DTensors and theirs.
     assert {t for _, t in ours[0]["grads_present"][0]} == {"Parameter"}
     assert {t for _, t in ours[0]["grads_present"][MICRO_BATCHES - 1]} == {"DTensor"}
+    assert all(g for step in ours[0]["grads_present"] for g, _ in step)
+
+
+def test_gradient_accumulation_in_bf16_matches_fsdp2(runs) -> None:
+    """The parameters, bitwise. (Between micro-batches FSDP2 before torch 2.15 keeps the float32
+    sum in an accumulator of its own and leaves the unsharded ``.grad`` None; from 2.15 it keeps it
+    in ``.grad``, as this runtime does on every version.)"""
+    fsdp2, ours = _side_by_side(runs, "accumulation_bf16")
+    for want, got in zip(fsdp2, ours):
+        assert set(max_abs_diff(got["params"], want["params"]).values()) == {0.0}
     assert all(g for step in ours[0]["grads_present"] for g, _ in step)
 
 
