@@ -153,11 +153,15 @@ accumulated it into the same unsharded gradients.
 Where a rank must not stall, nothing waits for a call that may never come. A forward, a second
 backward, or an optimizer step over the root's parameters (the global step pre-hook of
 ``overlap/optimizer_check.py``) that comes first finishes the awaiting backward implicitly: the
-reductions in flight are waited for and their gradients set. Reductions are issued only by the explicit call, so an
-implicit finish never adds a collective. Every rank runs the same program, so the implicit point
-is the same on every rank. ``async_op=True`` returns a handle whose ``wait()`` finishes. Until
-then, forward, backward and another ``finalize_backward`` raise (FSDP2's rule), and so does an
-optimizer step over the root's parameters; nothing has changed at that point. ``reset_iter_state`` drops it all and invalidates the handle.
+reductions in flight are waited for and their gradients set. Reductions are issued only by the
+explicit call, so an implicit finish never adds a collective. Every rank runs the same program, so
+the implicit point is the same on every rank. FSDP2 finishes nothing implicitly: a forgotten call
+there leaves the gradients unreduced.
+
+``async_op=True`` returns a handle whose ``wait()`` finishes. Until then, forward, backward and
+another ``finalize_backward`` raise (FSDP2's rule), and so does an optimizer step over the root's
+parameters; nothing has changed at that point. ``reset_iter_state`` drops it all and invalidates
+the handle.
 
 Unlike FSDP2 the runtime allows HSDP's partial reductions (``set_requires_all_reduce(False)``)
 here: the finalization is the same end of backward that handles them automatically.
@@ -384,7 +388,7 @@ class ShardState:
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # False: backward does not gather this group (see set_unshard_in_backward)
         self.is_last_backward = True  # recorded only (see set_is_last_backward)
-        self.output_cast: Optional[torch.dtype] = None  # fully_shard's output_dtype: registered forward methods cast too
+        self.output_cast: Optional[torch.dtype] = None  # fully_shard's output_dtype (registered methods cast too)
         self.method_running = False  # a registered forward method is running: its own hooks stand for forward's
         self.manual_backward_finalization = False  # the root's setting: [Note: manual backward finalization]
         self.accumulating = False  # the last backward passed this group under no_sync: it holds unreduced gradients
@@ -1555,8 +1559,8 @@ class _Root:
         ``no_sync`` backwards accumulated where gradient sync is on now, then finish the backward
         (or, ``async_op``, return the handle whose ``wait()`` finishes it)."""
         self.check_no_gradient_reduction("finalize_backward() again")
-        mode = self._finalization_mode if self._finalization_mode is not None else self.owner.manual_backward_finalization
-        if not mode:
+        mode = self._finalization_mode
+        if not (self.owner.manual_backward_finalization if mode is None else mode):
             raise RuntimeError("finalize_backward requires manual backward finalization: call "
                                "set_manual_backward_finalization(True) on the root before the backward")
         if self.in_backward or _autograd_running():
@@ -1591,8 +1595,8 @@ class _Root:
         return bool(due)
 
     def finish_awaiting(self) -> None:
-        """A backward awaiting ``finalize_backward`` finished without it (the next forward or
-        backward came first): its reductions are waited and their gradients set, as the automatic
+        """A backward awaiting ``finalize_backward`` finished without it (the next forward, backward
+        or optimizer step came first): its reductions are waited and their gradients set, as the automatic
         end of backward does; nothing accumulated under ``no_sync`` is reduced."""
         self.awaiting_finalization = False
         self._resume_end_of_backward(time.perf_counter() if self._choice_pending else 0.0)
@@ -1665,8 +1669,8 @@ def _autograd_running() -> bool:
 class GradientReductionHandle:
     """What ``finalize_backward(async_op=True)`` returns: ``wait()`` waits for the reductions, sets
     the sharded gradients and finishes the backward, once (later calls do nothing). Until then the
-    root refuses forward, backward and another ``finalize_backward``; after ``reset_iter_state()``
-    ``wait()`` raises RuntimeError."""
+    root refuses forward, backward, another ``finalize_backward`` and an optimizer step over its
+    parameters; after ``reset_iter_state()`` ``wait()`` raises RuntimeError."""
 
     def __init__(self, root: Optional[_Root], tail_start: float) -> None:
         self._root = root
