@@ -49,10 +49,10 @@ from torch.distributed.tensor import Shard
 
 from overlap.compression import Compression, check_compression
 from overlap.mixed_precision import MixedPrecision
-from overlap.optimizer_check import MARK
-from scheduler.torch_versions import TORCH_VERSION
 from overlap.eager_hooks import eager_hook
+from overlap.optimizer_check import MARK
 from overlap.sharding import ShardedModule, _cast_floating, _check_options, _shard
+from scheduler.torch_versions import TORCH_VERSION
 
 __all__ = ["fully_shard", "register_fsdp_forward_method"]
 
@@ -85,7 +85,7 @@ def _gradient_dtype_default(mp: Optional[MixedPrecision], mp_policy: object, mod
             or isinstance(mp_policy, MixedPrecision)):
         return mp
     dtypes = {p.dtype for m in modules for p in m.parameters()
-              if p.is_floating_point() and id(p) not in ignored and not hasattr(p, MARK)}
+              if p.is_floating_point() and id(p) not in ignored and getattr(p, MARK, None) is None}
     if not dtypes:
         return mp
     return dataclasses.replace(mp, reduce_dtype=functools.reduce(torch.promote_types, dtypes))

@@ -431,8 +431,8 @@ class FSDPModuleMethods:
         where gradient sync is on now, every reduction is waited for and the sharded ``.grad``s are
         set. ``async_op=True`` returns a handle whose ``wait()`` does the waiting (forward, backward,
         another ``finalize_backward`` and an optimizer step over these parameters raise until then).
-        Without the call, the next forward or optimizer step finishes the backward implicitly. A no-op before the first forward and
-        when nothing is left to finish."""
+        Without the call, the next forward or optimizer step finishes the backward implicitly. A
+        no-op before the first forward and when nothing is left to finish."""
         _check_bool("finalize_backward", "async_op", async_op)
         from overlap.sharding import GradientReductionHandle  # sharding imports this module
 

@@ -328,12 +328,13 @@ class ParamGroup:
         parameters share one storage]); None while they alias the shards or are not made yet."""
         self._owned_shards = prepared_launch.OwnedLists()
         self._owned_grads = prepared_launch.OwnedLists()
-        self._upcast: dict[int, torch.dtype] = {}
-        """Unsharded parameters whose gradient ``upcast_accumulated_grads`` widened, and the
-        ``grad_dtype`` each had before ([Note: accumulating in the reduce dtype])."""
         """The copy-ins' prepared launches over the shards and over the unsharded gradients, which this
         group owns ([Note: lists the runtime owns] in ``overlap_kernels.prepared_launch``): forgotten when
         the shards are re-read (``_read_dtypes``)."""
+        self._upcast: dict[int, torch.dtype] = {}
+        """Unsharded parameters whose ``grad_dtype`` ``upcast_accumulated_grads`` or
+        ``prepare_accumulation`` changed, and the one each had before ([Note: accumulating in the
+        reduce dtype])."""
         self._read_dtypes()
         self.is_unsharded = False
         self.pending_gather: Optional[PendingGather] = None
@@ -951,16 +952,10 @@ class ParamGroup:
                     continue
                 if grad.dtype == wide:  # made so by prepare_accumulation: later ones arrive in theirs
                     if i in self._upcast and u.grad_dtype is not None:
-                        u.grad = None
-                        u.grad_dtype = None
-                        u.grad = grad
-                    continue
-                if not _narrower(grad.dtype, wide):
-                    continue
-                self._upcast.setdefault(i, u.grad_dtype)
-                u.grad = None  # (grad_dtype changes only without a gradient)
-                u.grad_dtype = None  # any dtype: the next ones arrive in theirs and add into this one
-                u.grad = grad.to(wide)
+                        _set_grad_accepting_any(u, grad)
+                elif _narrower(grad.dtype, wide):
+                    self._upcast.setdefault(i, u.grad_dtype)
+                    _set_grad_accepting_any(u, grad.to(wide))
 
     def prepare_accumulation(self) -> None:
         """torch 2.15 and later, before a backward under ``no_sync``: each parameter with no
@@ -1729,12 +1724,22 @@ def _post_scaled(summed: torch.Tensor, pending: PendingReduce) -> torch.Tensor:
     return summed if pending.post_scale is None else summed * as_float32(pending.post_scale)
 
 
+def _set_grad_accepting_any(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad = grad`` with ``grad_dtype`` None (any dtype): the next gradients arrive in their
+    own dtype and ``AccumulateGrad`` adds them into ``grad`` in place. (``grad_dtype`` changes only
+    while there is no gradient.)"""
+    param.grad = None
+    param.grad_dtype = None
+    param.grad = grad
+
+
 @functools.cache
 def _narrower(dtype: torch.dtype, wide: torch.dtype) -> bool:
     """Is floating ``dtype`` narrower than ``wide``, which holds every value of it?"""
     return dtype.is_floating_point and dtype != wide and torch.promote_types(dtype, wide) == wide
 
 
+@functools.cache
 def _widens_exactly(source: torch.dtype, target: torch.dtype) -> bool:
     """Does casting ``source`` to ``target`` keep every value (a no-op, or a float widening such as
     bf16 or fp16 to fp32)? Then a cast through ``target`` may be skipped."""

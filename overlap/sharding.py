@@ -1605,8 +1605,9 @@ class _Root:
         """Before a step of ``optimizer`` over some of this root's parameters: a backward awaiting
         finalization is finished implicitly, as by the next forward; an async handle not waited
         for raises (its gradients are not there yet)."""
-        owned = {id(p) for state in self.states if state.group is not None for p in state.group.sharded}
-        if not any(id(p) in owned for group in optimizer.param_groups for p in group["params"]):
+        groups = {state.group for state in self.states if state.group is not None}
+        if not any(getattr(p, optimizer_check.MARK, None) in groups
+                   for group in optimizer.param_groups for p in group["params"]):
             return
         self.check_no_gradient_reduction("the optimizer step")
         if self.awaiting_finalization:

@@ -365,6 +365,13 @@ def fsdp2_losses(rank: int, world_size: int, steps: int = STEPS, mp_bf16: bool =
         return train_ranks(fsdp2_model(world_size, mp_bf16), rank, world_size, steps)
 
 
+def run_of(losses: Sequence[torch.Tensor], model: nn.Module) -> dict:
+    """A training run as :func:`assert_same_run` compares it: the losses stacked, and each (sharded)
+    parameter's local tensor, a copy, by name."""
+    return {"losses": torch.stack(list(losses)),
+            "params": {n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+
+
 def assert_same_run(a: dict, b: dict, what: object = None) -> None:
     """Two training runs ended bitwise alike: their ``"losses"`` tensors and every tensor of their
     ``"params"`` dicts (by name, ``a``'s names) are ``torch.equal``; ``what`` names the run in the

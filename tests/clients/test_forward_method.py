@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import overlap
-from models import SEED
+from models import SEED, assert_same_run, run_of
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
 
@@ -144,9 +144,7 @@ def _run(rank: int, world: int, runtime: str) -> dict[str, Any]:
         out["generate_gathers"] = issued[0] - before
     finally:
         setattr(dist, DIST_ALL_GATHER, gather)
-    out["losses"] = torch.stack(losses)
-    out["gathers"] = gathers
-    out["params"] = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    out.update(run_of(losses, model), gathers=gathers)
     out["sharded_after"] = all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -170,9 +168,7 @@ def test_a_registered_method_runs_as_forward_does_bitwise_fsdp2(distributed) -> 
     for rank, res in enumerate(distributed(_rank, 2)):
         ours, fsdp2 = res["overlap"], res["fsdp2"]
         assert ours["unregistered"] != "ran" and fsdp2["unregistered"] != "ran", rank
-        assert torch.equal(ours["losses"], fsdp2["losses"]), rank
-        for name, value in fsdp2["params"].items():
-            assert torch.equal(ours["params"][name], value), (rank, name)
+        assert_same_run(fsdp2, ours, rank)
         # from step 2 on (the first also agrees the forward order across the ranks: one all-gather more)
         assert all(a <= b for a, b in zip(ours["gathers"][1:], fsdp2["gathers"][1:])), (ours["gathers"], fsdp2["gathers"])
         for got, want in zip(ours["generated"], fsdp2["generated"]):

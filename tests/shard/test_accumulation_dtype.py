@@ -20,7 +20,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import overlap
-from models import SEED, TinyLM, local_batch, make_batch, make_optimizer
+from models import SEED, TinyLM, assert_same_run, local_batch, make_batch, make_optimizer, run_of
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
 
@@ -50,8 +50,7 @@ def _train(runtime: str, rank: int, world: int, reduce_dtype: Optional[torch.dty
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    return {"losses": torch.stack(losses),
-            "params": {n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+    return run_of(losses, model)
 
 
 def _rank(rank: int, world: int) -> dict[str, Any]:
@@ -71,6 +70,4 @@ def test_accumulation_under_mixed_precision_is_bitwise_fsdp2(distributed, world:
             for accumulate in (True, False):
                 ours, theirs = res[("overlap", reduce_dtype, accumulate)], res[("fsdp2", reduce_dtype, accumulate)]
                 what = (rank, reduce_dtype, accumulate)
-                assert torch.equal(ours["losses"], theirs["losses"]), what
-                for name, value in theirs["params"].items():
-                    assert torch.equal(ours["params"][name], value), (*what, name)
+                assert_same_run(theirs, ours, what)

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import overlap
-from models import SEED, TinyLM, local_batch, make_batch, make_optimizer
+from models import SEED, TinyLM, assert_same_run, local_batch, make_batch, make_optimizer, run_of
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
 
@@ -94,8 +94,7 @@ def _train(model: TinyLM, rank: int, world: int, loop: str, manual: bool) -> dic
             model.finalize_backward()
         opt.step()
         opt.zero_grad()
-    return {"losses": torch.stack(losses), "refused": refused,
-            "params": {n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+    return {**run_of(losses, model), "refused": refused}
 
 
 def _loops(rank: int, world: int) -> dict[str, Any]:
@@ -122,9 +121,7 @@ def test_manual_finalization_trains_bitwise_as_the_automatic_loop_and_fsdp2(dist
             for other in (f"{loop}/overlap/True", f"{loop}/fsdp2/False", f"{loop}/fsdp2/True"):
                 if other not in res:
                     continue
-                assert torch.equal(res[other]["losses"], automatic["losses"]), (rank, other)
-                for name, value in automatic["params"].items():
-                    assert torch.equal(res[other]["params"][name], value), (rank, other, name)
+                assert_same_run(automatic, res[other], (rank, other))
         assert res["async/overlap/True"]["refused"] == [True] * STEPS, rank
 
 
@@ -236,8 +233,7 @@ def _hsdp_partial(rank: int, world: int) -> dict[bool, dict[str, Any]]:
                     model.finalize_backward()
             opt.step()
             opt.zero_grad()
-        out[manual] = {"losses": torch.stack(losses),
-                       "params": {n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+        out[manual] = run_of(losses, model)
     return out
 
 
@@ -245,9 +241,7 @@ def test_hsdp_partial_reductions_under_manual_finalization(distributed) -> None:
     """Beyond FSDP2 (which refuses it): the partial sum a micro-batch without the replica all-reduce
     keeps is added by the next one, finalized or not. Fails if finalize_backward drops or repeats it."""
     for rank, res in enumerate(distributed(_hsdp_partial, 4)):
-        assert torch.equal(res[True]["losses"], res[False]["losses"]), rank
-        for name, value in res[False]["params"].items():
-            assert torch.equal(res[True]["params"][name], value), (rank, name)
+        assert_same_run(res[False], res[True], rank)
 
 
 def _in_backward_steps(rank: int, world: int) -> dict[bool, dict[str, Any]]:
@@ -268,8 +262,7 @@ def _in_backward_steps(rank: int, world: int) -> dict[bool, dict[str, Any]]:
             if manual:
                 model.finalize_backward()
             opt.step()
-        out[manual] = {"losses": torch.stack(losses),
-                       "params": {n: p.to_local().detach().clone() for n, p in model.named_parameters()}}
+        out[manual] = run_of(losses, model)
     return out
 
 
@@ -277,6 +270,4 @@ def test_manual_finalization_with_the_optimizer_in_backward_and_the_chosen_sched
     """The steps the epilogues run, the deferred ones and the next step's gathers issued at the end of
     backward all move into finalize_backward; fails if one is lost or runs twice."""
     for rank, res in enumerate(distributed(_in_backward_steps, 2, link=(1.0, 50.0))):
-        assert torch.equal(res[True]["losses"], res[False]["losses"]), rank
-        for name, value in res[False]["params"].items():
-            assert torch.equal(res[True]["params"][name], value), (rank, name)
+        assert_same_run(res[False], res[True], rank)
