@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -46,3 +46,11 @@ class MixedPrecision:
     @property
     def effective_reduce_dtype(self) -> Optional[torch.dtype]:
         return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+    def torch_policy(self) -> Any:
+        """The same policy as torch's ``MixedPrecisionPolicy`` (what FSDP2's all-gather extension,
+        ``fsdp_pre_all_gather``, is passed): ``reduce_dtype`` as the one the reductions use."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.effective_reduce_dtype,
+                                    output_dtype=self.output_dtype, cast_forward_inputs=self.cast_forward_inputs)

@@ -164,6 +164,8 @@ from overlap import finite_check
 from overlap.collectives import all_gather_into, all_reduce_into, quantized_reduce_into, reduce_scatter_into
 from overlap.compression import Compression
 from overlap import gradient_error
+from overlap.gather_extension import (ExtensionParams, PendingExtensionGather, has_extension,
+                                      contiguous_strides as _contiguous_strides)
 from overlap.groups import GroupInfo
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
@@ -184,10 +186,19 @@ class ParamLocation:
 
 @dataclasses.dataclass
 class PendingGather:
-    """An issued all-gather: its work (None at world size 1) and the buffer it fills."""
+    """An issued all-gather: its work (None at world size 1) and the buffer it fills, and the
+    extension parameters' all-gather beside it ([Note: all-gather extensions] in
+    ``overlap/gather_extension.py``)."""
 
     work: Optional[InflightWork]
     ag_output: torch.Tensor
+    extension: Optional[PendingExtensionGather] = None
+
+    @property
+    def works(self) -> tuple[InflightWork, ...]:
+        """The collectives in flight for it."""
+        extension = self.extension.work if self.extension is not None else None
+        return tuple(w for w in (self.work, extension) if w is not None)
 
 
 @dataclasses.dataclass
@@ -312,6 +323,21 @@ class ParamGroup:
         self._spmd_meshes: dict[int, DeviceMesh] = {}
         data = [_local(p) for p in params]  # what this group shards: a TP parameter's local tensor
         self.layout = ShardLayout([tuple(t.shape) for t in data], info.size)
+        extension_indices = tuple(i for i, t in enumerate(data) if has_extension(t))
+        self.extension: Optional[ExtensionParams] = None if not extension_indices else ExtensionParams(
+            extension_indices, [self.layout.shapes[i] for i in extension_indices],
+            [self.layout.rows_per_rank[i] for i in extension_indices], [self.fqns[i] for i in extension_indices],
+            [locations[i][0].module for i in extension_indices])
+        """The parameters with FSDP2's all-gather extension, gathered apart ([Note: all-gather
+        extensions] in ``overlap/gather_extension.py``); None: there are none."""
+        self.packed_indices = tuple(i for i in range(len(data)) if i not in extension_indices)
+        """The parameters whose values the fused copy-in packs: all but the extension ones."""
+        self.gather_layout: Optional[ShardLayout] = (
+            self.layout if not extension_indices
+            else ShardLayout([self.layout.shapes[i] for i in self.packed_indices], info.size) if self.packed_indices
+            else None)
+        """The fused all-gather's layout: ``layout`` over ``packed_indices``; None when none are packed."""
+        self._extension_made: list[torch.Tensor] = []  # the first extension gather's unsharded tensors
         self.mp = mp
         self.regions = ModuleRegions.named("")  # renamed by overlap.shard once the module's fqn is known
         self._on_grad_ready = on_grad_ready
@@ -370,7 +396,10 @@ class ParamGroup:
         """This rank's rows of ``full`` (a plain parameter, or a tensor-parallel parameter's local
         tensor) as a sharded DTensor parameter (see [Note: sharded parameters are DTensors]); works
         on the meta device."""
-        local, placement = self.own_rows(full.detach()).clone(), (Shard(0) if full.dim() else Replicate())
+        # An extension's tensor subclass keeps its type through slicing and clone, not through detach
+        # (the caller runs under no_grad).
+        source = full if has_extension(full) else full.detach()
+        local, placement = self.own_rows(source).clone(), (Shard(0) if full.dim() else Replicate())
         if tp_spec is None:
             mesh = self.mesh
             tp_placements: tuple[Placement, ...] = ()
@@ -560,18 +589,23 @@ class ParamGroup:
         if self.unsharded is None:
             self.unsharded = []
             self._unsharded_storage = None
-            if not self.aliases_shards:  # views of one storage: [Note: unsharded parameters share one storage]
-                dtypes = [self._unsharded_dtype(i) for i in range(len(self.sharded))]
-                placement = PackedPlacement.of(self.layout.shapes, dtypes)
+            packed = self.packed_indices
+            views: dict[int, torch.Tensor] = {}
+            if not self.aliases_shards and packed:  # views of one storage: [Note: unsharded parameters share one storage]
+                dtypes = [self._unsharded_dtype(i) for i in packed]
+                placement = PackedPlacement.of([self.layout.shapes[i] for i in packed], dtypes)
                 storage = torch.UntypedStorage(placement.nbytes, device=self.sharded[0]._local_tensor.device)
-                views = placement.views(storage)
+                views = dict(zip(packed, placement.views(storage)))
                 # The same memory again, with one version counter of its own: what a gather writes.
                 whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (placement.nbytes,))
                 self._unsharded_fill = tuple(placement.shared_views(whole))
                 storage.resize_(0)
                 self._unsharded_storage = (storage, placement)
+            made = dict(zip(self.extension.indices, self._extension_made)) if self.extension is not None else {}
+            self._extension_made = []
             for i, shape in enumerate(self.layout.shapes):
-                data = self.local_rows(i).detach().view(shape) if self.aliases_shards else views[i]
+                data = (made[i] if i in made else self.local_rows(i).detach().view(shape) if self.aliases_shards
+                        else views[i])
                 tp_spec = self.tp_specs[i]
                 if tp_spec is not None:  # the module sees the DTensor tensor parallelism made
                     data = tp_dtensor(data, tp_spec)
@@ -647,7 +681,12 @@ class ParamGroup:
         qlayout = self._gather_qlayout
         if qlayout is not None:
             return qlayout.buffer_bytes
-        return self.layout.buffer_numel * self.gather_dtype.itemsize
+        layout = self.gather_layout
+        packed = layout.buffer_numel * self.gather_dtype.itemsize if layout is not None else 0
+        if self.extension is None:
+            return packed
+        return packed + self.world_size * self.extension.bytes_per_rank(
+            [self.layout.numels[i] for i in self.extension.indices], self.gather_dtype.itemsize)
 
     def issue_gather(self) -> None:
         """Pack the shards and start the all-gather (no-op if gathered or already in flight, and at
@@ -655,21 +694,64 @@ class ParamGroup:
         if self.is_unsharded or self.pending_gather is not None or self.single_rank:
             return
         with _copy_in_stream(self.sharded[0]._local_tensor.device):  # type: ignore[attr-defined]
+            extension = self._issue_extension_gather() if self.extension is not None else None
+            layout = self.gather_layout
+            if layout is None:  # every parameter is an extension one
+                self.pending_gather = PendingGather(None, torch.empty(0), extension)
+                self._gathered_versions = self._shard_versions()
+                return
             with region(self.regions.all_gather_copy_in), _NoGrad():
                 shards = self.shard_rows()
+                dtypes = self.orig_dtypes
+                if self.extension is not None:
+                    shards, dtypes = [shards[i] for i in self.packed_indices], tuple(dtypes[i] for i in self.packed_indices)
                 qlayout = self._gather_qlayout
                 if qlayout is not None:
                     ag_input, ag_output = _quantized_copy_in(shards, qlayout, self.rank)
                 else:  # the shards' own dtypes handed over: no read per shard
                     allocator = self.custom_all_gather or self.process_group_allocator
                     out = (None if allocator is None
-                           else _comm_buffer(allocator, self.layout.buffer_numel, self.gather_dtype, shards[0].device))
-                    ag_input, ag_output = _all_gather_copy_in(shards, self.layout, self.rank, self.gather_dtype,
-                                                              self.orig_dtypes, owned=self._owned_shards, out=out)
+                           else _comm_buffer(allocator, layout.buffer_numel, self.gather_dtype, shards[0].device))
+                    ag_input, ag_output = _all_gather_copy_in(shards, layout, self.rank, self.gather_dtype,
+                                                              dtypes, owned=self._owned_shards, out=out)
             work = (all_gather_into(ag_output, ag_input, self.info, self.where, self.custom_all_gather)
                     if self.world_size > 1 else None)
-        self.pending_gather = PendingGather(work, ag_output)
+        self.pending_gather = PendingGather(work, ag_output, extension)
         self._gathered_versions = self._shard_versions()
+
+    def _issue_extension_gather(self) -> PendingExtensionGather:
+        """Run the extension parameters' pre-all-gathers, pack their inputs and issue their
+        all-gather (nothing travels at world size 1) ([Note: all-gather extensions] in
+        ``overlap/gather_extension.py``)."""
+        extension = self.extension
+        assert extension is not None
+        with region(self.regions.all_gather_copy_in), _NoGrad():
+            locals_ = [self.sharded[i]._local_tensor for i in extension.indices]
+            ag_input, ag_output, inputs, metadata, slot_bytes = extension.pack(
+                locals_, self.rank, self.world_size, self._shard_mesh(), self.mp.torch_policy())
+        work = (all_gather_into(ag_output, ag_input, self.info, self.where, self.custom_all_gather)
+                if self.world_size > 1 else None)
+        return PendingExtensionGather(work, ag_output, inputs, metadata, slot_bytes)
+
+    def _finish_extension_gather(self, pending: PendingExtensionGather) -> None:
+        """Unpack the extension parameters' all-gather (waited for) into their all-gather outputs and
+        run their post-all-gathers: the first gather makes their unsharded tensors (kept for
+        ``_unsharded_params``), later ones refill them."""
+        extension = self.extension
+        assert extension is not None
+        locals_ = [self.sharded[i]._local_tensor for i in extension.indices]
+        dtypes = [self._unsharded_dtype(i) for i in extension.indices]
+        with region(self.regions.all_gather_copy_out), _NoGrad():
+            made = extension.unpack(pending, self.world_size, locals_, dtypes, self.unsharded)
+        if self.unsharded is None:
+            self._extension_made = made
+
+    def _shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh the shards are spread over (HSDP: the 2-D mesh's shard dim)."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        names = self.mesh.mesh_dim_names
+        return self.mesh[names[1]] if names else DeviceMesh.from_group(self.info.pg, self.mesh.device_type)
 
     def shard_rows(self) -> list[torch.Tensor]:
         """``local_rows`` of every parameter, in order: one C-level pass (0-dim ones fixed up after)."""
@@ -719,19 +801,27 @@ class ParamGroup:
         (see ``_unsharded_params``)."""
         if self.is_unsharded:
             return
-        if self.aliases_shards:
-            self._unsharded_params(follow_requires_grad)
-            self.is_unsharded = True
-            return
-        if self.casts_shards:
-            self._cast_into_unsharded(follow_requires_grad)
+        if self.single_rank:
+            if self.extension is not None:  # nothing travels; the extension's two halves still run
+                self._finish_extension_gather(self._issue_extension_gather())
+            if self.aliases_shards:
+                self._unsharded_params(follow_requires_grad)
+                self.is_unsharded = True
+            else:
+                self._cast_into_unsharded(follow_requires_grad)
             return
         if self.stale_gather():
             self.pending_gather = None  # dropped unwaited, as reshard() drops an unused prefetch
         self.issue_gather()
         pending, self.pending_gather = self.pending_gather, None
         assert pending is not None
+        if pending.extension is not None:
+            _wait_then(pending.extension.work, lambda: self._finish_extension_gather(pending.extension))
         self._unsharded_params(follow_requires_grad)
+        layout = self.gather_layout
+        if layout is None:
+            self.is_unsharded = True
+            return
         outs = self._unsharded_fill  # [Note: a gather bumps no version counter]
 
         def copy_out() -> None:
@@ -741,7 +831,7 @@ class ParamGroup:
                 if qlayout is not None:
                     self._quantized_copy_out(pending.ag_output, qlayout, outs)
                 else:
-                    _all_gather_copy_out(pending.ag_output, self.layout, outs, packed=self._unsharded_storage,
+                    _all_gather_copy_out(pending.ag_output, layout, outs, packed=self._unsharded_storage,
                                          versions=outs[:1])  # one counter for all
 
         _wait_then(pending.work, copy_out)
@@ -765,10 +855,14 @@ class ParamGroup:
         """World size 1 with a cast: one ``_foreach_copy_`` (cast) of the shards into the unsharded
         parameters, which is what packing then unpacking would give, without the flat buffer."""
         self._unsharded_params(follow_requires_grad)
-        with region(self.regions.all_gather_copy_in), _NoGrad():
-            self._allocate_unsharded_storage()
-            # [Note: a gather bumps no version counter]
-            torch._foreach_copy_(self._unsharded_fill, list(map(_LOCAL, self.sharded)))  # type: ignore[attr-defined]
+        if self._unsharded_storage is not None:  # None: every parameter is an extension one
+            with region(self.regions.all_gather_copy_in), _NoGrad():
+                self._allocate_unsharded_storage()
+                shards = list(map(_LOCAL, self.sharded))
+                if self.extension is not None:
+                    shards = [shards[i] for i in self.packed_indices]
+                # [Note: a gather bumps no version counter]
+                torch._foreach_copy_(self._unsharded_fill, shards)  # type: ignore[attr-defined]
         self.is_unsharded = True
 
     def _allocate_unsharded_storage(self) -> None:
@@ -785,8 +879,11 @@ class ParamGroup:
         self.pending_gather = None
         if self.is_unsharded:
             assert self.unsharded is not None
-            if not self.aliases_shards and not self.keep_unsharded_storage:  # aliased: the shards' storage
-                self._unsharded_storage[0].resize_(0)
+            if not self.keep_unsharded_storage:
+                if self._unsharded_storage is not None:  # None: aliased (the shards' storage) or none packed
+                    self._unsharded_storage[0].resize_(0)
+                if self.extension is not None:
+                    self.extension.free()
             self.is_unsharded = False
 
     # ------------------------------------------------------------------ reduce-scatter
@@ -1861,14 +1958,6 @@ def _wait_then(work: Optional[InflightWork], copy_out: Callable[[], None]) -> No
         copy_out()
     else:
         work.wait(then=copy_out)
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def widest_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:

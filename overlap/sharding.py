@@ -211,6 +211,7 @@ from overlap.finite_check import NonFiniteError
 from overlap.fsdp_module import FSDPModuleMethods
 from overlap.groups import GroupInfo, device_mesh_for, resolve_group
 from overlap.inflight_work import InflightWork
+from overlap.gather_extension import check_extension, has_extension
 from overlap.compression import Compression, check_compression
 from overlap.mixed_precision import MixedPrecision
 from overlap.param_group import ParamGroup, ParamLocation, PendingReduce
@@ -704,7 +705,8 @@ class _Root:
         with held:
             group.issue_gather()
         assert group.pending_gather is not None
-        self._track(group.pending_gather.work)
+        for work in group.pending_gather.works:
+            self._track(work)
 
     def prefetch_next_step(self) -> bool:
         """Issue the all-gathers the next forward needs first (see [Note: prefetching across the step
@@ -819,8 +821,8 @@ class _Root:
             self._gather(state)  # packing and issue: the host's
             issued = time.perf_counter()
             pending = state.group.pending_gather
-            if pending is not None and pending.work is not None:
-                pending.work.synchronize()  # the link's (latency and transfer)
+            for work in pending.works if pending is not None else ():
+                work.synchronize()  # the link's (latency and transfer)
             landed = time.perf_counter()
             self.gather_now(state)  # the copy-out: the host's
             packing = (issued - now) + (time.perf_counter() - landed)
@@ -1943,7 +1945,7 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
     if len(devices) > 1:
         where = {str(p.device): locs[0].fqn for p, locs in zip(params, locations)}
         raise ValueError(f"shard: {type(module).__name__} has parameters on several devices ({where}); move them to one")
-    _check_no_all_gather_extension(module, params, locations, caller)
+    _check_all_gather_extensions(params, locations, caller, compress)
     # A module with no parameters of its own (a root over sharded children) has no device to agree
     # with: the mesh or the backend decides, as for parameters on the meta device.
     device = next(iter(devices), torch.device("meta"))
@@ -2000,22 +2002,15 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
     return module
 
 
-def _check_no_all_gather_extension(module: nn.Module, params: list[nn.Parameter],
-                                   locations: list[list[ParamLocation]], caller: str) -> None:
-    """Refuse, before anything changes, a parameter (or a tensor-parallel parameter's local tensor)
-    defining FSDP2's all-gather extension, ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: a
-    tensor subclass that chooses what travels and builds the unsharded parameter from it (torchao's
-    float8 weights, which gather float8 bytes, and NF4 weights, which gather their packed codes and
-    scales). The runtime packs a shard's values, so it would gather the subclass's high-precision view
-    instead and give back a plain tensor: another computation, silently."""
+def _check_all_gather_extensions(params: list[nn.Parameter], locations: list[list[ParamLocation]], caller: str,
+                                 compress: Optional[Compression]) -> None:
+    """Refuse, before anything changes, a parameter defining FSDP2's all-gather extension that the
+    runtime cannot run (see [Note: all-gather extensions] in ``overlap/gather_extension.py``)."""
+    compressed = compress is not None and compress.any
     for p, locs in zip(params, locations):
         local = p._local_tensor if isinstance(p, DTensor) else p
-        if hasattr(local, "fsdp_pre_all_gather"):
-            raise NotImplementedError(
-                f"{caller}: parameter {locs[0].fqn!r} of {type(module).__name__} is a {type(local).__name__}, which "
-                "defines FSDP2's all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather, as torchao's "
-                "float8 and NF4 weights do); overlap gathers the values and cannot run it: shard such modules "
-                "with torch.distributed.fsdp.fully_shard, or make the parameter a plain tensor")
+        if has_extension(local):
+            check_extension(local, locs[0].fqn, caller, tensor_parallel=isinstance(p, DTensor), compressed=compressed)
 
 
 def _check_compressible(module: nn.Module, params: list[nn.Parameter], locations: list[list[ParamLocation]],

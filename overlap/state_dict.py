@@ -53,7 +53,11 @@ def _groups_between_steps(module: nn.Module, caller: str) -> list[ParamGroup]:
 
 def _gather_full(group: ParamGroup) -> list[torch.Tensor]:
     """The group's full parameters in their original dtypes (bitwise: gathered in a dtype that holds
-    them), with one fused all-gather for the whole group."""
+    them), with one fused all-gather for the whole group. A group with all-gather extension
+    parameters goes through DTensor, as torch's state-dict utilities do: the subclass says what its
+    full value is."""
+    if group.extension is not None:
+        return [p.full_tensor() for p in group.sharded]
     ag_input, ag_output = overlap_kernels.all_gather_copy_in(
         group.shard_rows(), group.layout, group.rank, widest_dtype(group.orig_dtypes))
     if group.world_size > 1:

@@ -139,7 +139,7 @@ def _int_param_module() -> nn.Module:
 
 class _GatheredAsBf16(torch.Tensor):
     """A tensor subclass with FSDP2's all-gather extension (torchao's float8 and NF4 weights have
-    one): it would gather its values as bf16 and build the unsharded parameter from them."""
+    one): it gathers its values as bf16 and builds the unsharded parameter from them."""
 
     def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], None]:
         return (self.to(bf16),), None
@@ -149,9 +149,23 @@ class _GatheredAsBf16(torch.Tensor):
         return None if out is not None else (outputs[0].to(param_dtype), outputs)
 
 
-def _extension_param_module() -> nn.Module:
+class _PreAllGatherOnly(torch.Tensor):
+    """Half of FSDP2's all-gather extension: no ``fsdp_post_all_gather``."""
+
+    def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], None]:
+        return (self.to(bf16),), None
+
+
+class _TwoArgumentPreAllGather(_GatheredAsBf16):
+    """An ``fsdp_pre_all_gather`` of neither signature FSDP2 knows (1 or 5 arguments)."""
+
+    def fsdp_pre_all_gather(self, mesh: Any, module: Any) -> tuple[tuple[torch.Tensor, ...], None]:  # type: ignore[override]
+        return (self.to(bf16),), None
+
+
+def _extension_param_module(kind: type = _GatheredAsBf16) -> nn.Module:
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    model[0].weight = nn.Parameter(model[0].weight.detach().as_subclass(_GatheredAsBf16))
+    model[0].weight = nn.Parameter(model[0].weight.detach().as_subclass(kind))
     return model
 
 
@@ -397,12 +411,15 @@ MATRIX: dict[str, Bad] = {
         lambda e: e.sharded.set_all_reduce_hook(0), ValueError, "hook", "callable"),
     "FSDPModule set_all_reduce_hook stream not a stream": Bad(
         lambda e: e.sharded.set_all_reduce_hook(print, stream=0), ValueError, "stream", "torch.cuda.Stream or None"),
-    "fully_shard a parameter with FSDP2's all-gather extension": Bad(
-        lambda e: overlap.fully_shard(_extension_param_module()), NotImplementedError, "'0.weight'",
-        "torch.distributed.fsdp.fully_shard"),
-    "shard a parameter with FSDP2's all-gather extension": Bad(
-        lambda e: overlap.shard(_extension_param_module()), NotImplementedError, "'0.weight'",
-        "torch.distributed.fsdp.fully_shard"),
+    "fully_shard a parameter with half of FSDP2's all-gather extension": Bad(
+        lambda e: overlap.fully_shard(_extension_param_module(_PreAllGatherOnly)), TypeError, "'0.weight'",
+        "fsdp_post_all_gather"),
+    "shard a parameter whose fsdp_pre_all_gather takes neither signature": Bad(
+        lambda e: overlap.shard(_extension_param_module(_TwoArgumentPreAllGather)), TypeError, "'0.weight'",
+        "(mesh, orig_size, contiguous_orig_stride, module, mp_policy)"),
+    "shard compress= over a parameter with FSDP2's all-gather extension": Bad(
+        lambda e: overlap.shard(_extension_param_module(), compress=overlap.Compression(gather="int8")), ValueError,
+        "compress", "compress=None"),
     "FSDPModule set_reduce_scatter_unused_params not a bool": Bad(
         lambda e: e.sharded.set_reduce_scatter_unused_params(None), ValueError, "reduce_scatter_unused_params", "bool"),
     "FSDPModule set_unshard_in_backward not a bool": Bad(
