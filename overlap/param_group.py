@@ -396,10 +396,7 @@ class ParamGroup:
         """This rank's rows of ``full`` (a plain parameter, or a tensor-parallel parameter's local
         tensor) as a sharded DTensor parameter (see [Note: sharded parameters are DTensors]); works
         on the meta device."""
-        # An extension's tensor subclass keeps its type through slicing and clone, not through detach
-        # (the caller runs under no_grad).
-        source = full if has_extension(full) else full.detach()
-        local, placement = self.own_rows(source).clone(), (Shard(0) if full.dim() else Replicate())
+        local, placement = self._own_rows_copy(full), (Shard(0) if full.dim() else Replicate())
         if tp_spec is None:
             mesh = self.mesh
             tp_placements: tuple[Placement, ...] = ()
@@ -412,6 +409,21 @@ class ParamGroup:
         placements = (placement,) if self.replicate is None else (Replicate(), placement)
         spec = DTensorSpec(mesh, placements + tp_placements, tensor_meta=meta)
         return nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=requires_grad)
+
+    def _own_rows_copy(self, full: torch.Tensor) -> torch.Tensor:
+        """A copy of this rank's rows of ``full``. An all-gather extension's subclass is cut and
+        copied as FSDP2 does it: ``torch.chunk`` (the same rows: the sharding rule is chunk's), then
+        ``new_zeros`` and ``copy_``, which such subclasses implement to keep what the whole tensor
+        carries (torchao's NF4 weights keep the full tensor's quantization metadata that way, where
+        ``clone`` quantizes the rows anew and a slice may be refused); never detached (that may drop
+        the subclass; the caller runs under no_grad)."""
+        if not has_extension(full):
+            return self.own_rows(full.detach()).clone()
+        chunks = torch.chunk(full, self.world_size, dim=0)
+        rows = chunks[self.rank] if self.rank < len(chunks) else full.narrow(0, full.shape[0], 0)
+        local = full.new_zeros(rows.shape)
+        local.copy_(rows)
+        return local
 
     def own_rows(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``full`` (a parameter's full tensor, or a tensor-parallel one's local
@@ -547,9 +559,8 @@ class ParamGroup:
         return indices
 
     def grads_complete(self) -> bool:
-        """Has every parameter that requires a gradient got one in this step (``grads_ready``)?
-        Fewer gradients than the forward's gather made the unsharded parameters require is a
-        "no" without reading a flag.
+        """Has every parameter of the group got its gradient in this step (``grads_ready``)? A group
+        with a parameter that needs none (frozen) is never complete by this count.
 
         [Note: counting a group's gradients]
         Autograd calls each unsharded parameter's post-accumulate-grad hook once its gradient is in,
@@ -558,22 +569,25 @@ class ParamGroup:
         CI box) cost more than the hook itself, before every gradient but a group's last. The gather
         that made the unsharded parameters (the forward's, ``_unsharded_params``) counted the ones
         it made require a gradient (``_grads_needed``): those are the gradients autograd produces.
-        Fewer ready than that is not complete. From there the shards' flags decide, as before: a
-        shard frozen after its forward's gather makes its group wait for that gradient too (autograd
-        still produces it), where the flags alone would have let the group be reduced before it
-        arrived; either way the reduction order is the same fixed one, on every rank. With one
+        Fewer ready than that is not complete, nor is fewer than the group's parameters: a frozen
+        parameter's uses in backward (the input gradient of LoRA's frozen base weight, read after the
+        adapters' gradients are in) leave no trace in the count, and reducing the group there
+        resharded, freeing a weight backward was about to read. Such a group is complete when
+        backward has passed its module's forward calls, or at the end of backward, as FSDP2's
+        post-backward (on the module's inputs) is. Either way the reduction order is the same fixed
+        one, on every rank. With one
         data-parallel rank the parameter's hook (``_grad_hook``) compares the count itself and
         returns before calling into the runtime at all: nothing is complete, and no collective of
         the group is in flight to poll for (a group over several ranks calls every time: each
         gradient is a poll point for the reductions in flight, [Note: hybrid sharding]).
         """
-        ready = self.grads_ready
-        count = len(ready)
-        if count < self._grads_needed:  # the usual call before the last: no read of the shards
-            return False
-        if count == len(self.sharded):  # the usual last call: every one has
-            return True
-        return all(map(ready.__contains__, self.requires_grad_indices))
+        count = len(self.grads_ready)
+        # Fewer than every parameter: either one still to come, or one that needs none. A frozen
+        # parameter (LoRA's base weight) is still read by backward for its input's gradient after
+        # the others' gradients are in, so the count cannot say the group's backward is done: the
+        # passed forward calls, or the end of backward, do ([Note: a group is reduced when its
+        # backward is done] in ``overlap/sharding.py``).
+        return count == len(self.sharded)
 
     def _unsharded_dtype(self, index: int) -> torch.dtype:
         dtype = self.orig_dtypes[index]

@@ -33,8 +33,10 @@ delays a collective, it never reorders or skips one.
 
 [Note: a group is reduced when its backward is done]
 A group's reduce-scatter may go out once its gradients are complete, and the reduce-scatters of
-all groups go out in one fixed order (above). Two signals say "complete": every parameter that
-needs a gradient got one (counted in the parameters' post-accumulate hooks), or backward has passed
+all groups go out in one fixed order (above). Two signals say "complete": every parameter of the
+group got its gradient (counted in the parameters' post-accumulate hooks; never for a group with a
+frozen parameter, whose input gradient backward may still compute from it: [Note: counting a
+group's gradients] in ``overlap/param_group.py``), or backward has passed
 every forward call of the module this step (hooks on the gradients of the call's inputs; the engine
 runs a tensor's gradient hooks only after all its consumers ran, and it accumulates a parameter's
 gradient as soon as the op that makes it has run). The second one fires on every rank at the same

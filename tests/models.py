@@ -365,6 +365,23 @@ def fsdp2_losses(rank: int, world_size: int, steps: int = STEPS, mp_bf16: bool =
         return train_ranks(fsdp2_model(world_size, mp_bf16), rank, world_size, steps)
 
 
+def train_unfrozen(model: nn.Module, rank: int, width: int, steps: int, dtype: torch.dtype = torch.float32,
+                   lr: float = 1e-2) -> list[torch.Tensor]:
+    """Train the parameters of ``model`` that require a gradient (frozen ones stay out of the
+    optimizer, as adapters are trained) with AdamW for ``steps`` steps, on 8 random rows of ``width``
+    per step and rank in ``dtype``, loss the mean square of the output in float32; the losses."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(8, width, generator=torch.Generator().manual_seed(100 * step + rank)).to(dtype)
+        loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def run_of(losses: Sequence[torch.Tensor], model: nn.Module) -> dict:
     """A training run as :func:`assert_same_run` compares it: the losses stacked, and each (sharded)
     parameter's local tensor, a copy, by name."""

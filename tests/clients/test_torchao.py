@@ -1,0 +1,148 @@
+"""torchao's float8 training and its NF4 weights (QLoRA) under ``overlap.fully_shard``, side by side
+with FSDP2: the clients of FSDP2's all-gather extension ([Note: all-gather extensions] in
+``overlap/gather_extension.py``).
+
+``torchao.float8.convert_to_float8_training(..., Float8LinearConfig(enable_fsdp_float8_all_gather=True))``
+makes each linear's weight a ``WeightWithDynamicFloat8CastTensor``: its ``fsdp_pre_all_gather`` casts
+the shard to float8 with a scale agreed over the shard group (an all-reduce of the amax, inside the
+pre-all-gather), the all-gather moves float8 bytes, and ``fsdp_post_all_gather`` wraps them as the
+``Float8TrainingTensor`` the float8 linear multiplies with; a re-gather refills the same bytes and
+sets the new scale through ``out=``. torchtitan's float8 recipe is this, with
+``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step (one all-reduce for every
+weight's scale instead of one per weight).
+
+torchtune's QLoRA recipe is the other: each frozen base weight an ``NF4Tensor`` (4-bit codes with
+double-quantized block scales; its all-gather moves the codes and both scale tensors, three inputs),
+trainable bf16 LoRA adapters beside it, sharded by ``torch.chunk`` (NF4 implements that cut, not
+every slice).
+
+On 2 gloo ranks (torchao's float8 linear and NF4 run on the CPU too), 3 AdamW steps, resharded after
+forward: a 2-block float8 MLP with and without precomputed scales, and a 2-block QLoRA MLP: losses
+and parameters bitwise FSDP2's, and the weights' local tensors stay torchao's subclasses. Skipped
+without torchao (the test extra installs it).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import overlap
+from models import SEED, assert_same_run, run_of, train_unfrozen
+
+float8 = pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install -e '.[test]' installs it)")
+
+pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
+
+STEPS = 3
+WIDTH = 32  # float8 matmuls want multiples of 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.relu(self.up(self.norm(h))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.out = nn.LayerNorm(WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def _train(runtime: str, world: int, rank: int, precompute: bool) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(SEED)
+    model = float8.convert_to_float8_training(
+        Net(), config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    mesh = init_device_mesh("cpu", (world,))
+    shard = overlap.fully_shard if runtime == "overlap" else fully_shard
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if precompute:
+            float8.precompute_float8_dynamic_scale_for_fsdp(model)
+        losses.append(loss.detach())
+    out = run_of(losses, model)
+    out["kinds"] = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
+    return out
+
+
+LORA_WIDTH, RANK = 256, 8  # NF4 quantizes in blocks of 64 values, its scales in blocks of 256
+
+
+class LoRALinear(nn.Module):
+    """A frozen NF4 base weight and a trainable low-rank update (torchtune's ``LoRALinear`` for QLoRA)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        base = torch.randn(width, width, dtype=torch.bfloat16) / width ** 0.5
+        self.weight = nn.Parameter(to_nf4(base), requires_grad=False)
+        self.lora_a = nn.Parameter(torch.randn(RANK, width, dtype=torch.bfloat16) / width ** 0.5)
+        self.lora_b = nn.Parameter(torch.randn(width, RANK, dtype=torch.bfloat16) / RANK)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def _train_qlora(runtime: str, world: int, rank: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(SEED)
+    model = nn.Sequential(LoRALinear(LORA_WIDTH), nn.GELU(), LoRALinear(LORA_WIDTH))
+    mesh = init_device_mesh("cpu", (world,))
+    shard = overlap.fully_shard if runtime == "overlap" else fully_shard
+    for layer in (model[0], model[2]):
+        shard(layer, mesh=mesh)
+    shard(model, mesh=mesh)
+    out = run_of(train_unfrozen(model, rank, LORA_WIDTH, STEPS, torch.bfloat16), model)
+    out["params"] = {n: p for n, p in out["params"].items() if "lora" in n}  # the NF4 weights are frozen
+    out["kinds"] = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
+    return out
+
+
+def _rank(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[Any, Any] = {precompute: {runtime: _train(runtime, world, rank, precompute)
+                                        for runtime in ("overlap", "fsdp2")} for precompute in (False, True)}
+    out["qlora"] = {runtime: _train_qlora(runtime, world, rank) for runtime in ("overlap", "fsdp2")}
+    return out
+
+
+def test_torchao_weights_train_bitwise_as_under_fsdp2(distributed) -> None:
+    """Fails if the weights are gathered as values (another computation than float8's or NF4's), if
+    a re-gather leaves the old scale, or if the shards lose torchao's subclasses."""
+    for rank, res in enumerate(distributed(_rank, 2)):
+        for what, runs in res.items():
+            ours, fsdp2 = runs["overlap"], runs["fsdp2"]
+            assert_same_run(fsdp2, ours, (rank, what))
+            assert ours["kinds"] == fsdp2["kinds"], (ours["kinds"], fsdp2["kinds"])
+            weight = "0.weight" if what == "qlora" else "blocks.0.up.weight"
+            assert ours["kinds"][weight] == ("NF4Tensor" if what == "qlora" else "WeightWithDynamicFloat8CastTensor")
