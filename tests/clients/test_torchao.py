@@ -18,8 +18,9 @@ every slice).
 
 On 2 gloo ranks (torchao's float8 linear and NF4 run on the CPU too), 3 AdamW steps, resharded after
 forward: a 2-block float8 MLP with and without precomputed scales, and a 2-block QLoRA MLP: losses
-and parameters bitwise FSDP2's, and the weights' local tensors stay torchao's subclasses. Skipped
-without torchao (the test extra installs it).
+and parameters bitwise FSDP2's, and the weights' local tensors stay torchao's subclasses. And DCP:
+each runtime saves its float8 model and loads the other's checkpoint; torch's full state dicts are
+equal throughout. Skipped without torchao (the test extra installs it).
 """
 from __future__ import annotations
 
@@ -146,3 +147,54 @@ def test_torchao_weights_train_bitwise_as_under_fsdp2(distributed) -> None:
             assert ours["kinds"] == fsdp2["kinds"], (ours["kinds"], fsdp2["kinds"])
             weight = "0.weight" if what == "qlora" else "blocks.0.up.weight"
             assert ours["kinds"][weight] == ("NF4Tensor" if what == "qlora" else "WeightWithDynamicFloat8CastTensor")
+
+
+def _float8_model(runtime: str, world: int, seed: int) -> Net:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = float8.convert_to_float8_training(
+        Net(), config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    mesh = init_device_mesh("cpu", (world,))
+    shard = overlap.fully_shard if runtime == "overlap" else fully_shard
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    return model
+
+
+def _checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each runtime saves its float8 model with DCP and loads the other's checkpoint into a fresh
+    model of its own; the full state dicts (torch's ``get_model_state_dict``) before and after."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    torch.set_num_threads(1)
+    full_options = StateDictOptions(full_state_dict=True)
+    out: dict[str, Any] = {}
+    for runtime in ("overlap", "fsdp2"):
+        model = _float8_model(runtime, world, SEED)
+        model(torch.randn(16, WIDTH)).square().mean().backward()  # gathered and reduced once
+        out["saved", runtime] = {k: v.detach().clone() for k, v in get_model_state_dict(model, options=full_options).items()}
+        dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(root, runtime))
+    for runtime, other in (("overlap", "fsdp2"), ("fsdp2", "overlap")):
+        model = _float8_model(runtime, world, SEED + 1)
+        state = get_model_state_dict(model)
+        dcp.load(state, checkpoint_id=os.path.join(root, other))
+        set_model_state_dict(model, state)
+        out["loaded", runtime] = {k: v.detach().clone() for k, v in get_model_state_dict(model, options=full_options).items()}
+    return out
+
+
+def test_torchao_float8_checkpoints_load_across_runtimes(distributed, tmp_path) -> None:
+    """Fails if the extension's shards save other values than FSDP2's (a full state dict differs),
+    or if DCP cannot load one runtime's checkpoint into the other's model."""
+    for rank, res in enumerate(distributed(_checkpoints, 2, str(tmp_path))):
+        saved = res["saved", "fsdp2"]
+        assert len(saved) == 14, sorted(saved)
+        for key in ("saved", "overlap"), ("loaded", "overlap"), ("loaded", "fsdp2"):
+            assert res[key].keys() == saved.keys(), (rank, key)
+            for name, value in saved.items():
+                assert torch.equal(res[key][name], value), (rank, key, name)
