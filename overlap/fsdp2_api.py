@@ -21,7 +21,9 @@ argument                     here
                              ``output_dtype`` casts every sharded module's output, as in FSDP2;
                              ``reduce_dtype=None`` means what it means to the installed torch's
                              FSDP2 (from 2.15: the parameters' dtype, not ``param_dtype``);
-                             torch 2.15's ``param_dtype_override_fn`` raises NotImplementedError
+                             torch 2.15's ``param_dtype_override_fn`` as FSDP2: a parameter kept
+                             in its own dtype is gathered beside the group's fused all-gather
+                             ([Note: all-gather extensions] in ``overlap/gather_extension.py``)
 ``offload_policy``           the default ``OffloadPolicy()`` only; ``CPUOffloadPolicy`` raises
                              NotImplementedError (use torch's fully_shard for CPU offload)
 ``ignored_params``           not sharded, not moved, gradients not reduced (as FSDP2)
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -66,12 +68,43 @@ def _mixed_precision(mp_policy: object) -> Optional[MixedPrecision]:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or an "
                         f"overlap.MixedPrecision, got {type(mp_policy).__name__}")
-    if getattr(mp_policy, "param_dtype_override_fn", None) is not None:
-        raise NotImplementedError("fully_shard: mp_policy.param_dtype_override_fn is not supported by overlap (one "
-                                  "param_dtype per group); shard the parameters that need another dtype as their "
-                                  "own group with their own mp_policy")
     return MixedPrecision(param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
                           output_dtype=mp_policy.output_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs)
+
+
+def _managed(modules: list[nn.Module], ignored: frozenset[int]) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters this ``fully_shard`` call shards (not ignored, not sharded by an earlier call),
+    each once, with its name under its module."""
+    seen: set[int] = set()
+    for member in modules:
+        for name, p in member.named_parameters():
+            if id(p) in ignored or id(p) in seen or getattr(p, MARK, None) is not None:
+                continue
+            seen.add(id(p))
+            yield name, p
+
+
+def _kept_in_own_dtype(mp_policy: object, modules: list[nn.Module], ignored: frozenset[int]) -> frozenset[int]:
+    """torch 2.15's ``MixedPrecisionPolicy.param_dtype_override_fn``, called once per managed
+    parameter as FSDP2 calls it: the ids of the parameters it keeps in their own dtype instead of
+    ``param_dtype`` (it returns the parameter's dtype, and that differs from ``param_dtype``). Like
+    FSDP2, ValueError for anything but None, ``param_dtype`` or the parameter's dtype."""
+    override = getattr(mp_policy, "param_dtype_override_fn", None)
+    if override is None:
+        return frozenset()
+    param_dtype = mp_policy.param_dtype  # type: ignore[attr-defined]
+    kept = set()
+    for name, p in _managed(modules, ignored):
+        dtype = override(p)
+        if dtype is None:
+            continue
+        if not isinstance(dtype, torch.dtype) or dtype not in (param_dtype, p.dtype):
+            raise ValueError(f"fully_shard: mp_policy.param_dtype_override_fn must return None, param_dtype "
+                             f"({param_dtype}) or the parameter's own dtype; it returned {dtype!r} for {name!r} "
+                             f"({p.dtype})")
+        if param_dtype is not None and dtype != param_dtype and p.is_floating_point():
+            kept.add(id(p))
+    return frozenset(kept)
 
 
 def _gradient_dtype_default(mp: Optional[MixedPrecision], mp_policy: object, modules: list[nn.Module],
@@ -84,8 +117,7 @@ def _gradient_dtype_default(mp: Optional[MixedPrecision], mp_policy: object, mod
     if (TORCH_VERSION < (2, 15) or mp is None or mp.param_dtype is None or mp.reduce_dtype is not None
             or isinstance(mp_policy, MixedPrecision)):
         return mp
-    dtypes = {p.dtype for m in modules for p in m.parameters()
-              if p.is_floating_point() and id(p) not in ignored and getattr(p, MARK, None) is None}
+    dtypes = {p.dtype for _, p in _managed(modules, ignored) if p.is_floating_point()}
     if not dtypes:
         return mp
     return dataclasses.replace(mp, reduce_dtype=functools.reduce(torch.promote_types, dtypes))
@@ -139,16 +171,13 @@ def _check_placements(modules: list[nn.Module], shard_placement_fn: object, igno
     if not callable(shard_placement_fn):
         raise TypeError(f"fully_shard: shard_placement_fn must be None or a callable, got "
                         f"{type(shard_placement_fn).__name__}")
-    for member in modules:
-        for name, p in member.named_parameters():
-            if id(p) in ignored or getattr(p, MARK, None) is not None:
-                continue
-            placement = shard_placement_fn(p)
-            if placement is None or (type(placement) is Shard and placement.dim == 0):
-                continue
-            raise NotImplementedError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter "
-                                      f"{name!r}; overlap shards every parameter on dim 0 (return None or "
-                                      f"Shard(0), or use torch's fully_shard for other placements)")
+    for name, p in _managed(modules, ignored):
+        placement = shard_placement_fn(p)
+        if placement is None or (type(placement) is Shard and placement.dim == 0):
+            continue
+        raise NotImplementedError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter "
+                                  f"{name!r}; overlap shards every parameter on dim 0 (return None or "
+                                  f"Shard(0), or use torch's fully_shard for other placements)")
 
 
 def _modules(module: object) -> list[nn.Module]:
@@ -198,13 +227,15 @@ def fully_shard(
                         f"{type(ignored_params).__name__}")
     ignored = frozenset(id(p) for p in ignored_params or ())
     mp = _gradient_dtype_default(mp, mp_policy, modules, ignored)
+    own_dtype = _kept_in_own_dtype(mp_policy, modules, ignored)
     reshard = _reshard_after_forward(reshard_after_forward, mesh)
     for member in modules:
         _check_options(member, mp, reshard, prefetch, max_inflight_bytes, caller="fully_shard")
     _check_placements(modules, shard_placement_fn, ignored)
     check_compression(compress, "fully_shard")
     _shard(modules, group=None, mesh=mesh, mp=mp, reshard_after_forward=reshard, prefetch=prefetch,
-           max_inflight_bytes=max_inflight_bytes, ignored_params=ignored, caller="fully_shard", compress=compress)
+           max_inflight_bytes=max_inflight_bytes, ignored_params=ignored, caller="fully_shard", compress=compress,
+           own_dtype_params=own_dtype)
     if mp is not None and mp.output_dtype is not None:
         # FSDP2 casts every sharded module's output (overlap.shard: the root's only).
         output_dtype = mp.output_dtype

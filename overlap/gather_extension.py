@@ -36,6 +36,12 @@ input with the padded rows is taken as it is; any other is refused on such a ran
 parameter (every rank must send the same bytes). At world size 1 nothing travels: each input is the output, as FSDP2's one-rank all-gather
 gives, and ``fsdp_post_all_gather`` still runs.
 
+A plain parameter that FSDP2's ``param_dtype_override_fn`` keeps in its own dtype (a norm kept in
+float32 while the group computes in bfloat16) is gathered the same way, through ``OwnDtypeRows``:
+its rows travel as they are beside the fused all-gather, which moves the rest in ``param_dtype``
+(FSDP2 packs both into one ``uint8`` buffer; a fused buffer of the widest dtype would have doubled
+the bytes of every bfloat16 parameter).
+
 Gradients are what autograd gives the unsharded parameter (a plain tensor: torchao's float8 linear
 returns its weight's gradient in high precision); they are reduced with the group's others.
 Not covered, refused before anything changes by ``check_extension``: an extension inside a
@@ -51,7 +57,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-__all__ = ["ExtensionParams", "PendingExtensionGather", "check_extension", "contiguous_strides", "has_extension"]
+__all__ = ["ExtensionParams", "OwnDtypeRows", "PendingExtensionGather", "check_extension", "contiguous_strides",
+           "has_extension"]
 
 _ALIGN = 16  # bytes: every input's region in a slot starts at a multiple of this (any dtype's view)
 
@@ -84,6 +91,23 @@ def check_extension(local: torch.Tensor, fqn: str, caller: str, *, tensor_parall
         raise ValueError(f"{caller}: parameter {fqn!r} is a {kind} with FSDP2's all-gather extension, which "
                          "chooses what its all-gather moves; compress= cannot apply to it (pass compress=None, "
                          "or make the parameter a plain tensor)")
+
+
+class OwnDtypeRows:
+    """The all-gather extension of a plain parameter kept in its own dtype while its group computes in
+    ``param_dtype`` (FSDP2's ``param_dtype_override_fn``): its rows travel as they are, and the
+    all-gather output is the unsharded parameter, refilled in place by every later gather."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+        self.shape, self.device = rows.shape, rows.device
+
+    def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], None]:
+        return (self.rows,), None
+
+    def fsdp_post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata: None, param_dtype: torch.dtype,
+                             *, out: Optional[torch.Tensor] = None) -> Optional[tuple[torch.Tensor, tuple]]:
+        return None if out is not None else (outputs[0], (outputs[0],))
 
 
 @dataclasses.dataclass

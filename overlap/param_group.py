@@ -164,7 +164,7 @@ from overlap import finite_check
 from overlap.collectives import all_gather_into, all_reduce_into, quantized_reduce_into, reduce_scatter_into
 from overlap.compression import Compression
 from overlap import gradient_error
-from overlap.gather_extension import (ExtensionParams, PendingExtensionGather, has_extension,
+from overlap.gather_extension import (ExtensionParams, OwnDtypeRows, PendingExtensionGather, has_extension,
                                       contiguous_strides as _contiguous_strides)
 from overlap.groups import GroupInfo
 from overlap.inflight_work import InflightWork
@@ -242,6 +242,7 @@ class ParamGroup:
         on_grad_ready: Callable[["ParamGroup", int], None],
         replicate: Optional[GroupInfo] = None,
         compression: Optional[Compression] = None,
+        own_dtype: frozenset[int] = frozenset(),
     ) -> None:
         self.info = info
         self.reduce_info = info
@@ -323,15 +324,19 @@ class ParamGroup:
         self._spmd_meshes: dict[int, DeviceMesh] = {}
         data = [_local(p) for p in params]  # what this group shards: a TP parameter's local tensor
         self.layout = ShardLayout([tuple(t.shape) for t in data], info.size)
-        extension_indices = tuple(i for i, t in enumerate(data) if has_extension(t))
+        self.own_dtype = own_dtype
+        """Positions of the parameters computed in their own dtype instead of ``mp.param_dtype``
+        (FSDP2's ``param_dtype_override_fn``): gathered beside the fused all-gather, exactly."""
+        extension_indices = tuple(i for i, t in enumerate(data) if has_extension(t) or i in own_dtype)
         self.extension: Optional[ExtensionParams] = None if not extension_indices else ExtensionParams(
             extension_indices, [self.layout.shapes[i] for i in extension_indices],
             [self.layout.rows_per_rank[i] for i in extension_indices], [self.fqns[i] for i in extension_indices],
             [locations[i][0].module for i in extension_indices])
-        """The parameters with FSDP2's all-gather extension, gathered apart ([Note: all-gather
-        extensions] in ``overlap/gather_extension.py``); None: there are none."""
+        """The parameters gathered apart: those with FSDP2's all-gather extension, and those kept in
+        their own dtype ([Note: all-gather extensions] in ``overlap/gather_extension.py``); None:
+        there are none."""
         self.packed_indices = tuple(i for i in range(len(data)) if i not in extension_indices)
-        """The parameters whose values the fused copy-in packs: all but the extension ones."""
+        """The parameters whose values the fused copy-in packs: all but those gathered apart."""
         self.gather_layout: Optional[ShardLayout] = (
             self.layout if not extension_indices
             else ShardLayout([self.layout.shapes[i] for i in self.packed_indices], info.size) if self.packed_indices
@@ -591,6 +596,8 @@ class ParamGroup:
 
     def _unsharded_dtype(self, index: int) -> torch.dtype:
         dtype = self.orig_dtypes[index]
+        if index in self.own_dtype:
+            return dtype
         return self.mp.param_dtype if dtype.is_floating_point and self.mp.param_dtype else dtype
 
     def _unsharded_params(self, follow_requires_grad: bool = True) -> list[nn.Parameter]:
@@ -687,9 +694,10 @@ class ParamGroup:
         """The compressed all-gather's layout (``compress.gather``); None: the gather is exact, or
         moves nothing (a shard group of one rank, e.g. HSDP on an ``(R, 1)`` mesh: quantizing there
         would only add error)."""
-        if self.compression is None or self.compression.gather is None or self.world_size == 1:
+        if (self.compression is None or self.compression.gather is None or self.world_size == 1
+                or self.gather_layout is None):
             return None
-        return quantized_layout(self.layout, self.compression.block, self.compression.gather)
+        return quantized_layout(self.gather_layout, self.compression.block, self.compression.gather)
 
     def all_gather_bytes(self) -> int:
         qlayout = self._gather_qlayout
@@ -740,7 +748,7 @@ class ParamGroup:
         extension = self.extension
         assert extension is not None
         with region(self.regions.all_gather_copy_in), _NoGrad():
-            locals_ = [self.sharded[i]._local_tensor for i in extension.indices]
+            locals_ = self._gathered_apart()
             ag_input, ag_output, inputs, metadata, slot_bytes = extension.pack(
                 locals_, self.rank, self.world_size, self._shard_mesh(), self.mp.torch_policy())
         work = (all_gather_into(ag_output, ag_input, self.info, self.where, self.custom_all_gather)
@@ -753,12 +761,21 @@ class ParamGroup:
         ``_unsharded_params``), later ones refill them."""
         extension = self.extension
         assert extension is not None
-        locals_ = [self.sharded[i]._local_tensor for i in extension.indices]
+        locals_ = self._gathered_apart()
         dtypes = [self._unsharded_dtype(i) for i in extension.indices]
         with region(self.regions.all_gather_copy_out), _NoGrad():
             made = extension.unpack(pending, self.world_size, locals_, dtypes, self.unsharded)
         if self.unsharded is None:
             self._extension_made = made
+
+    def _gathered_apart(self) -> list[Any]:
+        """What the side all-gather runs the extension on, per parameter gathered apart: the local
+        shard itself (it defines the extension), or, for one kept in its own dtype, its rows as
+        ``OwnDtypeRows`` (the extension of a plain tensor: its rows travel as they are)."""
+        extension = self.extension
+        assert extension is not None
+        return [OwnDtypeRows(self.local_rows(i)) if i in self.own_dtype else self.sharded[i]._local_tensor
+                for i in extension.indices]
 
     def _shard_mesh(self) -> DeviceMesh:
         """The 1-D mesh the shards are spread over (HSDP: the 2-D mesh's shard dim)."""

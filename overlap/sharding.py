@@ -1922,11 +1922,12 @@ def shard(
 def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[MixedPrecision],
            reshard_after_forward: bool, prefetch: Union[int, str], max_inflight_bytes: Optional[int],
            ignored_params: frozenset[int] = frozenset(), caller: str = "shard",
-           compress: Optional[Compression] = None) -> nn.Module:
+           compress: Optional[Compression] = None, own_dtype_params: frozenset[int] = frozenset()) -> nn.Module:
     """``shard``'s body, for one module or for the modules of one ``fully_shard([a, b])`` call
     (options checked by the caller): their parameters, outside ``ignored_params`` (ids), become one
     group, all-gathered when the first of them runs and resharded after the last (see
-    ``ShardState.member_pre_forward``). Returns ``modules[0]``."""
+    ``ShardState.member_pre_forward``). ``own_dtype_params`` (ids): parameters computed in their own
+    dtype instead of ``mp.param_dtype`` (FSDP2's ``param_dtype_override_fn``). Returns ``modules[0]``."""
     module = modules[0]
     if group is not None and mesh is not None:
         raise ValueError(f"{caller}: pass group or mesh, not both")
@@ -1977,8 +1978,9 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
         dtensor_mesh = mesh
     else:
         dtensor_mesh = device_mesh_for(mesh if mesh is not None else group, info, _mesh_device_type(device, info))
-    param_group = ParamGroup(params, locations, info, dtensor_mesh, mp, on_grad_ready,
-                             replicate, compress) if params else None
+    param_group = ParamGroup(params, locations, info, dtensor_mesh, mp, on_grad_ready, replicate, compress,
+                             own_dtype=frozenset(i for i, p in enumerate(params) if id(p) in own_dtype_params)
+                             ) if params else None
     if param_group is not None:
         for original, sharded, fqn in zip(params, param_group.sharded, param_group.fqns):
             original._overlap_sharded_by = param_group  # type: ignore[attr-defined]
