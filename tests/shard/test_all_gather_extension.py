@@ -29,6 +29,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import overlap
+from conftest import requires_cuda
+from overlap.testing import run_distributed
 from gather_extensions import Int8Gathered, gathered_weights, row_int8
 from models import SEED, assert_same_run, run_of
 
@@ -61,14 +63,15 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def _model(runtime: str, world: int, mode: str, mp: Any = None, width: int = WIDTH) -> Net:
+def _model(runtime: str, world: int, mode: str, mp: Any = None, width: int = WIDTH, device: str = "cpu") -> Net:
     """``world`` 4: HSDP on a (2, 2) mesh."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(SEED)
-    model = gathered_weights(Net(width), mode) if mode != "plain" else Net(width)
-    mesh = (init_device_mesh("cpu", (world,)) if world < 4
-            else init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    model = Net(width).to(device)
+    model = gathered_weights(model, mode) if mode != "plain" else model
+    mesh = (init_device_mesh(device, (world,)) if world < 4
+            else init_device_mesh(device, (2, 2), mesh_dim_names=("replicate", "shard")))
     shard = overlap.fully_shard if runtime == "overlap" else fully_shard
     kwargs = {} if mp is None else {"mp_policy": mp}
     for block in model.blocks:
@@ -77,16 +80,16 @@ def _model(runtime: str, world: int, mode: str, mp: Any = None, width: int = WID
     return model
 
 
-def _batch(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
+def _batch(step: int, rank: int, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank)).to(device)
 
 
-def _train(runtime: str, world: int, rank: int, mode: str, mp: Any) -> dict[str, Any]:
-    model = _model(runtime, world, mode, mp) if runtime != "fake-quantized" else _fake_quantized()
+def _train(runtime: str, world: int, rank: int, mode: str, mp: Any, device: str = "cpu") -> dict[str, Any]:
+    model = _model(runtime, world, mode, mp, device=device) if runtime != "fake-quantized" else _fake_quantized()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
-        loss = model(_batch(step, rank)).float().square().mean()
+        loss = model(_batch(step, rank, device)).float().square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -161,6 +164,30 @@ def test_extension_weights_train_bitwise_as_under_fsdp2(distributed, world: int)
             if "kinds" in reference:
                 assert ours["kinds"] == reference["kinds"], (what, ours["kinds"], reference["kinds"])
             assert ours["kinds"]["blocks.0.up.weight"] == ("Bf16Gathered" if what[0] == "bf16" else "Int8Gathered")
+
+
+def _rank_cuda(rank: int, world: int) -> dict[str, Any]:
+    """The bf16-gathering weights on CUDA (NCCL, one rank), float32 and bf16 mixed precision."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp_bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for mp_name, mp in (("fp32", None), ("bf16-mp", mp_bf16)):
+        runs = {runtime: _train(runtime, world, rank, "bf16", mp, device="cuda") for runtime in ("overlap", "fsdp2")}
+        out[mp_name] = {runtime: {"losses": run["losses"].cpu(), "params": {n: p.cpu() for n, p in run["params"].items()},
+                                  "kinds": run["kinds"]} for runtime, run in runs.items()}
+    return out
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_extension_weights_train_bitwise_as_under_fsdp2_on_cuda() -> None:
+    """The side all-gather's streams on CUDA: its pre-all-gather on the copy-in stream, its copy-out
+    after the wait. Fails as the CPU test does, and on a stream race (a refill read before it lands)."""
+    (res,) = run_distributed(_rank_cuda, 1, backend="nccl")
+    for what, runs in res.items():
+        assert_same_run(runs["fsdp2"], runs["overlap"], what)
+        assert runs["overlap"]["kinds"] == runs["fsdp2"]["kinds"], what
 
 
 def _gathered(rank: int, world: int, width: int) -> dict[str, Any]:
