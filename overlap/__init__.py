@@ -28,7 +28,7 @@ from overlap.gradient_error import (
     set_measure_gradient_error,
     take_gradient_errors,
 )
-from overlap.fsdp2_api import fully_shard, register_fsdp_forward_method
+from overlap.fsdp2_api import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from overlap.inflight_work import (
     inflight,
     inflight_bytes,
@@ -76,6 +76,7 @@ __all__ = [
     "optimizer_in_backward",
     "prefetch_next_step",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "shard",
     "tensor_parallel",
     "wrap",

@@ -56,7 +56,7 @@ from overlap.optimizer_check import MARK
 from overlap.sharding import ShardedModule, _cast_floating, _check_options, _shard
 from scheduler.torch_versions import TORCH_VERSION
 
-__all__ = ["fully_shard", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 def _mixed_precision(mp_policy: object) -> Optional[MixedPrecision]:
@@ -281,3 +281,19 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return output if state.output_cast is None else _cast_floating(output, state.output_cast)
 
     setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """FSDP2's ``share_comm_ctx``: several roots (a pipeline stage's model chunks, each its own root)
+    share their communication streams, so that memory is not fragmented across per-root streams.
+    Here every sharded module already uses the process's one stream per (device, purpose) ([Note:
+    one stream per purpose] in ``overlap/streams.py``), whichever root it belongs to, so there is
+    nothing to join: this checks the argument as FSDP2 does. torch's own function raises on this
+    runtime's modules (they are not torch ``FSDPModule`` subclasses): import this one from
+    ``overlap``. ValueError, before anything else, for an entry that is not a sharded module."""
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"share_comm_ctx: modules must be a list of sharded modules, got {type(modules).__name__}")
+    for module in modules:
+        if not isinstance(module, ShardedModule):
+            raise ValueError(f"share_comm_ctx: modules must hold modules sharded by overlap.fully_shard or "
+                             f"overlap.shard, got a {type(module).__name__}")

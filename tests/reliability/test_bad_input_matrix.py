@@ -400,6 +400,11 @@ MATRIX: dict[str, Bad] = {
         lambda e: e.sharded.set_reduce_scatter_max_input_buffers(0), ValueError, "max_input_buffers", "positive int"),
     "FSDPModule set_reduce_scatter_max_input_buffers a bool": Bad(
         lambda e: e.sharded.set_reduce_scatter_max_input_buffers(True), TypeError, "max_input_buffers", "an int"),
+    "share_comm_ctx not a list": Bad(
+        lambda e: overlap.share_comm_ctx(e.sharded), TypeError, "modules", "a list of sharded modules"),
+    "share_comm_ctx a module not sharded": Bad(
+        lambda e: overlap.share_comm_ctx([e.sharded, nn.Linear(2, 2)]), ValueError, "modules",
+        "sharded by overlap.fully_shard or overlap.shard"),
     "register_fsdp_forward_method no such method": Bad(
         lambda e: overlap.register_fsdp_forward_method(e.sharded, "no_such_method"), ValueError, "method_name",
         "a method of"),
