@@ -69,6 +69,8 @@ RECIPES = {
     "discard": "steps 2-3: block 2's output computed and dropped",
     "freeze_mid": "step 3: block 0 frozen (requires_grad_(False))",
     "frozen_from_start": "the position embedding and block 1 frozen before sharding",
+    "frozen_weights": "each block's matrices frozen before sharding, its norms and biases trained (LoRA's shape: "
+                      "backward reads a frozen weight after its group's other gradients are in)",
     "layer_drop": "step 2: block 1 skipped",
     "layer_drop_alt": "every step skips block 1 or block 2, alternating",
     "reversed": "steps 3-4: blocks run in reverse order",
@@ -132,6 +134,9 @@ def _build(runtime: str, recipe: str, world: int, mixed: bool = False) -> torch.
     if recipe == "frozen_from_start":
         model.pos.weight.requires_grad_(False)
         model.blocks[1].requires_grad_(False)
+    if recipe == "frozen_weights":
+        for p in model.blocks.parameters():
+            p.requires_grad_(p.dim() != 2)
     if recipe == "compile":
         for block in model.blocks:
             block.compile()
