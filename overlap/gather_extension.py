@@ -43,10 +43,13 @@ its rows travel as they are beside the fused all-gather, which moves the rest in
 the bytes of every bfloat16 parameter).
 
 Gradients are what autograd gives the unsharded parameter (a plain tensor: torchao's float8 linear
-returns its weight's gradient in high precision); they are reduced with the group's others.
-Not covered, refused before anything changes by ``check_extension``: an extension inside a
-tensor-parallel DTensor, a 0-dim one, and compressed collectives (the extension already chooses
-the wire format).
+returns its weight's gradient in high precision); they are reduced with the group's others. A
+tensor-parallel parameter whose local tensor carries the extension (torchao's float8 under its
+``Float8ColwiseParallel``) runs it on that local tensor's data-parallel shard, and the unsharded
+result is wrapped in the TP spec again, as for every TP parameter ([Note: sharding tensor-parallel
+parameters] in ``overlap/param_group.py``); ``out=`` then receives that DTensor, as under FSDP2.
+Not covered, refused before anything changes by ``check_extension``: a 0-dim one, and compressed
+collectives (the extension already chooses the wire format).
 """
 from __future__ import annotations
 
@@ -68,10 +71,10 @@ def has_extension(local: torch.Tensor) -> bool:
     return hasattr(local, "fsdp_pre_all_gather")
 
 
-def check_extension(local: torch.Tensor, fqn: str, caller: str, *, tensor_parallel: bool, compressed: bool) -> None:
+def check_extension(local: torch.Tensor, fqn: str, caller: str, *, compressed: bool) -> None:
     """Refuse, naming the parameter, an extension the runtime cannot run (see [Note: all-gather
     extensions]): one method without the other, a pre-all-gather of neither known signature, a 0-dim
-    parameter, a tensor-parallel DTensor's local tensor, or compressed collectives."""
+    parameter, or compressed collectives."""
     kind = type(local).__name__
     if not hasattr(local, "fsdp_post_all_gather"):
         raise TypeError(f"{caller}: parameter {fqn!r} is a {kind} with fsdp_pre_all_gather but no "
@@ -83,10 +86,6 @@ def check_extension(local: torch.Tensor, fqn: str, caller: str, *, tensor_parall
     if local.dim() == 0:
         raise NotImplementedError(f"{caller}: parameter {fqn!r} is a 0-dim {kind} with FSDP2's all-gather "
                                   "extension; only parameters with a dim 0 to shard can carry one")
-    if tensor_parallel:
-        raise NotImplementedError(f"{caller}: parameter {fqn!r} is a tensor-parallel DTensor whose local tensor "
-                                  f"is a {kind} with FSDP2's all-gather extension; overlap runs the extension on "
-                                  "plain parameters only: shard such modules with torch.distributed.fsdp.fully_shard")
     if compressed:
         raise ValueError(f"{caller}: parameter {fqn!r} is a {kind} with FSDP2's all-gather extension, which "
                          "chooses what its all-gather moves; compress= cannot apply to it (pass compress=None, "

@@ -2014,7 +2014,7 @@ def _check_all_gather_extensions(params: list[nn.Parameter], locations: list[lis
     for p, locs in zip(params, locations):
         local = p._local_tensor if isinstance(p, DTensor) else p
         if has_extension(local):
-            check_extension(local, locs[0].fqn, caller, tensor_parallel=isinstance(p, DTensor), compressed=compressed)
+            check_extension(local, locs[0].fqn, caller, compressed=compressed)
 
 
 def _check_compressible(module: nn.Module, params: list[nn.Parameter], locations: list[list[ParamLocation]],

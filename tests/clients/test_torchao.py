@@ -20,7 +20,9 @@ On 2 gloo ranks (torchao's float8 linear and NF4 run on the CPU too), 3 AdamW st
 forward: a 2-block float8 MLP with and without precomputed scales, and a 2-block QLoRA MLP: losses
 and parameters bitwise FSDP2's, and the weights' local tensors stay torchao's subclasses. And DCP:
 each runtime saves its float8 model and loads the other's checkpoint; torch's full state dicts are
-equal throughout. Skipped without torchao (the test extra installs it).
+equal throughout. And torchtitan's float8 with tensor parallelism (torchao's ``Float8ColwiseParallel`` /
+``Float8RowwiseParallel`` on a (dp 2, tp 2) mesh, the float8 all-gather over dp): bitwise FSDP2's.
+Skipped without torchao (the test extra installs it).
 """
 from __future__ import annotations
 
@@ -198,3 +200,50 @@ def test_torchao_float8_checkpoints_load_across_runtimes(distributed, tmp_path) 
             assert res[key].keys() == saved.keys(), (rank, key)
             for name, value in saved.items():
                 assert torch.equal(res[key][name], value), (rank, key, name)
+
+
+def _float8_tensor_parallel(rank: int, world: int) -> dict[str, Any]:
+    """torchtitan's float8 with tensor parallelism: on a (dp 2, tp 2) mesh, each block's linears
+    parallelized by torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``, then sharded
+    over dp with the float8 all-gather; 3 AdamW steps, scales precomputed after each."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for runtime in ("overlap", "fsdp2"):
+        torch.manual_seed(SEED)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH))
+                                for _ in range(2)])
+        model = float8.convert_to_float8_training(model, config=float8.Float8LinearConfig(
+            enable_fsdp_float8_all_gather=True))
+        for block in model:
+            parallelize_module(block, mesh["tp"], {"0": Float8ColwiseParallel(), "2": Float8RowwiseParallel()})
+        shard = overlap.fully_shard if runtime == "overlap" else fully_shard
+        for block in model:
+            shard(block, mesh=mesh["dp"])
+        shard(model, mesh=mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(STEPS):
+            x = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank // 2))  # per dp rank
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            float8.precompute_float8_dynamic_scale_for_fsdp(model)
+            losses.append(loss.detach())
+        out[runtime] = run_of(losses, model)
+        out[runtime]["kinds"] = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
+    return out
+
+
+def test_torchao_float8_with_tensor_parallelism_trains_bitwise_as_under_fsdp2(distributed) -> None:
+    """Fails if a tensor-parallel parameter's extension is not run on its local tensor (refused, or
+    gathered as values) or its unsharded result loses the TP spec."""
+    for rank, res in enumerate(distributed(_float8_tensor_parallel, 4)):
+        assert_same_run(res["fsdp2"], res["overlap"], rank)
+        assert res["overlap"]["kinds"] == res["fsdp2"]["kinds"], res["overlap"]["kinds"]
+        assert res["overlap"]["kinds"]["0.0.weight"] == "WeightWithDynamicFloat8CastTensor", res["overlap"]["kinds"]
