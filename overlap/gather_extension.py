@@ -34,7 +34,9 @@ inputs of unequal sizes). Here an input with this rank's fewer rows (any trailin
 per row) is zero-padded to that many by the runtime, what FSDP2's own padded shard would hold; an
 input with the padded rows is taken as it is; any other is refused on such a rank, naming the
 parameter (every rank must send the same bytes). At world size 1 nothing travels: each input is the output, as FSDP2's one-rank all-gather
-gives, and ``fsdp_post_all_gather`` still runs.
+gives, and ``fsdp_post_all_gather`` still runs; the unsharded tensor is then a copy, not the shard
+(as the group's other parameters are there), so a group kept unsharded across an in-place change of
+its shards is gathered again, as at every other world size (``ParamGroup.stale_unsharded``).
 
 A plain parameter that FSDP2's ``param_dtype_override_fn`` keeps in its own dtype (a norm kept in
 float32 while the group computes in bfloat16) is gathered the same way, through ``OwnDtypeRows``:

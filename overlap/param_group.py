@@ -820,7 +820,9 @@ class ParamGroup:
     def stale_unsharded(self) -> bool:
         """Are the unsharded parameters held from an earlier gather (``unshard()``,
         ``set_reshard_after_backward(False)``) older than the shards (changed in place since)?"""
-        return (self.is_unsharded and not self.aliases_shards
+        # At one rank the aliasing parameters cannot be stale, but extension ones are copies
+        # (their versions are recorded by the gather: finish_gather).
+        return (self.is_unsharded and (not self.aliases_shards or self.extension is not None)
                 and self._shard_versions() != self._gathered_versions)
 
     def finish_gather(self, follow_requires_grad: bool = True) -> None:
@@ -835,6 +837,7 @@ class ParamGroup:
         if self.single_rank:
             if self.extension is not None:  # nothing travels; the extension's two halves still run
                 self._finish_extension_gather(self._issue_extension_gather())
+                self._gathered_versions = self._shard_versions()  # for stale_unsharded
             if self.aliases_shards:
                 self._unsharded_params(follow_requires_grad)
                 self.is_unsharded = True

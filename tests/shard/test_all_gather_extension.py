@@ -16,6 +16,8 @@ block's group gathers both kinds.
   bitwise, also on 3 ranks where a block's rows do not divide (a rank with none: its inputs are
   padded, where FSDP2 asks the extension to pad). ``overlap.full_state_dict`` gives the full float32
   weight (the shards' values, not what travels).
+- At one rank an extension's unsharded tensor is a copy: kept unsharded across an optimizer step it
+  is gathered again before the next forward uses it.
 - Refused before anything changes, naming the parameter: a subclass with one of the two methods,
   and ``compress=`` over an extension parameter.
 """
@@ -239,3 +241,28 @@ def test_an_extension_the_runtime_cannot_run_is_refused_before_anything_changes(
                                          "which chooses what its all-gather moves; compress= cannot apply"):
         overlap.shard(int8, group=mesh, compress=overlap.Compression(gather="int8"))
     assert type(int8) is nn.Linear and type(int8.weight) is Int8Gathered
+
+
+def _kept_across_a_step(rank: int, world: int) -> dict[str, Any]:
+    """One rank: block 0 kept unsharded after backward (``set_reshard_after_backward(False)``) across
+    the optimizer step, then a forward; the same with the default resharding."""
+    torch.set_num_threads(1)
+    out = {}
+    for keep in (True, False):
+        model = _model("overlap", world, "bf16")
+        if keep:
+            model.blocks[0].set_reshard_after_backward(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(_batch(0, rank)).square().mean().backward()
+        opt.step()
+        out[keep] = model(_batch(1, rank)).detach()
+    return out
+
+
+def test_an_extension_kept_unsharded_across_a_step_is_gathered_again(distributed) -> None:
+    """At one rank the other parameters alias their shards, but an extension's unsharded tensor is a
+    copy: kept across the optimizer step it is stale, and the next forward must gather it again (as
+    this runtime does for every kept group whose shards changed). Fails if it computes with the old
+    weights."""
+    (res,) = distributed(_kept_across_a_step, 1)
+    assert torch.equal(res[True], res[False])
