@@ -60,8 +60,8 @@ def _step(runtime: str, float8_gather: bool, args: argparse.Namespace, x: torch.
 
 
 def _counting(counts: dict[str, int]) -> Callable[[], None]:
-    """Count the output bytes of torch's all-gathers and reduce-scatters into ``counts``; returns
-    the function that restores them."""
+    """Count into ``counts`` the bytes of torch's all-gathers (their output) and of the gradient
+    reductions (a reduce-scatter's or all-to-all's input); returns the function that restores them."""
     import torch.distributed as dist
 
     from scheduler.torch_versions import DIST_ALL_GATHER, DIST_REDUCE_SCATTER

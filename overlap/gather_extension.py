@@ -33,10 +33,12 @@ come back padded to that many (its older one-argument signature is not checked, 
 inputs of unequal sizes). Here an input with this rank's fewer rows (any trailing shape: a scale
 per row) is zero-padded to that many by the runtime, what FSDP2's own padded shard would hold; an
 input with the padded rows is taken as it is; any other is refused on such a rank, naming the
-parameter (every rank must send the same bytes). At world size 1 nothing travels: each input is the output, as FSDP2's one-rank all-gather
-gives, and ``fsdp_post_all_gather`` still runs; the unsharded tensor is then a copy, not the shard
-(as the group's other parameters are there), so a group kept unsharded across an in-place change of
-its shards is gathered again, as at every other world size (``ParamGroup.stale_unsharded``).
+parameter (every rank must send the same bytes).
+
+At world size 1 nothing travels: each input is the output, as FSDP2's one-rank all-gather gives,
+and ``fsdp_post_all_gather`` still runs; the unsharded tensor is then a copy, not the shard (as the
+group's other parameters are there), so a group kept unsharded across an in-place change of its
+shards is gathered again, as at every other world size (``ParamGroup.stale_unsharded``).
 
 A plain parameter that FSDP2's ``param_dtype_override_fn`` keeps in its own dtype (a norm kept in
 float32 while the group computes in bfloat16) is gathered the same way, through ``OwnDtypeRows``:
@@ -81,7 +83,7 @@ def check_extension(local: torch.Tensor, fqn: str, caller: str, *, compressed: b
     if not hasattr(local, "fsdp_post_all_gather"):
         raise TypeError(f"{caller}: parameter {fqn!r} is a {kind} with fsdp_pre_all_gather but no "
                         "fsdp_post_all_gather; FSDP2's all-gather extension needs both")
-    count = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
+    count = _pre_all_gather_arguments(local)
     if count not in (1, 5):
         raise TypeError(f"{caller}: parameter {fqn!r}: {kind}.fsdp_pre_all_gather must take (mesh) or (mesh, "
                         f"orig_size, contiguous_orig_stride, module, mp_policy); it takes {count} arguments")
@@ -111,6 +113,18 @@ class OwnDtypeRows:
         return None if out is not None else (outputs[0], (outputs[0],))
 
 
+_ARGUMENTS: dict[type, int] = {}
+
+
+def _pre_all_gather_arguments(local: Any) -> int:
+    """How many arguments ``local.fsdp_pre_all_gather`` takes (1: FSDP2's older signature, 5: its
+    current one), read once per class: ``inspect.signature`` costs tens of µs, too much per gather."""
+    count = _ARGUMENTS.get(type(local))
+    if count is None:
+        count = _ARGUMENTS[type(local)] = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
+    return count
+
+
 @dataclasses.dataclass
 class _Input:
     """One all-gather input of one parameter: where its bytes sit in a rank's slot."""
@@ -138,8 +152,11 @@ class ExtensionParams:
     outputs (see [Note: all-gather extensions])."""
 
     def __init__(self, indices: Sequence[int], full_shapes: Sequence[torch.Size], rows_per_rank: Sequence[int],
-                 fqns: Sequence[str], modules: Sequence[nn.Module]) -> None:
+                 fqns: Sequence[str], modules: Sequence[nn.Module], shard_mesh: Any, mp_policy: Any) -> None:
+        """``shard_mesh``: the 1-D mesh of the shards (what a pre-all-gather is passed, as FSDP2
+        passes it); ``mp_policy``: torch's ``MixedPrecisionPolicy`` of the group (likewise)."""
         self.indices = tuple(indices)
+        self.shard_mesh, self.mp_policy = shard_mesh, mp_policy
         self.full_shapes = [torch.Size(s) for s in full_shapes]
         self.rows_per_rank = list(rows_per_rank)
         self.fqns, self.modules = list(fqns), list(modules)
@@ -151,8 +168,8 @@ class ExtensionParams:
         self.last_slot_bytes = 0  # the last gather's bytes per rank (0: none yet)
 
     # ------------------------------------------------------------------ packing
-    def pack(self, locals_: Sequence[torch.Tensor], rank: int, world_size: int, shard_mesh: Any,
-             mp_policy: Any) -> tuple[torch.Tensor, torch.Tensor, list[list[_Input]], list[Any], int]:
+    def pack(self, locals_: Sequence[torch.Tensor], rank: int,
+             world_size: int) -> tuple[torch.Tensor, torch.Tensor, list[list[_Input]], list[Any], int]:
         """Run each parameter's ``fsdp_pre_all_gather`` on its local shard and pack the inputs into
         this rank's slot of a new all-gather buffer. Returns ``(ag_input, ag_output, inputs,
         metadata, slot_bytes)``, ``ag_input`` a view of this rank's slot of ``ag_output``."""
@@ -161,12 +178,12 @@ class ExtensionParams:
         places: list[list[_Input]] = []
         offset = 0
         for k, local in enumerate(locals_):
-            fn = local.fsdp_pre_all_gather
-            if len(inspect.signature(fn).parameters) == 1:
-                inputs, meta = fn(shard_mesh)
+            if _pre_all_gather_arguments(local) == 1:
+                inputs, meta = local.fsdp_pre_all_gather(self.shard_mesh)
             else:
                 full = self.full_shapes[k]
-                inputs, meta = fn(shard_mesh, full, contiguous_strides(full), self.modules[k], mp_policy)
+                inputs, meta = local.fsdp_pre_all_gather(self.shard_mesh, full, contiguous_strides(full),
+                                                         self.modules[k], self.mp_policy)
             tensors = [self._padded(k, t, local) for t in inputs]
             row: list[_Input] = []
             for t in tensors:
@@ -245,12 +262,12 @@ class ExtensionParams:
                 if storage.nbytes():
                     storage.resize_(0)
 
-    def bytes_per_rank(self, full_numels: Sequence[int], itemsize: int) -> int:
+    def bytes_per_rank(self, itemsize: int) -> int:
         """This group's extension bytes per rank on the link: the last gather's, else an estimate
-        (every row in ``itemsize`` bytes)."""
+        (every rank's rows in ``itemsize`` bytes per element)."""
         if self.last_slot_bytes:
             return self.last_slot_bytes
-        return sum(r * (n // max(s[0], 1)) for r, n, s in zip(self.rows_per_rank, full_numels, self.full_shapes)) * itemsize
+        return sum(r * s[1:].numel() for r, s in zip(self.rows_per_rank, self.full_shapes)) * itemsize
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,7 @@ import math
 import time
 from itertools import compress, repeat
 from operator import add, and_, attrgetter, is_, is_not
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -166,7 +166,7 @@ from overlap.compression import Compression
 from overlap import gradient_error
 from overlap.gather_extension import (ExtensionParams, OwnDtypeRows, PendingExtensionGather, has_extension,
                                       contiguous_strides as _contiguous_strides)
-from overlap.groups import GroupInfo
+from overlap.groups import GroupInfo, device_mesh_for
 from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
 from overlap.regions import ModuleRegions, region
@@ -331,7 +331,8 @@ class ParamGroup:
         self.extension: Optional[ExtensionParams] = None if not extension_indices else ExtensionParams(
             extension_indices, [self.layout.shapes[i] for i in extension_indices],
             [self.layout.rows_per_rank[i] for i in extension_indices], [self.fqns[i] for i in extension_indices],
-            [locations[i][0].module for i in extension_indices])
+            [locations[i][0].module for i in extension_indices],
+            device_mesh_for(mesh if mesh.ndim == 1 else (mesh, 1), info, mesh.device_type), mp.torch_policy())
         """The parameters gathered apart: those with FSDP2's all-gather extension, and those kept in
         their own dtype ([Note: all-gather extensions] in ``overlap/gather_extension.py``); None:
         there are none."""
@@ -612,7 +613,8 @@ class ParamGroup:
             self._unsharded_storage = None
             packed = self.packed_indices
             views: dict[int, torch.Tensor] = {}
-            if not self.aliases_shards and packed:  # views of one storage: [Note: unsharded parameters share one storage]
+            # views of one storage: [Note: unsharded parameters share one storage]
+            if not self.aliases_shards and packed:
                 dtypes = [self._unsharded_dtype(i) for i in packed]
                 placement = PackedPlacement.of([self.layout.shapes[i] for i in packed], dtypes)
                 storage = torch.UntypedStorage(placement.nbytes, device=self.sharded[0]._local_tensor.device)
@@ -707,8 +709,7 @@ class ParamGroup:
         packed = layout.buffer_numel * self.gather_dtype.itemsize if layout is not None else 0
         if self.extension is None:
             return packed
-        return packed + self.world_size * self.extension.bytes_per_rank(
-            [self.layout.numels[i] for i in self.extension.indices], self.gather_dtype.itemsize)
+        return packed + self.world_size * self.extension.bytes_per_rank(self.gather_dtype.itemsize)
 
     def issue_gather(self) -> None:
         """Pack the shards and start the all-gather (no-op if gathered or already in flight, and at
@@ -718,28 +719,38 @@ class ParamGroup:
         with _copy_in_stream(self.sharded[0]._local_tensor.device):  # type: ignore[attr-defined]
             extension = self._issue_extension_gather() if self.extension is not None else None
             layout = self.gather_layout
-            if layout is None:  # every parameter is an extension one
-                self.pending_gather = PendingGather(None, torch.empty(0), extension)
-                self._gathered_versions = self._shard_versions()
-                return
-            with region(self.regions.all_gather_copy_in), _NoGrad():
-                shards = self.shard_rows()
-                dtypes = self.orig_dtypes
-                if self.extension is not None:
-                    shards, dtypes = [shards[i] for i in self.packed_indices], tuple(dtypes[i] for i in self.packed_indices)
-                qlayout = self._gather_qlayout
-                if qlayout is not None:
-                    ag_input, ag_output = _quantized_copy_in(shards, qlayout, self.rank)
-                else:  # the shards' own dtypes handed over: no read per shard
-                    allocator = self.custom_all_gather or self.process_group_allocator
-                    out = (None if allocator is None
-                           else _comm_buffer(allocator, layout.buffer_numel, self.gather_dtype, shards[0].device))
-                    ag_input, ag_output = _all_gather_copy_in(shards, layout, self.rank, self.gather_dtype,
-                                                              dtypes, owned=self._owned_shards, out=out)
-            work = (all_gather_into(ag_output, ag_input, self.info, self.where, self.custom_all_gather)
-                    if self.world_size > 1 else None)
+            # None: every parameter is gathered apart, nothing is packed
+            work, ag_output = self._issue_packed_gather(layout) if layout is not None else (None, _NOTHING)
         self.pending_gather = PendingGather(work, ag_output, extension)
         self._gathered_versions = self._shard_versions()
+
+    def _issue_packed_gather(self, layout: ShardLayout) -> tuple[Optional[InflightWork], torch.Tensor]:
+        """The fused copy-in of the packed parameters' shards over ``layout`` (``gather_layout``) and
+        its all-gather: (the work, the buffer it fills)."""
+        with region(self.regions.all_gather_copy_in), _NoGrad():
+            shards, dtypes = self._packed(self.shard_rows()), self._packed(self.orig_dtypes)
+            qlayout = self._gather_qlayout
+            if qlayout is not None:
+                ag_input, ag_output = _quantized_copy_in(shards, qlayout, self.rank)
+            else:  # the shards' own dtypes handed over: no read per shard
+                allocator = self.custom_all_gather or self.process_group_allocator
+                out = (None if allocator is None
+                       else _comm_buffer(allocator, layout.buffer_numel, self.gather_dtype, shards[0].device))
+                ag_input, ag_output = _all_gather_copy_in(shards, layout, self.rank, self.gather_dtype,
+                                                          dtypes, owned=self._owned_shards, out=out)
+        return self._all_gather(ag_output, ag_input), ag_output
+
+    def _all_gather(self, ag_output: torch.Tensor, ag_input: torch.Tensor) -> Optional[InflightWork]:
+        """Issue one of the group's all-gathers (None where the shard group is one rank)."""
+        return (all_gather_into(ag_output, ag_input, self.info, self.where, self.custom_all_gather)
+                if self.world_size > 1 else None)
+
+    def _packed(self, per_parameter: Sequence[_T]) -> Sequence[_T]:
+        """The entries of ``per_parameter`` (one per parameter of the group) of the packed ones
+        (``packed_indices``): all of them unless some are gathered apart."""
+        if self.extension is None:
+            return per_parameter
+        return [per_parameter[i] for i in self.packed_indices]
 
     def _issue_extension_gather(self) -> PendingExtensionGather:
         """Run the extension parameters' pre-all-gathers, pack their inputs and issue their
@@ -749,11 +760,8 @@ class ParamGroup:
         assert extension is not None
         with region(self.regions.all_gather_copy_in), _NoGrad():
             locals_ = self._gathered_apart()
-            ag_input, ag_output, inputs, metadata, slot_bytes = extension.pack(
-                locals_, self.rank, self.world_size, self._shard_mesh(), self.mp.torch_policy())
-        work = (all_gather_into(ag_output, ag_input, self.info, self.where, self.custom_all_gather)
-                if self.world_size > 1 else None)
-        return PendingExtensionGather(work, ag_output, inputs, metadata, slot_bytes)
+            ag_input, ag_output, inputs, metadata, slot_bytes = extension.pack(locals_, self.rank, self.world_size)
+        return PendingExtensionGather(self._all_gather(ag_output, ag_input), ag_output, inputs, metadata, slot_bytes)
 
     def _finish_extension_gather(self, pending: PendingExtensionGather) -> None:
         """Unpack the extension parameters' all-gather (waited for) into their all-gather outputs and
@@ -776,13 +784,6 @@ class ParamGroup:
         assert extension is not None
         return [OwnDtypeRows(self.local_rows(i)) if i in self.own_dtype else self.sharded[i]._local_tensor
                 for i in extension.indices]
-
-    def _shard_mesh(self) -> DeviceMesh:
-        """The 1-D mesh the shards are spread over (HSDP: the 2-D mesh's shard dim)."""
-        if self.mesh.ndim == 1:
-            return self.mesh
-        names = self.mesh.mesh_dim_names
-        return self.mesh[names[1]] if names else DeviceMesh.from_group(self.info.pg, self.mesh.device_type)
 
     def shard_rows(self) -> list[torch.Tensor]:
         """``local_rows`` of every parameter, in order: one C-level pass (0-dim ones fixed up after)."""
@@ -892,9 +893,7 @@ class ParamGroup:
         if self._unsharded_storage is not None:  # None: every parameter is an extension one
             with region(self.regions.all_gather_copy_in), _NoGrad():
                 self._allocate_unsharded_storage()
-                shards = list(map(_LOCAL, self.sharded))
-                if self.extension is not None:
-                    shards = [shards[i] for i in self.packed_indices]
+                shards = self._packed(list(map(_LOCAL, self.sharded)))
                 # [Note: a gather bumps no version counter]
                 torch._foreach_copy_(self._unsharded_fill, shards)  # type: ignore[attr-defined]
         self.is_unsharded = True
@@ -1793,6 +1792,9 @@ _SPEC = attrgetter("_spec")
 _VERSION = attrgetter("_version")
 _LOCAL_VERSION = attrgetter("_local_tensor._version")
 _LOCAL = attrgetter("_local_tensor")
+_T = TypeVar("_T")
+_NOTHING = torch.empty(0)
+"""The fused all-gather's buffer where nothing is packed (every parameter gathered apart): never read."""
 _REQUIRES_GRAD = attrgetter("requires_grad")
 _POST_ACCUMULATE_GRAD_HOOKS = attrgetter("_post_accumulate_grad_hooks")
 

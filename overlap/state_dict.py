@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import overlap_kernels
 from overlap.collectives import all_gather_into
+from overlap.gather_extension import has_extension
 from overlap.param_group import ParamGroup, _dtensor, tp_dtensor, widest_dtype
 from overlap.sharding import sharded_states
 
@@ -56,7 +57,7 @@ def _gather_full(group: ParamGroup) -> list[torch.Tensor]:
     them), with one fused all-gather for the whole group. A group with all-gather extension
     parameters goes through DTensor, as torch's state-dict utilities do: the subclass says what its
     full value is."""
-    if group.extension is not None:
+    if any(has_extension(p._local_tensor) for p in group.sharded):
         return [p.full_tensor() for p in group.sharded]
     ag_input, ag_output = overlap_kernels.all_gather_copy_in(
         group.shard_rows(), group.layout, group.rank, widest_dtype(group.orig_dtypes))

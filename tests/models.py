@@ -118,6 +118,21 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class NormedMLP(nn.Module):
+    """A residual block, LayerNorm then Linear ``width`` -> ``2 width``, ``activation``, Linear back:
+    the side-by-side tests' small block (``up`` and ``down`` are what weight subclasses replace)."""
+
+    def __init__(self, width: int, activation: Callable[[torch.Tensor], torch.Tensor] = torch.tanh) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.activation = activation
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(self.activation(self.up(self.norm(h))))
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block; all parameters live in standard layers (``reset_parameters``)."""
 

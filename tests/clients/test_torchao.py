@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import overlap
-from models import SEED, assert_same_run, run_of, train_unfrozen
+from models import SEED, NormedMLP, assert_same_run, run_of, train_unfrozen
 
 float8 = pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install -e '.[test]' installs it)")
 
@@ -44,21 +44,10 @@ STEPS = 3
 WIDTH = 32  # float8 matmuls want multiples of 16
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.up = nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.relu(self.up(self.norm(h))))
-
-
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(NormedMLP(WIDTH, torch.relu) for _ in range(2))
         self.out = nn.LayerNorm(WIDTH)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -67,10 +56,10 @@ class Net(nn.Module):
         return self.out(h)
 
 
-def _train(runtime: str, world: int, rank: int, precompute: bool) -> dict[str, Any]:
+def _float8_model(runtime: str, world: int, seed: int) -> Net:
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = float8.convert_to_float8_training(
         Net(), config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True))
     mesh = init_device_mesh("cpu", (world,))
@@ -78,10 +67,16 @@ def _train(runtime: str, world: int, rank: int, precompute: bool) -> dict[str, A
     for block in model.blocks:
         shard(block, mesh=mesh)
     shard(model, mesh=mesh)
+    return model
+
+
+def _float8_run(model: nn.Module, data_rank: int, precompute: bool) -> dict[str, Any]:
+    """``STEPS`` AdamW steps of a sharded float8 model on ``data_rank``'s batches, scales precomputed
+    after each step if ``precompute``: the run (``run_of``) and each parameter's local tensor type."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
-        x = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
+        x = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(100 * step + data_rank))
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
@@ -92,6 +87,10 @@ def _train(runtime: str, world: int, rank: int, precompute: bool) -> dict[str, A
     out = run_of(losses, model)
     out["kinds"] = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
     return out
+
+
+def _train(runtime: str, world: int, rank: int, precompute: bool) -> dict[str, Any]:
+    return _float8_run(_float8_model(runtime, world, SEED), rank, precompute)
 
 
 LORA_WIDTH, RANK = 256, 8  # NF4 quantizes in blocks of 64 values, its scales in blocks of 256
@@ -149,20 +148,6 @@ def test_torchao_weights_train_bitwise_as_under_fsdp2(distributed) -> None:
             assert ours["kinds"] == fsdp2["kinds"], (ours["kinds"], fsdp2["kinds"])
             weight = "0.weight" if what == "qlora" else "blocks.0.up.weight"
             assert ours["kinds"][weight] == ("NF4Tensor" if what == "qlora" else "WeightWithDynamicFloat8CastTensor")
-
-
-def _float8_model(runtime: str, world: int, seed: int) -> Net:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    model = float8.convert_to_float8_training(
-        Net(), config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True))
-    mesh = init_device_mesh("cpu", (world,))
-    shard = overlap.fully_shard if runtime == "overlap" else fully_shard
-    for block in model.blocks:
-        shard(block, mesh=mesh)
-    shard(model, mesh=mesh)
-    return model
 
 
 def _checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -225,18 +210,7 @@ def _float8_tensor_parallel(rank: int, world: int) -> dict[str, Any]:
         for block in model:
             shard(block, mesh=mesh["dp"])
         shard(model, mesh=mesh["dp"])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(STEPS):
-            x = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank // 2))  # per dp rank
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            float8.precompute_float8_dynamic_scale_for_fsdp(model)
-            losses.append(loss.detach())
-        out[runtime] = run_of(losses, model)
-        out[runtime]["kinds"] = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
+        out[runtime] = _float8_run(model, rank // 2, precompute=True)  # a batch per dp rank
     return out
 
 

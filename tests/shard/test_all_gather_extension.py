@@ -34,7 +34,7 @@ import overlap
 from conftest import requires_cuda
 from overlap.testing import run_distributed
 from gather_extensions import Int8Gathered, gathered_weights, row_int8
-from models import SEED, assert_same_run, run_of
+from models import SEED, NormedMLP, assert_same_run, run_of
 
 pytestmark = pytest.mark.torch_kernels  # training loops: packing by the torch fallback (conftest)
 
@@ -42,21 +42,10 @@ STEPS = 3
 WIDTH = 8
 
 
-class Block(nn.Module):
-    def __init__(self, width: int = WIDTH) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.tanh(self.up(self.norm(h))))
-
-
 class Net(nn.Module):
     def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
+        self.blocks = nn.ModuleList(NormedMLP(width) for _ in range(2))
         self.head = nn.Linear(width, 4)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import overlap
-from models import SEED, assert_same_run, run_of
+from models import SEED, NormedMLP, assert_same_run, run_of
 from scheduler.torch_versions import TORCH_VERSION
 
 pytestmark = [pytest.mark.torch_kernels,  # training loops: packing by the torch fallback (conftest)
@@ -30,12 +30,11 @@ pytestmark = [pytest.mark.torch_kernels,  # training loops: packing by the torch
 STEPS, WIDTH = 3, 8
 
 
-class Block(nn.Module):
+class Block(NormedMLP):
+    """The norm computes in float32 whatever the linears' dtype."""
+
     def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.up = nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = nn.Linear(2 * WIDTH, WIDTH)
+        super().__init__(WIDTH)
         for p in self.norm.parameters():
             p.keep_own_dtype = True  # read by _keep_norms
 
