@@ -27,7 +27,11 @@ argument                     here
 ``offload_policy``           the default ``OffloadPolicy()`` only; ``CPUOffloadPolicy`` raises
                              NotImplementedError (use torch's fully_shard for CPU offload)
 ``ignored_params``           not sharded, not moved, gradients not reduced (as FSDP2)
-``dp_mesh_dims`` (2.13+)     raises NotImplementedError unless None (pass the data-parallel sub-mesh)
+``dp_mesh_dims`` (2.13+)     as FSDP2: ``mesh`` is then the full SPMD mesh the parameters are
+                             DTensors on, sharded over its ``shard`` dims (several: flattened),
+                             replicated over its ``replicate`` dims (HSDP); a replicate-only
+                             ``DataParallelMeshDims`` raises NotImplementedError ([Note: sharding
+                             on a full SPMD mesh] in ``overlap/spmd_mesh.py``)
 ``prefetch``,                this runtime's own options (``overlap.shard``'s), keyword-only
 ``max_inflight_bytes``,
 ``compress``                 (``overlap.Compression``: int8/fp8 all-gathers and reductions, [Note:
@@ -53,6 +57,7 @@ from overlap.compression import Compression, check_compression
 from overlap.mixed_precision import MixedPrecision
 from overlap.eager_hooks import eager_hook
 from overlap.optimizer_check import MARK
+from overlap.spmd_mesh import resolve_spmd_mesh
 from overlap.sharding import ShardedModule, _cast_floating, _check_options, _shard
 from scheduler.torch_versions import TORCH_VERSION
 
@@ -216,9 +221,7 @@ def fully_shard(
     modules = _modules(module)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
-    if dp_mesh_dims is not None:
-        raise NotImplementedError("fully_shard: dp_mesh_dims is not supported by overlap; pass the data-parallel "
-                                  "sub-mesh as mesh= (e.g. mesh['dp'], or mesh['replicate', 'shard'] for HSDP)")
+    spmd = resolve_spmd_mesh(mesh, dp_mesh_dims) if dp_mesh_dims is not None else None
     mp = _mixed_precision(mp_policy)
     _check_offload(offload_policy)
     if ignored_params is not None and not (isinstance(ignored_params, (set, frozenset, list, tuple))
@@ -228,14 +231,14 @@ def fully_shard(
     ignored = frozenset(id(p) for p in ignored_params or ())
     mp = _gradient_dtype_default(mp, mp_policy, modules, ignored)
     own_dtype = _kept_in_own_dtype(mp_policy, modules, ignored)
-    reshard = _reshard_after_forward(reshard_after_forward, mesh)
+    reshard = _reshard_after_forward(reshard_after_forward, mesh if spmd is None else spmd.dp_mesh)
     for member in modules:
         _check_options(member, mp, reshard, prefetch, max_inflight_bytes, caller="fully_shard")
     _check_placements(modules, shard_placement_fn, ignored)
     check_compression(compress, "fully_shard")
-    _shard(modules, group=None, mesh=mesh, mp=mp, reshard_after_forward=reshard, prefetch=prefetch,
-           max_inflight_bytes=max_inflight_bytes, ignored_params=ignored, caller="fully_shard", compress=compress,
-           own_dtype_params=own_dtype)
+    _shard(modules, group=None, mesh=mesh if spmd is None else spmd.dp_mesh, mp=mp, reshard_after_forward=reshard,
+           prefetch=prefetch, max_inflight_bytes=max_inflight_bytes, ignored_params=ignored, caller="fully_shard", compress=compress,
+           own_dtype_params=own_dtype, spmd=spmd)
     if mp is not None and mp.output_dtype is not None:
         # FSDP2 casts every sharded module's output (overlap.shard: the root's only).
         output_dtype = mp.output_dtype

@@ -84,6 +84,9 @@ all-reduce over the TP dim, as FSDP2 does; then its local tensor is reduce-scatt
 Compressed collectives (``compress=``) apply to exactly these dp collectives of the local tensors,
 as to plain parameters; the TP ones stay exact ([Note: compressed collectives] in
 ``overlap/compression.py``).
+Parameters that are DTensors on a full SPMD mesh (FSDP2's ``dp_mesh_dims``) take this path too,
+their sharded spec on that mesh and their gradient left ``Partial()`` over its data-parallel dims
+([Note: sharding on a full SPMD mesh] in ``overlap/spmd_mesh.py``).
 
 [Note: unsharded parameters keep their identity]
 Autograd saves the unsharded parameters used in forward (e.g. a linear's weight) and reads them in
@@ -171,6 +174,7 @@ from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
 from overlap.regions import ModuleRegions, region
 from overlap.streams import comm_stream
+from overlap.spmd_mesh import SpmdMesh
 
 __all__ = ["ParamGroup", "ParamLocation", "PendingGather", "PendingReduce", "tp_dtensor", "widest_dtype"]
 
@@ -243,6 +247,7 @@ class ParamGroup:
         replicate: Optional[GroupInfo] = None,
         compression: Optional[Compression] = None,
         own_dtype: frozenset[int] = frozenset(),
+        spmd: Optional[SpmdMesh] = None,
     ) -> None:
         self.info = info
         self.reduce_info = info
@@ -316,6 +321,10 @@ class ParamGroup:
         """Per parameter, its tensor-parallel DTensor spec (None: a plain parameter); see [Note:
         sharding tensor-parallel parameters]."""
         self.has_tp_params = any(spec is not None for spec in self.tp_specs)  # some are TP DTensors
+        self.spmd = spmd
+        """The full SPMD mesh every parameter is a DTensor on (FSDP2's ``dp_mesh_dims``), None without
+        one; its parameters' specs are in ``tp_specs`` ([Note: sharding on a full SPMD mesh] in
+        ``overlap/spmd_mesh.py``)."""
         self._unsharded_getters: Callable[[], contextlib.AbstractContextManager] = (
             contextlib.nullcontext if self.has_tp_params or not _PARAMETER_HAS_NO_TORCH_FUNCTION
             else torch._C.DisableTorchFunctionSubclass)
@@ -407,6 +416,9 @@ class ParamGroup:
             mesh = self.mesh
             tp_placements: tuple[Placement, ...] = ()
             meta = TensorMeta(full.shape, _contiguous_strides(full.shape), full.dtype)
+        elif self.spmd is not None:
+            return nn.Parameter(DTensor(local, self.spmd.sharded_spec(tp_spec), requires_grad=False),
+                                requires_grad=requires_grad)
         else:
             split = tp_spec.num_shards_map[0] if full.dim() else 1
             if split > 1:  # this mesh's rows interleave with the TP dim's shards of dim 0
@@ -659,12 +671,14 @@ class ParamGroup:
         wider than the parameter's, else None: ``reduce_dtype`` for a tensor-parallel parameter
         replicated over a TP dim, whose ``Partial()`` gradient is all-reduced over that dim before
         the data-parallel reduce-scatter ([Note: sharding tensor-parallel parameters]), so that this
-        reduction too runs in ``reduce_dtype`` (as FSDP2 does from torch 2.15)."""
+        reduction too runs in ``reduce_dtype`` (as FSDP2 does from torch 2.15); on a full SPMD mesh
+        its data-parallel dims do not count (the reduce-scatter reduces there)."""
         spec, reduce_dtype = self.tp_specs[index], self.mp.effective_reduce_dtype
         dtype = self._unsharded_dtype(index)
+        data_parallel = self.spmd.dp_dims if self.spmd is not None else ()
         if (spec is None or reduce_dtype is None or not dtype.is_floating_point
                 or reduce_dtype.itemsize <= dtype.itemsize
-                or not any(isinstance(p, Replicate) for p in spec.placements)):
+                or not any(isinstance(p, Replicate) for i, p in enumerate(spec.placements) if i not in data_parallel)):
             return None
         return reduce_dtype
 
@@ -924,15 +938,18 @@ class ParamGroup:
         """Parameter ``index``'s unsharded gradient as the tensor to reduce: a tensor-parallel
         parameter's local gradient, first redistributed to the parameter's own placements where
         autograd left it otherwise (a ``Partial()`` gradient of a replicated parameter, e.g. a norm
-        under sequence parallelism: an all-reduce over the TP dim, as FSDP2 does)."""
+        under sequence parallelism: an all-reduce over the TP dim, as FSDP2 does); on a full SPMD
+        mesh, on its non-data-parallel dims only (``SpmdMesh.grad_placements``)."""
         grad = self.unsharded[index].grad if self.unsharded is not None else None
         spec = self.tp_specs[index]
         if grad is None or spec is None:
             return grad
         if isinstance(grad, AsyncCollectiveTensor):
             grad = grad.wait()
-        if tuple(grad.placements) != tuple(spec.placements):
-            grad = grad.redistribute(placements=spec.placements)
+        placements = tuple(grad.placements)
+        target = tuple(spec.placements) if self.spmd is None else self.spmd.grad_placements(placements, spec.placements)
+        if placements != target:
+            grad = grad.redistribute(placements=target)
         return grad._local_tensor
 
     def _reduce_layout(self, indices: tuple[int, ...]) -> ShardLayout:

@@ -221,6 +221,7 @@ from overlap.profiler.records import BUDGET_LABEL
 from overlap.regions import ModuleRegions, region
 from overlap.schedule_verification import ScheduleTrial
 from overlap.streams import comm_stream
+from overlap.spmd_mesh import SpmdMesh, check_spmd_params
 from scheduler import schedule_trial
 from scheduler.schedule_trial import Plan, ScheduleDecision, Verdict
 from scheduler.step_floor import StepFloor, step_floor
@@ -1922,12 +1923,15 @@ def shard(
 def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[MixedPrecision],
            reshard_after_forward: bool, prefetch: Union[int, str], max_inflight_bytes: Optional[int],
            ignored_params: frozenset[int] = frozenset(), caller: str = "shard",
-           compress: Optional[Compression] = None, own_dtype_params: frozenset[int] = frozenset()) -> nn.Module:
+           compress: Optional[Compression] = None, own_dtype_params: frozenset[int] = frozenset(),
+           spmd: Optional[SpmdMesh] = None) -> nn.Module:
     """``shard``'s body, for one module or for the modules of one ``fully_shard([a, b])`` call
     (options checked by the caller): their parameters, outside ``ignored_params`` (ids), become one
     group, all-gathered when the first of them runs and resharded after the last (see
     ``ShardState.member_pre_forward``). ``own_dtype_params`` (ids): parameters computed in their own
-    dtype instead of ``mp.param_dtype`` (FSDP2's ``param_dtype_override_fn``). Returns ``modules[0]``."""
+    dtype instead of ``mp.param_dtype`` (FSDP2's ``param_dtype_override_fn``). ``spmd``: the parameters
+    are DTensors on that full SPMD mesh and ``mesh`` is its ``dp_mesh`` ([Note: sharding on a full SPMD
+    mesh] in ``overlap/spmd_mesh.py``). Returns ``modules[0]``."""
     module = modules[0]
     if group is not None and mesh is not None:
         raise ValueError(f"{caller}: pass group or mesh, not both")
@@ -1960,7 +1964,10 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
     else:
         info = resolve_group(mesh if mesh is not None else group, "mesh" if mesh is not None else "group")
     mp = mp or MixedPrecision()
-    _check_tensor_parallel_params(module, params, locations, mesh)
+    if spmd is not None:
+        check_spmd_params(spmd, params, [locs[0].fqn for locs in locations], caller)
+    else:
+        _check_tensor_parallel_params(module, params, locations, mesh)
     floating = all(p.is_floating_point() for p in params)
     if mp.param_dtype is not None and not floating:
         bad = [locs[0].fqn for p, locs in zip(params, locations) if not p.is_floating_point()]
@@ -1979,8 +1986,8 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
     else:
         dtensor_mesh = device_mesh_for(mesh if mesh is not None else group, info, _mesh_device_type(device, info))
     param_group = ParamGroup(params, locations, info, dtensor_mesh, mp, on_grad_ready, replicate, compress,
-                             own_dtype=frozenset(i for i, p in enumerate(params) if id(p) in own_dtype_params)
-                             ) if params else None
+                             own_dtype=frozenset(i for i, p in enumerate(params) if id(p) in own_dtype_params),
+                             spmd=spmd) if params else None
     if param_group is not None:
         for original, sharded, fqn in zip(params, param_group.sharded, param_group.fqns):
             original._overlap_sharded_by = param_group  # type: ignore[attr-defined]

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import overlap_kernels
 import overlap
 import scheduler
+from scheduler.torch_versions import TORCH_VERSION
 from fx_graphs import acceptance_graph, names
 from overlap_kernels import ShardLayout
 
@@ -343,8 +344,11 @@ MATRIX: dict[str, Bad] = {
                                            NotImplementedError, "shard_placement_fn", "return None or Shard(0)"),
     "fully_shard placement fn not callable": Bad(lambda e: overlap.fully_shard(e.model, shard_placement_fn=0),
                                                  TypeError, "shard_placement_fn", "None or a callable"),
-    "fully_shard dp_mesh_dims": Bad(lambda e: overlap.fully_shard(e.model, dp_mesh_dims=object()),
-                                    NotImplementedError, "dp_mesh_dims", "pass the data-parallel sub-mesh"),
+    "fully_shard dp_mesh_dims not a DataParallelMeshDims": (
+        Bad(lambda e: overlap.fully_shard(e.model, dp_mesh_dims=object()), TypeError, "dp_mesh_dims",
+            "torch.distributed.fsdp.DataParallelMeshDims or None") if TORCH_VERSION >= (2, 13) else
+        Bad(lambda e: overlap.fully_shard(e.model, dp_mesh_dims=object()), NotImplementedError, "dp_mesh_dims",
+            "torch 2.13 or later")),
     "fully_shard mp_policy a dtype": Bad(lambda e: overlap.fully_shard(e.model, mp_policy=bf16), TypeError,
                                          "mp_policy", "MixedPrecisionPolicy or an overlap.MixedPrecision"),
     "fully_shard reshard a str": Bad(lambda e: overlap.fully_shard(e.model, reshard_after_forward="yes"), ValueError,
