@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
-from typing import Any, TYPE_CHECKING, Iterator, Optional, Sequence
+import time
+from typing import Any, Callable, TYPE_CHECKING, Iterator, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -120,6 +122,35 @@ def mlp_step(mode: str, blocks: int, dim: int, x: torch.Tensor, optimizer_in_bac
     step = TrainStep(lambda _: model(x).square().mean(), optimizer, context)
     step.model = model  # type: ignore[attr-defined]
     return step
+
+
+def interleaved_rounds(steps: dict[str, Callable[[], torch.Tensor]], warmup: int, timed: int
+                       ) -> dict[str, dict[str, list]]:
+    """Run every step of ``steps`` (label -> a training step returning its loss) in turn, round by
+    round, ``warmup`` untimed rounds then ``timed`` timed ones: per label, its host seconds per timed
+    round (``"step"``) and its losses of every round (``"losses"``)."""
+    out: dict[str, dict[str, list]] = {label: {"step": [], "losses": []} for label in steps}
+    for i in range(warmup + timed):
+        for label, step in steps.items():
+            start = time.perf_counter()
+            loss = step()
+            elapsed = time.perf_counter() - start
+            out[label]["losses"].append(loss)
+            if i >= warmup:
+                out[label]["step"].append(elapsed)
+    return out
+
+
+def slowest_rank_medians(results: Sequence[dict], labels: Sequence[str], timed: int) -> dict[str, float]:
+    """Per label, the median over the timed rounds of the slowest rank's step seconds
+    (``results``: each rank's :func:`interleaved_rounds` entries by label)."""
+    return {label: statistics.median(max(r[label]["step"][i] for r in results) for i in range(timed))
+            for label in labels}
+
+
+def same_losses(results: Sequence[dict], a: str, b: str) -> bool:
+    """Whether labels ``a`` and ``b`` had bitwise equal losses on every rank."""
+    return all(torch.equal(torch.stack(r[a]["losses"]), torch.stack(r[b]["losses"])) for r in results)
 
 
 # ------------------------------------------------------------------------------------ paired steps

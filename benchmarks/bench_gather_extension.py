@@ -19,13 +19,12 @@ overlap.shard and FSDP2 are checked bitwise equal per way.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
-from _common import mlp, mlp_parser, parse, rank_input  # first: sys.path
+from _common import mlp, mlp_parser, parse, rank_input, same_losses, slowest_rank_medians  # first: sys.path
 from overlap.demo.training import calibrate_link, make_optimizer, shard_for_mode
 from overlap.testing import emulated_link, run_distributed
 from report import emit
@@ -122,14 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(p, argv)
     results = run_distributed(_rank, args.world_size, args, timeout=1800)
     labels = [_label(*m) for m in MODES]
-    median = {label: statistics.median(max(r[label]["step"][i] for r in results) for i in range(args.steps))
-              for label in labels}
+    median = slowest_rank_medians(results, labels, args.steps)
     base = median[_label("overlap", False)]
     rows = []
     for (runtime, float8_gather), label in zip(MODES, labels):
         gathered, reduced = results[0][label]["bytes"][-1]
         other = _label("fsdp2" if runtime == "overlap" else "overlap", float8_gather)
-        same = all(torch.equal(torch.stack(r[label]["losses"]), torch.stack(r[other]["losses"])) for r in results)
+        same = same_losses(results, label, other)
         rows.append([label, f"{median[label] * 1e3:.1f}", f"{median[label] / base:.2f}x",
                      f"{gathered / 2 ** 20:.2f}", f"{reduced / 2 ** 20:.2f}", "yes" if same else "NO"])
     emit(f"torchao float8 training, {args.world_size} CPU ranks (gloo), {args.blocks} MLP blocks of width {args.dim}, "

@@ -21,13 +21,13 @@ checked bitwise equal per runtime.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
-from _common import mlp, mlp_parser, mlp_step, parse, rank_input  # first: sys.path
+from _common import (interleaved_rounds, mlp, mlp_parser, mlp_step, parse, rank_input,  # first: sys.path
+                     same_losses, slowest_rank_medians)
 from overlap.demo.training import calibrate_link, make_optimizer, shard_for_mode
 from overlap.testing import emulated_link, run_distributed
 from report import emit
@@ -71,16 +71,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     gbps = args.link_gbps or calibrate_link(mlp_step("overlap", args.blocks, args.dim, x), args.latency_us)
     modes = _modes()
     steps = {label: _step(runtime, manual, args, x) for label, runtime, manual in modes}
-    out: dict[str, Any] = {label: {"step": [], "losses": []} for label, _, _ in modes}
     with emulated_link(gbps, args.latency_us):
-        for i in range(args.warmup + args.steps):
-            for label, _, _ in modes:
-                start = time.perf_counter()
-                loss = steps[label]()
-                elapsed = time.perf_counter() - start
-                out[label]["losses"].append(loss)
-                if i >= args.warmup:
-                    out[label]["step"].append(elapsed)
+        out: dict[str, Any] = interleaved_rounds(steps, args.warmup, args.steps)
     out["gbps"] = gbps
     out["modes"] = [label for label, _, _ in modes]
     return out
@@ -93,13 +85,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(p, argv)
     results = run_distributed(_rank, args.world_size, args, timeout=900)
     modes = results[0]["modes"]
-    median = {label: statistics.median(max(r[label]["step"][i] for r in results) for i in range(args.steps))
-              for label in modes}
+    median = slowest_rank_medians(results, modes, args.steps)
     rows = []
     for label in modes:
         runtime = label.split(",")[0]
         automatic = f"{runtime}, automatic"
-        same = all(torch.equal(torch.stack(r[label]["losses"]), torch.stack(r[automatic]["losses"])) for r in results)
+        same = same_losses(results, label, automatic)
         rows.append([label, f"{median[label] * 1e3:.1f}", f"{median[label] / median[automatic]:.2f}x",
                      f"{median[label] / median['torch FSDP2, automatic']:.2f}x", "yes" if same else "NO"])
     emit(f"Host work between backward and the optimizer step ({args.host_ms:g} ms), {args.world_size} CPU ranks "

@@ -98,6 +98,7 @@ RECIPES = {
     "reduce_input_cap": "set_reduce_scatter_max_input_buffers(1) on the root (FSDP2: where its torch has it, 2.15)",
     "manual_finalization": "set_manual_backward_finalization(True) on the root; two micro-batches under no_sync, then "
                            "sync on and finalize_backward() (FSDP2 where its torch has it, 2.15; else no_sync's loop)",
+    "shard_dim1": "shard_placement_fn: each matrix sharded on dim 1 (Shard(1)), the vectors on dim 0",
     "foreach": "AdamW(foreach=True)",
     "optimizer_in_backward": "one AdamW per parameter, stepped in its post-accumulate-grad hook",
     "embedding_left_sharded": "the position embedding sharded on its own, set_unshard_in_backward(False)",
@@ -160,6 +161,10 @@ def _build(runtime: str, recipe: str, world: int, mixed: bool = False) -> torch.
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if recipe == "shard_dim1":
+        from torch.distributed.tensor import Shard
+
+        kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.dim() == 2 else None
     if recipe == "embedding_left_sharded":  # its backward reads the indices only
         fully_shard(model.pos, mesh=mesh, **kwargs)
         model.pos.set_unshard_in_backward(False)

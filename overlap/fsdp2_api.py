@@ -15,8 +15,10 @@ argument                     here
                              int equal to the shard size = True, 1 = False (as FSDP2 maps them);
                              any other divisor raises NotImplementedError (resharding to a smaller
                              group: use True or False)
-``shard_placement_fn``       called per parameter; ``None`` or ``Shard(0)`` is honoured, any other
-                             placement raises NotImplementedError naming the parameter
+``shard_placement_fn``       called per parameter; ``None`` or ``Shard(dim)`` as FSDP2 ([Note:
+                             sharding on another dim] in ``overlap/dim_sharding.py``); any other
+                             placement, or ``Shard(dim > 0)`` with ``compress=`` or on a parameter
+                             gathered apart, raises NotImplementedError naming the parameter
 ``mp_policy``                torch's ``MixedPrecisionPolicy`` (or ``overlap.MixedPrecision``);
                              ``output_dtype`` casts every sharded module's output, as in FSDP2;
                              ``reduce_dtype=None`` means what it means to the installed torch's
@@ -51,11 +53,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from overlap.compression import Compression, check_compression
 from overlap.mixed_precision import MixedPrecision
 from overlap.eager_hooks import eager_hook
+from overlap.gather_extension import has_extension
 from overlap.optimizer_check import MARK
 from overlap.spmd_mesh import resolve_spmd_mesh
 from overlap.sharding import ShardedModule, _cast_floating, _check_options, _shard
@@ -170,19 +173,43 @@ def _reshard_after_forward(value: object, mesh: Optional[DeviceMesh]) -> bool:
                               f"ranks) or False (keep the parameters unsharded until backward)")
 
 
-def _check_placements(modules: list[nn.Module], shard_placement_fn: object, ignored: frozenset[int]) -> None:
+def _shard_dims(modules: list[nn.Module], shard_placement_fn: object, ignored: frozenset[int],
+                own_dtype: frozenset[int], compress: Optional[Compression]) -> dict[int, int]:
+    """``shard_placement_fn``'s placements, checked: by parameter ``id``, the dim of each ``Shard(d)``
+    with ``d`` > 0 (a negative ``d`` counts from the end, as in FSDP2); ``None`` and ``Shard(0)`` are
+    dim 0 and not listed. What the runtime cannot shard on another dim raises, naming the parameter
+    ([Note: sharding on another dim] in ``overlap/dim_sharding.py``)."""
     if shard_placement_fn is None:
-        return
+        return {}
     if not callable(shard_placement_fn):
         raise TypeError(f"fully_shard: shard_placement_fn must be None or a callable, got "
                         f"{type(shard_placement_fn).__name__}")
+    dims: dict[int, int] = {}
     for name, p in _managed(modules, ignored):
         placement = shard_placement_fn(p)
-        if placement is None or (type(placement) is Shard and placement.dim == 0):
+        if placement is None:
             continue
-        raise NotImplementedError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter "
-                                  f"{name!r}; overlap shards every parameter on dim 0 (return None or "
-                                  f"Shard(0), or use torch's fully_shard for other placements)")
+        if type(placement) is not Shard:
+            raise NotImplementedError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter "
+                                      f"{name!r}; overlap shards on a dim: return None or Shard(dim)")
+        ndim = p.dim()
+        dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+        if not 0 <= dim < max(ndim, 1):
+            raise ValueError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter {name!r} of "
+                             f"{ndim} dims; the dim must be in [-{ndim}, {ndim})")
+        if dim == 0:
+            continue
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        if has_extension(local) or id(p) in own_dtype:
+            raise NotImplementedError(f"fully_shard: parameter {name!r} is gathered apart (FSDP2's all-gather "
+                                      f"extension or param_dtype_override_fn) and sharded on dim {dim}; overlap "
+                                      f"shards those on dim 0 (return None or Shard(0) for it)")
+        if compress is not None and compress.any:
+            raise NotImplementedError(f"fully_shard: parameter {name!r} is sharded on dim {dim} with compress=; "
+                                      f"compressed collectives shard on dim 0 (return None or Shard(0), or pass "
+                                      f"compress=None)")
+        dims[id(p)] = dim
+    return dims
 
 
 def _modules(module: object) -> list[nn.Module]:
@@ -234,11 +261,11 @@ def fully_shard(
     reshard = _reshard_after_forward(reshard_after_forward, mesh if spmd is None else spmd.dp_mesh)
     for member in modules:
         _check_options(member, mp, reshard, prefetch, max_inflight_bytes, caller="fully_shard")
-    _check_placements(modules, shard_placement_fn, ignored)
     check_compression(compress, "fully_shard")
+    shard_dims = _shard_dims(modules, shard_placement_fn, ignored, own_dtype, compress)
     _shard(modules, group=None, mesh=mesh if spmd is None else spmd.dp_mesh, mp=mp, reshard_after_forward=reshard,
            prefetch=prefetch, max_inflight_bytes=max_inflight_bytes, ignored_params=ignored, caller="fully_shard", compress=compress,
-           own_dtype_params=own_dtype, spmd=spmd)
+           own_dtype_params=own_dtype, spmd=spmd, shard_dims=shard_dims)
     if mp is not None and mp.output_dtype is not None:
         # FSDP2 casts every sharded module's output (overlap.shard: the root's only).
         output_dtype = mp.output_dtype

@@ -174,6 +174,7 @@ from overlap.inflight_work import InflightWork
 from overlap.mixed_precision import MixedPrecision
 from overlap.regions import ModuleRegions, region
 from overlap.streams import comm_stream
+from overlap.dim_sharding import full_to_rows, own_chunk, rows_shape, rows_to_full
 from overlap.spmd_mesh import SpmdMesh
 
 __all__ = ["ParamGroup", "ParamLocation", "PendingGather", "PendingReduce", "tp_dtensor", "widest_dtype"]
@@ -248,6 +249,7 @@ class ParamGroup:
         compression: Optional[Compression] = None,
         own_dtype: frozenset[int] = frozenset(),
         spmd: Optional[SpmdMesh] = None,
+        shard_dims: Optional[dict[int, int]] = None,
     ) -> None:
         self.info = info
         self.reduce_info = info
@@ -332,7 +334,14 @@ class ParamGroup:
         parallelism made them DTensors."""
         self._spmd_meshes: dict[int, DeviceMesh] = {}
         data = [_local(p) for p in params]  # what this group shards: a TP parameter's local tensor
-        self.layout = ShardLayout([tuple(t.shape) for t in data], info.size)
+        self.shard_dims: dict[int, int] = dict(shard_dims or {})
+        """Per parameter sharded on a dim other than 0 (FSDP2's ``shard_placement_fn``), that dim; the
+        layout holds it in its rows form ([Note: sharding on another dim] in ``overlap/dim_sharding.py``)."""
+        self.dim_sharded = tuple(sorted(self.shard_dims))
+        self.param_shapes = [tuple(t.shape) for t in data]
+        """Each parameter's (local tensor's) full shape; the layout's, except for ``dim_sharded``."""
+        self.layout = ShardLayout([rows_shape(t.shape, self.shard_dims[i]) if i in self.shard_dims else tuple(t.shape)
+                                   for i, t in enumerate(data)], info.size)
         self.own_dtype = own_dtype
         """Positions of the parameters computed in their own dtype instead of ``mp.param_dtype``
         (FSDP2's ``param_dtype_override_fn``): gathered beside the fused all-gather, exactly."""
@@ -358,8 +367,8 @@ class ParamGroup:
         self._on_grad_ready = on_grad_ready
         self.scalar_indices = tuple(i for i, t in enumerate(data) if t.dim() == 0)
         with torch.no_grad():
-            self.sharded: list[nn.Parameter] = [self._to_dtensor_param(t, spec, p.requires_grad)
-                                                for t, spec, p in zip(data, self.tp_specs, params)]
+            self.sharded: list[nn.Parameter] = [self._to_dtensor_param(t, spec, p.requires_grad, self.shard_dims.get(i, 0))
+                                                for i, (t, spec, p) in enumerate(zip(data, self.tp_specs, params))]
         self.unsharded: Optional[list[nn.Parameter]] = None  # created at the first gather (device known then)
         self._unsharded_fill: tuple[torch.Tensor, ...] = ()
         """Tensors over the unsharded parameters' memory, with version counters of their own: what a
@@ -407,22 +416,27 @@ class ParamGroup:
         self.to_sharded()
 
     def _to_dtensor_param(self, full: torch.Tensor, tp_spec: Optional[DTensorSpec],
-                          requires_grad: bool) -> nn.Parameter:
+                          requires_grad: bool, dim: int = 0) -> nn.Parameter:
         """This rank's rows of ``full`` (a plain parameter, or a tensor-parallel parameter's local
-        tensor) as a sharded DTensor parameter (see [Note: sharded parameters are DTensors]); works
-        on the meta device."""
-        local, placement = self._own_rows_copy(full), (Shard(0) if full.dim() else Replicate())
+        tensor) as a sharded DTensor parameter (see [Note: sharded parameters are DTensors]), or with
+        ``dim`` > 0 its chunk along that dim ([Note: sharding on another dim]); works on the meta
+        device."""
+        if dim:
+            local = own_chunk(full.detach(), dim, self.world_size, self.rank).clone(memory_format=torch.contiguous_format)
+        else:
+            local = self._own_rows_copy(full)
+        placement: Placement = Shard(dim) if full.dim() else Replicate()
         if tp_spec is None:
             mesh = self.mesh
             tp_placements: tuple[Placement, ...] = ()
             meta = TensorMeta(full.shape, _contiguous_strides(full.shape), full.dtype)
         elif self.spmd is not None:
-            return nn.Parameter(DTensor(local, self.spmd.sharded_spec(tp_spec), requires_grad=False),
+            return nn.Parameter(DTensor(local, self.spmd.sharded_spec(tp_spec, dim), requires_grad=False),
                                 requires_grad=requires_grad)
         else:
-            split = tp_spec.num_shards_map[0] if full.dim() else 1
-            if split > 1:  # this mesh's rows interleave with the TP dim's shards of dim 0
-                placement = _StridedShard(0, split_factor=split)
+            split = tp_spec.num_shards_map[dim] if full.dim() else 1
+            if split > 1:  # this mesh's rows interleave with the TP dim's shards of that dim
+                placement = _StridedShard(dim, split_factor=split)
             mesh, tp_placements, meta = self._spmd_mesh(tp_spec.mesh), tuple(tp_spec.placements), tp_spec.tensor_meta
         placements = (placement,) if self.replicate is None else (Replicate(), placement)
         spec = DTensorSpec(mesh, placements + tp_placements, tensor_meta=meta)
@@ -490,7 +504,15 @@ class ParamGroup:
 
     def local_rows(self, index: int) -> torch.Tensor:
         """This rank's rows of parameter ``index`` as the layout sees them (see :func:`_layout_rows`)."""
-        return _layout_rows(self.sharded[index]._local_tensor, self.rank)
+        return self._rows(index, self.sharded[index]._local_tensor)
+
+    def _rows(self, index: int, local: torch.Tensor) -> torch.Tensor:
+        """Parameter ``index``'s local tensor (or one of its shape: its gradient) as the layout's rows:
+        :func:`_layout_rows`, or the rows form of a chunk on another dim ([Note: sharding on another
+        dim])."""
+        if index in self.shard_dims:
+            return local.view(self.layout.shard_shape(index, self.rank))
+        return _layout_rows(local, self.rank)
 
     # ------------------------------------------------------------------ registration on the module
     def to_sharded(self) -> None:
@@ -638,9 +660,9 @@ class ParamGroup:
                 self._unsharded_storage = (storage, placement)
             made = dict(zip(self.extension.indices, self._extension_made)) if self.extension is not None else {}
             self._extension_made = []
-            for i, shape in enumerate(self.layout.shapes):
+            for i, shape in enumerate(self.param_shapes):
                 data = (made[i] if i in made else self.local_rows(i).detach().view(shape) if self.aliases_shards
-                        else views[i])
+                        else views[i].view(shape) if i in self.shard_dims else views[i])
                 tp_spec = self.tp_specs[i]
                 if tp_spec is not None:  # the module sees the DTensor tensor parallelism made
                     data = tp_dtensor(data, tp_spec)
@@ -802,8 +824,8 @@ class ParamGroup:
     def shard_rows(self) -> list[torch.Tensor]:
         """``local_rows`` of every parameter, in order: one C-level pass (0-dim ones fixed up after)."""
         rows = list(map(_LOCAL, self.sharded))
-        for i in self.scalar_indices:
-            rows[i] = _layout_rows(rows[i], self.rank)
+        for i in self.scalar_indices + self.dim_sharded:
+            rows[i] = self._rows(i, rows[i])
         return rows
 
     def _shard_versions(self) -> tuple[int, ...]:
@@ -882,9 +904,21 @@ class ParamGroup:
                 else:
                     _all_gather_copy_out(pending.ag_output, layout, outs, packed=self._unsharded_storage,
                                          versions=outs[:1])  # one counter for all
+                    if self.dim_sharded:
+                        self._chunks_into_unsharded(pending.ag_output, layout, outs)
 
         _wait_then(pending.work, copy_out)
         self.is_unsharded = True
+
+    def _chunks_into_unsharded(self, ag_output: torch.Tensor, layout: ShardLayout, outs: Sequence[torch.Tensor]) -> None:
+        """After the fused copy-out, each parameter sharded on another dim made again from the
+        ranks' chunks in ``ag_output``, concatenated along its dim ([Note: sharding on another dim])."""
+        slot = layout.slot_numel
+        for i in self.dim_sharded:
+            j = self.packed_indices.index(i)
+            chunks = [ag_output.narrow(0, r * slot + layout.slot_offsets[j], layout.shard_numel(j, r))
+                      for r in range(self.world_size)]
+            rows_to_full(chunks, self.param_shapes[i], self.shard_dims[i], out=outs[j].view(self.param_shapes[i]))
 
     def _quantized_copy_out(self, ag_output: torch.Tensor, qlayout: QuantizedLayout, outs: list[torch.Tensor]) -> None:
         """Dequantize a compressed all-gather into the unsharded parameters. Off CUDA (the host has
@@ -907,7 +941,10 @@ class ParamGroup:
         if self._unsharded_storage is not None:  # None: every parameter is an extension one
             with region(self.regions.all_gather_copy_in), _NoGrad():
                 self._allocate_unsharded_storage()
-                shards = self._packed(list(map(_LOCAL, self.sharded)))
+                shards = list(map(_LOCAL, self.sharded))
+                for i in self.dim_sharded:  # one rank: the chunk is the whole parameter, in its rows form
+                    shards[i] = shards[i].view(self.layout.shapes[i])
+                shards = self._packed(shards)
                 # [Note: a gather bumps no version counter]
                 torch._foreach_copy_(self._unsharded_fill, shards)  # type: ignore[attr-defined]
         self.is_unsharded = True
@@ -1018,6 +1055,9 @@ class ParamGroup:
             self._move_grads_to_shards(indices)
             return None
         grads, missing = self._take_unsharded_grads(indices)
+        for j, i in enumerate(indices):
+            if i in self.shard_dims:  # [Note: sharding on another dim]
+                grads[j] = full_to_rows(grads[j], self.shard_dims[i], self.world_size)
         layout = self._reduce_layout(indices)
         if self.compression is not None and self.quantized_reduce is not None:
             # each rank's row of 0 / 1 quantizes exactly (blocks never span two entries)
@@ -1605,10 +1645,10 @@ class ParamGroup:
                     if pending.reference is not None:  # what the copy-out below scales, against the exact sum
                         summed = _flat_float32(shards[:-1])  # all but the presence entry
                         self._record_gradient_error(pending, lambda: _post_scaled(summed, pending))
-                if packed is not None and not self.scalar_indices:  # the views are the layout's rows
+                if packed is not None and not self.scalar_indices and not self.dim_sharded:  # the layout's rows
                     grads = packed.views
                 else:
-                    grads = [_layout_rows(p.grad._local_tensor, self.rank) for p in targets]
+                    grads = [self._rows(i, p.grad._local_tensor) for i, p in zip(pending.indices, targets)]
                     grads.append(presence)
                 if pending.quantized is not None:
                     _quantized_reduce_scatter_copy_out(pending.rs_output, grads, pending.quantized, self.rank,

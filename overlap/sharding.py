@@ -1924,14 +1924,16 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
            reshard_after_forward: bool, prefetch: Union[int, str], max_inflight_bytes: Optional[int],
            ignored_params: frozenset[int] = frozenset(), caller: str = "shard",
            compress: Optional[Compression] = None, own_dtype_params: frozenset[int] = frozenset(),
-           spmd: Optional[SpmdMesh] = None) -> nn.Module:
+           spmd: Optional[SpmdMesh] = None, shard_dims: Optional[dict[int, int]] = None) -> nn.Module:
     """``shard``'s body, for one module or for the modules of one ``fully_shard([a, b])`` call
     (options checked by the caller): their parameters, outside ``ignored_params`` (ids), become one
     group, all-gathered when the first of them runs and resharded after the last (see
     ``ShardState.member_pre_forward``). ``own_dtype_params`` (ids): parameters computed in their own
     dtype instead of ``mp.param_dtype`` (FSDP2's ``param_dtype_override_fn``). ``spmd``: the parameters
     are DTensors on that full SPMD mesh and ``mesh`` is its ``dp_mesh`` ([Note: sharding on a full SPMD
-    mesh] in ``overlap/spmd_mesh.py``). Returns ``modules[0]``."""
+    mesh] in ``overlap/spmd_mesh.py``). ``shard_dims``: by parameter id, the dim (> 0) it is sharded
+    on instead of 0 ([Note: sharding on another dim] in ``overlap/dim_sharding.py``). Returns
+    ``modules[0]``."""
     module = modules[0]
     if group is not None and mesh is not None:
         raise ValueError(f"{caller}: pass group or mesh, not both")
@@ -1987,7 +1989,8 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
         dtensor_mesh = device_mesh_for(mesh if mesh is not None else group, info, _mesh_device_type(device, info))
     param_group = ParamGroup(params, locations, info, dtensor_mesh, mp, on_grad_ready, replicate, compress,
                              own_dtype=frozenset(i for i, p in enumerate(params) if id(p) in own_dtype_params),
-                             spmd=spmd) if params else None
+                             spmd=spmd, shard_dims={i: shard_dims[id(p)] for i, p in enumerate(params)
+                                                    if shard_dims and id(p) in shard_dims}) if params else None
     if param_group is not None:
         for original, sharded, fqn in zip(params, param_group.sharded, param_group.fqns):
             original._overlap_sharded_by = param_group  # type: ignore[attr-defined]

@@ -60,9 +60,9 @@ class SpmdMesh:
     def dp_dims(self) -> frozenset[int]:
         return frozenset(self.shard_dims + self.replicate_dims)
 
-    def sharded_spec(self, spec: DTensorSpec) -> DTensorSpec:
-        """The sharded parameter's spec for a parameter whose (unsharded) spec is ``spec``: FSDP2's,
-        placement for placement (module docstring)."""
+    def sharded_spec(self, spec: DTensorSpec, dim: int = 0) -> DTensorSpec:
+        """The sharded parameter's spec for a parameter whose (unsharded) spec is ``spec``, sharded
+        on its local tensor's ``dim``: FSDP2's, placement for placement (module docstring)."""
         full, placements = self.full, list(spec.placements)
         first = self.shard_dims[0]
         if spec.tensor_meta is not None and len(spec.tensor_meta.shape) == 0:
@@ -71,9 +71,9 @@ class SpmdMesh:
             split = 1
             for j in range(first + 1, full.ndim):
                 later = placements[j]
-                if isinstance(later, (Shard, _StridedShard)) and later.dim == 0:
+                if isinstance(later, (Shard, _StridedShard)) and later.dim == dim:
                     split *= full.size(j)
-            sharded = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+            sharded = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
         if len(self.shard_dims) == 1:
             placements[first] = sharded
             return DTensorSpec(full, tuple(placements), tensor_meta=spec.tensor_meta)

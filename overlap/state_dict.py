@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import overlap_kernels
 from overlap.collectives import all_gather_into
+from overlap.dim_sharding import chunk_sizes, rows_to_full
 from overlap.gather_extension import has_extension
 from overlap.param_group import ParamGroup, _dtensor, tp_dtensor, widest_dtype
 from overlap.sharding import sharded_states
@@ -64,7 +65,11 @@ def _gather_full(group: ParamGroup) -> list[torch.Tensor]:
     if group.world_size > 1:
         all_gather_into(ag_output, ag_input, group.info).wait()
     outs = [torch.empty(shape, dtype=d, device=ag_output.device) for shape, d in zip(group.layout.shapes, group.orig_dtypes)]
-    return overlap_kernels.all_gather_copy_out(ag_output, group.layout, outs)
+    outs = overlap_kernels.all_gather_copy_out(ag_output, group.layout, outs)
+    for i, dim in group.shard_dims.items():  # rows form to the parameter ([Note: sharding on another dim])
+        sizes = chunk_sizes(outs[i].shape[0], group.world_size)
+        outs[i] = rows_to_full(outs[i].split(sizes), group.param_shapes[i], dim)
+    return outs
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -150,8 +155,9 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> No
 
 def _cut_by_layout(groups: list[ParamGroup]) -> dict[int, ParamGroup]:
     """By ``id``, the sharded parameters whose local tensor is this rank's rows of the full tensor
-    cut by their group's layout: every one that is not tensor-parallel."""
-    return {id(p): group for group in groups for p, spec in zip(group.sharded, group.tp_specs) if spec is None}
+    cut by their group's layout: every one that is not tensor-parallel nor sharded on another dim."""
+    return {id(p): group for group in groups for i, (p, spec) in enumerate(zip(group.sharded, group.tp_specs))
+            if spec is None and i not in group.shard_dims}
 
 
 def _same_placements(value: DTensor, target: torch.Tensor) -> bool:

@@ -413,6 +413,28 @@ def assert_same_run(a: dict, b: dict, what: object = None) -> None:
         assert torch.equal(value, b["params"][name]), (what, name)
 
 
+def refusal(call: Callable[[], object], module: nn.Module) -> str:
+    """What ``call`` (a sharding call on ``module``, expected to refuse) raised, as ``"Type: message |
+    untouched=<bool>"``, where untouched says ``module`` kept its class and each parameter its type
+    and values; ``"no error"`` if it raised nothing."""
+    cls = type(module)
+    before = {n: (type(p), p.detach().clone()) for n, p in module.named_parameters()}
+    try:
+        call()
+    except Exception as exc:  # the caller checks the type
+        untouched = type(module) is cls and all(
+            type(p) is before[n][0] and torch.equal(p.detach(), before[n][1]) for n, p in module.named_parameters())
+        return f"{type(exc).__name__}: {exc} | untouched={untouched}"
+    return "no error"
+
+
+def assert_refused(result: str, kind: str, message: str, what: object = None) -> None:
+    """``result`` (:func:`refusal`'s) is a ``kind`` exception whose message holds ``message``, and
+    nothing was changed."""
+    assert result.startswith(f"{kind}: ") and message in result, (what, result)
+    assert result.endswith("untouched=True"), (what, result)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bit pattern (an integer view of its bytes, one integer per element): equal bits are
     what "bitwise equal" means, -0.0 apart from 0.0 and a NaN equal to itself."""

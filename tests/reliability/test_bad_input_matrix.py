@@ -340,8 +340,12 @@ MATRIX: dict[str, Bad] = {
                                    NotImplementedError, "offload_policy", "use torch.distributed.fsdp.fully_shard"),
     "fully_shard offload not a policy": Bad(lambda e: overlap.fully_shard(e.model, offload_policy="cpu"), TypeError,
                                             "offload_policy", "OffloadPolicy() (no offload)"),
-    "fully_shard placement not dim 0": Bad(lambda e: overlap.fully_shard(e.model, shard_placement_fn=lambda p: Shard(1)),
-                                           NotImplementedError, "shard_placement_fn", "return None or Shard(0)"),
+    "fully_shard placement not a Shard": Bad(
+        lambda e: overlap.fully_shard(e.model, shard_placement_fn=lambda p: Replicate()), NotImplementedError,
+        "shard_placement_fn", "return None or Shard(dim)"),
+    "fully_shard placement dim out of range": Bad(
+        lambda e: overlap.fully_shard(e.model, shard_placement_fn=lambda p: Shard(2)), ValueError,
+        "shard_placement_fn", "the dim must be in [-2, 2)"),
     "fully_shard placement fn not callable": Bad(lambda e: overlap.fully_shard(e.model, shard_placement_fn=0),
                                                  TypeError, "shard_placement_fn", "None or a callable"),
     "fully_shard dp_mesh_dims not a DataParallelMeshDims": (
