@@ -25,6 +25,7 @@ Usual command::
     python benchmarks/bench_recipes.py
     python benchmarks/bench_recipes.py --world-size 3 --recipes plain,discard
     python benchmarks/bench_recipes.py --mixed-precision   # every recipe with bf16 parameters, fp32 reductions
+    python benchmarks/bench_recipes.py --shard-dim1        # every recipe with the matrices sharded on dim 1
 """
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ class _CustomReduceScatter(_CustomAllGather):
                                                        async_op=async_op)
 
 
-def _build(runtime: str, recipe: str, world: int, mixed: bool = False) -> torch.nn.Module:
+def _build(runtime: str, recipe: str, world: int, variants: frozenset[str] = frozenset()) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -157,11 +158,11 @@ def _build(runtime: str, recipe: str, world: int, mixed: bool = False) -> torch.
     else:
         mesh = init_device_mesh("cpu", (world,))
     kwargs: dict[str, Any] = {"reshard_after_forward": False} if recipe == "no_reshard_after_forward" else {}
-    if recipe == "mixed_precision" or mixed:
+    if recipe == "mixed_precision" or "mixed_precision" in variants:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if recipe == "shard_dim1":
+    if recipe == "shard_dim1" or "shard_dim1" in variants:
         from torch.distributed.tensor import Shard
 
         kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.dim() == 2 else None
@@ -294,11 +295,12 @@ class _StepInBackward:
         pass
 
 
-def _run(runtime: str, recipe: str, rank: int, world: int, steps: int, mixed: bool = False) -> dict[str, Any]:
+def _run(runtime: str, recipe: str, rank: int, world: int, steps: int,
+         variants: frozenset[str] = frozenset()) -> dict[str, Any]:
     from overlap.testing import current_link
 
     link = current_link()
-    model = _build(runtime, recipe, world, mixed)
+    model = _build(runtime, recipe, world, variants)
     params = [p for p in model.parameters() if p.requires_grad or recipe == "freeze_mid"]
     opt = (_StepInBackward(params) if recipe == "optimizer_in_backward"
            else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=recipe == "foreach"))
@@ -317,13 +319,14 @@ def _run(runtime: str, recipe: str, rank: int, world: int, steps: int, mixed: bo
     return {"gathers": gathers, "reductions": reductions, "losses": losses, "params": params}
 
 
-def _rank(rank: int, world: int, recipes: Sequence[str], steps: int, mixed: bool = False) -> dict[str, dict[str, Any]]:
+def _rank(rank: int, world: int, recipes: Sequence[str], steps: int,
+          variants: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for recipe in recipes:
         out[recipe] = {}
         for runtime in ("overlap", "fsdp2", "plain"):
             try:
-                out[recipe][runtime] = _run(runtime, recipe, rank, world, steps, mixed)
+                out[recipe][runtime] = _run(runtime, recipe, rank, world, steps, variants)
             except Exception as e:  # noqa: BLE001 - shown in the table, the other runs go on
                 out[recipe][runtime] = {"error": f"{type(e).__name__}: {str(e)[:80]}",
                                         "trace": traceback.format_exc()[-2000:]}
@@ -368,6 +371,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--mixed-precision", action="store_true",
                    help="every recipe under MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) "
                         "(the plain run stays float32)")
+    p.add_argument("--shard-dim1", action="store_true",
+                   help="every recipe with each sharded matrix on dim 1 (shard_placement_fn: Shard(1))")
     args = _common.parse(p, argv)
     recipes = args.recipes.split(",")
     unknown = [r for r in recipes if r not in RECIPES]
@@ -377,11 +382,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         p.error(f"--steps must be >= 2 (counts are from step 2 on), got {args.steps}")
     from overlap.testing import run_distributed
 
-    results = run_distributed(_rank, args.world_size, recipes, args.steps, args.mixed_precision, link=COUNTING_LINK,
+    variants = frozenset(name for name, on in (("mixed_precision", args.mixed_precision),
+                                               ("shard_dim1", args.shard_dim1)) if on)
+    results = run_distributed(_rank, args.world_size, recipes, args.steps, variants, link=COUNTING_LINK,
                               timeout=900)[0]
     header = ["recipe", "all-gathers / step: overlap", "FSDP2", "reductions / step: overlap", "FSDP2",
               "max abs(param - plain): overlap", "FSDP2", "overlap bitwise FSDP2"]
-    under = ", all under MixedPrecisionPolicy(bfloat16, float32)" if args.mixed_precision else ""
+    under = (", all under MixedPrecisionPolicy(bfloat16, float32)" if args.mixed_precision else "") + (
+        ", each matrix sharded on dim 1" if args.shard_dim1 else "")
     emit(f"Training recipes side by side, TinyLM ({LAYERS} blocks), {args.world_size} gloo ranks, "
          f"{args.steps} AdamW steps{under}; counts from step 2 on", header, rows(results), args.markdown)
     legend = "; ".join(f"{name}: {what}" for name, what in RECIPES.items() if name in recipes)

@@ -13,8 +13,9 @@ argument                     here
 ``mesh``                     1-D DeviceMesh (full sharding) or 2-D (HSDP); None: every rank
 ``reshard_after_forward``    bool; None = True (the root never reshards after forward here); an
                              int equal to the shard size = True, 1 = False (as FSDP2 maps them);
-                             any other divisor raises NotImplementedError (resharding to a smaller
-                             group: use True or False)
+                             any other divisor ``k`` reshards to groups of ``k`` ranks: backward
+                             gathers from them ([Note: resharding to a smaller group after
+                             forward] in ``overlap/post_forward_shard.py``)
 ``shard_placement_fn``       called per parameter; ``None`` or ``Shard(dim)`` as FSDP2 ([Note:
                              sharding on another dim] in ``overlap/dim_sharding.py``); any other
                              placement, or ``Shard(dim > 0)`` with ``compress=`` or on a parameter
@@ -152,7 +153,9 @@ def _shard_size(mesh: Optional[DeviceMesh]) -> int:
     return mesh.size(mesh.ndim - 1)
 
 
-def _reshard_after_forward(value: object, mesh: Optional[DeviceMesh]) -> bool:
+def _reshard_after_forward(value: object, mesh: Optional[DeviceMesh]) -> Union[bool, int]:
+    """``reshard_after_forward`` as the runtime takes it: a bool, or the size ``k`` of the groups to
+    reshard to ([Note: resharding to a smaller group after forward] in ``overlap/post_forward_shard.py``)."""
     if value is None:
         return True
     if isinstance(value, bool):
@@ -168,9 +171,20 @@ def _reshard_after_forward(value: object, mesh: Optional[DeviceMesh]) -> bool:
         return True
     if value == 1:
         return False
-    raise NotImplementedError(f"fully_shard: reshard_after_forward={value} (reshard to groups of {value} ranks "
-                              f"after forward) is not supported by overlap; use True (reshard to all {size} "
-                              f"ranks) or False (keep the parameters unsharded until backward)")
+    return value
+
+
+def _check_post_forward_size(size: int, spmd: object, compress: Optional[Compression], own_dtype: frozenset[int],
+                             modules: list[nn.Module], ignored: frozenset[int]) -> None:
+    """What ``reshard_after_forward=<int>`` does not cover, refused before anything changes."""
+    what = (["dp_mesh_dims (as FSDP2)"] if spmd is not None else []) + (
+        ["compress="] if compress is not None and compress.any else [])
+    what += [f"parameter {name!r}, gathered apart (FSDP2's all-gather extension or param_dtype_override_fn)"
+             for name, p in _managed(modules, ignored)
+             if id(p) in own_dtype or has_extension(p._local_tensor if isinstance(p, DTensor) else p)][:1]
+    if what:
+        raise NotImplementedError(f"fully_shard: reshard_after_forward={size} (reshard to groups of {size} ranks) "
+                                  f"is not supported by overlap with {what[0]}; use True or False")
 
 
 def _shard_dims(modules: list[nn.Module], shard_placement_fn: object, ignored: frozenset[int],
@@ -259,13 +273,17 @@ def fully_shard(
     mp = _gradient_dtype_default(mp, mp_policy, modules, ignored)
     own_dtype = _kept_in_own_dtype(mp_policy, modules, ignored)
     reshard = _reshard_after_forward(reshard_after_forward, mesh if spmd is None else spmd.dp_mesh)
+    post_forward_size = None if isinstance(reshard, bool) else reshard
+    check_compression(compress, "fully_shard")
+    if post_forward_size is not None:
+        _check_post_forward_size(post_forward_size, spmd, compress, own_dtype, modules, ignored)
+        reshard = True
     for member in modules:
         _check_options(member, mp, reshard, prefetch, max_inflight_bytes, caller="fully_shard")
-    check_compression(compress, "fully_shard")
     shard_dims = _shard_dims(modules, shard_placement_fn, ignored, own_dtype, compress)
     _shard(modules, group=None, mesh=mesh if spmd is None else spmd.dp_mesh, mp=mp, reshard_after_forward=reshard,
            prefetch=prefetch, max_inflight_bytes=max_inflight_bytes, ignored_params=ignored, caller="fully_shard", compress=compress,
-           own_dtype_params=own_dtype, spmd=spmd, shard_dims=shard_dims)
+           own_dtype_params=own_dtype, spmd=spmd, shard_dims=shard_dims, post_forward_size=post_forward_size)
     if mp is not None and mp.output_dtype is not None:
         # FSDP2 casts every sharded module's output (overlap.shard: the root's only).
         output_dtype = mp.output_dtype

@@ -165,10 +165,13 @@ class FSDPModuleMethods:
             state.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Free the unsharded parameters after forward (``True``) or keep them for backward."""
+        """Free the unsharded parameters after forward (``True``) or keep them for backward; either
+        replaces a ``reshard_after_forward=<int>`` of ``fully_shard``, as in FSDP2."""
         _check_bool("set_reshard_after_forward", "reshard_after_forward", reshard_after_forward)
         for state in self._fsdp_states(recurse):
             state.reshard_after_forward = reshard_after_forward
+            if state.group is not None:
+                state.group.post_forward = None
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2: whether the next backward is the last before the optimizer step, so it must wait for

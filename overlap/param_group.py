@@ -175,6 +175,7 @@ from overlap.mixed_precision import MixedPrecision
 from overlap.regions import ModuleRegions, region
 from overlap.streams import comm_stream
 from overlap.dim_sharding import full_to_rows, own_chunk, rows_shape, rows_to_full
+from overlap.post_forward_shard import PostForwardGroup, keep_part
 from overlap.spmd_mesh import SpmdMesh
 
 __all__ = ["ParamGroup", "ParamLocation", "PendingGather", "PendingReduce", "tp_dtensor", "widest_dtype"]
@@ -198,6 +199,9 @@ class PendingGather:
     work: Optional[InflightWork]
     ag_output: torch.Tensor
     extension: Optional[PendingExtensionGather] = None
+    post_forward: bool = False
+    """Gathered from the post-forward shards: ``ag_output`` is the unsharded storage's bytes ([Note:
+    resharding to a smaller group after forward] in ``overlap/post_forward_shard.py``)."""
 
     @property
     def works(self) -> tuple[InflightWork, ...]:
@@ -376,6 +380,13 @@ class ParamGroup:
         self._unsharded_storage: Optional[tuple[torch.UntypedStorage, PackedPlacement]] = None
         """The one storage the unsharded parameters are views of, and where ([Note: unsharded
         parameters share one storage]); None while they alias the shards or are not made yet."""
+        self._unsharded_whole: Optional[torch.Tensor] = None
+        """That storage as one ``uint8`` tensor with a version counter of its own (as the fill views)."""
+        self.post_forward: Optional[PostForwardGroup] = None
+        """FSDP2's ``reshard_after_forward=<int>``: the group backward gathers from ([Note: resharding
+        to a smaller group after forward] in ``overlap/post_forward_shard.py``); None: every shard rank."""
+        self._post_forward_shard: Optional[tuple[torch.Tensor, tuple[int, ...]]] = None
+        """This rank's post-forward shard and the shards' versions it was taken at; None: none held."""
         self._owned_shards = prepared_launch.OwnedLists()
         self._owned_grads = prepared_launch.OwnedLists()
         """The copy-ins' prepared launches over the shards and over the unsharded gradients, which this
@@ -644,7 +655,7 @@ class ParamGroup:
             return self.unsharded
         if self.unsharded is None:
             self.unsharded = []
-            self._unsharded_storage = None
+            self._unsharded_storage = self._unsharded_whole = None
             packed = self.packed_indices
             views: dict[int, torch.Tensor] = {}
             # views of one storage: [Note: unsharded parameters share one storage]
@@ -656,6 +667,7 @@ class ParamGroup:
                 # The same memory again, with one version counter of its own: what a gather writes.
                 whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (placement.nbytes,))
                 self._unsharded_fill = tuple(placement.shared_views(whole))
+                self._unsharded_whole = whole
                 storage.resize_(0)
                 self._unsharded_storage = (storage, placement)
             made = dict(zip(self.extension.indices, self._extension_made)) if self.extension is not None else {}
@@ -752,6 +764,12 @@ class ParamGroup:
         world size 1, where nothing travels: ``finish_gather`` does it all)."""
         if self.is_unsharded or self.pending_gather is not None or self.single_rank:
             return
+        if self._post_forward_shard is not None:
+            kept, versions = self._post_forward_shard
+            self._post_forward_shard = None
+            if versions == self._shard_versions():  # else an optimizer step came between: from the shards
+                self._issue_post_forward_gather(kept, versions)
+                return
         with _copy_in_stream(self.sharded[0]._local_tensor.device):  # type: ignore[attr-defined]
             extension = self._issue_extension_gather() if self.extension is not None else None
             layout = self.gather_layout
@@ -759,6 +777,16 @@ class ParamGroup:
             work, ag_output = self._issue_packed_gather(layout) if layout is not None else (None, _NOTHING)
         self.pending_gather = PendingGather(work, ag_output, extension)
         self._gathered_versions = self._shard_versions()
+
+    def _issue_post_forward_gather(self, kept: torch.Tensor, versions: tuple[int, ...]) -> None:
+        """The all-gather of the post-forward shards (``kept``, this rank's) over ``post_forward``."""
+        group = self.post_forward
+        assert group is not None
+        with _copy_in_stream(kept.device):
+            out = torch.empty(group.size * kept.numel(), dtype=torch.uint8, device=kept.device)
+            work = all_gather_into(out, kept, group.info, self.where)
+        self.pending_gather = PendingGather(work, out, post_forward=True)
+        self._gathered_versions = versions
 
     def _issue_packed_gather(self, layout: ShardLayout) -> tuple[Optional[InflightWork], torch.Tensor]:
         """The fused copy-in of the packed parameters' shards over ``layout`` (``gather_layout``) and
@@ -899,7 +927,11 @@ class ParamGroup:
             with region(self.regions.all_gather_copy_out), _NoGrad():
                 self._allocate_unsharded_storage()
                 qlayout = self._gather_qlayout
-                if qlayout is not None:
+                if pending.post_forward:
+                    whole = self._unsharded_whole
+                    assert whole is not None
+                    whole.copy_(pending.ag_output[:whole.numel()])
+                elif qlayout is not None:
                     self._quantized_copy_out(pending.ag_output, qlayout, outs)
                 else:
                     _all_gather_copy_out(pending.ag_output, layout, outs, packed=self._unsharded_storage,
@@ -961,6 +993,7 @@ class ParamGroup:
         flight without waiting for it (a prefetch for a module that did not run must not stall
         compute: the in-flight registry keeps its buffers until it completes)."""
         self.pending_gather = None
+        self._post_forward_shard = None
         if self.is_unsharded:
             assert self.unsharded is not None
             if not self.keep_unsharded_storage:
@@ -969,6 +1002,18 @@ class ParamGroup:
                 if self.extension is not None:
                     self.extension.free()
             self.is_unsharded = False
+
+    def reshard_after_forward(self) -> None:
+        """``reshard`` after forward; with ``post_forward`` set, this rank's post-forward shard is kept
+        first, for backward's gather ([Note: resharding to a smaller group after forward] in
+        ``overlap/post_forward_shard.py``)."""
+        whole = self._unsharded_whole
+        kept = None
+        if self.post_forward is not None and self.is_unsharded and whole is not None:
+            with _NoGrad():
+                kept = (keep_part(whole, self.post_forward), self._shard_versions())
+        self.reshard()
+        self._post_forward_shard = kept
 
     # ------------------------------------------------------------------ reduce-scatter
     def unsharded_grad(self, index: int) -> Optional[torch.Tensor]:

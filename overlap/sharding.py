@@ -221,6 +221,7 @@ from overlap.profiler.records import BUDGET_LABEL
 from overlap.regions import ModuleRegions, region
 from overlap.schedule_verification import ScheduleTrial
 from overlap.streams import comm_stream
+from overlap.post_forward_shard import post_forward_group
 from overlap.spmd_mesh import SpmdMesh, check_spmd_params
 from scheduler import schedule_trial
 from scheduler.schedule_trial import Plan, ScheduleDecision, Verdict
@@ -498,7 +499,7 @@ class ShardState:
                 self.group.to_sharded()
                 if (self.reshard_after_forward and root.owner is not self and not root.kept_for_backward(self)
                         and not root.kept_off_script(self)):
-                    self.group.reshard()
+                    self.group.reshard_after_forward()
             if torch.is_grad_enabled():
                 self._hook_outputs(output)
             if root.owner is self:
@@ -1924,7 +1925,8 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
            reshard_after_forward: bool, prefetch: Union[int, str], max_inflight_bytes: Optional[int],
            ignored_params: frozenset[int] = frozenset(), caller: str = "shard",
            compress: Optional[Compression] = None, own_dtype_params: frozenset[int] = frozenset(),
-           spmd: Optional[SpmdMesh] = None, shard_dims: Optional[dict[int, int]] = None) -> nn.Module:
+           spmd: Optional[SpmdMesh] = None, shard_dims: Optional[dict[int, int]] = None,
+           post_forward_size: Optional[int] = None) -> nn.Module:
     """``shard``'s body, for one module or for the modules of one ``fully_shard([a, b])`` call
     (options checked by the caller): their parameters, outside ``ignored_params`` (ids), become one
     group, all-gathered when the first of them runs and resharded after the last (see
@@ -1932,8 +1934,9 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
     dtype instead of ``mp.param_dtype`` (FSDP2's ``param_dtype_override_fn``). ``spmd``: the parameters
     are DTensors on that full SPMD mesh and ``mesh`` is its ``dp_mesh`` ([Note: sharding on a full SPMD
     mesh] in ``overlap/spmd_mesh.py``). ``shard_dims``: by parameter id, the dim (> 0) it is sharded
-    on instead of 0 ([Note: sharding on another dim] in ``overlap/dim_sharding.py``). Returns
-    ``modules[0]``."""
+    on instead of 0 ([Note: sharding on another dim] in ``overlap/dim_sharding.py``).
+    ``post_forward_size``: FSDP2's ``reshard_after_forward=<int>`` ([Note: resharding to a smaller
+    group after forward] in ``overlap/post_forward_shard.py``). Returns ``modules[0]``."""
     module = modules[0]
     if group is not None and mesh is not None:
         raise ValueError(f"{caller}: pass group or mesh, not both")
@@ -1991,6 +1994,8 @@ def _shard(modules: list[nn.Module], *, group: Any, mesh: Any, mp: Optional[Mixe
                              own_dtype=frozenset(i for i, p in enumerate(params) if id(p) in own_dtype_params),
                              spmd=spmd, shard_dims={i: shard_dims[id(p)] for i, p in enumerate(params)
                                                     if shard_dims and id(p) in shard_dims}) if params else None
+    if param_group is not None and post_forward_size is not None:
+        param_group.post_forward = post_forward_group(dtensor_mesh, post_forward_size)
     if param_group is not None:
         for original, sharded, fqn in zip(params, param_group.sharded, param_group.fqns):
             original._overlap_sharded_by = param_group  # type: ignore[attr-defined]

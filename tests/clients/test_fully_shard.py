@@ -475,17 +475,15 @@ def test_three_ranks_are_bitwise_fsdp2(bf16: bool) -> None:
             assert set(max_abs_diff(g, w).values()) == {0.0}, (step, max_abs_diff(g, w))
 
 
-def test_reshard_to_a_smaller_group_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An int ``reshard_after_forward`` other than 1 or the shard size (FSDP2: reshard to groups of
-    that many ranks) names itself and the alternatives, before the module changes. The other bad
-    arguments are rows of ``tests/reliability/test_bad_input_matrix.py``."""
+def test_reshard_after_forward_int_not_dividing_the_shard_size_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int ``reshard_after_forward`` that does not divide the shard size names itself and the
+    shard size, before the module changes (the supported ints: ``test_reshard_after_forward_int.py``
+    in tests/shard; the other bad arguments are rows of ``tests/reliability/test_bad_input_matrix.py``)."""
     import overlap
     import overlap.fsdp2_api as fs
 
     layer = nn.Linear(4, 4)
     monkeypatch.setattr(fs, "_shard_size", lambda mesh: 8)  # no process group needed: fails before one is
-    with pytest.raises(NotImplementedError, match=r"reshard_after_forward=4 .*use True .* or False"):
-        overlap.fully_shard(layer, reshard_after_forward=4)
     with pytest.raises(ValueError, match="divide the shard size 8"):
         overlap.fully_shard(layer, reshard_after_forward=3)
     assert type(layer) is nn.Linear and not isinstance(layer.weight, torch.distributed.tensor.DTensor)
