@@ -55,11 +55,19 @@ def _groups_between_steps(module: nn.Module, caller: str) -> list[ParamGroup]:
 
 def _gather_full(group: ParamGroup) -> list[torch.Tensor]:
     """The group's full parameters in their original dtypes (bitwise: gathered in a dtype that holds
-    them), with one fused all-gather for the whole group. A group with all-gather extension
-    parameters goes through DTensor, as torch's state-dict utilities do: the subclass says what its
-    full value is."""
+    them), with one fused all-gather for the whole group; a tensor-parallel parameter's full value,
+    its TP shards gathered too. A group with all-gather extension parameters goes through DTensor, as
+    torch's state-dict utilities do: the subclass says what its full value is (a TP one's included)."""
     if any(has_extension(p._local_tensor) for p in group.sharded):
         return [p.full_tensor() for p in group.sharded]
+    outs = _gather_local_full(group)
+    if group.has_tp_params:  # a gathered tensor-parallel shard: gather that too
+        outs = [t if spec is None else tp_dtensor(t, spec).full_tensor() for t, spec in zip(outs, group.tp_specs)]
+    return outs
+
+
+def _gather_local_full(group: ParamGroup) -> list[torch.Tensor]:
+    """Each parameter's full local tensor (a TP parameter's TP shard) by one fused all-gather."""
     ag_input, ag_output = overlap_kernels.all_gather_copy_in(
         group.shard_rows(), group.layout, group.rank, widest_dtype(group.orig_dtypes))
     if group.world_size > 1:
@@ -84,9 +92,6 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         full: dict[int, torch.Tensor] = {}
         for group in _groups_between_steps(module, "full_state_dict"):
             gathered = _gather_full(group)
-            if group.has_tp_params:  # a gathered tensor-parallel shard: gather that too
-                gathered = [t if spec is None else tp_dtensor(t, spec).full_tensor()
-                            for t, spec in zip(gathered, group.tp_specs)]
             full.update(zip(map(id, group.sharded), gathered))
         out = {}
         for key, value in module.state_dict(keep_vars=True).items():

@@ -21,7 +21,8 @@ forward: a 2-block float8 MLP with and without precomputed scales, and a 2-block
 and parameters bitwise FSDP2's, and the weights' local tensors stay torchao's subclasses. And DCP:
 each runtime saves its float8 model and loads the other's checkpoint; torch's full state dicts are
 equal throughout. And torchtitan's float8 with tensor parallelism (torchao's ``Float8ColwiseParallel`` /
-``Float8RowwiseParallel`` on a (dp 2, tp 2) mesh, the float8 all-gather over dp): bitwise FSDP2's.
+``Float8RowwiseParallel`` on a (dp 2, tp 2) mesh, the float8 all-gather over dp): bitwise FSDP2's,
+and ``overlap.full_state_dict`` equal to torch's full state dict.
 Skipped without torchao (the test extra installs it).
 """
 from __future__ import annotations
@@ -211,6 +212,11 @@ def _float8_tensor_parallel(rank: int, world: int) -> dict[str, Any]:
             shard(block, mesh=mesh["dp"])
         shard(model, mesh=mesh["dp"])
         out[runtime] = _float8_run(model, rank // 2, precompute=True)  # a batch per dp rank
+        if runtime == "overlap":  # the runtime's own full state dict against torch's utility
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            out["full_state_dict"] = overlap.full_state_dict(model, rank0_only=False)
+            out["torch full"] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return out
 
 
@@ -221,3 +227,6 @@ def test_torchao_float8_with_tensor_parallelism_trains_bitwise_as_under_fsdp2(di
         assert_same_run(res["fsdp2"], res["overlap"], rank)
         assert res["overlap"]["kinds"] == res["fsdp2"]["kinds"], res["overlap"]["kinds"]
         assert res["overlap"]["kinds"]["0.0.weight"] == "WeightWithDynamicFloat8CastTensor", res["overlap"]["kinds"]
+        assert res["full_state_dict"].keys() == res["torch full"].keys(), rank
+        for name, value in res["torch full"].items():
+            assert torch.equal(res["full_state_dict"][name], value), (rank, name)
