@@ -1100,9 +1100,10 @@ class ParamGroup:
             self._move_grads_to_shards(indices)
             return None
         grads, missing = self._take_unsharded_grads(indices)
-        for j, i in enumerate(indices):
-            if i in self.shard_dims:  # [Note: sharding on another dim]
-                grads[j] = full_to_rows(grads[j], self.shard_dims[i], self.world_size)
+        if self.shard_dims:  # [Note: sharding on another dim]
+            for j, i in enumerate(indices):
+                if i in self.shard_dims:
+                    grads[j] = full_to_rows(grads[j], self.shard_dims[i], self.world_size)
         layout = self._reduce_layout(indices)
         if self.compression is not None and self.quantized_reduce is not None:
             # each rank's row of 0 / 1 quantizes exactly (blocks never span two entries)
